@@ -1,0 +1,153 @@
+"""Registry of attention backends, keyed by the `--attention-backend` strings.
+
+Names: `torch`, `fa`, `fi`, and any hybrid `P,D` (prefill/extend on P, decode on D; `fa,fa` is `fa`).
+A backend's module is imported only when it is chosen, so `import minisrv` needs no GPU library.
+`auto` resolves by the GPU's SM version: SM100+ -> fi, SM90 -> fa,fi, other CUDA GPUs -> fi, no CUDA -> torch;
+if what auto picked cannot load it falls back (fa,fi -> fi -> torch) and logs why.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
+
+import torch
+
+from .base import AttentionBackend, ForwardBatch, ForwardMode, HybridBackend
+
+if TYPE_CHECKING:
+    from minisrv.engine.kv_cache import KVPool
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AttentionBackend", "ForwardBatch", "ForwardMode", "HybridBackend", "BACKENDS", "resolve_backend",
+           "create_backend", "BackendUnavailable"]
+
+
+class BackendUnavailable(RuntimeError):
+    pass
+
+
+def _package_present(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def device_sm(device: Optional[torch.device] = None) -> Optional[int]:
+    """SM version as an int (90 for 9.0), or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def _fa_missing(sm: Optional[int]) -> Optional[str]:
+    if sm is None:
+        return "the fa backend needs a CUDA GPU"
+    if sm < 90:
+        return f"the fa backend (FlashAttention-3) needs SM90 or newer; this GPU is SM{sm}"
+    if not (_package_present("sgl_kernel") or _package_present("flash_attn_interface")):
+        return "the fa backend needs FlashAttention-3: pip install sgl-kernel (or upstream flash_attn_interface)"
+    return None
+
+
+def _fi_missing(sm: Optional[int]) -> Optional[str]:
+    if sm is None:
+        return "the fi backend needs a CUDA GPU"
+    if sm < 75:
+        return f"the fi backend (FlashInfer) needs SM75 or newer; this GPU is SM{sm}"
+    if not _package_present("flashinfer"):
+        return "the fi backend needs FlashInfer: pip install flashinfer-python"
+    return None
+
+
+def _torch_missing(sm: Optional[int]) -> Optional[str]:
+    return None
+
+
+def _create_torch(pool, req_to_token, num_q_heads, **kw) -> AttentionBackend:
+    from .torch_native import TorchNativeBackend
+    return TorchNativeBackend(pool, req_to_token, num_q_heads)
+
+
+def _create_fa(pool, req_to_token, num_q_heads, **kw) -> AttentionBackend:
+    from .fa import FlashAttentionBackend
+    return FlashAttentionBackend(pool, req_to_token, num_q_heads, **kw)
+
+
+def _create_fi(pool, req_to_token, num_q_heads, **kw) -> AttentionBackend:
+    from .fi import FlashInferBackend
+    return FlashInferBackend(pool, req_to_token, num_q_heads, **kw)
+
+
+# name -> (what it lacks on this machine, lazily importing creator)
+BACKENDS: Dict[str, tuple] = {
+    "torch": (_torch_missing, _create_torch),
+    "fa": (_fa_missing, _create_fa),
+    "fi": (_fi_missing, _create_fi),
+}
+
+AUTO_FALLBACK = {"fa,fi": "fi", "fi": "torch"}
+
+
+def _parts(name: str) -> List[str]:
+    parts = [p.strip() for p in name.split(",")]
+    if len(parts) not in (1, 2) or any(p not in BACKENDS for p in parts):
+        raise ValueError(f"unknown attention backend {name!r}; choose auto, {', '.join(BACKENDS)} "
+                         f"or a hybrid PREFILL,DECODE such as fa,fi")
+    return parts
+
+
+def canonical(name: str) -> str:
+    parts = _parts(name)
+    return parts[0] if len(parts) == 1 or parts[0] == parts[1] else f"{parts[0]},{parts[1]}"
+
+
+def missing(name: str, sm: Optional[int]) -> Optional[str]:
+    """Why `name` cannot run here, or None if it can."""
+    for p in dict.fromkeys(_parts(name)):
+        why = BACKENDS[p][0](sm)
+        if why:
+            return why
+    return None
+
+
+def auto_choice(sm: Optional[int]) -> str:
+    if sm is None:
+        return "torch"
+    if sm >= 100:
+        return "fi"
+    if sm == 90:
+        return "fa,fi"
+    return "fi"
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """Turn a user's choice into a backend that can run here, or raise BackendUnavailable saying what is missing."""
+    sm = device_sm(device) if device.type == "cuda" else None
+    if name == "auto":
+        choice = auto_choice(sm)
+        while (why := missing(choice, sm)) is not None:
+            nxt = AUTO_FALLBACK[choice]
+            logger.warning("attention backend auto: %s cannot run (%s); falling back to %s", choice, why, nxt)
+            choice = nxt
+        logger.info("attention backend auto resolved to %s (SM %s)", choice, sm)
+        return choice
+    choice = canonical(name)
+    why = missing(choice, sm)
+    if why is not None:
+        raise BackendUnavailable(f"attention backend {choice!r} cannot run: {why}")
+    return choice
+
+
+def create_backend(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int,
+                   **kw) -> AttentionBackend:
+    """Create a resolved backend (see resolve_backend); a hybrid shares the pool between its two halves."""
+    parts = _parts(name)
+    if len(parts) == 1 or parts[0] == parts[1]:
+        return BACKENDS[parts[0]][1](pool, req_to_token, num_q_heads, **kw)
+    prefill = BACKENDS[parts[0]][1](pool, req_to_token, num_q_heads, **kw)
+    decode = BACKENDS[parts[1]][1](pool, req_to_token, num_q_heads, **kw)
+    return HybridBackend(prefill, decode)

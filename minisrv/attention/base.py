@@ -1,0 +1,120 @@
+"""The attention interface: a backend plans once per step (`prepare`), every layer calls `forward`.
+
+The model runner builds one `ForwardBatch` per step; the backend turns it into whatever metadata its kernels
+want (padded index tables, page tables, FlashInfer plans) exactly once, and every layer reuses it.
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from minisrv.engine.kv_cache import KVPool
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill, possibly on top of a cached prefix (chunked prefill, retraction, prefix cache)
+    DECODE = "decode"  # exactly one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    """The model worker's view of one step: tensors on the device plus the few host-side numbers kernels plan with.
+
+    Token-major tensors have T = sum(extend_lens) rows; request-major ones have B rows.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute position of each token
+    out_cache_loc: torch.Tensor  # [T] int64, pool slot each token's k/v is written to
+    req_rows: torch.Tensor  # [B] int64, rows of the request->token table
+    seq_lens: torch.Tensor  # [B] int32, KV length of each request after this step
+    cu_seqlens_q: torch.Tensor  # [B+1] int32, prefix sums of extend_lens
+    last_indices: torch.Tensor  # [B] int64, row in T of each request's last token (where logits are taken)
+    seq_lens_cpu: List[int]
+    extend_lens_cpu: List[int]
+    max_seq_len: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE
+
+    @property
+    def prefix_lens_cpu(self) -> List[int]:
+        return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu)]
+
+
+class AttentionBackend(ABC):
+    """One backend serves every layer of one model over one KV pool."""
+
+    name: str = "base"
+
+    def __init__(self, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int) -> None:
+        self.pool = pool
+        self.req_to_token = req_to_token  # [max_rows, max_context] int32: (row, position) -> slot
+        self.num_q_heads = num_q_heads
+        self.num_kv_heads = pool.num_kv_heads
+        self.head_dim = pool.head_dim
+        self.scale = self.head_dim ** -0.5
+
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Build this step's metadata; called once per step before the model runs."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D]. Stores k/v at the step's slots, returns attention output [T, Hq, D]."""
+
+    # CUDA-graph hooks (decode only). A backend that cannot be captured leaves supports_cuda_graph False.
+    supports_cuda_graph: bool = False
+
+    def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
+        raise NotImplementedError(f"{self.name} does not support CUDA graphs")
+
+    def prepare_for_capture(self, batch: ForwardBatch) -> None:
+        raise NotImplementedError
+
+    def prepare_for_replay(self, batch: ForwardBatch, padded_bs: int) -> None:
+        raise NotImplementedError
+
+
+class HybridBackend(AttentionBackend):
+    """Prefill and extend on one backend, decode (and therefore CUDA graphs) on another."""
+
+    def __init__(self, prefill: AttentionBackend, decode: AttentionBackend) -> None:
+        self.prefill_backend = prefill
+        self.decode_backend = decode
+        self.name = f"{prefill.name},{decode.name}"
+        self.supports_cuda_graph = decode.supports_cuda_graph
+        self._active: Optional[AttentionBackend] = None
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        self._active = self.decode_backend if batch.is_decode else self.prefill_backend
+        self._active.prepare(batch)
+
+    def forward(self, q, k, v, layer_id):
+        return self._active.forward(q, k, v, layer_id)
+
+    def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
+        self.decode_backend.init_graph_state(max_bs, max_seq_len)
+
+    def prepare_for_capture(self, batch: ForwardBatch) -> None:
+        self._active = self.decode_backend
+        self.decode_backend.prepare_for_capture(batch)
+
+    def prepare_for_replay(self, batch: ForwardBatch, padded_bs: int) -> None:
+        self._active = self.decode_backend
+        self.decode_backend.prepare_for_replay(batch, padded_bs)

@@ -1,0 +1,168 @@
+"""FlashInfer over the paged pool: a paged prefill wrapper for extend steps, a paged decode wrapper for decode.
+
+FlashInfer describes the paged KV cache in CSR form: `kv_indptr` [B+1] (prefix sums of each request's page
+count), `kv_indices` (the page ids, request after request) and `kv_last_page_len` [B] (valid tokens in each
+request's last page); extend steps add `qo_indptr` [B+1] for the ragged queries. Everything is planned once per
+step in `prepare` (the plan is shared by every layer): the indptrs and last-page lengths come from the host-side
+lengths the batch already carries, the page ids are gathered on the device from the request->token table with no
+host round trip. New tokens' k/v are written into the pool before the kernel runs; the kernel reads the pool as
+the tuple (K, V) in NHD layout, [num_pages, page_size, Hkv, D] per layer.
+
+CUDA graphs: a FlashInfer decode wrapper in CUDA-graph mode is bound to one batch size (its indptr buffer has
+B+1 entries), so one wrapper is made per captured batch size, all sharing fixed index buffers and the workspace.
+`plan` never runs inside a capture: `prepare_for_capture` plans before the caller starts capturing, and
+`prepare_for_replay` re-plans (rewriting those fixed buffers and FlashInfer's own plan buffers) before replay.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .base import AttentionBackend, ForwardBatch
+
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "fi"
+    supports_cuda_graph = True
+
+    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, **kw) -> None:
+        super().__init__(pool, req_to_token, num_q_heads)
+        import flashinfer
+
+        self._fi = flashinfer
+        self.page_size = pool.page_size
+        self.dtype = pool.dtype
+        self.device = req_to_token.device
+        self.use_tensor_cores = num_q_heads // self.num_kv_heads >= 4
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=kw.get("fi_prefill_backend", "auto"))
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
+        self.loc: Optional[torch.Tensor] = None
+        self._active = None  # the wrapper whose plan this step's forward runs
+        self._kv_indices: Optional[torch.Tensor] = None  # keeps this step's page ids alive
+        # CUDA-graph state
+        self.graph_wrappers: Dict[int, object] = {}
+        self.g_kv_indptr: Optional[torch.Tensor] = None
+
+    # -- metadata -------------------------------------------------------------------------------------------
+
+    def _host_kv_meta(self, seq_lens: List[int]) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        """kv_indptr [B+1] and kv_last_page_len [B], int32 on the host, and the total page count."""
+        ps = self.page_size
+        indptr = [0]
+        last = []
+        for s in seq_lens:
+            n = _ceil_div(s, ps)
+            indptr.append(indptr[-1] + n)
+            last.append(s - (n - 1) * ps)
+        return (torch.tensor(indptr, dtype=torch.int32), torch.tensor(last, dtype=torch.int32), indptr[-1])
+
+    def _page_ids(self, rows: torch.Tensor, seq_lens: torch.Tensor, total: int) -> torch.Tensor:
+        """kv_indices [total] int32 on the device: request i contributes req_to_token[row_i, 0:len_i:ps] // ps.
+
+        Row of each output entry via repeat_interleave with a known output size (no device->host sync), column as
+        the entry's offset from its request's start.
+        """
+        ps = self.page_size
+        dev = rows.device
+        n_pages = (seq_lens.to(torch.int64) + (ps - 1)) // ps  # [B]
+        req = torch.repeat_interleave(torch.arange(rows.numel(), device=dev), n_pages, output_size=total)
+        starts = torch.cumsum(n_pages, 0) - n_pages
+        col = torch.arange(total, device=dev) - starts[req]
+        slots = self.req_to_token[rows[req], col * ps]
+        return slots if ps == 1 else slots // ps
+
+    def _plan_decode(self, wrapper, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                     kv_last: torch.Tensor) -> None:
+        wrapper.plan(kv_indptr, kv_indices, kv_last,
+                     self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                     pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
+                     sm_scale=self.scale)
+
+    def prepare(self, b: ForwardBatch) -> None:
+        self.loc = b.out_cache_loc
+        kv_indptr, kv_last, total = self._host_kv_meta(b.seq_lens_cpu)
+        kv_indices = self._page_ids(b.req_rows, b.seq_lens, total)
+        self._kv_indices = kv_indices
+        if b.is_decode:
+            self._plan_decode(self.decode_wrapper, kv_indptr, kv_indices, kv_last)
+            self._active = self.decode_wrapper
+            return
+        qo = [0]
+        for e in b.extend_lens_cpu:
+            qo.append(qo[-1] + e)
+        qo_indptr = torch.tensor(qo, dtype=torch.int32)
+        self.prefill_wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_last,
+                                  self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                                  causal=True, pos_encoding_mode="NONE", sm_scale=self.scale,
+                                  q_data_type=self.dtype, kv_data_type=self.dtype)
+        self._active = self.prefill_wrapper
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        self.pool.store(layer_id, self.loc, k, v)
+        return self._active.run(q, (self.pool.k[layer_id], self.pool.v[layer_id]))
+
+    # -- CUDA graphs (decode) -------------------------------------------------------------------------------
+
+    def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
+        self.g_max_bs = max_bs
+        self.g_max_pages = _ceil_div(max_seq_len, self.page_size)
+        self.g_kv_indptr = torch.zeros((max_bs + 1,), dtype=torch.int32, device=self.device)
+        self.g_kv_indices = torch.zeros((max_bs * self.g_max_pages,), dtype=torch.int32, device=self.device)
+        self.g_kv_last = torch.ones((max_bs,), dtype=torch.int32, device=self.device)
+        self.graph_wrappers = {}
+
+    def _graph_wrapper(self, bs: int):
+        w = self.graph_wrappers.get(bs)
+        if w is None:
+            if self.g_kv_indptr is None:
+                raise RuntimeError("init_graph_state must be called before capture")
+            if bs > self.g_max_bs:
+                raise ValueError(f"batch size {bs} exceeds the graph state's max_bs {self.g_max_bs}")
+            w = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=self.g_kv_indptr[:bs + 1],
+                paged_kv_indices_buffer=self.g_kv_indices,
+                paged_kv_last_page_len_buffer=self.g_kv_last[:bs])
+            self.graph_wrappers[bs] = w
+        return w
+
+    def _plan_graph(self, b: ForwardBatch, padded_bs: int) -> None:
+        bs = b.batch_size
+        if padded_bs < bs:
+            raise ValueError(f"padded batch size {padded_bs} < batch size {bs}")
+        if b.max_seq_len > self.g_max_pages * self.page_size:
+            raise ValueError(f"sequence length {b.max_seq_len} exceeds the graph's max_seq_len")
+        wrapper = self._graph_wrapper(padded_bs)
+        pad = padded_bs - bs
+        # padding rows: one token on page 0 (any valid page will do; their outputs are dropped)
+        kv_indptr, kv_last, total = self._host_kv_meta(list(b.seq_lens_cpu) + [1] * pad)
+        real = total - pad
+        kv_indices = self._page_ids(b.req_rows[:bs], b.seq_lens[:bs], real)
+        if pad:
+            kv_indices = torch.cat([kv_indices, kv_indices.new_zeros(pad)])
+        self._plan_decode(wrapper, kv_indptr, kv_indices, kv_last)
+        self._kv_indices = kv_indices
+        self._active = wrapper
+
+    def prepare_for_capture(self, b: ForwardBatch) -> None:
+        """Plan the batch-size-`bs` graph wrapper; call before capture begins (FlashInfer plans on the host)."""
+        if not b.is_decode:
+            raise ValueError("CUDA graphs capture decode batches only")
+        self._plan_graph(b, b.batch_size)
+        self.loc = b.out_cache_loc
+
+    def prepare_for_replay(self, b: ForwardBatch, padded_bs: int) -> None:
+        if padded_bs not in self.graph_wrappers:
+            raise ValueError(f"no graph captured for batch size {padded_bs}")
+        self._plan_graph(b, padded_bs)
+        self.loc = b.out_cache_loc

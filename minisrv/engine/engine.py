@@ -1,0 +1,324 @@
+"""The engine loop that ties model, pool, scheduler, runner and sampler together, and the offline LLM class."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from minisrv.attention import create_backend, resolve_backend
+from minisrv.config import DEFAULT_CPU_POOL_TOKENS, EngineConfig
+from minisrv.models.layers import enable_fused_ops
+from minisrv.models.loader import load_model, load_model_args, load_tokenizer, resolve_model_path
+
+from .detokenizer import IncrementalDetokenizer, find_stop
+from .kv_cache import KVPool, PageAllocator, ReqToTokenTable
+from .model_runner import ModelRunner
+from .request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprob
+from .scheduler import Scheduler
+
+logger = logging.getLogger("minisrv")
+
+GiB = 1 << 30
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def setup_logging(level: str) -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("minisrv").setLevel(level.upper())
+
+
+def resolve_device(cfg: EngineConfig) -> torch.device:
+    if cfg.device:
+        return torch.device(cfg.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(name: str, checkpoint_dtype: Optional[str], device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
+
+
+class Engine:
+    """Continuous batching over one model. Not thread-safe: one caller drives `step()`."""
+
+    def __init__(self, config: Optional[EngineConfig] = None, **kwargs: Any) -> None:
+        cfg = config or EngineConfig(**kwargs)
+        self.config = cfg
+        setup_logging(cfg.log_level)
+        t0 = time.perf_counter()
+        self.device = resolve_device(cfg)
+        self.model_path = resolve_model_path(cfg.model)
+        self.args = load_model_args(self.model_path)
+        self.backend_name = resolve_backend(cfg.attention_backend, self.device)  # fail before loading weights
+        self.tokenizer = load_tokenizer(self.model_path, cfg.tokenizer)
+        eos = set(self.args.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = sorted(eos)
+        self.context_length = cfg.context_length or self.args.max_position_embeddings
+        self.dtype = resolve_dtype(cfg.dtype, self.args.torch_dtype, self.device)
+        self.model = load_model(self.model_path, self.args, self.dtype, self.device, self.context_length)
+        fused = enable_fused_ops(self.device)
+        t_load = time.perf_counter() - t0
+
+        a = self.args
+        per_token = KVPool.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype)
+        tokens = cfg.max_total_tokens or self._auto_pool_tokens(per_token)
+        ps = cfg.page_size
+        num_pages = max(1, tokens // ps)
+        self.pool = KVPool(a.num_layers, num_pages, ps, a.num_kv_heads, a.head_dim, self.dtype, self.device)
+        self.allocator = PageAllocator(num_pages)
+        # one spare row: CUDA-graph padding rows point at it
+        self.table = ReqToTokenTable(cfg.max_running_requests + 1, self.context_length, self.device)
+        self.pad_row = self.table.alloc_row()
+        self.max_request_len = min(self.context_length, self.pool.num_slots)
+        self.backend = create_backend(self.backend_name, self.pool, self.table.table, a.num_heads)
+        self.runner = ModelRunner(self.model, self.backend, self.pool, self.table, self.device)
+        self.scheduler = Scheduler(self.allocator, self.table, ps, cfg.max_running_requests,
+                                   cfg.max_prefill_tokens, cfg.chunked_prefill_size)
+        logger.info("model %s (%s, %s) on %s loaded in %.1fs%s", self.model_path, a.architecture,
+                    str(self.dtype).replace("torch.", ""), self.device, t_load, "; fused ops on" if fused else "")
+        logger.info("KV pool: %d tokens (%d pages of %d), %.2f GiB; context length %d; attention backend %s",
+                    self.pool.num_slots, num_pages, ps, self.pool.nbytes / GiB, self.context_length,
+                    self.backend_name)
+
+    def _auto_pool_tokens(self, per_token: int) -> int:
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_POOL_TOKENS
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        peak = self._activation_peak()
+        budget = min(total * self.config.mem_fraction_static - weights, free - peak - GiB)
+        if budget < per_token * 4096:
+            raise MemoryError(f"not enough GPU memory for a KV pool: {budget / GiB:.2f} GiB left after weights "
+                              f"({weights / GiB:.2f} GiB) and activations ({peak / GiB:.2f} GiB)")
+        logger.info("GPU memory: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB",
+                    total / GiB, weights / GiB, peak / GiB)
+        return int(budget // per_token)
+
+    @torch.inference_mode()
+    def _activation_peak(self) -> int:
+        """Bytes a largest prefill step needs beyond weights, measured by running one on a throwaway pool."""
+        from minisrv.attention.base import ForwardBatch, ForwardMode
+        a, cfg = self.args, self.config
+        n = min(cfg.chunked_prefill_size, cfg.max_prefill_tokens, self.context_length)
+        ps = cfg.page_size
+        pages = -(-n // ps) + 1
+        pool = KVPool(a.num_layers, pages, ps, a.num_kv_heads, a.head_dim, self.dtype, self.device)
+        table = torch.zeros((1, self.context_length), dtype=torch.int32, device=self.device)
+        table[0, :n] = torch.arange(n, dtype=torch.int32, device=self.device)
+        backend = create_backend(self.backend_name, pool, table, a.num_heads)
+        dev = self.device
+        fb = ForwardBatch(ForwardMode.EXTEND, torch.zeros(n, dtype=torch.int64, device=dev),
+                          torch.arange(n, device=dev), torch.arange(n, device=dev),
+                          torch.zeros(1, dtype=torch.int64, device=dev),
+                          torch.tensor([n], dtype=torch.int32, device=dev),
+                          torch.tensor([0, n], dtype=torch.int32, device=dev),
+                          torch.tensor([n - 1], device=dev), [n], [n], n)
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        backend.prepare(fb)
+        self.model.compute_logits(self.model(fb.input_ids, fb.positions, backend)[fb.last_indices])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - before
+        del pool, backend, table, fb
+        torch.cuda.empty_cache()
+        return peak
+
+    # ------------------------------------------------------------------ requests
+    def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None) -> Request:
+        """Validate and build a request without changing any engine state (raises ValueError)."""
+        prompt_ids = list(prompt_ids)
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.args.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        params.validate()
+        limit = self.max_request_len
+        n = len(prompt_ids)
+        if params.max_tokens is None:
+            if n >= limit:
+                raise ValueError(f"prompt has {n} tokens, at or over the maximum context length of {limit} tokens")
+            max_new = limit - n
+        else:
+            max_new = params.max_tokens
+            if n + max_new > limit:
+                raise ValueError(f"prompt ({n} tokens) plus max_tokens ({max_new}) is {n + max_new} tokens, "
+                                 f"over the maximum context length of {limit} tokens")
+        kw = {"rid": rid} if rid is not None else {}
+        return Request(prompt_ids, params, max_new, eos_ids=self.eos_ids, **kw)
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None) -> Request:
+        return self.add(self.make_request(prompt_ids, params, rid))
+
+    def add(self, req: Request) -> Request:
+        """Queue a request built by make_request."""
+        if req.rid in self.scheduler.by_id:
+            raise ValueError(f"duplicate request id {req.rid!r}")
+        if req.params.stop:
+            req._detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.params.skip_special_tokens)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, rid: str) -> Optional[RequestOutput]:
+        req = self.scheduler.abort(rid)
+        if req is None:
+            return None
+        return RequestOutput(req.rid, [], [], True, "abort", None, len(req.prompt_ids), len(req.output_ids))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> List[RequestOutput]:
+        """Run one scheduled step; returns news for every request that sampled a token."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        result = self.runner.step(batch)
+        self.scheduler.commit(batch)
+        outputs: List[RequestOutput] = []
+        i = 0
+        for req, sampled in zip(batch.reqs, batch.samples):
+            if not sampled:
+                continue
+            tok = result.token_ids[i]
+            lps: List[TokenLogprob] = []
+            if result.logprobs is not None and req.params.logprobs is not None:
+                top: Dict[int, float] = {}
+                if req.params.logprobs > 0 and result.top_logprobs is not None:
+                    vals, ids = result.top_logprobs
+                    top = dict(zip(ids[i][:req.params.logprobs], vals[i][:req.params.logprobs]))
+                lps.append(TokenLogprob(tok, result.logprobs[i], top))
+                req.logprobs.extend(lps)
+            i += 1
+            req.output_ids.append(tok)
+            reason = self._check_finish(req, tok)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+            outputs.append(RequestOutput(req.rid, [tok], lps, req.finished, req.finish_reason, req.stop_str,
+                                         len(req.prompt_ids), len(req.output_ids)))
+        return outputs
+
+    def _check_finish(self, req: Request, tok: int) -> Optional[str]:
+        p = req.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_ids):
+            return "stop"
+        if req._detok is not None:
+            start = len(req.text)
+            req.text += req._detok.add([tok])
+            hit = find_stop(req.text, start, p.stop)
+            if hit is not None:
+                req.text = req.text[:hit[0]]
+                req.stop_str = hit[1]
+                return "stop"
+        if len(req.output_ids) >= req.max_new_tokens:
+            return "length"
+        return None
+
+    def stats(self) -> Dict[str, Any]:
+        used = self.allocator.num_pages - self.allocator.num_free
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_pages_used": used,
+            "kv_pages_total": self.allocator.num_pages,
+            "kv_usage": used / self.allocator.num_pages,
+            "num_retractions": self.scheduler.num_retractions,
+        }
+
+
+PromptType = Union[str, List[int]]
+
+
+class LLM:
+    """Offline batch generation: `LLM().generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: Optional[str] = None, attention_backend: str = "auto", **kwargs: Any) -> None:
+        self.engine = Engine(EngineConfig(model=model, attention_backend=attention_backend, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def _encode(self, prompt: PromptType) -> List[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt).input_ids
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 use_tqdm: bool = True) -> List[CompletionOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
+            [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [self._encode(p) for p in prompts]
+        eng = self.engine
+        reqs = [eng.make_request(i, p) for i, p in zip(ids, params)]  # all validated before any is queued
+        for r in reqs:
+            eng.add(r)
+        live = {r.rid for r in reqs}
+        bar = None
+        if use_tqdm and len(reqs) > 1:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(reqs), desc="generate", unit="req")
+        try:
+            while live:
+                for out in eng.step():
+                    if out.finished and out.rid in live:
+                        live.discard(out.rid)
+                        if bar is not None:
+                            bar.update(1)
+                if not eng.has_work() and live:
+                    raise RuntimeError(f"engine stopped with {len(live)} unfinished requests")
+        except BaseException:
+            for rid in live:
+                eng.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [self._result(p, r) for p, r in zip(prompts, reqs)]
+
+    def _result(self, prompt: PromptType, req: Request) -> CompletionOutput:
+        return CompletionOutput(
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=req.prompt_ids,
+            text=self.text_of(req),
+            token_ids=list(req.output_ids),
+            finish_reason=req.finish_reason,
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+        )
+
+    def text_of(self, req: Request) -> str:
+        if req.stop_str is not None:
+            return req.text
+        ids = req.output_ids
+        if req.finish_reason == "stop" and ids and (ids[-1] in req.params.stop_token_ids or ids[-1] in req.eos_ids):
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+
+    def chat(self, messages: Union[List[Dict[str, str]], List[List[Dict[str, str]]]],
+             sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+             use_tqdm: bool = True) -> List[CompletionOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.encode_chat(c) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def encode_chat(self, messages: List[Dict[str, str]]) -> List[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False).input_ids

@@ -1,0 +1,95 @@
+"""One forward step: scheduled batch -> step tensors -> backend plan -> model -> last-position logits -> sampler."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+from minisrv.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+
+from .kv_cache import KVPool, ReqToTokenTable
+from .sampler import SamplingBatch, sample
+from .scheduler import ScheduledBatch
+
+
+@dataclass
+class StepResult:
+    """Host copies of the sampled tokens for the requests that sampled this step (in batch order)."""
+
+    token_ids: List[int]
+    logprobs: Optional[List[float]]
+    top_logprobs: Optional[Tuple[List[List[float]], List[List[int]]]]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, pool: KVPool, table: ReqToTokenTable,
+                 device: torch.device, graph_runner=None) -> None:
+        self.model = model
+        self.backend = backend
+        self.pool = pool
+        self.table = table
+        self.device = device
+        self.graph_runner = graph_runner  # CUDA-graph decode, when enabled
+
+    def build_forward_batch(self, sb: ScheduledBatch) -> ForwardBatch:
+        reqs, ext = sb.reqs, sb.extend_lens
+        seq_lens = [r.num_cached + n for r, n in zip(reqs, ext)]
+        if sb.mode is ForwardMode.DECODE:
+            ids = [r.all_ids[-1] for r in reqs]
+            pos = [r.num_cached for r in reqs]
+        else:
+            ids, pos = [], []
+            for r, n in zip(reqs, ext):
+                ids.extend(r.all_ids[r.num_cached:r.num_cached + n])
+                pos.extend(range(r.num_cached, r.num_cached + n))
+        cu = [0]
+        for n in ext:
+            cu.append(cu[-1] + n)
+        dev = self.device
+        host = torch.tensor(ids + pos, dtype=torch.int64)  # one host->device copy for both
+        host_req = torch.tensor([[r.row for r in reqs], [c - 1 for c in cu[1:]]], dtype=torch.int64)
+        host_i32 = torch.tensor(seq_lens + cu, dtype=torch.int32)
+        dev_tok = host.to(dev, non_blocking=True)
+        dev_req = host_req.to(dev, non_blocking=True)
+        dev_i32 = host_i32.to(dev, non_blocking=True)
+        t = len(ids)
+        return ForwardBatch(
+            mode=sb.mode,
+            input_ids=dev_tok[:t],
+            positions=dev_tok[t:],
+            out_cache_loc=sb.out_cache_loc.to(dev, non_blocking=True),
+            req_rows=dev_req[0],
+            seq_lens=dev_i32[:len(reqs)],
+            cu_seqlens_q=dev_i32[len(reqs):],
+            last_indices=dev_req[1],
+            seq_lens_cpu=seq_lens,
+            extend_lens_cpu=list(ext),
+            max_seq_len=max(seq_lens),
+        )
+
+    @torch.inference_mode()
+    def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [B, V] float32 at each request's last token of the step."""
+        if fb.is_decode and self.graph_runner is not None and self.graph_runner.can_run(fb):
+            return self.graph_runner.replay(fb)
+        self.backend.prepare(fb)
+        hidden = self.model(fb.input_ids, fb.positions, self.backend)
+        return self.model.compute_logits(hidden[fb.last_indices])
+
+    @torch.inference_mode()
+    def step(self, sb: ScheduledBatch) -> StepResult:
+        fb = self.build_forward_batch(sb)
+        logits = self.forward_logits(fb)
+        sampling = [r for r, s in zip(sb.reqs, sb.samples) if s]
+        if not sampling:
+            return StepResult([], None, None)
+        if len(sampling) != len(sb.reqs):
+            keep = torch.tensor([i for i, s in enumerate(sb.samples) if s], device=logits.device)
+            logits = logits[keep]
+        ids, lp, top = sample(logits, SamplingBatch.build(sampling, logits.device))
+        return StepResult(
+            ids.tolist(),
+            lp.tolist() if lp is not None else None,
+            (top[0].tolist(), top[1].tolist()) if top is not None else None,
+        )

@@ -1,0 +1,161 @@
+"""Batched sampling on the device: one pass over [B, V] logits for the whole batch, no per-request Python loop
+over the vocabulary.
+
+Randomness comes from a counter-based hash of (request seed, output position, token id) rather than a shared
+generator, so a request's tokens depend only on its own seed: the same seed gives the same output whatever else
+is in the batch, and a retracted request resumes the same stream. Sampling is the Gumbel-max trick,
+argmax(logits / T + Gumbel noise), which draws exactly from softmax(logits / T) after filtering.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+from .request import Request
+
+_M32 = 0xFFFFFFFF
+# multipliers stay below 2**31 so every product of a 32-bit value fits in int64
+_C1, _C2, _C3, _C4 = 0x7FEB352D, 0x1B873593, 0x27D4EB2F, 0x165667B1
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = (h * _C1) & _M32
+    h = h ^ (h >> 15)
+    h = (h * _C2) & _M32
+    return h ^ (h >> 16)
+
+
+def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] float32 in (0, 1), a pure function of (seed, step, token id)."""
+    key = _mix32((seeds * _C3 & _M32) ^ _mix32(steps & _M32))  # [B]
+    cols = _mix32(torch.arange(vocab, device=seeds.device, dtype=torch.int64) * _C4 & _M32)  # [V]
+    h = _mix32(key[:, None] ^ cols[None, :])
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def filter_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Boolean [B, V] of tokens removed by top-k, then top-p (on the top-k renormalised), then min-p.
+
+    top_k <= 0 disables top-k; top_p >= 1 disables top-p. The most likely token is never removed.
+    """
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    vocab = probs.shape[-1]
+    rank = torch.arange(vocab, device=probs.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    remove = rank >= k
+    kept = sorted_p.masked_fill(remove, 0.0)
+    kept = kept / kept.sum(dim=-1, keepdim=True)
+    before = kept.cumsum(dim=-1) - kept  # probability mass strictly ahead of each token
+    p = torch.where(top_p < 1.0, top_p, torch.full_like(top_p, 2.0))[:, None]
+    remove |= before >= p
+    remove |= sorted_p < (min_p[:, None] * sorted_p[:, :1])
+    remove[:, 0] = False
+    return torch.zeros_like(remove).scatter_(1, order, remove)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings of one step, as device tensors (built once per step)."""
+
+    temperature: torch.Tensor  # [B] float32 (0 for greedy rows: they take the argmax)
+    top_k: torch.Tensor  # [B] int64
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64, index of the token being sampled in each request's output
+    all_greedy: bool
+    need_filter: bool
+    presence: Optional[torch.Tensor] = None  # [B] float32, penalties only when some row uses them
+    frequency: Optional[torch.Tensor] = None
+    repetition: Optional[torch.Tensor] = None
+    output_ids: Optional[torch.Tensor] = None  # [B, L] int64 padded with -1
+    seen_ids: Optional[torch.Tensor] = None  # [B, L'] prompt + output, padded with -1
+    max_logprobs: int = -1  # -1: no row asked for logprobs
+
+    @classmethod
+    def build(cls, reqs: List[Request], device: torch.device) -> "SamplingBatch":
+        ps = [r.params for r in reqs]
+        f32 = dict(dtype=torch.float32)
+        temperature = torch.tensor([p.temperature for p in ps], **f32)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in ps], dtype=torch.int64)
+        top_p = torch.tensor([p.top_p for p in ps], **f32)
+        min_p = torch.tensor([p.min_p for p in ps], **f32)
+        seeds = torch.tensor([r.sampling_seed for r in reqs], dtype=torch.int64)
+        steps = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64)
+        all_greedy = all(p.greedy for p in ps)
+        need_filter = any((p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) and not p.greedy for p in ps)
+        sb = cls(*(t.to(device, non_blocking=True) for t in (temperature, top_k, top_p, min_p, seeds, steps)),
+                 all_greedy=all_greedy, need_filter=need_filter)
+        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in ps):
+            sb.presence = torch.tensor([p.presence_penalty for p in ps], **f32).to(device)
+            sb.frequency = torch.tensor([p.frequency_penalty for p in ps], **f32).to(device)
+            sb.repetition = torch.tensor([p.repetition_penalty for p in ps], **f32).to(device)
+            sb.output_ids = _pad([r.output_ids for r in reqs], device)
+            if any(p.repetition_penalty != 1.0 for p in ps):
+                sb.seen_ids = _pad([r.all_ids for r in reqs], device)
+        wants = [p.logprobs for p in ps if p.logprobs is not None]
+        sb.max_logprobs = max(wants) if wants else -1
+        return sb
+
+
+def _pad(rows: List[List[int]], device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = torch.full((len(rows), width), -1, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, :len(r)] = torch.as_tensor(r, dtype=torch.int64)
+    return out.to(device, non_blocking=True)
+
+
+def _counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] occurrences of each token in the padded id rows (-1 is padding)."""
+    counts = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.float32, device=ids.device)
+    idx = torch.where(ids < 0, vocab, ids)
+    counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """OpenAI presence/frequency penalties on the output so far; HF-style repetition penalty on prompt + output."""
+    vocab = logits.shape[-1]
+    if sb.seen_ids is not None:
+        seen = _counts(sb.seen_ids, vocab) > 0
+        rep = sb.repetition[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    counts = _counts(sb.output_ids, vocab)
+    return logits - sb.frequency[:, None] * counts - sb.presence[:, None] * (counts > 0).float()
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> Tuple[torch.Tensor, Optional[torch.Tensor],
+                                                              Optional[Tuple[torch.Tensor, torch.Tensor]]]:
+    """logits [B, V] float32 -> (token ids [B], logprob of each chosen token [B], (top values, top ids) [B, n]).
+
+    Log-probabilities are the model's own distribution (before penalties, temperature and filtering).
+    """
+    raw = logits
+    if sb.presence is not None:
+        logits = apply_penalties(logits, sb)
+    greedy_ids = logits.argmax(dim=-1)
+    if sb.all_greedy:
+        ids = greedy_ids
+    else:
+        temp = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
+        scaled = logits / temp[:, None]
+        if sb.need_filter:
+            scaled = scaled.masked_fill(filter_mask(torch.softmax(scaled, dim=-1), sb.top_k, sb.top_p, sb.min_p),
+                                        float("-inf"))
+        u = hashed_uniform(sb.seeds, sb.steps, logits.shape[-1])
+        gumbel = -torch.log(-torch.log(u))
+        sampled = (scaled + gumbel).argmax(dim=-1)
+        ids = torch.where(sb.temperature > 0, sampled, greedy_ids)
+    chosen_lp = top = None
+    if sb.max_logprobs >= 0:
+        lp = torch.log_softmax(raw, dim=-1)
+        chosen_lp = lp.gather(1, ids[:, None]).squeeze(1)
+        if sb.max_logprobs > 0:
+            top = lp.topk(sb.max_logprobs, dim=-1)
+            top = (top.values, top.indices)
+    return ids, chosen_lp, top

@@ -1,0 +1,210 @@
+"""Who runs next: FCFS waiting queue, prefill budget, chunked prefill, decode, and retraction.
+
+Every request is a sequence of token ids (prompt + output so far), of which the first `num_cached` have K/V in
+the pool. A step extends some requests by `n` tokens; when that reaches the end of the sequence, a token is
+sampled. Prefill, chunked prefill, re-prefill after retraction and decode are all this one operation.
+The scheduler owns pages and rows (through the allocator and the table) but never touches model tensors.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Optional
+
+import torch
+
+from minisrv.attention.base import ForwardMode
+
+from .kv_cache import PageAllocator, ReqToTokenTable, slots_for
+from .request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+# SGLang-style estimate of how much of their remaining budget running requests will still decode, used to
+# keep room for them when admitting new prefills; it decays as decoding goes well and resets on retraction.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
+RESERVE_CLIP = 4096  # no single request reserves more than this many future tokens
+
+
+@dataclass
+class ScheduledBatch:
+    mode: ForwardMode
+    reqs: List[Request]
+    extend_lens: List[int]
+    out_cache_loc: torch.Tensor  # [sum(extend_lens)] int64 slots, on the host
+    samples: List[bool] = None  # whether each request reaches the end of its sequence (and samples a token)
+
+    def __post_init__(self) -> None:
+        if self.samples is None:
+            self.samples = [r.num_cached + n == r.total_len for r, n in zip(self.reqs, self.extend_lens)]
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, table: ReqToTokenTable, page_size: int, max_running: int,
+                 max_prefill_tokens: int, chunked_prefill_size: int) -> None:
+        self.alloc = allocator
+        self.table = table
+        self.page_size = page_size
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.chunk = chunked_prefill_size
+        self.waiting: Deque[Request] = deque()
+        self.running: List[Request] = []  # resident in the pool, in admission order
+        self.by_id: Dict[str, Request] = {}
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.num_retractions = 0
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+        self.by_id[req.rid] = req
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, rid: str) -> Optional[Request]:
+        req = self.by_id.get(rid)
+        if req is None or req.finished:
+            return None
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self.finish(req, "abort")
+        return req
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._release(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.by_id.pop(req.rid, None)
+
+    # ------------------------------------------------------------------ memory
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _release(self, req: Request) -> None:
+        self.alloc.free(req.pages)
+        req.pages = []
+        req.num_cached = 0
+        if req.row >= 0:
+            self.table.free_row(req.row)
+            req.row = -1
+
+    def _reserved_pages(self) -> int:
+        toks = sum(min(r.max_new_tokens - len(r.output_ids), RESERVE_CLIP) for r in self.running)
+        return self._pages_for(int(toks * self.new_token_ratio))
+
+    def _place(self, req: Request, n: int) -> torch.Tensor:
+        """Give req the pages and table entries for its next n tokens; returns their slots."""
+        start = req.num_cached
+        extra = self._pages_for(start + n) - len(req.pages)
+        if extra > 0:
+            req.pages.extend(self.alloc.alloc(extra))
+        slots = slots_for(req.pages, self.page_size, start, start + n)
+        self.table.write(req.row, start, slots)
+        return slots
+
+    # ------------------------------------------------------------------ policy
+    def schedule(self) -> Optional[ScheduledBatch]:
+        batch = self._schedule_prefill()
+        if batch is None:
+            batch = self._schedule_decode()
+        return batch
+
+    def _schedule_prefill(self) -> Optional[ScheduledBatch]:
+        budget = self.max_prefill_tokens
+        reqs: List[Request] = []
+        lens: List[int] = []
+        # a request left half-prefilled by chunking goes first
+        partial = [r for r in self.running if r.num_cached < r.total_len - 1]
+        candidates = partial + list(self.waiting)
+        reserved = self._reserved_pages()
+        chunked = False
+        for req in candidates:
+            new = req.status is RequestStatus.WAITING
+            if new and len(self.running) + sum(1 for r in reqs if r.status is RequestStatus.WAITING) >= self.max_running:
+                break
+            remaining = req.total_len - req.num_cached
+            n = min(remaining, self.chunk, budget)
+            if n < remaining:
+                if chunked:
+                    break  # one chunked request at a time
+                chunked = True
+            need = self._pages_for(req.num_cached + n) - len(req.pages)
+            future = min(req.max_new_tokens - len(req.output_ids), RESERVE_CLIP) * self.new_token_ratio
+            if need + reserved + (self._pages_for(int(future)) if new else 0) > self.alloc.num_free:
+                if not reqs and not self.running and need <= self.alloc.num_free:
+                    pass  # nothing else can free memory: admit it alone rather than stall
+                else:
+                    break
+            if new and self.table.num_free_rows == 0:
+                break
+            reqs.append(req)
+            lens.append(n)
+            if new:
+                reserved += self._pages_for(int(future))
+            budget -= n
+            if budget <= 0:
+                break
+        if not reqs:
+            return None
+        slots = []
+        for req, n in zip(reqs, lens):
+            if req.status is RequestStatus.WAITING:
+                self.waiting.remove(req)
+                req.status = RequestStatus.RUNNING
+                req.row = self.table.alloc_row()
+                self.running.append(req)
+            slots.append(self._place(req, n))
+        return ScheduledBatch(ForwardMode.EXTEND, reqs, lens, torch.cat(slots))
+
+    def _schedule_decode(self) -> Optional[ScheduledBatch]:
+        reqs = [r for r in self.running if r.num_cached == r.total_len - 1]
+        if not reqs:
+            return None
+        ps = self.page_size
+        need = sum(1 for r in reqs if r.num_cached % ps == 0)
+        while need > self.alloc.num_free:
+            if len(self.running) == 1:  # admission refuses requests larger than the pool, so this cannot happen
+                raise RuntimeError("KV pool too small for a single request")
+            victim = max(self.running, key=lambda r: r.arrival)
+            self._retract(victim)
+            if victim in reqs:
+                reqs.remove(victim)
+            need = sum(1 for r in reqs if r.num_cached % ps == 0)
+        if not reqs:
+            return None
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        slots = []
+        rows, positions = [], []
+        for r in reqs:
+            pos = r.num_cached
+            if pos % ps == 0:
+                r.pages.extend(self.alloc.alloc(1))
+            slots.append(r.pages[pos // ps] * ps + pos % ps)
+            rows.append(r.row)
+            positions.append(pos)
+        loc = torch.tensor(slots, dtype=torch.int64)
+        dev = self.table.table.device
+        self.table.table[torch.tensor(rows, device=dev), torch.tensor(positions, device=dev)] = \
+            loc.to(dev, dtype=torch.int32)
+        return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), loc)
+
+    def _retract(self, req: Request) -> None:
+        """Free a running request's KV and queue it again; it will be re-prefilled with its output so far."""
+        logger.info("KV pool full: retracting %s (%d tokens) to the waiting queue", req.rid, req.total_len)
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_retractions += 1
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """The step ran: the extended tokens are now cached."""
+        for r, n in zip(batch.reqs, batch.extend_lens):
+            r.num_cached += n

@@ -1,0 +1,214 @@
+"""Layers shared by every decoder model: RMSNorm, rotary embedding, gated SiLU MLP, GQA attention.
+
+On CUDA with FlashInfer installed, RMSNorm (with fused residual add), SiLU-and-mul and rotary use its fused
+kernels; everywhere else, plain torch. Both compute the same thing (tests compare against HF transformers).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_fused_ops: Optional[Any] = None  # flashinfer module, once enabled for a CUDA model
+
+
+def enable_fused_ops(device: torch.device) -> bool:
+    """Use FlashInfer's fused norm/activation/rotary kernels when on CUDA and FlashInfer is importable."""
+    global _fused_ops
+    if device.type != "cuda":
+        _fused_ops = None
+        return False
+    try:
+        import flashinfer  # noqa: F401
+        _fused_ops = flashinfer
+    except Exception:  # noqa: BLE001 - any import failure means "not present"
+        _fused_ops = None
+    return _fused_ops is not None
+
+
+@dataclass
+class ModelArgs:
+    """The shape of a decoder model, read from a HF config (or a GGUF's metadata through transformers)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[Dict[str, Any]]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    torch_dtype: Optional[str] = None
+    eos_token_ids: List[int] = field(default_factory=list)
+    bos_token_id: Optional[int] = None
+
+    @classmethod
+    def from_hf_config(cls, cfg: Dict[str, Any]) -> "ModelArgs":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                       "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}.get(
+            cfg.get("model_type", ""), cfg.get("model_type", "<none>"))
+        heads = cfg["num_attention_heads"]
+        rope = dict(cfg.get("rope_scaling") or {})
+        params = cfg.get("rope_parameters") or {}  # transformers >= 5 moves rope settings here
+        theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+        if not rope and params.get("rope_type", "default") != "default":
+            rope = {k: v for k, v in params.items() if k != "rope_theta"}
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = {}
+        eos = cfg.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope or None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            torch_dtype=str(dtype).replace("torch.", "") if dtype else None,
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual), the add fused on GPU."""
+        if _fused_ops is not None and x.dim() == 2:
+            if residual is None:
+                return _fused_ops.rmsnorm(x, self.weight, self.eps)
+            _fused_ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)  # in place: x=norm, residual=sum
+            return x, residual
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]]) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary (rotate halves), with a cos/sin cache over every position of the context."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[Dict[str, Any]]) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.reset_buffers()
+
+    def reset_buffers(self, device: Optional[torch.device] = None) -> None:
+        """(Re)compute the float32 cos/sin cache (after meta-device construction, or a dtype cast)."""
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq.to(t.device))
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2] float32
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D]."""
+        if _fused_ops is not None:
+            t = q.shape[0]
+            qf, kf = q.reshape(t, -1), k.reshape(t, -1)
+            _fused_ops.apply_rope_with_cos_sin_cache_inplace(positions, qf, kf, self.head_dim, self.cos_sin, True)
+            return qf.view_as(q), kf.view_as(k)
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up_proj(x)
+        if _fused_ops is not None:
+            return self.down_proj(_fused_ops.silu_and_mul(gu))
+        g, u = gu.chunk(2, dim=-1)
+        return self.down_proj(F.silu(g) * u)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: fused qkv projection, optional q/k RMSNorm (Qwen3), rotary, then the backend."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.hq, self.hkv, self.d = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.d, args.rms_norm_eps) if args.qk_norm else None
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.hq, self.d)
+        k = k.reshape(t, self.hkv, self.d)
+        v = v.reshape(t, self.hkv, self.d)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.d)).view(t, self.hq, self.d)
+            k = self.k_norm(k.reshape(-1, self.d)).view(t, self.hkv, self.d)
+        q, k = self.rotary(positions, q, k)
+        o = attn.forward(q, k, v, self.layer_id)
+        return self.o_proj(o.reshape(t, self.q_size))

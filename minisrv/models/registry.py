@@ -1,0 +1,28 @@
+"""config.json's `architectures` name -> model class."""
+from __future__ import annotations
+
+from typing import Dict, Type
+
+from torch import nn
+
+from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_REGISTRY: Dict[str, Type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+}
+
+
+class UnsupportedArchitecture(ValueError):
+    pass
+
+
+def model_class(architecture: str) -> Type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise UnsupportedArchitecture(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        ) from None
