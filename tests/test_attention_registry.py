@@ -170,3 +170,11 @@ def test_import_pulls_in_no_gpu_library():
             "print(','.join(bad))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"imported GPU libraries: {out.stdout.strip()}"
+
+
+def test_explicit_fa_on_sm100(fake):
+    """FlashAttention-3 is a Hopper kernel: Blackwell gets a clear error, not a failed launch."""
+    fake(100)
+    with pytest.raises(BackendUnavailable, match="SM90") as info:
+        resolve_backend("fa", CUDA)
+    assert "SM100" in str(info.value)

@@ -46,8 +46,8 @@ def device_sm(device: Optional[torch.device] = None) -> Optional[int]:
 def _fa_missing(sm: Optional[int]) -> Optional[str]:
     if sm is None:
         return "the fa backend needs a CUDA GPU"
-    if sm < 90:
-        return f"the fa backend (FlashAttention-3) needs SM90 or newer; this GPU is SM{sm}"
+    if sm // 10 != 9:
+        return f"the fa backend (FlashAttention-3) needs an SM90 (Hopper) GPU; this GPU is SM{sm}"
     if not (_package_present("sgl_kernel") or _package_present("flash_attn_interface")):
         return "the fa backend needs FlashAttention-3: pip install sgl-kernel (or upstream flash_attn_interface)"
     return None

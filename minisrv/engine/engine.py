@@ -77,9 +77,20 @@ class Engine:
         # one spare row: CUDA-graph padding rows point at it
         self.table = ReqToTokenTable(cfg.max_running_requests + 1, self.context_length, self.device)
         self.pad_row = self.table.alloc_row()
+        self.pad_page: Optional[int] = None
         self.max_request_len = min(self.context_length, self.pool.num_slots)
         self.backend = create_backend(self.backend_name, self.pool, self.table.table, a.num_heads)
-        self.runner = ModelRunner(self.model, self.backend, self.pool, self.table, self.device)
+        graph_runner = None
+        if self.device.type == "cuda" and not cfg.disable_cuda_graph and self.backend.supports_cuda_graph:
+            # CUDA-graph padding rows write their dummy K/V into a page of their own
+            self.pad_page = self.allocator.alloc(1)[0]
+            self.table.table[self.pad_row, :ps] = torch.arange(ps, dtype=torch.int32) + self.pad_page * ps
+            self.max_request_len = min(self.context_length, self.pool.num_slots - ps)
+            from .cuda_graph import CudaGraphRunner, default_max_bs
+            max_bs = min(cfg.cuda_graph_max_bs or default_max_bs(self.device), cfg.max_running_requests)
+            graph_runner = CudaGraphRunner(self.model, self.backend, self.pad_row, self.pad_page * ps, max_bs,
+                                           self.context_length, self.device)
+        self.runner = ModelRunner(self.model, self.backend, self.pool, self.table, self.device, graph_runner)
         self.scheduler = Scheduler(self.allocator, self.table, ps, cfg.max_running_requests,
                                    cfg.max_prefill_tokens, cfg.chunked_prefill_size)
         logger.info("model %s (%s, %s) on %s loaded in %.1fs%s", self.model_path, a.architecture,
@@ -225,14 +236,19 @@ class Engine:
             return "length"
         return None
 
+    @property
+    def num_free_pages_when_idle(self) -> int:
+        """Pages free when no request is resident (all but the CUDA-graph pad page)."""
+        return self.allocator.num_pages - (1 if self.pad_page is not None else 0)
+
     def stats(self) -> Dict[str, Any]:
-        used = self.allocator.num_pages - self.allocator.num_free
+        used = self.num_free_pages_when_idle - self.allocator.num_free
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_pages_used": used,
-            "kv_pages_total": self.allocator.num_pages,
-            "kv_usage": used / self.allocator.num_pages,
+            "kv_pages_total": self.num_free_pages_when_idle,
+            "kv_usage": used / self.num_free_pages_when_idle,
             "num_retractions": self.scheduler.num_retractions,
         }
 

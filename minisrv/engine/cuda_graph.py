@@ -1,0 +1,107 @@
+"""CUDA graphs for decode steps: captured once per batch size, replayed with the batch padded to the next size.
+
+Inputs live in static buffers; before each replay the step's ids, positions, slots and rows are copied in and the
+attention backend copies its metadata into its own static buffers (`prepare_for_replay`). Padding rows decode a
+dummy token into a reserved pad slot and read only the pad row of the request->token table, so they never touch
+a live request's KV.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from minisrv.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_bs: int) -> List[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 8))
+    return sizes
+
+
+def default_max_bs(device: torch.device) -> int:
+    total = torch.cuda.get_device_properties(device).total_memory / (1 << 30)
+    return 256 if total >= 70 else 160 if total >= 35 else 64
+
+
+class CudaGraphRunner:
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, pad_row: int, pad_slot: int,
+                 max_bs: int, max_seq_len: int, device: torch.device) -> None:
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.sizes = capture_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        self.pad_row = pad_row
+        self.pad_slot = pad_slot
+        n = self.max_bs
+        i64 = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.out_cache_loc = torch.full((n,), pad_slot, **i64)
+        self.req_rows = torch.full((n,), pad_row, **i64)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.last_indices = torch.arange(n, **i64)
+        self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: Dict[int, torch.Tensor] = {}
+        self.mempool = torch.cuda.graph_pool_handle()
+        backend.init_graph_state(self.max_bs, max_seq_len)
+        self.capture()
+
+    def _static_batch(self, bs: int, seq_lens_cpu: List[int]) -> ForwardBatch:
+        return ForwardBatch(ForwardMode.DECODE, self.input_ids[:bs], self.positions[:bs], self.out_cache_loc[:bs],
+                            self.req_rows[:bs], self.seq_lens[:bs], self.cu_seqlens_q[:bs + 1],
+                            self.last_indices[:bs], seq_lens_cpu, [1] * bs, max(seq_lens_cpu))
+
+    def _run(self, fb: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(fb.input_ids, fb.positions, self.backend)
+        return self.model.compute_logits(hidden[fb.last_indices])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        free0 = torch.cuda.mem_get_info(self.device)[0]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
+                fb = self._static_batch(bs, [1] * bs)
+                self.backend.prepare_for_capture(fb)  # plans happen outside the captured region
+                self._run(fb)  # warm-up: lazy kernel selection and allocations happen here
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.mempool, stream=stream):
+                    self.logits[bs] = self._run(fb)
+                self.graphs[bs] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        used = (free0 - torch.cuda.mem_get_info(self.device)[0]) / (1 << 30)
+        logger.info("captured %d decode CUDA graphs (batch sizes 1..%d) in %.1fs, %.2f GiB",
+                    len(self.graphs), self.max_bs, time.perf_counter() - t0, used)
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.is_decode and fb.batch_size <= self.max_bs
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        bs = fb.batch_size
+        pbs = self.sizes[bisect.bisect_left(self.sizes, bs)]
+        self.input_ids[:bs].copy_(fb.input_ids, non_blocking=True)
+        self.positions[:bs].copy_(fb.positions, non_blocking=True)
+        self.out_cache_loc[:bs].copy_(fb.out_cache_loc, non_blocking=True)
+        self.req_rows[:bs].copy_(fb.req_rows, non_blocking=True)
+        self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
+        if pbs > bs:
+            self.input_ids[bs:pbs].zero_()
+            self.positions[bs:pbs].zero_()
+            self.out_cache_loc[bs:pbs].fill_(self.pad_slot)
+            self.req_rows[bs:pbs].fill_(self.pad_row)
+            self.seq_lens[bs:pbs].fill_(1)
+        self.backend.prepare_for_replay(fb, pbs)
+        self.graphs[pbs].replay()
+        return self.logits[pbs][:bs]

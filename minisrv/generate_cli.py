@@ -1,0 +1,112 @@
+"""Offline batch generation from the command line (scripts/generate.py and the `minisrv-generate` command).
+
+Prompts come from arguments or a JSONL file (one {"prompt": ...} or {"messages": [...]} object, or a bare JSON
+string, per line); outputs are printed, or written as JSONL with --output.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+from minisrv.config import EngineConfig
+from minisrv.engine.request import SamplingParams
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    d = SamplingParams
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--min-p", type=float, default=d.min_p)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (same seed, same output)")
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--stop-token-ids", type=int, nargs="*", default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None, help="return the chosen token's logprob and the top N")
+
+
+def sampling_from_args(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                          min_p=a.min_p, seed=a.sampling_seed, presence_penalty=a.presence_penalty,
+                          frequency_penalty=a.frequency_penalty, repetition_penalty=a.repetition_penalty,
+                          stop=a.stop, stop_token_ids=a.stop_token_ids, ignore_eos=a.ignore_eos,
+                          logprobs=a.logprobs)
+
+
+def read_jsonl(path: str) -> List[Dict[str, Any]]:
+    items = []
+    with (sys.stdin if path == "-" else open(path)) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            if isinstance(obj, str):
+                obj = {"prompt": obj}
+            if not isinstance(obj, dict) or not ("prompt" in obj or "messages" in obj):
+                raise ValueError(f"{path}:{n}: expected a string or an object with 'prompt' or 'messages'")
+            items.append(obj)
+    return items
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompts", nargs="*", help="prompts (default: a few examples)")
+    p.add_argument("--input", "-i", help="JSONL file of prompts ('-' for stdin)")
+    p.add_argument("--output", "-o", help="write results as JSONL here instead of printing")
+    p.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn")
+    EngineConfig.add_cli_args(p)
+    add_sampling_args(p)
+    a = p.parse_args(argv)
+    if a.log_level == EngineConfig.log_level:
+        a.log_level = "warning"
+
+    items: List[Dict[str, Any]] = [{"prompt": s} for s in a.prompts]
+    if a.input:
+        items += read_jsonl(a.input)
+    if not items:
+        items = [{"messages": [{"role": "user", "content": q}]} for q in
+                 ("What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 12?")]
+    params = sampling_from_args(a)
+
+    from minisrv.engine.engine import LLM
+    cfg = EngineConfig.from_args(a)
+    llm = LLM(**vars(cfg))
+    prompts = []
+    for it in items:
+        if "messages" in it:
+            prompts.append(llm.encode_chat(it["messages"]))
+        elif a.chat:
+            prompts.append(llm.encode_chat([{"role": "user", "content": it["prompt"]}]))
+        else:
+            prompts.append(it["prompt"])
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t
+    ntok = sum(len(o.token_ids) for o in outs)
+    sink = open(a.output, "w") if a.output else None
+    for it, o in zip(items, outs):
+        rec = {**it, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+        if o.logprobs is not None:
+            rec["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob,
+                                "top": {str(k): v for k, v in lp.top.items()}} for lp in o.logprobs]
+        if sink:
+            sink.write(json.dumps(rec) + "\n")
+        else:
+            shown = it.get("prompt") or it["messages"][-1]["content"]
+            print(f"### {shown}\n{o.text}\n[{o.finish_reason}, {len(o.token_ids)} tokens]\n")
+    if sink:
+        sink.close()
+    print(f"{len(outs)} requests, {ntok} output tokens in {dt:.2f}s ({ntok / dt:.1f} tok/s), "
+          f"backend {llm.engine.backend_name}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
