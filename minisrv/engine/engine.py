@@ -78,6 +78,7 @@ class Engine:
         self.table = ReqToTokenTable(cfg.max_running_requests + 1, self.context_length, self.device)
         self.pad_row = self.table.alloc_row()
         self.pad_page: Optional[int] = None
+        self.peak_pages_used = 0
         self.max_request_len = min(self.context_length, self.pool.num_slots)
         self.backend = create_backend(self.backend_name, self.pool, self.table.table, a.num_heads)
         graph_runner = None
@@ -192,11 +193,16 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> List[RequestOutput]:
         """Run one scheduled step; returns news for every request that sampled a token."""
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        if self.runner.timings is not None:
+            self.runner.timings["schedule"] += time.perf_counter() - t0
+        self.peak_pages_used = max(self.peak_pages_used, self.num_free_pages_when_idle - self.allocator.num_free)
         result = self.runner.step(batch)
         self.scheduler.commit(batch)
+        t0 = time.perf_counter()
         outputs: List[RequestOutput] = []
         i = 0
         for req, sampled in zip(batch.reqs, batch.samples):
@@ -218,6 +224,8 @@ class Engine:
                 self.scheduler.finish(req, reason)
             outputs.append(RequestOutput(req.rid, [tok], lps, req.finished, req.finish_reason, req.stop_str,
                                          len(req.prompt_ids), len(req.output_ids)))
+        if self.runner.timings is not None:
+            self.runner.timings["postprocess"] += time.perf_counter() - t0
         return outputs
 
     def _check_finish(self, req: Request, tok: int) -> Optional[str]:

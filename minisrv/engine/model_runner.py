@@ -1,8 +1,10 @@
 """One forward step: scheduled batch -> step tensors -> backend plan -> model -> last-position logits -> sampler."""
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -31,6 +33,18 @@ class ModelRunner:
         self.table = table
         self.device = device
         self.graph_runner = graph_runner  # CUDA-graph decode, when enabled
+        self.timings: Optional[Dict[str, float]] = None  # phase -> seconds, when profiling
+
+    def enable_profiling(self) -> None:
+        self.timings = defaultdict(float)
+
+    def _tick(self, phase: str, t0: float) -> float:
+        """Charge the time since t0 to phase (synchronising the device so the time is the phase's own)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t = time.perf_counter()
+        self.timings[phase] += t - t0
+        return t
 
     def build_forward_batch(self, sb: ScheduledBatch) -> ForwardBatch:
         reqs, ext = sb.reqs, sb.extend_lens
@@ -79,8 +93,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, sb: ScheduledBatch) -> StepResult:
+        prof = self.timings is not None
+        t = time.perf_counter() if prof else 0.0
         fb = self.build_forward_batch(sb)
+        if prof:
+            t = self._tick("metadata", t)
         logits = self.forward_logits(fb)
+        if prof:
+            t = self._tick("forward_decode" if fb.is_decode else "forward_extend", t)
         sampling = [r for r, s in zip(sb.reqs, sb.samples) if s]
         if not sampling:
             return StepResult([], None, None)
@@ -88,8 +108,11 @@ class ModelRunner:
             keep = torch.tensor([i for i, s in enumerate(sb.samples) if s], device=logits.device)
             logits = logits[keep]
         ids, lp, top = sample(logits, SamplingBatch.build(sampling, logits.device))
-        return StepResult(
+        result = StepResult(
             ids.tolist(),
             lp.tolist() if lp is not None else None,
             (top[0].tolist(), top[1].tolist()) if top is not None else None,
         )
+        if prof:
+            self._tick("sampling", t)
+        return result

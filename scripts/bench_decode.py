@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""Decode-only step time at given batch sizes, CUDA graphs on and off, against the memory-bandwidth floor.
+
+Each request gets a prompt of --context tokens; after the prefill, --steps decode steps are timed one by one
+(each step ends with its sampled tokens on the host) and the median is reported. The floor is the bytes a step
+must read (weights once, plus every request's KV) over --bandwidth.
+
+  python scripts/bench_decode.py --model /tmp/qwen3 --attention-backend fa,fi --batch-sizes 1,64,256
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from minisrv.config import EngineConfig  # noqa: E402
+from minisrv.engine.kv_cache import KVPool  # noqa: E402
+from minisrv.engine.request import SamplingParams  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    EngineConfig.add_cli_args(p)
+    p.add_argument("--batch-sizes", default="1,64,256")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--bandwidth", type=float, default=3.0e12, help="bytes/s for the floor")
+    p.add_argument("--graphs", default="on,off", help="on, off or on,off")
+    p.add_argument("--json", help="append results as JSON lines here")
+    a = p.parse_args()
+    if a.log_level == EngineConfig.log_level:
+        a.log_level = "warning"
+    sizes = [int(x) for x in a.batch_sizes.split(",")]
+    from minisrv.engine.engine import LLM
+    rows = []
+    for mode in a.graphs.split(","):
+        cfg = EngineConfig.from_args(a)
+        cfg.disable_cuda_graph = mode == "off"
+        cfg.max_running_requests = max(cfg.max_running_requests, max(sizes))
+        t0 = time.perf_counter()
+        llm = LLM(**vars(cfg))
+        ready = time.perf_counter() - t0
+        eng = llm.engine
+        ar = eng.args
+        weights = sum(q.numel() * q.element_size() for q in eng.model.parameters())
+        kv_tok = KVPool.bytes_per_token(ar.num_layers, ar.num_kv_heads, ar.head_dim, eng.dtype)
+        for bs in sizes:
+            params = SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True)
+            reqs = [eng.add_request([(7 * i + j) % 1000 + 1 for j in range(a.context)], params) for i in range(bs)]
+            while any(len(r.output_ids) == 0 for r in reqs):  # prefill everything first
+                eng.step()
+            times = []
+            for _ in range(a.steps):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                eng.step()
+                times.append(time.perf_counter() - t)
+            for r in reqs:
+                eng.abort(r.rid)
+            med = statistics.median(times)
+            floor = (weights + bs * (a.context + a.steps // 2) * kv_tok) / a.bandwidth
+            row = {"backend": eng.backend_name, "graphs": mode, "batch": bs, "context": a.context,
+                   "median_step_ms": round(med * 1e3, 3), "floor_ms": round(floor * 1e3, 3),
+                   "of_floor": round(floor / med, 2), "ready_s": round(ready, 1)}
+            rows.append(row)
+            print(f"{eng.backend_name:6s} graphs {mode:3s} batch {bs:4d}: median step {med * 1e3:8.3f} ms; "
+                  f"floor {floor * 1e3:7.3f} ms ({100 * floor / med:.0f}% of floor)", flush=True)
+        del llm, eng
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if a.json:
+        with open(a.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

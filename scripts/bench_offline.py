@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""Offline throughput benchmark.
+
+Workloads (`--workload`):
+  nano  nano-vLLM's / mini-SGLang's benchmark: random.seed(0); 256 requests; for each, in order, a prompt of
+        randint(100, 1024) tokens, each randint(0, 10000); then for each request max_tokens = randint(100, 1024);
+        temperature 0.6, ignore_eos (133,966 output tokens). The default on a GPU.
+  cpu   32 prompts of randint(64, 256) random tokens, 64 output tokens each, greedy, ignore_eos; with --hf (the
+        default for this workload) it also times HF transformers' single-stream `generate` on the same model,
+        prompts and dtype. The default on a CPU.
+One warm-up generate first; the clock covers one `generate` call.
+
+  python scripts/bench_offline.py                                  # default model, CPU workload, HF baseline
+  python scripts/bench_offline.py --model /tmp/qwen3 --attention-backend fa,fi   # on a GPU: the nano workload
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from minisrv.config import EngineConfig  # noqa: E402
+from minisrv.engine.request import SamplingParams  # noqa: E402
+
+
+def nano_workload(n: int, in_range, out_range, seed: int = 0):
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(*in_range))] for _ in range(n)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(*out_range))
+              for _ in range(n)]
+    return prompts, params
+
+
+def cpu_workload(n: int, in_range, out_len: int, seed: int = 0):
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(*in_range))] for _ in range(n)]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=out_len) for _ in range(n)]
+    return prompts, params
+
+
+def hf_model(llm):
+    """HF transformers' model on the same weights and dtype (a GGUF is dequantised by our loader)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from minisrv.models.loader import _iter_gguf, is_gguf, load_hf_config
+    eng = llm.engine
+    if not is_gguf(eng.model_path):
+        return AutoModelForCausalLM.from_pretrained(eng.model_path, dtype=eng.dtype).to(eng.device).eval()
+    cfg = load_hf_config(eng.model_path)
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("_name_or_path",)})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=eng.dtype)
+    model = model.to_empty(device=eng.device)
+    state = dict(_iter_gguf(eng.model_path, eng.args))
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if "lm_head" not in m and "rotary" not in m]:
+        raise RuntimeError(f"HF baseline: missing {missing}, unexpected {unexpected}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    for m in model.modules():  # the rotary inv_freq buffer was left empty on the meta device
+        if hasattr(m, "inv_freq") and hasattr(m, "rope_init_fn"):
+            inv, scale = m.rope_init_fn(m.config, eng.device)
+            m.inv_freq = inv
+            m.original_inv_freq = inv
+            m.attention_scaling = scale
+    return model.to(eng.dtype).eval()
+
+
+@torch.inference_mode()
+def hf_single_stream(model, prompts, out_len: int, device) -> float:
+    """Output tok/s of HF generate, one prompt at a time, greedy, exactly out_len new tokens each."""
+    warm = torch.tensor([prompts[0][:16]], device=device)
+    model.generate(warm, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    t = time.perf_counter()
+    total = 0
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+                             min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+        total += out.shape[1] - ids.shape[1]
+    return total / (time.perf_counter() - t)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    EngineConfig.add_cli_args(p)
+    p.add_argument("--workload", choices=("auto", "nano", "cpu"), default="auto")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--min-input-len", type=int, default=None)
+    p.add_argument("--max-input-len", type=int, default=None)
+    p.add_argument("--min-output-len", type=int, default=None)
+    p.add_argument("--max-output-len", type=int, default=None)
+    p.add_argument("--hf", dest="hf", action="store_true", default=None, help="also time HF single-stream")
+    p.add_argument("--no-hf", dest="hf", action="store_false")
+    p.add_argument("--profile", action="store_true", help="print where a step's time goes")
+    p.add_argument("--json", help="append the result as one JSON line to this file")
+    a = p.parse_args()
+    if a.log_level == EngineConfig.log_level:
+        a.log_level = "warning"
+    cuda = torch.cuda.is_available() and a.device != "cpu"
+    workload = a.workload if a.workload != "auto" else ("nano" if cuda else "cpu")
+    if workload == "nano":
+        n = a.num_prompts or 256
+        prompts, params = nano_workload(n, (a.min_input_len or 100, a.max_input_len or 1024),
+                                        (a.min_output_len or 100, a.max_output_len or 1024))
+    else:
+        n = a.num_prompts or 32
+        prompts, params = cpu_workload(n, (a.min_input_len or 64, a.max_input_len or 256), a.max_output_len or 64)
+
+    from minisrv.engine.engine import LLM
+    t_start = time.perf_counter()
+    llm = LLM(**vars(EngineConfig.from_args(a)))
+    t_ready = time.perf_counter() - t_start
+    eng = llm.engine
+    vocab = eng.args.vocab_size
+    prompts = [[t % vocab for t in pr] for pr in prompts]
+    llm.generate(["Benchmark: "], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
+    if a.profile:
+        eng.runner.enable_profiling()
+    eng.peak_pages_used = 0
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    out_tokens = sum(len(o.token_ids) for o in outs)
+    in_tokens = sum(len(pr) for pr in prompts)
+    result = {
+        "workload": workload, "model": eng.model_path, "dtype": str(eng.dtype).replace("torch.", ""),
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "backend": eng.backend_name,
+        "num_prompts": n, "input_tokens": in_tokens, "output_tokens": out_tokens, "time_s": round(dt, 3),
+        "output_tok_s": round(out_tokens / dt, 1), "ready_s": round(t_ready, 1),
+        "peak_kv_tokens": eng.peak_pages_used * eng.pool.page_size, "kv_pool_tokens": eng.pool.num_slots,
+        "retractions": eng.scheduler.num_retractions,
+    }
+    print(f"minisrv [{result['backend']}, {result['dtype']}, {result['device']}]: {out_tokens} output tokens "
+          f"({in_tokens} input) in {dt:.2f}s = {out_tokens / dt:.1f} output tok/s; ready in {t_ready:.1f}s; "
+          f"peak KV {result['peak_kv_tokens']} of {result['kv_pool_tokens']} tokens; "
+          f"{result['retractions']} retractions")
+    if a.profile:
+        tm = eng.runner.timings
+        total = sum(tm.values())
+        print("profile (s, share of step time):")
+        for k, v in sorted(tm.items(), key=lambda kv: -kv[1]):
+            print(f"  {k:16s} {v:8.3f}  {100 * v / total:5.1f}%")
+    if a.hf if a.hf is not None else workload == "cpu":
+        model = hf_model(llm)
+        out_len = params[0].max_tokens
+        hf = hf_single_stream(model, prompts, out_len, eng.device)
+        result["hf_single_stream_tok_s"] = round(hf, 1)
+        result["speedup_vs_hf"] = round(out_tokens / dt / hf, 2)
+        print(f"HF transformers single-stream generate: {hf:.1f} output tok/s -> minisrv is "
+              f"{out_tokens / dt / hf:.2f}x")
+    if a.json:
+        with open(a.json, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

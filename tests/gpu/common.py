@@ -1,0 +1,28 @@
+"""Shared by the GPU tests: the random-weight checkpoint (made by tests/gpu/run.sh) and HF's reference model."""
+import gc
+import os
+import random
+
+import pytest
+import torch
+
+CKPT = os.environ.get("MINISRV_GPU_CKPT", "/tmp/qwen3")
+
+requires_ckpt = pytest.mark.skipif(
+    not (torch.cuda.is_available() and os.path.isfile(os.path.join(CKPT, "config.json"))),
+    reason="needs CUDA and a checkpoint from make_checkpoint.py at $MINISRV_GPU_CKPT")
+
+
+def mixed_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 10000):
+    rnd = random.Random(seed)
+    return [[rnd.randrange(vocab) for _ in range(rnd.randint(lo, hi))] for _ in range(n)]
+
+
+def free_cuda():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def hf_model(dtype=torch.bfloat16):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(CKPT, dtype=dtype).cuda().eval()

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# GPU runs in one script, on the device machine from the repo root (see tests/gpu/README.md):
+#   bash tests/gpu/run.sh [phase ...]    phases: smoke e2e graph backends bench bench-fi bench-fa decode llama8b
+# Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
+# (.fi-cache/ is restored into FlashInfer's cache before anything runs).
+set -u
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+export PYTHONPATH=$(bash .gpu-wheels/tools/install_on_device.sh 2>/dev/null):$PWD
+export MINISRV_GPU_CKPT=${MINISRV_GPU_CKPT:-/tmp/qwen3}
+FI_CACHE=$HOME/.cache/flashinfer/0.6.13/90a/cached_ops
+if [ -d .fi-cache ]; then
+  for f in .fi-cache/*.so; do [ -e "$f" ] || continue
+    name=$(basename "$f" .so); mkdir -p "$FI_CACHE/$name"; cp -n "$f" "$FI_CACHE/$name/$name.so"; done
+fi
+[ -f "$MINISRV_GPU_CKPT/config.json" ] || python3 .gpu-wheels/tools/make_checkpoint.py "$MINISRV_GPU_CKPT" qwen3-0.6b >/dev/null 2>&1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -E "Warning|warn\(" | tail -n 40
+  echo "=== $name done in $((SECONDS - t))s (rc ${PIPESTATUS[0]})"; }
+BENCH="python3 scripts/bench_offline.py --model $MINISRV_GPU_CKPT --json $OUT/bench.jsonl"
+for phase in "${@:-smoke}"; do
+  case $phase in
+    smoke) step smoke 300 python3 scripts/generate.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
+             --max-tokens 8 --log-level info "w1 w2 w3" "w5 w6" ;;
+    e2e) step e2e 500 python3 -m pytest -q -s tests/gpu/test_e2e.py ;;
+    graph) step graph 400 python3 -m pytest -q -s tests/gpu/test_cuda_graph.py ;;
+    backends) step backends 550 python3 -m pytest -q -x tests/gpu/test_backends.py ;;
+    bench) step bench 300 $BENCH --attention-backend auto --profile ;;
+    bench-fi) step bench-fi 300 $BENCH --attention-backend fi ;;
+    bench-fa) step bench-fa 300 $BENCH --attention-backend fa ;;
+    decode) step decode 300 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
+              --batch-sizes 1,64,256 --json "$OUT/decode.jsonl" ;;
+    llama8b) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+             step llama8b 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --json "$OUT/bench.jsonl" ;;
+    *) echo "unknown phase $phase" ;;
+  esac
+done
+# carry compiled FlashInfer kernels back (at most 8 files come back per call)
+ls "$FI_CACHE"/*/*.so 2>/dev/null | head -8 | while read -r f; do cp "$f" "$OUT/"; done
+ls -la "$OUT" | tail -n +2
