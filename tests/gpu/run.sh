@@ -16,7 +16,9 @@ fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t=$SECONDS
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -E "Warning|warn\(" | tail -n 40
-  echo "=== $name done in $((SECONDS - t))s (rc ${PIPESTATUS[0]})"; }
+  echo "=== $name done in $((SECONDS - t))s (rc ${PIPESTATUS[0]})"; save_cache; }
+# carry compiled FlashInfer kernels back (at most 8 files come back per call), after every step
+save_cache() { ls -S "$FI_CACHE"/*/*.so 2>/dev/null | head -8 | while read -r f; do cp -u "$f" "$OUT/"; done; }
 BENCH="python3 scripts/bench_offline.py --model $MINISRV_GPU_CKPT --json $OUT/bench.jsonl"
 for phase in "${@:-smoke}"; do
   case $phase in
@@ -35,6 +37,4 @@ for phase in "${@:-smoke}"; do
     *) echo "unknown phase $phase" ;;
   esac
 done
-# carry compiled FlashInfer kernels back (at most 8 files come back per call)
-ls "$FI_CACHE"/*/*.so 2>/dev/null | head -8 | while read -r f; do cp "$f" "$OUT/"; done
 ls -la "$OUT" | tail -n +2
