@@ -34,6 +34,7 @@ def main() -> int:
     p.add_argument("--bandwidth", type=float, default=3.0e12, help="bytes/s for the floor")
     p.add_argument("--graphs", default="on,off", help="on, off or on,off")
     p.add_argument("--json", help="append results as JSON lines here")
+    p.add_argument("--torch-profile", action="store_true", help="print the top kernels of the timed steps")
     a = p.parse_args()
     if a.log_level == EngineConfig.log_level:
         a.log_level = "warning"
@@ -57,19 +58,29 @@ def main() -> int:
             while any(len(r.output_ids) == 0 for r in reqs):  # prefill everything first
                 eng.step()
             times = []
+            prof = None
+            if a.torch_profile:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA])
+                prof.__enter__()
             for _ in range(a.steps):
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 t = time.perf_counter()
                 eng.step()
                 times.append(time.perf_counter() - t)
+            if prof is not None:
+                prof.__exit__(None, None, None)
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+                print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
             for r in reqs:
                 eng.abort(r.rid)
             med = statistics.median(times)
             floor = (weights + bs * (a.context + a.steps // 2) * kv_tok) / a.bandwidth
             row = {"backend": eng.backend_name, "graphs": mode, "batch": bs, "context": a.context,
                    "median_step_ms": round(med * 1e3, 3), "floor_ms": round(floor * 1e3, 3),
-                   "of_floor": round(floor / med, 2), "ready_s": round(ready, 1)}
+                   "of_floor": round(floor / med, 2), "ready_s": round(ready, 1),
+                   "capture_s": getattr(eng.runner.graph_runner, "capture_s", None)}
             rows.append(row)
             print(f"{eng.backend_name:6s} graphs {mode:3s} batch {bs:4d}: median step {med * 1e3:8.3f} ms; "
                   f"floor {floor * 1e3:7.3f} ms ({100 * floor / med:.0f}% of floor)", flush=True)

@@ -138,11 +138,12 @@ def main() -> int:
         "output_tok_s": round(out_tokens / dt, 1), "ready_s": round(t_ready, 1),
         "peak_kv_tokens": eng.peak_pages_used * eng.pool.page_size, "kv_pool_tokens": eng.pool.num_slots,
         "retractions": eng.scheduler.num_retractions,
+        "graph_capture_s": getattr(eng.runner.graph_runner, "capture_s", None),
     }
     print(f"minisrv [{result['backend']}, {result['dtype']}, {result['device']}]: {out_tokens} output tokens "
           f"({in_tokens} input) in {dt:.2f}s = {out_tokens / dt:.1f} output tok/s; ready in {t_ready:.1f}s; "
           f"peak KV {result['peak_kv_tokens']} of {result['kv_pool_tokens']} tokens; "
-          f"{result['retractions']} retractions")
+          f"{result['retractions']} retractions; graph capture {result['graph_capture_s']}s")
     if a.profile:
         tm = eng.runner.timings
         total = sum(tm.values())

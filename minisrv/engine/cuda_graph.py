@@ -81,9 +81,10 @@ class CudaGraphRunner:
                 self.graphs[bs] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        used = (free0 - torch.cuda.mem_get_info(self.device)[0]) / (1 << 30)
+        self.capture_gib = (free0 - torch.cuda.mem_get_info(self.device)[0]) / (1 << 30)
+        self.capture_s = round(time.perf_counter() - t0, 2)
         logger.info("captured %d decode CUDA graphs (batch sizes 1..%d) in %.1fs, %.2f GiB",
-                    len(self.graphs), self.max_bs, time.perf_counter() - t0, used)
+                    len(self.graphs), self.max_bs, self.capture_s, self.capture_gib)
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.is_decode and fb.batch_size <= self.max_bs

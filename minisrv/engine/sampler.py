@@ -1,10 +1,11 @@
 """Batched sampling on the device: one pass over [B, V] logits for the whole batch, no per-request Python loop
 over the vocabulary.
 
-Randomness comes from a counter-based hash of (request seed, output position, token id) rather than a shared
-generator, so a request's tokens depend only on its own seed: the same seed gives the same output whatever else
-is in the batch, and a retracted request resumes the same stream. Sampling is the Gumbel-max trick,
-argmax(logits / T + Gumbel noise), which draws exactly from softmax(logits / T) after filtering.
+Sampling is the Gumbel-max trick, argmax(logits / T - log E) with E ~ Exp(1), which draws exactly from
+softmax(logits / T) after filtering. For a request with a seed, E comes from a counter-based hash of
+(seed, output position, token id) rather than a shared generator, so its tokens depend only on its own seed:
+the same seed gives the same output whatever else is in the batch, and a retracted request resumes the same
+stream. Unseeded rows take E from torch's generator, which is one fused kernel.
 """
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ class SamplingBatch:
     output_ids: Optional[torch.Tensor] = None  # [B, L] int64 padded with -1
     seen_ids: Optional[torch.Tensor] = None  # [B, L'] prompt + output, padded with -1
     max_logprobs: int = -1  # -1: no row asked for logprobs
+    seeded_rows: Optional[torch.Tensor] = None  # rows with a user-given seed (None: no such row)
 
     @classmethod
     def build(cls, reqs: List[Request], device: torch.device) -> "SamplingBatch":
@@ -96,6 +98,9 @@ class SamplingBatch:
             sb.output_ids = _pad([r.output_ids for r in reqs], device)
             if any(p.repetition_penalty != 1.0 for p in ps):
                 sb.seen_ids = _pad([r.all_ids for r in reqs], device)
+        seeded = [i for i, p in enumerate(ps) if p.seed is not None and not p.greedy]
+        if seeded:
+            sb.seeded_rows = torch.tensor(seeded, dtype=torch.int64).to(device, non_blocking=True)
         wants = [p.logprobs for p in ps if p.logprobs is not None]
         sb.max_logprobs = max(wants) if wants else -1
         return sb
@@ -147,9 +152,17 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> Tuple[torch.Tensor, Optio
         if sb.need_filter:
             scaled = scaled.masked_fill(filter_mask(torch.softmax(scaled, dim=-1), sb.top_k, sb.top_p, sb.min_p),
                                         float("-inf"))
-        u = hashed_uniform(sb.seeds, sb.steps, logits.shape[-1])
-        gumbel = -torch.log(-torch.log(u))
-        sampled = (scaled + gumbel).argmax(dim=-1)
+        # Gumbel-max: argmax(scaled + G) with G = -log(E), E ~ Exp(1). Unseeded rows draw E from torch's
+        # generator (one fused kernel); seeded rows from the counter-based hash (reproducible per request).
+        if sb.seeded_rows is None:
+            e = torch.empty_like(scaled).exponential_()
+        elif sb.seeded_rows.numel() == scaled.shape[0]:
+            e = -torch.log(hashed_uniform(sb.seeds, sb.steps, logits.shape[-1]))
+        else:
+            e = torch.empty_like(scaled).exponential_()
+            rows = sb.seeded_rows
+            e[rows] = -torch.log(hashed_uniform(sb.seeds[rows], sb.steps[rows], logits.shape[-1]))
+        sampled = scaled.sub_(e.log_()).argmax(dim=-1)
         ids = torch.where(sb.temperature > 0, sampled, greedy_ids)
     chosen_lp = top = None
     if sb.max_logprobs >= 0:

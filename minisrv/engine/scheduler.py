@@ -145,6 +145,7 @@ class Scheduler:
                 break
             reqs.append(req)
             lens.append(n)
+            reserved += need  # claimed by this batch: later candidates must fit in what is left
             if new:
                 reserved += self._pages_for(int(future))
             budget -= n

@@ -15,7 +15,7 @@ fi
 [ -f "$MINISRV_GPU_CKPT/config.json" ] || python3 .gpu-wheels/tools/make_checkpoint.py "$MINISRV_GPU_CKPT" qwen3-0.6b >/dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -E "Warning|warn\(" | tail -n 40
+  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/run.log" | grep -v -E "Warning|warn\(" | tail -n 40
   echo "=== $name done in $((SECONDS - t))s (rc ${PIPESTATUS[0]})"; save_cache; }
 # carry compiled FlashInfer kernels back (at most 8 files come back per call), after every step
 save_cache() { ls -S "$FI_CACHE"/*/*.so 2>/dev/null | head -8 | while read -r f; do cp -u "$f" "$OUT/"; done; }
@@ -28,8 +28,11 @@ for phase in "${@:-smoke}"; do
     graph) step graph 400 python3 -m pytest -q -s tests/gpu/test_cuda_graph.py ;;
     backends) step backends 550 python3 -m pytest -q -x tests/gpu/test_backends.py ;;
     bench) step bench 300 $BENCH --attention-backend auto --profile ;;
+    bench-p16) step bench-p16 300 $BENCH --attention-backend auto --page-size 16 ;;
     bench-fi) step bench-fi 300 $BENCH --attention-backend fi ;;
     bench-fa) step bench-fa 300 $BENCH --attention-backend fa ;;
+    profile) step profile 200 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
+               --batch-sizes 256 --graphs off --steps 8 --torch-profile ;;
     decode) step decode 300 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
               --batch-sizes 1,64,256 --json "$OUT/decode.jsonl" ;;
     llama8b) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
