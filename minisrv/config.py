@@ -25,6 +25,7 @@ class EngineConfig:
     chunked_prefill_size: int = 8192
     cuda_graph_max_bs: Optional[int] = None  # None: by GPU memory
     disable_cuda_graph: bool = False
+    disable_overlap_schedule: bool = False  # CUDA: prepare step N+1 on the host while step N runs
     seed: int = 0
     log_level: str = "info"
 
@@ -60,6 +61,8 @@ class EngineConfig:
         p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
         p.add_argument("--cuda-graph-max-bs", type=int, default=None)
         p.add_argument("--disable-cuda-graph", action="store_true")
+        p.add_argument("--disable-overlap-schedule", action="store_true",
+                       help="CUDA: do not schedule the next step while the current one runs")
         p.add_argument("--seed", type=int, default=d.seed)
         p.add_argument("--log-level", default=d.log_level)
 

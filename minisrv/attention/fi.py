@@ -52,6 +52,17 @@ class FlashInferBackend(AttentionBackend):
         # CUDA-graph state
         self.graph_wrappers: Dict[int, object] = {}
         self.g_kv_indptr: Optional[torch.Tensor] = None
+        # plan() fills pinned host buffers and queues copies from them; with overlap scheduling the next plan
+        # can come before the device has run those copies, so each plan first waits for the previous one's
+        self._plan_done: Optional[torch.cuda.Event] = None
+
+    def _before_plan(self) -> None:
+        if self._plan_done is not None:
+            self._plan_done.synchronize()
+
+    def _after_plan(self) -> None:
+        self._plan_done = torch.cuda.Event()
+        self._plan_done.record()
 
     # -- metadata -------------------------------------------------------------------------------------------
 
@@ -83,10 +94,12 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan_decode(self, wrapper, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                      kv_last: torch.Tensor) -> None:
+        self._before_plan()
         wrapper.plan(kv_indptr, kv_indices, kv_last,
                      self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
                      pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
                      sm_scale=self.scale)
+        self._after_plan()
 
     def prepare(self, b: ForwardBatch) -> None:
         self.loc = b.out_cache_loc
@@ -101,10 +114,12 @@ class FlashInferBackend(AttentionBackend):
         for e in b.extend_lens_cpu:
             qo.append(qo[-1] + e)
         qo_indptr = torch.tensor(qo, dtype=torch.int32)
+        self._before_plan()
         self.prefill_wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_last,
                                   self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
                                   causal=True, pos_encoding_mode="NONE", sm_scale=self.scale,
                                   q_data_type=self.dtype, kv_data_type=self.dtype)
+        self._after_plan()
         self._active = self.prefill_wrapper
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:

@@ -79,6 +79,8 @@ class Engine:
         self.pad_row = self.table.alloc_row()
         self.pad_page: Optional[int] = None
         self.peak_pages_used = 0
+        self._pending = None  # a launched step whose results are not yet processed
+        self.overlap = self.device.type == "cuda" and not cfg.disable_overlap_schedule
         self.max_request_len = min(self.context_length, self.pool.num_slots)
         self.backend = create_backend(self.backend_name, self.pool, self.table.table, a.num_heads)
         graph_runner = None
@@ -185,30 +187,68 @@ class Engine:
         req = self.scheduler.abort(rid)
         if req is None:
             return None
+        while req.output_ids and req.output_ids[-1] < 0:
+            req.output_ids.pop()  # a token still on its way from the device
         return RequestOutput(req.rid, [], [], True, "abort", None, len(req.prompt_ids), len(req.output_ids))
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._pending is not None or self.scheduler.has_work()
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> List[RequestOutput]:
-        """Run one scheduled step; returns news for every request that sampled a token."""
+        """Run one scheduled step; returns news for every request that sampled a token.
+
+        With overlap (CUDA), the step scheduled and launched here runs on the device while the previous step's
+        results are processed on the host, so the GPU never waits for the scheduler: the news returned is the
+        previous step's, and a decode input whose token is still being sampled is a placeholder the device
+        fills in (see ModelRunner.build_forward_batch).
+        """
+        prof = self.runner.timings
+        outputs: List[RequestOutput] = []
+        if self._pending is not None and any(r.has_penalties for r in self.scheduler.running):
+            outputs = self._process(self._take_pending())  # penalties count the actual previous tokens
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        if self.runner.timings is not None:
-            self.runner.timings["schedule"] += time.perf_counter() - t0
-        self.peak_pages_used = max(self.peak_pages_used, self.num_free_pages_when_idle - self.allocator.num_free)
-        result = self.runner.step(batch)
-        self.scheduler.commit(batch)
+        launched = None
+        if batch is not None:
+            if prof is not None:
+                prof["schedule"] += time.perf_counter() - t0
+            self.peak_pages_used = max(self.peak_pages_used,
+                                       self.num_free_pages_when_idle - self.allocator.num_free)
+            prev = self._pending.ids if self._pending is not None else None
+            launched = self.runner.launch(batch, prev)
+            self.scheduler.commit(batch)
+            placeholders = []
+            k = 0
+            for req, sampled in zip(batch.reqs, batch.samples):
+                if sampled:
+                    placeholders.append(len(req.output_ids))
+                    req.output_ids.append(-(k + 1))  # the token is on its way from the device
+                    k += 1
+            launched.positions = placeholders
+        if self._pending is not None:
+            outputs += self._process(self._take_pending())
+        self._pending = launched
+        if launched is not None and not self.overlap:
+            outputs += self._process(self._take_pending())
+        return outputs
+
+    def _take_pending(self):
+        p, self._pending = self._pending, None
+        return p
+
+    def _process(self, launched) -> List[RequestOutput]:
+        """Write a launched step's sampled tokens into its requests and apply the finish checks."""
+        result = launched.result()
         t0 = time.perf_counter()
         outputs: List[RequestOutput] = []
-        i = 0
-        for req, sampled in zip(batch.reqs, batch.samples):
-            if not sampled:
-                continue
+        batch = launched.batch
+        reqs = [r for r, s in zip(batch.reqs, batch.samples) if s]
+        for i, (req, pos) in enumerate(zip(reqs, launched.positions)):
+            if req.finished:
+                continue  # finished or aborted while this step was on the device
             tok = result.token_ids[i]
+            req.output_ids[pos] = tok
             lps: List[TokenLogprob] = []
             if result.logprobs is not None and req.params.logprobs is not None:
                 top: Dict[int, float] = {}
@@ -217,18 +257,17 @@ class Engine:
                     top = dict(zip(ids[i][:req.params.logprobs], vals[i][:req.params.logprobs]))
                 lps.append(TokenLogprob(tok, result.logprobs[i], top))
                 req.logprobs.extend(lps)
-            i += 1
-            req.output_ids.append(tok)
-            reason = self._check_finish(req, tok)
+            reason = self._check_finish(req, tok, pos + 1)
             if reason is not None:
+                del req.output_ids[pos + 1:]  # a token sampled after the end is dropped
                 self.scheduler.finish(req, reason)
             outputs.append(RequestOutput(req.rid, [tok], lps, req.finished, req.finish_reason, req.stop_str,
-                                         len(req.prompt_ids), len(req.output_ids)))
+                                         len(req.prompt_ids), pos + 1))
         if self.runner.timings is not None:
             self.runner.timings["postprocess"] += time.perf_counter() - t0
         return outputs
 
-    def _check_finish(self, req: Request, tok: int) -> Optional[str]:
+    def _check_finish(self, req: Request, tok: int, num_out: int) -> Optional[str]:
         p = req.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_ids):
             return "stop"
@@ -240,7 +279,7 @@ class Engine:
                 req.text = req.text[:hit[0]]
                 req.stop_str = hit[1]
                 return "stop"
-        if len(req.output_ids) >= req.max_new_tokens:
+        if num_out >= req.max_new_tokens:
             return "length"
         return None
 

@@ -24,6 +24,26 @@ class StepResult:
     top_logprobs: Optional[Tuple[List[List[float]], List[List[int]]]]
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device; its results reach the host when `event` completes."""
+
+    batch: ScheduledBatch
+    ids: Optional[torch.Tensor]  # [S] sampled ids on the device (next step's inputs may point into it)
+    host: List[Optional[torch.Tensor]]  # ids, chosen logprobs, top values, top ids (host copies, maybe pending)
+    event: Optional[torch.cuda.Event]
+    positions: List[int] = None  # where each sampling request's token goes in its output_ids
+
+    def result(self) -> StepResult:
+        if self.event is not None:
+            self.event.synchronize()
+        ids, lp, top_v, top_i = self.host
+        if ids is None:
+            return StepResult([], None, None)
+        return StepResult(ids.tolist(), lp.tolist() if lp is not None else None,
+                          (top_v.tolist(), top_i.tolist()) if top_v is not None else None)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, pool: KVPool, table: ReqToTokenTable,
                  device: torch.device, graph_runner=None) -> None:
@@ -46,11 +66,13 @@ class ModelRunner:
         self.timings[phase] += t - t0
         return t
 
-    def build_forward_batch(self, sb: ScheduledBatch) -> ForwardBatch:
+    def build_forward_batch(self, sb: ScheduledBatch, prev_ids: Optional[torch.Tensor] = None) -> ForwardBatch:
+        """Step tensors for a scheduled batch. A decode input may be a placeholder -(k+1) for a token still being
+        sampled by the previous step; it is resolved on the device from that step's ids (`prev_ids[k]`)."""
         reqs, ext = sb.reqs, sb.extend_lens
         seq_lens = [r.num_cached + n for r, n in zip(reqs, ext)]
         if sb.mode is ForwardMode.DECODE:
-            ids = [r.all_ids[-1] for r in reqs]
+            ids = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
             pos = [r.num_cached for r in reqs]
         else:
             ids, pos = [], []
@@ -68,9 +90,12 @@ class ModelRunner:
         dev_req = host_req.to(dev, non_blocking=True)
         dev_i32 = host_i32.to(dev, non_blocking=True)
         t = len(ids)
+        input_ids = dev_tok[:t]
+        if prev_ids is not None and sb.mode is ForwardMode.DECODE and min(ids) < 0:
+            input_ids = torch.where(input_ids < 0, prev_ids[(-input_ids - 1).clamp_(min=0)], input_ids)
         return ForwardBatch(
             mode=sb.mode,
-            input_ids=dev_tok[:t],
+            input_ids=input_ids,
             positions=dev_tok[t:],
             out_cache_loc=sb.out_cache_loc.to(dev, non_blocking=True),
             req_rows=dev_req[0],
@@ -92,10 +117,11 @@ class ModelRunner:
         return self.model.compute_logits(hidden[fb.last_indices])
 
     @torch.inference_mode()
-    def step(self, sb: ScheduledBatch) -> StepResult:
+    def launch(self, sb: ScheduledBatch, prev_ids: Optional[torch.Tensor] = None) -> LaunchedStep:
+        """Queue forward and sampling; copy results to the host without waiting for them."""
         prof = self.timings is not None
         t = time.perf_counter() if prof else 0.0
-        fb = self.build_forward_batch(sb)
+        fb = self.build_forward_batch(sb, prev_ids)
         if prof:
             t = self._tick("metadata", t)
         logits = self.forward_logits(fb)
@@ -103,16 +129,23 @@ class ModelRunner:
             t = self._tick("forward_decode" if fb.is_decode else "forward_extend", t)
         sampling = [r for r, s in zip(sb.reqs, sb.samples) if s]
         if not sampling:
-            return StepResult([], None, None)
+            return LaunchedStep(sb, None, [None] * 4, None)
         if len(sampling) != len(sb.reqs):
             keep = torch.tensor([i for i, s in enumerate(sb.samples) if s], device=logits.device)
             logits = logits[keep]
         ids, lp, top = sample(logits, SamplingBatch.build(sampling, logits.device))
-        result = StepResult(
-            ids.tolist(),
-            lp.tolist() if lp is not None else None,
-            (top[0].tolist(), top[1].tolist()) if top is not None else None,
-        )
+        outs = [ids, lp, *(top if top is not None else (None, None))]
+        event = None
+        if self.device.type == "cuda":
+            host = [None if x is None else torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(
+                x, non_blocking=True) for x in outs]
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = outs
         if prof:
             self._tick("sampling", t)
-        return result
+        return LaunchedStep(sb, ids, host, event)
+
+    def step(self, sb: ScheduledBatch) -> StepResult:
+        return self.launch(sb).result()

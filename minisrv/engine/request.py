@@ -62,6 +62,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -116,6 +120,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.params.has_penalties
 
 
 @dataclass

@@ -34,7 +34,9 @@ def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torc
     key = _mix32((seeds * _C3 & _M32) ^ _mix32(steps & _M32))  # [B]
     cols = _mix32(torch.arange(vocab, device=seeds.device, dtype=torch.int64) * _C4 & _M32)  # [V]
     h = _mix32(key[:, None] ^ cols[None, :])
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: k + 0.5 is exact in float32 for k < 2**23, so u <= 1 - 2**-24 (with 24 bits the top value rounds
+    # to 1.0, and -log(-log(1)) = +inf would pick that token whatever its probability)
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def filter_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -91,7 +93,7 @@ class SamplingBatch:
         need_filter = any((p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) and not p.greedy for p in ps)
         sb = cls(*(t.to(device, non_blocking=True) for t in (temperature, top_k, top_p, min_p, seeds, steps)),
                  all_greedy=all_greedy, need_filter=need_filter)
-        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in ps):
+        if any(p.has_penalties for p in ps):
             sb.presence = torch.tensor([p.presence_penalty for p in ps], **f32).to(device)
             sb.frequency = torch.tensor([p.frequency_penalty for p in ps], **f32).to(device)
             sb.repetition = torch.tensor([p.repetition_penalty for p in ps], **f32).to(device)

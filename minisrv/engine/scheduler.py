@@ -69,8 +69,6 @@ class Scheduler:
         req = self.by_id.get(rid)
         if req is None or req.finished:
             return None
-        if req.status is RequestStatus.WAITING:
-            self.waiting.remove(req)
         self.finish(req, "abort")
         return req
 
@@ -78,6 +76,8 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self._release(req)
+        elif req.status is RequestStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)  # retracted while its last token was still on the device
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.by_id.pop(req.rid, None)
@@ -164,7 +164,8 @@ class Scheduler:
         return ScheduledBatch(ForwardMode.EXTEND, reqs, lens, torch.cat(slots))
 
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
-        reqs = [r for r in self.running if r.num_cached == r.total_len - 1]
+        # a request whose last allowed token is still on the device needs no further step
+        reqs = [r for r in self.running if r.num_cached == r.total_len - 1 and len(r.output_ids) < r.max_new_tokens]
         if not reqs:
             return None
         ps = self.page_size

@@ -73,7 +73,25 @@ def load_hf_config(path: str) -> Dict[str, Any]:
 def load_model_args(path: str) -> ModelArgs:
     args = ModelArgs.from_hf_config(load_hf_config(path))
     model_class(args.architecture)  # refuse unknown architectures before touching the weights
+    for eos in _generation_eos_ids(path):  # HF generate stops on these too (e.g. an instruct model's end-of-turn)
+        if eos not in args.eos_token_ids:
+            args.eos_token_ids.append(eos)
     return args
+
+
+def _generation_eos_ids(path: str) -> List[int]:
+    """eos_token_id of the directory's generation_config.json, if it has one."""
+    gen_file = os.path.join(path, "generation_config.json")
+    if is_gguf(path) or not os.path.isfile(gen_file):
+        return []
+    try:
+        with open(gen_file) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError):
+        return []
+    if isinstance(eos, int):
+        eos = [eos]
+    return [e for e in eos if isinstance(e, int)] if isinstance(eos, list) else []
 
 
 _TOKENIZER_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "minisrv", "tokenizers")
