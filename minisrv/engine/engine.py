@@ -62,6 +62,16 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = sorted(eos)
         self.context_length = cfg.context_length or self.args.max_position_embeddings
+        window = self.args.sliding_window
+        if window is not None and self.context_length > window:
+            # attention is full over the whole context here: exact only while sequences fit in the window
+            if cfg.context_length:
+                raise ValueError(f"context length {cfg.context_length} is over the model's sliding window of "
+                                 f"{window} tokens; sliding-window attention is not supported, so the context "
+                                 f"length can be at most {window}")
+            logger.warning("the model uses sliding-window attention (%d tokens), which is not supported: "
+                           "context length limited to %d", window, window)
+            self.context_length = window
         self.dtype = resolve_dtype(cfg.dtype, self.args.torch_dtype, self.device)
         self.model = load_model(self.model_path, self.args, self.dtype, self.device, self.context_length)
         fused = enable_fused_ops(self.device)

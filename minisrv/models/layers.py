@@ -52,6 +52,7 @@ class ModelArgs:
     torch_dtype: Optional[str] = None
     eos_token_ids: List[int] = field(default_factory=list)
     bos_token_id: Optional[int] = None
+    sliding_window: Optional[int] = None  # attention window of (some) layers; None: full attention everywhere
 
     @classmethod
     def from_hf_config(cls, cfg: Dict[str, Any]) -> "ModelArgs":
@@ -70,6 +71,12 @@ class ModelArgs:
         eos = cfg.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+        window = cfg.get("sliding_window")
+        if cfg.get("layer_types"):  # transformers >= 5 lists each layer's attention
+            if "sliding_attention" not in cfg["layer_types"]:
+                window = None
+        elif arch != "MistralForCausalLM" and not cfg.get("use_sliding_window", False):
+            window = None  # Qwen2/Qwen3 configs carry a sliding_window that is off unless use_sliding_window
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -89,6 +96,7 @@ class ModelArgs:
             torch_dtype=str(dtype).replace("torch.", "") if dtype else None,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            sliding_window=int(window) if window else None,
         )
 
 
