@@ -294,3 +294,26 @@ def test_engine_stats(small_ctx):
     assert st["num_running"] == 1 and st["kv_pages_used"] == 2  # 5 tokens in pages of 4
     eng.abort(r.rid)
     assert eng.stats()["kv_pages_used"] == 0 and eng.stats()["kv_usage"] == 0.0
+
+
+def test_abort_with_overlap_scheduling(model):
+    """With overlap on, a request aborted while its newest token is still in flight keeps only real tokens and
+    frees its pages; the others finish exactly as HF would have it."""
+    llm = make_llm(model, page_size=2)
+    eng = llm.engine
+    eng.overlap = True
+    watch = EngineWatch(eng)
+    prompts = make_prompts(vocab_of(model), [9, 14, 5], seed=33)
+    a, b, c = (eng.add_request(p, greedy(10)) for p in prompts)
+    for _ in range(4):
+        eng.step()
+    assert eng._pending is not None and a.output_ids[-1] < 0  # a token is on its way
+    out = eng.abort(a.rid)
+    assert out.finish_reason == "abort" and a.output_ids and all(t >= 0 for t in a.output_ids)
+    assert not a.pages and a.row == -1
+    while eng.has_work():
+        eng.step()
+    for r in (b, c):
+        assert r.finished and r.finish_reason == "length" and len(r.output_ids) == 10
+        _check_against_hf(model, r)
+    watch.assert_idle()

@@ -29,6 +29,10 @@ MODES = {
     "retract": dict(max_total_tokens=64, page_size=1),
     "retract_page16": dict(max_total_tokens=64, page_size=16),
     "retract_chunked": dict(max_total_tokens=56, page_size=2, chunked_prefill_size=8, max_prefill_tokens=16),
+    # overlap scheduling (the CUDA default) forced on: step N+1 is scheduled before step N's tokens are read
+    "overlap": dict(page_size=1, overlap=True),
+    "overlap_retract_chunked": dict(max_total_tokens=56, page_size=2, chunked_prefill_size=8, max_prefill_tokens=16,
+                                    overlap=True),
 }
 
 
@@ -37,8 +41,11 @@ MODES = {
 def test_greedy_matches_hf(tiny_model, arch, mode):
     path = tiny_model(arch)
     prompts = make_prompts(vocab_of(path))
-    llm = make_llm(path, **MODES[mode])
-    if mode.startswith("retract"):
+    kw = dict(MODES[mode])
+    overlap = kw.pop("overlap", False)
+    llm = make_llm(path, **kw)
+    llm.engine.overlap = overlap
+    if "retract" in mode:
         # admit optimistically, as the scheduler does after a long run of uneventful decoding, so that decode
         # really runs out of pages and must retract
         llm.engine.scheduler.new_token_ratio = MIN_NEW_TOKEN_RATIO
@@ -52,9 +59,9 @@ def test_greedy_matches_hf(tiny_model, arch, mode):
     n = watch.check_logits(path)
     assert n >= len(prompts) * MAX_TOKENS
     watch.assert_idle()
-    if mode.startswith("retract"):
+    if "retract" in mode:
         assert llm.engine.scheduler.num_retractions > 0, "the pool was meant to force retraction"
-    if mode.startswith("chunked") or mode == "retract_chunked":
+    if "chunked" in mode:
         assert watch.partial_extends > 0, "no prefill was chunked"
     else:
         assert watch.partial_extends == 0
