@@ -1,0 +1,304 @@
+"""The engine in its own process, and the asyncio handle the HTTP side uses to talk to it.
+
+Why a process: the model step holds the CPU/GPU for milliseconds to seconds, and Python's GIL would let it
+stall the event loop (and the event loop would delay steps). Two ZeroMQ PUSH/PULL pipes over ipc:// carry
+pickled tuples; sends never block on either side (unbounded high-water marks), so neither loop waits on the
+other.
+
+HTTP -> engine:  ("add", rid, prompt_ids, SamplingParams) | ("abort", rid) | ("stats",) | ("shutdown",)
+engine -> HTTP:  ("ready", EngineInfo) | ("startup_error", text) | ("outputs", [RequestOutput, ...])
+                 | ("reject", rid, message) | ("stats", dict)
+
+One "outputs" message per engine step carries every request that sampled a token in that step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import zmq
+
+from minisrv.config import EngineConfig
+from minisrv.engine.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger("minisrv.server")
+
+STATS_INTERVAL_S = 0.1  # while busy, at most this often; always at once when the engine goes idle
+IDLE_POLL_MS = 1000  # an idle engine wakes this often to check that its parent is alive
+
+
+@dataclass
+class EngineInfo:
+    """What the HTTP side needs to know about the loaded engine (limits are checked before sending)."""
+
+    model_path: str
+    backend_name: str
+    device: str
+    context_length: int
+    max_request_len: int
+    vocab_size: int
+    eos_ids: List[int] = field(default_factory=list)
+    kv_tokens: int = 0
+
+
+class EngineError(RuntimeError):
+    """The engine refused a request (a ValueError from make_request)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine process is gone."""
+
+
+# ------------------------------------------------------------------------------------------ engine side
+def _pipe(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:
+    s = ctx.socket(kind)
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.setsockopt(zmq.RCVHWM, 0)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(addr)
+    return s
+
+
+def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, parent_pid: int) -> None:
+    """Entry point of the engine process (spawned): load, report ready or the error, then loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    ctx = zmq.Context()
+    recv = _pipe(ctx, zmq.PULL, in_addr)
+    send = _pipe(ctx, zmq.PUSH, out_addr)
+    try:
+        from minisrv.engine.engine import Engine
+        engine = Engine(cfg)
+    except BaseException as e:  # noqa: BLE001 - every startup failure must reach the launcher
+        logger.debug("engine startup failed", exc_info=True)
+        detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+        send.send_pyobj(("startup_error", detail))
+        time.sleep(0.2)  # let the message leave before the process ends
+        ctx.destroy(linger=1000)
+        os._exit(1)
+    info = EngineInfo(engine.model_path, engine.backend_name, str(engine.device), engine.context_length,
+                      engine.max_request_len, engine.args.vocab_size, list(engine.eos_ids), engine.pool.num_slots)
+    send.send_pyobj(("ready", info))
+    try:
+        _loop(engine, recv, send, parent_pid)
+    finally:
+        ctx.destroy(linger=0)
+    os._exit(0)
+
+
+def _loop(engine: Any, recv: zmq.Socket, send: zmq.Socket, parent_pid: int) -> None:
+    last_stats: Optional[Dict[str, Any]] = None
+    last_sent = 0.0
+    while True:
+        busy = engine.has_work()
+        msgs: List[tuple] = []
+        if recv.poll(0 if busy else IDLE_POLL_MS):
+            while True:
+                try:
+                    msgs.append(recv.recv_pyobj(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+        if os.getppid() != parent_pid:
+            logger.warning("engine: parent process is gone; exiting")
+            return
+        outputs: List[RequestOutput] = []
+        stats_asked = False
+        for msg in msgs:
+            kind = msg[0]
+            if kind == "add":
+                _, rid, prompt_ids, params = msg
+                try:
+                    engine.add(engine.make_request(prompt_ids, params, rid))
+                except ValueError as e:
+                    send.send_pyobj(("reject", rid, str(e)))
+            elif kind == "abort":
+                out = engine.abort(msg[1])
+                if out is not None:
+                    outputs.append(out)
+            elif kind == "stats":
+                stats_asked = True
+            elif kind == "shutdown":
+                return
+        if engine.has_work():
+            outputs.extend(engine.step())
+        if outputs:
+            send.send_pyobj(("outputs", outputs))
+        stats = engine.stats()
+        now = time.monotonic()
+        if stats_asked or (stats != last_stats and (now - last_sent >= STATS_INTERVAL_S or not engine.has_work())):
+            send.send_pyobj(("stats", stats))
+            last_stats, last_sent = stats, now
+
+
+# ------------------------------------------------------------------------------------------ HTTP side
+Sink = asyncio.Queue  # receives (tag, RequestOutput | Exception)
+
+
+class EngineClient:
+    """Owns the engine process; routes its outputs to per-HTTP-request queues. Use from one event loop."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.info: Optional[EngineInfo] = None
+        self.stats: Dict[str, Any] = {}
+        self.ready = False
+        self.dead = False
+        self.on_death: Optional[Callable[[], None]] = None
+        self._routes: Dict[str, Tuple[Sink, Any]] = {}
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._stats_event = asyncio.Event()
+        self._tasks: List[asyncio.Task] = []
+        self._dir = tempfile.mkdtemp(prefix="minisrv-")
+        self._ctx: Optional[Any] = None
+        self._proc: Optional[Any] = None
+
+    # -------------------------------------------------------------- lifecycle
+    async def start(self) -> EngineInfo:
+        """Spawn the engine and wait until it has loaded; raises RuntimeError with the engine's reason."""
+        import zmq.asyncio
+        self._ctx = zmq.asyncio.Context()
+        in_addr = f"ipc://{self._dir}/in"
+        out_addr = f"ipc://{self._dir}/out"
+        self._send = self._ctx.socket(zmq.PUSH)
+        self._recv = self._ctx.socket(zmq.PULL)
+        for s, addr in ((self._send, in_addr), (self._recv, out_addr)):
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
+            s.setsockopt(zmq.LINGER, 0)
+            s.bind(addr)
+        self._proc = mp.get_context("spawn").Process(
+            target=engine_main, args=(self.cfg, in_addr, out_addr, os.getpid()), name="minisrv-engine", daemon=True)
+        self._proc.start()
+        while True:
+            if await self._recv.poll(200):
+                msg = await self._recv.recv_pyobj()
+                if msg[0] == "ready":
+                    self.info = msg[1]
+                    break
+                if msg[0] == "startup_error":
+                    await self._reap()
+                    raise RuntimeError(msg[1])
+            elif not self._proc.is_alive():
+                code = self._proc.exitcode
+                raise RuntimeError(f"the engine process exited during startup (exit code {code})")
+        self.ready = True
+        self._tasks = [asyncio.create_task(self._recv_loop(), name="engine-recv"),
+                       asyncio.create_task(self._send_loop(), name="engine-send"),
+                       asyncio.create_task(self._watchdog(), name="engine-watchdog")]
+        return self.info
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Ask the engine to stop, then terminate/kill it if it does not; always reaps it (no zombie)."""
+        looping = self.ready  # still loading: it reads no messages, so it is terminated at once
+        self.ready = False
+        for t in self._tasks:
+            t.cancel()
+        if looping and self._proc is not None and self._proc.is_alive():
+            try:
+                await asyncio.wait_for(self._send.send_pyobj(("shutdown",)), 1.0)
+            except Exception:  # noqa: BLE001 - the process is stopped below anyway
+                pass
+        await self._reap(timeout if looping else 0.0)
+        self._fail_all(EngineDead("the server is shutting down"))
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def _reap(self, timeout: float = 5.0) -> None:
+        p = self._proc
+        if p is None:
+            return
+        deadline = time.monotonic() + timeout
+        while p.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if p.is_alive():
+            p.terminate()
+            await asyncio.sleep(0)
+            p.join(2)
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+    # -------------------------------------------------------------- requests
+    def submit(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, tag: Any) -> None:
+        """Queue a request; its outputs arrive in `sink` as (tag, RequestOutput), a refusal as (tag, EngineError)."""
+        if self.dead or not self.ready:
+            raise EngineDead("the engine is not running")
+        self._routes[rid] = (sink, tag)
+        self._outbox.put_nowait(("add", rid, list(prompt_ids), params))
+
+    def abort(self, rid: str) -> None:
+        """Forget a request and tell the engine to drop it (frees its KV pages). Never blocks, never awaits."""
+        if self._routes.pop(rid, None) is not None and not self.dead:
+            self._outbox.put_nowait(("abort", rid))
+
+    def release(self, rid: str) -> None:
+        """Forget a finished request."""
+        self._routes.pop(rid, None)
+
+    async def fresh_stats(self, timeout: float = 0.5) -> Dict[str, Any]:
+        """Ask for stats now; returns the last known ones if the engine is mid-step for longer than timeout."""
+        if self.ready and not self.dead:
+            self._stats_event.clear()
+            self._outbox.put_nowait(("stats",))
+            try:
+                await asyncio.wait_for(self._stats_event.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        return self.stats
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._routes)
+
+    # -------------------------------------------------------------- loops
+    async def _send_loop(self) -> None:
+        while True:
+            msg = await self._outbox.get()
+            await self._send.send_pyobj(msg)
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self._recv.recv_pyobj()
+            kind = msg[0]
+            if kind == "outputs":
+                for out in msg[1]:
+                    route = self._routes.get(out.rid)
+                    if route is not None:
+                        if out.finished:
+                            del self._routes[out.rid]
+                        route[0].put_nowait((route[1], out))
+            elif kind == "stats":
+                self.stats = msg[1]
+                self._stats_event.set()
+            elif kind == "reject":
+                route = self._routes.pop(msg[1], None)
+                if route is not None:
+                    route[0].put_nowait((route[1], EngineError(msg[2])))
+
+    async def _watchdog(self) -> None:
+        while self._proc is not None and self._proc.is_alive():
+            await asyncio.sleep(0.5)
+        if not self.ready:
+            return
+        self.dead = True
+        self.ready = False
+        logger.error("the engine process died (exit code %s)", self._proc.exitcode if self._proc else None)
+        self._fail_all(EngineDead("the engine process died"))
+        if self.on_death is not None:
+            self.on_death()
+
+    def _fail_all(self, err: Exception) -> None:
+        routes, self._routes = self._routes, {}
+        for sink, tag in routes.values():
+            sink.put_nowait((tag, err))

@@ -1,0 +1,168 @@
+"""`minisrv-server` / `python -m minisrv.launch_server`: the OpenAI-compatible server.
+
+Startup order: bind the port (so a busy port fails in a second, not after the model loads), start serving
+(/health and /v1 answer 503 meanwhile), spawn the engine process and load the tokenizer alongside; on the engine's
+ready, print one ready line; on its startup error, print it and exit 1. SIGINT/SIGTERM: uvicorn stops accepting
+and drains briefly, then the engine process is asked to stop, terminated if it does not, and reaped.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import List, Optional
+
+from minisrv.config import EngineConfig
+
+logger = logging.getLogger("minisrv.server")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 30000
+GRACEFUL_SHUTDOWN_S = 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="minisrv-server",
+                                description="OpenAI-compatible LLM server (flag names follow SGLang's).")
+    EngineConfig.add_cli_args(p)
+    p.add_argument("--host", default=DEFAULT_HOST)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the basename of the model path)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on every route but /health")
+    return p
+
+
+def _fail(msg: str, code: int = 1) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
+    print(f"minisrv-server: error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        logging.getLogger("minisrv").setLevel(args.log_level.upper())
+    except ValueError:
+        _fail(f"unknown --log-level {args.log_level!r}", 2)
+    try:
+        cfg = EngineConfig.from_args(args)
+    except ValueError as e:
+        _fail(str(e), 2)
+    from minisrv.models.loader import resolve_model_path
+    try:
+        model_path = resolve_model_path(cfg.model)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    try:
+        sock = _listen(args.host, args.port)
+    except OSError as e:
+        _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
+    served = args.served_model_name or os.path.basename(os.path.normpath(model_path))
+    aliases = sorted({a for a in (cfg.model, model_path, os.path.abspath(model_path)) if a})
+    try:
+        code = asyncio.run(_serve(args, cfg, model_path, sock, served, aliases))
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        sock.close()
+    sys.exit(code)
+
+
+async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, sock: socket.socket,
+                 served: str, aliases: List[str]) -> int:
+    import uvicorn
+
+    from minisrv.models.loader import load_tokenizer
+
+    from .api import ServerState, create_app
+    from .engine_proc import EngineClient
+
+    # uvicorn handles SIGINT/SIGTERM while it runs, restores the handlers it found when it stops, then re-raises the
+    # signal; with these no-op handlers underneath, that re-raise (or a second Ctrl-C) cannot cut the engine
+    # shutdown below short.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda _s, _f: None)
+
+    client = EngineClient(cfg)
+    state = ServerState(client=client, served_model_name=served, model_aliases=aliases, api_key=args.api_key)
+    debug = args.log_level.lower() == "debug"
+    config = uvicorn.Config(create_app(state), log_level="debug" if debug else "warning", access_log=debug,
+                            lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = uvicorn.Server(config)
+    client.on_death = lambda: setattr(server, "should_exit", True)
+
+    async def start() -> None:
+        # the engine loads in its process while this one loads the tokenizer; /health is 503 until both are done
+        tok = asyncio.create_task(asyncio.to_thread(load_tokenizer, model_path, cfg.tokenizer))
+        try:
+            info = await client.start()
+        except BaseException:
+            tok.cancel()
+            raise
+        state.attach(await tok, info)
+
+    # serving starts at once (503 while loading); the engine's failure or a signal ends it
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    starting = asyncio.create_task(start())
+    try:
+        await asyncio.wait({serving, starting}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # uvicorn stopped first: a signal during startup, or it could not serve
+            starting.cancel()
+            if serving.exception() is not None:
+                print(f"minisrv-server: error: the HTTP server failed: {serving.exception()}", file=sys.stderr,
+                      flush=True)
+                return 1
+            print("minisrv-server: interrupted during startup", file=sys.stderr, flush=True)
+            return 130
+        try:
+            starting.result()
+        except Exception as e:  # noqa: BLE001 - any startup failure: reported, then a clean exit
+            what = "the engine failed to start" if not client.ready else "cannot load the tokenizer"
+            print(f"minisrv-server: error: {what}: {e}", file=sys.stderr, flush=True)
+            server.should_exit = True
+            await serving
+            return 1
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            print(f"minisrv ready: {_url(args.host, args.port)} model={served} "
+                  f"attention_backend={state.info.backend_name} device={state.info.device}", flush=True)
+        await serving
+        if client.dead:
+            print("minisrv-server: error: the engine process died", file=sys.stderr, flush=True)
+            return 1
+        return 0
+    finally:
+        if not serving.done():
+            server.should_exit = True
+            await serving
+        await client.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""OpenAI request/response schemas (the subset minisrv serves), plus the error shape.
+
+Requests are validated here (types and ranges); anything pydantic rejects becomes a 400 in OpenAI's error
+shape. Unknown fields are ignored, as OpenAI-compatible servers usually do; fields that would change the
+meaning of a request but are not supported (logit_bias, suffix, tools, ...) are refused in api.py.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_N = 128  # choices per request
+MAX_LOGPROBS = 20  # top-n logprobs per token, OpenAI's limit
+
+
+# ---------------------------------------------------------------------------------------------- errors
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[Union[str, int]] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------------------------------------- requests
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions. None means: the default."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None  # OpenAI requires it; minisrv serves one model and accepts its absence
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(None, ge=-1)  # -1 or 0: off
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    n: Optional[int] = Field(None, ge=1, le=MAX_N)  # None: 1
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0)
+    ignore_eos: Optional[bool] = False
+    skip_special_tokens: Optional[bool] = True
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # accepted only so that a request using them gets a clear "not supported" instead of silent neglect
+    logit_bias: Optional[Dict[str, float]] = None
+    best_of: Optional[int] = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any = Field(...)  # str | list[str] | list[int] | list[list[int]], checked below
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: Optional[bool] = False
+    suffix: Optional[str] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Union[str, List[str], List[int], List[List[int]]]:
+        def is_ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v:
+            if all(isinstance(p, str) for p in v) or is_ids(v):
+                return v
+            if all(is_ids(p) for p in v):
+                return v
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be empty")
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of "
+                         "token-id lists")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... are passed on to the chat template
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, List[ContentPart]]] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: List[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Optional[List[Dict[str, Any]]] = None
+    response_format: Optional[Dict[str, Any]] = None
+
+
+# ---------------------------------------------------------------------------------------------- responses
+def now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: List[str] = Field(default_factory=list)
+    token_logprobs: List[Optional[float]] = Field(default_factory=list)
+    top_logprobs: List[Optional[Dict[str, float]]] = Field(default_factory=list)
+    text_offset: List[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: List[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[List[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: List[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: Optional[List[ChatTokenLogprob]] = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: Optional[str] = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: List[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: List[ChatStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: List[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "minisrv"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: List[ModelCard]

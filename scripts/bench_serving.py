@@ -1,0 +1,348 @@
+#!/usr/bin/env python
+"""Online serving benchmark against any OpenAI-compatible server (minisrv, SGLang, vLLM).
+
+Requests arrive as a Poisson process at --request-rate (inf: all at once), optionally capped at
+--max-concurrency in flight. Each request streams (/v1/completions, or /v1/chat/completions with --endpoint chat)
+and is timed per SSE chunk with httpx, so TTFT and inter-token latency are measured as a client sees them.
+Output lengths are controlled with ignore_eos + max_tokens (both SGLang and vLLM accept ignore_eos).
+
+    python scripts/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts 32 \\
+        --random-input-len 128 --random-output-len 64 --request-rates 1,2,4,inf
+
+writes bench-results/serving-<time>.json (and .png for a sweep) and prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+import httpx
+
+# common English words, each usually a single token with its leading space in BPE vocabularies
+WORDS = ("the of and to in is that it was for on are as with his they at be this from have or by one had not "
+         "but what all were when we there can an your which their said if do will each about how up out them then "
+         "she many some so these would other into has more her two like him see time could no make than first "
+         "been its who now people my made over did down only way find use may water long little very after words "
+         "called just where most know get through back much go good new write our me man too any day same right "
+         "look think also around another came come work three word must because does part even place well such "
+         "here take why things help put years different away again off went old number great tell men say small "
+         "every found still between name should home big give air line set own under read last never us left end "
+         "along while might next sound below saw something thought both few those always looked show large often "
+         "together asked house world going want school important until form food keep children feet land side "
+         "without boy once animals life enough took sometimes four head above kind began almost live page got earth "
+         "need far hand high year mother light parts country father let night following picture being study second "
+         "eyes soon times story boys since white days ever paper hard near sentence better best across during today "
+         "others however sure means knew try told young miles sun ways thing whole hear example heard several change "
+         "answer room sea against top turned learn point city play toward five using himself usually").split()
+
+
+# ---------------------------------------------------------------------------------------------- workload
+@dataclass
+class Item:
+    prompt: Any  # str for completions, str (user message) or a messages list for chat
+    max_tokens: int
+
+
+def random_items(n: int, in_len: int, out_len: int, ratio: float, seed: int, tokenizer: Any = None) -> List[Item]:
+    """Lengths uniform in [len * ratio, len] (SGLang's convention). With a tokenizer the prompt is made of
+    random token ids (so its length is exact); without one, of random common words (about one token each)."""
+    rng = random.Random(seed)
+    items = []
+    for i in range(n):
+        li = rng.randint(max(1, int(in_len * ratio)), max(1, in_len))
+        lo = rng.randint(max(1, int(out_len * ratio)), max(1, out_len))
+        if tokenizer is not None:
+            specials = set(getattr(tokenizer, "all_special_ids", []) or [])
+            vocab = [t for t in range(len(tokenizer)) if t not in specials]
+            text = tokenizer.decode([rng.choice(vocab) for _ in range(li)])
+        else:
+            text = f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(max(1, li - 2)))
+        items.append(Item(text, lo))
+    return items
+
+
+def dataset_items(path: str, n: int, out_len: int, seed: int) -> List[Item]:
+    """JSONL with one of: prompt / text / messages; optional max_tokens or output_len per line."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            r = json.loads(line)
+            prompt = r.get("messages") or r.get("prompt") or r.get("text")
+            if prompt is None:
+                raise SystemExit(f"{path}: a line has none of prompt / text / messages")
+            rows.append(Item(prompt, int(r.get("max_tokens") or r.get("output_len") or out_len)))
+    if not rows:
+        raise SystemExit(f"{path}: no prompts")
+    rng = random.Random(seed)
+    return [rows[i % len(rows)] for i in range(n)] if n <= len(rows) else [rng.choice(rows) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------- one request
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: List[float] = field(default_factory=list)
+    start: float = 0.0
+
+
+async def send(http: httpx.AsyncClient, args: argparse.Namespace, model: str, item: Item) -> Result:
+    res = Result()
+    body: Dict[str, Any] = {"model": model, "max_tokens": item.max_tokens, "temperature": args.temperature,
+                            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    if args.endpoint == "chat":
+        url = "/v1/chat/completions"
+        body["messages"] = item.prompt if isinstance(item.prompt, list) else \
+            [{"role": "user", "content": item.prompt}]
+    else:
+        url = "/v1/completions"
+        body["prompt"] = item.prompt if isinstance(item.prompt, str) else json.dumps(item.prompt)
+    chunks = 0
+    t0 = time.perf_counter()
+    res.start = t0
+    last = t0
+    try:
+        async with http.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                msg = json.loads(data)
+                if "error" in msg:
+                    res.error = str(msg["error"])
+                    return res
+                if msg.get("usage"):
+                    res.prompt_tokens = msg["usage"].get("prompt_tokens", 0)
+                    res.output_tokens = msg["usage"].get("completion_tokens", 0)
+                got = False
+                for c in msg.get("choices") or []:
+                    piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                    got = got or bool(piece)
+                if got:
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    chunks += 1
+        res.e2e = time.perf_counter() - t0
+        res.output_tokens = res.output_tokens or chunks
+        res.ok = chunks > 0
+        if not res.ok:
+            res.error = "no tokens streamed"
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+# ---------------------------------------------------------------------------------------------- one run
+def pct(xs: List[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def stats(xs: List[float]) -> Dict[str, float]:
+    ms = [x * 1000 for x in xs]
+    return {"mean": sum(ms) / len(ms) if ms else float("nan"), "p50": pct(ms, 50), "p90": pct(ms, 90),
+            "p99": pct(ms, 99)}
+
+
+async def run_once(args: argparse.Namespace, model: str, items: List[Item], rate: float) -> Dict[str, Any]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    rng = random.Random(args.seed)
+
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(args.timeout), limits=limits,
+                                 headers=headers) as http:
+        async def go(item: Item) -> Result:
+            if sem is None:
+                return await send(http, args, model, item)
+            async with sem:
+                return await send(http, args, model, item)
+
+        for _ in range(args.warmup):
+            await send(http, args, model, Item(items[0].prompt, min(8, items[0].max_tokens)))
+        tasks = []
+        t_start = time.perf_counter()
+        for i, item in enumerate(items):
+            tasks.append(asyncio.create_task(go(item)))
+            if rate != math.inf and i + 1 < len(items):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t_start
+
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    summary = {
+        "request_rate": "inf" if rate == math.inf else rate,
+        "max_concurrency": args.max_concurrency,
+        "num_prompts": len(items),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "total_input_tokens": sum(r.prompt_tokens for r in ok),
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration,
+        "input_throughput": sum(r.prompt_tokens for r in ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "ttft_ms": stats([r.ttft for r in ok]),
+        "itl_ms": stats([x for r in ok for x in r.itl]),
+        "tpot_ms": stats(tpot),
+        "e2e_ms": stats([r.e2e for r in ok]),
+    }
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------- report
+def table(rows: List[Dict[str, Any]]) -> str:
+    head = ("| rate (req/s) | done | req/s | out tok/s | TTFT mean / p50 / p90 / p99 (ms) | "
+            "ITL mean / p50 / p90 / p99 (ms) | E2E mean / p50 / p90 / p99 (ms) |")
+    lines = [head, "|" + "---|" * 7]
+
+    def four(d: Dict[str, float]) -> str:
+        return " / ".join(f"{d[k]:.0f}" for k in ("mean", "p50", "p90", "p99"))
+
+    for r in rows:
+        lines.append(f"| {r['request_rate']} | {r['completed']}/{r['num_prompts']} | {r['request_throughput']:.2f} "
+                     f"| {r['output_throughput']:.1f} | {four(r['ttft_ms'])} | {four(r['itl_ms'])} "
+                     f"| {four(r['e2e_ms'])} |")
+    return "\n".join(lines)
+
+
+def plot(rows: List[Dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = [float(r["request_rate"]) for r in rows if r["request_rate"] != "inf"]
+    inf_x = (max(finite) * 2 if finite else 1.0)
+    xs = [inf_x if r["request_rate"] == "inf" else float(r["request_rate"]) for r in rows]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
+    for ax, key, name in zip(axes, ("ttft_ms", "itl_ms", "e2e_ms"), ("TTFT", "ITL", "E2E latency")):
+        for q, style in (("mean", "o-"), ("p50", "s--"), ("p99", "^:")):
+            ax.plot(xs, [r[key][q] for r in rows], style, label=q)
+        ax.set_title(f"{name} (ms)")
+        ax.legend()
+    axes[3].plot(xs, [r["output_throughput"] for r in rows], "o-")
+    axes[3].set_title("output throughput (tok/s)")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(r["request_rate"]) for r in rows])
+        ax.set_xlabel("request rate (req/s)")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_rate(s: str) -> float:
+    return math.inf if s.strip().lower() in ("inf", "infinity") else float(s)
+
+
+async def resolve_model(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=30, headers=headers) as http:
+        r = await http.get("/v1/models")
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:30000")
+    p.add_argument("--model", default=None, help="default: the first of /v1/models")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--request-rate", type=parse_rate, default=math.inf, help="req/s, Poisson; inf = all at once")
+    p.add_argument("--request-rates", default=None, help="sweep, e.g. 1,2,4,inf (overrides --request-rate)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--random-input-len", type=int, default=128)
+    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--random-range-ratio", type=float, default=1.0, help="lengths uniform in [len*ratio, len]")
+    p.add_argument("--dataset", default=None, help="JSONL of prompts (prompt / text / messages per line)")
+    p.add_argument("--tokenizer", default=None,
+                   help="HF tokenizer dir or .gguf: random prompts of exact token length (default: random words)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="requests sent (and not measured) before each run")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--output", default=None, help="results JSON (default: bench-results/serving-<time>.json)")
+    args = p.parse_args()
+
+    if args.dataset:
+        items = dataset_items(args.dataset, args.num_prompts, args.random_output_len, args.seed)
+    else:
+        tok = None
+        if args.tokenizer:
+            if args.tokenizer.endswith(".gguf"):
+                from minisrv.models.loader import load_tokenizer
+                tok = load_tokenizer(args.tokenizer)
+            else:
+                from transformers import AutoTokenizer
+                tok = AutoTokenizer.from_pretrained(args.tokenizer)
+        items = random_items(args.num_prompts, args.random_input_len, args.random_output_len,
+                             args.random_range_ratio, args.seed, tok)
+    rates = [parse_rate(x) for x in args.request_rates.split(",")] if args.request_rates else [args.request_rate]
+    model = asyncio.run(resolve_model(args))
+    out = args.output or os.path.join("bench-results", f"serving-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+
+    rows = []
+    for rate in rates:
+        print(f"rate {rate}: {len(items)} requests ...", file=sys.stderr, flush=True)
+        row = asyncio.run(run_once(args, model, items, rate))
+        rows.append(row)
+        print(f"  done {row['completed']}/{row['num_prompts']} in {row['duration_s']:.1f}s, "
+              f"{row['output_throughput']:.1f} out tok/s, TTFT p50 {row['ttft_ms']['p50']:.0f} ms, "
+              f"ITL p50 {row['itl_ms']['p50']:.0f} ms", file=sys.stderr, flush=True)
+        if row["failed"]:
+            print(f"  errors: {row['errors']}", file=sys.stderr)
+
+    config = {k: v for k, v in vars(args).items() if k != "api_key"}
+    config["request_rate"] = str(config["request_rate"])
+    with open(out, "w") as f:
+        json.dump({"model": model, "config": config, "command": " ".join(sys.argv), "results": rows}, f, indent=2)
+    print(table(rows))
+    print(f"\nresults: {out}")
+    if len(rows) > 1:
+        png = os.path.splitext(out)[0] + ".png"
+        plot(rows, png, f"{model} @ {args.base_url}: in {args.random_input_len}, out {args.random_output_len}, "
+                        f"{args.num_prompts} prompts")
+        print(f"plot: {png}")
+
+
+if __name__ == "__main__":
+    main()
