@@ -467,6 +467,25 @@ def _engine_failure(e: Exception) -> APIError:
     return APIError(503, str(e) or "the engine is not available", type="server_error", code="engine_unavailable")
 
 
+def _sse_failure(e: Exception) -> str:
+    """An engine failure in the middle of a stream, as an SSE error event."""
+    err = _engine_failure(e)
+    return _sse(ErrorResponse(error=ErrorInfo(message=err.message, type=err.type, code=err.code)))
+
+
+async def _collect(request: Request, state: "ServerState", jobs, choices: Sequence["_Choice"]) -> None:
+    """Run a non-streaming request's jobs to the end, feeding each choice; abort if the client goes away."""
+    async def collect() -> None:
+        async for batch in _run_jobs(state, jobs):
+            for index, out in batch:
+                choices[index].feed(out)
+
+    try:
+        await _unless_disconnected(request, collect())
+    except (EngineError, EngineDead) as e:
+        raise _engine_failure(e) from None
+
+
 # ---------------------------------------------------------------------------------------------- logprob shapes
 def _completion_logprobs(state: ServerState, lps: Sequence[Tuple[TokenLogprob, int]], base: int,
                          top_n: int) -> CompletionLogprobs:
@@ -674,8 +693,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
                         if delta or finish or (body.logprobs is not None and lps):
                             yield chunk(ch, delta, lps, finish)
             except (EngineError, EngineDead) as e:
-                err = _engine_failure(e)
-                yield _sse(ErrorResponse(error=ErrorInfo(message=err.message, type=err.type, code=err.code)))
+                yield _sse_failure(e)
                 yield SSE_DONE
                 return
             if include_usage:
@@ -685,15 +703,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
 
         return EventStream(stream())
 
-    async def collect() -> None:
-        async for batch in _run_jobs(state, jobs):
-            for index, out in batch:
-                choices[index].feed(out)
-
-    try:
-        await _unless_disconnected(request, collect())
-    except (EngineError, EngineDead) as e:
-        raise _engine_failure(e) from None
+    await _collect(request, state, jobs, choices)
     resp = CompletionResponse(id=cid, model=model, usage=_usage(prompts, choices), choices=[
         CompletionChoice(index=ch.index, text=ch.prefix + ch.text, finish_reason=ch.finish_reason,
                          logprobs=(_completion_logprobs(state, ch.logprobs, len(ch.prefix), top_n)
@@ -778,8 +788,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
                         if finish:
                             yield chunk(index, DeltaMessage(), [], finish)
             except (EngineError, EngineDead) as e:
-                err = _engine_failure(e)
-                yield _sse(ErrorResponse(error=ErrorInfo(message=err.message, type=err.type, code=err.code)))
+                yield _sse_failure(e)
                 yield SSE_DONE
                 return
             if include_usage:
@@ -789,15 +798,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
 
         return EventStream(stream())
 
-    async def collect() -> None:
-        async for batch in _run_jobs(state, jobs):
-            for index, out in batch:
-                choices[index].feed(out)
-
-    try:
-        await _unless_disconnected(request, collect())
-    except (EngineError, EngineDead) as e:
-        raise _engine_failure(e) from None
+    await _collect(request, state, jobs, choices)
     resp = ChatCompletionResponse(id=cid, model=model, usage=_usage(prompts, choices), choices=[
         ChatChoice(index=ch.index, message=ChatResponseMessage(content=ch.text), finish_reason=ch.finish_reason,
                    logprobs=_chat_logprobs(state, ch.logprobs, top_n) if want_lp else None)
