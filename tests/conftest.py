@@ -243,9 +243,7 @@ class EngineWatch:
         alloc.alloc, alloc.free = checked_alloc, checked_free
 
         runner = engine.runner
-        # the engine hands each scheduled batch to the runner's launch (or, in older versions, step)
-        entry = "launch" if hasattr(runner, "launch") else "step"
-        orig_step, orig_fwd = getattr(runner, entry), runner.forward_logits
+        orig_step, orig_fwd = runner.launch, runner.forward_logits
 
         def runner_step(sb, *args, **kwargs):
             self._batch = sb
@@ -260,7 +258,7 @@ class EngineWatch:
                     self.logits.setdefault(r.rid, []).append((r.num_cached + n - 1, out[i].detach().clone()))
             return out
 
-        setattr(runner, entry, runner_step)
+        runner.launch = runner_step
         runner.forward_logits = forward_logits
         orig_engine_step = engine.step
 

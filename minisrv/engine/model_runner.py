@@ -146,6 +146,3 @@ class ModelRunner:
         if prof:
             self._tick("sampling", t)
         return LaunchedStep(sb, ids, host, event)
-
-    def step(self, sb: ScheduledBatch) -> StepResult:
-        return self.launch(sb).result()

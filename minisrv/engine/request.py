@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import random
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -106,8 +105,8 @@ class Request:
     _detok: Optional[object] = None
 
     def __post_init__(self) -> None:
-        self.sampling_seed = (self.params.seed if self.params.seed is not None
-                              else random.getrandbits(31)) % SEED_RANGE
+        if self.params.seed is not None:  # only seeded rows use it (see sampler)
+            self.sampling_seed = self.params.seed % SEED_RANGE
 
     @property
     def all_ids(self) -> List[int]:

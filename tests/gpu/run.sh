@@ -8,9 +8,12 @@ OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$(bash .gpu-wheels/tools/install_on_device.sh 2>/dev/null):$PWD
 export MINISRV_GPU_CKPT=${MINISRV_GPU_CKPT:-/tmp/qwen3}
 FI_CACHE=$HOME/.cache/flashinfer/0.6.13/90a/cached_ops
+# FlashInfer re-runs ninja for anything in its JIT dir (and rebuilds without the object files), but loads a module
+# found in its AOT dir (<package>/data/aot/<name>/<name>.so) as is: put the carried kernels there
 if [ -d .fi-cache ]; then
+  FI_AOT=$(python3 -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("flashinfer").origin), "data", "aot"))')
   for f in .fi-cache/*.so; do [ -e "$f" ] || continue
-    name=$(basename "$f" .so); mkdir -p "$FI_CACHE/$name"; cp -n "$f" "$FI_CACHE/$name/$name.so"; done
+    name=$(basename "$f" .so); mkdir -p "$FI_AOT/$name"; cp -n "$f" "$FI_AOT/$name/$name.so"; done
 fi
 [ -f "$MINISRV_GPU_CKPT/config.json" ] || python3 .gpu-wheels/tools/make_checkpoint.py "$MINISRV_GPU_CKPT" qwen3-0.6b >/dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
