@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs in one script, on the device machine from the repo root (see tests/gpu/README.md):
-#   bash tests/gpu/run.sh [phase ...]    phases: smoke e2e graph backends bench bench-fi bench-fa decode llama8b
+#   bash tests/gpu/run.sh [phase ...]
+#   phases: smoke e2e graph backends bench bench-profile bench-p16 bench-fi bench-fa decode profile llama8b
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -30,7 +31,8 @@ for phase in "${@:-smoke}"; do
     e2e) step e2e 500 python3 -m pytest -q -s tests/gpu/test_e2e.py ;;
     graph) step graph 400 python3 -m pytest -q -s tests/gpu/test_cuda_graph.py ;;
     backends) step backends 550 python3 -m pytest -q -x tests/gpu/test_backends.py ;;
-    bench) step bench 300 $BENCH --attention-backend auto --profile ;;
+    bench) step bench 300 $BENCH --attention-backend auto ;;
+    bench-profile) step bench-profile 300 $BENCH --attention-backend auto --profile ;;  # syncs every phase: no overlap
     bench-p16) step bench-p16 300 $BENCH --attention-backend auto --page-size 16 ;;
     bench-fi) step bench-fi 300 $BENCH --attention-backend fi ;;
     bench-fa) step bench-fa 300 $BENCH --attention-backend fa ;;
