@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# GPU runs in one script, on the device machine from the repo root (see tests/gpu/README.md):
+# GPU tests and benchmarks in one script, run from the repo root of a GPU machine. It expects the wheel bundles
+# in .gpu-wheels/ (fa3, fi, srv, tools: FlashAttention-3, FlashInfer, server packages, install and checkpoint
+# scripts) and makes a random-weight Qwen3-0.6B-shaped checkpoint at $MINISRV_GPU_CKPT (default /tmp/qwen3).
 #   bash tests/gpu/run.sh [phase ...]
 #   phases: smoke e2e graph backends bench bench-profile bench-p16 bench-fi bench-fa decode profile llama8b
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
