@@ -178,3 +178,56 @@ def test_explicit_fa_on_sm100(fake):
     with pytest.raises(BackendUnavailable, match="SM90") as info:
         resolve_backend("fa", CUDA)
     assert "SM100" in str(info.value)
+
+
+def test_hybrid_routes_extend_to_prefill_half_and_decode_to_decode_half():
+    """A P,D hybrid: prefill/extend steps plan and run on P, decode steps (and CUDA-graph hooks) on D; the result
+    equals the torch backend's either way (both halves are torch backends here, told apart by a spy)."""
+    import torch
+    from minisrv.attention.base import ForwardBatch, ForwardMode, HybridBackend
+    from minisrv.attention.torch_native import TorchNativeBackend
+    from minisrv.engine.kv_cache import KVPool
+
+    calls = []
+
+    class Spy(TorchNativeBackend):
+        def __init__(self, tag, *a):
+            super().__init__(*a)
+            self.name = tag
+
+        def prepare(self, b):
+            calls.append((self.name, "prepare", b.mode.value))
+            super().prepare(b)
+
+        def forward(self, q, k, v, layer_id):
+            calls.append((self.name, "forward"))
+            return super().forward(q, k, v, layer_id)
+
+        def init_graph_state(self, max_bs, max_seq_len):
+            calls.append((self.name, "init_graph_state"))
+
+    pool = KVPool(1, 16, 1, 2, 8, torch.float32, torch.device("cpu"))
+    table = torch.arange(16, dtype=torch.int32)[None, :]
+    hybrid = HybridBackend(Spy("P", pool, table, 4), Spy("D", pool, table, 4))
+    assert hybrid.name == "P,D"
+    t = 5
+    ext = ForwardBatch(ForwardMode.EXTEND, torch.zeros(t, dtype=torch.int64), torch.arange(t), torch.arange(t),
+                       torch.zeros(1, dtype=torch.int64), torch.tensor([t], dtype=torch.int32),
+                       torch.tensor([0, t], dtype=torch.int32), torch.tensor([t - 1]), [t], [t], t)
+    q, k, v = torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
+    hybrid.prepare(ext)
+    out = hybrid.forward(q, k, v, 0)
+    dec = ForwardBatch(ForwardMode.DECODE, torch.zeros(1, dtype=torch.int64), torch.tensor([t]), torch.tensor([t]),
+                       torch.zeros(1, dtype=torch.int64), torch.tensor([t + 1], dtype=torch.int32),
+                       torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0]), [t + 1], [1], t + 1)
+    hybrid.prepare(dec)
+    hybrid.forward(torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8), 0)
+    hybrid.init_graph_state(8, 16)
+    assert calls == [("P", "prepare", "extend"), ("P", "forward"), ("D", "prepare", "decode"), ("D", "forward"),
+                     ("D", "init_graph_state")]
+    # the extend output is plain causal attention over the 5 tokens (GQA: q heads 2i, 2i+1 read kv head i)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, kk) / 8 ** 0.5
+    scores = scores.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), float("-inf"))
+    ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+    assert torch.allclose(out, ref, atol=1e-5)
