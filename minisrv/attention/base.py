@@ -16,6 +16,10 @@ if TYPE_CHECKING:
     from minisrv.engine.kv_cache import KVPool
 
 
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill, possibly on top of a cached prefix (chunked prefill, retraction, prefix cache)
     DECODE = "decode"  # exactly one new token per request

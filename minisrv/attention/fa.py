@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .base import AttentionBackend, ForwardBatch
+from .base import AttentionBackend, ForwardBatch, ceil_div
 
 
 def _load_kernel() -> Callable:
@@ -40,10 +40,6 @@ def _load_kernel() -> Callable:
         return fn
     raise ImportError("the fa backend needs FlashAttention-3: pip install sgl-kernel (or upstream "
                       "flash_attn_interface); " + "; ".join(errors))
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class FlashAttentionBackend(AttentionBackend):
@@ -104,7 +100,7 @@ class FlashAttentionBackend(AttentionBackend):
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
         dev = self.req_to_token.device
-        self.g_max_pages = _ceil_div(max_seq_len, self.page_size)
+        self.g_max_pages = ceil_div(max_seq_len, self.page_size)
         self.g_page_table = torch.zeros((max_bs, self.g_max_pages), dtype=torch.int32, device=dev)
         self.g_cache_seqlens = torch.ones((max_bs,), dtype=torch.int32, device=dev)
 
@@ -114,7 +110,7 @@ class FlashAttentionBackend(AttentionBackend):
         bs = b.batch_size
         if padded_bs < bs or padded_bs > self.g_page_table.shape[0]:
             raise ValueError(f"padded batch size {padded_bs} outside [{bs}, {self.g_page_table.shape[0]}]")
-        ncols = _ceil_div(b.max_seq_len, self.page_size)
+        ncols = ceil_div(b.max_seq_len, self.page_size)
         if ncols > self.g_max_pages:
             raise ValueError(f"sequence length {b.max_seq_len} exceeds the graph's max_seq_len")
         self.g_page_table[:bs, :ncols].copy_(self._page_table(b.req_rows[:bs], b.max_seq_len))

@@ -19,13 +19,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .base import AttentionBackend, ForwardBatch
+from .base import AttentionBackend, ForwardBatch, ceil_div
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -72,7 +68,7 @@ class FlashInferBackend(AttentionBackend):
         indptr = [0]
         last = []
         for s in seq_lens:
-            n = _ceil_div(s, ps)
+            n = ceil_div(s, ps)
             indptr.append(indptr[-1] + n)
             last.append(s - (n - 1) * ps)
         return (torch.tensor(indptr, dtype=torch.int32), torch.tensor(last, dtype=torch.int32), indptr[-1])
@@ -130,7 +126,7 @@ class FlashInferBackend(AttentionBackend):
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
         self.g_max_bs = max_bs
-        self.g_max_pages = _ceil_div(max_seq_len, self.page_size)
+        self.g_max_pages = ceil_div(max_seq_len, self.page_size)
         self.g_kv_indptr = torch.zeros((max_bs + 1,), dtype=torch.int32, device=self.device)
         self.g_kv_indices = torch.zeros((max_bs * self.g_max_pages,), dtype=torch.int32, device=self.device)
         self.g_kv_last = torch.ones((max_bs,), dtype=torch.int32, device=self.device)

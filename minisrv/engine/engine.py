@@ -130,11 +130,11 @@ class Engine:
     @torch.inference_mode()
     def _activation_peak(self) -> int:
         """Bytes a largest prefill step needs beyond weights, measured by running one on a throwaway pool."""
-        from minisrv.attention.base import ForwardBatch, ForwardMode
+        from minisrv.attention.base import ForwardBatch, ForwardMode, ceil_div
         a, cfg = self.args, self.config
         n = min(cfg.chunked_prefill_size, cfg.max_prefill_tokens, self.context_length)
         ps = cfg.page_size
-        pages = -(-n // ps) + 1
+        pages = ceil_div(n, ps) + 1
         pool = KVPool(a.num_layers, pages, ps, a.num_kv_heads, a.head_dim, self.dtype, self.device)
         table = torch.zeros((1, self.context_length), dtype=torch.int32, device=self.device)
         table[0, :n] = torch.arange(n, dtype=torch.int32, device=self.device)

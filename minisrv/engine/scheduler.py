@@ -14,7 +14,7 @@ from typing import Deque, Dict, List, Optional
 
 import torch
 
-from minisrv.attention.base import ForwardMode
+from minisrv.attention.base import ForwardMode, ceil_div
 
 from .kv_cache import PageAllocator, ReqToTokenTable, slots_for
 from .request import Request, RequestStatus
@@ -84,7 +84,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ memory
     def _pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return ceil_div(num_tokens, self.page_size)
 
     def _release(self, req: Request) -> None:
         self.alloc.free(req.pages)

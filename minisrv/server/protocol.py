@@ -196,13 +196,8 @@ class ChatCompletionChunk(BaseModel):
     usage: Optional[UsageInfo] = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: List[CompletionChoice]
-    usage: Optional[UsageInfo] = None
+# a streamed completion chunk has exactly the shape of a whole response (object "text_completion")
+CompletionChunk = CompletionResponse
 
 
 class ModelCard(BaseModel):
