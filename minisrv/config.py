@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 

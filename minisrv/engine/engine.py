@@ -215,7 +215,7 @@ class Engine:
         """
         prof = self.runner.timings
         outputs: List[RequestOutput] = []
-        if self._pending is not None and any(r.has_penalties for r in self.scheduler.running):
+        if self._pending is not None and self.scheduler.num_penalized:
             outputs = self._process(self._take_pending())  # penalties count the actual previous tokens
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
@@ -253,26 +253,31 @@ class Engine:
         t0 = time.perf_counter()
         outputs: List[RequestOutput] = []
         batch = launched.batch
-        reqs = [r for r, s in zip(batch.reqs, batch.samples) if s]
+        reqs = batch.reqs if len(launched.positions) == len(batch.reqs) else \
+            [r for r, s in zip(batch.reqs, batch.samples) if s]
+        token_ids, lp_rows = result.token_ids, result.logprobs
         for i, (req, pos) in enumerate(zip(reqs, launched.positions)):
-            if req.finished:
+            if req.status is RequestStatus.FINISHED:
                 continue  # finished or aborted while this step was on the device
-            tok = result.token_ids[i]
+            tok = token_ids[i]
             req.output_ids[pos] = tok
             lps: List[TokenLogprob] = []
-            if result.logprobs is not None and req.params.logprobs is not None:
+            if lp_rows is not None and req.params.logprobs is not None:
                 top: Dict[int, float] = {}
-                if req.params.logprobs > 0 and result.top_logprobs is not None:
+                n_top = req.params.logprobs
+                if n_top > 0 and result.top_logprobs is not None:
                     vals, ids = result.top_logprobs
-                    top = dict(zip(ids[i][:req.params.logprobs], vals[i][:req.params.logprobs]))
-                lps.append(TokenLogprob(tok, result.logprobs[i], top))
+                    top = dict(zip(ids[i][:n_top], vals[i][:n_top]))
+                lps.append(TokenLogprob(tok, lp_rows[i], top))
                 req.logprobs.extend(lps)
             reason = self._check_finish(req, tok, pos + 1)
             if reason is not None:
                 del req.output_ids[pos + 1:]  # a token sampled after the end is dropped
                 self.scheduler.finish(req, reason)
-            outputs.append(RequestOutput(req.rid, [tok], lps, req.finished, req.finish_reason, req.stop_str,
-                                         len(req.prompt_ids), pos + 1))
+                outputs.append(RequestOutput(req.rid, [tok], lps, True, reason, req.stop_str,
+                                             len(req.prompt_ids), pos + 1))
+            else:
+                outputs.append(RequestOutput(req.rid, [tok], lps, False, None, None, len(req.prompt_ids), pos + 1))
         if self.runner.timings is not None:
             self.runner.timings["postprocess"] += time.perf_counter() - t0
         return outputs

@@ -10,6 +10,8 @@ from typing import List
 
 import torch
 
+from minisrv.attention.base import to_device
+
 
 class KVPool:
     """Per layer, K and V of shape [num_pages, page_size, num_kv_heads, head_dim]."""
@@ -109,7 +111,12 @@ class ReqToTokenTable:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.table[row, start:start + slots.numel()] = slots.to(self.table.device, non_blocking=True)
+        self.table[row, start:start + slots.numel()] = to_device(slots, torch.int32, self.table.device)
+
+    def write_points(self, rows: List[int], positions: List[int], slots: List[int]) -> None:
+        """table[rows[i], positions[i]] = slots[i], with one host->device copy."""
+        idx = to_device([rows, positions, slots], torch.int64, self.table.device)
+        self.table[idx[0], idx[1]] = idx[2].to(torch.int32)
 
 
 def slots_for(pages: List[int], page_size: int, start: int, end: int) -> torch.Tensor:

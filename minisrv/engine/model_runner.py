@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from minisrv.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from minisrv.attention.base import AttentionBackend, ForwardBatch, ForwardMode, to_device
 
 from .kv_cache import KVPool, ReqToTokenTable
 from .sampler import SamplingBatch, sample
@@ -82,26 +82,28 @@ class ModelRunner:
         cu = [0]
         for n in ext:
             cu.append(cu[-1] + n)
-        dev = self.device
-        host = torch.tensor(ids + pos, dtype=torch.int64)  # one host->device copy for both
-        host_req = torch.tensor([[r.row for r in reqs], [c - 1 for c in cu[1:]]], dtype=torch.int64)
-        host_i32 = torch.tensor(seq_lens + cu, dtype=torch.int32)
-        dev_tok = host.to(dev, non_blocking=True)
-        dev_req = host_req.to(dev, non_blocking=True)
-        dev_i32 = host_i32.to(dev, non_blocking=True)
-        t = len(ids)
-        input_ids = dev_tok[:t]
+        t, b = len(ids), len(reqs)
+        # one pinned host buffer and one copy for every step tensor (int32 ones are converted on the device)
+        head = torch.tensor(ids + pos + [r.row for r in reqs] + [c - 1 for c in cu[1:]] + seq_lens + cu,
+                            dtype=torch.int64)
+        cuda = self.device.type == "cuda"
+        buf = torch.empty(head.numel() + t, dtype=torch.int64, pin_memory=cuda)
+        torch.cat([head, sb.out_cache_loc], out=buf)
+        d = buf.to(self.device, non_blocking=True) if cuda else buf
+        o = 2 * t + 2 * b  # start of seq_lens, then cu
+        i32 = d[o:o + 2 * b + 1].to(torch.int32)
+        input_ids = d[:t]
         if prev_ids is not None and sb.mode is ForwardMode.DECODE and min(ids) < 0:
             input_ids = torch.where(input_ids < 0, prev_ids[(-input_ids - 1).clamp_(min=0)], input_ids)
         return ForwardBatch(
             mode=sb.mode,
             input_ids=input_ids,
-            positions=dev_tok[t:],
-            out_cache_loc=sb.out_cache_loc.to(dev, non_blocking=True),
-            req_rows=dev_req[0],
-            seq_lens=dev_i32[:len(reqs)],
-            cu_seqlens_q=dev_i32[len(reqs):],
-            last_indices=dev_req[1],
+            positions=d[t:2 * t],
+            out_cache_loc=d[o + 2 * b + 1:],
+            req_rows=d[2 * t:2 * t + b],
+            seq_lens=i32[:b],
+            cu_seqlens_q=i32[b:],
+            last_indices=d[2 * t + b:o],
             seq_lens_cpu=seq_lens,
             extend_lens_cpu=list(ext),
             max_seq_len=max(seq_lens),
@@ -131,7 +133,7 @@ class ModelRunner:
         if not sampling:
             return LaunchedStep(sb, None, [None] * 4, None)
         if len(sampling) != len(sb.reqs):
-            keep = torch.tensor([i for i, s in enumerate(sb.samples) if s], device=logits.device)
+            keep = to_device([i for i, s in enumerate(sb.samples) if s], torch.int64, logits.device)
             logits = logits[keep]
         ids, lp, top = sample(logits, SamplingBatch.build(sampling, logits.device))
         outs = [ids, lp, *(top if top is not None else (None, None))]

@@ -14,6 +14,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from minisrv.attention.base import to_device
+
 from .request import Request
 
 _M32 = 0xFFFFFFFF
@@ -82,27 +84,26 @@ class SamplingBatch:
     @classmethod
     def build(cls, reqs: List[Request], device: torch.device) -> "SamplingBatch":
         ps = [r.params for r in reqs]
-        f32 = dict(dtype=torch.float32)
-        temperature = torch.tensor([p.temperature for p in ps], **f32)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in ps], dtype=torch.int64)
-        top_p = torch.tensor([p.top_p for p in ps], **f32)
-        min_p = torch.tensor([p.min_p for p in ps], **f32)
-        seeds = torch.tensor([r.sampling_seed for r in reqs], dtype=torch.int64)
-        steps = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64)
+        b = len(reqs)
+        # two host->device copies: the float settings, then the integer ones
+        floats = to_device([p.temperature for p in ps] + [p.top_p for p in ps] + [p.min_p for p in ps],
+                           torch.float32, device)
+        ints = to_device([p.top_k if p.top_k > 0 else 0 for p in ps] + [r.sampling_seed for r in reqs]
+                         + [len(r.output_ids) for r in reqs], torch.int64, device)
         all_greedy = all(p.greedy for p in ps)
         need_filter = any((p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) and not p.greedy for p in ps)
-        sb = cls(*(t.to(device, non_blocking=True) for t in (temperature, top_k, top_p, min_p, seeds, steps)),
+        sb = cls(floats[:b], ints[:b], floats[b:2 * b], floats[2 * b:], ints[b:2 * b], ints[2 * b:],
                  all_greedy=all_greedy, need_filter=need_filter)
         if any(p.has_penalties for p in ps):
-            sb.presence = torch.tensor([p.presence_penalty for p in ps], **f32).to(device)
-            sb.frequency = torch.tensor([p.frequency_penalty for p in ps], **f32).to(device)
-            sb.repetition = torch.tensor([p.repetition_penalty for p in ps], **f32).to(device)
+            pen = to_device([p.presence_penalty for p in ps] + [p.frequency_penalty for p in ps]
+                            + [p.repetition_penalty for p in ps], torch.float32, device)
+            sb.presence, sb.frequency, sb.repetition = pen[:b], pen[b:2 * b], pen[2 * b:]
             sb.output_ids = _pad([r.output_ids for r in reqs], device)
             if any(p.repetition_penalty != 1.0 for p in ps):
                 sb.seen_ids = _pad([r.all_ids for r in reqs], device)
         seeded = [i for i, p in enumerate(ps) if p.seed is not None and not p.greedy]
         if seeded:
-            sb.seeded_rows = torch.tensor(seeded, dtype=torch.int64).to(device, non_blocking=True)
+            sb.seeded_rows = to_device(seeded, torch.int64, device)
         wants = [p.logprobs for p in ps if p.logprobs is not None]
         sb.max_logprobs = max(wants) if wants else -1
         return sb
@@ -114,7 +115,7 @@ def _pad(rows: List[List[int]], device: torch.device) -> torch.Tensor:
     for i, r in enumerate(rows):
         if r:
             out[i, :len(r)] = torch.as_tensor(r, dtype=torch.int64)
-    return out.to(device, non_blocking=True)
+    return to_device(out, torch.int64, device)
 
 
 def _counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -56,11 +56,13 @@ class Scheduler:
         self.by_id: Dict[str, Request] = {}
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
+        self.num_penalized = 0  # live requests using penalties (their sampling needs the real previous tokens)
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
         self.waiting.append(req)
         self.by_id[req.rid] = req
+        self.num_penalized += req.has_penalties
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -73,6 +75,8 @@ class Scheduler:
         return req
 
     def finish(self, req: Request, reason: str) -> None:
+        if req.status is RequestStatus.FINISHED:
+            return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self._release(req)
@@ -81,6 +85,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.by_id.pop(req.rid, None)
+        self.num_penalized -= req.has_penalties
 
     # ------------------------------------------------------------------ memory
     def _pages_for(self, num_tokens: int) -> int:
@@ -121,6 +126,8 @@ class Scheduler:
         lens: List[int] = []
         # a request left half-prefilled by chunking goes first
         partial = [r for r in self.running if r.num_cached < r.total_len - 1]
+        if not partial and not self.waiting:
+            return None
         candidates = partial + list(self.waiting)
         reserved = self._reserved_pages()
         chunked = False
@@ -181,20 +188,18 @@ class Scheduler:
         if not reqs:
             return None
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        slots = []
-        rows, positions = [], []
+        fresh = self.alloc.alloc(need)  # one new page for each request whose next token starts a page
+        slots, rows, positions = [], [], []
         for r in reqs:
             pos = r.num_cached
             if pos % ps == 0:
-                r.pages.extend(self.alloc.alloc(1))
+                r.pages.append(fresh.pop())
             slots.append(r.pages[pos // ps] * ps + pos % ps)
             rows.append(r.row)
             positions.append(pos)
-        loc = torch.tensor(slots, dtype=torch.int64)
-        dev = self.table.table.device
-        self.table.table[torch.tensor(rows, device=dev), torch.tensor(positions, device=dev)] = \
-            loc.to(dev, dtype=torch.int32)
-        return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), loc)
+        self.table.write_points(rows, positions, slots)
+        n = len(reqs)
+        return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * n, torch.tensor(slots, dtype=torch.int64), [True] * n)
 
     def _retract(self, req: Request) -> None:
         """Free a running request's KV and queue it again; it will be re-prefilled with its output so far."""

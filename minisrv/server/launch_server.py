@@ -14,7 +14,7 @@ import os
 import signal
 import socket
 import sys
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 from minisrv.config import EngineConfig
 
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(msg: str, code: int = 1) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
+def _fail(msg: str, code: int = 1) -> NoReturn:
     print(f"minisrv-server: error: {msg}", file=sys.stderr, flush=True)
     sys.exit(code)
 

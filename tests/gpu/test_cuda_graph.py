@@ -1,6 +1,5 @@
 """CUDA-graph decode replay gives the same tokens as eager decode (batch sizes 1, 3, 17 and 64)."""
 import pytest
-import torch
 
 from minisrv import LLM, SamplingParams
 from minisrv.attention import device_sm, missing
