@@ -72,6 +72,7 @@ class SamplingBatch:
     seeds: torch.Tensor  # [B] int64
     steps: torch.Tensor  # [B] int64, index of the token being sampled in each request's output
     all_greedy: bool
+    any_greedy: bool
     need_filter: bool
     presence: Optional[torch.Tensor] = None  # [B] float32, penalties only when some row uses them
     frequency: Optional[torch.Tensor] = None
@@ -90,10 +91,11 @@ class SamplingBatch:
                            torch.float32, device)
         ints = to_device([p.top_k if p.top_k > 0 else 0 for p in ps] + [r.sampling_seed for r in reqs]
                          + [len(r.output_ids) for r in reqs], torch.int64, device)
-        all_greedy = all(p.greedy for p in ps)
+        greedy = [p.greedy for p in ps]
+        all_greedy, any_greedy = all(greedy), any(greedy)
         need_filter = any((p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) and not p.greedy for p in ps)
         sb = cls(floats[:b], ints[:b], floats[b:2 * b], floats[2 * b:], ints[b:2 * b], ints[2 * b:],
-                 all_greedy=all_greedy, need_filter=need_filter)
+                 all_greedy=all_greedy, any_greedy=any_greedy, need_filter=need_filter)
         if any(p.has_penalties for p in ps):
             pen = to_device([p.presence_penalty for p in ps] + [p.frequency_penalty for p in ps]
                             + [p.repetition_penalty for p in ps], torch.float32, device)
@@ -146,9 +148,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> Tuple[torch.Tensor, Optio
     raw = logits
     if sb.presence is not None:
         logits = apply_penalties(logits, sb)
-    greedy_ids = logits.argmax(dim=-1)
     if sb.all_greedy:
-        ids = greedy_ids
+        ids = logits.argmax(dim=-1)
     else:
         temp = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
         scaled = logits / temp[:, None]
@@ -166,7 +167,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> Tuple[torch.Tensor, Optio
             rows = sb.seeded_rows
             e[rows] = -torch.log(hashed_uniform(sb.seeds[rows], sb.steps[rows], logits.shape[-1]))
         sampled = scaled.sub_(e.log_()).argmax(dim=-1)
-        ids = torch.where(sb.temperature > 0, sampled, greedy_ids)
+        ids = torch.where(sb.temperature > 0, sampled, logits.argmax(dim=-1)) if sb.any_greedy else sampled
     chosen_lp = top = None
     if sb.max_logprobs >= 0:
         lp = torch.log_softmax(raw, dim=-1)

@@ -3,7 +3,7 @@
 # in .gpu-wheels/ (fa3, fi, srv, tools: FlashAttention-3, FlashInfer, server packages, install and checkpoint
 # scripts) and makes a random-weight Qwen3-0.6B-shaped checkpoint at $MINISRV_GPU_CKPT (default /tmp/qwen3).
 #   bash tests/gpu/run.sh [phase ...]
-#   phases: smoke e2e graph backends bench bench-profile bench-p16 bench-fi bench-fa decode profile llama8b
+#   phases: smoke e2e graph overlap backends bench bench-profile bench-p16 bench-fi bench-fa decode profile llama8b
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -23,8 +23,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t=$SECONDS
   timeout "$limit" "$@" 2>&1 | tee -a "$OUT/run.log" | grep -v -E "Warning|warn\(" | tail -n 40
   echo "=== $name done in $((SECONDS - t))s (rc ${PIPESTATUS[0]})"; save_cache; }
-# carry compiled FlashInfer kernels back (at most 8 files come back per call), after every step
-save_cache() { ls -S "$FI_CACHE"/*/*.so 2>/dev/null | head -8 | while read -r f; do cp -u "$f" "$OUT/"; done; }
+# carry newly compiled FlashInfer kernels back after every step (at most 8 files come back from a call: 3 logs
+# and 5 kernels; a kernel already in .fi-cache is not sent again)
+save_cache() { ls -S "$FI_CACHE"/*/*.so 2>/dev/null | while read -r f; do
+    [ -e ".fi-cache/$(basename "$f")" ] || echo "$f"; done | head -5 | while read -r f; do cp -u "$f" "$OUT/"; done; }
 BENCH="python3 scripts/bench_offline.py --model $MINISRV_GPU_CKPT --json $OUT/bench.jsonl"
 for phase in "${@:-smoke}"; do
   case $phase in
@@ -32,7 +34,13 @@ for phase in "${@:-smoke}"; do
              --max-tokens 8 --log-level info "w1 w2 w3" "w5 w6" ;;
     e2e) step e2e 500 python3 -m pytest -q -s tests/gpu/test_e2e.py ;;
     graph) step graph 400 python3 -m pytest -q -s tests/gpu/test_cuda_graph.py ;;
-    backends) step backends 550 python3 -m pytest -q -x tests/gpu/test_backends.py ;;
+    # FlashInfer compiles one kernel set per (dtype, head_dim, decode kind), minutes each: build them in parallel,
+    # one pytest per head configuration, then run the whole file once more for the report
+    backends) for c in 32-8-128-bf16 32-8-128-fp16 16-8-128-bf16 8-1-64-bf16 16-2-64-fp16; do
+                (timeout 400 python3 -m pytest -q -x tests/gpu/test_backends.py -k "$c" >/tmp/warm-$c.log 2>&1;
+                 echo "warm $c: $(tail -n 1 /tmp/warm-$c.log)") & done; wait
+              step backends 300 python3 -m pytest -q -rs tests/gpu/test_backends.py ;;
+    overlap) step overlap 400 python3 -m pytest -q -s tests/gpu/test_overlap.py ;;
     bench) step bench 300 $BENCH --attention-backend auto ;;
     bench-profile) step bench-profile 300 $BENCH --attention-backend auto --profile ;;  # syncs every phase: no overlap
     bench-p16) step bench-p16 300 $BENCH --attention-backend auto --page-size 16 ;;

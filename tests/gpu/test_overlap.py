@@ -1,0 +1,78 @@
+"""Overlap scheduling on the GPU: a decode step is scheduled and launched without waiting for the device, and the
+tokens are the same as with overlap off.
+
+The first test runs decode steps under torch's sync debug mode, which warns on every call that blocks the host
+until the stream drains (blocking host->device copies, .item(), .cpu(), stream or device synchronize). The one
+wait the engine means to make, on the previous step's event before reading its sampled tokens, is an event
+wait and is not reported.
+"""
+import warnings
+
+import pytest
+import torch
+
+from minisrv import LLM, SamplingParams
+from minisrv.attention import device_sm, missing
+
+from .common import CKPT, free_cuda, mixed_prompts, requires_ckpt
+
+pytestmark = requires_ckpt
+BACKENDS = ["fa,fi", "fi", "fa"]
+
+
+def _llm(backend, **kw):
+    why = missing(backend, device_sm())
+    if why:
+        pytest.skip(why)
+    return LLM(model=CKPT, attention_backend=backend, dtype="bfloat16", max_total_tokens=65536,
+               cuda_graph_max_bs=64, log_level="warning", **kw)
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_steps_never_synchronise(backend, graphs):
+    llm = _llm(backend, disable_cuda_graph=not graphs)
+    eng = llm.engine
+    try:
+        assert eng.overlap
+        reqs = [eng.add_request(p, SamplingParams(temperature=0.7, max_tokens=64, ignore_eos=True))
+                for p in mixed_prompts(24, 10, 300, seed=5)]
+        while any(len(r.output_ids) < 2 for r in reqs):  # prefill done, decoding under way
+            eng.step()
+        torch.cuda.synchronize()
+        prev = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(16):
+                    eng.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+        syncs = sorted({f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+                        if "synchroniz" in str(w.message)})
+        assert not syncs, "decode steps synchronised the stream at:\n" + "\n".join(syncs)
+        for r in reqs:
+            eng.abort(r.rid)
+    finally:
+        del llm, eng
+        free_cuda()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_overlap_gives_the_same_tokens(backend):
+    prompts = mixed_prompts(20, 5, 400, seed=9)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in range(10, 50, 2)]
+    params[3] = SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True)  # seeded: reproducible
+    outs = {}
+    for overlap in (True, False):
+        llm = _llm(backend, disable_overlap_schedule=not overlap)
+        try:
+            assert llm.engine.overlap == overlap
+            outs[overlap] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            del llm
+            free_cuda()
+    for i, (a, b) in enumerate(zip(outs[True], outs[False])):
+        assert len(a) == len(b) == params[i].max_tokens
+        assert a == b, f"request {i}: overlap on and off differ"
