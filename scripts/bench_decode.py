@@ -35,6 +35,7 @@ def main() -> int:
     p.add_argument("--graphs", default="on,off", help="on, off or on,off")
     p.add_argument("--json", help="append results as JSON lines here")
     p.add_argument("--torch-profile", action="store_true", help="print the top kernels of the timed steps")
+    p.add_argument("--cprofile", action="store_true", help="print the host's top Python functions in the timed steps")
     a = p.parse_args()
     if a.log_level == EngineConfig.log_level:
         a.log_level = "warning"
@@ -65,16 +66,33 @@ def main() -> int:
                 prof.__enter__()
             # with overlap scheduling a step returns before its own work is done, so time a run of steps
             torch.cuda.synchronize() if torch.cuda.is_available() else None
+            wait0 = eng.wait_s
+            cprof = None
+            if a.cprofile:
+                import cProfile
+                cprof = cProfile.Profile()
+                cprof.enable()
             t = time.perf_counter()
             for _ in range(a.steps):
                 eng.step()
             while eng._pending is not None:  # drain the last launched step
                 eng.step()
+            if cprof is not None:
+                import pstats
+                cprof.disable()
+                print(f"batch {bs}: host Python functions over {a.steps} steps")
+                pstats.Stats(cprof).sort_stats("tottime").print_stats(25)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             times.append((time.perf_counter() - t) / a.steps)
+            wait_ms = (eng.wait_s - wait0) / a.steps * 1e3
             if prof is not None:
                 prof.__exit__(None, None, None)
+                evs = prof.key_averages()
+                busy = sum(getattr(e, "self_device_time_total", 0) for e in evs
+                           if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+                print(f"batch {bs}: device busy {busy / 1e3 / a.steps:.3f} ms/step (kernels and copies), "
+                      f"wall {times[-1] * 1e3:.3f} ms/step")
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
                 print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
             for r in reqs:
@@ -86,8 +104,10 @@ def main() -> int:
                    "of_floor": round(floor / med, 2), "ready_s": round(ready, 1),
                    "capture_s": getattr(eng.runner.graph_runner, "capture_s", None)}
             rows.append(row)
+            row["host_wait_ms"] = round(wait_ms, 3)
             print(f"{eng.backend_name:6s} graphs {mode:3s} batch {bs:4d}: step {med * 1e3:8.3f} ms; "
-                  f"floor {floor * 1e3:7.3f} ms ({100 * floor / med:.0f}% of floor)", flush=True)
+                  f"floor {floor * 1e3:7.3f} ms ({100 * floor / med:.0f}% of floor); host waited "
+                  f"{wait_ms:.3f} ms a step", flush=True)
         del llm, eng
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

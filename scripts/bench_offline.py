@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -89,6 +90,40 @@ def hf_single_stream(model, prompts, out_len: int, device) -> float:
     return total / (time.perf_counter() - t)
 
 
+def trace_steps(eng):
+    """Record (kind, batch size, seconds) for every engine step, where kind and size are those of the step
+    launched in that call."""
+    trace = []
+    step, launch = eng.step, eng.runner.launch
+    last = []
+
+    def launch_and_note(batch, *args):
+        last.append((batch.mode.value, len(batch.reqs)))
+        return launch(batch, *args)
+
+    def timed():
+        t = time.perf_counter()
+        out = step()
+        if last:
+            trace.append((*last.pop(), time.perf_counter() - t))
+        return out
+
+    eng.runner.launch = launch_and_note
+    eng.step = timed
+    return trace
+
+
+def print_steps(trace) -> None:
+    buckets = {}
+    for kind, bs, dt in trace:
+        key = (kind, 0) if kind == "extend" else (kind, next(b for b in (16, 64, 128, 192, 256, 1 << 30) if bs <= b))
+        buckets.setdefault(key, []).append(dt)
+    print("steps: kind, batch size up to, count, median ms, total s")
+    for (kind, b), ts in sorted(buckets.items()):
+        print(f"  {kind:6s} {b if kind == 'decode' else '':>6} {len(ts):6d} {1e3 * statistics.median(ts):8.2f} "
+              f"{sum(ts):7.2f}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineConfig.add_cli_args(p)
@@ -101,6 +136,8 @@ def main() -> int:
     p.add_argument("--hf", dest="hf", action="store_true", default=None, help="also time HF single-stream")
     p.add_argument("--no-hf", dest="hf", action="store_false")
     p.add_argument("--profile", action="store_true", help="print where a step's time goes")
+    p.add_argument("--steps", action="store_true",
+                   help="print step times by kind and batch size (no synchronisation added)")
     p.add_argument("--json", help="append the result as one JSON line to this file")
     a = p.parse_args()
     if a.log_level == EngineConfig.log_level:
@@ -126,9 +163,13 @@ def main() -> int:
     if a.profile:
         eng.runner.enable_profiling()
     eng.peak_pages_used = 0
+    eng.wait_s = 0.0
+    trace = trace_steps(eng) if a.steps else None
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t
+    if trace is not None:
+        print_steps(trace)
     out_tokens = sum(len(o.token_ids) for o in outs)
     in_tokens = sum(len(pr) for pr in prompts)
     result = {
@@ -139,11 +180,13 @@ def main() -> int:
         "peak_kv_tokens": eng.peak_pages_used * eng.pool.page_size, "kv_pool_tokens": eng.pool.num_slots,
         "retractions": eng.scheduler.num_retractions,
         "graph_capture_s": getattr(eng.runner.graph_runner, "capture_s", None),
+        "host_wait_s": round(eng.wait_s, 3),
     }
     print(f"minisrv [{result['backend']}, {result['dtype']}, {result['device']}]: {out_tokens} output tokens "
           f"({in_tokens} input) in {dt:.2f}s = {out_tokens / dt:.1f} output tok/s; ready in {t_ready:.1f}s; "
           f"peak KV {result['peak_kv_tokens']} of {result['kv_pool_tokens']} tokens; "
-          f"{result['retractions']} retractions; graph capture {result['graph_capture_s']}s")
+          f"{result['retractions']} retractions; graph capture {result['graph_capture_s']}s; "
+          f"host waited for the device {eng.wait_s:.2f}s")
     if a.profile:
         tm = eng.runner.timings
         total = sum(tm.values())

@@ -90,6 +90,7 @@ class Engine:
         self.pad_page: Optional[int] = None
         self.peak_pages_used = 0
         self._pending = None  # a launched step whose results are not yet processed
+        self.wait_s = 0.0  # host time spent waiting for the device's results (GPU-bound share of a run)
         self.overlap = self.device.type == "cuda" and not cfg.disable_overlap_schedule
         self.max_request_len = min(self.context_length, self.pool.num_slots)
         self.backend = create_backend(self.backend_name, self.pool, self.table.table, a.num_heads)
@@ -249,8 +250,11 @@ class Engine:
 
     def _process(self, launched) -> List[RequestOutput]:
         """Write a launched step's sampled tokens into its requests and apply the finish checks."""
-        result = launched.result()
         t0 = time.perf_counter()
+        result = launched.result()
+        t1 = time.perf_counter()
+        self.wait_s += t1 - t0
+        t0 = t1
         outputs: List[RequestOutput] = []
         batch = launched.batch
         reqs = batch.reqs if len(launched.positions) == len(batch.reqs) else \

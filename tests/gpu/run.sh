@@ -3,7 +3,7 @@
 # in .gpu-wheels/ (fa3, fi, srv, tools: FlashAttention-3, FlashInfer, server packages, install and checkpoint
 # scripts) and makes a random-weight Qwen3-0.6B-shaped checkpoint at $MINISRV_GPU_CKPT (default /tmp/qwen3).
 #   bash tests/gpu/run.sh [phase ...]
-#   phases: smoke e2e graph overlap backends bench bench-profile bench-p16 bench-fi bench-fa decode profile llama8b
+#   phases: smoke e2e graph overlap backends bench bench-steps bench-profile bench-p16 bench-fi bench-fa decode profile cprofile llama8b
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -47,7 +47,10 @@ for phase in "${@:-smoke}"; do
     bench-fi) step bench-fi 300 $BENCH --attention-backend fi ;;
     bench-fa) step bench-fa 300 $BENCH --attention-backend fa ;;
     profile) step profile 200 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
-               --batch-sizes 256 --graphs off --steps 8 --torch-profile ;;
+               --batch-sizes 1,64,256 --graphs on --steps 16 --torch-profile ;;
+    cprofile) step cprofile 200 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
+               --batch-sizes 1,64 --graphs on --steps 32 --cprofile ;;
+    bench-steps) step bench-steps 300 $BENCH --attention-backend auto --steps ;;
     decode) step decode 300 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
               --batch-sizes 1,64,256 --json "$OUT/decode.jsonl" ;;
     llama8b) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
