@@ -2,8 +2,9 @@
 """Decode-only step time at given batch sizes, CUDA graphs on and off, against the memory-bandwidth floor.
 
 Each request gets a prompt of --context tokens; after the prefill, --steps consecutive decode steps are timed
-together (with overlap scheduling a step returns before its own work ends) and the mean step time is reported. The floor is the bytes a step
-must read (weights once, plus every request's KV) over --bandwidth.
+together, up to the end of the last one's device work (with overlap scheduling a step returns before its own work
+ends), and the mean step time is reported. The floor is the bytes a step must read (weights once, plus every
+request's KV) over --bandwidth.
 
   python scripts/bench_decode.py --model /tmp/qwen3 --attention-backend fa,fi --batch-sizes 1,64,256
 """
@@ -73,10 +74,10 @@ def main() -> int:
                 cprof = cProfile.Profile()
                 cprof.enable()
             t = time.perf_counter()
-            for _ in range(a.steps):
+            for _ in range(a.steps):  # each call launches one step (and processes the one before it)
                 eng.step()
-            while eng._pending is not None:  # drain the last launched step
-                eng.step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the last launched step's work is done
             if cprof is not None:
                 import pstats
                 cprof.disable()

@@ -215,8 +215,12 @@ class Attention(nn.Module):
         k = k.reshape(t, self.hkv, self.d)
         v = v.reshape(t, self.hkv, self.d)
         if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.d)).view(t, self.hq, self.d)
-            k = self.k_norm(k.reshape(-1, self.d)).view(t, self.hkv, self.d)
+            if _fused_ops is not None:  # per-head norms in place, on the strided views of the qkv output
+                _fused_ops.rmsnorm(q, self.q_norm.weight, self.q_norm.eps, out=q)
+                _fused_ops.rmsnorm(k, self.k_norm.weight, self.k_norm.eps, out=k)
+            else:
+                q = self.q_norm(q.reshape(-1, self.d)).view(t, self.hq, self.d)
+                k = self.k_norm(k.reshape(-1, self.d)).view(t, self.hkv, self.d)
         q, k = self.rotary(positions, q, k)
         o = attn.forward(q, k, v, self.layer_id)
         return self.o_proj(o.reshape(t, self.q_size))
