@@ -5,10 +5,13 @@ Sampling is the Gumbel-max trick, argmax(logits / T - log E) with E ~ Exp(1), wh
 softmax(logits / T) after filtering. For a request with a seed, E comes from a counter-based hash of
 (seed, output position, token id) rather than a shared generator, so its tokens depend only on its own seed:
 the same seed gives the same output whatever else is in the batch, and a retracted request resumes the same
-stream. Unseeded rows take E from torch's generator, which is one fused kernel.
+stream. Unseeded rows take E from torch's generator, which is one fused kernel; on CUDA, when no row of the step
+has a seed or a top-k/top-p/min-p filter, FlashInfer's sampling kernel makes the same draw in one pass instead.
 """
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -139,6 +142,19 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return logits - sb.frequency[:, None] * counts - sb.presence[:, None] * (counts > 0).float()
 
 
+@functools.lru_cache(maxsize=None)
+def _fused_sampling(device: torch.device):
+    """FlashInfer's sampling_from_logits (softmax sampling in one kernel) on CUDA when importable, else None.
+    MINISRV_TORCH_SAMPLING=1 keeps the torch kernels."""
+    if device.type != "cuda" or os.environ.get("MINISRV_TORCH_SAMPLING") == "1":
+        return None
+    try:
+        from flashinfer.sampling import sampling_from_logits
+    except Exception:  # noqa: BLE001 - any import failure means "not present"
+        return None
+    return sampling_from_logits
+
+
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> Tuple[torch.Tensor, Optional[torch.Tensor],
                                                               Optional[Tuple[torch.Tensor, torch.Tensor]]]:
     """logits [B, V] float32 -> (token ids [B], logprob of each chosen token [B], (top values, top ids) [B, n]).
@@ -158,7 +174,10 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> Tuple[torch.Tensor, Optio
                                         float("-inf"))
         # Gumbel-max: argmax(scaled + G) with G = -log(E), E ~ Exp(1). Unseeded rows draw E from torch's
         # generator (one fused kernel); seeded rows from the counter-based hash (reproducible per request).
-        if sb.seeded_rows is None:
+        fused = _fused_sampling(scaled.device) if sb.seeded_rows is None and not sb.need_filter else None
+        if fused is not None:  # the same draw in one pass over the logits (FlashInfer, on CUDA)
+            sampled = fused(scaled).to(torch.int64)
+        elif sb.seeded_rows is None:
             e = torch.empty_like(scaled).exponential_()
         elif sb.seeded_rows.numel() == scaled.shape[0]:
             e = -torch.log(hashed_uniform(sb.seeds, sb.steps, logits.shape[-1]))
@@ -166,7 +185,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> Tuple[torch.Tensor, Optio
             e = torch.empty_like(scaled).exponential_()
             rows = sb.seeded_rows
             e[rows] = -torch.log(hashed_uniform(sb.seeds[rows], sb.steps[rows], logits.shape[-1]))
-        sampled = scaled.sub_(e.log_()).argmax(dim=-1)
+        if fused is None:
+            sampled = scaled.sub_(e.log_()).argmax(dim=-1)
         ids = torch.where(sb.temperature > 0, sampled, logits.argmax(dim=-1)) if sb.any_greedy else sampled
     chosen_lp = top = None
     if sb.max_logprobs >= 0:

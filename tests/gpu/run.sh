@@ -3,7 +3,7 @@
 # in .gpu-wheels/ (fa3, fi, srv, tools: FlashAttention-3, FlashInfer, server packages, install and checkpoint
 # scripts) and makes a random-weight Qwen3-0.6B-shaped checkpoint at $MINISRV_GPU_CKPT (default /tmp/qwen3).
 #   bash tests/gpu/run.sh [phase ...]
-#   phases: smoke e2e graph overlap backends bench bench-steps bench-profile bench-p16 bench-fi bench-fa decode profile cprofile llama8b
+#   phases: smoke e2e graph overlap sampling backends bench bench-steps bench-profile bench-p16 bench-fi bench-fa decode profile cprofile llama8b
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -40,6 +40,7 @@ for phase in "${@:-smoke}"; do
                 (timeout 400 python3 -m pytest -q -x tests/gpu/test_backends.py -k "$c" >/tmp/warm-$c.log 2>&1;
                  echo "warm $c: $(tail -n 1 /tmp/warm-$c.log)") & done; wait
               step backends 300 python3 -m pytest -q -rs tests/gpu/test_backends.py ;;
+    sampling) step sampling 300 python3 -m pytest -q tests/gpu/test_sampling.py ;;
     overlap) step overlap 400 python3 -m pytest -q -s tests/gpu/test_overlap.py ;;
     bench) step bench 300 $BENCH --attention-backend auto ;;
     bench-profile) step bench-profile 300 $BENCH --attention-backend auto --profile ;;  # syncs every phase: no overlap
