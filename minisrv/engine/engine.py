@@ -374,25 +374,43 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [self._result(p, r) for p, r in zip(prompts, reqs)]
+        texts = self.texts_of(reqs)
+        return [CompletionOutput(
+            prompt=p if isinstance(p, str) else None,
+            prompt_token_ids=r.prompt_ids,
+            text=t,
+            token_ids=list(r.output_ids),
+            finish_reason=r.finish_reason,
+            logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+        ) for p, r, t in zip(prompts, reqs, texts)]
 
-    def _result(self, prompt: PromptType, req: Request) -> CompletionOutput:
-        return CompletionOutput(
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=req.prompt_ids,
-            text=self.text_of(req),
-            token_ids=list(req.output_ids),
-            finish_reason=req.finish_reason,
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-        )
-
-    def text_of(self, req: Request) -> str:
-        if req.stop_str is not None:
-            return req.text
+    @staticmethod
+    def _text_ids(req: Request) -> List[int]:
+        """The output ids that make up the text: a final stop or eos token is not part of it."""
         ids = req.output_ids
         if req.finish_reason == "stop" and ids and (ids[-1] in req.params.stop_token_ids or ids[-1] in req.eos_ids):
             ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+        return ids
+
+    def texts_of(self, reqs: Sequence[Request]) -> List[str]:
+        """Output texts, decoded in one batch per skip_special_tokens setting (the Rust tokenizer decodes a
+        batch in parallel); the same strings as tokenizer.decode one by one."""
+        texts: List[Optional[str]] = [r.text if r.stop_str is not None else None for r in reqs]
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        for skip in (True, False):
+            todo = [i for i, r in enumerate(reqs) if texts[i] is None and r.params.skip_special_tokens == skip]
+            if not todo:
+                continue
+            ids = [self._text_ids(reqs[i]) for i in todo]
+            if backend is not None and len(todo) > 1:
+                out = backend.decode_batch(ids, skip_special_tokens=skip)
+                if self.tokenizer.clean_up_tokenization_spaces:
+                    out = [self.tokenizer.clean_up_tokenization(t) for t in out]
+            else:
+                out = [self.tokenizer.decode(x, skip_special_tokens=skip) for x in ids]
+            for i, t in zip(todo, out):
+                texts[i] = t
+        return texts
 
     def chat(self, messages: Union[List[Dict[str, str]], List[List[Dict[str, str]]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
