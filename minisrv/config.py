@@ -16,7 +16,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | fa | fi | P,D
     dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
     device: Optional[str] = None  # None: cuda if available else cpu
-    page_size: int = 1
+    page_size: Optional[int] = None  # tokens per KV page; None: 16 on CUDA (smaller page tables), 1 on CPU
     context_length: Optional[int] = None  # None: the model's max_position_embeddings
     mem_fraction_static: float = 0.88  # GPU: share of total memory for weights + KV pool
     max_total_tokens: Optional[int] = None  # KV pool size in tokens (CPU default: DEFAULT_CPU_POOL_TOKENS)
@@ -32,7 +32,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.page_size < 1:
+        if self.page_size is not None and self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
@@ -52,7 +52,7 @@ class EngineConfig:
                        help="auto | torch | fa | fi | PREFILL,DECODE (e.g. fa,fi)")
         p.add_argument("--dtype", default=d.dtype, choices=DTYPES)
         p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-        p.add_argument("--page-size", type=int, default=d.page_size)
+        p.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: 16 on CUDA, 1 on CPU)")
         p.add_argument("--context-length", type=int, default=None)
         p.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
         p.add_argument("--max-total-tokens", type=int, default=None)

@@ -73,6 +73,7 @@ class Engine:
                            "context length limited to %d", window, window)
             self.context_length = window
         self.dtype = resolve_dtype(cfg.dtype, self.args.torch_dtype, self.device)
+        self.page_size = cfg.page_size or (16 if self.device.type == "cuda" else 1)
         self.model = load_model(self.model_path, self.args, self.dtype, self.device, self.context_length)
         fused = enable_fused_ops(self.device)
         t_load = time.perf_counter() - t0
@@ -80,7 +81,7 @@ class Engine:
         a = self.args
         per_token = KVPool.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype)
         tokens = cfg.max_total_tokens or self._auto_pool_tokens(per_token)
-        ps = cfg.page_size
+        ps = self.page_size
         num_pages = max(1, tokens // ps)
         self.pool = KVPool(a.num_layers, num_pages, ps, a.num_kv_heads, a.head_dim, self.dtype, self.device)
         self.allocator = PageAllocator(num_pages)
@@ -134,7 +135,7 @@ class Engine:
         from minisrv.attention.base import ForwardBatch, ForwardMode, ceil_div
         a, cfg = self.args, self.config
         n = min(cfg.chunked_prefill_size, cfg.max_prefill_tokens, self.context_length)
-        ps = cfg.page_size
+        ps = self.page_size
         pages = ceil_div(n, ps) + 1
         pool = KVPool(a.num_layers, pages, ps, a.num_kv_heads, a.head_dim, self.dtype, self.device)
         table = torch.zeros((1, self.context_length), dtype=torch.int32, device=self.device)

@@ -3,7 +3,7 @@
 # in .gpu-wheels/ (fa3, fi, srv, tools: FlashAttention-3, FlashInfer, server packages, install and checkpoint
 # scripts) and makes a random-weight Qwen3-0.6B-shaped checkpoint at $MINISRV_GPU_CKPT (default /tmp/qwen3).
 #   bash tests/gpu/run.sh [phase ...]
-#   phases: smoke e2e graph overlap sampling backends bench bench-steps bench-profile bench-p16 bench-fi bench-fa decode profile cprofile llama8b
+#   phases: smoke e2e graph overlap sampling backends bench bench-steps bench-profile bench-p1 bench-fi bench-fa decode profile cprofile llama8b
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -44,7 +44,7 @@ for phase in "${@:-smoke}"; do
     overlap) step overlap 400 python3 -m pytest -q -s tests/gpu/test_overlap.py ;;
     bench) step bench 300 $BENCH --attention-backend auto ;;
     bench-profile) step bench-profile 300 $BENCH --attention-backend auto --profile ;;  # syncs every phase: no overlap
-    bench-p16) step bench-p16 300 $BENCH --attention-backend auto --page-size 16 ;;
+    bench-p1) step bench-p1 300 $BENCH --attention-backend auto --page-size 1 ;;
     bench-fi) step bench-fi 300 $BENCH --attention-backend fi ;;
     bench-fa) step bench-fa 300 $BENCH --attention-backend fa ;;
     profile) step profile 200 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
