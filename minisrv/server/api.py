@@ -15,6 +15,7 @@ their KV pages. With an API key, every route but /health needs `Authorization: B
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -467,6 +468,22 @@ def _engine_failure(e: Exception) -> APIError:
     return APIError(503, str(e) or "the engine is not available", type="server_error", code="engine_unavailable")
 
 
+async def _sse_stream(chunks: AsyncIterator[str], usage: Optional[Callable[[], Any]]) -> AsyncIterator[str]:
+    """A stream's chunks, then the usage chunk (when asked for) and [DONE]; an engine failure on the way becomes an
+    error event followed by [DONE]. Closing this closes `chunks` (which aborts its engine requests)."""
+    async with contextlib.aclosing(chunks):
+        try:
+            async for c in chunks:
+                yield c
+        except (EngineError, EngineDead) as e:
+            yield _sse_failure(e)
+            yield SSE_DONE
+            return
+    if usage is not None:
+        yield _sse(usage())
+    yield SSE_DONE
+
+
 def _sse_failure(e: Exception) -> str:
     """An engine failure in the middle of a stream, as an SSE error event."""
     err = _engine_failure(e)
@@ -670,9 +687,9 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        async def stream() -> AsyncIterator[str]:
-            created = now()
+        created = now()
 
+        async def stream() -> AsyncIterator[str]:
             def chunk(ch: _Choice, text: str, lps: Any, finish: Optional[str]) -> str:
                 logprobs = None
                 if body.logprobs is not None:
@@ -681,27 +698,21 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
                 return _sse(CompletionChunk(id=cid, created=created, model=model, choices=[
                     CompletionChoice(index=ch.index, text=text, logprobs=logprobs, finish_reason=finish)]))
 
-            try:
-                for ch in choices:
-                    if ch.prefix:
-                        yield chunk(ch, ch.prefix, [], None)
-                async for batch in _run_jobs(state, jobs):
-                    for index, out in batch:
-                        ch = choices[index]
-                        delta, lps = ch.feed(out)
-                        finish = ch.finish_reason if out.finished else None
-                        if delta or finish or (body.logprobs is not None and lps):
-                            yield chunk(ch, delta, lps, finish)
-            except (EngineError, EngineDead) as e:
-                yield _sse_failure(e)
-                yield SSE_DONE
-                return
-            if include_usage:
-                yield _sse(CompletionChunk(id=cid, created=created, model=model, choices=[],
-                                           usage=_usage(prompts, choices)))
-            yield SSE_DONE
+            for ch in choices:
+                if ch.prefix:
+                    yield chunk(ch, ch.prefix, [], None)
+            async for batch in _run_jobs(state, jobs):
+                for index, out in batch:
+                    ch = choices[index]
+                    delta, lps = ch.feed(out)
+                    finish = ch.finish_reason if out.finished else None
+                    if delta or finish or (body.logprobs is not None and lps):
+                        yield chunk(ch, delta, lps, finish)
 
-        return EventStream(stream())
+        def usage() -> CompletionChunk:
+            return CompletionChunk(id=cid, created=created, model=model, choices=[], usage=_usage(prompts, choices))
+
+        return EventStream(_sse_stream(stream(), usage if include_usage else None))
 
     await _collect(request, state, jobs, choices)
     resp = CompletionResponse(id=cid, model=model, usage=_usage(prompts, choices), choices=[
@@ -767,36 +778,30 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        async def stream() -> AsyncIterator[str]:
-            created = now()
+        created = now()
 
+        async def stream() -> AsyncIterator[str]:
             def chunk(index: int, delta: DeltaMessage, lps: Any, finish: Optional[str]) -> str:
                 return _sse(ChatCompletionChunk(id=cid, created=created, model=model, choices=[
                     ChatStreamChoice(index=index, delta=delta, finish_reason=finish,
                                      logprobs=_chat_logprobs(state, lps, top_n) if want_lp and lps else None)]))
 
-            try:
-                for ch in choices:
-                    yield chunk(ch.index, DeltaMessage(role="assistant", content=""), [], None)
-                async for batch in _run_jobs(state, jobs):
-                    for index, out in batch:
-                        ch = choices[index]
-                        delta, lps = ch.feed(out)
-                        finish = ch.finish_reason if out.finished else None
-                        if delta or (want_lp and lps):
-                            yield chunk(index, DeltaMessage(content=delta), lps, None)
-                        if finish:
-                            yield chunk(index, DeltaMessage(), [], finish)
-            except (EngineError, EngineDead) as e:
-                yield _sse_failure(e)
-                yield SSE_DONE
-                return
-            if include_usage:
-                yield _sse(ChatCompletionChunk(id=cid, created=created, model=model, choices=[],
-                                               usage=_usage(prompts, choices)))
-            yield SSE_DONE
+            for ch in choices:
+                yield chunk(ch.index, DeltaMessage(role="assistant", content=""), [], None)
+            async for batch in _run_jobs(state, jobs):
+                for index, out in batch:
+                    ch = choices[index]
+                    delta, lps = ch.feed(out)
+                    finish = ch.finish_reason if out.finished else None
+                    if delta or (want_lp and lps):
+                        yield chunk(index, DeltaMessage(content=delta), lps, None)
+                    if finish:
+                        yield chunk(index, DeltaMessage(), [], finish)
 
-        return EventStream(stream())
+        def usage() -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=cid, created=created, model=model, choices=[], usage=_usage(prompts, choices))
+
+        return EventStream(_sse_stream(stream(), usage if include_usage else None))
 
     await _collect(request, state, jobs, choices)
     resp = ChatCompletionResponse(id=cid, model=model, usage=_usage(prompts, choices), choices=[
