@@ -11,9 +11,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):  # LLM and Engine pull in torch and transformers; load them on first use
-    if name in ("LLM", "Engine"):
-        from minisrv.engine import engine
-        return getattr(engine, name)
+    if name == "LLM":
+        from minisrv.llm import LLM
+        return LLM
+    if name == "Engine":
+        from minisrv.engine.engine import Engine
+        return Engine
     if name == "EngineConfig":
         from minisrv.config import EngineConfig
         return EngineConfig
@@ -22,4 +25,5 @@ def __getattr__(name):  # LLM and Engine pull in torch and transformers; load th
 
 if TYPE_CHECKING:
     from minisrv.config import EngineConfig
-    from minisrv.engine.engine import LLM, Engine
+    from minisrv.engine.engine import Engine
+    from minisrv.llm import LLM

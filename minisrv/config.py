@@ -26,7 +26,7 @@ class EngineConfig:
     cuda_graph_max_bs: Optional[int] = None  # None: by GPU memory
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False  # CUDA: prepare step N+1 on the host while step N runs
-    seed: int = 0
+    seed: Optional[int] = None  # seeds torch's generator, which unseeded requests draw from
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -63,7 +63,8 @@ class EngineConfig:
         p.add_argument("--disable-cuda-graph", action="store_true")
         p.add_argument("--disable-overlap-schedule", action="store_true",
                        help="CUDA: do not schedule the next step while the current one runs")
-        p.add_argument("--seed", type=int, default=d.seed)
+        p.add_argument("--random-seed", "--seed", dest="seed", type=int, default=None,
+                       help="seed for requests that give none (reproducible runs of one engine)")
         p.add_argument("--log-level", default=d.log_level)
 
     @classmethod

@@ -75,7 +75,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                  ("What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 12?")]
     params = sampling_from_args(a)
 
-    from minisrv.engine.engine import LLM
+    from minisrv.llm import LLM
     cfg = EngineConfig.from_args(a)
     llm = LLM(**vars(cfg))
     prompts = []

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from minisrv.config import EngineConfig  # noqa: E402
-from minisrv.engine.kv_cache import KVPool  # noqa: E402
+from minisrv.kvcache import KVPool  # noqa: E402
 from minisrv.engine.request import SamplingParams  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def main() -> int:
     if a.log_level == EngineConfig.log_level:
         a.log_level = "warning"
     sizes = [int(x) for x in a.batch_sizes.split(",")]
-    from minisrv.engine.engine import LLM
+    from minisrv.llm import LLM
     rows = []
     for mode in a.graphs.split(","):
         cfg = EngineConfig.from_args(a)
@@ -52,7 +52,7 @@ def main() -> int:
         ready = time.perf_counter() - t0
         eng = llm.engine
         ar = eng.args
-        weights = sum(q.numel() * q.element_size() for q in eng.model.parameters())
+        weights = sum(q.numel() * q.element_size() for q in eng.runner.model.parameters())
         kv_tok = KVPool.bytes_per_token(ar.num_layers, ar.num_kv_heads, ar.head_dim, eng.dtype)
         for bs in sizes:
             params = SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True)
@@ -67,7 +67,7 @@ def main() -> int:
                 prof.__enter__()
             # with overlap scheduling a step returns before its own work is done, so time a run of steps
             torch.cuda.synchronize() if torch.cuda.is_available() else None
-            wait0 = eng.wait_s
+            wait0 = eng.runner.wait_s
             cprof = None
             if a.cprofile:
                 import cProfile
@@ -86,7 +86,7 @@ def main() -> int:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             times.append((time.perf_counter() - t) / a.steps)
-            wait_ms = (eng.wait_s - wait0) / a.steps * 1e3
+            wait_ms = (eng.runner.wait_s - wait0) / a.steps * 1e3
             if prof is not None:
                 prof.__exit__(None, None, None)
                 evs = prof.key_averages()

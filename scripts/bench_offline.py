@@ -152,7 +152,7 @@ def main() -> int:
         n = a.num_prompts or 32
         prompts, params = cpu_workload(n, (a.min_input_len or 64, a.max_input_len or 256), a.max_output_len or 64)
 
-    from minisrv.engine.engine import LLM
+    from minisrv.llm import LLM
     t_start = time.perf_counter()
     llm = LLM(**vars(EngineConfig.from_args(a)))
     t_ready = time.perf_counter() - t_start
@@ -161,9 +161,9 @@ def main() -> int:
     prompts = [[t % vocab for t in pr] for pr in prompts]
     llm.generate(["Benchmark: "], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
     if a.profile:
-        eng.runner.enable_profiling()
+        eng.enable_profiling()
     eng.peak_pages_used = 0
-    eng.wait_s = 0.0
+    eng.runner.wait_s = 0.0
     trace = trace_steps(eng) if a.steps else None
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -180,15 +180,15 @@ def main() -> int:
         "peak_kv_tokens": eng.peak_pages_used * eng.pool.page_size, "kv_pool_tokens": eng.pool.num_slots,
         "retractions": eng.scheduler.num_retractions,
         "graph_capture_s": getattr(eng.runner.graph_runner, "capture_s", None),
-        "host_wait_s": round(eng.wait_s, 3),
+        "host_wait_s": round(eng.runner.wait_s, 3),
     }
     print(f"minisrv [{result['backend']}, {result['dtype']}, {result['device']}]: {out_tokens} output tokens "
           f"({in_tokens} input) in {dt:.2f}s = {out_tokens / dt:.1f} output tok/s; ready in {t_ready:.1f}s; "
           f"peak KV {result['peak_kv_tokens']} of {result['kv_pool_tokens']} tokens; "
           f"{result['retractions']} retractions; graph capture {result['graph_capture_s']}s; "
-          f"host waited for the device {eng.wait_s:.2f}s")
+          f"host waited for the device {eng.runner.wait_s:.2f}s")
     if a.profile:
-        tm = eng.runner.timings
+        tm = eng.timings
         total = sum(tm.values())
         print("profile (s, share of step time):")
         for k, v in sorted(tm.items(), key=lambda kv: -kv[1]):

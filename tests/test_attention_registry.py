@@ -186,7 +186,7 @@ def test_hybrid_routes_extend_to_prefill_half_and_decode_to_decode_half():
     import torch
     from minisrv.attention.base import ForwardBatch, ForwardMode, HybridBackend
     from minisrv.attention.torch_native import TorchNativeBackend
-    from minisrv.engine.kv_cache import KVPool
+    from minisrv.kvcache import KVPool
 
     calls = []
 
@@ -197,11 +197,11 @@ def test_hybrid_routes_extend_to_prefill_half_and_decode_to_decode_half():
 
         def prepare(self, b):
             calls.append((self.name, "prepare", b.mode.value))
-            super().prepare(b)
+            return super().prepare(b)
 
-        def forward(self, q, k, v, layer_id):
+        def forward(self, q, k, v, layer_id, meta):
             calls.append((self.name, "forward"))
-            return super().forward(q, k, v, layer_id)
+            return super().forward(q, k, v, layer_id, meta)
 
         def init_graph_state(self, max_bs, max_seq_len):
             calls.append((self.name, "init_graph_state"))
@@ -215,13 +215,11 @@ def test_hybrid_routes_extend_to_prefill_half_and_decode_to_decode_half():
                        torch.zeros(1, dtype=torch.int64), torch.tensor([t], dtype=torch.int32),
                        torch.tensor([0, t], dtype=torch.int32), torch.tensor([t - 1]), [t], [t], t)
     q, k, v = torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
-    hybrid.prepare(ext)
-    out = hybrid.forward(q, k, v, 0)
+    out = hybrid.step(ext)(q, k, v, 0)
     dec = ForwardBatch(ForwardMode.DECODE, torch.zeros(1, dtype=torch.int64), torch.tensor([t]), torch.tensor([t]),
                        torch.zeros(1, dtype=torch.int64), torch.tensor([t + 1], dtype=torch.int32),
                        torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0]), [t + 1], [1], t + 1)
-    hybrid.prepare(dec)
-    hybrid.forward(torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8), 0)
+    hybrid.step(dec)(torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8), 0)
     hybrid.init_graph_state(8, 16)
     assert calls == [("P", "prepare", "extend"), ("P", "forward"), ("D", "prepare", "decode"), ("D", "forward"),
                      ("D", "init_graph_state")]

@@ -50,24 +50,26 @@ def test_default_model_stop_string(answers):
     assert "Paris" not in llm.tokenizer.decode(plain.token_ids[:n - 1])
 
 
-def test_batch_decoded_texts_equal_one_by_one_decode(answers):
-    """generate() decodes its outputs in one batch; each text must be what tokenizer.decode gives for that
-    request alone (special tokens kept or skipped per request, a final eos left out)."""
-    from minisrv.engine.request import Request
+def test_text_stream_equals_decoding_the_whole_output(answers):
+    """The engine's incremental text (one token at a time) is what decoding the prompt's tail and the output in one
+    go adds to the prompt's tail: special tokens kept or skipped as asked, multi-byte characters never split."""
+    from minisrv.engine.text import PROMPT_CONTEXT, TextStream
     llm, _ = answers
     tok = llm.tokenizer
-    eos = llm.engine.eos_ids[0]
-    words = tok(" Hello , world ! It's  a test -- don't stop.", add_special_tokens=False).input_ids
+    words = tok(" Hello , world ! It's  a test -- don't stop. Ünïcödé 日本語 🙂", add_special_tokens=False).input_ids
     special = sorted(set(tok.all_special_ids))[:2]
-    cases = [(words + special + words[:3], True, "length"), (special + words, False, "length"),
-             (words[:5] + [eos], True, "stop"), (words[2:] + [eos], False, "stop"), ([], True, "length")]
-    reqs = []
-    for ids, skip, reason in cases:
-        r = Request([1], SamplingParams(skip_special_tokens=skip), 100, eos_ids=llm.engine.eos_ids)
-        r.output_ids, r.finish_reason = list(ids), reason
-        reqs.append(r)
-    texts = llm.texts_of(reqs)
-    for (ids, skip, reason), text in zip(cases, texts):
-        want = tok.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=skip)
-        assert text == want
-    assert any(tok.decode([s]) in texts[1] for s in special)  # kept when asked to
+    prompt = tok("Say something:", add_special_tokens=False).input_ids
+    for ids, skip in ((words + special + words[:3], True), (special + words, False), (words, True)):
+        stream = TextStream(tok, prompt, (), skip)
+        pieces = []
+        for t in ids:
+            stream.add(t)
+            pieces.append(stream.take())
+        stream.finish()
+        pieces.append(stream.take())
+        ctx = prompt[-PROMPT_CONTEXT:]
+        want = tok.decode(ctx + ids, skip_special_tokens=skip)[len(tok.decode(ctx, skip_special_tokens=skip)):]
+        assert stream.text == want == "".join(pieces)
+        assert all("\ufffd" not in p for p in pieces)
+        if not skip:
+            assert any(tok.decode([s]) in stream.text for s in special)  # kept when asked to

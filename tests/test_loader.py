@@ -214,7 +214,7 @@ def test_truncated_weight_file(tiny_model, tmp_path):
     size = os.path.getsize(f)
     with open(f, "r+b") as fh:
         fh.truncate(size // 2)
-    with pytest.raises(WeightLoadError, match="cannot read weight file .*model.safetensors"):
+    with pytest.raises(WeightLoadError, match="model.safetensors is truncated or damaged"):
         make_llm(path)
     with open(f, "r+b") as fh:  # even the header cut short
         fh.truncate(5)
@@ -370,3 +370,176 @@ def test_gguf_checkpoint_matches_hf(tmp_path, name, arch, overrides):
     eng.abort(req.rid)
     assert rel_err(logits, hf_logits(hf_dir, prompts[1])[-1]) < 1e-4
     assert_pool_free(eng)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# truncated or damaged files: the error names the file and the damage (for a cut in the tensor data: the tensor,
+# its absolute byte range and the file's size) before gguf / safetensors / transformers fail on the short file
+
+
+def _load(path: str, args: ModelArgs):
+    from minisrv.models.loader import load_model
+    return load_model(path, args, torch.float32, torch.device("cpu"), 64)
+
+
+def _cut(src: str, dst: str, size: int) -> str:
+    shutil.copyfile(src, dst)
+    with open(dst, "r+b") as fh:
+        fh.truncate(size)
+    return dst
+
+
+def _patch(src: str, dst: str, at: int, data: bytes) -> str:
+    shutil.copyfile(src, dst)
+    with open(dst, "r+b") as fh:
+        fh.seek(at)
+        fh.write(data)
+    return dst
+
+
+def _first_cut_tensor(spans, size: int):
+    """(name, first byte, end byte) of the first tensor in file order whose bytes are not all in `size` bytes."""
+    return next(s for s in sorted(spans, key=lambda s: (s[1], s[2])) if s[2] > size)
+
+
+def _raises_load_error(fn, *args, **kwargs) -> str:
+    with pytest.raises(WeightLoadError) as e:
+        fn(*args, **kwargs)
+    return str(e.value)
+
+
+def _end(field) -> int:
+    """Where a gguf reader field (a metadata entry or a tensor info) ends in the file."""
+    return field.offset + sum(int(p.nbytes) for p in field.parts)
+
+
+def _tiny_gguf(tiny_model, tmp_path):
+    """A tiny float32 GGUF (Qwen2: tied, qkv biases) and its table as gguf's reader sees it on the intact file."""
+    from gguf import GGUFReader
+    hf_dir = tiny_model("qwen2")
+    good = str(tmp_path / "good.gguf")
+    _write_gguf(hf_dir, good, "qwen2")
+    return hf_dir, good, GGUFReader(good)
+
+
+def test_truncated_gguf_names_tensor_and_bytes(tiny_model, tmp_path):
+    from minisrv.models.loader import load_hf_config
+    hf_dir, good, reader = _tiny_gguf(tiny_model, tmp_path)
+    size = os.path.getsize(good)
+    spans = [(t.name, int(t.data_offset), int(t.data_offset) + int(t.n_bytes)) for t in reader.tensors]
+    assert max(end for _, _, end in spans) == size
+    args = load_model_args(good)
+    mid = sorted(spans, key=lambda s: s[1])[len(spans) // 2]
+    info_end = max(_end(t.field) for t in reader.tensors)
+    cuts = {reader.data_offset, mid[1] + (mid[2] - mid[1]) // 2, mid[2], size - 1}
+    if info_end < reader.data_offset:  # in the alignment padding before the tensor data
+        cuts.add(info_end + (reader.data_offset - info_end) // 2)
+    for i, cut in enumerate(sorted(cuts)):
+        path = _cut(good, str(tmp_path / f"cut{i}.gguf"), cut)
+        name, a, b = _first_cut_tensor(spans, cut)
+        want = f"{path} is truncated or damaged: tensor {name} needs bytes {a}..{b}, the file has {cut}"
+        assert _raises_load_error(load_model_args, path) == want  # the config is read first: it fails there
+        assert _raises_load_error(load_hf_config, path) == want
+        assert _raises_load_error(_load, path, args) == want  # and the weights on their own
+    assert _raises_load_error(make_llm, path, tokenizer=hf_dir) == want
+    # a damaged tensor table: one tensor's offset pointing past the end of an intact-length file
+    t = reader.tensors[3]
+    at = t.field.offset + sum(int(p.nbytes) for p in t.field.parts[:5])
+    rel = int(t.data_offset) - reader.data_offset + 4096 * 1024
+    path = _patch(good, str(tmp_path / "offset.gguf"), at, rel.to_bytes(8, "little"))
+    a = reader.data_offset + rel
+    b = a + int(t.n_bytes)
+    want = f"{path} is truncated or damaged: tensor {t.name} needs bytes {a}..{b}, the file has {size}"
+    assert _raises_load_error(load_model_args, path) == want
+    assert _raises_load_error(_load, path, args) == want
+    # the intact file still loads, with the weights it holds
+    model = _load(good, load_model_args(good))
+    ref = load_file(os.path.join(hf_dir, "model.safetensors"))
+    params = dict(model.named_parameters())
+    for n in ("model.norm.weight", "model.embed_tokens.weight", "model.layers.1.self_attn.o_proj.weight"):
+        assert torch.equal(params[n].detach(), ref[n]), n
+
+
+def test_truncated_gguf_header_and_tensor_table(tiny_model, tmp_path):
+    hf_dir, good, reader = _tiny_gguf(tiny_model, tmp_path)
+    args = load_model_args(good)
+    kvs = [f for name, f in reader.fields.items() if not name.startswith("GGUF.")]
+    last_kv = kvs[-1]
+    cuts = {
+        0: "", 2: "", 10: "", 20: "",  # inside the magic, the version, the counts
+        kvs[0].offset + 3: "metadata",  # inside the first key
+        _end(last_kv) - 1: "metadata",  # the last value's last byte
+        reader.tensors[0].field.offset + 2: "tensor info",
+        _end(reader.tensors[-1].field) - 1: "tensor info",  # the last tensor info's last byte
+    }
+    for i, (cut, where) in enumerate(sorted(cuts.items())):
+        path = _cut(good, str(tmp_path / f"head{i}.gguf"), cut)
+        for fn, fn_args in ((load_model_args, (path,)), (_load, (path, args))):
+            msg = _raises_load_error(fn, *fn_args)
+            assert msg.startswith(f"{path} is truncated or damaged: cannot read its GGUF header/tensor table ("), msg
+            assert msg.endswith(")") and where in msg, msg
+    assert "truncated or damaged" in _raises_load_error(make_llm, path, tokenizer=hf_dir)
+    path = _patch(good, str(tmp_path / "magic.gguf"), 0, b"GGUX")  # not truncated, damaged
+    msg = _raises_load_error(load_model_args, path)
+    assert msg.startswith(f"{path} is truncated or damaged: cannot read its GGUF header/tensor table (") and \
+        "GGUX" in msg, msg
+    assert load_model_args(good).tie_word_embeddings  # the intact file still reads
+
+
+def _safetensors_table(file: str):
+    """The safetensors layout read by hand: (header length, [(name, first byte, end byte)] at file offsets)."""
+    import struct
+    with open(file, "rb") as fh:
+        (hlen,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(hlen))
+    return hlen, [(n, 8 + hlen + v["data_offsets"][0], 8 + hlen + v["data_offsets"][1])
+                  for n, v in header.items() if n != "__metadata__"]
+
+
+def test_truncated_safetensors_names_tensor_and_bytes(tiny_model, tmp_path):
+    path = _copy(tiny_model("llama"), tmp_path)
+    f = os.path.join(path, "model.safetensors")
+    good = str(tmp_path / "good.safetensors")
+    shutil.copyfile(f, good)
+    size = os.path.getsize(good)
+    hlen, spans = _safetensors_table(good)
+    assert max(end for _, _, end in spans) == size
+    args = load_model_args(path)
+    mid = sorted(spans, key=lambda s: s[1])[len(spans) // 2]
+    for cut in sorted({8 + hlen, mid[1] + (mid[2] - mid[1]) // 2, mid[2], size // 2, size - 1}):
+        _cut(good, f, cut)
+        name, a, b = _first_cut_tensor(spans, cut)
+        want = f"{f} is truncated or damaged: tensor {name} needs bytes {a}..{b}, the file has {cut}"
+        assert _raises_load_error(_load, path, args) == want
+    assert _raises_load_error(make_llm, path) == want
+    shutil.copyfile(good, f)  # the intact file loads again, with its weights
+    params = dict(_load(path, args).named_parameters())
+    ref = load_file(good)
+    for n in ("model.norm.weight", "lm_head.weight", "model.layers.1.mlp.down_proj.weight"):
+        assert torch.equal(params[n].detach(), ref[n]), n
+
+
+def test_damaged_safetensors_header(tiny_model, tmp_path):
+    path = _copy(tiny_model("mistral"), tmp_path)
+    f = os.path.join(path, "model.safetensors")
+    good = str(tmp_path / "good.safetensors")
+    shutil.copyfile(f, good)
+    size = os.path.getsize(good)
+    hlen, _ = _safetensors_table(good)
+    args = load_model_args(path)
+    damage = [
+        lambda: _cut(good, f, 0),
+        lambda: _cut(good, f, 5),  # inside the header length
+        lambda: _cut(good, f, 8 + hlen // 2),  # inside the JSON header
+        lambda: _patch(good, f, 0, (2 * size).to_bytes(8, "little")),  # a header length past the end
+        lambda: _patch(good, f, 8, b"#"),  # bad JSON, same size
+        lambda: _patch(good, f, 8, b"[" + b" " * (hlen - 2) + b"]"),  # JSON, but not an object
+    ]
+    for make in damage:
+        make()
+        msg = _raises_load_error(_load, path, args)
+        assert msg.startswith(f"{f} is truncated or damaged: cannot read its safetensors header (") and \
+            msg.endswith(")"), msg
+    assert "truncated or damaged" in _raises_load_error(make_llm, path)
+    shutil.copyfile(good, f)
+    _still_serves(tiny_model)

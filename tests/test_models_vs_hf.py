@@ -82,9 +82,9 @@ def test_prefill_logits_match_hf(tiny_model, arch):
     assert batch.extend_lens == [len(p) for p in prompts]
     fb = eng.runner.build_forward_batch(batch)
     with torch.inference_mode():
-        eng.backend.prepare(fb)
-        hidden = eng.model(fb.input_ids, fb.positions, eng.backend)
-        logits = eng.model.compute_logits(hidden)
+        runner = eng.runner
+        hidden = runner.model(fb.input_ids, fb.positions, runner.backend.step(fb))
+        logits = runner.model.compute_logits(hidden)
         last = eng.runner.forward_logits(fb)
     assert logits.dtype == torch.float32 and logits.shape == (sum(map(len, prompts)), vocab_of(path))
     start = 0
@@ -141,7 +141,7 @@ def test_sliding_window_model_is_exact_within_its_window(tmp_path):
     out = llm.generate(prompt, greedy(8), use_tqdm=False)[0]
     ref, scores = hf_greedy(path, prompt, 8)
     assert_greedy_matches(out.token_ids, ref, scores, "inside the sliding window")
-    with pytest.raises(ValueError, match="maximum context length of 16"):
+    with pytest.raises(ValueError, match="maximum context length is 16 tokens"):
         llm.generate(make_prompts(vocab_of(path), [40], seed=41)[0], greedy(8), use_tqdm=False)
     assert_pool_free(llm.engine)
     with pytest.raises(ValueError, match="sliding window of 16"):

@@ -172,6 +172,25 @@ def test_hashed_uniform_is_a_function_of_seed_step_token():
     assert torch.equal(hashed_uniform(seeds, steps, 300)[:, :100], u)
 
 
+def test_seeds_are_used_in_all_64_bits():
+    """Seeds that agree modulo 2**31 or 2**32, and negative seeds, give different streams; each stays in (0, 1)."""
+    big = [0, 2 ** 31, 2 ** 32, 2 ** 62 + 7, -(2 ** 63), 2 ** 63 - 1, -1, 1]
+    u = hashed_uniform(torch.tensor(big, dtype=torch.int64), torch.zeros(len(big), dtype=torch.int64), 1000)
+    assert (u > 0).all() and (u < 1).all()
+    for i in range(len(big)):
+        for j in range(i):
+            assert not torch.equal(u[i], u[j]), f"seeds {big[i]} and {big[j]} give the same draws"
+
+
+def test_seed_outside_64_bits_is_refused():
+    from minisrv.engine.request import RequestError
+    for bad in (2 ** 63, 2 ** 70, -(2 ** 63) - 1):
+        with pytest.raises(RequestError, match="signed 64-bit"):
+            SamplingParams(seed=bad)
+    SamplingParams(seed=2 ** 63 - 1)
+    SamplingParams(seed=-(2 ** 63))
+
+
 def _chi2(counts: torch.Tensor, probs: torch.Tensor, n: int) -> float:
     exp = probs.double() * n
     return (((counts.double() - exp) ** 2) / exp).sum().item()
@@ -446,7 +465,9 @@ def test_stop_token_ids_and_length(qwen2):
     ref, _ = hf_greedy(path, prompt, 15)
     stop_tok = ref[6]
     j = ref.index(stop_tok)
-    out = llm.generate(prompt, greedy(15, stop_token_ids=[stop_tok, 999999]), use_tqdm=False)[0]
+    with pytest.raises(ValueError, match=r"stop_token_ids must be in \[0, "):
+        llm.generate(prompt, greedy(15, stop_token_ids=[stop_tok, 999999]), use_tqdm=False)
+    out = llm.generate(prompt, greedy(15, stop_token_ids=[stop_tok, vocab_of(path) - 1]), use_tqdm=False)[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == ref[:j + 1]  # the stop token is reported in the ids...
     assert out.text == "".join(f"t{t}" for t in ref[:j] if t >= 3)  # ...but not in the text

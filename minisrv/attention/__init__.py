@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
-from .base import AttentionBackend, ForwardBatch, ForwardMode, HybridBackend
+from .base import AttentionBackend, AttentionStep, ForwardBatch, ForwardMode, HybridBackend
 
 if TYPE_CHECKING:
-    from minisrv.engine.kv_cache import KVPool
+    from minisrv.kvcache import KVPool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AttentionBackend", "ForwardBatch", "ForwardMode", "HybridBackend", "BACKENDS", "resolve_backend",
+__all__ = ["AttentionBackend", "AttentionStep", "ForwardBatch", "ForwardMode", "HybridBackend", "BACKENDS", "resolve_backend",
            "create_backend", "BackendUnavailable"]
 
 
@@ -67,19 +67,19 @@ def _torch_missing(sm: Optional[int]) -> Optional[str]:
     return None
 
 
-def _create_torch(pool, req_to_token, num_q_heads, **kw) -> AttentionBackend:
+def _create_torch(pool, req_to_token, num_q_heads) -> AttentionBackend:
     from .torch_native import TorchNativeBackend
     return TorchNativeBackend(pool, req_to_token, num_q_heads)
 
 
-def _create_fa(pool, req_to_token, num_q_heads, **kw) -> AttentionBackend:
+def _create_fa(pool, req_to_token, num_q_heads) -> AttentionBackend:
     from .fa import FlashAttentionBackend
-    return FlashAttentionBackend(pool, req_to_token, num_q_heads, **kw)
+    return FlashAttentionBackend(pool, req_to_token, num_q_heads)
 
 
-def _create_fi(pool, req_to_token, num_q_heads, **kw) -> AttentionBackend:
+def _create_fi(pool, req_to_token, num_q_heads) -> AttentionBackend:
     from .fi import FlashInferBackend
-    return FlashInferBackend(pool, req_to_token, num_q_heads, **kw)
+    return FlashInferBackend(pool, req_to_token, num_q_heads)
 
 
 # name -> (what it lacks on this machine, lazily importing creator)
@@ -142,12 +142,11 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return choice
 
 
-def create_backend(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int,
-                   **kw) -> AttentionBackend:
+def create_backend(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int) -> AttentionBackend:
     """Create a resolved backend (see resolve_backend); a hybrid shares the pool between its two halves."""
     parts = _parts(name)
     if len(parts) == 1 or parts[0] == parts[1]:
-        return BACKENDS[parts[0]][1](pool, req_to_token, num_q_heads, **kw)
-    prefill = BACKENDS[parts[0]][1](pool, req_to_token, num_q_heads, **kw)
-    decode = BACKENDS[parts[1]][1](pool, req_to_token, num_q_heads, **kw)
+        return BACKENDS[parts[0]][1](pool, req_to_token, num_q_heads)
+    prefill = BACKENDS[parts[0]][1](pool, req_to_token, num_q_heads)
+    decode = BACKENDS[parts[1]][1](pool, req_to_token, num_q_heads)
     return HybridBackend(prefill, decode)

@@ -8,32 +8,12 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Any, List
 
 import torch
 
 if TYPE_CHECKING:
-    from minisrv.engine.kv_cache import KVPool
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list or CPU tensor on `device`, copied from pinned memory without waiting for the device.
-
-    A plain `torch.tensor(..., device="cuda")` or blocking `.to("cuda")` synchronises the stream: the host would
-    wait for every queued kernel, and overlap scheduling would be lost. The pinned block is recycled by torch's
-    caching host allocator only once the copy has run.
-    """
-    if device.type != "cuda":
-        return torch.as_tensor(values, dtype=dtype).to(device)
-    if isinstance(values, torch.Tensor):
-        host = torch.empty(values.shape, dtype=dtype, pin_memory=True).copy_(values)
-    else:
-        host = torch.tensor(values, dtype=dtype, pin_memory=True)
-    return host.to(device, non_blocking=True)
+    from minisrv.kvcache import KVPool
 
 
 class ForwardMode(enum.Enum):
@@ -78,7 +58,11 @@ class ForwardBatch:
 
 
 class AttentionBackend(ABC):
-    """One backend serves every layer of one model over one KV pool."""
+    """One backend serves every layer of one model over one KV pool.
+
+    A step's metadata is a value: `prepare` returns it and every layer's `forward` takes it, so nothing about a step
+    lives on the backend between calls (two steps can be in flight at once under overlap scheduling).
+    """
 
     name: str = "base"
 
@@ -91,12 +75,15 @@ class AttentionBackend(ABC):
         self.scale = self.head_dim ** -0.5
 
     @abstractmethod
-    def prepare(self, batch: ForwardBatch) -> None:
-        """Build this step's metadata; called once per step before the model runs."""
+    def prepare(self, batch: ForwardBatch) -> Any:
+        """This step's metadata, built once per step before the model runs."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: Any) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D]. Stores k/v at the step's slots, returns attention output [T, Hq, D]."""
+
+    def step(self, batch: ForwardBatch) -> "AttentionStep":
+        return AttentionStep(self, self.prepare(batch))
 
     # CUDA-graph hooks (decode only). A backend that cannot be captured leaves supports_cuda_graph False.
     supports_cuda_graph: bool = False
@@ -104,37 +91,48 @@ class AttentionBackend(ABC):
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")
 
-    def prepare_for_capture(self, batch: ForwardBatch) -> None:
+    def prepare_for_capture(self, batch: ForwardBatch) -> Any:
+        """Metadata over the backend's static buffers for a graph of batch.batch_size rows; kept for its replays."""
         raise NotImplementedError
 
-    def prepare_for_replay(self, batch: ForwardBatch, padded_bs: int) -> None:
+    def prepare_for_replay(self, batch: ForwardBatch, padded_bs: int, meta: Any) -> None:
+        """Rewrite the static buffers behind `meta` (from prepare_for_capture(padded_bs)) for this batch."""
         raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class AttentionStep:
+    """What a model's attention layers get for one step: the backend and that step's metadata."""
+
+    backend: AttentionBackend
+    meta: Any
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        return self.backend.forward(q, k, v, layer_id, self.meta)
 
 
 class HybridBackend(AttentionBackend):
-    """Prefill and extend on one backend, decode (and therefore CUDA graphs) on another."""
+    """Prefill and extend on one backend, decode (and therefore CUDA graphs) on another. Its metadata is the chosen
+    half's AttentionStep."""
 
     def __init__(self, prefill: AttentionBackend, decode: AttentionBackend) -> None:
         self.prefill_backend = prefill
         self.decode_backend = decode
         self.name = f"{prefill.name},{decode.name}"
         self.supports_cuda_graph = decode.supports_cuda_graph
-        self._active: Optional[AttentionBackend] = None
 
-    def prepare(self, batch: ForwardBatch) -> None:
-        self._active = self.decode_backend if batch.is_decode else self.prefill_backend
-        self._active.prepare(batch)
+    def prepare(self, batch: ForwardBatch) -> AttentionStep:
+        half = self.decode_backend if batch.is_decode else self.prefill_backend
+        return half.step(batch)
 
-    def forward(self, q, k, v, layer_id):
-        return self._active.forward(q, k, v, layer_id)
+    def forward(self, q, k, v, layer_id: int, meta: AttentionStep) -> torch.Tensor:
+        return meta(q, k, v, layer_id)
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
         self.decode_backend.init_graph_state(max_bs, max_seq_len)
 
-    def prepare_for_capture(self, batch: ForwardBatch) -> None:
-        self._active = self.decode_backend
-        self.decode_backend.prepare_for_capture(batch)
+    def prepare_for_capture(self, batch: ForwardBatch) -> AttentionStep:
+        return AttentionStep(self.decode_backend, self.decode_backend.prepare_for_capture(batch))
 
-    def prepare_for_replay(self, batch: ForwardBatch, padded_bs: int) -> None:
-        self._active = self.decode_backend
-        self.decode_backend.prepare_for_replay(batch, padded_bs)
+    def prepare_for_replay(self, batch: ForwardBatch, padded_bs: int, meta: AttentionStep) -> None:
+        self.decode_backend.prepare_for_replay(batch, padded_bs, meta.meta)

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from .base import AttentionBackend, ForwardBatch, ceil_div
+from minisrv.utils import ceil_div
+
+from .base import AttentionBackend, ForwardBatch
 
 
 def _load_kernel() -> Callable:
@@ -42,22 +45,24 @@ def _load_kernel() -> Callable:
                       "flash_attn_interface); " + "; ".join(errors))
 
 
+@dataclass(frozen=True)
+class FAMeta:
+    loc: torch.Tensor  # [T] slots the step's k/v go to
+    page_table: torch.Tensor  # [B, max_pages] int32
+    cache_seqlens: torch.Tensor  # [B] int32
+    cu_seqlens_q: Optional[torch.Tensor]  # [B+1] int32 for extend; None for decode
+    max_seqlen_q: int
+
+
 class FlashAttentionBackend(AttentionBackend):
     name = "fa"
     supports_cuda_graph = True
 
-    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, **kw) -> None:
+    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int) -> None:
         super().__init__(pool, req_to_token, num_q_heads)
         self._attn = _load_kernel()
         self.page_size = pool.page_size
-        # per-step metadata, built by prepare / prepare_for_capture / prepare_for_replay
-        self.loc: Optional[torch.Tensor] = None
-        self.decode = False
-        self.page_table: Optional[torch.Tensor] = None
-        self.cache_seqlens: Optional[torch.Tensor] = None
-        self.cu_seqlens_q: Optional[torch.Tensor] = None
-        self.max_seqlen_q = 1
-        # CUDA-graph state
+        # CUDA-graph state: static buffers that captured graphs read
         self.g_page_table: Optional[torch.Tensor] = None
         self.g_cache_seqlens: Optional[torch.Tensor] = None
 
@@ -70,30 +75,26 @@ class FlashAttentionBackend(AttentionBackend):
             return self.req_to_token[rows, :max_seq_len]
         return self.req_to_token[rows, :max_seq_len:ps] // ps
 
-    def prepare(self, b: ForwardBatch) -> None:
-        self.loc = b.out_cache_loc
-        self.decode = b.is_decode
-        self.page_table = self._page_table(b.req_rows, b.max_seq_len)
-        self.cache_seqlens = b.seq_lens if b.seq_lens.dtype == torch.int32 else b.seq_lens.to(torch.int32)
-        if self.decode:
-            self.cu_seqlens_q = None
-            self.max_seqlen_q = 1
-        else:
-            self.cu_seqlens_q = b.cu_seqlens_q if b.cu_seqlens_q.dtype == torch.int32 \
-                else b.cu_seqlens_q.to(torch.int32)
-            self.max_seqlen_q = max(b.extend_lens_cpu)
+    def prepare(self, b: ForwardBatch) -> FAMeta:
+        seqlens = b.seq_lens if b.seq_lens.dtype == torch.int32 else b.seq_lens.to(torch.int32)
+        page_table = self._page_table(b.req_rows, b.max_seq_len)
+        if b.is_decode:
+            return FAMeta(b.out_cache_loc, page_table, seqlens, None, 1)
+        cu = b.cu_seqlens_q if b.cu_seqlens_q.dtype == torch.int32 else b.cu_seqlens_q.to(torch.int32)
+        return FAMeta(b.out_cache_loc, page_table, seqlens, cu, max(b.extend_lens_cpu))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        self.pool.store(layer_id, self.loc, k, v)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                meta: FAMeta) -> torch.Tensor:
+        self.pool.store(layer_id, meta.loc, k, v)
         k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
-        if self.decode:
+        if meta.cu_seqlens_q is None:  # decode
             o = self._attn(q=q.unsqueeze(1), k_cache=k_cache, v_cache=v_cache,
-                           cache_seqlens=self.cache_seqlens, page_table=self.page_table,
+                           cache_seqlens=meta.cache_seqlens, page_table=meta.page_table,
                            softmax_scale=self.scale, causal=True)
             return o.squeeze(1)
         return self._attn(q=q, k_cache=k_cache, v_cache=v_cache,
-                          cache_seqlens=self.cache_seqlens, page_table=self.page_table,
-                          cu_seqlens_q=self.cu_seqlens_q, max_seqlen_q=self.max_seqlen_q,
+                          cache_seqlens=meta.cache_seqlens, page_table=meta.page_table,
+                          cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
                           softmax_scale=self.scale, causal=True)
 
     # -- CUDA graphs (decode) -------------------------------------------------------------------------------
@@ -118,19 +119,14 @@ class FlashAttentionBackend(AttentionBackend):
         if padded_bs > bs:  # padding rows attend to one valid token of page 0
             self.g_page_table[bs:padded_bs, 0] = 0
             self.g_cache_seqlens[bs:padded_bs] = 1
-        self.decode = True
-        self.cu_seqlens_q = None
-        self.max_seqlen_q = 1
-        # full-width slices: the kernel's shapes (and so its launch decisions) depend only on padded_bs
-        self.page_table = self.g_page_table[:padded_bs]
-        self.cache_seqlens = self.g_cache_seqlens[:padded_bs]
 
-    def prepare_for_capture(self, b: ForwardBatch) -> None:
+    def prepare_for_capture(self, b: ForwardBatch) -> FAMeta:
         if not b.is_decode:
             raise ValueError("CUDA graphs capture decode batches only")
-        self._fill_static(b, b.batch_size)
-        self.loc = b.out_cache_loc
+        bs = b.batch_size
+        self._fill_static(b, bs)
+        # full-width slices: the kernel's shapes (and so its launch decisions) depend only on the graph's size
+        return FAMeta(b.out_cache_loc, self.g_page_table[:bs], self.g_cache_seqlens[:bs], None, 1)
 
-    def prepare_for_replay(self, b: ForwardBatch, padded_bs: int) -> None:
+    def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: FAMeta) -> None:
         self._fill_static(b, padded_bs)
-        self.loc = b.out_cache_loc

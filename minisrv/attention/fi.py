@@ -15,20 +15,30 @@ B+1 entries), so one wrapper is made per captured batch size, all sharing fixed 
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .base import AttentionBackend, ForwardBatch, ceil_div
+from minisrv.utils import ceil_div
+
+from .base import AttentionBackend, ForwardBatch
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FIMeta:
+    loc: torch.Tensor  # [T] slots the step's k/v go to
+    wrapper: Any  # the FlashInfer wrapper planned for this step (its plan is FlashInfer's own state)
+    kv_indices: torch.Tensor  # this step's page ids, kept alive while the wrapper may read them
 
 
 class FlashInferBackend(AttentionBackend):
     name = "fi"
     supports_cuda_graph = True
 
-    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, **kw) -> None:
+    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int) -> None:
         super().__init__(pool, req_to_token, num_q_heads)
         import flashinfer
 
@@ -38,13 +48,9 @@ class FlashInferBackend(AttentionBackend):
         self.device = req_to_token.device
         self.use_tensor_cores = num_q_heads // self.num_kv_heads >= 4
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend=kw.get("fi_prefill_backend", "auto"))
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
-        self.loc: Optional[torch.Tensor] = None
-        self._active = None  # the wrapper whose plan this step's forward runs
-        self._kv_indices: Optional[torch.Tensor] = None  # keeps this step's page ids alive
         # CUDA-graph state
         self.graph_wrappers: Dict[int, object] = {}
         self.g_kv_indptr: Optional[torch.Tensor] = None
@@ -97,15 +103,12 @@ class FlashInferBackend(AttentionBackend):
                      sm_scale=self.scale)
         self._after_plan()
 
-    def prepare(self, b: ForwardBatch) -> None:
-        self.loc = b.out_cache_loc
+    def prepare(self, b: ForwardBatch) -> FIMeta:
         kv_indptr, kv_last, total = self._host_kv_meta(b.seq_lens_cpu)
         kv_indices = self._page_ids(b.req_rows, b.seq_lens, total)
-        self._kv_indices = kv_indices
         if b.is_decode:
             self._plan_decode(self.decode_wrapper, kv_indptr, kv_indices, kv_last)
-            self._active = self.decode_wrapper
-            return
+            return FIMeta(b.out_cache_loc, self.decode_wrapper, kv_indices)
         qo = [0]
         for e in b.extend_lens_cpu:
             qo.append(qo[-1] + e)
@@ -116,11 +119,12 @@ class FlashInferBackend(AttentionBackend):
                                   causal=True, pos_encoding_mode="NONE", sm_scale=self.scale,
                                   q_data_type=self.dtype, kv_data_type=self.dtype)
         self._after_plan()
-        self._active = self.prefill_wrapper
+        return FIMeta(b.out_cache_loc, self.prefill_wrapper, kv_indices)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        self.pool.store(layer_id, self.loc, k, v)
-        return self._active.run(q, (self.pool.k[layer_id], self.pool.v[layer_id]))
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                meta: FIMeta) -> torch.Tensor:
+        self.pool.store(layer_id, meta.loc, k, v)
+        return meta.wrapper.run(q, (self.pool.k[layer_id], self.pool.v[layer_id]))
 
     # -- CUDA graphs (decode) -------------------------------------------------------------------------------
 
@@ -147,13 +151,12 @@ class FlashInferBackend(AttentionBackend):
             self.graph_wrappers[bs] = w
         return w
 
-    def _plan_graph(self, b: ForwardBatch, padded_bs: int) -> None:
+    def _plan_graph(self, b: ForwardBatch, wrapper, padded_bs: int) -> torch.Tensor:
         bs = b.batch_size
         if padded_bs < bs:
             raise ValueError(f"padded batch size {padded_bs} < batch size {bs}")
         if b.max_seq_len > self.g_max_pages * self.page_size:
             raise ValueError(f"sequence length {b.max_seq_len} exceeds the graph's max_seq_len")
-        wrapper = self._graph_wrapper(padded_bs)
         pad = padded_bs - bs
         # padding rows: one token on page 0 (any valid page will do; their outputs are dropped)
         kv_indptr, kv_last, total = self._host_kv_meta(list(b.seq_lens_cpu) + [1] * pad)
@@ -162,18 +165,15 @@ class FlashInferBackend(AttentionBackend):
         if pad:
             kv_indices = torch.cat([kv_indices, kv_indices.new_zeros(pad)])
         self._plan_decode(wrapper, kv_indptr, kv_indices, kv_last)
-        self._kv_indices = kv_indices
-        self._active = wrapper
+        return kv_indices
 
-    def prepare_for_capture(self, b: ForwardBatch) -> None:
+    def prepare_for_capture(self, b: ForwardBatch) -> FIMeta:
         """Plan the batch-size-`bs` graph wrapper; call before capture begins (FlashInfer plans on the host)."""
         if not b.is_decode:
             raise ValueError("CUDA graphs capture decode batches only")
-        self._plan_graph(b, b.batch_size)
-        self.loc = b.out_cache_loc
+        wrapper = self._graph_wrapper(b.batch_size)
+        return FIMeta(b.out_cache_loc, wrapper, self._plan_graph(b, wrapper, b.batch_size))
 
-    def prepare_for_replay(self, b: ForwardBatch, padded_bs: int) -> None:
-        if padded_bs not in self.graph_wrappers:
-            raise ValueError(f"no graph captured for batch size {padded_bs}")
-        self._plan_graph(b, padded_bs)
-        self.loc = b.out_cache_loc
+    def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: FIMeta) -> None:
+        # the plan copies the page ids into the wrapper's fixed buffer (stream-ordered), which the graph reads
+        self._plan_graph(b, meta.wrapper, padded_bs)

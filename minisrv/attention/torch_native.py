@@ -6,25 +6,37 @@ batched SDPA with a mask that is causal with respect to each request's cached pr
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
 from .base import AttentionBackend, ForwardBatch
 
 
+@dataclass(frozen=True)
+class TorchMeta:
+    loc: torch.Tensor  # [T] slots the step's k/v go to
+    kv_idx: torch.Tensor  # [B, max_k] slots of each request's keys
+    mask: torch.Tensor  # [B, max_q, max_k] causal with respect to each request's cached prefix
+    max_q: int
+    q_gather: Optional[torch.Tensor]  # padded (i, j) -> token row; None when every request has one query
+    out_rows: Optional[torch.Tensor]  # token rows inside the padded output
+
+
 class TorchNativeBackend(AttentionBackend):
     name = "torch"
 
-    def prepare(self, b: ForwardBatch) -> None:
+    def prepare(self, b: ForwardBatch) -> TorchMeta:
         dev = b.input_ids.device
         bsz = b.batch_size
         max_k = b.max_seq_len
         ext = b.extend_lens_cpu
         max_q = max(ext)
-        self.batch = b
-        self.loc = b.out_cache_loc
-        self.max_q = max_q
-        self.kv_idx = self.req_to_token[b.req_rows, :max_k].long()  # [B, max_k]
+        if max_q * bsz == 0:
+            raise ValueError("empty batch")
+        kv_idx = self.req_to_token[b.req_rows, :max_k].long()  # [B, max_k]
         # padded query row j of request i sits at absolute position prefix_i + min(j, ext_i - 1): padded rows
         # repeat the last real one, so no row is fully masked, and are dropped afterwards
         ext_t = torch.tensor(ext, dtype=torch.int64)
@@ -32,28 +44,27 @@ class TorchNativeBackend(AttentionBackend):
         jj = torch.minimum(j[None, :], ext_t[:, None] - 1)  # [B, max_q]
         prefix = torch.tensor(b.prefix_lens_cpu, dtype=torch.int64)
         q_pos = (prefix[:, None] + jj).to(dev)
-        self.mask = torch.arange(max_k, device=dev)[None, None, :] <= q_pos[:, :, None]  # [B, max_q, max_k]
+        mask = torch.arange(max_k, device=dev)[None, None, :] <= q_pos[:, :, None]
+        q_gather = out_rows = None
         if max_q > 1:
             starts = torch.tensor([0] + ext[:-1], dtype=torch.int64).cumsum(0)
-            self.q_gather = (starts[:, None] + jj).reshape(-1).to(dev)  # padded (i, j) -> token row
+            q_gather = (starts[:, None] + jj).reshape(-1).to(dev)
             valid = (j[None, :] < ext_t[:, None]).reshape(-1)
-            self.out_rows = torch.nonzero(valid).squeeze(1).to(dev)  # token rows inside the padded output
-        else:
-            self.q_gather = None
-        if max_q * bsz == 0:
-            raise ValueError("empty batch")
+            out_rows = torch.nonzero(valid).squeeze(1).to(dev)
+        return TorchMeta(b.out_cache_loc, kv_idx, mask, max_q, q_gather, out_rows)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        self.pool.store(layer_id, self.loc, k, v)
-        bsz, max_q = self.batch.batch_size, self.max_q
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                meta: TorchMeta) -> torch.Tensor:
+        self.pool.store(layer_id, meta.loc, k, v)
+        bsz, max_q = meta.kv_idx.shape[0], meta.max_q
         hkv, d = self.num_kv_heads, self.head_dim
         g = self.num_q_heads // hkv
-        kk = self.pool.flat_k(layer_id)[self.kv_idx].transpose(1, 2)  # [B, Hkv, L, D]
-        vv = self.pool.flat_v(layer_id)[self.kv_idx].transpose(1, 2)
-        qp = q if self.q_gather is None else q[self.q_gather]
+        kk = self.pool.flat_k(layer_id)[meta.kv_idx].transpose(1, 2)  # [B, Hkv, L, D]
+        vv = self.pool.flat_v(layer_id)[meta.kv_idx].transpose(1, 2)
+        qp = q if meta.q_gather is None else q[meta.q_gather]
         # fold the GQA group into the query length: [B, Hkv, G * max_q, D], no K/V repeat needed
         qp = qp.view(bsz, max_q, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, hkv, g * max_q, d)
-        mask = self.mask[:, None, None].expand(bsz, 1, g, max_q, self.mask.shape[-1]).reshape(bsz, 1, g * max_q, -1)
+        mask = meta.mask[:, None, None].expand(bsz, 1, g, max_q, meta.mask.shape[-1]).reshape(bsz, 1, g * max_q, -1)
         o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=mask, scale=self.scale)
         o = o.view(bsz, hkv, g, max_q, d).permute(0, 3, 1, 2, 4).reshape(bsz * max_q, hkv * g, d)
-        return o if self.q_gather is None else o[self.out_rows]
+        return o if meta.q_gather is None else o[meta.out_rows]

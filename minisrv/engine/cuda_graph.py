@@ -10,11 +10,11 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import torch
 
-from minisrv.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from minisrv.attention.base import AttentionBackend, AttentionStep, ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class CudaGraphRunner:
         self.last_indices = torch.arange(n, **i64)
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: Dict[int, torch.Tensor] = {}
+        self.meta: Dict[int, Any] = {}  # batch size -> the attention metadata its graph was captured with
         self.mempool = torch.cuda.graph_pool_handle()
         backend.init_graph_state(self.max_bs, max_seq_len)
         self.capture()
@@ -59,8 +60,8 @@ class CudaGraphRunner:
                             self.req_rows[:bs], self.seq_lens[:bs], self.cu_seqlens_q[:bs + 1],
                             self.last_indices[:bs], seq_lens_cpu, [1] * bs, max(seq_lens_cpu))
 
-    def _run(self, fb: ForwardBatch) -> torch.Tensor:
-        hidden = self.model(fb.input_ids, fb.positions, self.backend)
+    def _run(self, fb: ForwardBatch, meta: Any) -> torch.Tensor:
+        hidden = self.model(fb.input_ids, fb.positions, AttentionStep(self.backend, meta))
         return self.model.compute_logits(hidden[fb.last_indices])
 
     @torch.inference_mode()
@@ -73,11 +74,12 @@ class CudaGraphRunner:
         with torch.cuda.stream(stream):
             for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
                 fb = self._static_batch(bs, [1] * bs)
-                self.backend.prepare_for_capture(fb)  # plans happen outside the captured region
-                self._run(fb)  # warm-up: lazy kernel selection and allocations happen here
+                meta = self.backend.prepare_for_capture(fb)  # plans happen outside the captured region
+                self._run(fb, meta)  # warm-up: lazy kernel selection and allocations happen here
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.mempool, stream=stream):
-                    self.logits[bs] = self._run(fb)
+                    self.logits[bs] = self._run(fb, meta)
+                self.meta[bs] = meta
                 self.graphs[bs] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
@@ -103,6 +105,6 @@ class CudaGraphRunner:
             self.out_cache_loc[bs:pbs].fill_(self.pad_slot)
             self.req_rows[bs:pbs].fill_(self.pad_row)
             self.seq_lens[bs:pbs].fill_(1)
-        self.backend.prepare_for_replay(fb, pbs)
+        self.backend.prepare_for_replay(fb, pbs, self.meta[pbs])
         self.graphs[pbs].replay()
         return self.logits[pbs][:bs]

@@ -1,27 +1,36 @@
-"""One forward step: scheduled batch -> step tensors -> backend plan -> model -> last-position logits -> sampler."""
+"""One forward step: scheduled batch -> step tensors -> attention plan -> model -> last-position logits -> sampler.
+
+The overlap protocol lives here and nowhere else. `launch` queues a step on the device and returns at once;
+`collect` waits for the oldest launched step and writes its sampled tokens into the requests. Between the two, a
+request's sampled token is only counted (`Request.num_pending`), and when the next step is launched before the
+previous one is collected (overlap scheduling on CUDA), a decode input whose token is still pending is read on the
+device from the previous step's sampled ids: the host never waits for the device to build a step.
+"""
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from minisrv.attention.base import AttentionBackend, ForwardBatch, ForwardMode, to_device
+from minisrv.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from minisrv.kvcache import KVPool, ReqToTokenTable
+from minisrv.utils import to_device
 
-from .kv_cache import KVPool, ReqToTokenTable
+from .request import Request, TokenLogprob
 from .sampler import SamplingBatch, sample
 from .scheduler import ScheduledBatch
 
 
 @dataclass
-class StepResult:
-    """Host copies of the sampled tokens for the requests that sampled this step (in batch order)."""
+class SampledToken:
+    """A token that reached the host, already appended to its request's output_ids."""
 
-    token_ids: List[int]
-    logprobs: Optional[List[float]]
-    top_logprobs: Optional[Tuple[List[List[float]], List[List[int]]]]
+    req: Request
+    token_id: int
+    logprob: Optional[TokenLogprob]
 
 
 @dataclass
@@ -29,19 +38,20 @@ class LaunchedStep:
     """A step whose work is queued on the device; its results reach the host when `event` completes."""
 
     batch: ScheduledBatch
-    ids: Optional[torch.Tensor]  # [S] sampled ids on the device (next step's inputs may point into it)
+    sampling: List[Request]  # the requests that sample a token this step, in the order of `ids`
+    ids: Optional[torch.Tensor]  # [S] sampled ids on the device (the next step's inputs may point into it)
     host: List[Optional[torch.Tensor]]  # ids, chosen logprobs, top values, top ids (host copies, maybe pending)
     event: Optional[torch.cuda.Event]
-    positions: List[int] = None  # where each sampling request's token goes in its output_ids
+    index: Dict[str, int] = field(default_factory=dict)  # rid -> row in `ids`
 
-    def result(self) -> StepResult:
+    def wait(self) -> Tuple[List[int], Optional[List[float]], Optional[Tuple[List[List[float]], List[List[int]]]]]:
         if self.event is not None:
             self.event.synchronize()
         ids, lp, top_v, top_i = self.host
         if ids is None:
-            return StepResult([], None, None)
-        return StepResult(ids.tolist(), lp.tolist() if lp is not None else None,
-                          (top_v.tolist(), top_i.tolist()) if top_v is not None else None)
+            return [], None, None
+        return (ids.tolist(), lp.tolist() if lp is not None else None,
+                (top_v.tolist(), top_i.tolist()) if top_v is not None else None)
 
 
 class ModelRunner:
@@ -54,9 +64,12 @@ class ModelRunner:
         self.device = device
         self.graph_runner = graph_runner  # CUDA-graph decode, when enabled
         self.timings: Optional[Dict[str, float]] = None  # phase -> seconds, when profiling
+        self.wait_s = 0.0  # host time spent waiting for the device's results (the GPU-bound share of a run)
+        self._inflight: Deque[LaunchedStep] = deque()  # launched and not yet collected, oldest first
 
-    def enable_profiling(self) -> None:
-        self.timings = defaultdict(float)
+    def enable_profiling(self, timings: Dict[str, float]) -> None:
+        """Charge each phase's time to `timings` (it synchronises the device after every phase)."""
+        self.timings = timings
 
     def _tick(self, phase: str, t0: float) -> float:
         """Charge the time since t0 to phase (synchronising the device so the time is the phase's own)."""
@@ -66,40 +79,53 @@ class ModelRunner:
         self.timings[phase] += t - t0
         return t
 
-    def build_forward_batch(self, sb: ScheduledBatch, prev_ids: Optional[torch.Tensor] = None) -> ForwardBatch:
-        """Step tensors for a scheduled batch. A decode input may be a placeholder -(k+1) for a token still being
-        sampled by the previous step; it is resolved on the device from that step's ids (`prev_ids[k]`)."""
+    def build_forward_batch(self, sb: ScheduledBatch) -> ForwardBatch:
+        """Step tensors for a scheduled batch. A decode input whose token is still pending is taken on the device
+        from the newest launched step's sampled ids."""
         reqs, ext = sb.reqs, sb.extend_lens
         seq_lens = [r.num_cached + n for r, n in zip(reqs, ext)]
+        pending_rows: List[int] = []
         if sb.mode is ForwardMode.DECODE:
-            ids = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
-            pos = [r.num_cached for r in reqs]
+            ids, pos = [], []
+            prev = self._inflight[-1] if self._inflight else None
+            for r in reqs:
+                if r.num_pending:
+                    pending_rows.append(prev.index[r.rid])  # its newest token is in the newest launched step
+                    ids.append(0)
+                else:
+                    pending_rows.append(-1)
+                    ids.append(r.output_ids[-1] if r.output_ids else r.prompt_ids[-1])
+                pos.append(r.num_cached)
+            if not any(r >= 0 for r in pending_rows):
+                pending_rows = []
         else:
             ids, pos = [], []
             for r, n in zip(reqs, ext):
+                assert not r.num_pending, "an extend step needs every token of its requests on the host"
                 ids.extend(r.all_ids[r.num_cached:r.num_cached + n])
                 pos.extend(range(r.num_cached, r.num_cached + n))
         cu = [0]
         for n in ext:
             cu.append(cu[-1] + n)
-        t, b = len(ids), len(reqs)
+        t, b, p = len(ids), len(reqs), len(pending_rows)
         # one pinned host buffer and one copy for every step tensor (int32 ones are converted on the device)
-        head = torch.tensor(ids + pos + [r.row for r in reqs] + [c - 1 for c in cu[1:]] + seq_lens + cu,
-                            dtype=torch.int64)
+        head = torch.tensor(ids + pos + [r.row for r in reqs] + [c - 1 for c in cu[1:]] + seq_lens + cu
+                            + pending_rows, dtype=torch.int64)
         cuda = self.device.type == "cuda"
         buf = torch.empty(head.numel() + t, dtype=torch.int64, pin_memory=cuda)
         torch.cat([head, sb.out_cache_loc], out=buf)
         d = buf.to(self.device, non_blocking=True) if cuda else buf
-        o = 2 * t + 2 * b  # start of seq_lens, then cu
+        o = 2 * t + 2 * b  # start of seq_lens, then cu, then pending rows
         i32 = d[o:o + 2 * b + 1].to(torch.int32)
         input_ids = d[:t]
-        if prev_ids is not None and sb.mode is ForwardMode.DECODE and min(ids) < 0:
-            input_ids = torch.where(input_ids < 0, prev_ids[(-input_ids - 1).clamp_(min=0)], input_ids)
+        if p:
+            rows = d[o + 2 * b + 1:o + 2 * b + 1 + p]
+            input_ids = torch.where(rows >= 0, self._inflight[-1].ids[rows.clamp(min=0)], input_ids)
         return ForwardBatch(
             mode=sb.mode,
             input_ids=input_ids,
             positions=d[t:2 * t],
-            out_cache_loc=d[o + 2 * b + 1:],
+            out_cache_loc=d[o + 2 * b + 1 + p:],
             req_rows=d[2 * t:2 * t + b],
             seq_lens=i32[:b],
             cu_seqlens_q=i32[b:],
@@ -114,16 +140,19 @@ class ModelRunner:
         """Logits [B, V] float32 at each request's last token of the step."""
         if fb.is_decode and self.graph_runner is not None and self.graph_runner.can_run(fb):
             return self.graph_runner.replay(fb)
-        self.backend.prepare(fb)
-        hidden = self.model(fb.input_ids, fb.positions, self.backend)
+        hidden = self.model(fb.input_ids, fb.positions, self.backend.step(fb))
         return self.model.compute_logits(hidden[fb.last_indices])
 
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
     @torch.inference_mode()
-    def launch(self, sb: ScheduledBatch, prev_ids: Optional[torch.Tensor] = None) -> LaunchedStep:
+    def launch(self, sb: ScheduledBatch) -> None:
         """Queue forward and sampling; copy results to the host without waiting for them."""
         prof = self.timings is not None
         t = time.perf_counter() if prof else 0.0
-        fb = self.build_forward_batch(sb, prev_ids)
+        fb = self.build_forward_batch(sb)
         if prof:
             t = self._tick("metadata", t)
         logits = self.forward_logits(fb)
@@ -131,7 +160,8 @@ class ModelRunner:
             t = self._tick("forward_decode" if fb.is_decode else "forward_extend", t)
         sampling = [r for r, s in zip(sb.reqs, sb.samples) if s]
         if not sampling:
-            return LaunchedStep(sb, None, [None] * 4, None)
+            self._inflight.append(LaunchedStep(sb, [], None, [None] * 4, None))
+            return
         if len(sampling) != len(sb.reqs):
             keep = to_device([i for i, s in enumerate(sb.samples) if s], torch.int64, logits.device)
             logits = logits[keep]
@@ -145,6 +175,35 @@ class ModelRunner:
             event.record()
         else:
             host = outs
+        for r in sampling:
+            r.num_pending += 1
+        self._inflight.append(LaunchedStep(sb, sampling, ids, host, event, {r.rid: k for k, r in enumerate(sampling)}))
         if prof:
             self._tick("sampling", t)
-        return LaunchedStep(sb, ids, host, event)
+
+    def oldest_requests(self) -> List[Request]:
+        return list(self._inflight[0].batch.reqs) if self._inflight else []
+
+    def collect(self) -> List[SampledToken]:
+        """Wait for the oldest launched step; append its tokens to their requests (in batch order). A request that
+        finished while its token was on the device gets nothing."""
+        step = self._inflight.popleft()
+        for req in step.sampling:
+            req.num_pending -= 1  # whatever happens below, this step's tokens are no longer on their way
+        t0 = time.perf_counter()
+        token_ids, lps, top = step.wait()
+        self.wait_s += time.perf_counter() - t0
+        out: List[SampledToken] = []
+        for i, req in enumerate(step.sampling):
+            if req.finished:
+                continue
+            tok = token_ids[i]
+            req.output_ids.append(tok)
+            lp = None
+            if lps is not None and req.params.logprobs is not None:
+                n_top = req.params.logprobs
+                tops = dict(zip(top[1][i][:n_top], top[0][i][:n_top])) if n_top > 0 and top is not None else {}
+                lp = TokenLogprob(tok, lps[i], tops)
+                req.logprobs.append(lp)
+            out.append(SampledToken(req, tok, lp))
+        return out

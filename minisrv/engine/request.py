@@ -1,12 +1,39 @@
-"""A request's state machine, its sampling parameters, and what the engine reports back."""
+"""A request's state machine, its sampling parameters and their validation, and what the engine reports back.
+
+Validation lives here once: `SamplingParams.validate` checks what needs no model (types, ranges, counts), and
+`check_request` what depends on the model (token ids in the vocabulary, the context length). The offline `LLM`,
+the engine and the HTTP server all call these; a failure is a `RequestError` naming the offending field.
+"""
 from __future__ import annotations
 
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Union
 
-SEED_RANGE = 2 ** 31  # seeds are kept within 31 bits so the on-device hash stays in int64 without overflow
+if TYPE_CHECKING:
+    from .text import TextStream
+
+MAX_STOPS = 64  # stop strings, and stop token ids, per request
+MAX_STOP_CHARS = 1024  # length of one stop string
+MAX_LOGPROBS = 20  # top-n logprobs per token (OpenAI's limit)
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as asked; `param` names the field (OpenAI's error `param`)."""
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
 
 
 @dataclass
@@ -31,31 +58,50 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or [])]
+        self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
     def validate(self) -> None:
+        """Types, ranges and counts that need no model; raises RequestError."""
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not _is_number(getattr(self, name)):
+                raise RequestError(f"{name} must be a finite number, got {getattr(self, name)!r}", name)
+        for name in ("max_tokens", "seed", "logprobs"):
+            v = getattr(self, name)
+            if v is not None and not _is_int(v):
+                raise RequestError(f"{name} must be an integer, got {v!r}", name)
+        if not _is_int(self.top_k):
+            raise RequestError(f"top_k must be an integer, got {self.top_k!r}", "top_k")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+            raise RequestError(f"temperature must be non-negative, got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or positive, got {self.top_k}")
+            raise RequestError(f"top_k must be -1 (disabled) or positive, got {self.top_k}", "top_k")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise RequestError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
+            raise RequestError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+                               "frequency_penalty")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise RequestError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}",
+                               "repetition_penalty")
+        if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 63:
+            raise RequestError(f"seed must be a signed 64-bit integer, got {self.seed}", "seed")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        if len(self.stop) > MAX_STOPS:
+            raise RequestError(f"at most {MAX_STOPS} stop strings, got {len(self.stop)}", "stop")
+        if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise RequestError(f"stop strings must be non-empty strings of at most {MAX_STOP_CHARS} characters",
+                               "stop")
+        if len(self.stop_token_ids) > MAX_STOPS or not all(_is_int(t) for t in self.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be at most {MAX_STOPS} integers", "stop_token_ids")
 
     @property
     def greedy(self) -> bool:
@@ -90,31 +136,36 @@ class Request:
     rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
     eos_ids: Sequence[int] = ()
     arrival: int = field(default_factory=lambda: next(_ids))
+    text: Optional["TextStream"] = None  # the output's text, made by the engine as tokens arrive
 
     # engine state
     status: RequestStatus = RequestStatus.WAITING
-    output_ids: List[int] = field(default_factory=list)
+    output_ids: List[int] = field(default_factory=list)  # sampled tokens whose values have reached the host
+    num_pending: int = 0  # sampled tokens still on the device (overlap scheduling; see model_runner)
     logprobs: List[TokenLogprob] = field(default_factory=list)
     row: int = -1  # row in the request->token table while resident
     pages: List[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the pool
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
-    stop_str: Optional[str] = None  # the stop string that ended it, if any
-    sampling_seed: int = 0
-    text: str = ""  # decoded so far; maintained only when stop strings must be checked
-    _detok: Optional[object] = None
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
+    sampling_seed: int = 0  # the request's seed (signed 64-bit), for seeded sampling
+    solo: bool = False  # in a step that failed: runs in batches of its own until it samples a token
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:  # only seeded rows use it (see sampler)
-            self.sampling_seed = self.params.seed % SEED_RANGE
+            self.sampling_seed = self.params.seed
 
     @property
     def all_ids(self) -> List[int]:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_output_tokens(self) -> int:
+        """Sampled tokens, including those still on their way from the device."""
+        return len(self.output_ids) + self.num_pending
+
+    @property
     def total_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
 
     @property
     def finished(self) -> bool:
@@ -125,19 +176,58 @@ class Request:
         return self.params.has_penalties
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against once the model is known."""
+
+    vocab_size: int
+    max_request_len: int  # prompt + output tokens (the context length, or less when the KV pool is smaller)
+
+
+def check_request(prompt_ids: Sequence[int], params: SamplingParams, limits: RequestLimits,
+                  prompt_param: str = "prompt") -> int:
+    """Validate a request against the model; returns its output budget (max_new_tokens). Raises RequestError."""
+    params.validate()
+    vocab = limits.vocab_size
+    if not prompt_ids:
+        raise RequestError("the prompt is empty", prompt_param)
+    if any(not _is_int(t) or t < 0 or t >= vocab for t in prompt_ids):
+        raise RequestError(f"prompt token ids must be integers in [0, {vocab})", prompt_param)
+    if any(t < 0 or t >= vocab for t in params.stop_token_ids):
+        raise RequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+    if params.top_k > vocab:
+        raise RequestError(f"top_k must be at most the vocabulary size {vocab} (or -1), got {params.top_k}", "top_k")
+    limit = limits.max_request_len
+    n = len(prompt_ids)
+    if params.max_tokens is None:
+        if n >= limit:
+            raise RequestError(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                               f"{n} tokens, which leaves no room for a completion.", prompt_param,
+                               "context_length_exceeded")
+        return limit - n
+    if n + params.max_tokens > limit:
+        raise RequestError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the "
+                           f"completion). Please reduce the prompt or max_tokens.", "max_tokens",
+                           "context_length_exceeded")
+    return params.max_tokens
+
+
 @dataclass
 class RequestOutput:
-    """One step's news about one request: the tokens it gained (usually one), and whether it ended."""
+    """One step's news about one request: the tokens it gained (usually one), their text, and whether it ended."""
 
     rid: str
     new_token_ids: List[int]
+    new_text: str  # text that can be shown now (a tail that may become a stop string is held back until known)
     new_logprobs: List[TokenLogprob]
+    text_offsets: List[int]  # per new token: where its text starts in the whole output text
     finished: bool
     finish_reason: Optional[str] = None
     stop_str: Optional[str] = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    error: Optional[str] = None
+    error: Optional[str] = None  # with finish_reason "error": what went wrong
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from minisrv.attention.base import to_device
+from minisrv.utils import to_device
 
 from .request import Request
 
@@ -35,8 +35,10 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
 
 
 def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V] float32 in (0, 1), a pure function of (seed, step, token id)."""
-    key = _mix32((seeds * _C3 & _M32) ^ _mix32(steps & _M32))  # [B]
+    """[B, V] float32 in (0, 1), a pure function of (seed, step, token id). Seeds are signed 64-bit: both 32-bit
+    halves are mixed in (the high half adds nothing when it is zero, so seeds below 2**31 keep their streams)."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    key = _mix32((lo * _C3 & _M32) ^ _mix32(steps & _M32) ^ _mix32(hi * _C4 & _M32))  # [B]
     cols = _mix32(torch.arange(vocab, device=seeds.device, dtype=torch.int64) * _C4 & _M32)  # [V]
     h = _mix32(key[:, None] ^ cols[None, :])
     # 23 bits: k + 0.5 is exact in float32 for k < 2**23, so u <= 1 - 2**-24 (with 24 bits the top value rounds
@@ -93,7 +95,7 @@ class SamplingBatch:
         floats = to_device([p.temperature for p in ps] + [p.top_p for p in ps] + [p.min_p for p in ps],
                            torch.float32, device)
         ints = to_device([p.top_k if p.top_k > 0 else 0 for p in ps] + [r.sampling_seed for r in reqs]
-                         + [len(r.output_ids) for r in reqs], torch.int64, device)
+                         + [r.num_output_tokens for r in reqs], torch.int64, device)
         greedy = [p.greedy for p in ps]
         all_greedy, any_greedy = all(greedy), any(greedy)
         need_filter = any((p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) and not p.greedy for p in ps)

@@ -14,10 +14,11 @@ from typing import Deque, Dict, List, Optional
 
 import torch
 
-from minisrv.attention.base import ForwardMode, ceil_div
+from minisrv.attention.base import ForwardMode
+from minisrv.kvcache import PageAllocator, ReqToTokenTable, slots_for
+from minisrv.utils import ceil_div
 
-from .kv_cache import PageAllocator, ReqToTokenTable, slots_for
-from .request import Request, RequestStatus
+from .request import Request, RequestError, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +61,31 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
+        if req.rid in self.by_id:
+            raise RequestError(f"duplicate request id {req.rid!r}")
         self.waiting.append(req)
         self.by_id[req.rid] = req
         self.num_penalized += req.has_penalties
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def isolate(self, req: Request) -> None:
+        """A step with this request failed: recompute it from scratch, in batches of its own, until it samples."""
+        req.solo = True
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._release(req)
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
 
     def abort(self, rid: str) -> Optional[Request]:
         req = self.by_id.get(rid)
@@ -100,7 +120,7 @@ class Scheduler:
             req.row = -1
 
     def _reserved_pages(self) -> int:
-        toks = sum(min(r.max_new_tokens - len(r.output_ids), RESERVE_CLIP) for r in self.running)
+        toks = sum(min(r.max_new_tokens - r.num_output_tokens, RESERVE_CLIP) for r in self.running)
         return self._pages_for(int(toks * self.new_token_ratio))
 
     def _place(self, req: Request, n: int) -> torch.Tensor:
@@ -132,6 +152,8 @@ class Scheduler:
         reserved = self._reserved_pages()
         chunked = False
         for req in candidates:
+            if req.solo and reqs:
+                break  # it runs alone
             new = req.status is RequestStatus.WAITING
             if new and len(self.running) + sum(1 for r in reqs if r.status is RequestStatus.WAITING) >= self.max_running:
                 break
@@ -142,7 +164,7 @@ class Scheduler:
                     break  # one chunked request at a time
                 chunked = True
             need = self._pages_for(req.num_cached + n) - len(req.pages)
-            future = min(req.max_new_tokens - len(req.output_ids), RESERVE_CLIP) * self.new_token_ratio
+            future = min(req.max_new_tokens - req.num_output_tokens, RESERVE_CLIP) * self.new_token_ratio
             if need + reserved + (self._pages_for(int(future)) if new else 0) > self.alloc.num_free:
                 if not reqs and not self.running and need <= self.alloc.num_free:
                     pass  # nothing else can free memory: admit it alone rather than stall
@@ -156,7 +178,7 @@ class Scheduler:
             if new:
                 reserved += self._pages_for(int(future))
             budget -= n
-            if budget <= 0:
+            if budget <= 0 or req.solo:
                 break
         if not reqs:
             return None
@@ -172,9 +194,12 @@ class Scheduler:
 
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
         # a request whose last allowed token is still on the device needs no further step
-        reqs = [r for r in self.running if r.num_cached == r.total_len - 1 and len(r.output_ids) < r.max_new_tokens]
+        reqs = [r for r in self.running if r.num_cached == r.total_len - 1 and r.num_output_tokens < r.max_new_tokens]
         if not reqs:
             return None
+        solo = next((r for r in reqs if r.solo), None)
+        if solo is not None:
+            reqs = [solo]
         ps = self.page_size
         need = sum(1 for r in reqs if r.num_cached % ps == 0)
         while need > self.alloc.num_free:
@@ -212,6 +237,7 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
 
     def commit(self, batch: ScheduledBatch) -> None:
-        """The step ran: the extended tokens are now cached."""
+        """The step is queued on the device: its extended tokens count as cached from now on (the device runs
+        steps in order, so the next step reads them)."""
         for r, n in zip(batch.reqs, batch.extend_lens):
             r.num_cached += n

@@ -1,33 +1,29 @@
 """Layers shared by every decoder model: RMSNorm, rotary embedding, gated SiLU MLP, GQA attention.
 
 On CUDA with FlashInfer installed, RMSNorm (with fused residual add), SiLU-and-mul and rotary use its fused
-kernels; everywhere else, plain torch. Both compute the same thing (tests compare against HF transformers).
+kernels; everywhere else, plain torch. Both compute the same thing (tests compare against HF transformers). Which
+one a layer uses is fixed when it is built (`fused`: the kernel module, or None).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-_fused_ops: Optional[Any] = None  # flashinfer module, once enabled for a CUDA model
-
-
-def enable_fused_ops(device: torch.device) -> bool:
-    """Use FlashInfer's fused norm/activation/rotary kernels when on CUDA and FlashInfer is importable."""
-    global _fused_ops
+def fused_ops_for(device: torch.device) -> Optional[Any]:
+    """FlashInfer's module, whose fused norm/activation/rotary kernels the layers use, when on CUDA and importable;
+    None otherwise (plain torch). Chosen once, when a model is built, and handed to each layer."""
     if device.type != "cuda":
-        _fused_ops = None
-        return False
+        return None
     try:
-        import flashinfer  # noqa: F401
-        _fused_ops = flashinfer
+        import flashinfer
     except Exception:  # noqa: BLE001 - any import failure means "not present"
-        _fused_ops = None
-    return _fused_ops is not None
+        return None
+    return flashinfer
 
 
 @dataclass
@@ -101,17 +97,18 @@ class ModelArgs:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, fused: Optional[Any] = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = fused
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual), the add fused on GPU."""
-        if _fused_ops is not None and x.dim() == 2:
+        if self.fused is not None and x.dim() == 2:
             if residual is None:
-                return _fused_ops.rmsnorm(x, self.weight, self.eps)
-            _fused_ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)  # in place: x=norm, residual=sum
+                return self.fused.rmsnorm(x, self.weight, self.eps)
+            self.fused.fused_add_rmsnorm(x, residual, self.weight, self.eps)  # in place: x=norm, residual=sum
             return x, residual
         if residual is not None:
             x = x + residual
@@ -147,9 +144,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]]
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary (rotate halves), with a cos/sin cache over every position of the context."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[Dict[str, Any]]) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[Dict[str, Any]],
+                 fused: Optional[Any] = None) -> None:
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.fused = fused
         self.reset_buffers()
 
     def reset_buffers(self, device: Optional[torch.device] = None) -> None:
@@ -163,10 +162,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D]."""
-        if _fused_ops is not None:
+        if self.fused is not None:
             t = q.shape[0]
             qf, kf = q.reshape(t, -1), k.reshape(t, -1)
-            _fused_ops.apply_rope_with_cos_sin_cache_inplace(positions, qf, kf, self.head_dim, self.cos_sin, True)
+            self.fused.apply_rope_with_cos_sin_cache_inplace(positions, qf, kf, self.head_dim, self.cos_sin, True)
             return qf.view_as(q), kf.view_as(k)
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
@@ -181,15 +180,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
-    def __init__(self, hidden: int, inter: int) -> None:
+    def __init__(self, hidden: int, inter: int, fused: Optional[Any] = None) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
-        if _fused_ops is not None:
-            return self.down_proj(_fused_ops.silu_and_mul(gu))
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_and_mul(gu))
         g, u = gu.chunk(2, dim=-1)
         return self.down_proj(F.silu(g) * u)
 
@@ -197,30 +197,32 @@ class GatedMLP(nn.Module):
 class Attention(nn.Module):
     """Grouped-query attention: fused qkv projection, optional q/k RMSNorm (Qwen3), rotary, then the backend."""
 
-    def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding, fused: Optional[Any] = None) -> None:
         super().__init__()
+        self.fused = fused
         self.layer_id = layer_id
         self.hq, self.hkv, self.d = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.d, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(self.d, args.rms_norm_eps) if args.qk_norm else None
+        self.q_norm = RMSNorm(self.d, args.rms_norm_eps, fused) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.d, args.rms_norm_eps, fused) if args.qk_norm else None
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Callable) -> torch.Tensor:
+        """attn: the step's attention (an attention.AttentionStep), called as attn(q, k, v, layer_id)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.hq, self.d)
         k = k.reshape(t, self.hkv, self.d)
         v = v.reshape(t, self.hkv, self.d)
         if self.q_norm is not None:
-            if _fused_ops is not None:  # per-head norms in place, on the strided views of the qkv output
-                _fused_ops.rmsnorm(q, self.q_norm.weight, self.q_norm.eps, out=q)
-                _fused_ops.rmsnorm(k, self.k_norm.weight, self.k_norm.eps, out=k)
+            if self.fused is not None:  # per-head norms in place, on the strided views of the qkv output
+                self.fused.rmsnorm(q, self.q_norm.weight, self.q_norm.eps, out=q)
+                self.fused.rmsnorm(k, self.k_norm.weight, self.k_norm.eps, out=k)
             else:
                 q = self.q_norm(q.reshape(-1, self.d)).view(t, self.hq, self.d)
                 k = self.k_norm(k.reshape(-1, self.d)).view(t, self.hkv, self.d)
         q, k = self.rotary(positions, q, k)
-        o = attn.forward(q, k, v, self.layer_id)
+        o = attn(q, k, v, self.layer_id)
         return self.o_proj(o.reshape(t, self.q_size))

@@ -2,6 +2,8 @@
 in ModelArgs, read from config.json."""
 from __future__ import annotations
 
+from typing import Any, Callable, Optional
+
 import torch
 from torch import nn
 
@@ -9,12 +11,12 @@ from .layers import Attention, GatedMLP, ModelArgs, RMSNorm, RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding, fused: Optional[Any]) -> None:
         super().__init__()
-        self.self_attn = Attention(args, layer_id, rotary)
-        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer_id, rotary, fused)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, fused)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused)
 
     def forward(self, x, residual, positions, attn):
         if residual is None:
@@ -28,12 +30,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs, max_positions: int) -> None:
+    def __init__(self, args: ModelArgs, max_positions: int, fused: Optional[Any]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, rotary) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, fused)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, rotary, fused) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused)
 
     def forward(self, input_ids, positions, attn):
         x = self.embed_tokens(input_ids)
@@ -45,17 +47,19 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, args: ModelArgs, max_positions: int) -> None:
+    def __init__(self, args: ModelArgs, max_positions: int, fused_ops: Optional[Any] = None) -> None:
+        """fused_ops: the fused-kernel module every layer uses (layers.fused_ops_for), or None for plain torch."""
         super().__init__()
         self.args = args
-        self.model = LlamaModel(args, max_positions)
+        self.model = LlamaModel(args, max_positions, fused_ops)
         if args.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        """Hidden states [T, hidden] of every token; logits are taken only where they are needed."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Callable) -> torch.Tensor:
+        """Hidden states [T, hidden] of every token; logits are taken only where they are needed. attn: the step's
+        attention.AttentionStep (backend and this step's metadata)."""
         return self.model(input_ids, positions, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,10 @@ import glob
 import importlib.util
 import json
 import logging
+import mmap
 import os
 import re
+import struct
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -59,6 +61,7 @@ def is_gguf(path: str) -> bool:
 
 def load_hf_config(path: str) -> Dict[str, Any]:
     if is_gguf(path):
+        _check_gguf_file(path)  # a damaged file fails here with a clear message, not deep inside transformers
         from transformers import AutoConfig
         cfg = AutoConfig.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path)).to_dict()
         cfg["tie_word_embeddings"] = not _gguf_has_tensor(path, "output.weight")
@@ -120,6 +123,199 @@ def load_tokenizer(path: str, tokenizer: Optional[str] = None):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# damaged files: each tensor's bytes checked against the file's size from the header alone, before any tensor is
+# read (a memory-mapped read of a truncated file fails with a confusing error, or even returns a short array)
+
+
+class _Unreadable(Exception):
+    """Why a checkpoint file's header cannot be parsed (the reason in the WeightLoadError)."""
+
+
+def _damaged(file: str, what: str) -> WeightLoadError:
+    return WeightLoadError(f"{file} is truncated or damaged: {what}")
+
+
+def _check_tensor_spans(file: str, spans: List[Tuple[str, int, int]], size: int) -> None:
+    """spans: (tensor name, first byte, end byte) at absolute file offsets. The first tensor (in file order) whose
+    bytes run past the end of the file is named."""
+    for name, begin, end in sorted(spans, key=lambda s: (s[1], s[2])):
+        if end > size:
+            raise _damaged(file, f"tensor {name} needs bytes {begin}..{end}, the file has {size}")
+
+
+_SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers too
+
+
+def _safetensors_spans(file: str, size: int) -> List[Tuple[str, int, int]]:
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise _Unreadable(f"the file has {size} bytes, fewer than the 8 of the header length")
+        (hlen,) = struct.unpack("<Q", head)
+        if 8 + hlen > size:
+            raise _Unreadable(f"header length {hlen} runs past the end of the file at byte {size}")
+        if hlen > _SAFETENSORS_MAX_HEADER:
+            raise _Unreadable(f"header length {hlen} is larger than {_SAFETENSORS_MAX_HEADER}")
+        raw = f.read(hlen)
+    if len(raw) < hlen:
+        raise _Unreadable(f"header length {hlen} runs past the end of the file at byte {8 + len(raw)}")
+    try:
+        header = json.loads(raw)
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError
+        raise _Unreadable(f"bad JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise _Unreadable(f"the header is a JSON {type(header).__name__}, not an object")
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offs = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and o >= 0 for o in offs)
+                and offs[0] <= offs[1]):
+            raise _Unreadable(f"tensor {name} has no valid data_offsets: {offs!r}")
+        spans.append((name, 8 + hlen + offs[0], 8 + hlen + offs[1]))
+    return spans
+
+
+def _check_safetensors_file(file: str) -> None:
+    """Raises WeightLoadError naming the file if its header cannot be read or a tensor lies past its end."""
+    try:
+        size = os.path.getsize(file)
+        spans = _safetensors_spans(file, size)
+    except _Unreadable as e:
+        raise _damaged(file, f"cannot read its safetensors header ({e})") from None
+    except OSError as e:
+        raise _damaged(file, f"cannot read its safetensors header ({type(e).__name__}: {e})") from e
+    _check_tensor_spans(file, spans, size)
+
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY, _GGUF_UINT32 = 8, 9, 4
+_GGUF_MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp refuses tensors of more dimensions
+_GGUF_MAX_NESTING = 8  # arrays of arrays: deeper than this is garbage, not a model
+
+
+class _GGUFTable:
+    """Bounds-checked walk over a GGUF file's header, metadata key/values and tensor-info table (no tensor data)."""
+
+    def __init__(self, buf, size: int) -> None:
+        self.buf, self.size, self.pos, self.order = buf, size, 0, "<"
+        self.where = "the fixed header"
+
+    def take(self, n: int) -> int:
+        """Claim the next n bytes; returns where they start."""
+        start = self.pos
+        if n < 0 or start + n > self.size:
+            raise _Unreadable(f"the file ends at byte {self.size}, inside {self.where}")
+        self.pos = start + n
+        return start
+
+    def unpack(self, fmt: str):
+        fmt = self.order + fmt
+        return struct.unpack_from(fmt, self.buf, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> bytes:
+        n = self.unpack("Q")
+        start = self.take(n)
+        return bytes(self.buf[start:start + n])
+
+    def text(self, what: str) -> str:
+        raw = self.string()
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _Unreadable(f"{what} {raw[:40]!r} is not UTF-8 (in {self.where})") from None
+
+    def skip_value(self, vtype: int, depth: int = 0) -> None:
+        if vtype == _GGUF_STRING:
+            self.string()
+        elif vtype in _GGUF_SCALARS:
+            self.take(struct.calcsize(_GGUF_SCALARS[vtype]))
+        elif vtype == _GGUF_ARRAY:
+            if depth >= _GGUF_MAX_NESTING:
+                raise _Unreadable(f"arrays nested deeper than {_GGUF_MAX_NESTING} (in {self.where})")
+            itype, count = self.unpack("I"), self.unpack("Q")
+            if itype in _GGUF_SCALARS:
+                self.take(count * struct.calcsize(_GGUF_SCALARS[itype]))
+            elif itype in (_GGUF_STRING, _GGUF_ARRAY):
+                for _ in range(count):  # each element takes at least 8 bytes: bounded by the file's size
+                    self.skip_value(itype, depth + 1)
+            else:
+                raise _Unreadable(f"unknown array element type {itype} (in {self.where})")
+        else:
+            raise _Unreadable(f"unknown value type {vtype} (in {self.where})")
+
+    def read(self) -> List[Tuple[str, int, int]]:
+        """(tensor name, first byte, end byte) of every tensor, at absolute file offsets."""
+        from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
+        magic = bytes(self.buf[self.take(4):4])
+        if magic != b"GGUF":
+            raise _Unreadable(f"no GGUF magic: the file starts with {magic!r}")
+        version = self.unpack("I")
+        if version & 0xFFFF == 0:  # written on a big-endian machine
+            self.order = ">"
+            version = struct.unpack(">I", struct.pack("<I", version))[0]
+        if version not in (2, 3):
+            raise _Unreadable(f"unsupported GGUF version {version}")
+        n_tensors, n_kv = self.unpack("Q"), self.unpack("Q")
+        alignment = GGUF_DEFAULT_ALIGNMENT
+        for i in range(n_kv):  # each entry takes at least 12 bytes: bounded by the file's size
+            self.where = f"metadata entry {i + 1} of {n_kv}"
+            key = self.text("key")
+            vtype = self.unpack("I")
+            if key == "general.alignment":
+                if vtype != _GGUF_UINT32:
+                    raise _Unreadable(f"general.alignment has value type {vtype}, not uint32")
+                alignment = self.unpack("I")
+                if alignment == 0 or alignment & (alignment - 1):
+                    raise _Unreadable(f"general.alignment {alignment} is not a power of two")
+            else:
+                self.skip_value(vtype)
+        infos = []
+        for i in range(n_tensors):  # each entry takes at least 24 bytes: bounded by the file's size
+            self.where = f"tensor info {i + 1} of {n_tensors}"
+            name = self.text("tensor name")
+            n_dims = self.unpack("I")
+            if n_dims > _GGUF_MAX_DIMS:
+                raise _Unreadable(f"tensor {name} has {n_dims} dimensions (at most {_GGUF_MAX_DIMS})")
+            n_elems = 1
+            for _ in range(n_dims):
+                n_elems *= self.unpack("Q")
+            raw_type, offset = self.unpack("I"), self.unpack("Q")
+            try:
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_type)]
+            except (ValueError, KeyError):
+                raise _Unreadable(f"tensor {name} has unknown type {raw_type}") from None
+            if n_elems % block:
+                raise _Unreadable(f"tensor {name} has {n_elems} elements, not a multiple of its type's block "
+                                  f"of {block}")
+            infos.append((name, offset, n_elems // block * type_size))
+        data_start = -(-self.pos // alignment) * alignment  # the tensor data starts at the next aligned byte
+        return [(name, data_start + offset, data_start + offset + n_bytes) for name, offset, n_bytes in infos]
+
+
+def _gguf_spans(path: str, size: int) -> List[Tuple[str, int, int]]:
+    if size == 0:  # mmap refuses an empty file
+        return _GGUFTable(b"", 0).read()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        return _GGUFTable(buf, min(size, len(buf))).read()
+
+
+def _check_gguf_file(path: str) -> List[Tuple[str, int, int]]:
+    """Raises WeightLoadError naming the file if its header or tensor table cannot be read or a tensor lies past
+    its end. Returns (tensor name, first byte, end byte) of every tensor."""
+    try:
+        size = os.path.getsize(path)
+        spans = _gguf_spans(path, size)
+    except _Unreadable as e:
+        raise _damaged(path, f"cannot read its GGUF header/tensor table ({e})") from None
+    except (OSError, ValueError, struct.error) as e:
+        raise _damaged(path, f"cannot read its GGUF header/tensor table ({type(e).__name__}: {e})") from e
+    _check_tensor_spans(path, spans, size)
+    return spans
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # tensor sources: (HF name, tensor) pairs
 
 
@@ -140,7 +336,10 @@ def _safetensors_files(path: str) -> List[str]:
 
 def _iter_safetensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
     from safetensors import safe_open
-    for file in _safetensors_files(path):
+    files = _safetensors_files(path)
+    for file in files:  # every file's header against its size before reading any tensor
+        _check_safetensors_file(file)
+    for file in files:
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
@@ -170,8 +369,7 @@ _GGUF_NAMES = [
 
 
 def _gguf_has_tensor(path: str, name: str) -> bool:
-    from gguf import GGUFReader
-    return any(t.name == name for t in GGUFReader(path).tensors)
+    return any(t == name for t, _, _ in _check_gguf_file(path))
 
 
 def _iter_gguf(path: str, args: ModelArgs) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -179,8 +377,11 @@ def _iter_gguf(path: str, args: ModelArgs) -> Iterator[Tuple[str, torch.Tensor]]
     undo that so our neox-style rotary (HF's) applies."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
+    _check_gguf_file(path)  # before any tensor is touched: gguf's reads of a truncated file fail confusingly
     try:
         reader = GGUFReader(path)
+    except (struct.error, ValueError, IndexError, EOFError, OSError, KeyError) as e:
+        raise _damaged(path, f"cannot read its GGUF header/tensor table ({type(e).__name__}: {e})") from e
     except Exception as e:
         raise WeightLoadError(f"cannot read GGUF file {path}: {e}") from e
     permuted = args.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
@@ -258,11 +459,13 @@ def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, torch.Tensor]], 
         raise WeightLoadError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}{more}")
 
 
-def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int) -> nn.Module:
-    """Build the model without running any weight init (meta device), then fill it from the checkpoint."""
+def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
+               fused_ops: Optional[Any] = None) -> nn.Module:
+    """Build the model without running any weight init (meta device), then fill it from the checkpoint.
+    `fused_ops`: the fused-kernel module its layers use (see layers.fused_ops_for), or None for plain torch."""
     cls = model_class(args.architecture)
     with torch.device("meta"):
-        model = cls(args, max_positions)
+        model = cls(args, max_positions, fused_ops)
     model = model.to_empty(device=device).to(dtype)
     for m in model.modules():  # buffers (rotary cos/sin) were lost on the meta device
         if hasattr(m, "reset_buffers"):

@@ -15,7 +15,7 @@ import torch
 from minisrv.attention import create_backend, device_sm, missing
 from minisrv.attention.base import ForwardBatch, ForwardMode
 from minisrv.attention.torch_native import TorchNativeBackend
-from minisrv.engine.kv_cache import KVPool, PageAllocator, slots_for
+from minisrv.kvcache import KVPool, PageAllocator, slots_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -123,8 +123,8 @@ def make_batch(mode: ForwardMode, rows: Sequence[int], cached: Sequence[int], ne
 
 
 def _run(backend, batch: ForwardBatch, qkv) -> List[torch.Tensor]:
-    backend.prepare(batch)
-    return [backend.forward(q, k, v, layer) for layer, (q, k, v) in enumerate(qkv)]
+    meta = backend.prepare(batch)
+    return [backend.forward(q, k, v, layer, meta) for layer, (q, k, v) in enumerate(qkv)]
 
 
 @pytest.mark.parametrize("hq,hkv,d,dtype", CONFIGS, ids=CONFIG_IDS)
@@ -194,16 +194,16 @@ def test_cuda_graph_decode(name, page_size, hq, hkv, d):
     idx_s = torch.arange(max_bs, dtype=torch.int64, device=dev)
     zeros_s = torch.zeros(max_bs, dtype=torch.int64, device=dev)
 
-    graphs, outs = {}, {}
+    graphs, outs, metas = {}, {}, {}
     for bs in (4, 8):
         cap = ForwardBatch(mode=ForwardMode.DECODE, input_ids=zeros_s[:bs], positions=zeros_s[:bs],
                            out_cache_loc=loc_s[:bs], req_rows=rows_s[:bs], seq_lens=seq_s[:bs],
                            cu_seqlens_q=cu_s[:bs + 1], last_indices=idx_s[:bs], seq_lens_cpu=[1] * bs,
                            extend_lens_cpu=[1] * bs, max_seq_len=1)
-        backend.prepare_for_capture(cap)
+        metas[bs] = meta = backend.prepare_for_capture(cap)
 
-        def body(bs=bs):
-            return [backend.forward(q_s[l][:bs], k_s[l][:bs], v_s[l][:bs], l) for l in range(NUM_LAYERS)]
+        def body(bs=bs, meta=meta):
+            return [backend.forward(q_s[l][:bs], k_s[l][:bs], v_s[l][:bs], l, meta) for l in range(NUM_LAYERS)]
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -232,7 +232,7 @@ def test_cuda_graph_decode(name, page_size, hq, hkv, d):
             v_s[layer][:n].copy_(v)
         loc_s.fill_(dummy_slot)
         loc_s[:n].copy_(batch.out_cache_loc)
-        backend.prepare_for_replay(batch, padded_bs)
+        backend.prepare_for_replay(batch, padded_bs, metas[padded_bs])
         graphs[padded_bs].replay()
         torch.cuda.synchronize()
 

@@ -34,9 +34,9 @@ def _prefill_logits(llm, prompts):
     batch = eng.scheduler.schedule()
     assert batch is not None and len(batch.reqs) == len(prompts) and all(batch.samples)
     fb = eng.runner.build_forward_batch(batch)
-    eng.backend.prepare(fb)
-    hidden = eng.model(fb.input_ids, fb.positions, eng.backend)
-    logits = eng.model.compute_logits(hidden)
+    runner = eng.runner
+    hidden = runner.model(fb.input_ids, fb.positions, runner.backend.step(fb))
+    logits = runner.model.compute_logits(hidden)
     eng.scheduler.commit(batch)
     for r in reqs:
         eng.abort(r.rid)

@@ -1,0 +1,178 @@
+"""Building an engine's parts: device and dtype, tokenizer, model, KV pool sized from the memory left, request
+table, attention backend, CUDA graphs, model runner. Everything here runs once, before the first step."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import torch
+
+from minisrv.attention import ForwardMode, create_backend, resolve_backend
+from minisrv.config import DEFAULT_CPU_POOL_TOKENS, EngineConfig
+from minisrv.kvcache import KVPool, PageAllocator, ReqToTokenTable, slots_for
+from minisrv.models.layers import ModelArgs, fused_ops_for
+from minisrv.models.loader import load_model, load_model_args, load_tokenizer, resolve_model_path
+from minisrv.utils import ceil_div
+
+from .model_runner import ModelRunner
+from .request import Request, SamplingParams
+from .scheduler import ScheduledBatch
+
+logger = logging.getLogger("minisrv")
+
+GiB = 1 << 30
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def setup_logging(level: str) -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("minisrv").setLevel(level.upper())
+
+
+def resolve_device(cfg: EngineConfig) -> torch.device:
+    if cfg.device:
+        return torch.device(cfg.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(name: str, checkpoint_dtype: Optional[str], device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
+
+
+def resolve_context_length(cfg: EngineConfig, args: ModelArgs) -> int:
+    context_length = cfg.context_length or args.max_position_embeddings
+    window = args.sliding_window
+    if window is not None and context_length > window:
+        # attention is full over the whole context here: exact only while sequences fit in the window
+        if cfg.context_length:
+            raise ValueError(f"context length {cfg.context_length} is over the model's sliding window of "
+                             f"{window} tokens; sliding-window attention is not supported, so the context "
+                             f"length can be at most {window}")
+        logger.warning("the model uses sliding-window attention (%d tokens), which is not supported: "
+                       "context length limited to %d", window, window)
+        context_length = window
+    return context_length
+
+
+@dataclass
+class EngineParts:
+    """What the engine loop runs on, built by `build_engine_parts`."""
+
+    device: torch.device
+    model_path: str
+    args: ModelArgs
+    tokenizer: Any
+    eos_ids: List[int]
+    dtype: torch.dtype
+    context_length: int
+    page_size: int
+    backend_name: str
+    pool: KVPool
+    allocator: PageAllocator
+    table: ReqToTokenTable
+    pad_row: int  # the table row CUDA-graph padding rows read (never a request's)
+    pad_page: Optional[int]  # the page their dummy K/V go to, when graphs are on
+    runner: ModelRunner
+    max_request_len: int  # prompt + output tokens one request may have
+
+
+def build_engine_parts(cfg: EngineConfig) -> EngineParts:
+    t0 = time.perf_counter()
+    if cfg.seed is not None:
+        torch.manual_seed(cfg.seed)  # unseeded requests draw from torch's generator
+    device = resolve_device(cfg)
+    model_path = resolve_model_path(cfg.model)
+    args = load_model_args(model_path)
+    backend_name = resolve_backend(cfg.attention_backend, device)  # fail before loading weights
+    tokenizer = load_tokenizer(model_path, cfg.tokenizer)
+    eos = set(args.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    context_length = resolve_context_length(cfg, args)
+    dtype = resolve_dtype(cfg.dtype, args.torch_dtype, device)
+    ps = cfg.page_size or (16 if device.type == "cuda" else 1)
+    fused = fused_ops_for(device)
+    model = load_model(model_path, args, dtype, device, context_length, fused)
+    t_load = time.perf_counter() - t0
+
+    a = args
+    per_token = KVPool.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, dtype)
+    tokens = cfg.max_total_tokens
+    if tokens is None:
+        tokens = DEFAULT_CPU_POOL_TOKENS if device.type != "cuda" else \
+            _gpu_pool_tokens(cfg, model, backend_name, args, dtype, ps, context_length, per_token, device)
+    num_pages = max(1, tokens // ps)
+    pool = KVPool(a.num_layers, num_pages, ps, a.num_kv_heads, a.head_dim, dtype, device)
+    allocator = PageAllocator(num_pages)
+    table = ReqToTokenTable(cfg.max_running_requests + 1, context_length, device)
+    pad_row = table.alloc_row()  # one spare row: CUDA-graph padding rows point at it
+    pad_page = None
+    max_request_len = min(context_length, pool.num_slots)
+    backend = create_backend(backend_name, pool, table.table, a.num_heads)
+    graph_runner = None
+    if device.type == "cuda" and not cfg.disable_cuda_graph and backend.supports_cuda_graph:
+        # CUDA-graph padding rows write their dummy K/V into a page of their own
+        pad_page = allocator.alloc(1)[0]
+        table.write(pad_row, 0, slots_for([pad_page], ps, 0, ps))
+        max_request_len = min(context_length, pool.num_slots - ps)
+        from .cuda_graph import CudaGraphRunner, default_max_bs
+        max_bs = min(cfg.cuda_graph_max_bs or default_max_bs(device), cfg.max_running_requests)
+        graph_runner = CudaGraphRunner(model, backend, pad_row, pad_page * ps, max_bs, context_length, device)
+    runner = ModelRunner(model, backend, pool, table, device, graph_runner)
+    logger.info("model %s (%s, %s) on %s loaded in %.1fs%s", model_path, a.architecture,
+                str(dtype).replace("torch.", ""), device, t_load, "; fused ops on" if fused is not None else "")
+    logger.info("KV pool: %d tokens (%d pages of %d), %.2f GiB; context length %d; attention backend %s",
+                pool.num_slots, num_pages, ps, pool.nbytes / GiB, context_length, backend_name)
+    return EngineParts(device, model_path, args, tokenizer, sorted(eos), dtype, context_length, ps, backend_name,
+                       pool, allocator, table, pad_row, pad_page, runner, max_request_len)
+
+
+def _gpu_pool_tokens(cfg: EngineConfig, model: torch.nn.Module, backend_name: str, args: ModelArgs,
+                     dtype: torch.dtype, page_size: int, context_length: int, per_token: int,
+                     device: torch.device) -> int:
+    """KV pool size from the GPU memory left after the weights and the largest prefill step's activations."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    n = min(cfg.chunked_prefill_size, cfg.max_prefill_tokens, context_length)
+    peak = activation_peak(model, backend_name, args, dtype, page_size, context_length, n, device)
+    budget = min(total * cfg.mem_fraction_static - weights, free - peak - GiB)
+    if budget < per_token * 4096:
+        raise MemoryError(f"not enough GPU memory for a KV pool: {budget / GiB:.2f} GiB left after weights "
+                          f"({weights / GiB:.2f} GiB) and activations ({peak / GiB:.2f} GiB)")
+    logger.info("GPU memory: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB",
+                total / GiB, weights / GiB, peak / GiB)
+    return int(budget // per_token)
+
+
+@torch.inference_mode()
+def activation_peak(model: torch.nn.Module, backend_name: str, args: ModelArgs, dtype: torch.dtype,
+                    page_size: int, context_length: int, num_tokens: int, device: torch.device) -> int:
+    """Bytes a largest prefill step needs beyond the weights: one step of `num_tokens` run through a model runner
+    of its own, on a throwaway pool just big enough."""
+    a, n = args, num_tokens
+    pool = KVPool(a.num_layers, ceil_div(n, page_size), page_size, a.num_kv_heads, a.head_dim, dtype, device)
+    table = ReqToTokenTable(1, context_length, device)
+    runner = ModelRunner(model, create_backend(backend_name, pool, table.table, a.num_heads), pool, table, device)
+    req = Request([0] * n, SamplingParams(max_tokens=1), 1)
+    req.row = table.alloc_row()
+    req.pages = list(range(pool.num_pages))
+    slots = slots_for(req.pages, page_size, 0, n)
+    table.write(req.row, 0, slots)
+    batch = ScheduledBatch(ForwardMode.EXTEND, [req], [n], slots)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.forward_logits(runner.build_forward_batch(batch))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del runner, pool, table
+    torch.cuda.empty_cache()
+    return peak

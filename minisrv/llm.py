@@ -1,0 +1,84 @@
+"""The offline API: `LLM().generate(prompts, SamplingParams(...))` and `LLM().chat(messages)` over an Engine."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from minisrv.config import EngineConfig
+from minisrv.engine.engine import Engine
+from minisrv.engine.request import CompletionOutput, SamplingParams
+
+PromptType = Union[str, List[int]]
+
+
+class LLM:
+    """Offline batch generation: every prompt is queued at once and the engine runs until all are done."""
+
+    def __init__(self, model: Optional[str] = None, attention_backend: str = "auto", **kwargs: Any) -> None:
+        self.engine = Engine(EngineConfig(model=model, attention_backend=attention_backend, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def _encode(self, prompt: PromptType) -> List[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt).input_ids
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 use_tqdm: bool = True) -> List[CompletionOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
+            [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        eng = self.engine
+        reqs = [eng.make_request(self._encode(x), p) for x, p in zip(prompts, params)]  # all checked before any runs
+        for r in reqs:
+            eng.add(r)
+        live = {r.rid for r in reqs}
+        bar = None
+        if use_tqdm and len(reqs) > 1:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(reqs), desc="generate", unit="req")
+        try:
+            while live:
+                for out in eng.step():
+                    if out.finished and out.rid in live:
+                        live.discard(out.rid)
+                        if out.error is not None:
+                            raise RuntimeError(f"request {out.rid} failed: {out.error}")
+                        if bar is not None:
+                            bar.update(1)
+                if not eng.has_work() and live:
+                    raise RuntimeError(f"engine stopped with {len(live)} unfinished requests")
+        except BaseException:
+            for rid in live:
+                eng.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [CompletionOutput(
+            prompt=p if isinstance(p, str) else None,
+            prompt_token_ids=r.prompt_ids,
+            text=r.text.text,
+            token_ids=list(r.output_ids),
+            finish_reason=r.finish_reason,
+            logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+        ) for p, r in zip(prompts, reqs)]
+
+    def chat(self, messages: Union[List[Dict[str, str]], List[List[Dict[str, str]]]],
+             sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+             use_tqdm: bool = True) -> List[CompletionOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.encode_chat(c) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def encode_chat(self, messages: List[Dict[str, str]]) -> List[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
