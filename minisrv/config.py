@@ -26,6 +26,8 @@ class EngineConfig:
     cuda_graph_max_bs: Optional[int] = None  # None: by GPU memory
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False  # CUDA: prepare step N+1 on the host while step N runs
+    disable_radix_cache: bool = False  # reuse the KV of shared prefixes across requests unless set
+    schedule_policy: str = "fcfs"  # fcfs | lpm (longest cached prefix first, when the queue is long)
     seed: Optional[int] = None  # seeds torch's generator, which unseeded requests draw from
     log_level: str = "info"
 
@@ -38,6 +40,8 @@ class EngineConfig:
             raise ValueError("max_running_requests must be >= 1")
         if self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
             raise ValueError("chunked_prefill_size and max_prefill_tokens must be >= 1")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static must be in (0, 1)")
 
@@ -63,6 +67,10 @@ class EngineConfig:
         p.add_argument("--disable-cuda-graph", action="store_true")
         p.add_argument("--disable-overlap-schedule", action="store_true",
                        help="CUDA: do not schedule the next step while the current one runs")
+        p.add_argument("--disable-radix-cache", action="store_true",
+                       help="do not keep and reuse the KV of shared prompt prefixes")
+        p.add_argument("--schedule-policy", default=d.schedule_policy, choices=("fcfs", "lpm"),
+                       help="fcfs: arrival order; lpm: longest cached prefix first when many requests wait")
         p.add_argument("--random-seed", "--seed", dest="seed", type=int, default=None,
                        help="seed for requests that give none (reproducible runs of one engine)")
         p.add_argument("--log-level", default=d.log_level)

@@ -127,7 +127,10 @@ def make_prompts(vocab: int, lens: Sequence[int] = PROMPT_LENS, seed: int = 1234
 
 
 def make_llm(path: Optional[str], **kw) -> LLM:
-    opts = dict(attention_backend="torch", dtype="float32", log_level="warning", max_total_tokens=4096)
+    """A CPU engine on the torch backend; the prefix cache is off unless asked for (tests/test_prefix_cache.py
+    runs the same checks with it on), so page accounting stays that of the requests alone."""
+    opts = dict(attention_backend="torch", dtype="float32", log_level="warning", max_total_tokens=4096,
+                disable_radix_cache=True)
     opts.update(kw)
     return LLM(model=path, **opts)
 
@@ -292,6 +295,8 @@ class EngineWatch:
         sched, alloc, table = eng.scheduler, eng.allocator, eng.table
         ps = eng.pool.page_size
         owned: Dict[int, str] = {}
+        holders: Dict[int, int] = {}  # page -> requests holding it (a cached prefix is shared)
+        tree = tree_pages(eng)
         rows = set()
         free_rows = set(table._free_rows)
         for r in sched.running:
@@ -301,21 +306,26 @@ class EngineWatch:
             rows.add(r.row)
             assert len(r.pages) == -(-r.num_cached // ps), \
                 f"{r.rid}: {len(r.pages)} pages for {r.num_cached} cached tokens"
-            for p in r.pages:
-                assert p not in owned, f"page {p} owned by both {owned[p]} and {r.rid}"
-                assert alloc.refcount(p) == 1, f"page {p} of {r.rid} has refcount {alloc.refcount(p)}"
+            for i, p in enumerate(r.pages):
+                if p in owned:  # only a prefix from the cache is shared, and it is read-only: whole pages
+                    assert p in tree and (i + 1) * ps <= r.num_cached, f"page {p} of {owned[p]} and {r.rid}"
                 owned[p] = r.rid
+                holders[p] = holders.get(p, 0) + 1
             if r.num_cached:
                 slots = [r.pages[q // ps] * ps + q % ps for q in range(r.num_cached)]
                 assert table.table[r.row, :r.num_cached].tolist() == slots, f"{r.rid}: table row disagrees"
         for r in sched.waiting:
             assert r.status.value == "waiting" and not r.pages and r.row == -1 and r.num_cached == 0
+        for p in set(owned) | tree:
+            want = holders.get(p, 0) + (p in tree)
+            assert alloc.refcount(p) == want, f"page {p} has refcount {alloc.refcount(p)}, held {want} times"
+        used = set(owned) | tree
         free = alloc._free
         assert len(set(free)) == len(free), "a page is on the free stack twice"
-        assert not set(free) & set(owned), "a page is both free and owned"
-        assert len(free) + len(owned) == alloc.num_pages, \
-            f"{alloc.num_pages - len(free) - len(owned)} pages are neither free nor owned (leak)"
-        assert self.outstanding == set(owned), "allocator and requests disagree about which pages are in use"
+        assert not set(free) & used, "a page is both free and in use"
+        assert len(free) + len(used) == alloc.num_pages, \
+            f"{alloc.num_pages - len(free) - len(used)} pages are neither free nor in use (leak)"
+        assert self.outstanding == used, "allocator and requests disagree about which pages are in use"
         assert len(free_rows) + len(rows) + 1 == table.table.shape[0], "a table row leaked"
 
     def assert_idle(self) -> None:
@@ -338,8 +348,26 @@ class EngineWatch:
         return count
 
 
+def tree_pages(engine) -> set:
+    """Pages the prefix cache holds (walked independently of its counters)."""
+    cache = engine.cache
+    if cache is None:
+        return set()
+    pages, todo = set(), [cache.root]
+    while todo:
+        n = todo.pop()
+        pages.update(n.pages)
+        todo.extend(n.children.values())
+    return pages
+
+
 def assert_pool_free(engine) -> None:
-    assert engine.allocator.num_free == engine.allocator.num_pages, \
-        f"{engine.allocator.num_pages - engine.allocator.num_free} pages still in use"
+    """No request holds a page: every page is free or held once by the prefix cache, which holds no lock."""
+    tree = tree_pages(engine)
+    alloc = engine.allocator
+    assert engine.cache is None or engine.cache.root.lock_ref == 0, "a prefix-cache path is still locked"
+    assert all(alloc.refcount(p) == 1 for p in tree), "a cached page is still held by a request"
+    assert engine.allocator.num_free + len(tree) == engine.allocator.num_pages, \
+        f"{engine.allocator.num_pages - engine.allocator.num_free - len(tree)} pages still in use"
     assert engine.table.num_free_rows == engine.table.table.shape[0] - 1, "table rows still in use"
 

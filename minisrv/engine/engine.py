@@ -13,6 +13,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from minisrv.config import EngineConfig
 
+from minisrv.kvcache.radix import RadixCache
+
 from .model_runner import SampledToken
 from .request import Request, RequestLimits, RequestOutput, SamplingParams, check_request
 from .scheduler import Scheduler
@@ -44,11 +46,14 @@ class Engine:
         self.runner = parts.runner
         self.max_request_len = parts.max_request_len
         self.limits = RequestLimits(self.args.vocab_size, self.max_request_len)
+        self.cache = None if cfg.disable_radix_cache else RadixCache(self.allocator, parts.page_size)
         self.scheduler = Scheduler(self.allocator, self.table, parts.page_size, cfg.max_running_requests,
-                                   cfg.max_prefill_tokens, cfg.chunked_prefill_size)
+                                   cfg.max_prefill_tokens, cfg.chunked_prefill_size, self.cache,
+                                   cfg.schedule_policy)
         self.overlap = self.device.type == "cuda" and not cfg.disable_overlap_schedule
         self.num_free_pages_when_idle = self.allocator.num_free  # all but the CUDA-graph pad page
         self.peak_pages_used = 0
+        self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache, since start
         self.timings: Optional[Dict[str, float]] = None  # phase -> seconds, when profiling
 
     # ------------------------------------------------------------------ requests
@@ -148,11 +153,14 @@ class Engine:
             reason = "stop"
         elif num_out >= req.max_new_tokens:
             reason = "length"
+        if num_out == 1:
+            self.num_cached_prompt_tokens += req.num_cached_tokens
         if reason is not None:
             text.finish()
             self.scheduler.finish(req, reason)
         return RequestOutput(req.rid, [tok], text.take(), [s.logprob] if s.logprob is not None else [], [offset],
-                             reason is not None, reason, text.stop_str, len(req.prompt_ids), num_out)
+                             reason is not None, reason, text.stop_str, len(req.prompt_ids), num_out,
+                             req.num_cached_tokens)
 
     def _step_failed(self, reqs: List[Request], e: Exception) -> List[RequestOutput]:
         """A step raised. A request running alone is the cause: it fails. Otherwise each is retried alone."""
@@ -174,8 +182,15 @@ class Engine:
                                       len(r.output_ids), error=f"{type(e).__name__}: {e}"))
         return outs
 
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; only while no request is queued or running (returns whether it did)."""
+        if self.has_work():
+            return False
+        return self.cache is None or self.cache.reset()
+
     def stats(self) -> Dict[str, Any]:
-        used = self.num_free_pages_when_idle - self.allocator.num_free
+        """kv_pages_used counts pages requests hold; pages only the prefix cache holds are free for the taking."""
+        used = self.num_free_pages_when_idle - self.scheduler.available_pages()
         return {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
@@ -183,4 +198,6 @@ class Engine:
             "kv_pages_total": self.num_free_pages_when_idle,
             "kv_usage": used / self.num_free_pages_when_idle,
             "num_retractions": self.scheduler.num_retractions,
+            "cache_tokens": self.cache.num_tokens if self.cache is not None else 0,
+            "cached_prompt_tokens": self.num_cached_prompt_tokens,
         }

@@ -149,6 +149,8 @@ class Request:
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     sampling_seed: int = 0  # the request's seed (signed 64-bit), for seeded sampling
     solo: bool = False  # in a step that failed: runs in batches of its own until it samples a token
+    cache_node: Optional[object] = None  # the prefix-cache node it holds locked (kvcache.radix), if any
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at admission
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:  # only seeded rows use it (see sampler)
@@ -227,6 +229,7 @@ class RequestOutput:
     stop_str: Optional[str] = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: Optional[str] = None  # with finish_reason "error": what went wrong
 
 

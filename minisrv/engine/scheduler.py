@@ -1,4 +1,5 @@
-"""Who runs next: FCFS waiting queue, prefill budget, chunked prefill, decode, and retraction.
+"""Who runs next: waiting queue (FCFS, or longest cached prefix first), prefix cache, prefill budget, chunked
+prefill, decode, and retraction.
 
 Every request is a sequence of token ids (prompt + output so far), of which the first `num_cached` have K/V in
 the pool. A step extends some requests by `n` tokens; when that reaches the end of the sequence, a token is
@@ -16,6 +17,7 @@ import torch
 
 from minisrv.attention.base import ForwardMode
 from minisrv.kvcache import PageAllocator, ReqToTokenTable, slots_for
+from minisrv.kvcache.radix import PrefixMatch, RadixCache
 from minisrv.utils import ceil_div
 
 from .request import Request, RequestError, RequestStatus
@@ -28,6 +30,8 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RESERVE_CLIP = 4096  # no single request reserves more than this many future tokens
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+LPM_MIN_QUEUE = 8  # lpm orders the queue by cached prefix only when this many wait (short queues stay FCFS)
 
 
 @dataclass
@@ -45,13 +49,18 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, table: ReqToTokenTable, page_size: int, max_running: int,
-                 max_prefill_tokens: int, chunked_prefill_size: int) -> None:
+                 max_prefill_tokens: int, chunked_prefill_size: int, cache: Optional[RadixCache] = None,
+                 policy: str = "fcfs") -> None:
+        if policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule policy must be one of {SCHEDULE_POLICIES}, got {policy!r}")
         self.alloc = allocator
         self.table = table
         self.page_size = page_size
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk = chunked_prefill_size
+        self.cache = cache  # the radix prefix cache, or None when disabled
+        self.policy = policy
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []  # resident in the pool, in admission order
         self.by_id: Dict[str, Request] = {}
@@ -83,7 +92,7 @@ class Scheduler:
         req.solo = True
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self._release(req)
+            self._release(req, keep_kv=False)
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
 
@@ -99,7 +108,7 @@ class Scheduler:
             return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self._release(req)
+            self._release(req, keep_kv=reason != "error")
         elif req.status is RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)  # retracted while its last token was still on the device
         req.status = RequestStatus.FINISHED
@@ -111,13 +120,52 @@ class Scheduler:
     def _pages_for(self, num_tokens: int) -> int:
         return ceil_div(num_tokens, self.page_size)
 
-    def _release(self, req: Request) -> None:
+    def available_pages(self) -> int:
+        """Pages that can be handed out now: free ones and those only the prefix cache holds."""
+        return self.alloc.num_free + (self.cache.evictable_pages if self.cache is not None else 0)
+
+    def _alloc(self, n: int) -> List[int]:
+        short = n - self.alloc.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        return self.alloc.alloc(n)
+
+    def _release(self, req: Request, keep_kv: bool = True) -> None:
+        """Drop a request's pages and row; with the cache on, its computed full pages are kept in the tree first
+        (keep_kv False: its KV is not to be trusted, after a failed step)."""
+        if self.cache is not None:
+            full = min(req.num_cached, len(req.prompt_ids) + len(req.output_ids)) // self.page_size
+            if keep_kv and full:
+                self.cache.insert(req.all_ids[:full * self.page_size], req.pages[:full])
+            if req.cache_node is not None:
+                self.cache.unlock(req.cache_node)
+                req.cache_node = None
         self.alloc.free(req.pages)
         req.pages = []
         req.num_cached = 0
         if req.row >= 0:
             self.table.free_row(req.row)
             req.row = -1
+
+    def _cache_prefix(self, req: Request) -> None:
+        """Put a request's computed full pages in the tree now (so requests admitted later share them while it
+        runs), and hold the tree's path to them instead of the one it held."""
+        full = req.num_cached // self.page_size
+        if not full:
+            return
+        _, node = self.cache.insert(req.all_ids[:full * self.page_size], req.pages[:full])
+        if node is not req.cache_node:
+            self.cache.lock(node)
+            if req.cache_node is not None:
+                self.cache.unlock(req.cache_node)
+            req.cache_node = node
+
+    def _match(self, req: Request) -> Optional[PrefixMatch]:
+        """The cached prefix a waiting request can start from (its last token is always computed)."""
+        if self.cache is None or req.solo:
+            return None
+        m = self.cache.match_prefix(req.all_ids[:req.total_len - 1])
+        return m if m.num_tokens else None
 
     def _reserved_pages(self) -> int:
         toks = sum(min(r.max_new_tokens - r.num_output_tokens, RESERVE_CLIP) for r in self.running)
@@ -128,7 +176,7 @@ class Scheduler:
         start = req.num_cached
         extra = self._pages_for(start + n) - len(req.pages)
         if extra > 0:
-            req.pages.extend(self.alloc.alloc(extra))
+            req.pages.extend(self._alloc(extra))
         slots = slots_for(req.pages, self.page_size, start, start + n)
         self.table.write(req.row, start, slots)
         return slots
@@ -140,33 +188,48 @@ class Scheduler:
             batch = self._schedule_decode()
         return batch
 
+    def _waiting_order(self) -> List[Request]:
+        """FCFS; with lpm and a long enough queue, longest cached prefix first (FCFS among equals), so requests that
+        share a prefix run together while it is in the cache."""
+        if self.policy != "lpm" or self.cache is None or len(self.waiting) < LPM_MIN_QUEUE:
+            return list(self.waiting)
+        hit = {r.rid: self.cache.match_prefix(r.all_ids[:r.total_len - 1]).num_tokens for r in self.waiting}
+        return sorted(self.waiting, key=lambda r: -hit[r.rid])
+
     def _schedule_prefill(self) -> Optional[ScheduledBatch]:
         budget = self.max_prefill_tokens
         reqs: List[Request] = []
         lens: List[int] = []
+        matches: Dict[str, PrefixMatch] = {}
         # a request left half-prefilled by chunking goes first
         partial = [r for r in self.running if r.num_cached < r.total_len - 1]
         if not partial and not self.waiting:
             return None
-        candidates = partial + list(self.waiting)
+        candidates = partial + self._waiting_order()
         reserved = self._reserved_pages()
+        available = self.available_pages()
         chunked = False
+        num_new = 0
         for req in candidates:
             if req.solo and reqs:
                 break  # it runs alone
             new = req.status is RequestStatus.WAITING
-            if new and len(self.running) + sum(1 for r in reqs if r.status is RequestStatus.WAITING) >= self.max_running:
+            if new and len(self.running) + num_new >= self.max_running:
                 break
-            remaining = req.total_len - req.num_cached
+            match = self._match(req) if new else None
+            start = match.num_tokens if match is not None else req.num_cached
+            held = len(match.pages) if match is not None else len(req.pages)
+            remaining = req.total_len - start
             n = min(remaining, self.chunk, budget)
             if n < remaining:
                 if chunked:
                     break  # one chunked request at a time
                 chunked = True
-            need = self._pages_for(req.num_cached + n) - len(req.pages)
+            need = self._pages_for(start + n) - held
             future = min(req.max_new_tokens - req.num_output_tokens, RESERVE_CLIP) * self.new_token_ratio
-            if need + reserved + (self._pages_for(int(future)) if new else 0) > self.alloc.num_free:
-                if not reqs and not self.running and need <= self.alloc.num_free:
+            room = available - (held if match is not None else 0)  # a matched prefix stops being evictable
+            if need + reserved + (self._pages_for(int(future)) if new else 0) > room:
+                if not reqs and not self.running and need <= room:
                     pass  # nothing else can free memory: admit it alone rather than stall
                 else:
                     break
@@ -174,8 +237,12 @@ class Scheduler:
                 break
             reqs.append(req)
             lens.append(n)
+            if match is not None:
+                matches[req.rid] = match
+                available -= held
             reserved += need  # claimed by this batch: later candidates must fit in what is left
             if new:
+                num_new += 1
                 reserved += self._pages_for(int(future))
             budget -= n
             if budget <= 0 or req.solo:
@@ -189,6 +256,14 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 req.row = self.table.alloc_row()
                 self.running.append(req)
+                match = matches.get(req.rid)
+                if match is not None:  # start from the cached prefix: share its pages
+                    self.alloc.incref(match.pages)
+                    self.cache.lock(match.node)
+                    req.pages, req.cache_node, req.num_cached = list(match.pages), match.node, match.num_tokens
+                    self.table.write(req.row, 0, slots_for(req.pages, self.page_size, 0, match.num_tokens))
+                if not req.output_ids:
+                    req.num_cached_tokens = req.num_cached  # first admission: the prompt tokens reused
             slots.append(self._place(req, n))
         return ScheduledBatch(ForwardMode.EXTEND, reqs, lens, torch.cat(slots))
 
@@ -202,7 +277,7 @@ class Scheduler:
             reqs = [solo]
         ps = self.page_size
         need = sum(1 for r in reqs if r.num_cached % ps == 0)
-        while need > self.alloc.num_free:
+        while need > self.available_pages():
             if len(self.running) == 1:  # admission refuses requests larger than the pool, so this cannot happen
                 raise RuntimeError("KV pool too small for a single request")
             victim = max(self.running, key=lambda r: r.arrival)
@@ -213,7 +288,7 @@ class Scheduler:
         if not reqs:
             return None
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        fresh = self.alloc.alloc(need)  # one new page for each request whose next token starts a page
+        fresh = self._alloc(need)  # one new page for each request whose next token starts a page
         slots, rows, positions = [], [], []
         for r in reqs:
             pos = r.num_cached
@@ -238,6 +313,9 @@ class Scheduler:
 
     def commit(self, batch: ScheduledBatch) -> None:
         """The step is queued on the device: its extended tokens count as cached from now on (the device runs
-        steps in order, so the next step reads them)."""
+        steps in order, so the next step reads them). An extend step's full pages go into the prefix cache."""
         for r, n in zip(batch.reqs, batch.extend_lens):
             r.num_cached += n
+        if self.cache is not None and batch.mode is ForwardMode.EXTEND:
+            for r in batch.reqs:
+                self._cache_prefix(r)

@@ -1,0 +1,144 @@
+"""The radix prefix cache in the engine: requests that share a prefix reuse its KV and still produce HF's tokens and
+logits; pages are shared, evicted and freed correctly under chunking, retraction and overlap; the same run with the
+cache off is the reference for what is reused."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from minisrv import SamplingParams
+
+from .conftest import (EngineWatch, assert_greedy_matches, assert_pool_free, greedy, hf_greedy, make_llm,
+                       tree_pages, vocab_of)
+
+MAX_TOKENS = 6
+
+MODES = {
+    "page1": dict(page_size=1),
+    "page4": dict(page_size=4),
+    "page16": dict(page_size=16),
+    "chunked": dict(page_size=3, chunked_prefill_size=8, max_prefill_tokens=16),
+    # a pool too small for the batch: the tree must give pages back, and decode must retract
+    "tight": dict(page_size=2, max_total_tokens=96, chunked_prefill_size=8, max_prefill_tokens=16),
+    "overlap_tight": dict(page_size=2, max_total_tokens=96, chunked_prefill_size=8, max_prefill_tokens=16,
+                          overlap=True),
+    "lpm": dict(page_size=2, schedule_policy="lpm"),
+}
+
+
+def shared_prompts(vocab: int, seed: int = 7):
+    """Two system prompts (30 and 21 tokens), each followed by several short user parts."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, vocab) for _ in range(n)] for n in (30, 21)]
+    return [systems[i % 2] + [rng.randrange(3, vocab) for _ in range(rng.randrange(2, 9))] for i in range(10)]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_shared_prefixes_match_hf_and_reuse_the_cache(tiny_model, mode):
+    path = tiny_model("qwen3")
+    kw = dict(MODES[mode])
+    overlap = kw.pop("overlap", False)
+    llm = make_llm(path, disable_radix_cache=False, **kw)
+    eng = llm.engine
+    eng.overlap = overlap
+    ps = eng.pool.page_size
+    watch = EngineWatch(eng)
+    prompts = shared_prompts(vocab_of(path))
+    outs = llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)  # later prompts reuse the earlier ones'
+    again = llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)  # now every prompt is in the tree
+    for i, p in enumerate(prompts):
+        ref, scores = hf_greedy(path, p, MAX_TOKENS)
+        assert_greedy_matches(outs[i].token_ids, ref, scores, f"{mode} prompt {i}")
+        assert again[i].token_ids == outs[i].token_ids
+    assert watch.check_logits(path) >= 2 * len(prompts) * MAX_TOKENS
+    watch.assert_idle()
+    assert_pool_free(eng)
+    assert eng.num_cached_prompt_tokens > 0
+    if "tight" not in mode:  # with room, the second run finds each prompt's full pages but its last token
+        second = sorted(watch.reqs.values(), key=lambda r: r.arrival)[-len(prompts):]
+        for p, r in zip(prompts, second):
+            assert r.num_cached_tokens == (len(p) - 1) // ps * ps, (len(p), r.num_cached_tokens)
+
+
+def test_cache_off_reuses_nothing(tiny_model):
+    path = tiny_model("qwen3")
+    llm = make_llm(path, page_size=2)
+    prompts = shared_prompts(vocab_of(path))
+    llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)
+    llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)
+    assert llm.engine.num_cached_prompt_tokens == 0 and llm.engine.cache is None
+
+
+def test_multi_turn_reuses_the_whole_conversation(tiny_model):
+    """Turn 2 resends turn 1's prompt and answer: everything but the new tail comes from the cache."""
+    path = tiny_model("llama")
+    llm = make_llm(path, disable_radix_cache=False, page_size=4)
+    eng = llm.engine
+    vocab = vocab_of(path)
+    rng = random.Random(3)
+    turn1 = [rng.randrange(3, vocab) for _ in range(23)]
+    out1 = llm.generate(turn1, greedy(9), use_tqdm=False)[0]
+    turn2 = turn1 + out1.token_ids + [rng.randrange(3, vocab) for _ in range(5)]
+    r = eng.add_request(turn2, greedy(5))
+    while eng.has_work():
+        eng.step()
+    # turn 1's prompt and all but its last output token have KV (the last was sampled, never fed back)
+    computed = len(turn1) + len(out1.token_ids) - 1
+    assert r.num_cached_tokens == computed // 4 * 4
+    ref, scores = hf_greedy(path, turn2, 5)
+    assert_greedy_matches(r.output_ids, ref, scores, "turn 2")
+
+
+def test_eviction_under_pressure_loses_nothing(tiny_model):
+    """Many distinct prompts through a small pool: the tree fills, is evicted LRU, and every request completes."""
+    path = tiny_model("qwen2")
+    llm = make_llm(path, disable_radix_cache=False, page_size=2, max_total_tokens=80)
+    eng = llm.engine
+    watch = EngineWatch(eng)
+    vocab = vocab_of(path)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(10, 30))] for _ in range(12)]
+    outs = llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)
+    assert eng.cache.num_pages <= eng.allocator.num_pages
+    for p, o in zip(prompts, outs):
+        ref, scores = hf_greedy(path, p, MAX_TOKENS)
+        assert_greedy_matches(o.token_ids, ref, scores, "under eviction")
+    watch.assert_idle()
+    assert tree_pages(eng), "the tree keeps what it could"
+
+
+def test_flush_cache_only_when_idle(tiny_model):
+    path = tiny_model("qwen3")
+    llm = make_llm(path, disable_radix_cache=False, page_size=2)
+    eng = llm.engine
+    prompt = shared_prompts(vocab_of(path))[0]
+    llm.generate(prompt, greedy(3), use_tqdm=False)
+    assert eng.cache.num_pages > 0
+    eng.add_request(prompt, greedy(3))
+    assert eng.flush_cache() is False and eng.cache.num_pages > 0
+    while eng.has_work():
+        eng.step()
+    assert eng.flush_cache() is True
+    assert eng.cache.num_pages == 0 and eng.allocator.num_free == eng.allocator.num_pages
+    assert eng.stats()["cache_tokens"] == 0
+
+
+def test_lpm_admits_cached_prefixes_first(tiny_model):
+    """With lpm and a long queue, the requests whose prefix is cached are admitted before older ones that are not."""
+    path = tiny_model("qwen3")
+    llm = make_llm(path, disable_radix_cache=False, page_size=2, schedule_policy="lpm", max_prefill_tokens=64)
+    eng = llm.engine
+    vocab = vocab_of(path)
+    rng = random.Random(5)
+    hot = [rng.randrange(3, vocab) for _ in range(20)]
+    llm.generate(hot + [5], greedy(1), use_tqdm=False)  # warm the tree with `hot`
+    cold = [[rng.randrange(3, vocab) for _ in range(24)] for _ in range(8)]
+    warm = [hot + [rng.randrange(3, vocab) for _ in range(4)] for _ in range(4)]
+    reqs = [eng.add_request(p, greedy(2)) for p in cold + warm]  # the cached ones come last
+    batch = eng.scheduler.schedule()
+    assert [r.rid for r in batch.reqs[:4]] == [r.rid for r in reqs[8:]], "cached-prefix requests lead the batch"
+    assert all(r.num_cached_tokens == 20 for r in reqs[8:])
+    for r in reqs:
+        eng.abort(r.rid)
+    assert_pool_free(eng)
