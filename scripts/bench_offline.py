@@ -8,6 +8,10 @@ Workloads (`--workload`):
   cpu   32 prompts of randint(64, 256) random tokens, 64 output tokens each, greedy, ignore_eos; with --hf (the
         default for this workload) it also times HF transformers' single-stream `generate` on the same model,
         prompts and dtype. The default on a CPU.
+  shared  requests that share long prefixes, as chat traffic with system prompts does: random.seed(0); 8 system
+        prompts of randint(800, 1200) tokens; 256 requests, request i = system prompt i % 8 followed by
+        randint(20, 200) tokens; max_tokens randint(50, 300); temperature 0.6, ignore_eos, in random order. The
+        prefix cache's hit rate (prompt tokens served from it / prompt tokens) is printed.
 One warm-up generate first; the clock covers one `generate` call.
 
   python scripts/bench_offline.py                                  # default model, CPU workload, HF baseline
@@ -37,6 +41,17 @@ def nano_workload(n: int, in_range, out_range, seed: int = 0):
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(*out_range))
               for _ in range(n)]
     return prompts, params
+
+
+def shared_workload(n: int, num_systems: int = 8, seed: int = 0):
+    random.seed(seed)
+    systems = [[random.randint(0, 10000) for _ in range(random.randint(800, 1200))] for _ in range(num_systems)]
+    prompts = [systems[i % num_systems] + [random.randint(0, 10000) for _ in range(random.randint(20, 200))]
+               for i in range(n)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(50, 300)) for _ in range(n)]
+    order = list(range(n))
+    random.shuffle(order)
+    return [prompts[i] for i in order], [params[i] for i in order]
 
 
 def cpu_workload(n: int, in_range, out_len: int, seed: int = 0):
@@ -127,7 +142,7 @@ def print_steps(trace) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineConfig.add_cli_args(p)
-    p.add_argument("--workload", choices=("auto", "nano", "cpu"), default="auto")
+    p.add_argument("--workload", choices=("auto", "nano", "cpu", "shared"), default="auto")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--min-input-len", type=int, default=None)
     p.add_argument("--max-input-len", type=int, default=None)
@@ -144,7 +159,10 @@ def main() -> int:
         a.log_level = "warning"
     cuda = torch.cuda.is_available() and a.device != "cpu"
     workload = a.workload if a.workload != "auto" else ("nano" if cuda else "cpu")
-    if workload == "nano":
+    if workload == "shared":
+        n = a.num_prompts or 256
+        prompts, params = shared_workload(n)
+    elif workload == "nano":
         n = a.num_prompts or 256
         prompts, params = nano_workload(n, (a.min_input_len or 100, a.max_input_len or 1024),
                                         (a.min_output_len or 100, a.max_output_len or 1024))
@@ -163,6 +181,7 @@ def main() -> int:
     if a.profile:
         eng.enable_profiling()
     eng.peak_pages_used = 0
+    eng.num_cached_prompt_tokens = 0
     eng.runner.wait_s = 0.0
     trace = trace_steps(eng) if a.steps else None
     t = time.perf_counter()
@@ -181,12 +200,14 @@ def main() -> int:
         "retractions": eng.scheduler.num_retractions,
         "graph_capture_s": getattr(eng.runner.graph_runner, "capture_s", None),
         "host_wait_s": round(eng.runner.wait_s, 3),
+        "radix_cache": eng.cache is not None, "cache_hit_rate": round(eng.num_cached_prompt_tokens / in_tokens, 3),
     }
     print(f"minisrv [{result['backend']}, {result['dtype']}, {result['device']}]: {out_tokens} output tokens "
           f"({in_tokens} input) in {dt:.2f}s = {out_tokens / dt:.1f} output tok/s; ready in {t_ready:.1f}s; "
           f"peak KV {result['peak_kv_tokens']} of {result['kv_pool_tokens']} tokens; "
           f"{result['retractions']} retractions; graph capture {result['graph_capture_s']}s; "
-          f"host waited for the device {eng.runner.wait_s:.2f}s")
+          f"host waited for the device {eng.runner.wait_s:.2f}s; prefix cache "
+          f"{'hit rate ' + format(result['cache_hit_rate'], '.1%') if eng.cache is not None else 'off'}")
     if a.profile:
         tm = eng.timings
         total = sum(tm.values())

@@ -3,7 +3,8 @@
 # in .gpu-wheels/ (fa3, fi, srv, tools: FlashAttention-3, FlashInfer, server packages, install and checkpoint
 # scripts) and makes a random-weight Qwen3-0.6B-shaped checkpoint at $MINISRV_GPU_CKPT (default /tmp/qwen3).
 #   bash tests/gpu/run.sh [phase ...]
-#   phases: smoke e2e graph overlap sampling backends bench bench-steps bench-profile bench-p1 bench-fi bench-fa decode profile cprofile llama8b
+#   phases: smoke e2e graph overlap sampling backends bench bench-steps bench-profile bench-p1 bench-fi bench-fa
+#           bench-nocache bench-shared bench-shared-lpm bench-shared-off decode profile cprofile llama8b
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -47,6 +48,10 @@ for phase in "${@:-smoke}"; do
     bench-p1) step bench-p1 300 $BENCH --attention-backend auto --page-size 1 ;;
     bench-fi) step bench-fi 300 $BENCH --attention-backend fi ;;
     bench-fa) step bench-fa 300 $BENCH --attention-backend fa ;;
+    bench-nocache) step bench-nocache 300 $BENCH --attention-backend auto --disable-radix-cache ;;
+    bench-shared) step bench-shared 300 $BENCH --attention-backend auto --workload shared ;;
+    bench-shared-lpm) step bench-shared-lpm 300 $BENCH --attention-backend auto --workload shared --schedule-policy lpm ;;
+    bench-shared-off) step bench-shared-off 300 $BENCH --attention-backend auto --workload shared --disable-radix-cache ;;
     profile) step profile 200 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
                --batch-sizes 1,64,256 --graphs on --steps 16 --torch-profile ;;
     cprofile) step cprofile 200 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
