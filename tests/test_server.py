@@ -411,8 +411,8 @@ class _IdleEngine:
 
 
 def test_api_key(tokenizer) -> None:
-    from minisrv.server.api import ServerState, create_app
-    from minisrv.server.engine_proc import EngineInfo
+    from minisrv.server.messages import EngineInfo
+    from minisrv.server.routes import ServerState, create_app
 
     info = EngineInfo("m.gguf", "torch", "cpu", 8192, 8192, 49152)
     app = create_app(ServerState(client=_IdleEngine(), tokenizer=tokenizer, info=info, served_model_name="m",

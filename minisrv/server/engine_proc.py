@@ -1,15 +1,13 @@
 """The engine in its own process, and the asyncio handle the HTTP side uses to talk to it.
 
 Why a process: the model step holds the CPU/GPU for milliseconds to seconds, and Python's GIL would let it
-stall the event loop (and the event loop would delay steps). Two ZeroMQ PUSH/PULL pipes over ipc:// carry
-pickled tuples; sends never block on either side (unbounded high-water marks), so neither loop waits on the
-other.
+stall the event loop (and the event loop would delay steps). Two ZeroMQ PUSH/PULL pipes over ipc:// carry the
+typed messages of messages.py, pickled; sends never block on either side (unbounded high-water marks), so
+neither loop waits on the other. One StepOutputs message per engine step carries every request that has news.
 
-HTTP -> engine:  ("add", rid, prompt_ids, SamplingParams) | ("abort", rid) | ("stats",) | ("shutdown",)
-engine -> HTTP:  ("ready", EngineInfo) | ("startup_error", text) | ("outputs", [RequestOutput, ...])
-                 | ("reject", rid, message) | ("stats", dict)
-
-One "outputs" message per engine step carries every request that sampled a token in that step.
+The engine makes each request's text (minisrv.engine.text); this side only routes outputs to the HTTP request
+that waits for them. A request the engine refuses (a RequestError, e.g. a duplicate id) comes back as Rejected
+and reaches its waiter as that RequestError.
 """
 from __future__ import annotations
 
@@ -22,36 +20,20 @@ import signal
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import zmq
 
 from minisrv.config import EngineConfig
-from minisrv.engine.request import RequestOutput, SamplingParams
+from minisrv.engine.request import RequestError, RequestOutput, SamplingParams
+
+from .messages import (AbortRequest, AddRequest, EngineInfo, EngineReady, EngineStats, Rejected, Shutdown,
+                       StartupFailed, StatsQuery, StepOutputs, ToEngine)
 
 logger = logging.getLogger("minisrv.server")
 
 STATS_INTERVAL_S = 0.1  # while busy, at most this often; always at once when the engine goes idle
 IDLE_POLL_MS = 1000  # an idle engine wakes this often to check that its parent is alive
-
-
-@dataclass
-class EngineInfo:
-    """What the HTTP side needs to know about the loaded engine (limits are checked before sending)."""
-
-    model_path: str
-    backend_name: str
-    device: str
-    context_length: int
-    max_request_len: int
-    vocab_size: int
-    eos_ids: List[int] = field(default_factory=list)
-    kv_tokens: int = 0
-
-
-class EngineError(RuntimeError):
-    """The engine refused a request (a ValueError from make_request)."""
 
 
 class EngineDead(RuntimeError):
@@ -81,13 +63,11 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
     except BaseException as e:  # noqa: BLE001 - every startup failure must reach the launcher
         logger.debug("engine startup failed", exc_info=True)
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
-        send.send_pyobj(("startup_error", detail))
+        send.send_pyobj(StartupFailed(detail))
         time.sleep(0.2)  # let the message leave before the process ends
         ctx.destroy(linger=1000)
         os._exit(1)
-    info = EngineInfo(engine.model_path, engine.backend_name, str(engine.device), engine.context_length,
-                      engine.max_request_len, engine.args.vocab_size, list(engine.eos_ids), engine.pool.num_slots)
-    send.send_pyobj(("ready", info))
+    send.send_pyobj(EngineReady(EngineInfo.from_engine(engine)))
     try:
         _loop(engine, recv, send, parent_pid)
     finally:
@@ -100,7 +80,7 @@ def _loop(engine: Any, recv: zmq.Socket, send: zmq.Socket, parent_pid: int) -> N
     last_sent = 0.0
     while True:
         busy = engine.has_work()
-        msgs: List[tuple] = []
+        msgs: List[ToEngine] = []
         if recv.poll(0 if busy else IDLE_POLL_MS):
             while True:
                 try:
@@ -113,34 +93,35 @@ def _loop(engine: Any, recv: zmq.Socket, send: zmq.Socket, parent_pid: int) -> N
         outputs: List[RequestOutput] = []
         stats_asked = False
         for msg in msgs:
-            kind = msg[0]
-            if kind == "add":
-                _, rid, prompt_ids, params = msg
-                try:
-                    engine.add(engine.make_request(prompt_ids, params, rid))
-                except ValueError as e:
-                    send.send_pyobj(("reject", rid, str(e)))
-            elif kind == "abort":
-                out = engine.abort(msg[1])
-                if out is not None:
-                    outputs.append(out)
-            elif kind == "stats":
-                stats_asked = True
-            elif kind == "shutdown":
-                return
+            match msg:
+                case AddRequest(rid, prompt_ids, params):
+                    try:
+                        engine.add(engine.make_request(prompt_ids, params, rid))
+                    except RequestError as e:
+                        send.send_pyobj(Rejected(rid, str(e), e.param, e.code))
+                case AbortRequest(rid):
+                    out = engine.abort(rid)
+                    if out is not None:
+                        outputs.append(out)
+                case StatsQuery():
+                    stats_asked = True
+                case Shutdown():
+                    return
+                case _:
+                    logger.error("engine: unknown message %r ignored", msg)
         if engine.has_work():
             outputs.extend(engine.step())
         if outputs:
-            send.send_pyobj(("outputs", outputs))
+            send.send_pyobj(StepOutputs(outputs))
         stats = engine.stats()
         now = time.monotonic()
         if stats_asked or (stats != last_stats and (now - last_sent >= STATS_INTERVAL_S or not engine.has_work())):
-            send.send_pyobj(("stats", stats))
+            send.send_pyobj(EngineStats(stats))
             last_stats, last_sent = stats, now
 
 
 # ------------------------------------------------------------------------------------------ HTTP side
-Sink = asyncio.Queue  # receives (tag, RequestOutput | Exception)
+Sink = asyncio.Queue  # receives (tag, RequestOutput | RequestError | EngineDead)
 
 
 class EngineClient:
@@ -181,12 +162,12 @@ class EngineClient:
         while True:
             if await self._recv.poll(200):
                 msg = await self._recv.recv_pyobj()
-                if msg[0] == "ready":
-                    self.info = msg[1]
+                if isinstance(msg, EngineReady):
+                    self.info = msg.info
                     break
-                if msg[0] == "startup_error":
+                if isinstance(msg, StartupFailed):
                     await self._reap()
-                    raise RuntimeError(msg[1])
+                    raise RuntimeError(msg.detail)
             elif not self._proc.is_alive():
                 code = self._proc.exitcode
                 raise RuntimeError(f"the engine process exited during startup (exit code {code})")
@@ -204,7 +185,7 @@ class EngineClient:
             t.cancel()
         if looping and self._proc is not None and self._proc.is_alive():
             try:
-                await asyncio.wait_for(self._send.send_pyobj(("shutdown",)), 1.0)
+                await asyncio.wait_for(self._send.send_pyobj(Shutdown()), 1.0)
             except Exception:  # noqa: BLE001 - the process is stopped below anyway
                 pass
         await self._reap(timeout if looping else 0.0)
@@ -231,35 +212,28 @@ class EngineClient:
 
     # -------------------------------------------------------------- requests
     def submit(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, tag: Any) -> None:
-        """Queue a request; its outputs arrive in `sink` as (tag, RequestOutput), a refusal as (tag, EngineError)."""
+        """Queue a request; its outputs arrive in `sink` as (tag, RequestOutput), the engine's refusal as
+        (tag, RequestError), the engine's death as (tag, EngineDead). The route is forgotten once it finishes."""
         if self.dead or not self.ready:
             raise EngineDead("the engine is not running")
         self._routes[rid] = (sink, tag)
-        self._outbox.put_nowait(("add", rid, list(prompt_ids), params))
+        self._outbox.put_nowait(AddRequest(rid, list(prompt_ids), params))
 
     def abort(self, rid: str) -> None:
         """Forget a request and tell the engine to drop it (frees its KV pages). Never blocks, never awaits."""
         if self._routes.pop(rid, None) is not None and not self.dead:
-            self._outbox.put_nowait(("abort", rid))
-
-    def release(self, rid: str) -> None:
-        """Forget a finished request."""
-        self._routes.pop(rid, None)
+            self._outbox.put_nowait(AbortRequest(rid))
 
     async def fresh_stats(self, timeout: float = 0.5) -> Dict[str, Any]:
         """Ask for stats now; returns the last known ones if the engine is mid-step for longer than timeout."""
         if self.ready and not self.dead:
             self._stats_event.clear()
-            self._outbox.put_nowait(("stats",))
+            self._outbox.put_nowait(StatsQuery())
             try:
                 await asyncio.wait_for(self._stats_event.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
         return self.stats
-
-    @property
-    def num_inflight(self) -> int:
-        return len(self._routes)
 
     # -------------------------------------------------------------- loops
     async def _send_loop(self) -> None:
@@ -270,21 +244,23 @@ class EngineClient:
     async def _recv_loop(self) -> None:
         while True:
             msg = await self._recv.recv_pyobj()
-            kind = msg[0]
-            if kind == "outputs":
-                for out in msg[1]:
-                    route = self._routes.get(out.rid)
+            match msg:
+                case StepOutputs(outputs):
+                    for out in outputs:
+                        route = self._routes.get(out.rid)
+                        if route is not None:
+                            if out.finished:
+                                del self._routes[out.rid]
+                            route[0].put_nowait((route[1], out))
+                case EngineStats(stats):
+                    self.stats = stats
+                    self._stats_event.set()
+                case Rejected(rid, message, param, code):
+                    route = self._routes.pop(rid, None)
                     if route is not None:
-                        if out.finished:
-                            del self._routes[out.rid]
-                        route[0].put_nowait((route[1], out))
-            elif kind == "stats":
-                self.stats = msg[1]
-                self._stats_event.set()
-            elif kind == "reject":
-                route = self._routes.pop(msg[1], None)
-                if route is not None:
-                    route[0].put_nowait((route[1], EngineError(msg[2])))
+                        route[0].put_nowait((route[1], RequestError(message, param, code)))
+                case _:
+                    logger.error("unknown message from the engine %r ignored", msg)
 
     async def _watchdog(self) -> None:
         while self._proc is not None and self._proc.is_alive():

@@ -99,8 +99,8 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
 
     from minisrv.models.loader import load_tokenizer
 
-    from .api import ServerState, create_app
     from .engine_proc import EngineClient
+    from .routes import ServerState, create_app
 
     # uvicorn handles SIGINT/SIGTERM while it runs, restores the handlers it found when it stops, then re-raises the
     # signal; with these no-op handlers underneath, that re-raise (or a second Ctrl-C) cannot cut the engine

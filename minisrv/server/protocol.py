@@ -1,8 +1,11 @@
 """OpenAI request/response schemas (the subset minisrv serves), plus the error shape.
 
-Requests are validated here (types and ranges); anything pydantic rejects becomes a 400 in OpenAI's error
-shape. Unknown fields are ignored, as OpenAI-compatible servers usually do; fields that would change the
-meaning of a request but are not supported (logit_bias, suffix, tools, ...) are refused in api.py.
+pydantic checks the shape and types of a request (a failure is a 400 naming the field, see errors.py) and the
+fields only the server knows (n, the logprobs counts, the messages). The ranges of the sampling fields are not
+repeated here: they are SamplingParams.validate's and check_request's (minisrv.engine.request), the one
+validation that the offline API and the engine also use. Unknown fields are ignored, as OpenAI-compatible
+servers usually do; fields that would change the meaning of a request but are not supported (logit_bias,
+suffix, tools, ...) are refused by the routes.
 """
 from __future__ import annotations
 
@@ -11,8 +14,9 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from minisrv.engine.request import MAX_LOGPROBS
+
 MAX_N = 128  # choices per request
-MAX_LOGPROBS = 20  # top-n logprobs per token, OpenAI's limit
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -33,23 +37,24 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions. None means: the default."""
+    """Fields shared by /v1/completions and /v1/chat/completions. None means: SamplingParams' default (for chat's
+    max_tokens: the rest of the context)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: Optional[str] = None  # OpenAI requires it; minisrv serves one model and accepts its absence
-    max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(None, ge=-1)  # -1 or 0: off
-    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None  # -1 or 0: off
+    min_p: Optional[float] = None
     n: Optional[int] = Field(None, ge=1, le=MAX_N)  # None: 1
     stop: Optional[Union[str, List[str]]] = None
     stop_token_ids: Optional[List[int]] = None
     seed: Optional[int] = None
-    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: Optional[float] = Field(None, gt=0.0)
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
     ignore_eos: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
     stream: Optional[bool] = False
@@ -99,7 +104,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: List[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = None  # OpenAI's newer name for max_tokens; wins over it
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: Optional[List[Dict[str, Any]]] = None

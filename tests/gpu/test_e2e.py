@@ -30,6 +30,7 @@ def hf():
 def _prefill_logits(llm, prompts):
     """Our logits at every prompt position, from one prefill step through the engine's own batch path."""
     eng = llm.engine
+    assert eng.flush_cache()  # every prompt position is computed in this step, none taken from the cache
     reqs = [eng.add_request(p, SamplingParams(max_tokens=1, temperature=0)) for p in prompts]
     batch = eng.scheduler.schedule()
     assert batch is not None and len(batch.reqs) == len(prompts) and all(batch.samples)
@@ -40,6 +41,7 @@ def _prefill_logits(llm, prompts):
     eng.scheduler.commit(batch)
     for r in reqs:
         eng.abort(r.rid)
+    assert eng.flush_cache()  # the aborted prompts' pages went to the cache: hand them back
     splits = [len(p) for p in prompts]
     return list(torch.split(logits, splits))
 

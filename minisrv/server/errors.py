@@ -1,0 +1,119 @@
+"""Every failure a client sees, in OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Why one place: a request can fail in many layers (JSON parsing, pydantic types, SamplingParams and check_request
+ranges, the engine refusing or failing it, the engine process dying, a client that left), and clients such as
+the openai package dispatch on the status and read `param`/`code`; each failure is mapped to its status here once:
+
+  400 invalid_request_error  bad JSON, wrong types (pydantic), out-of-range values (RequestError, with its param)
+  401 / 404                  no API key (gate.py), unknown model or route
+  499                        the client left before its answer (nobody reads it; counted in the metrics)
+  500 server_error           the engine failed this request, or a bug
+  503 server_error           the engine is loading, stopped or gone (code engine_unavailable)
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Tuple, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minisrv.engine.request import RequestError
+
+from .protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger("minisrv.server")
+
+INVALID = "invalid_request_error"
+SERVER = "server_error"
+ENGINE_UNAVAILABLE = "engine_unavailable"
+
+
+class APIError(Exception):
+    """A failure with its HTTP status, raised anywhere on the request path and answered by the app's handler
+    (or, once a stream has begun, sent as its last event)."""
+
+    def __init__(self, status: int, message: str, type: str = INVALID, param: Optional[str] = None,
+                 code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its (non-streaming) answer was ready."""
+
+
+def error_response(status: int, message: str, type: str = INVALID, param: Optional[str] = None,
+                   code: Optional[str] = None) -> JSONResponse:
+    return APIError(status, message, type, param, code).response()
+
+
+def from_request_error(e: RequestError) -> APIError:
+    """A request that cannot be served as asked (SamplingParams, check_request, or the engine's refusal)."""
+    return APIError(400, str(e), param=e.param, code=e.code)
+
+
+def engine_unavailable(message: str = "") -> APIError:
+    return APIError(503, message or "the engine is not available", SERVER, code=ENGINE_UNAVAILABLE)
+
+
+def request_failed(detail: Optional[str]) -> APIError:
+    """The engine ran the request but failed it (finish_reason "error"); the other requests go on."""
+    return APIError(500, f"the engine failed this request: {detail or 'unknown error'}", SERVER)
+
+
+def validation_message(exc: Union[RequestValidationError, ValidationError]) -> Tuple[str, Optional[str]]:
+    """pydantic's errors -> one message naming the field, and the top-level field as `param`."""
+    errs = exc.errors()
+    if not errs:
+        return "invalid request", None
+    e = errs[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    if e.get("type") == "json_invalid":
+        detail = (e.get("ctx") or {}).get("error", "")
+        return f"request body is not valid JSON{': ' + str(detail) if detail else ''}", None
+    msg = str(e.get("msg", "invalid value"))
+    msg = msg.removeprefix("Value error, ")
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    more = f" (and {len(errs) - 1} more error{'s' if len(errs) > 2 else ''})" if len(errs) > 1 else ""
+    return (f"{where}: {msg}" if where else f"request body: {msg}") + more, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every exception that leaves a route in OpenAI's shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, e: RequestError) -> JSONResponse:
+        return from_request_error(e).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        msg, param = validation_message(e)
+        return error_response(400, msg, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(e.status_code, str(e.detail), INVALID if e.status_code < 500 else SERVER)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, e: ClientGone) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(500, f"internal server error: {type(e).__name__}: {e}", SERVER)

@@ -1,0 +1,194 @@
+"""The one request path of /v1/completions and /v1/chat/completions, from validated prompts to the HTTP response.
+
+Both endpoints hand over the same thing, a `Generation` (prompt token ids, SamplingParams, n, echoed prompt text),
+and differ only in how they render it (a `Renderer`: the opening chunks of a stream, a chunk, the usage chunk, a
+whole response). Everything else happens here, once: one engine request (a `Job`) per choice of each prompt, the
+seeds of n > 1 choices, submitting them, streaming or collecting their outputs into `Choice`s, usage, metrics,
+aborting what is left when the client goes away, and turning a refusal or failure of the engine into an APIError
+(an HTTP error before a stream begins, an error event after).
+
+A choice only accumulates what the engine made: its text deltas (`RequestOutput.new_text`, stop strings already
+cut, a possible stop string held back) and its tokens' logprobs at their text offsets.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Protocol, Sequence, Tuple
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from minisrv.engine.request import RequestError, RequestOutput, SamplingParams
+
+from .engine_proc import EngineDead
+from .errors import engine_unavailable, from_request_error, request_failed
+from .logprobs import PositionedLogprob
+from .metrics import TokenClock
+from .protocol import UsageInfo
+from .streaming import EventStream, sse, sse_stream, unless_disconnected
+
+if TYPE_CHECKING:
+    from .routes import ServerState
+
+
+@dataclass
+class Generation:
+    """What an endpoint asks for: n choices of each prompt."""
+
+    prompts: List[List[int]]
+    params: SamplingParams
+    n: int = 1
+    prefixes: Sequence[str] = ()  # per prompt: text its choices start with (completions' echo), or none
+
+
+@dataclass
+class Job:
+    """One engine request: one choice of one prompt."""
+
+    index: int  # the choice's index in the response: prompt * n + choice
+    rid: str
+    prompt_ids: List[int]
+    params: SamplingParams
+
+
+@dataclass
+class Choice:
+    """One choice's output so far."""
+
+    index: int
+    prefix: str = ""  # sent before the first token (echoed prompt text); offsets count it
+    text: str = ""  # generated text (without the prefix)
+    logprobs: List[PositionedLogprob] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    num_output_tokens: int = 0
+
+    def feed(self, out: RequestOutput) -> Tuple[str, List[PositionedLogprob]]:
+        """Take one output; returns its text delta and its tokens' logprobs with their offsets."""
+        lps = out.new_logprobs
+        if out.finish_reason == "stop" and out.stop_str is None and out.new_token_ids:
+            lps = lps[:len(out.new_token_ids) - 1]  # the EOS / stop token that ended it has no text
+        base = len(self.prefix)
+        new = [(lp, base + offset) for lp, offset in zip(lps, out.text_offsets)]
+        self.text += out.new_text
+        self.logprobs += new
+        self.num_output_tokens = out.num_output_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason
+        return out.new_text, new
+
+    @property
+    def full_text(self) -> str:
+        return self.prefix + self.text
+
+
+class Renderer(Protocol):
+    """An endpoint's response shapes."""
+
+    id: str  # the response id ("cmpl-...", "chatcmpl-..."); engine request ids derive from it
+
+    def opening(self, choice: Choice) -> List[Any]:
+        """Chunks a stream starts each choice with, before any token."""
+
+    def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
+               finish_reason: Optional[str]) -> List[Any]:
+        """Chunks for one output that has text, logprobs or an end."""
+
+    def usage_chunk(self, usage: UsageInfo) -> Any:
+        """The last chunk of a stream that asked for usage."""
+
+    def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any:
+        """The whole response of a non-streaming request."""
+
+
+async def serve(state: "ServerState", request: Request, gen: Generation, renderer: Renderer, stream: bool,
+                include_usage: bool = False) -> Response:
+    """Run a generation through the engine and answer it, streamed (SSE) or whole."""
+    jobs = make_jobs(renderer.id, gen)
+    choices = [Choice(j.index, gen.prefixes[j.index // gen.n] if gen.prefixes else "") for j in jobs]
+
+    def usage() -> UsageInfo:
+        p = sum(len(ids) for ids in gen.prompts)  # each prompt once, whatever n
+        c = sum(ch.num_output_tokens for ch in choices)
+        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+    if stream:
+        async def events() -> AsyncIterator[str]:
+            for ch in choices:
+                for chunk in renderer.opening(ch):
+                    yield sse(chunk)
+            async for step in run_jobs(state, jobs):
+                for index, out in step:
+                    ch = choices[index]
+                    text, lps = ch.feed(out)
+                    finish = out.finish_reason if out.finished else None
+                    if text or lps or finish:
+                        for chunk in renderer.chunks(ch, text, lps, finish):
+                            yield sse(chunk)
+
+        return EventStream(sse_stream(events(), (lambda: renderer.usage_chunk(usage())) if include_usage else None))
+
+    async def collect() -> None:
+        async for step in run_jobs(state, jobs):
+            for index, out in step:
+                choices[index].feed(out)
+
+    await unless_disconnected(request, collect())
+    return Response(renderer.response(choices, usage()).model_dump_json(), media_type="application/json")
+
+
+def make_jobs(prefix: str, gen: Generation) -> List[Job]:
+    jobs = []
+    params, n = gen.params, gen.n
+    for p, ids in enumerate(gen.prompts):
+        for j in range(n):
+            # with a seed and n > 1, choice j samples with seed + j: choices differ yet are reproducible
+            pj = dataclasses.replace(params, seed=params.seed + j) if params.seed is not None and j else params
+            index = p * n + j
+            jobs.append(Job(index, f"{prefix}-{index}", ids, pj))
+    return jobs
+
+
+async def run_jobs(state: "ServerState", jobs: List[Job]) -> AsyncIterator[List[Tuple[int, RequestOutput]]]:
+    """Submit all jobs; yield each engine step's outputs as (choice index, output) until all have finished.
+
+    A refusal, the engine's death or a failed request raises an APIError. On exit (done, failed, or a cancelled
+    or closed generator: the client went away) what is left is aborted, without awaiting anything."""
+    client, m = state.client, state.metrics
+    sink: asyncio.Queue = asyncio.Queue()
+    pending: Dict[int, TokenClock] = {}
+    try:
+        for j in jobs:
+            client.submit(j.rid, j.prompt_ids, j.params, sink, j.index)
+            pending[j.index] = TokenClock(time.perf_counter())
+            m.submitted(len(j.prompt_ids))
+        while pending:
+            items = [await sink.get()]
+            while not sink.empty():
+                items.append(sink.get_nowait())
+            t = time.perf_counter()
+            step: List[Tuple[int, RequestOutput]] = []
+            for index, item in items:
+                if isinstance(item, Exception):  # refused by the engine, or the engine is gone
+                    pending.pop(index, None)
+                    m.dropped("error")
+                    raise item
+                clock = pending[index]
+                m.tokens(clock, len(item.new_token_ids), t)
+                if item.finished:
+                    del pending[index]
+                    m.ended(item.finish_reason or "unknown", clock, t)
+                    if item.finish_reason == "error":
+                        raise request_failed(item.error)
+                step.append((index, item))
+            yield step
+    except RequestError as e:
+        raise from_request_error(e) from None
+    except EngineDead as e:
+        raise engine_unavailable(str(e)) from None
+    finally:
+        for index in pending:
+            client.abort(jobs[index].rid)
+            m.dropped("abort")

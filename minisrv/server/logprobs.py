@@ -1,0 +1,86 @@
+"""Logprobs in OpenAI's two shapes: /v1/completions (tokens, token_logprobs, top_logprobs, text_offset) and
+/v1/chat/completions (content: token, logprob, bytes, top_logprobs).
+
+A logprob names its token by the token's own text, which is not a piece of the output text (a byte-level BPE
+token can be half of a UTF-8 character), so it is made here from the vocabulary entry rather than by decoding:
+`TokenText` maps an id to its display string and raw bytes. The output text itself comes from the engine.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from minisrv.engine.request import TokenLogprob
+
+from .protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+
+PositionedLogprob = Tuple[TokenLogprob, int]  # a token's logprobs, with the offset of its text in the choice's text
+
+
+def _byte_decoder() -> Dict[str, int]:
+    """Inverse of the GPT-2 byte-level alphabet (each byte 0..255 is shown as one printable character)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class TokenText:
+    """Token id -> (display string, raw bytes) for logprobs, cached."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.cache: Dict[int, Tuple[str, List[int]]] = {}
+        pieces = tokenizer.convert_ids_to_tokens(tokenizer(" a", add_special_tokens=False).input_ids)
+        self.byte_level = bool(pieces) and pieces[0].startswith("Ġ")
+        self.decoder = _byte_decoder() if self.byte_level else {}
+
+    def get(self, tid: int) -> Tuple[str, List[int]]:
+        hit = self.cache.get(tid)
+        if hit is not None:
+            return hit
+        piece = self.tok.convert_ids_to_tokens(tid)
+        raw: Optional[bytes] = None
+        if isinstance(piece, str):
+            if self.byte_level and all(c in self.decoder for c in piece):
+                raw = bytes(self.decoder[c] for c in piece)
+            elif not self.byte_level:
+                if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                    raw = bytes([int(piece[3:5], 16)])
+                else:
+                    raw = piece.replace("▁", " ").encode("utf-8")
+        if raw is None:
+            raw = self.tok.decode([tid]).encode("utf-8")
+        hit = (raw.decode("utf-8", errors="replace"), list(raw))
+        self.cache[tid] = hit
+        return hit
+
+    def string(self, tid: int) -> str:
+        return self.get(tid)[0]
+
+
+def completion_logprobs(tt: TokenText, lps: Sequence[PositionedLogprob], top_n: int) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for lp, offset in lps:
+        s = tt.string(lp.token_id)
+        out.tokens.append(s)
+        out.token_logprobs.append(lp.logprob)
+        top = {tt.string(t): v for t, v in list(lp.top.items())[:top_n]}
+        top.setdefault(s, lp.logprob)  # OpenAI: the sampled token is always included
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+    return out
+
+
+def chat_logprobs(tt: TokenText, lps: Sequence[PositionedLogprob], top_n: int) -> ChatLogprobs:
+    content = []
+    for lp, _ in lps:
+        s, b = tt.get(lp.token_id)
+        tops = sorted(lp.top.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append(ChatTokenLogprob(token=s, logprob=lp.logprob, bytes=b, top_logprobs=[
+            TopLogprob(token=tt.get(t)[0], logprob=v, bytes=tt.get(t)[1]) for t, v in tops]))
+    return ChatLogprobs(content=content)

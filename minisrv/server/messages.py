@@ -1,0 +1,109 @@
+"""What the HTTP process and the engine process say to each other, one small dataclass per kind of message.
+
+Why types rather than tuples tagged with a string: a receiver dispatches on the class (`match` / isinstance), so a
+misspelt tag or a field in the wrong position fails where it is made instead of being silently ignored at the
+other end, and each message documents its fields. They travel pickled (`send_pyobj`) over the pipes of
+engine_proc.py, so they hold only plain data, SamplingParams and RequestOutput.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+from minisrv.engine.request import RequestLimits, RequestOutput, SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP side needs to know about the loaded engine; requests are checked against `limits` before
+    they are sent, so the engine rarely has to refuse one."""
+
+    model_path: str
+    backend_name: str
+    device: str
+    context_length: int
+    max_request_len: int
+    vocab_size: int
+    eos_ids: List[int] = field(default_factory=list)
+    kv_tokens: int = 0
+
+    @classmethod
+    def from_engine(cls, engine: Any) -> "EngineInfo":
+        return cls(str(engine.model_path), engine.backend_name, str(engine.device), engine.context_length,
+                   engine.max_request_len, engine.args.vocab_size, list(engine.eos_ids), engine.pool.num_slots)
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.vocab_size, self.max_request_len)
+
+
+# ---------------------------------------------------------------------------------------------- HTTP -> engine
+@dataclass(frozen=True)
+class AddRequest:
+    """Queue a request (already validated on the HTTP side; the engine checks it again)."""
+
+    rid: str
+    prompt_ids: List[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Drop a request (its client went away): frees its KV pages."""
+
+    rid: str
+
+
+@dataclass(frozen=True)
+class StatsQuery:
+    """Send EngineStats now (for /metrics)."""
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Leave the loop and exit."""
+
+
+ToEngine = Union[AddRequest, AbortRequest, StatsQuery, Shutdown]
+
+
+# ---------------------------------------------------------------------------------------------- engine -> HTTP
+@dataclass(frozen=True)
+class EngineReady:
+    """The model is loaded; the engine reads requests from now on."""
+
+    info: EngineInfo
+
+
+@dataclass(frozen=True)
+class StartupFailed:
+    """The engine could not start; `detail` is the exception, one line."""
+
+    detail: str
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """One engine step's news: every request that sampled a token, finished, was aborted or failed."""
+
+    outputs: List[RequestOutput]
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The engine refused an AddRequest (a RequestError): the fields of that error."""
+
+    rid: str
+    message: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Engine.stats(): running/waiting counts and KV pool use."""
+
+    stats: Dict[str, Any]
+
+
+FromEngine = Union[EngineReady, StartupFailed, StepOutputs, Rejected, EngineStats]

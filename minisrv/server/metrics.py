@@ -1,0 +1,100 @@
+"""Prometheus metrics of the server (`GET /metrics`): HTTP requests, engine requests by finish reason, token
+counts, latencies, and the engine's load.
+
+Why a registry per server rather than prometheus_client's global one: several apps can live in one process
+(the in-process tests build many), and each must count only its own requests. The engine's gauges come from
+the engine process (EngineClient.fresh_stats), everything else is observed here on the HTTP side as outputs
+arrive, so the latencies are the ones a client sees, IPC included.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Tuple
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5,
+                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")  # label values; other /v1 paths: "other"
+
+
+def endpoint_label(path: str) -> str:
+    if path in ENDPOINTS:
+        return path
+    return "/v1/models" if path.startswith("/v1/models") else "other"
+
+
+@dataclass
+class TokenClock:
+    """When one engine request arrived and last produced tokens, for its latency metrics."""
+
+    arrival: float
+    last: float = 0.0
+    num_tokens: int = 0
+
+
+class ServerMetrics:
+    """The server's metrics, in a registry of their own."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("minisrv_requests", "HTTP requests to /v1 routes, by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.finished = Counter("minisrv_request_finish", "Engine requests (one per choice) by finish reason",
+                                ["reason"], registry=r)
+        self.prompt_tokens = Counter("minisrv_prompt_tokens", "Prompt tokens sent to the engine", registry=r)
+        self.generation_tokens = Counter("minisrv_generation_tokens", "Tokens generated", registry=r)
+        self.running = Gauge("minisrv_num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("minisrv_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.kv_usage = Gauge("minisrv_kv_cache_usage_ratio", "Share of KV pool pages in use (0..1)", registry=r)
+        self.kv_pages_used = Gauge("minisrv_kv_cache_pages_used", "KV pool pages in use", registry=r)
+        self.kv_pages_total = Gauge("minisrv_kv_cache_pages_total", "KV pool pages", registry=r)
+        self.ttft = Histogram("minisrv_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("minisrv_inter_token_latency_seconds", "Time between consecutive output tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("minisrv_e2e_request_latency_seconds", "Time from arrival to the last token",
+                             buckets=LATENCY_BUCKETS, registry=r)
+
+    def count_http(self, path: str, status: int) -> None:
+        if path.startswith("/v1/"):
+            self.requests.labels(endpoint=endpoint_label(path), status=str(status)).inc()
+
+    def submitted(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def tokens(self, clock: TokenClock, k: int, t: float) -> None:
+        """k new tokens of one engine request at time t: the first is its TTFT, the rest share the gap."""
+        if not k:
+            return
+        self.generation_tokens.inc(k)
+        if clock.num_tokens == 0:
+            self.ttft.observe(t - clock.arrival)
+        else:
+            gap = (t - clock.last) / k
+            for _ in range(k):
+                self.itl.observe(gap)
+        clock.num_tokens += k
+        clock.last = t
+
+    def ended(self, reason: str, clock: TokenClock, t: float) -> None:
+        """An engine request finished in the engine (stop, length, abort, error)."""
+        self.finished.labels(reason=reason).inc()
+        self.e2e.observe(t - clock.arrival)
+
+    def dropped(self, reason: str) -> None:
+        """An engine request that ended on this side: aborted (its client left) or refused / engine gone."""
+        self.finished.labels(reason=reason).inc()
+
+    def exposition(self) -> Tuple[bytes, str]:
+        """The metrics in Prometheus' text format, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def set_engine_stats(self, stats: Dict[str, Any]) -> None:
+        if not stats:
+            return
+        self.running.set(stats.get("num_running", 0))
+        self.waiting.set(stats.get("num_waiting", 0))
+        self.kv_usage.set(stats.get("kv_usage", 0.0))
+        self.kv_pages_used.set(stats.get("kv_pages_used", 0))
+        self.kv_pages_total.set(stats.get("kv_pages_total", 0))

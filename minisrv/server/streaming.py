@@ -1,0 +1,105 @@
+"""Server-sent events, and noticing a client that goes away.
+
+Why the care: a client that disconnects must get its engine requests aborted at once, which frees their KV pages
+for everyone else. Starlette's StreamingResponse notices a disconnect only when a write fails, and a request
+still waiting in the engine's queue writes nothing, so `EventStream` listens for the disconnect itself and
+closes the generator (whose cleanup aborts the requests). A non-streaming request is watched the same way by
+`unless_disconnected`. Every stream ends the same way, completions and chat alike (`sse_stream`): the usage
+chunk when asked for, or an error event if the request failed on the way, then `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from .errors import APIError, ClientGone
+
+SSE_DONE = "data: [DONE]\n\n"
+T = TypeVar("T")
+
+
+def sse(obj: Any) -> str:
+    """One event: a pydantic model or a JSON-able object."""
+    data = obj.model_dump_json() if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+async def sse_stream(events: AsyncIterator[str], usage: Optional[Callable[[], Any]]) -> AsyncIterator[str]:
+    """`events`, then the usage chunk (when asked for) and [DONE]; an APIError on the way becomes an error event
+    followed by [DONE]. Closing this closes `events` (which aborts its engine requests)."""
+    async with contextlib.aclosing(events):
+        try:
+            async for e in events:
+                yield e
+        except APIError as err:
+            yield sse(err.body())
+            yield SSE_DONE
+            return
+    if usage is not None:
+        yield sse(usage())
+    yield SSE_DONE
+
+
+async def wait_disconnect(receive: Callable) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class EventStream(StreamingResponse):
+    """SSE response that stops (and closes its generator, aborting the engine requests) when the client leaves,
+    also while the request is still queued and nothing is being written."""
+
+    def __init__(self, gen: AsyncIterator[str]) -> None:
+        super().__init__(gen, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.gen = gen
+
+    async def __call__(self, scope: Any, receive: Callable, send: Callable) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def pump() -> None:
+                    try:
+                        await send({"type": "http.response.start", "status": self.status_code,
+                                    "headers": self.raw_headers})
+                        async for chunk in self.gen:
+                            await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    except OSError:
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(pump)
+                await wait_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            await self.gen.aclose()  # type: ignore[attr-defined]
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it (its cleanup aborts the engine requests) and
+    raise ClientGone."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(wait_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone; nothing to report to
+        pass
+    raise ClientGone()
