@@ -28,6 +28,7 @@ class EngineConfig:
     disable_overlap_schedule: bool = False  # CUDA: prepare step N+1 on the host while step N runs
     disable_radix_cache: bool = False  # reuse the KV of shared prefixes across requests unless set
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest cached prefix first, when the queue is long)
+    fail_on_token: Optional[int] = None  # testing only: a step whose batch holds a prompt with this id raises
     seed: Optional[int] = None  # seeds torch's generator, which unseeded requests draw from
     log_level: str = "info"
 
@@ -74,6 +75,8 @@ class EngineConfig:
         p.add_argument("--random-seed", "--seed", dest="seed", type=int, default=None,
                        help="seed for requests that give none (reproducible runs of one engine)")
         p.add_argument("--log-level", default=d.log_level)
+        p.add_argument("--debug-fail-on-token", dest="fail_on_token", type=int, default=None,
+                       help=argparse.SUPPRESS)  # tests: how the engine survives a request that breaks its step
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":

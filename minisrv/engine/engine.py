@@ -109,6 +109,8 @@ class Engine:
                     self.timings["schedule"] += time.perf_counter() - t0
                 self.peak_pages_used = max(self.peak_pages_used,
                                            self.num_free_pages_when_idle - self.allocator.num_free)
+                if self.config.fail_on_token is not None:
+                    self._injected_fault(batch)
                 runner.launch(batch)
                 self.scheduler.commit(batch)
                 launched = True
@@ -161,6 +163,11 @@ class Engine:
         return RequestOutput(req.rid, [tok], text.take(), [s.logprob] if s.logprob is not None else [], [offset],
                              reason is not None, reason, text.stop_str, len(req.prompt_ids), num_out,
                              req.num_cached_tokens)
+
+    def _injected_fault(self, batch) -> None:
+        bad = self.config.fail_on_token
+        if any(bad in r.prompt_ids for r in batch.reqs):
+            raise RuntimeError(f"injected fault: a request's prompt holds token {bad}")
 
     def _step_failed(self, reqs: List[Request], e: Exception) -> List[RequestOutput]:
         """A step raised. A request running alone is the cause: it fails. Otherwise each is retried alone."""
