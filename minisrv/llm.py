@@ -5,7 +5,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from minisrv.config import EngineConfig
 from minisrv.engine.engine import Engine
-from minisrv.engine.request import CompletionOutput, SamplingParams
+from minisrv.engine.request import CompletionOutput, SamplingParams, prompt_logprob_list
 
 PromptType = Union[str, List[int]]
 
@@ -70,6 +70,7 @@ class LLM:
             token_ids=list(r.output_ids),
             finish_reason=r.finish_reason,
             logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+            prompt_logprobs=prompt_logprob_list(r) if r.params.prompt_logprobs is not None else None,
         ) for p, r in zip(prompts, reqs)]
 
     def chat(self, messages: Union[List[Dict[str, str]], List[List[Dict[str, str]]]],

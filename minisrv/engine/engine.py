@@ -16,7 +16,8 @@ from minisrv.config import EngineConfig
 from minisrv.kvcache.radix import RadixCache
 
 from .model_runner import SampledToken
-from .request import Request, RequestLimits, RequestOutput, SamplingParams, check_request
+from .request import (Request, RequestLimits, RequestOutput, SamplingParams, check_request,
+                      prompt_logprob_list)
 from .scheduler import Scheduler
 from .setup import build_engine_parts, setup_logging
 from .text import TextStream
@@ -149,6 +150,12 @@ class Engine:
         num_out = len(req.output_ids)
         offset = len(text.text)
         reason = None
+        if tok is None:  # max_tokens 0: the prompt is scored, nothing is generated
+            text.finish()
+            self.scheduler.finish(req, "length")
+            self.num_cached_prompt_tokens += req.num_cached_tokens
+            return RequestOutput(req.rid, [], "", [], [], True, "length", None, len(req.prompt_ids), 0,
+                                 req.num_cached_tokens, prompt_logprobs=self._prompt_logprobs(req))
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_ids):
             reason = "stop"  # the token that ends it has no text
         elif text.add(tok) is not None:
@@ -162,7 +169,11 @@ class Engine:
             self.scheduler.finish(req, reason)
         return RequestOutput(req.rid, [tok], text.take(), [s.logprob] if s.logprob is not None else [], [offset],
                              reason is not None, reason, text.stop_str, len(req.prompt_ids), num_out,
-                             req.num_cached_tokens)
+                             req.num_cached_tokens, prompt_logprobs=self._prompt_logprobs(req) if num_out == 1 else None)
+
+    @staticmethod
+    def _prompt_logprobs(req: Request):
+        return prompt_logprob_list(req) if req.params.prompt_logprobs is not None else None
 
     def _injected_fault(self, batch) -> None:
         bad = self.config.fail_on_token

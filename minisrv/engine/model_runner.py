@@ -24,13 +24,27 @@ from .sampler import SamplingBatch, sample
 from .scheduler import ScheduledBatch
 
 
+PROMPT_LOGPROB_ROWS = 1024  # prompt positions scored at once: never a [T, vocab] tensor for a long prompt
+
+
 @dataclass
 class SampledToken:
-    """A token that reached the host, already appended to its request's output_ids."""
+    """A token that reached the host, already appended to its request's output_ids (token_id None: a request
+    that only scores its prompt, max_tokens 0, reached the end of its prefill)."""
 
     req: Request
-    token_id: int
+    token_id: Optional[int]
     logprob: Optional[TokenLogprob]
+
+
+@dataclass
+class PromptScores:
+    """Logprobs of some prompt tokens computed in a step (host copies, maybe pending): for owner k, the tokens at
+    prompt positions positions[k]."""
+
+    owners: List[Request]
+    positions: List[List[int]]
+    host: List[Optional[torch.Tensor]]  # chosen logprobs [R], top values [R, n], top ids [R, n]
 
 
 @dataclass
@@ -43,6 +57,7 @@ class LaunchedStep:
     host: List[Optional[torch.Tensor]]  # ids, chosen logprobs, top values, top ids (host copies, maybe pending)
     event: Optional[torch.cuda.Event]
     index: Dict[str, int] = field(default_factory=dict)  # rid -> row in `ids`
+    prompt_scores: Optional[PromptScores] = None
 
     def wait(self) -> Tuple[List[int], Optional[List[float]], Optional[Tuple[List[List[float]], List[List[int]]]]]:
         if self.event is not None:
@@ -143,6 +158,45 @@ class ModelRunner:
         hidden = self.model(fb.input_ids, fb.positions, self.backend.step(fb))
         return self.model.compute_logits(hidden[fb.last_indices])
 
+    def _score_prompts(self, sb: ScheduledBatch, fb: ForwardBatch) -> Tuple[torch.Tensor, Optional[PromptScores]]:
+        """An extend step with requests asking for prompt logprobs: last-token logits as forward_logits gives them,
+        and the logprob of each prompt token this step predicts (position p's logits score token p + 1), scored
+        PROMPT_LOGPROB_ROWS rows at a time."""
+        hidden = self.model(fb.input_ids, fb.positions, self.backend.step(fb))
+        logits = self.model.compute_logits(hidden[fb.last_indices])
+        rows, targets, owners, positions = [], [], [], []
+        start = 0
+        for r, n in zip(sb.reqs, sb.extend_lens):
+            if r.params.prompt_logprobs is not None:
+                plen = len(r.prompt_ids)
+                pos = [p + 1 for p in range(r.num_cached, r.num_cached + n) if p + 1 < plen]
+                if pos:
+                    owners.append(r)
+                    positions.append(pos)
+                    rows.extend(start + p - 1 - r.num_cached for p in pos)
+                    targets.extend(r.prompt_ids[p] for p in pos)
+            start += n
+        if not rows:
+            return logits, None
+        top_n = max(r.params.prompt_logprobs for r in owners)
+        idx = to_device([rows, targets], torch.int64, hidden.device)
+        chosen, top_v, top_i = [], [], []
+        for c in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            lp = torch.log_softmax(self.model.compute_logits(hidden[idx[0, c:c + PROMPT_LOGPROB_ROWS]]), dim=-1)
+            chosen.append(lp.gather(1, idx[1, c:c + PROMPT_LOGPROB_ROWS, None]).squeeze(1))
+            if top_n:
+                t = lp.topk(top_n, dim=-1)
+                top_v.append(t.values)
+                top_i.append(t.indices)
+        outs = [torch.cat(chosen), torch.cat(top_v) if top_n else None, torch.cat(top_i) if top_n else None]
+        return logits, PromptScores(owners, positions, [self._to_host(x) for x in outs])
+
+    def _to_host(self, x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """A non-blocking copy into pinned memory on CUDA (complete when the step's event is)."""
+        if x is None or self.device.type != "cuda":
+            return x
+        return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)
+
     @property
     def num_inflight(self) -> int:
         return len(self._inflight)
@@ -155,12 +209,20 @@ class ModelRunner:
         fb = self.build_forward_batch(sb)
         if prof:
             t = self._tick("metadata", t)
-        logits = self.forward_logits(fb)
+        scores = None
+        if not fb.is_decode and any(r.params.prompt_logprobs is not None for r in sb.reqs):
+            logits, scores = self._score_prompts(sb, fb)
+        else:
+            logits = self.forward_logits(fb)
         if prof:
             t = self._tick("forward_decode" if fb.is_decode else "forward_extend", t)
         sampling = [r for r, s in zip(sb.reqs, sb.samples) if s]
         if not sampling:
-            self._inflight.append(LaunchedStep(sb, [], None, [None] * 4, None))
+            event = None
+            if scores is not None and self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+            self._inflight.append(LaunchedStep(sb, [], None, [None] * 4, event, prompt_scores=scores))
             return
         if len(sampling) != len(sb.reqs):
             keep = to_device([i for i, s in enumerate(sb.samples) if s], torch.int64, logits.device)
@@ -168,16 +230,14 @@ class ModelRunner:
         ids, lp, top = sample(logits, SamplingBatch.build(sampling, logits.device))
         outs = [ids, lp, *(top if top is not None else (None, None))]
         event = None
+        host = [self._to_host(x) for x in outs]
         if self.device.type == "cuda":
-            host = [None if x is None else torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(
-                x, non_blocking=True) for x in outs]
             event = torch.cuda.Event()
             event.record()
-        else:
-            host = outs
         for r in sampling:
             r.num_pending += 1
-        self._inflight.append(LaunchedStep(sb, sampling, ids, host, event, {r.rid: k for k, r in enumerate(sampling)}))
+        self._inflight.append(LaunchedStep(sb, sampling, ids, host, event, {r.rid: k for k, r in enumerate(sampling)},
+                                           scores))
         if prof:
             self._tick("sampling", t)
 
@@ -193,9 +253,14 @@ class ModelRunner:
         t0 = time.perf_counter()
         token_ids, lps, top = step.wait()
         self.wait_s += time.perf_counter() - t0
+        if step.prompt_scores is not None:
+            _store_prompt_scores(step.prompt_scores)
         out: List[SampledToken] = []
         for i, req in enumerate(step.sampling):
             if req.finished:
+                continue
+            if req.max_new_tokens == 0:  # it only scores its prompt: the token sampled after it is not wanted
+                out.append(SampledToken(req, None, None))
                 continue
             tok = token_ids[i]
             req.output_ids.append(tok)
@@ -207,3 +272,14 @@ class ModelRunner:
                 req.logprobs.append(lp)
             out.append(SampledToken(req, tok, lp))
         return out
+
+
+def _store_prompt_scores(scores: PromptScores) -> None:
+    chosen, top_v, top_i = (None if x is None else x.tolist() for x in scores.host)
+    k = 0
+    for req, positions in zip(scores.owners, scores.positions):
+        n_top = req.params.prompt_logprobs
+        for p in positions:
+            tops = dict(zip(top_i[k][:n_top], top_v[k][:n_top])) if n_top else {}
+            req.prompt_logprobs[p] = TokenLogprob(req.prompt_ids[p], chosen[k], tops)
+            k += 1

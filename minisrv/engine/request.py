@@ -53,6 +53,7 @@ class SamplingParams:
     stop_token_ids: Optional[List[int]] = None
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # None: none; 0: the chosen token's; n: also the top n
+    prompt_logprobs: Optional[int] = None  # the same for each prompt token (vLLM's name); the first is None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -67,14 +68,17 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if not _is_number(getattr(self, name)):
                 raise RequestError(f"{name} must be a finite number, got {getattr(self, name)!r}", name)
-        for name in ("max_tokens", "seed", "logprobs"):
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and not _is_int(v):
                 raise RequestError(f"{name} must be an integer, got {v!r}", name)
         if not _is_int(self.top_k):
             raise RequestError(f"top_k must be an integer, got {self.top_k!r}", "top_k")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise RequestError(f"max_tokens must be at least 0, got {self.max_tokens}", "max_tokens")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise RequestError("max_tokens 0 generates nothing: it is only allowed to score the prompt "
+                               "(with prompt logprobs, or echo with logprobs)", "max_tokens")
         if self.temperature < 0:
             raise RequestError(f"temperature must be non-negative, got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
@@ -93,8 +97,10 @@ class SamplingParams:
                                "repetition_penalty")
         if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 63:
             raise RequestError(f"seed must be a signed 64-bit integer, got {self.seed}", "seed")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= MAX_LOGPROBS:
+                raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}", name)
         if len(self.stop) > MAX_STOPS:
             raise RequestError(f"at most {MAX_STOPS} stop strings, got {len(self.stop)}", "stop")
         if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
@@ -110,6 +116,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def prompt_logprob_list(req: "Request") -> List[Optional["TokenLogprob"]]:
+    """A request's prompt logprobs in prompt order; the first token has none (nothing predicts it)."""
+    return [None] + [req.prompt_logprobs.get(i) for i in range(1, len(req.prompt_ids))]
 
 
 class RequestStatus(enum.Enum):
@@ -143,6 +154,7 @@ class Request:
     output_ids: List[int] = field(default_factory=list)  # sampled tokens whose values have reached the host
     num_pending: int = 0  # sampled tokens still on the device (overlap scheduling; see model_runner)
     logprobs: List[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: Dict[int, TokenLogprob] = field(default_factory=dict)  # prompt position -> its logprob
     row: int = -1  # row in the request->token table while resident
     pages: List[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the pool
@@ -230,7 +242,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    error: Optional[str] = None  # with finish_reason "error": what went wrong
+    error: Optional[str] = None
+    prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None  # with the first output, when asked for  # with finish_reason "error": what went wrong
 
 
 @dataclass
@@ -243,3 +256,4 @@ class CompletionOutput:
     token_ids: List[int]
     finish_reason: Optional[str]
     logprobs: Optional[List[TokenLogprob]] = None
+    prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None  # one per prompt token, the first None

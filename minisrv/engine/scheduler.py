@@ -162,8 +162,8 @@ class Scheduler:
 
     def _match(self, req: Request) -> Optional[PrefixMatch]:
         """The cached prefix a waiting request can start from (its last token is always computed)."""
-        if self.cache is None or req.solo:
-            return None
+        if self.cache is None or req.solo or req.params.prompt_logprobs is not None:
+            return None  # prompt logprobs need every prompt position computed
         m = self.cache.match_prefix(req.all_ids[:req.total_len - 1])
         return m if m.num_tokens else None
 
