@@ -38,6 +38,8 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         eng = self.engine
         reqs = [eng.make_request(self._encode(x), p) for x, p in zip(prompts, params)]  # all checked before any runs
+        for p in {id(p): p for p in params}.values():
+            eng.grammar.check(p)  # an invalid schema, regex or grammar raises here (compiled once, then cached)
         for r in reqs:
             eng.add(r)
         live = {r.rid for r in reqs}

@@ -6,6 +6,7 @@ one, so the request that causes it fails alone with an error its client sees; on
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import time
 from collections import defaultdict
@@ -15,6 +16,7 @@ from minisrv.config import EngineConfig
 
 from minisrv.kvcache.radix import RadixCache
 
+from .grammar import GrammarBackend
 from .model_runner import SampledToken
 from .request import (Request, RequestLimits, RequestOutput, SamplingParams, check_request,
                       prompt_logprob_list)
@@ -23,6 +25,8 @@ from .setup import build_engine_parts, setup_logging
 from .text import TextStream
 
 logger = logging.getLogger("minisrv")
+
+COMPILE_IDLE_WAIT_S = 0.002  # with nothing to run but grammars compiling, a step waits this long for one
 
 
 def is_device_fault(e: BaseException) -> bool:
@@ -56,6 +60,9 @@ class Engine:
         self.peak_pages_used = 0
         self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache, since start
         self.timings: Optional[Dict[str, float]] = None  # phase -> seconds, when profiling
+        # structured outputs: grammars compile off the loop; requests wait in the queue until theirs is done
+        self.grammar = GrammarBackend(self.tokenizer, self.args.vocab_size, self.eos_ids)
+        self._compiling: List[Request] = []
 
     # ------------------------------------------------------------------ requests
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None) -> Request:
@@ -71,13 +78,18 @@ class Engine:
         """Queue a request built by make_request."""
         p = req.params
         req.text = TextStream(self.tokenizer, req.prompt_ids, p.stop, p.skip_special_tokens)
+        req.grammar = self.grammar.submit(p)  # never waits for the compile (see _grammars_done)
         self.scheduler.add(req)
+        if req.grammar is not None:
+            self._compiling.append(req)
         return req
 
     def abort(self, rid: str) -> Optional[RequestOutput]:
         req = self.scheduler.abort(rid)
         if req is None:
             return None
+        if req.grammar is not None:
+            self._compiling = [r for r in self._compiling if r is not req]
         return RequestOutput(req.rid, [], "", [], [], True, "abort", None, len(req.prompt_ids), len(req.output_ids))
 
     def has_work(self) -> bool:
@@ -98,8 +110,10 @@ class Engine:
         """
         runner = self.runner
         outputs: List[RequestOutput] = []
-        if runner.num_inflight and self.scheduler.num_penalized:
-            outputs += self._collect()  # penalties count the actual previous tokens
+        if self._compiling:
+            outputs += self._grammars_done()
+        if runner.num_inflight and (self.scheduler.num_penalized or self.scheduler.num_constrained):
+            outputs += self._collect()  # penalties count the actual previous tokens; a grammar mask needs them
         launched = False
         t0 = time.perf_counter()
         batch = None
@@ -121,6 +135,25 @@ class Engine:
             outputs += self._step_failed(batch.reqs if batch is not None else [], e)
         while runner.num_inflight > (1 if self.overlap and launched else 0):
             outputs += self._collect()
+        if batch is None and self._compiling and not runner.num_inflight:
+            cf.wait([r.grammar.future for r in self._compiling], COMPILE_IDLE_WAIT_S, cf.FIRST_COMPLETED)
+        return outputs
+
+    def _grammars_done(self) -> List[RequestOutput]:
+        """Requests whose grammar finished compiling become schedulable; a failed compile ends its request."""
+        outputs, still = [], []
+        for r in self._compiling:
+            if r.finished:
+                continue  # aborted while compiling
+            error = r.grammar.poll()
+            if error is not None:
+                logger.info("request %s: %s", r.rid, error)
+                self.scheduler.finish(r, "error")
+                outputs.append(RequestOutput(r.rid, [], "", [], [], True, "error", None, len(r.prompt_ids), 0,
+                                             error=error))
+            elif not r.grammar.ready:
+                still.append(r)
+        self._compiling = still
         return outputs
 
     def _collect(self) -> List[RequestOutput]:
@@ -156,8 +189,9 @@ class Engine:
             self.num_cached_prompt_tokens += req.num_cached_tokens
             return RequestOutput(req.rid, [], "", [], [], True, "length", None, len(req.prompt_ids), 0,
                                  req.num_cached_tokens, prompt_logprobs=self._prompt_logprobs(req))
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_ids):
-            reason = "stop"  # the token that ends it has no text
+        ended = req.grammar is not None and req.grammar.advance(tok)  # raises if its grammar rejects tok
+        if ended or tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_ids):
+            reason = "stop"  # the token that ends it has no text (a grammar ends on accepting a stop token)
         elif text.add(tok) is not None:
             reason = "stop"
         elif num_out >= req.max_new_tokens:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import json
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Union
@@ -55,6 +56,11 @@ class SamplingParams:
     logprobs: Optional[int] = None  # None: none; 0: the chosen token's; n: also the top n
     prompt_logprobs: Optional[int] = None  # the same for each prompt token (vLLM's name); the first is None
     skip_special_tokens: bool = True
+    # structured outputs, at most one (SGLang/vLLM names); compiled and enforced by engine/grammar.py
+    json_schema: Optional[str] = None  # a JSON schema as JSON text ("{}" or '{"type": "object"}': any JSON)
+    json_object: bool = False  # any JSON object
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None  # an EBNF grammar (xgrammar's, GBNF-like) whose start rule is named root
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -108,6 +114,26 @@ class SamplingParams:
                                "stop")
         if len(self.stop_token_ids) > MAX_STOPS or not all(_is_int(t) for t in self.stop_token_ids):
             raise RequestError(f"stop_token_ids must be at most {MAX_STOPS} integers", "stop_token_ids")
+        self._validate_constraint()
+
+    def _validate_constraint(self) -> None:
+        """Structured outputs: types, at most one, and a schema that is JSON; the grammar itself is checked when
+        compiled (engine/grammar.py)."""
+        if not isinstance(self.json_object, bool):
+            raise RequestError(f"json_object must be a boolean, got {self.json_object!r}", "json_object")
+        for name in ("json_schema", "regex", "ebnf"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise RequestError(f"{name} must be a non-empty string", name)
+        given = [n for n in ("json_schema", "json_object", "regex", "ebnf") if getattr(self, n) not in (None, False)]
+        if len(given) > 1:
+            raise RequestError(f"at most one of json_schema, json_object, regex and ebnf may be given, got "
+                               f"{' and '.join(given)}", given[1])
+        if self.json_schema is not None:
+            try:
+                json.loads(self.json_schema)
+            except ValueError as e:
+                raise RequestError(f"json_schema is not valid JSON: {e}", "json_schema") from None
 
     @property
     def greedy(self) -> bool:
@@ -163,6 +189,7 @@ class Request:
     solo: bool = False  # in a step that failed: runs in batches of its own until it samples a token
     cache_node: Optional[object] = None  # the prefix-cache node it holds locked (kvcache.radix), if any
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at admission
+    grammar: Optional[object] = None  # its structured-output state (engine/grammar.py GrammarState), if any
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:  # only seeded rows use it (see sampler)

@@ -19,6 +19,7 @@ import torch
 
 from minisrv.utils import to_device
 
+from .grammar import apply_bitmask, fill_bitmask
 from .request import Request
 
 _M32 = 0xFFFFFFFF
@@ -86,6 +87,8 @@ class SamplingBatch:
     seen_ids: Optional[torch.Tensor] = None  # [B, L'] prompt + output, padded with -1
     max_logprobs: int = -1  # -1: no row asked for logprobs
     seeded_rows: Optional[torch.Tensor] = None  # rows with a user-given seed (None: no such row)
+    grammar_mask: Optional[torch.Tensor] = None  # [G, ceil(V/32)] int32 allowed tokens of the rows with a grammar
+    grammar_rows: Optional[torch.Tensor] = None  # [G] those rows (None: every row); see engine/grammar.py
 
     @classmethod
     def build(cls, reqs: List[Request], device: torch.device) -> "SamplingBatch":
@@ -113,6 +116,8 @@ class SamplingBatch:
             sb.seeded_rows = to_device(seeded, torch.int64, device)
         wants = [p.logprobs for p in ps if p.logprobs is not None]
         sb.max_logprobs = max(wants) if wants else -1
+        if any(r.grammar is not None for r in reqs):
+            sb.grammar_mask, sb.grammar_rows = fill_bitmask(reqs, device)
         return sb
 
 
@@ -161,11 +166,13 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> Tuple[torch.Tensor, Optio
                                                               Optional[Tuple[torch.Tensor, torch.Tensor]]]:
     """logits [B, V] float32 -> (token ids [B], logprob of each chosen token [B], (top values, top ids) [B, n]).
 
-    Log-probabilities are the model's own distribution (before penalties, temperature and filtering).
+    Log-probabilities are the model's own distribution (before penalties, grammar masks, temperature and filtering).
     """
     raw = logits
     if sb.presence is not None:
         logits = apply_penalties(logits, sb)
+    if sb.grammar_mask is not None:  # disallowed tokens to -inf, in a copy (raw stays the model's)
+        logits = apply_bitmask(logits, sb.grammar_mask, sb.grammar_rows)
     if sb.all_greedy:
         ids = logits.argmax(dim=-1)
     else:

@@ -67,6 +67,7 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
         self.num_penalized = 0  # live requests using penalties (their sampling needs the real previous tokens)
+        self.num_constrained = 0  # live requests with a grammar (their mask needs the previous token accepted)
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
@@ -75,6 +76,7 @@ class Scheduler:
         self.waiting.append(req)
         self.by_id[req.rid] = req
         self.num_penalized += req.has_penalties
+        self.num_constrained += req.grammar is not None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -115,6 +117,7 @@ class Scheduler:
         req.finish_reason = reason
         self.by_id.pop(req.rid, None)
         self.num_penalized -= req.has_penalties
+        self.num_constrained -= req.grammar is not None
 
     # ------------------------------------------------------------------ memory
     def _pages_for(self, num_tokens: int) -> int:
@@ -211,6 +214,8 @@ class Scheduler:
         chunked = False
         num_new = 0
         for req in candidates:
+            if req.grammar is not None and not req.grammar.ready:
+                continue  # its grammar is still compiling (engine/grammar.py): the others go ahead
             if req.solo and reqs:
                 break  # it runs alone
             new = req.status is RequestStatus.WAITING

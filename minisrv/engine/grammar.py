@@ -1,0 +1,277 @@
+"""Structured outputs: a request's JSON schema, JSON-object mode, regex or EBNF grammar becomes a mask over the
+vocabulary at every step it samples, so the only tokens it can draw are those that keep its text inside the
+grammar. The grammar engine is xgrammar: its compiler turns a grammar and the tokenizer's vocabulary into a
+`CompiledGrammar` (a per-grammar table of which tokens each parser state admits), and a `GrammarMatcher` per
+request walks it one accepted token at a time and fills a bitmask of the tokens allowed next.
+
+Where the pieces run, and why:
+
+- Compiling takes milliseconds for a small schema and seconds for a large one, so it never runs on the engine
+  loop: `Engine.add` hands it to a small thread pool (xgrammar releases the GIL while it compiles) and the
+  scheduler does not admit a request until the engine has seen its compile finish (`GrammarState.ready`). A
+  compile that fails ends its request with finish_reason "error". Results are cached by (kind, text), so a
+  repeated schema costs a dict lookup; xgrammar caches too, bounded in bytes.
+- The mask is filled on the host (int32 [G, ceil(V/32)] for the G rows of a step that have a grammar), copied to
+  the device from pinned memory without waiting, and applied to the logits in one batched op just before sampling
+  (`apply_bitmask`, called by sampler.sample). Rows without a grammar pay nothing, a step without a grammar row
+  does no grammar work, and CUDA graphs are untouched: the mask is applied to the logits the graph produced.
+  Log-probabilities stay the model's raw distribution, as for penalties.
+- Every sampled token is fed to its request's matcher in the engine (`Engine._news`) before the finish checks.
+  Once the matcher has accepted a stop token (only allowed where the grammar is complete) it is terminated and the
+  request ends with "stop"; a token it rejects (impossible through the mask) ends it with "error".
+- Overlap scheduling: the mask of step N+1 needs step N's token accepted by the matcher, which needs its value on
+  the host. So while any live request has a grammar (`Scheduler.num_constrained`), the engine collects the step in
+  flight before scheduling the next one, exactly as it does for penalties: those steps lose the overlap of host
+  work with the device, the others keep it.
+
+Special tokens other than the stop tokens are never allowed inside a grammar: they are shown to xgrammar as empty
+strings, which it treats as special, since their text would be dropped from the output (skip_special_tokens) and
+the text would no longer be what the grammar matched.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+import logging
+import os
+import re
+import sys
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
+
+import torch
+
+from minisrv.utils import ceil_div, to_device
+
+from .request import RequestError, SamplingParams
+
+if TYPE_CHECKING:
+    from .request import Request
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("json_schema", "json_object", "regex", "ebnf")  # the SamplingParams fields, in order of precedence
+# json_object is any JSON object (OpenAI's JSON mode): the schema {"type": "object"}. xgrammar's builtin JSON
+# grammar would also admit a top-level array.
+ANY_OBJECT_SCHEMA = '{"type": "object"}'
+CACHE_ENTRIES = 256  # compiled grammars kept by (kind, text); live requests hold theirs beyond that
+XGR_CACHE_BYTES = 512 << 20  # xgrammar's own compile cache
+COMPILE_WORKERS = 2  # grammars compiled at once (each compile also uses xgrammar's own threads)
+PARAM = "response_format"  # where an invalid grammar is reported (the OpenAI request field that carries it)
+
+
+def constraint_of(params: SamplingParams) -> Optional[Tuple[str, str]]:
+    """The (kind, text) of a request's grammar, or None. SamplingParams.validate allows at most one."""
+    if params.json_schema is not None:
+        return "json_schema", params.json_schema
+    if params.json_object:
+        return "json_object", ""
+    if params.regex is not None:
+        return "regex", params.regex
+    if params.ebnf is not None:
+        return "ebnf", params.ebnf
+    return None
+
+
+_XGR_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")  # "[01:54:56] /project/cpp/foo.cc:83: "
+
+
+def _message(e: BaseException) -> str:
+    """xgrammar's error text without its log prefix (time, C++ source file and line)."""
+    text = _XGR_PREFIX.sub("", str(e)).strip()
+    return text or type(e).__name__
+
+
+def check_grammar(params: SamplingParams) -> None:
+    """Parse a request's grammar without compiling it against a vocabulary (no tokenizer needed, milliseconds):
+    for the HTTP side, to turn an invalid schema, regex or EBNF into a 400 before the request is queued. Raises
+    RequestError(param="response_format")."""
+    key = constraint_of(params)
+    if key is None:
+        return
+    import xgrammar as xgr
+    kind, text = key
+    try:
+        if kind == "json_schema":
+            xgr.Grammar.from_json_schema(text)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(text)
+        elif kind == "ebnf":
+            xgr.Grammar.from_ebnf(text)
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError (and ValueError) for a bad grammar
+        raise RequestError(f"invalid {kind}: {_message(e)}", PARAM) from None
+
+
+class GrammarState:
+    """One request's grammar: its compile (shared by every request with the same grammar), then its matcher.
+
+    Only the engine loop touches the matcher; the compile future completes in a worker thread, and `ready` is set
+    by the loop (`poll`) so the scheduler's view never changes under it."""
+
+    def __init__(self, key: Tuple[str, str], future: "cf.Future", vocab_size: int) -> None:
+        self.key = key
+        self.future = future
+        self.vocab_size = vocab_size  # the model's (the logits' width, and the mask's)
+        self.matcher: Any = None
+        self.ready = False  # compiled and matched: the request may be admitted
+
+    def poll(self) -> Optional[str]:
+        """Once the compile is done, make the matcher; returns the error message of a failed compile, else None
+        (not done yet, or ready)."""
+        if self.ready or not self.future.done():
+            return None
+        try:
+            compiled = self.future.result()
+        except Exception as e:  # noqa: BLE001
+            return f"invalid {self.key[0]}: {_message(e)}"
+        import xgrammar as xgr
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.ready = True
+        return None
+
+    def advance(self, token_id: int) -> bool:
+        """Feed a sampled token; True when the grammar has ended (it accepted a stop token). Raises if rejected."""
+        if not self.matcher.accept_token(token_id):
+            raise RuntimeError(f"the {self.key[0]} grammar rejected token {token_id}")
+        return self.matcher.is_terminated()
+
+
+class GrammarBackend:
+    """Compiles grammars for one tokenizer and model vocabulary, off the caller's thread, with a cache.
+
+    Built once per engine; cheap to build: xgrammar and its view of the vocabulary are set up on first use, in a
+    compile worker (a few hundred ms for a 150k vocabulary)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                 workers: int = COMPILE_WORKERS) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(set(stop_token_ids))
+        self.num_compiles = 0  # compiles started (cache misses)
+        self.cache_hits = 0
+        self._cache: "OrderedDict[Tuple[str, str], cf.Future]" = OrderedDict()
+        self._lock = threading.Lock()  # the cache and the compiler's creation (check() may run on other threads)
+        self._compiler: Any = None
+        self._workers = workers
+        self._pool: Optional[cf.ThreadPoolExecutor] = None
+
+    # ------------------------------------------------------------------ compiling
+    def _get_compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = self._build_compiler()
+            return self._compiler
+
+    def _build_compiler(self) -> Any:
+        import xgrammar as xgr
+        tok = self.tokenizer
+        stop = self.stop_token_ids or None
+        info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size, stop_token_ids=stop)
+        special = _special_ids(tok) - set(self.stop_token_ids)
+        if special:  # the same vocabulary with special tokens blanked: xgrammar then never admits them
+            vocab = [""] * self.vocab_size
+            for text, i in tok.get_vocab().items():
+                if i < self.vocab_size and i not in special:
+                    vocab[i] = text
+            info = xgr.TokenizerInfo.from_vocab_and_metadata(vocab, info.dump_metadata())
+        threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+        return xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=True, cache_limit_bytes=XGR_CACHE_BYTES)
+
+    def _compile(self, kind: str, text: str) -> Any:
+        comp = self._get_compiler()
+        if kind == "json_schema":
+            return comp.compile_json_schema(text)
+        if kind == "json_object":
+            return comp.compile_json_schema(ANY_OBJECT_SCHEMA)
+        if kind == "regex":
+            return comp.compile_regex(text)
+        if kind == "ebnf":
+            return comp.compile_grammar(text)
+        raise ValueError(f"unknown grammar kind {kind!r}")
+
+    def _future(self, key: Tuple[str, str]) -> "cf.Future":
+        """The compile of `key`: cached, or started now in a worker."""
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                self.cache_hits += 1
+                return fut
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(self._workers, thread_name_prefix="minisrv-grammar")
+            fut = self._pool.submit(self._compile, *key)
+            self.num_compiles += 1
+            self._cache[key] = fut
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+            return fut
+
+    def submit(self, params: SamplingParams) -> Optional[GrammarState]:
+        """Start (or find) the compile of a request's grammar without waiting for it; None without a grammar."""
+        key = constraint_of(params)
+        if key is None:
+            return None
+        return GrammarState(key, self._future(key), self.vocab_size)
+
+    def check(self, params: SamplingParams) -> None:
+        """Compile a request's grammar now (through the cache, so the engine's compile of it is then a lookup).
+        Raises RequestError(param="response_format") for an invalid one. Blocks the caller: for the offline API,
+        or an HTTP handler in a worker thread. (`check_grammar` only parses, and needs no tokenizer.)"""
+        key = constraint_of(params)
+        if key is None:
+            return
+        try:
+            self._future(key).result()
+        except Exception as e:  # noqa: BLE001
+            raise RequestError(f"invalid {key[0]}: {_message(e)}", PARAM) from None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _special_ids(tokenizer: Any) -> set:
+    ids = set(getattr(tokenizer, "all_special_ids", None) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, t in added.items() if getattr(t, "special", False))
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------- the mask
+
+
+def fill_bitmask(reqs: List["Request"], device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The allowed-token bits of the rows of `reqs` that have a grammar, on `device` (copied without waiting),
+    and those rows' indices (None when every row has one). Every grammar row's tokens must be on the host (see the
+    overlap note in the module docstring)."""
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    cuda = device.type == "cuda"
+    host = torch.empty((len(rows), ceil_div(reqs[rows[0]].grammar.vocab_size, 32)), dtype=torch.int32,
+                       pin_memory=cuda)
+    for k, i in enumerate(rows):
+        r = reqs[i]
+        assert not r.num_pending, "a grammar row's previous token must be accepted before its mask is made"
+        r.grammar.matcher.fill_next_token_bitmask(host, k)
+    mask = host.to(device, non_blocking=True) if cuda else host
+    index = None if len(rows) == len(reqs) else to_device(rows, torch.int64, device)
+    return mask, index
+
+
+@functools.lru_cache(maxsize=None)
+def _bits(device: torch.device) -> torch.Tensor:
+    return torch.tensor([1 << k for k in range(8)], dtype=torch.uint8, device=device)
+
+
+def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """Logits [B, V] with every token whose bit is 0 in its row's mask set to -inf (a new tensor: the input stays
+    the model's raw logits). mask [G, ceil(V/32)] int32, row g for logits row rows[g] (every row when None).
+
+    Bit j of int32 word w is token 32 w + j; read as bytes (little-endian, as on every CUDA device and x86/ARM
+    host), that is bit k of byte 4 w + b for token 8 (4 w + b) + k, so the unpacked mask is G x V bytes."""
+    assert sys.byteorder == "little", "the bitmask is unpacked as little-endian bytes"
+    g, vocab = mask.shape[0], logits.shape[-1]
+    banned = (mask.view(torch.uint8).unsqueeze(-1) & _bits(logits.device)).view(g, -1)[:, :vocab] == 0
+    if rows is None:
+        return logits.masked_fill(banned, float("-inf"))
+    return logits.index_put((rows,), logits.index_select(0, rows).masked_fill_(banned, float("-inf")))

