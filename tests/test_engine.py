@@ -289,7 +289,7 @@ def test_one_bad_prompt_rejects_the_whole_batch_before_queueing(small_ctx, model
     (dict(max_tokens=0), "max_tokens must be at least 1"),
     (dict(max_tokens=-3), "max_tokens must be at least 1"),
     (dict(temperature=-0.5), "temperature must be non-negative"),
-    (dict(top_p=0.0), "top_p must be in"),
+    (dict(top_p=-0.1), "top_p must be in"),
     (dict(top_p=1.5), "top_p must be in"),
     (dict(top_k=-2), "top_k must be"),
     (dict(min_p=1.5), "min_p must be in"),

@@ -535,3 +535,26 @@ def test_logprobs_match_hf(qwen2):
         assert lp.top == {} and lp.token_id == tok
         assert abs(lp.logprob - ref[len(prompts[1]) - 1 + i, tok].item()) < 1e-4
     assert llm.generate(prompts[0], greedy(3), use_tqdm=False)[0].logprobs is None
+
+
+def test_top_p_zero_is_greedy_and_logit_bias_moves_the_choice(qwen2):
+    """top_p 0 with temperature 1 gives the greedy tokens; a +100 bias forces a token at every step; a -100 bias on
+    HF's first greedy token makes the runner-up come first; logprobs stay the model's own (no bias in them)."""
+    path, llm = qwen2
+    prompt = make_prompts(vocab_of(path), [11], seed=17)[0]
+    ref, scores = hf_greedy(path, prompt, 4)
+    out = llm.generate(prompt, SamplingParams(temperature=1.0, top_p=0.0, max_tokens=4, ignore_eos=True,
+                                              seed=5), use_tqdm=False)[0]
+    assert out.token_ids == ref
+    forced = vocab_of(path) - 2
+    out = llm.generate(prompt, greedy(3, logit_bias={forced: 100.0}), use_tqdm=False)[0]
+    assert out.token_ids == [forced] * 3
+    runner_up = scores[0].topk(2).indices[1].item()
+    out = llm.generate(prompt, greedy(1, logit_bias={ref[0]: -100.0}, logprobs=0), use_tqdm=False)[0]
+    assert out.token_ids == [runner_up]
+    want = torch.log_softmax(scores[0].double(), dim=-1)[runner_up].item()
+    assert abs(out.logprobs[0].logprob - want) < 1e-4
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(prompt, greedy(1, logit_bias={vocab_of(path) + 5: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: 101.0})

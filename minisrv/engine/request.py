@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 MAX_STOPS = 64  # stop strings, and stop token ids, per request
 MAX_STOP_CHARS = 1024  # length of one stop string
 MAX_LOGPROBS = 20  # top-n logprobs per token (OpenAI's limit)
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 
 class RequestError(ValueError):
@@ -54,6 +55,7 @@ class SamplingParams:
     stop_token_ids: Optional[List[int]] = None
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # None: none; 0: the chosen token's; n: also the top n
+    logit_bias: Optional[Dict[int, float]] = None  # token id -> added to its logit before sampling (OpenAI's)
     prompt_logprobs: Optional[int] = None  # the same for each prompt token (vLLM's name); the first is None
     skip_special_tokens: bool = True
     # structured outputs, at most one (SGLang/vLLM names); compiled and enforced by engine/grammar.py
@@ -87,8 +89,14 @@ class SamplingParams:
                                "(with prompt logprobs, or echo with logprobs)", "max_tokens")
         if self.temperature < 0:
             raise RequestError(f"temperature must be non-negative, got {self.temperature}", "temperature")
-        if not 0.0 < self.top_p <= 1.0:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in [0, 1], got {self.top_p}", "top_p")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise RequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+            for t, v in self.logit_bias.items():
+                if not _is_int(t) or not _is_number(v) or not -100.0 <= v <= 100.0:
+                    raise RequestError("logit_bias maps token ids to biases in [-100, 100]", "logit_bias")
         if self.top_k < -1:
             raise RequestError(f"top_k must be -1 (disabled) or positive, got {self.top_k}", "top_k")
         if not 0.0 <= self.min_p <= 1.0:
@@ -137,7 +145,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """temperature 0, or top_p 0 (only the most likely token is left: OpenAI accepts it and means greedy)."""
+        return self.temperature == 0.0 or self.top_p == 0.0
 
     @property
     def has_penalties(self) -> bool:
@@ -236,6 +245,8 @@ def check_request(prompt_ids: Sequence[int], params: SamplingParams, limits: Req
         raise RequestError(f"prompt token ids must be integers in [0, {vocab})", prompt_param)
     if any(t < 0 or t >= vocab for t in params.stop_token_ids):
         raise RequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+    if params.logit_bias and any(t < 0 or t >= vocab for t in params.logit_bias):
+        raise RequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
     if params.top_k > vocab:
         raise RequestError(f"top_k must be at most the vocabulary size {vocab} (or -1), got {params.top_k}", "top_k")
     limit = limits.max_request_len

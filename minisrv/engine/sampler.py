@@ -89,14 +89,16 @@ class SamplingBatch:
     seeded_rows: Optional[torch.Tensor] = None  # rows with a user-given seed (None: no such row)
     grammar_mask: Optional[torch.Tensor] = None  # [G, ceil(V/32)] int32 allowed tokens of the rows with a grammar
     grammar_rows: Optional[torch.Tensor] = None  # [G] those rows (None: every row); see engine/grammar.py
+    bias_index: Optional[torch.Tensor] = None  # [2, N] (row, token) of every logit_bias entry of the step
+    bias_values: Optional[torch.Tensor] = None  # [N] their biases
 
     @classmethod
     def build(cls, reqs: List[Request], device: torch.device) -> "SamplingBatch":
         ps = [r.params for r in reqs]
         b = len(reqs)
         # two host->device copies: the float settings, then the integer ones
-        floats = to_device([p.temperature for p in ps] + [p.top_p for p in ps] + [p.min_p for p in ps],
-                           torch.float32, device)
+        floats = to_device([0.0 if p.greedy else p.temperature for p in ps] + [p.top_p for p in ps]
+                           + [p.min_p for p in ps], torch.float32, device)
         ints = to_device([p.top_k if p.top_k > 0 else 0 for p in ps] + [r.sampling_seed for r in reqs]
                          + [r.num_output_tokens for r in reqs], torch.int64, device)
         greedy = [p.greedy for p in ps]
@@ -118,6 +120,15 @@ class SamplingBatch:
         sb.max_logprobs = max(wants) if wants else -1
         if any(r.grammar is not None for r in reqs):
             sb.grammar_mask, sb.grammar_rows = fill_bitmask(reqs, device)
+        if any(p.logit_bias for p in ps):
+            rows, ids, vals = [], [], []
+            for i, p in enumerate(ps):
+                for t, v in (p.logit_bias or {}).items():
+                    rows.append(i)
+                    ids.append(t)
+                    vals.append(v)
+            sb.bias_index = to_device([rows, ids], torch.int64, device)
+            sb.bias_values = to_device(vals, torch.float32, device)
         return sb
 
 
@@ -171,6 +182,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> Tuple[torch.Tensor, Optio
     raw = logits
     if sb.presence is not None:
         logits = apply_penalties(logits, sb)
+    if sb.bias_index is not None:  # in a copy: raw stays the model's
+        logits = logits.index_put((sb.bias_index[0], sb.bias_index[1]), sb.bias_values, accumulate=True)
     if sb.grammar_mask is not None:  # disallowed tokens to -inf, in a copy (raw stays the model's)
         logits = apply_bitmask(logits, sb.grammar_mask, sb.grammar_rows)
     if sb.all_greedy:
