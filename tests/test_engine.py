@@ -286,8 +286,8 @@ def test_one_bad_prompt_rejects_the_whole_batch_before_queueing(small_ctx, model
 
 
 @pytest.mark.parametrize("params,match", [
-    (dict(max_tokens=0), "max_tokens must be at least 1"),
-    (dict(max_tokens=-3), "max_tokens must be at least 1"),
+    (dict(max_tokens=0), "max_tokens 0 generates nothing"),
+    (dict(max_tokens=-3), "max_tokens must be at least 0"),
     (dict(temperature=-0.5), "temperature must be non-negative"),
     (dict(top_p=-0.1), "top_p must be in"),
     (dict(top_p=1.5), "top_p must be in"),
