@@ -1,0 +1,214 @@
+"""Tool calling: OpenAI `tools` / `tool_choice` in, the model's tool-call text out as OpenAI `tool_calls`.
+
+The tools go to the chat template as transformers' `apply_chat_template(tools=...)` takes them; what the model writes
+back is parsed by the format its template teaches:
+  hermes       `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3, Hermes models)
+  llama3_json  a bare JSON object `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>` (Llama 3.x)
+chosen by `--tool-call-parser` or, with `auto`, from the chat template. `tool_choice` "required" and a named function
+are enforced with a JSON-schema grammar (as vLLM does): a named function's output is its arguments object, and
+"required" produces a JSON array of {"name", "parameters"} objects, one of the given tools each.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from minisrv.engine.request import RequestError
+
+PARSERS = ("auto", "hermes", "llama3_json")
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # a JSON string, as OpenAI sends it
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = f"call_{uuid.uuid4().hex[:24]}"
+
+    def to_openai(self, index: Optional[int] = None) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"id": self.id, "type": "function",
+                             "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            d["index"] = index
+        return d
+
+
+@dataclass
+class ToolPlan:
+    """How one chat request uses tools: what the template gets, which grammar constrains the output (if any), and
+    how the output is read back."""
+
+    template_tools: Optional[List[Dict[str, Any]]]  # None: the template sees no tools (none, or none given)
+    mode: str  # "off" (no tools or tool_choice none) | "auto" | "required" | "named"
+    names: List[str]
+    json_schema: Optional[str] = None  # the grammar for required / named
+    named: Optional[str] = None
+    parser: str = "hermes"
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "off"
+
+
+def _function_of(tool: Any, i: int) -> Dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function" or \
+            not isinstance(tool.get("function"), dict):
+        raise RequestError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
+    fn = tool["function"]
+    name = fn.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+        raise RequestError(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -", "tools")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict):
+        raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+    return {"name": name, "description": fn.get("description", ""), "parameters": params}
+
+
+def plan_tools(tools: Optional[List[Any]], tool_choice: Any, functions: Optional[List[Any]] = None,
+               function_call: Any = None, parser: str = "hermes") -> ToolPlan:
+    """Validate tools and tool_choice (legacy functions / function_call map onto them); raises RequestError."""
+    if functions is not None:
+        if tools is not None:
+            raise RequestError("give tools or the legacy functions, not both", "functions")
+        tools = [{"type": "function", "function": f} for f in functions]
+        if function_call is not None:
+            tool_choice = function_call if isinstance(function_call, str) else \
+                {"type": "function", "function": {"name": (function_call or {}).get("name")}}
+    elif function_call is not None:
+        raise RequestError("function_call needs functions", "function_call")
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise RequestError("tool_choice needs tools", "tool_choice")
+        return ToolPlan(None, "off", [], parser=parser)
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list", "tools")
+    fns = [_function_of(t, i) for i, t in enumerate(tools)]
+    names = [f["name"] for f in fns]
+    if len(set(names)) != len(names):
+        raise RequestError("tool names must be unique", "tools")
+    template_tools = [{"type": "function", "function": f} for f in fns]
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice == "none":
+        return ToolPlan(None, "off", names, parser=parser)
+    if choice == "auto":
+        return ToolPlan(template_tools, "auto", names, parser=parser)
+    if choice == "required":
+        any_call = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": f["parameters"]},
+                     "required": ["name", "parameters"]} for f in fns]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": any_call}}
+        return ToolPlan(template_tools, "required", names, json.dumps(schema), parser=parser)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise RequestError(f"tool_choice names the function {name!r}, which is not among the tools",
+                               "tool_choice")
+        params = fns[names.index(name)]["parameters"]
+        return ToolPlan(template_tools, "named", names, json.dumps(params), named=name, parser=parser)
+    raise RequestError("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                       "\"function\": {\"name\": ...}}", "tool_choice")
+
+
+def parser_for(chat_template: Optional[str], wanted: str) -> str:
+    if wanted != "auto":
+        return wanted
+    t = chat_template or ""
+    if HERMES_OPEN in t:
+        return "hermes"
+    if PYTHON_TAG in t or "ipython" in t:
+        return "llama3_json"
+    return "hermes"
+
+
+def template_messages_with_tool_calls(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Assistant tool_calls carry their arguments as JSON strings (OpenAI); templates expect objects."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = dict(m)
+            fixed = []
+            for c in calls:
+                c = dict(c)
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        pass
+                c["function"] = fn
+                fixed.append(c)
+            m["tool_calls"] = fixed
+        out.append(m)
+    return out
+
+
+def _call_from_obj(obj: Any) -> Optional[ToolCall]:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
+
+
+def parse_tool_calls(text: str, plan: ToolPlan) -> Tuple[Optional[str], List[ToolCall]]:
+    """The model's output -> (content left, tool calls). Text that is not a well-formed call stays content."""
+    if plan.mode == "named":
+        return None, [ToolCall(plan.named, text.strip())]
+    if plan.mode == "required":
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return text, []
+        calls = [c for c in (_call_from_obj(i) for i in (items if isinstance(items, list) else [])) if c]
+        return None, calls
+    if plan.parser == "hermes":
+        calls = []
+        for m in _HERMES_CALL.finditer(text):
+            try:
+                c = _call_from_obj(json.loads(m.group(1)))
+            except ValueError:
+                c = None
+            if c is not None and c.name in plan.names:
+                calls.append(c)
+        if not calls:
+            return text, []
+        content = text[:text.find(HERMES_OPEN)].strip()
+        return content or None, calls
+    body = text.strip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG):].strip()
+    calls = []
+    for part in (p for p in body.split(";") if p.strip()):
+        try:
+            c = _call_from_obj(json.loads(part))
+        except ValueError:
+            return text, []
+        if c is None or c.name not in plan.names:
+            return text, []
+        calls.append(c)
+    return (None, calls) if calls else (text, [])
+
+
+def content_prefix_len(text: str, plan: ToolPlan) -> int:
+    """While streaming with tool_choice auto: how much of the text is surely content (it is shown at once); the
+    rest may be, or become, a tool call and is held until the end."""
+    if plan.parser == "hermes":
+        at = text.find(HERMES_OPEN)
+        if at >= 0:
+            return at
+        for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
+            if text.endswith(HERMES_OPEN[:k]):
+                return len(text) - k
+        return len(text)
+    stripped = text.lstrip()
+    if not stripped or stripped[0] == "{" or PYTHON_TAG.startswith(stripped[:len(PYTHON_TAG)]):
+        return 0  # a llama3_json call is the whole output: hold it while it may be one
+    return len(text)
