@@ -246,14 +246,14 @@ def fill_bitmask(reqs: List["Request"], device: torch.device) -> Tuple[torch.Ten
     and those rows' indices (None when every row has one). Every grammar row's tokens must be on the host (see the
     overlap note in the module docstring)."""
     rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
-    cuda = device.type == "cuda"
-    host = torch.empty((len(rows), ceil_div(reqs[rows[0]].grammar.vocab_size, 32)), dtype=torch.int32,
-                       pin_memory=cuda)
+    # filled in plain host memory (xgrammar takes it through DLPack, which may not call pinned memory "CPU"), then
+    # staged through pinned memory by to_device: one small extra host copy, G x V/8 bytes
+    host = torch.empty((len(rows), ceil_div(reqs[rows[0]].grammar.vocab_size, 32)), dtype=torch.int32)
     for k, i in enumerate(rows):
         r = reqs[i]
         assert not r.num_pending, "a grammar row's previous token must be accepted before its mask is made"
         r.grammar.matcher.fill_next_token_bitmask(host, k)
-    mask = host.to(device, non_blocking=True) if cuda else host
+    mask = to_device(host, torch.int32, device)
     index = None if len(rows) == len(reqs) else to_device(rows, torch.int64, device)
     return mask, index
 
