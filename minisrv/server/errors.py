@@ -4,11 +4,18 @@ Why one place: a request can fail in many layers (JSON parsing, pydantic types, 
 ranges, the engine refusing or failing it, the engine process dying, a client that left), and clients such as
 the openai package dispatch on the status and read `param`/`code`; each failure is mapped to its status here once:
 
-  400 invalid_request_error  bad JSON, wrong types (pydantic), out-of-range values (RequestError, with its param)
+  400 invalid_request_error  bad JSON (also NaN/Infinity, nesting over 64 deep, lone surrogates), wrong types
+                             (pydantic), out-of-range values (RequestError, with its param), too many choices
   401 / 404                  no API key (gate.py), unknown model or route
+  403                        a Host or Origin this server does not answer (gate.py: host_not_allowed,
+                             origin_not_allowed)
+  408 / 413 / 415            the body came too slowly (request_timeout), is too large (request_too_large), is
+                             not application/json (unsupported_media_type); 408 and 413 close the connection
   499                        the client left before its answer (nobody reads it; counted in the metrics)
   500 server_error           the engine failed this request, or a bug
-  503 server_error           the engine is loading, stopped or gone (code engine_unavailable)
+  503 server_error           the engine is loading, stopped or gone (code engine_unavailable), or the server is
+                             shutting down and its grace period is over (code server_shutdown; a stream ends
+                             with that error event and [DONE])
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from minisrv.engine.request import RequestError
 
@@ -30,22 +38,26 @@ logger = logging.getLogger("minisrv.server")
 INVALID = "invalid_request_error"
 SERVER = "server_error"
 ENGINE_UNAVAILABLE = "engine_unavailable"
+SERVER_SHUTDOWN = "server_shutdown"
 
 
 class APIError(Exception):
     """A failure with its HTTP status, raised anywhere on the request path and answered by the app's handler
-    (or, once a stream has begun, sent as its last event)."""
+    (or, once a stream has begun, sent as its last event). `close`: the answer closes the connection (the
+    request's body was not read to its end)."""
 
     def __init__(self, status: int, message: str, type: str = INVALID, param: Optional[str] = None,
-                 code: Optional[str] = None) -> None:
+                 code: Optional[str] = None, close: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.close = close
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status)
+        return JSONResponse(self.body().model_dump(), status_code=self.status,
+                            headers={"Connection": "close"} if self.close else None)
 
 
 class ClientGone(Exception):
@@ -64,6 +76,11 @@ def from_request_error(e: RequestError) -> APIError:
 
 def engine_unavailable(message: str = "") -> APIError:
     return APIError(503, message or "the engine is not available", SERVER, code=ENGINE_UNAVAILABLE)
+
+
+def server_shutdown(close: bool = False) -> APIError:
+    """The server is stopping and its grace period is over: what is still running is answered with this."""
+    return APIError(503, "the server is shutting down", SERVER, code=SERVER_SHUTDOWN, close=close)
 
 
 def request_failed(detail: Optional[str]) -> APIError:
@@ -110,7 +127,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(e.status_code, str(e.detail), INVALID if e.status_code < 500 else SERVER)
 
     @app.exception_handler(ClientGone)
-    async def _gone(request: Request, e: ClientGone) -> Response:
+    @app.exception_handler(ClientDisconnect)  # gone while its body was being read
+    async def _gone(request: Request, e: Exception) -> Response:
         return Response(status_code=499)
 
     @app.exception_handler(Exception)

@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from minisrv.engine.request import RequestError, RequestOutput, SamplingParams
 
 from .engine_proc import EngineDead
-from .errors import engine_unavailable, from_request_error, request_failed
+from .errors import engine_unavailable, from_request_error, request_failed, server_shutdown
 from .logprobs import PositionedLogprob
 from .metrics import TokenClock
 from .protocol import UsageInfo
@@ -32,6 +32,9 @@ from .streaming import EventStream, sse, sse_stream, unless_disconnected
 
 if TYPE_CHECKING:
     from .routes import ServerState
+
+
+STOP = object()  # the tag of the item ServerState.stop puts in a sink
 
 
 @dataclass
@@ -106,6 +109,8 @@ class Renderer(Protocol):
 async def serve(state: "ServerState", request: Request, gen: Generation, renderer: Renderer, stream: bool,
                 include_usage: bool = False) -> Response:
     """Run a generation through the engine and answer it, streamed (SSE) or whole."""
+    if state.stopping:
+        raise server_shutdown()
     jobs = make_jobs(renderer.id, gen)
     choices = [Choice(j.index, gen.prefixes[j.index // gen.n] if gen.prefixes else "") for j in jobs]
 
@@ -154,11 +159,19 @@ def make_jobs(prefix: str, gen: Generation) -> List[Job]:
 async def run_jobs(state: "ServerState", jobs: List[Job]) -> AsyncIterator[List[Tuple[int, RequestOutput]]]:
     """Submit all jobs; yield each engine step's outputs as (choice index, output) until all have finished.
 
-    A refusal, the engine's death or a failed request raises an APIError. On exit (done, failed, or a cancelled
-    or closed generator: the client went away) what is left is aborted, without awaiting anything."""
+    A refusal, the engine's death, a failed request or the server's stop (ServerState.stop) raises an APIError.
+    On exit (done, failed, or a cancelled or closed generator: the client went away) what is left is aborted,
+    without awaiting anything."""
     client, m = state.client, state.metrics
     sink: asyncio.Queue = asyncio.Queue()
     pending: Dict[int, TokenClock] = {}
+
+    def on_stop() -> None:
+        sink.put_nowait((STOP, None))
+
+    if state.stopping:
+        raise server_shutdown()
+    state.on_stop.add(on_stop)
     try:
         for j in jobs:
             client.submit(j.rid, j.prompt_ids, j.params, sink, j.index)
@@ -171,6 +184,8 @@ async def run_jobs(state: "ServerState", jobs: List[Job]) -> AsyncIterator[List[
             t = time.perf_counter()
             step: List[Tuple[int, RequestOutput]] = []
             for index, item in items:
+                if index is STOP:
+                    raise server_shutdown()
                 if isinstance(item, Exception):  # refused by the engine, or the engine is gone
                     pending.pop(index, None)
                     m.dropped("error")
@@ -189,6 +204,7 @@ async def run_jobs(state: "ServerState", jobs: List[Job]) -> AsyncIterator[List[
     except EngineDead as e:
         raise engine_unavailable(str(e)) from None
     finally:
+        state.on_stop.discard(on_stop)
         for index in pending:
             client.abort(jobs[index].rid)
             m.dropped("abort")

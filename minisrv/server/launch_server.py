@@ -2,8 +2,15 @@
 
 Startup order: bind the port (so a busy port fails in a second, not after the model loads), start serving
 (/health and /v1 answer 503 meanwhile), spawn the engine process and load the tokenizer alongside; on the engine's
-ready, print one ready line; on its startup error, print it and exit 1. SIGINT/SIGTERM: uvicorn stops accepting
-and drains briefly, then the engine process is asked to stop, terminated if it does not, and reaped.
+ready, print one ready line; on its startup error, print it and exit 1. SIGINT/SIGTERM: stop accepting, let running
+requests finish for up to --graceful-shutdown-timeout seconds, then end the rest (streams with a server_shutdown
+error event and [DONE], other requests with a 503; see transport.py); then the engine process is asked to stop,
+terminated if it does not, and reaped; exit code 0.
+
+Exposure: bound to a loopback address (the default), the server answers only requests whose Host is a loopback
+name (--allowed-hosts adds names), and none that carry an Origin (--allowed-origins allows some); every POST must
+be application/json. Request bodies are limited in size (--max-request-bytes) and in the time they take to
+arrive (--request-read-timeout). See gate.py.
 """
 from __future__ import annotations
 
@@ -18,11 +25,14 @@ from typing import List, NoReturn, Optional
 
 from minisrv.config import EngineConfig
 
+from .gate import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S, HTTPPolicy, split_list
+
 logger = logging.getLogger("minisrv.server")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
-GRACEFUL_SHUTDOWN_S = 3
+GRACEFUL_SHUTDOWN_S = 5.0
+KEEP_ALIVE_S = 5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +45,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model name clients use (default: the basename of the model path)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on every route but /health")
+    p.add_argument("--allowed-hosts", default=None, metavar="H1,H2",
+                   help="Host header values answered besides the loopback names (NAME or NAME:PORT); '*' allows "
+                        "all. Bound to a loopback address, Host is always checked; bound to another address, "
+                        "only when this is given")
+    p.add_argument("--allowed-origins", default=None, metavar="O1,O2",
+                   help="browser origins (scheme://host[:port]) whose requests are served; '*' allows any. By "
+                        "default a request that carries an Origin header is refused (403)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body accepted (413 beyond; default %(default)s = 8 MiB)")
+    p.add_argument("--request-read-timeout", type=float, default=DEFAULT_REQUEST_READ_TIMEOUT_S,
+                   help="seconds a client has to send a request's head, and again its body (408) "
+                        "(default %(default)s)")
+    p.add_argument("--graceful-shutdown-timeout", type=float, default=GRACEFUL_SHUTDOWN_S,
+                   help="on SIGTERM/SIGINT, seconds running requests have to finish before they are ended "
+                        "(default %(default)s)")
+    p.add_argument("--limit-concurrency", type=int, default=None,
+                   help="most connections and requests at once; beyond, uvicorn answers 503 (default: no limit)")
+    p.add_argument("--timeout-keep-alive", type=int, default=KEEP_ALIVE_S,
+                   help="seconds an idle keep-alive connection is kept open (default %(default)s)")
     return p
+
+
+def _check_server_args(args: argparse.Namespace) -> None:
+    if args.max_request_bytes < 1:
+        _fail("--max-request-bytes must be >= 1", 2)
+    if not args.request_read_timeout > 0:
+        _fail("--request-read-timeout must be > 0", 2)
+    if not args.graceful_shutdown_timeout >= 0:
+        _fail("--graceful-shutdown-timeout must be >= 0", 2)
+    if args.limit_concurrency is not None and args.limit_concurrency < 1:
+        _fail("--limit-concurrency must be >= 1", 2)
+    if args.timeout_keep_alive < 1:
+        _fail("--timeout-keep-alive must be >= 1", 2)
 
 
 def _fail(msg: str, code: int = 1) -> NoReturn:
@@ -73,6 +115,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         cfg = EngineConfig.from_args(args)
     except ValueError as e:
         _fail(str(e), 2)
+    _check_server_args(args)
     from minisrv.models.loader import resolve_model_path
     try:
         model_path = resolve_model_path(cfg.model)
@@ -82,10 +125,17 @@ def main(argv: Optional[List[str]] = None) -> None:
         sock = _listen(args.host, args.port)
     except OSError as e:
         _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
+    try:
+        policy = HTTPPolicy.for_bind(sock.getsockname()[0], split_list(args.allowed_hosts),
+                                     split_list(args.allowed_origins), max_request_bytes=args.max_request_bytes,
+                                     request_read_timeout=args.request_read_timeout)
+    except ValueError as e:
+        sock.close()
+        _fail(str(e), 2)
     served = args.served_model_name or os.path.basename(os.path.normpath(model_path))
     aliases = sorted({a for a in (cfg.model, model_path, os.path.abspath(model_path)) if a})
     try:
-        code = asyncio.run(_serve(args, cfg, model_path, sock, served, aliases))
+        code = asyncio.run(_serve(args, cfg, model_path, sock, served, aliases, policy))
     except KeyboardInterrupt:
         code = 130
     finally:
@@ -94,13 +144,14 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, sock: socket.socket,
-                 served: str, aliases: List[str]) -> int:
+                 served: str, aliases: List[str], policy: HTTPPolicy) -> int:
     import uvicorn
 
     from minisrv.models.loader import load_tokenizer
 
     from .engine_proc import EngineClient
     from .routes import ServerState, create_app
+    from .transport import GracefulServer, deadline_protocol
 
     # uvicorn handles SIGINT/SIGTERM while it runs, restores the handlers it found when it stops, then re-raises the
     # signal; with these no-op handlers underneath, that re-raise (or a second Ctrl-C) cannot cut the engine
@@ -109,11 +160,13 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
         signal.signal(sig, lambda _s, _f: None)
 
     client = EngineClient(cfg)
-    state = ServerState(client=client, served_model_name=served, model_aliases=aliases, api_key=args.api_key)
+    state = ServerState(client=client, served_model_name=served, model_aliases=aliases, api_key=args.api_key,
+                        http=policy)
     debug = args.log_level.lower() == "debug"
     config = uvicorn.Config(create_app(state), log_level="debug" if debug else "warning", access_log=debug,
-                            lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = uvicorn.Server(config)
+                            lifespan="off", http=deadline_protocol(args.request_read_timeout),
+                            timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
+    server = GracefulServer(config, state, args.graceful_shutdown_timeout)
     client.on_death = lambda: setattr(server, "should_exit", True)
 
     async def start() -> None:

@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from minisrv.engine.request import MAX_LOGPROBS
 
-MAX_N = 128  # choices per request
+MAX_N = 128  # choices per prompt
+MAX_CHOICES = 256  # choices per request, all prompts together (prompts x n): bounds the work one request asks for
 
 
 # ---------------------------------------------------------------------------------------------- errors

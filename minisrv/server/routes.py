@@ -12,16 +12,23 @@ and as resolved, so clients that pass the path (as with SGLang/vLLM) work too. A
 the one model; any other name is a 404 (`model_not_found`).
 
 Disconnects: a client that goes away (streaming or not) gets its requests aborted in the engine, which frees
-their KV pages. With an API key, every route but /health needs `Authorization: Bearer <key>` (gate.py).
+their KV pages. With an API key, every route but /health needs `Authorization: Bearer <key>` (gate.py), which
+also checks Host, Origin, Content-Type and the body's size and read time.
+
+Keeping the event loop free (so /health and the streams of others never wait): a body over INLINE_BODY_BYTES is
+parsed, validated, templated and tokenized in a worker thread; a request may ask for at most MAX_CHOICES choices
+(prompts x n); a prompt whose length in characters already proves it longer than the model's limit is refused
+before it is tokenized (see `max_token_chars`).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -31,15 +38,17 @@ from minisrv.engine.request import RequestError, SamplingParams, check_request
 
 from .engine_proc import EngineClient
 from .errors import ENGINE_UNAVAILABLE, SERVER, APIError, error_response, install_error_handlers, validation_message
-from .gate import Gate
+from .gate import Gate, HTTPPolicy
 from .generation import Generation, serve
+from .jsonbody import parse as parse_json
 from .logprobs import TokenText
 from .messages import EngineInfo
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now
+from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now
 from .render import ChatRenderer, CompletionRenderer
 
-ASYNC_ENCODE_CHARS = 16384  # longer texts are tokenized in a worker thread to keep the event loop responsive
+INLINE_BODY_BYTES = 16384  # larger bodies are parsed, templated and tokenized in a worker thread
+ASYNC_ENCODE_CHARS = 16384  # so are longer texts (a chat template can make a long text of a short body)
 
 # request fields passed to SamplingParams as they are; one left out (None) gets SamplingParams' default, so
 # /v1/completions without max_tokens gets its 16 (OpenAI's default too)
@@ -58,9 +67,13 @@ class ServerState:
     info: Optional[EngineInfo] = None
     model_aliases: Sequence[str] = ()
     api_key: Optional[str] = None
+    http: HTTPPolicy = field(default_factory=HTTPPolicy)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=now)
     token_text: Optional[TokenText] = None
+    max_token_chars: Optional[int] = None  # see max_token_chars(); None: unknown, no early length check
+    stopping: bool = False  # the shutdown's grace period is over: what still runs is ended (see stop)
+    on_stop: Set[Callable[[], None]] = field(default_factory=set)  # what stop() tells
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None and self.info is not None:
@@ -70,6 +83,14 @@ class ServerState:
         """The engine is up: from now on requests are served."""
         self.tokenizer, self.info = tokenizer, info
         self.token_text = TokenText(tokenizer)
+        self.max_token_chars = max_token_chars(tokenizer)
+
+    def stop(self) -> None:
+        """End every request still running: generations end with a server_shutdown error (a 503, or a stream's
+        error event and [DONE]), body reads with a 503; new ones are answered so at once."""
+        self.stopping = True
+        for tell in list(self.on_stop):
+            tell()
 
     @property
     def ready(self) -> bool:
@@ -82,8 +103,40 @@ class ServerState:
                        param="model", code="model_not_found")
 
     def model_card(self) -> ModelCard:
+        # the limit requests are held to: the context length, or less when the KV pool is smaller
         return ModelCard(id=self.served_model_name, created=self.created, root=self.info.model_path,
-                         max_model_len=self.info.context_length)
+                         max_model_len=self.info.max_request_len)
+
+
+def max_token_chars(tokenizer: Any) -> Optional[int]:
+    """The most characters of input text one token can stand for, where the tokenizer makes that provable; None
+    otherwise. Then a text of c characters is at least ceil(c / max_token_chars) tokens.
+
+    Provable for a byte-level BPE without a normalizer (GPT-2, Llama 3, SmolLM2, ...): the text's UTF-8 bytes are
+    split into pieces that keep every byte (ByteLevel, Split and Digits pre-tokenizers, unless a Split removes its
+    matches), each token is one vocabulary entry whose string has one character per byte, and an added token
+    matches its literal content; every character starts in exactly one token and has at least one byte, so a
+    token covers at most as many characters as it has bytes. A fixed ratio would not do: SmolLM2 has a token
+    of a newline and 80 spaces (81 characters). A normalizer (NFC, stripping, ...) can shrink the text, so with one there is no bound."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        spec = json.loads(backend.to_str())
+        pre = spec.get("pre_tokenizer") or {}
+        parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        if spec.get("normalizer") is not None or (spec.get("model") or {}).get("type") != "BPE":
+            return None
+        if not any(p.get("type") == "ByteLevel" for p in parts):
+            return None
+        if any(p.get("type") not in ("ByteLevel", "Split", "Digits") or p.get("behavior") == "Removed"
+               for p in parts):
+            return None
+        vocab = backend.get_vocab(with_added_tokens=False)
+        added = [t.content for t in backend.get_added_tokens_decoder().values()]
+        return max([len(s) for s in vocab] + [len(a.encode("utf-8")) for a in added])
+    except Exception:  # noqa: BLE001 - an unexpected tokenizer: no early check, tokenizing still works
+        return None
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -114,28 +167,33 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _completions(state, await _parse_body(request, CompletionRequest), request)
+        body, large = await _parse_body(request, CompletionRequest)
+        return await _completions(state, body, request, large)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _chat(state, await _parse_body(request, ChatCompletionRequest), request)
+        body, large = await _parse_body(request, ChatCompletionRequest)
+        return await _chat(state, body, request, large)
 
     return app
 
 
 # ---------------------------------------------------------------------------------------------- request -> prompts
-async def _parse_body(request: Request, schema: type) -> Any:
-    """JSON body -> schema, whatever the Content-Type says (curl -d sends form encoding by default)."""
+async def _parse_body(request: Request, schema: type) -> Tuple[Any, bool]:
+    """JSON body -> schema (the Gate has checked that it is declared application/json and not too large); also
+    whether it is large, i.e. parsed in a worker thread (as the prompts made of it are then)."""
     raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except ValueError as e:
-        raise APIError(400, f"request body is not valid JSON: {e}") from None
-    try:
-        return schema.model_validate(data)
-    except ValidationError as e:
-        msg, param = validation_message(e)
-        raise APIError(400, msg, param=param) from None
+
+    def validate(data: Any) -> Any:
+        try:
+            return schema.model_validate(data)
+        except ValidationError as e:
+            msg, param = validation_message(e)
+        raise APIError(400, msg, param=param)  # outside the except: no __context__ holding the input
+
+    if len(raw) > INLINE_BODY_BYTES:
+        return await asyncio.to_thread(parse_json, raw, validate), True
+    return parse_json(raw, validate), False
 
 
 def _check_common(state: ServerState, body: Any) -> None:
@@ -165,10 +223,28 @@ def _fields_named(names: Dict[str, str]) -> Iterator[None]:
         raise
 
 
-async def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> List[int]:
-    if len(text) > ASYNC_ENCODE_CHARS:
-        return await asyncio.to_thread(lambda: tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-    return tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+def _check_choices(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_CHOICES:
+        raise APIError(400, f"a request may ask for at most {MAX_CHOICES} choices in all (prompts x n); this one "
+                            f"asks for {num_prompts} x {n} = {num_prompts * n}",
+                       param="prompt" if num_prompts > MAX_CHOICES else "n")
+
+
+def _encode(state: ServerState, text: str, add_special_tokens: bool, param: str) -> List[int]:
+    """Tokenize a prompt text, unless its length alone proves it too long for the model (a 400)."""
+    limit = state.info.max_request_len
+    per_token = state.max_token_chars
+    if per_token and len(text) > limit * per_token:
+        at_least = math.ceil(len(text) / per_token)
+        raise RequestError(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                           f"{len(text)} characters, which are at least {at_least} tokens.", param,
+                           "context_length_exceeded")
+    return state.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+
+async def _off_loop(offload: bool, fn: Callable[[], Any]) -> Any:
+    """fn() in a worker thread when it may take long (so the event loop keeps serving), else here."""
+    return await asyncio.to_thread(fn) if offload else fn()
 
 
 def _stream_usage(body: Any) -> bool:
@@ -176,7 +252,7 @@ def _stream_usage(body: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- /v1/completions
-async def _completions(state: ServerState, body: CompletionRequest, request: Request) -> Response:
+async def _completions(state: ServerState, body: CompletionRequest, request: Request, large: bool) -> Response:
     _check_common(state, body)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
@@ -184,18 +260,24 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
         raise APIError(400, "echo together with logprobs is not supported (prompt logprobs are not computed)",
                        param="echo")
     params = _sampling_params(body, logprobs=body.logprobs)
-    tok = state.tokenizer
     raw = body.prompt
     if isinstance(raw, str) or isinstance(raw[0], int):  # one prompt (the shape is checked by the schema)
         raw = [raw]
-    prompts: List[List[int]] = []
-    echoed: List[str] = []
-    for p in raw:
-        ids = await _encode(tok, p, True) if isinstance(p, str) else list(p)
-        check_request(ids, params, state.info.limits, "prompt")
-        prompts.append(ids)
-        if body.echo:
-            echoed.append(p if isinstance(p, str) else tok.decode(ids))
+    _check_choices(len(raw), body.n or 1)
+
+    def prepare() -> Tuple[List[List[int]], List[str]]:
+        prompts: List[List[int]] = []
+        echoed: List[str] = []
+        for p in raw:
+            ids = _encode(state, p, True, "prompt") if isinstance(p, str) else list(p)
+            check_request(ids, params, state.info.limits, "prompt")
+            prompts.append(ids)
+            if body.echo:
+                echoed.append(p if isinstance(p, str) else state.tokenizer.decode(ids))
+        return prompts, echoed
+
+    size = sum(len(p) for p in raw)  # characters or token ids
+    prompts, echoed = await _off_loop(large or size > ASYNC_ENCODE_CHARS, prepare)
     renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", state.served_model_name, state.token_text,
                                   body.logprobs)
     return await serve(state, request, Generation(prompts, params, body.n or 1, echoed), renderer,
@@ -223,7 +305,7 @@ def _template_messages(body: ChatCompletionRequest) -> List[Dict[str, Any]]:
     return msgs
 
 
-async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
+async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request, large: bool) -> Response:
     _check_common(state, body)
     if body.tools:
         raise APIError(400, "tools are not supported", param="tools")
@@ -243,15 +325,23 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     with _fields_named(names):
         params = _sampling_params(body, max_tokens=max_tokens, logprobs=top_n if want_lp else None)
-    try:
-        text = tok.apply_chat_template(_template_messages(body), add_generation_prompt=True, tokenize=False)
-    except APIError:
-        raise
-    except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception, bad roles) are the client's
-        raise APIError(400, f"chat template failed: {e}", param="messages") from None
-    ids = await _encode(tok, text, False)
-    with _fields_named(names):
-        check_request(ids, params, state.info.limits, "messages")
+
+    def template() -> str:
+        try:
+            return tok.apply_chat_template(_template_messages(body), add_generation_prompt=True, tokenize=False)
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception, bad roles) are the client's
+            raise APIError(400, f"chat template failed: {e}", param="messages") from None
+
+    def prepare(text: str) -> List[int]:
+        ids = _encode(state, text, False, "messages")
+        with _fields_named(names):
+            check_request(ids, params, state.info.limits, "messages")
+        return ids
+
+    text = await _off_loop(large, template)
+    ids = await _off_loop(large or len(text) > ASYNC_ENCODE_CHARS, lambda: prepare(text))
     renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", state.served_model_name, state.token_text, want_lp,
                             top_n)
     return await serve(state, request, Generation([ids], params, body.n or 1), renderer, bool(body.stream),
