@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
-import logging
 import os
 import re
 import sys
@@ -49,9 +48,6 @@ from .request import RequestError, SamplingParams
 if TYPE_CHECKING:
     from .request import Request
 
-logger = logging.getLogger(__name__)
-
-KINDS = ("json_schema", "json_object", "regex", "ebnf")  # the SamplingParams fields, in order of precedence
 # json_object is any JSON object (OpenAI's JSON mode): the schema {"type": "object"}. xgrammar's builtin JSON
 # grammar would also admit a top-level array.
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
