@@ -27,7 +27,7 @@ from .engine_proc import EngineDead
 from .errors import engine_unavailable, from_request_error, request_failed, server_shutdown
 from .logprobs import PositionedLogprob
 from .metrics import TokenClock
-from .protocol import UsageInfo
+from .protocol import PromptTokensDetails, UsageInfo
 from .streaming import EventStream, sse, sse_stream, unless_disconnected
 
 if TYPE_CHECKING:
@@ -63,10 +63,15 @@ class Choice:
 
     index: int
     prefix: str = ""  # sent before the first token (echoed prompt text); offsets count it
+    prompt_ids: List[int] = field(default_factory=list)
     text: str = ""  # generated text (without the prefix)
     logprobs: List[PositionedLogprob] = field(default_factory=list)
+    prompt_logprobs: Optional[List[Any]] = None  # TokenLogprob per prompt token (the first None), when asked for
     finish_reason: Optional[str] = None
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache
+    sent: int = 0  # characters of text a stream has shown (a renderer may hold some back)
+    opened: bool = False  # whether a stream has started this choice
 
     def feed(self, out: RequestOutput) -> Tuple[str, List[PositionedLogprob]]:
         """Take one output; returns its text delta and its tokens' logprobs with their offsets."""
@@ -78,6 +83,9 @@ class Choice:
         self.text += out.new_text
         self.logprobs += new
         self.num_output_tokens = out.num_output_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason
         return out.new_text, new
@@ -112,12 +120,14 @@ async def serve(state: "ServerState", request: Request, gen: Generation, rendere
     if state.stopping:
         raise server_shutdown()
     jobs = make_jobs(renderer.id, gen)
-    choices = [Choice(j.index, gen.prefixes[j.index // gen.n] if gen.prefixes else "") for j in jobs]
+    choices = [Choice(j.index, gen.prefixes[j.index // gen.n] if gen.prefixes else "", j.prompt_ids) for j in jobs]
 
     def usage() -> UsageInfo:
         p = sum(len(ids) for ids in gen.prompts)  # each prompt once, whatever n
         c = sum(ch.num_output_tokens for ch in choices)
-        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+        cached = sum(ch.num_cached_tokens for ch in choices[::gen.n])  # each prompt's first choice
+        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     if stream:
         async def events() -> AsyncIterator[str]:
@@ -149,8 +159,10 @@ def make_jobs(prefix: str, gen: Generation) -> List[Job]:
     params, n = gen.params, gen.n
     for p, ids in enumerate(gen.prompts):
         for j in range(n):
-            # with a seed and n > 1, choice j samples with seed + j: choices differ yet are reproducible
-            pj = dataclasses.replace(params, seed=params.seed + j) if params.seed is not None and j else params
+            # with a seed and n > 1, choice j samples with seed + j (wrapping in 64 bits): choices differ yet are
+            # reproducible
+            pj = dataclasses.replace(params, seed=(params.seed + j + 2 ** 63) % 2 ** 64 - 2 ** 63) \
+                if params.seed is not None and j else params
             index = p * n + j
             jobs.append(Job(index, f"{prefix}-{index}", ids, pj))
     return jobs

@@ -4,8 +4,8 @@ pydantic checks the shape and types of a request (a failure is a 400 naming the 
 fields only the server knows (n, the logprobs counts, the messages). The ranges of the sampling fields are not
 repeated here: they are SamplingParams.validate's and check_request's (minisrv.engine.request), the one
 validation that the offline API and the engine also use. Unknown fields are ignored, as OpenAI-compatible
-servers usually do; fields that would change the meaning of a request but are not supported (logit_bias,
-suffix, tools, ...) are refused by the routes.
+servers usually do; fields that would change the meaning of a request but are not supported (suffix, best_of
+other than n, ...) are refused by the routes.
 """
 from __future__ import annotations
 
@@ -61,9 +61,11 @@ class _SamplingFields(BaseModel):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    # accepted only so that a request using them gets a clear "not supported" instead of silent neglect
-    logit_bias: Optional[Dict[str, float]] = None
-    best_of: Optional[int] = None
+    logit_bias: Optional[Dict[str, float]] = None  # token id (as a string, OpenAI's shape) -> bias in [-100, 100]
+    response_format: Optional[Dict[str, Any]] = None  # text | json_object | json_schema
+    regex: Optional[str] = None  # SGLang's extra constraints
+    ebnf: Optional[str] = None
+    best_of: Optional[int] = None  # accepted only so that best_of != n gets a clear "not supported"
 
 
 class CompletionRequest(_SamplingFields):
@@ -108,8 +110,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = None  # OpenAI's newer name for max_tokens; wins over it
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Optional[List[Dict[str, Any]]] = None
-    response_format: Optional[Dict[str, Any]] = None
+    tools: Optional[List[Any]] = None  # checked by server/tools.py
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
+    functions: Optional[List[Any]] = None  # the legacy form of tools / tool_choice, mapped onto them
+    function_call: Optional[Any] = None
 
 
 # ---------------------------------------------------------------------------------------------- responses
@@ -117,10 +122,15 @@ def now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -144,6 +154,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: List[CompletionChoice]
     usage: Optional[UsageInfo] = None
+    system_fingerprint: Optional[str] = None
 
 
 class TopLogprob(BaseModel):
@@ -163,6 +174,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[List[Dict[str, Any]]] = None
 
 
 class ChatChoice(BaseModel):
@@ -179,11 +191,13 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: List[ChatChoice]
     usage: UsageInfo
+    system_fingerprint: Optional[str] = None
 
 
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[List[Dict[str, Any]]] = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -200,6 +214,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: List[ChatStreamChoice]
     usage: Optional[UsageInfo] = None
+    system_fingerprint: Optional[str] = None
 
 
 # a streamed completion chunk has exactly the shape of a whole response (object "text_completion")

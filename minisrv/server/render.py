@@ -12,6 +12,7 @@ from typing import Any, List, Optional, Sequence
 
 from .generation import Choice
 from .logprobs import PositionedLogprob, TokenText, chat_logprobs, completion_logprobs
+from .tools import ToolPlan, content_prefix_len, parse_tool_calls
 from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatResponseMessage,
                        ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse,
                        DeltaMessage, UsageInfo, now)
@@ -23,6 +24,8 @@ class CompletionRenderer:
     model: str
     token_text: TokenText
     logprobs: Optional[int]  # the request's `logprobs` (None: none)
+    echo_logprobs: bool = False  # echo with logprobs: the prompt's tokens come first, with their logprobs
+    fingerprint: Optional[str] = None
     created: int = field(default_factory=now)
 
     def _logprobs(self, lps: Sequence[PositionedLogprob]) -> Optional[CompletionLogprobs]:
@@ -30,47 +33,100 @@ class CompletionRenderer:
             return None
         return completion_logprobs(self.token_text, lps, self.logprobs)
 
-    def _chunk(self, index: int, text: str, lps: Sequence[PositionedLogprob], finish: Optional[str]) -> Any:
-        return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[
-            CompletionChoice(index=index, text=text, logprobs=self._logprobs(lps), finish_reason=finish)])
+    def _prompt_part(self, choice: Choice) -> CompletionLogprobs:
+        """The echoed prompt's tokens: the first has no logprob (null, as OpenAI and vLLM answer)."""
+        out = CompletionLogprobs()
+        offset = 0
+        scored = choice.prompt_logprobs or [None] * len(choice.prompt_ids)
+        for tid, lp in zip(choice.prompt_ids, scored):
+            s = self.token_text.string(tid)
+            out.tokens.append(s)
+            out.text_offset.append(offset)
+            offset += len(s)
+            if lp is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                top = {self.token_text.string(t): v for t, v in list(lp.top.items())[:self.logprobs]}
+                top.setdefault(s, lp.logprob)
+                out.token_logprobs.append(lp.logprob)
+                out.top_logprobs.append(top)
+        return out
+
+    def _with_prompt(self, choice: Choice, lps: Sequence[PositionedLogprob]) -> CompletionLogprobs:
+        head, tail = self._prompt_part(choice), self._logprobs(lps)
+        return CompletionLogprobs(tokens=head.tokens + tail.tokens,
+                                  token_logprobs=head.token_logprobs + tail.token_logprobs,
+                                  top_logprobs=head.top_logprobs + tail.top_logprobs,
+                                  text_offset=head.text_offset + tail.text_offset)
+
+    def _chunk(self, index: int, text: str, logprobs: Optional[CompletionLogprobs], finish: Optional[str]) -> Any:
+        return CompletionChunk(id=self.id, created=self.created, model=self.model, system_fingerprint=self.fingerprint,
+                               choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                         finish_reason=finish)])
 
     def opening(self, choice: Choice) -> List[Any]:
-        return [self._chunk(choice.index, choice.prefix, [], None)] if choice.prefix else []
+        if self.echo_logprobs or not choice.prefix:
+            return []  # with prompt logprobs the echo waits for them (they come with the first output)
+        choice.opened = True
+        return [self._chunk(choice.index, choice.prefix, None, None)]
 
     def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
                finish_reason: Optional[str]) -> List[Any]:
-        return [self._chunk(choice.index, text, logprobs, finish_reason)]
+        out = []
+        if self.echo_logprobs and not choice.opened:
+            choice.opened = True
+            out.append(self._chunk(choice.index, choice.prefix, self._prompt_part(choice), None))
+        if text or logprobs or finish_reason:
+            out.append(self._chunk(choice.index, text, self._logprobs(logprobs), finish_reason))
+        return out
 
     def usage_chunk(self, usage: UsageInfo) -> Any:
-        return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
+        return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage,
+                               system_fingerprint=self.fingerprint)
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any:
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-            CompletionChoice(index=ch.index, text=ch.full_text, finish_reason=ch.finish_reason,
-                             logprobs=self._logprobs(ch.logprobs))
-            for ch in choices])
+        return CompletionResponse(
+            id=self.id, created=self.created, model=self.model, usage=usage, system_fingerprint=self.fingerprint,
+            choices=[CompletionChoice(index=ch.index, text=ch.full_text, finish_reason=ch.finish_reason,
+                                      logprobs=(self._with_prompt(ch, ch.logprobs) if self.echo_logprobs
+                                                else self._logprobs(ch.logprobs)))
+                     for ch in choices])
 
 
 @dataclass
 class ChatRenderer:
+    """With tools, a choice's text is read back into tool_calls (server/tools.py). Streamed, the text that may be a
+    tool call is held back; at the end each call is sent as OpenAI streams it: a delta with its id and name, then
+    one with its arguments."""
+
     id: str
     model: str
     token_text: TokenText
     logprobs: bool  # the request's `logprobs`
     top_logprobs: int = 0
+    tools: Optional[ToolPlan] = None
+    fingerprint: Optional[str] = None
     created: int = field(default_factory=now)
 
     def _chunk(self, index: int, delta: DeltaMessage, lps: Sequence[PositionedLogprob],
                finish: Optional[str]) -> Any:
         logprobs = chat_logprobs(self.token_text, lps, self.top_logprobs) if self.logprobs and lps else None
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[
-            ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)])
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                   system_fingerprint=self.fingerprint, choices=[
+                                       ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                                        finish_reason=finish)])
 
     def opening(self, choice: Choice) -> List[Any]:
         return [self._chunk(choice.index, DeltaMessage(role="assistant", content=""), [], None)]
 
+    def _tools_on(self) -> bool:
+        return self.tools is not None and self.tools.active
+
     def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
                finish_reason: Optional[str]) -> List[Any]:
+        if self._tools_on():
+            return self._tool_chunks(choice, logprobs, finish_reason)
         out = []
         if text or logprobs:
             out.append(self._chunk(choice.index, DeltaMessage(content=text), logprobs, None))
@@ -78,12 +134,52 @@ class ChatRenderer:
             out.append(self._chunk(choice.index, DeltaMessage(), [], finish_reason))
         return out
 
+    def _tool_chunks(self, choice: Choice, logprobs: List[PositionedLogprob],
+                     finish_reason: Optional[str]) -> List[Any]:
+        plan, out = self.tools, []
+        if not finish_reason:
+            sure = content_prefix_len(choice.text, plan) if plan.mode == "auto" else 0
+            if sure > choice.sent or logprobs:
+                out.append(self._chunk(choice.index, DeltaMessage(content=choice.text[choice.sent:sure]), logprobs,
+                                       None))
+                choice.sent = max(choice.sent, sure)
+            return out
+        content, calls = parse_tool_calls(choice.text, plan)
+        if not calls:
+            rest = choice.text[choice.sent:]
+            if rest or logprobs:
+                out.append(self._chunk(choice.index, DeltaMessage(content=rest), logprobs, None))
+            out.append(self._chunk(choice.index, DeltaMessage(), [], finish_reason))
+            return out
+        head = (content or "")[choice.sent:]
+        if head or logprobs:
+            out.append(self._chunk(choice.index, DeltaMessage(content=head), logprobs, None))
+        for i, call in enumerate(calls):
+            opening = call.to_openai(i)
+            opening["function"] = {"name": call.name, "arguments": ""}
+            out.append(self._chunk(choice.index, DeltaMessage(tool_calls=[opening]), [], None))
+            out.append(self._chunk(choice.index, DeltaMessage(tool_calls=[
+                {"index": i, "function": {"arguments": call.arguments}}]), [], None))
+        out.append(self._chunk(choice.index, DeltaMessage(), [], "tool_calls"))
+        return out
+
     def usage_chunk(self, usage: UsageInfo) -> Any:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage,
+                                   system_fingerprint=self.fingerprint)
+
+    def _message(self, ch: Choice) -> Any:
+        if self._tools_on():
+            content, calls = parse_tool_calls(ch.text, self.tools)
+            if calls:
+                return ChatResponseMessage(content=content, tool_calls=[c.to_openai() for c in calls]), "tool_calls"
+        return ChatResponseMessage(content=ch.text), ch.finish_reason
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any:
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-            ChatChoice(index=ch.index, message=ChatResponseMessage(content=ch.text), finish_reason=ch.finish_reason,
-                       logprobs=(chat_logprobs(self.token_text, ch.logprobs, self.top_logprobs)
-                                 if self.logprobs else None))
-            for ch in choices])
+        out = []
+        for ch in choices:
+            message, finish = self._message(ch)
+            out.append(ChatChoice(index=ch.index, message=message, finish_reason=finish,
+                                  logprobs=(chat_logprobs(self.token_text, ch.logprobs, self.top_logprobs)
+                                            if self.logprobs else None)))
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage,
+                                      system_fingerprint=self.fingerprint, choices=out)
