@@ -426,7 +426,7 @@ def test_sigterm_ends_open_streams_and_exits_cleanly() -> None:
     --graceful-shutdown-timeout finish, then ends every open stream with a server_shutdown error event and
     [DONE] and answers a waiting non-streaming request with a 503; it exits 0 without a traceback, its engine
     process is reaped and the port is free."""
-    grace = 3.0
+    grace = 4.0
     srv = Server("--max-total-tokens", "8192", "--graceful-shutdown-timeout", str(grace))
     try:
         srv.wait_ready()
@@ -463,10 +463,10 @@ def test_sigterm_ends_open_streams_and_exits_cleanly() -> None:
             t.start()
         for name in jobs:
             assert started[name].wait(120), f"{name} never started"
-        # a short stream, running when the signal comes, that can finish within the grace period
+        # a short stream, running when the signal comes, that can finish within the grace period (one more step)
         started["short"] = threading.Event()
         threads.append(threading.Thread(target=stream, args=("short", "/v1/completions",
-                                                             {"prompt": "Hello", "max_tokens": 4,
+                                                             {"prompt": "Hello", "max_tokens": 2,
                                                               "ignore_eos": True})))
         threads[-1].start()
         assert started["short"].wait(60)
