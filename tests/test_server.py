@@ -353,7 +353,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT_Q, "temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": CHAT_Q, "n": 0}, 400, "n"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": CHAT_Q, "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": CHAT_Q, "top_p": 1.5}, 400, "top_p"),
     ("/v1/chat/completions", {"messages": CHAT_Q, "stop": [""]}, 400, None),
     ("/v1/chat/completions", {"messages": CHAT_Q, "model": "no-such-model"}, 404, "model"),
     ("/v1/completions", {"prompt": 12}, 400, "prompt"),
