@@ -8,6 +8,10 @@ neither loop waits on the other. One StepOutputs message per engine step carries
 The engine makes each request's text (minisrv.engine.text); this side only routes outputs to the HTTP request
 that waits for them. A request the engine refuses (a RequestError, e.g. a duplicate id) comes back as Rejected
 and reaches its waiter as that RequestError.
+
+Flushing the prefix cache (FlushCache -> CacheFlushed, matched by a token): the engine handles its messages in
+the order they were sent, so a flush that follows an AddRequest is refused (that request is queued), and one
+that follows the AbortRequest of the last running request succeeds.
 """
 from __future__ import annotations
 
@@ -27,11 +31,12 @@ import zmq
 from minisrv.config import EngineConfig
 from minisrv.engine.request import RequestError, RequestOutput, SamplingParams
 
-from .messages import (AbortRequest, AddRequest, EngineInfo, EngineReady, EngineStats, Rejected, Shutdown,
-                       StartupFailed, StatsQuery, StepOutputs, ToEngine)
+from .messages import (AbortRequest, AddRequest, CacheFlushed, EngineInfo, EngineReady, EngineStats, FlushCache,
+                       Rejected, Shutdown, StartupFailed, StatsQuery, StepOutputs, ToEngine)
 
 logger = logging.getLogger("minisrv.server")
 
+FLUSH_TIMEOUT_S = 60.0  # an engine that has not answered a FlushCache by then is reported unavailable
 STATS_INTERVAL_S = 0.1  # while busy, at most this often; always at once when the engine goes idle
 IDLE_POLL_MS = 1000  # an idle engine wakes this often to check that its parent is alive
 
@@ -105,6 +110,10 @@ def _loop(engine: Any, recv: zmq.Socket, send: zmq.Socket, parent_pid: int) -> N
                         outputs.append(out)
                 case StatsQuery():
                     stats_asked = True
+                case FlushCache(token):
+                    ok = engine.flush_cache()
+                    logger.info("engine: prefix cache %s", "flushed" if ok else "not flushed (requests pending)")
+                    send.send_pyobj(CacheFlushed(token, ok))
                 case Shutdown():
                     return
                 case _:
@@ -137,6 +146,8 @@ class EngineClient:
         self._routes: Dict[str, Tuple[Sink, Any]] = {}
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._stats_event = asyncio.Event()
+        self._flushes: Dict[int, asyncio.Future] = {}  # FlushCache token -> its answer
+        self._next_flush = 0
         self._tasks: List[asyncio.Task] = []
         self._dir = tempfile.mkdtemp(prefix="minisrv-")
         self._ctx: Optional[Any] = None
@@ -235,6 +246,30 @@ class EngineClient:
                 pass
         return self.stats
 
+    @property
+    def num_requests(self) -> int:
+        """Requests submitted here whose last output has not arrived yet."""
+        return len(self._routes)
+
+    async def flush_cache(self, timeout: float = FLUSH_TIMEOUT_S) -> bool:
+        """Empty the engine's prefix cache; False (nothing done) while requests are queued or running. Raises
+        EngineDead if the engine is not running, dies meanwhile or does not answer within `timeout` seconds."""
+        if self.dead or not self.ready:
+            raise EngineDead("the engine is not running")
+        if self._routes:  # requests of this server are pending: no need to ask (or to wait for a long step)
+            return False
+        self._next_flush += 1
+        token = self._next_flush
+        answer = asyncio.get_running_loop().create_future()
+        self._flushes[token] = answer
+        self._outbox.put_nowait(FlushCache(token))
+        try:
+            return await asyncio.wait_for(answer, timeout)
+        except asyncio.TimeoutError:
+            raise EngineDead(f"the engine did not answer a cache flush within {timeout:g} s") from None
+        finally:
+            self._flushes.pop(token, None)
+
     # -------------------------------------------------------------- loops
     async def _send_loop(self) -> None:
         while True:
@@ -255,6 +290,10 @@ class EngineClient:
                 case EngineStats(stats):
                     self.stats = stats
                     self._stats_event.set()
+                case CacheFlushed(token, ok):
+                    answer = self._flushes.get(token)
+                    if answer is not None and not answer.done():
+                        answer.set_result(ok)
                 case Rejected(rid, message, param, code):
                     route = self._routes.pop(rid, None)
                     if route is not None:
@@ -278,3 +317,7 @@ class EngineClient:
         routes, self._routes = self._routes, {}
         for sink, tag in routes.values():
             sink.put_nowait((tag, err))
+        flushes, self._flushes = self._flushes, {}
+        for answer in flushes.values():
+            if not answer.done():
+                answer.set_exception(err)

@@ -1,9 +1,9 @@
 """What every HTTP request passes before its route, and how its body is read.
 
-In order: the `Host` check (403), the `Origin` check (403), the API key (401), "engine not ready" (503), a POST's
-`Content-Type` (415) and declared size (413). Then the route runs with a guarded `receive`: the body may not
-exceed the size limit (413, also for a chunked body without Content-Length) and must arrive within the read
-deadline (408); a shutdown that cuts the server's grace period short answers a body still being read with a 503.
+In order: the `Host` check (403), the `Origin` check (403), a CORS preflight (answered here), the API key (401),
+"engine not ready" (503), a POST's `Content-Type` (415) and declared size (413). Then the route runs with a
+guarded `receive`: the body may not exceed the size limit (413, also for a chunked body without Content-Length)
+and must arrive within the read deadline (408); a shutdown that cuts the server's grace period short answers a body still being read with a 503.
 Every request is counted by endpoint and status code, and an exception no handler took is answered with a 500 in
 OpenAI's shape without dropping the keep-alive connection.
 
@@ -17,6 +17,18 @@ cross-origin requests; one that is not explicitly allowed is refused.
 Why plain ASGI rather than a FastAPI dependency or BaseHTTPMiddleware: it must cover every route, the 404s of
 routes that do not exist included, count the status a streaming response actually started with (or 499 when the
 client left before any), and not buffer or wrap the streams themselves.
+
+Every response carries `x-request-id` (refusals, 404s and streams included): the client's `X-Request-Id` when it
+is 1 to 128 visible ASCII characters, else a fresh uuid4 hex; the route finds it in `request.state.request_id`.
+
+CORS, only with --allowed-origins (otherwise every request with an Origin is refused, preflights included): a
+preflight (`OPTIONS` with `Origin` and `Access-Control-Request-Method`) from an allowed origin is answered here
+with 200, without the API key (browsers send none on a preflight) and whether the engine is ready or not; it
+allows GET, POST and OPTIONS, the headers it asked for (by default Authorization and Content-Type), for
+CORS_MAX_AGE_S seconds, and is not counted in the metrics. Every other response to an allowed origin gets
+`Access-Control-Allow-Origin` (the origin itself and `Vary: Origin`, or `*` when any origin is allowed) and
+exposes `x-request-id` to the page. Requests without an Origin get no CORS headers. The Host check still comes
+first, so a DNS-rebinding page gets no preflight either.
 """
 from __future__ import annotations
 
@@ -24,6 +36,8 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import re
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
@@ -39,6 +53,15 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DEFAULT_REQUEST_READ_TIMEOUT_S = 30.0
 JSON_MEDIA_TYPE = "application/json"
 BODY_METHODS = ("POST", "PUT", "PATCH")  # requests whose Content-Type is checked
+# routes outside /v1 that need the loaded engine or its tokenizer: 503 until it is ready, like /v1
+ENGINE_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info", "/get_model_info", "/flush_cache")
+REQUEST_ID = b"x-request-id"
+MAX_REQUEST_ID_CHARS = 128
+CORS_METHODS = b"GET, POST, OPTIONS"
+CORS_DEFAULT_HEADERS = b"Authorization, Content-Type"
+CORS_MAX_AGE_S = 600
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP token (RFC 9110 section 5.6.2)
+Headers = List[Tuple[bytes, bytes]]
 
 
 # ---------------------------------------------------------------------------------------------- the policy
@@ -165,6 +188,22 @@ class HTTPPolicy:
     def origin_allowed(self, value: Optional[str]) -> bool:
         return value is None or self.allow_any_origin or normalize_origin(value) in self.allowed_origins
 
+    @property
+    def cors(self) -> bool:
+        """Are cross-origin requests served at all (--allowed-origins given)?"""
+        return self.allow_any_origin or bool(self.allowed_origins)
+
+    def cors_headers(self, origin: Optional[str]) -> Headers:
+        """The CORS headers of a response to a request from `origin`: none without an Origin or CORS, or for an
+        origin that is not allowed."""
+        if origin is None or not self.cors or not self.origin_allowed(origin):
+            return []
+        expose = (b"access-control-expose-headers", REQUEST_ID)
+        if self.allow_any_origin:
+            return [(b"access-control-allow-origin", b"*"), expose]
+        # the origin as the browser sent it (it compares the two exactly), not its normalized form
+        return [(b"access-control-allow-origin", origin.strip().encode("latin-1")), (b"vary", b"Origin"), expose]
+
 
 # ---------------------------------------------------------------------------------------------- the gate
 def header(scope: Any, name: bytes) -> Optional[str]:
@@ -197,6 +236,38 @@ def has_body(scope: Any) -> bool:
     return bool(declared_length(scope)) or header(scope, b"transfer-encoding") is not None
 
 
+def request_id(scope: Any) -> str:
+    """The client's X-Request-Id if it is 1..MAX_REQUEST_ID_CHARS visible ASCII characters, else a fresh id."""
+    value = header(scope, REQUEST_ID)
+    if value is not None:
+        value = value.strip()
+        if 0 < len(value) <= MAX_REQUEST_ID_CHARS and all("!" <= c <= "~" for c in value):
+            return value
+    return uuid.uuid4().hex
+
+
+def is_preflight(scope: Any) -> bool:
+    return (scope.get("method") == "OPTIONS" and header(scope, b"origin") is not None
+            and header(scope, b"access-control-request-method") is not None)
+
+
+def requested_headers(scope: Any) -> bytes:
+    """Access-Control-Request-Headers' names (valid ones only), or the default pair when it asks for none."""
+    names = [n.strip() for v in header_values(scope, b"access-control-request-headers") for n in v.split(",")]
+    names = [n for n in names if _HEADER_NAME.fullmatch(n)]
+    return ", ".join(names).encode("latin-1") if names else CORS_DEFAULT_HEADERS
+
+
+def with_headers(send: Callable, extra: Headers) -> Callable:
+    """`send`, adding `extra` to the response's headers."""
+    async def send_with_headers(msg: Dict[str, Any]) -> None:
+        if msg["type"] == "http.response.start":
+            msg = {**msg, "headers": [*msg.get("headers", ()), *extra]}
+        await send(msg)
+
+    return send_with_headers
+
+
 def too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
                     code="request_too_large", close=True)
@@ -208,8 +279,11 @@ class Gate:
 
     def refusal(self, scope: Any) -> Optional[APIError]:
         """Why this request is answered before its route, if it is."""
+        return self.site_refusal(scope) or self.request_refusal(scope)
+
+    def site_refusal(self, scope: Any) -> Optional[APIError]:
+        """Whether the request's Host and Origin are refused (a 403)."""
         policy: HTTPPolicy = self.state.http
-        path = scope.get("path", "")
         hosts = header_values(scope, b"host")
         if not all(policy.host_allowed(h) for h in hosts):
             return APIError(403, f"Host {hosts[0]!r} is not allowed: this server answers to its loopback names "
@@ -218,11 +292,17 @@ class Gate:
         if not all(policy.origin_allowed(o) for o in origins):
             return APIError(403, f"Origin {origins[0]!r} is not allowed (see --allowed-origins)",
                             code="origin_not_allowed")
+        return None
+
+    def request_refusal(self, scope: Any) -> Optional[APIError]:
+        """The checks after Host and Origin: API key, readiness, Content-Type, declared size."""
+        policy: HTTPPolicy = self.state.http
+        path = scope.get("path", "")
         key = self.state.api_key
         if key and path not in OPEN_PATHS and not authorized(scope, key):
             return APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
                             code="invalid_api_key")
-        if not self.state.ready and path.startswith("/v1/"):
+        if not self.state.ready and (path.startswith("/v1/") or path in ENGINE_PATHS):
             return APIError(503, "the engine is not ready (still loading, or stopped)", SERVER,
                             code=ENGINE_UNAVAILABLE)
         if scope.get("method") in BODY_METHODS:
@@ -240,7 +320,17 @@ class Gate:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         metrics = self.state.metrics
-        refused = self.refusal(scope)
+        policy: HTTPPolicy = self.state.http
+        rid = request_id(scope)
+        scope.setdefault("state", {})["request_id"] = rid  # request.state.request_id
+        extra: Headers = [(REQUEST_ID, rid.encode("ascii"))]
+        refused = self.site_refusal(scope)
+        if refused is None:
+            extra += policy.cors_headers(header(scope, b"origin"))
+            if policy.cors and is_preflight(scope):
+                return await self.preflight(scope, receive, with_headers(send, extra))
+            refused = self.request_refusal(scope)
+        send = with_headers(send, extra)
         if refused is not None:
             if has_body(scope):
                 refused.close = True  # the body is not read: the connection cannot be reused
@@ -254,7 +344,6 @@ class Gate:
                 status["code"] = msg["status"]
             await send(msg)
 
-        policy: HTTPPolicy = self.state.http
         body = GuardedBody(receive, self.state, policy.max_request_bytes, policy.request_read_timeout)
         try:
             await self.app(scope, body, send_and_note)
@@ -271,6 +360,19 @@ class Gate:
             await error_response(500, "internal server error", SERVER)(scope, receive, send)
         finally:
             metrics.count_http(path, status["code"])
+
+    @staticmethod
+    async def preflight(scope: Any, receive: Callable, send: Callable) -> None:
+        """200 to a CORS preflight from an allowed origin (`send` adds Allow-Origin and x-request-id)."""
+        headers: Headers = [(b"access-control-allow-methods", CORS_METHODS),
+                            (b"access-control-allow-headers", requested_headers(scope)),
+                            (b"access-control-max-age", str(CORS_MAX_AGE_S).encode()),
+                            (b"vary", b"Access-Control-Request-Headers"),
+                            (b"content-length", b"0")]
+        if has_body(scope):
+            headers.append((b"connection", b"close"))  # the body is not read
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
 
 
 class GuardedBody:

@@ -8,8 +8,8 @@ error event and [DONE], other requests with a 503; see transport.py); then the e
 terminated if it does not, and reaped; exit code 0.
 
 Exposure: bound to a loopback address (the default), the server answers only requests whose Host is a loopback
-name (--allowed-hosts adds names), and none that carry an Origin (--allowed-origins allows some); every POST must
-be application/json. Request bodies are limited in size (--max-request-bytes) and in the time they take to
+name (--allowed-hosts adds names), and none that carry an Origin (--allowed-origins allows some, and turns on CORS
+for them: preflights answered, Access-Control-Allow-Origin on responses); every POST must be application/json. Request bodies are limited in size (--max-request-bytes) and in the time they take to
 arrive (--request-read-timeout). See gate.py.
 """
 from __future__ import annotations
@@ -50,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "all. Bound to a loopback address, Host is always checked; bound to another address, "
                         "only when this is given")
     p.add_argument("--allowed-origins", default=None, metavar="O1,O2",
-                   help="browser origins (scheme://host[:port]) whose requests are served; '*' allows any. By "
-                        "default a request that carries an Origin header is refused (403)")
+                   help="browser origins (scheme://host[:port]) whose requests are served, with CORS headers (and "
+                        "preflights answered without the API key); '*' allows any. By default a request that "
+                        "carries an Origin header is refused (403)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest request body accepted (413 beyond; default %(default)s = 8 MiB)")
     p.add_argument("--request-read-timeout", type=float, default=DEFAULT_REQUEST_READ_TIMEOUT_S,

@@ -60,11 +60,18 @@ class StatsQuery:
 
 
 @dataclass(frozen=True)
+class FlushCache:
+    """Empty the radix prefix cache if no request is queued or running; answered by CacheFlushed(token, ...)."""
+
+    token: int
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Leave the loop and exit."""
 
 
-ToEngine = Union[AddRequest, AbortRequest, StatsQuery, Shutdown]
+ToEngine = Union[AddRequest, AbortRequest, StatsQuery, FlushCache, Shutdown]
 
 
 # ---------------------------------------------------------------------------------------------- engine -> HTTP
@@ -101,9 +108,17 @@ class Rejected:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """Engine.stats(): running/waiting counts and KV pool use."""
+    """Engine.stats(): running/waiting counts, KV pool use, prefix-cache size and hits."""
 
     stats: Dict[str, Any]
 
 
-FromEngine = Union[EngineReady, StartupFailed, StepOutputs, Rejected, EngineStats]
+@dataclass(frozen=True)
+class CacheFlushed:
+    """The answer to FlushCache(token): ok is False when requests were queued or running (nothing was flushed)."""
+
+    token: int
+    ok: bool
+
+
+FromEngine = Union[EngineReady, StartupFailed, StepOutputs, Rejected, EngineStats, CacheFlushed]

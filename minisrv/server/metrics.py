@@ -5,6 +5,12 @@ Why a registry per server rather than prometheus_client's global one: several ap
 (the in-process tests build many), and each must count only its own requests. The engine's gauges come from
 the engine process (EngineClient.fresh_stats), everything else is observed here on the HTTP side as outputs
 arrive, so the latencies are the ones a client sees, IPC included.
+
+The prefix cache: `minisrv_prefix_cache_tokens` (a gauge) is what the radix tree holds now;
+`minisrv_cached_prompt_tokens_total` (a counter) counts prompt tokens whose KV came from the tree instead of being
+computed. The engine reports the latter as a running total since it started (`cached_prompt_tokens`); the counter
+is advanced by the growth of that total since the last report seen here, so it is an ordinary counter (its
+_created time and rate() behave as for the others) and a report that arrives twice counts once.
 """
 from __future__ import annotations
 
@@ -49,6 +55,11 @@ class ServerMetrics:
         self.kv_usage = Gauge("minisrv_kv_cache_usage_ratio", "Share of KV pool pages in use (0..1)", registry=r)
         self.kv_pages_used = Gauge("minisrv_kv_cache_pages_used", "KV pool pages in use", registry=r)
         self.kv_pages_total = Gauge("minisrv_kv_cache_pages_total", "KV pool pages", registry=r)
+        self.cache_tokens = Gauge("minisrv_prefix_cache_tokens", "Tokens whose KV the radix prefix cache holds",
+                                  registry=r)
+        self.cached_prompt_tokens = Counter("minisrv_cached_prompt_tokens",
+                                            "Prompt tokens served from the prefix cache (not computed)", registry=r)
+        self._engine_cached_prompt_tokens = 0  # the engine's running total, as last seen
         self.ttft = Histogram("minisrv_time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("minisrv_inter_token_latency_seconds", "Time between consecutive output tokens",
@@ -98,3 +109,9 @@ class ServerMetrics:
         self.kv_usage.set(stats.get("kv_usage", 0.0))
         self.kv_pages_used.set(stats.get("kv_pages_used", 0))
         self.kv_pages_total.set(stats.get("kv_pages_total", 0))
+        self.cache_tokens.set(stats.get("cache_tokens", 0))
+        total = stats.get("cached_prompt_tokens")
+        if total is not None:
+            if total > self._engine_cached_prompt_tokens:
+                self.cached_prompt_tokens.inc(total - self._engine_cached_prompt_tokens)
+            self._engine_cached_prompt_tokens = total

@@ -175,6 +175,8 @@ def create_app(state: ServerState) -> FastAPI:
         body, large = await _parse_body(request, ChatCompletionRequest)
         return await _chat(state, body, request, large)
 
+    from .tokenizer_routes import add_tokenizer_routes  # here: that module imports this one
+    add_tokenizer_routes(app, state)
     return app
 
 

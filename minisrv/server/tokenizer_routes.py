@@ -1,0 +1,217 @@
+"""Routes beside the OpenAI API: the tokenizer (vLLM's shapes), the model's description and the prefix cache
+(SGLang's names).
+
+  POST /tokenize, /v1/tokenize      {"prompt": str, "add_special_tokens": true}, or the chat form {"messages": [...],
+                                    "add_generation_prompt": true, "continue_final_message": false,
+                                    "add_special_tokens": false}; both take "model" and "return_token_strs"
+                                    -> {"count", "max_model_len", "tokens"[, "token_strs"]}
+  POST /detokenize, /v1/detokenize  {"tokens": [ids]} -> {"prompt": text}
+  GET  /tokenizer_info              what lm-evaluation-harness's RemoteTokenizer reads (eos/bos/pad tokens, the chat
+                                    template) and the tokenizer's class, size and the length limit
+  GET  /get_model_info              model_path, served_model_name, tokenizer_path, max_model_len, is_generation, ...
+  POST /flush_cache                 empty the radix prefix cache: 200 {"flushed": true}, or 400 while requests run
+
+The chat form is templated exactly as /v1/chat/completions templates its messages (routes._template_messages), so
+its count is the prompt length a chat request would have. `max_model_len` is the limit requests are held to (the
+context length, or less when the KV pool is smaller), as in /v1/models. A text longer than that is tokenized all
+the same (lm-eval tokenizes long contexts and truncates them itself). Bodies are read and checked as the other
+routes' are (routes._parse_body: strict JSON, a 400 naming the field); large ones, and long texts or token lists,
+are handled in a worker thread so that the event loop keeps serving.
+
+/flush_cache is POST only: a GET that changes state could be sent by any web page (an image's URL carries no
+Origin), and like every POST it must be application/json (its body may be empty or a JSON object).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, model_validator
+
+from .engine_proc import EngineDead
+from .errors import APIError, engine_unavailable
+from .protocol import ChatMessage
+from .routes import ASYNC_ENCODE_CHARS, _parse_body, _template_messages
+from .tools import template_messages_with_tool_calls
+
+if TYPE_CHECKING:
+    from .routes import ServerState
+
+INLINE_DECODE_TOKENS = 4096  # longer token lists are checked and decoded in a worker thread
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's TokenizeCompletionRequest (`prompt`) and TokenizeChatRequest (`messages`) in one schema: exactly one
+    of the two. add_special_tokens defaults to true for a prompt and to false for messages (the template writes
+    the special tokens itself)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[StrictStr] = None
+    prompt: Optional[StrictStr] = None
+    messages: Optional[List[ChatMessage]] = None
+    add_special_tokens: Optional[StrictBool] = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    return_token_strs: StrictBool = False
+    tools: Optional[Any] = None  # refused when given (the count would not match a chat request with tools)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either `prompt` (a string) or `messages` (a chat), not both or neither")
+        if self.messages is not None:
+            if not self.messages:
+                raise ValueError("messages must not be empty")
+            if self.add_generation_prompt and self.continue_final_message:
+                raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[StrictStr] = None
+    tokens: List[StrictInt]
+
+
+class FlushCacheRequest(BaseModel):
+    """/flush_cache takes no parameters; a body, if sent, must be a JSON object."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+async def _maybe_off_loop(offload: bool, fn: Callable[[], Any]) -> Any:
+    return await asyncio.to_thread(fn) if offload else fn()
+
+
+def _tokenizer(state: "ServerState") -> Any:
+    """The tokenizer, or a 503 (the Gate answers so before a route while the engine loads; this covers a route
+    that was already running)."""
+    if state.tokenizer is None or state.info is None:
+        raise engine_unavailable("the engine is not ready (still loading, or stopped)")
+    return state.tokenizer
+
+
+def chat_template_text(tokenizer: Any) -> Optional[str]:
+    """The tokenizer's chat template as one string (of several named ones, the default), or None."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    return template if isinstance(template, str) and template else None
+
+
+def tokenizer_path(state: "ServerState") -> str:
+    """Where the tokenizer was loaded from: --tokenizer, else the model path (a GGUF file's own vocabulary)."""
+    cfg = getattr(state.client, "cfg", None)
+    return getattr(cfg, "tokenizer", None) or state.info.model_path
+
+
+async def _tokenize(state: "ServerState", body: TokenizeRequest, large: bool) -> Dict[str, Any]:
+    """The answer to one /tokenize request: the chat form templated first (in a worker thread for a large
+    body), then the text encoded (in a worker thread for a large body or a long text)."""
+    tok = _tokenizer(state)
+    if body.prompt is not None:
+        text = body.prompt
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+    else:
+        if body.tools:
+            raise APIError(400, "tools are not supported by /tokenize", param="tools")
+        if chat_template_text(tok) is None:
+            raise APIError(400, "this model's tokenizer has no chat template", param="messages")
+        msgs = template_messages_with_tool_calls(_template_messages(body))
+
+        def template() -> str:
+            try:
+                return tok.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt,
+                                               continue_final_message=body.continue_final_message, tokenize=False)
+            except Exception as e:  # noqa: BLE001 - template errors (raise_exception, bad roles) are the client's
+                raise APIError(400, f"chat template failed: {e}", param="messages") from None
+
+        text = await _maybe_off_loop(large, template)
+        add_special = bool(body.add_special_tokens)
+
+    def encode() -> Dict[str, Any]:
+        ids = tok(text, add_special_tokens=add_special).input_ids
+        out: Dict[str, Any] = {"count": len(ids), "max_model_len": state.info.max_request_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return out
+
+    return await _maybe_off_loop(large or len(text) > ASYNC_ENCODE_CHARS, encode)
+
+
+def add_tokenizer_routes(app: FastAPI, state: "ServerState") -> None:
+    """Register the routes of this module on `app` (called by create_app)."""
+
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        body, large = await _parse_body(request, TokenizeRequest)
+        state.check_model(body.model)
+        return JSONResponse(await _tokenize(state, body, large))
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        body, large = await _parse_body(request, DetokenizeRequest)
+        state.check_model(body.model)
+        tok = _tokenizer(state)
+        ids = body.tokens
+
+        def decode() -> str:
+            size = len(tok)
+            for i, t in enumerate(ids):
+                if not 0 <= t < size:
+                    raise APIError(400, f"tokens[{i}] = {t} is not in the tokenizer's vocabulary (ids 0 to "
+                                        f"{size - 1})", param="tokens", code="invalid_token_id")
+            return tok.decode(ids)
+
+        return JSONResponse({"prompt": await _maybe_off_loop(large or len(ids) > INLINE_DECODE_TOKENS, decode)})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        tok = _tokenizer(state)
+        return JSONResponse({
+            "tokenizer_class": type(tok).__name__,
+            "tokenizer_path": tokenizer_path(state),
+            "eos_token": tok.eos_token,
+            "eos_token_id": tok.eos_token_id,
+            "bos_token": tok.bos_token,
+            "bos_token_id": tok.bos_token_id,
+            "pad_token": tok.pad_token,
+            "pad_token_id": tok.pad_token_id,
+            "unk_token": tok.unk_token,
+            "chat_template": chat_template_text(tok),
+            # the enforced limit, as max_model_len elsewhere (HF's own value is often a 1e30 placeholder)
+            "model_max_length": state.info.max_request_len,
+            "vocab_size": len(tok),
+        })
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> JSONResponse:
+        _tokenizer(state)
+        info = state.info
+        return JSONResponse({
+            "model_path": info.model_path,
+            "served_model_name": state.served_model_name,
+            "tokenizer_path": tokenizer_path(state),
+            "is_generation": True,
+            "max_model_len": info.max_request_len,
+            "context_length": info.context_length,
+            "vocab_size": info.vocab_size,
+        })
+
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request) -> JSONResponse:
+        if await request.body():
+            await _parse_body(request, FlushCacheRequest)
+        try:
+            flushed = await state.client.flush_cache()
+        except EngineDead as e:
+            raise engine_unavailable(str(e)) from None
+        if not flushed:
+            raise APIError(400, "Cache not flushed because there are pending requests", code="requests_pending")
+        return JSONResponse({"flushed": True})
