@@ -34,6 +34,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from minisrv import __version__
+from minisrv.engine.grammar import check_grammar
 from minisrv.engine.request import RequestError, SamplingParams, check_request
 
 from .engine_proc import EngineClient
@@ -46,6 +48,7 @@ from .messages import EngineInfo
 from .metrics import ServerMetrics
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now
 from .render import ChatRenderer, CompletionRenderer
+from .tools import parser_for, plan_tools, template_messages_with_tool_calls
 
 INLINE_BODY_BYTES = 16384  # larger bodies are parsed, templated and tokenized in a worker thread
 ASYNC_ENCODE_CHARS = 16384  # so are longer texts (a chat template can make a long text of a short body)
@@ -72,6 +75,7 @@ class ServerState:
     created: int = field(default_factory=now)
     token_text: Optional[TokenText] = None
     max_token_chars: Optional[int] = None  # see max_token_chars(); None: unknown, no early length check
+    tool_call_parser: str = "auto"  # hermes | llama3_json | auto (from the chat template); see tools.py
     stopping: bool = False  # the shutdown's grace period is over: what still runs is ended (see stop)
     on_stop: Set[Callable[[], None]] = field(default_factory=set)  # what stop() tells
 
@@ -84,6 +88,11 @@ class ServerState:
         self.tokenizer, self.info = tokenizer, info
         self.token_text = TokenText(tokenizer)
         self.max_token_chars = max_token_chars(tokenizer)
+
+    @property
+    def fingerprint(self) -> str:
+        """OpenAI's system_fingerprint: what, besides the weights, decides the outputs here."""
+        return f"fp_minisrv_{__version__}_{self.info.backend_name.replace(',', '_')}"
 
     def stop(self) -> None:
         """End every request still running: generations end with a server_shutdown error (a 503, or a stream's
@@ -200,8 +209,6 @@ async def _parse_body(request: Request, schema: type) -> Tuple[Any, bool]:
 
 def _check_common(state: ServerState, body: Any) -> None:
     state.check_model(body.model)
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise APIError(400, "best_of other than n is not supported", param="best_of")
     if body.stream_options is not None and not body.stream:
@@ -209,10 +216,43 @@ def _check_common(state: ServerState, body: Any) -> None:
 
 
 def _sampling_params(body: Any, **endpoint_fields: Any) -> SamplingParams:
-    """The request's sampling fields plus the endpoint's own; raises RequestError (a 400 naming the field)."""
+    """The request's sampling fields, its constraint and logit_bias, plus the endpoint's own; raises RequestError
+    (a 400 naming the field)."""
     kw: Dict[str, Any] = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
+    if body.logit_bias:
+        try:
+            kw["logit_bias"] = {int(t): v for t, v in body.logit_bias.items()}
+        except ValueError:
+            raise RequestError("logit_bias keys must be token ids", "logit_bias") from None
+    kw.update(_constraint(body))
     kw.update(endpoint_fields)
-    return SamplingParams(**kw)
+    with _fields_named({"json_schema": "response_format", "json_object": "response_format"}):
+        return SamplingParams(**kw)
+
+
+def _constraint(body: Any) -> Dict[str, Any]:
+    """response_format (text, json_object, json_schema) and SGLang's regex / ebnf as SamplingParams fields."""
+    kw: Dict[str, Any] = {}
+    rf = body.response_format
+    if rf is not None:
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            kw["json_object"] = True
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise RequestError("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
+                                   "\"schema\": {...}}}", "response_format")
+            kw["json_schema"] = json.dumps(schema)
+        elif kind != "text":
+            raise RequestError(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                               "response_format")
+    if body.regex is not None:
+        kw["regex"] = body.regex
+    if body.ebnf is not None:
+        kw["ebnf"] = body.ebnf
+    return kw
 
 
 @contextlib.contextmanager
@@ -258,10 +298,8 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     _check_common(state, body)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo together with logprobs is not supported (prompt logprobs are not computed)",
-                       param="echo")
-    params = _sampling_params(body, logprobs=body.logprobs)
+    echo_lp = bool(body.echo) and body.logprobs is not None  # the prompt's tokens are scored too
+    params = _sampling_params(body, logprobs=body.logprobs, prompt_logprobs=body.logprobs if echo_lp else None)
     raw = body.prompt
     if isinstance(raw, str) or isinstance(raw[0], int):  # one prompt (the shape is checked by the schema)
         raw = [raw]
@@ -273,6 +311,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
         for p in raw:
             ids = _encode(state, p, True, "prompt") if isinstance(p, str) else list(p)
             check_request(ids, params, state.info.limits, "prompt")
+            check_grammar(params)
             prompts.append(ids)
             if body.echo:
                 echoed.append(p if isinstance(p, str) else state.tokenizer.decode(ids))
@@ -281,7 +320,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     size = sum(len(p) for p in raw)  # characters or token ids
     prompts, echoed = await _off_loop(large or size > ASYNC_ENCODE_CHARS, prepare)
     renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", state.served_model_name, state.token_text,
-                                  body.logprobs)
+                                  body.logprobs, echo_lp, state.fingerprint)
     return await serve(state, request, Generation(prompts, params, body.n or 1, echoed), renderer,
                        bool(body.stream), _stream_usage(body))
 
@@ -309,10 +348,6 @@ def _template_messages(body: ChatCompletionRequest) -> List[Dict[str, Any]]:
 
 async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request, large: bool) -> Response:
     _check_common(state, body)
-    if body.tools:
-        raise APIError(400, "tools are not supported", param="tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise APIError(400, "response_format other than text is not supported", param="response_format")
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     tok = state.tokenizer
@@ -325,12 +360,23 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         names["max_tokens"] = "max_completion_tokens"
     # without max_tokens a chat answer may use the rest of the context
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    plan = plan_tools(body.tools, body.tool_choice, body.functions, body.function_call,
+                      parser_for(getattr(tok, "chat_template", None), state.tool_call_parser))
+    grammar: Dict[str, Any] = {}
+    if plan.json_schema is not None:  # tool_choice required or a named function: the call is a grammar
+        if body.response_format is not None and body.response_format.get("type", "text") != "text" \
+                or body.regex is not None or body.ebnf is not None:
+            raise APIError(400, "tool_choice required or a named function cannot be combined with a "
+                                "response_format, regex or ebnf", param="tool_choice")
+        grammar["json_schema"] = plan.json_schema
     with _fields_named(names):
-        params = _sampling_params(body, max_tokens=max_tokens, logprobs=top_n if want_lp else None)
+        params = _sampling_params(body, max_tokens=max_tokens, logprobs=top_n if want_lp else None, **grammar)
+    tools_kw = {"tools": plan.template_tools} if plan.template_tools is not None else {}
 
     def template() -> str:
         try:
-            return tok.apply_chat_template(_template_messages(body), add_generation_prompt=True, tokenize=False)
+            return tok.apply_chat_template(template_messages_with_tool_calls(_template_messages(body)),
+                                           add_generation_prompt=True, tokenize=False, **tools_kw)
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception, bad roles) are the client's
@@ -340,11 +386,12 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         ids = _encode(state, text, False, "messages")
         with _fields_named(names):
             check_request(ids, params, state.info.limits, "messages")
+        check_grammar(params)
         return ids
 
     text = await _off_loop(large, template)
     ids = await _off_loop(large or len(text) > ASYNC_ENCODE_CHARS, lambda: prepare(text))
     renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", state.served_model_name, state.token_text, want_lp,
-                            top_n)
+                            top_n, plan, state.fingerprint)
     return await serve(state, request, Generation([ids], params, body.n or 1), renderer, bool(body.stream),
                        _stream_usage(body))
