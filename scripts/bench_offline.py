@@ -12,6 +12,10 @@ Workloads (`--workload`):
         prompts of randint(800, 1200) tokens; 256 requests, request i = system prompt i % 8 followed by
         randint(20, 200) tokens; max_tokens randint(50, 300); temperature 0.6, ignore_eos, in random order. The
         prefix cache's hit rate (prompt tokens served from it / prompt tokens) is printed.
+  prefix  the prefix-cache benchmark: random.seed(0); P shared prefixes of L random tokens (8 x 4096 on a GPU,
+        2 x 512 on a CPU), R requests on each (32; 8 on a CPU) with a random suffix of 16-256 tokens, output
+        randint(32, 128) tokens (16 on a CPU; --max-output-len raises the top), temperature 0.6, ignore_eos, the
+        requests shuffled with a fixed seed.
 One warm-up generate first; the clock covers one `generate` call.
 
   python scripts/bench_offline.py                                  # default model, CPU workload, HF baseline
@@ -50,6 +54,19 @@ def shared_workload(n: int, num_systems: int = 8, seed: int = 0):
                for i in range(n)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(50, 300)) for _ in range(n)]
     order = list(range(n))
+    random.shuffle(order)
+    return [prompts[i] for i in order], [params[i] for i in order]
+
+
+def prefix_workload(num_prefixes: int, prefix_len: int, per_prefix: int, out_range, seed: int = 0):
+    random.seed(seed)
+    prefixes = [[random.randint(0, 10000) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    prompts, params = [], []
+    for p in prefixes:
+        for _ in range(per_prefix):
+            prompts.append(p + [random.randint(0, 10000) for _ in range(random.randint(16, 256))])
+            params.append(SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(*out_range)))
+    order = list(range(len(prompts)))
     random.shuffle(order)
     return [prompts[i] for i in order], [params[i] for i in order]
 
@@ -142,7 +159,7 @@ def print_steps(trace) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineConfig.add_cli_args(p)
-    p.add_argument("--workload", choices=("auto", "nano", "cpu", "shared"), default="auto")
+    p.add_argument("--workload", choices=("auto", "nano", "cpu", "shared", "prefix"), default="auto")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--min-input-len", type=int, default=None)
     p.add_argument("--max-input-len", type=int, default=None)
@@ -159,7 +176,12 @@ def main() -> int:
         a.log_level = "warning"
     cuda = torch.cuda.is_available() and a.device != "cpu"
     workload = a.workload if a.workload != "auto" else ("nano" if cuda else "cpu")
-    if workload == "shared":
+    if workload == "prefix":
+        big = cuda
+        n = (8 if big else 2) * (32 if big else 8)
+        out = (32, a.max_output_len or 128) if big else (16, a.max_output_len or 16)
+        prompts, params = prefix_workload(8 if big else 2, 4096 if big else 512, 32 if big else 8, out)
+    elif workload == "shared":
         n = a.num_prompts or 256
         prompts, params = shared_workload(n)
     elif workload == "nano":

@@ -142,3 +142,55 @@ def test_lpm_admits_cached_prefixes_first(tiny_model):
     for r in reqs:
         eng.abort(r.rid)
     assert_pool_free(eng)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefix_lengths_at_page_edges_give_the_same_tokens_as_cache_off(tiny_model, page_size):
+    """Shared prefixes of exactly a page, one token short of a page, one over, and a whole earlier prompt, with
+    chunked prefill and a pool small enough for eviction and retraction: the same greedy tokens with and without
+    the cache, token for token."""
+    path = tiny_model("llama")
+    vocab = vocab_of(path)
+    rng = random.Random(page_size)
+    base = [rng.randrange(3, vocab) for _ in range(3 * 16 + 5)]
+    prompts = [base[:16] + [7, 8, 9], base[:15] + [7, 8], base[:17] + [5], base[:40], base[:40] + [11, 12],
+               base, base[:33] + [rng.randrange(3, vocab) for _ in range(9)]]
+    kw = dict(page_size=page_size, chunked_prefill_size=16, max_prefill_tokens=32, max_total_tokens=160)
+    outs = {}
+    for cache in (True, False):
+        llm = make_llm(path, disable_radix_cache=not cache, **kw)
+        llm.engine.scheduler.new_token_ratio = 0.1  # admit optimistically, so decode has to retract
+        watch = EngineWatch(llm.engine)
+        first = llm.generate(prompts[:3], greedy(MAX_TOKENS), use_tqdm=False)
+        rest = llm.generate(prompts[3:], greedy(MAX_TOKENS), use_tqdm=False)
+        outs[cache] = [o.token_ids for o in first + rest]
+        watch.assert_idle()
+        if cache:
+            assert llm.engine.num_cached_prompt_tokens > 0
+            assert llm.engine.flush_cache() and llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+    assert outs[True] == outs[False]
+
+
+def test_aborting_a_sharing_request_frees_only_its_own_share(tiny_model):
+    path = tiny_model("qwen3")
+    llm = make_llm(path, disable_radix_cache=False, page_size=2)
+    eng = llm.engine
+    prompt = shared_prompts(vocab_of(path))[0]
+    llm.generate(prompt, greedy(2), use_tqdm=False)  # the prefix is in the tree
+    a = eng.add_request(prompt + [5, 6], greedy(8))
+    b = eng.add_request(prompt + [7, 8], greedy(8))
+    eng.step()
+    eng.step()
+    shared = set(a.pages) & set(b.pages)
+    assert shared and a.num_cached_tokens > 0 and b.num_cached_tokens > 0
+    own = set(a.pages) - shared
+    refs = {p: eng.allocator.refcount(p) for p in shared}
+    eng.abort(a.rid)
+    assert all(eng.allocator.refcount(p) == refs[p] - 1 for p in shared)  # b and the tree still hold them
+    assert all(eng.allocator.refcount(p) >= 1 for p in shared) and set(b.pages) >= shared
+    assert all(eng.allocator.refcount(p) <= 1 for p in own)  # a's own pages: freed, or kept by the tree alone
+    while eng.has_work():
+        eng.step()
+    ref, scores = hf_greedy(path, prompt + [7, 8], 8)
+    assert_greedy_matches(b.output_ids, ref, scores, "beside an aborted sharer")
+    assert_pool_free(eng)

@@ -148,6 +148,7 @@ def test_cached_tokens_in_usage(client):
     again = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 2
     assert first.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens_details.cached_tokens
+    assert again.choices[0].message.content == first.choices[0].message.content  # the same greedy text
 
 
 def test_logit_bias_and_top_p_zero(client, srv):
