@@ -49,6 +49,10 @@ for phase in "${@:-smoke}"; do
     bench-fi) step bench-fi 300 $BENCH --attention-backend fi ;;
     bench-fa) step bench-fa 300 $BENCH --attention-backend fa ;;
     bench-nocache) step bench-nocache 300 $BENCH --attention-backend auto --disable-radix-cache ;;
+    bench-prefix) step bench-prefix 300 $BENCH --attention-backend auto --workload prefix ;;
+    bench-prefix-off) step bench-prefix-off 300 $BENCH --attention-backend auto --workload prefix --disable-radix-cache ;;
+    bench-prefix-512) step bench-prefix-512 300 $BENCH --attention-backend auto --workload prefix --max-output-len 512 ;;
+    bench-prefix-512-off) step bench-prefix-512-off 300 $BENCH --attention-backend auto --workload prefix --max-output-len 512 --disable-radix-cache ;;
     bench-shared) step bench-shared 300 $BENCH --attention-backend auto --workload shared ;;
     bench-shared-lpm) step bench-shared-lpm 300 $BENCH --attention-backend auto --workload shared --schedule-policy lpm ;;
     bench-shared-off) step bench-shared-off 300 $BENCH --attention-backend auto --workload shared --disable-radix-cache ;;
