@@ -194,3 +194,23 @@ def test_aborting_a_sharing_request_frees_only_its_own_share(tiny_model):
     ref, scores = hf_greedy(path, prompt + [7, 8], 8)
     assert_greedy_matches(b.output_ids, ref, scores, "beside an aborted sharer")
     assert_pool_free(eng)
+
+
+def test_requests_sharing_an_uncached_prefix_are_not_computed_twice_in_one_batch(tiny_model):
+    """Queued together, requests that start alike are split: the first computes the prefix, the others wait one step
+    and take it from the cache; every one matches HF."""
+    path = tiny_model("qwen3")
+    llm = make_llm(path, disable_radix_cache=False, page_size=4)
+    eng = llm.engine
+    vocab = vocab_of(path)
+    rng = random.Random(9)
+    system = [rng.randrange(3, vocab) for _ in range(48)]
+    prompts = [system + [rng.randrange(3, vocab) for _ in range(5)] for _ in range(4)]
+    watch = EngineWatch(eng)
+    outs = llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)
+    reqs = sorted(watch.reqs.values(), key=lambda r: r.arrival)
+    assert reqs[0].num_cached_tokens == 0 and all(r.num_cached_tokens == 48 for r in reqs[1:])
+    for p, o in zip(prompts, outs):
+        ref, scores = hf_greedy(path, p, MAX_TOKENS)
+        assert_greedy_matches(o.token_ids, ref, scores, "deferred within a batch")
+    watch.assert_idle()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Optional
+from typing import Deque, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -32,6 +32,10 @@ NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RESERVE_CLIP = 4096  # no single request reserves more than this many future tokens
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LPM_MIN_QUEUE = 8  # lpm orders the queue by cached prefix only when this many wait (short queues stay FCFS)
+# a waiting request whose first tokens equal those of a request already in the prefill batch being built, and are
+# not cached yet, waits one step: the prefix is then in the tree (inserted when that batch is queued) instead of
+# being computed twice in one batch
+IN_BATCH_PREFIX = 32
 
 
 @dataclass
@@ -213,6 +217,7 @@ class Scheduler:
         available = self.available_pages()
         chunked = False
         num_new = 0
+        heads: Set[Tuple[int, ...]] = set()  # first IN_BATCH_PREFIX tokens of the new requests in this batch
         for req in candidates:
             if req.grammar is not None and not req.grammar.ready:
                 continue  # its grammar is still compiling (engine/grammar.py): the others go ahead
@@ -222,6 +227,11 @@ class Scheduler:
             if new and len(self.running) + num_new >= self.max_running:
                 break
             match = self._match(req) if new else None
+            if new and self.cache is not None and req.total_len > IN_BATCH_PREFIX:
+                head = tuple(req.prompt_ids[:IN_BATCH_PREFIX])
+                if head in heads and (match is None or match.num_tokens < IN_BATCH_PREFIX):
+                    continue  # its prefix is being computed in this batch: take it from the cache next step
+                heads.add(head)
             start = match.num_tokens if match is not None else req.num_cached
             held = len(match.pages) if match is not None else len(req.pages)
             remaining = req.total_len - start
