@@ -7,14 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, Optional
 
 import httpx
 import pytest
@@ -23,74 +19,9 @@ openai = pytest.importorskip("openai")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-STARTUP_TIMEOUT_S = 240
+from .server_process import Server, free_port as _free_port  # noqa: E402
+
 CHAT_Q = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _children(pid: int) -> List[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(x) for x in f.read().split()]
-        except OSError:
-            pass
-    return out
-
-
-def _gone(pid: int) -> bool:
-    return not os.path.exists(f"/proc/{pid}")  # exited and reaped: a zombie still has its /proc entry
-
-
-class Server:
-    def __init__(self, *extra: str) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "minisrv.launch_server", "--port", str(self.port), "--max-total-tokens",
-               "16384", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: List[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited during startup:\n" + "".join(self.lines))
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("server did not become ready:\n" + "".join(self.lines))
-
-    def stop(self) -> int:
-        kids = _children(self.proc.pid) if self.proc.poll() is None else []
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
-        for k in kids:  # the engine process must be gone too (reaped, not left behind)
-            deadline = time.monotonic() + 10
-            while not _gone(k) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert _gone(k), f"child process {k} outlived the server"
-        return code
 
 
 @pytest.fixture(scope="module")

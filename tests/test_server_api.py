@@ -15,7 +15,7 @@ pydantic = pytest.importorskip("pydantic")
 
 from minisrv import LLM, SamplingParams  # noqa: E402
 
-from .test_server import Server  # noqa: E402
+from .server_process import Server  # noqa: E402
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the weather in a city",
                                             "parameters": {"type": "object", "properties": {

@@ -8,21 +8,16 @@ References are independent of the server: token ids and texts come from the HF t
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, Optional
 
 import httpx
 import pytest
+
+from .server_process import Server
 from prometheus_client.parser import text_string_to_metric_families
 
-STARTUP_TIMEOUT_S = 240
 POOL_TOKENS = 2048  # --max-total-tokens: the enforced max_model_len
 MAX_BYTES = 256 * 1024  # --max-request-bytes
 API_KEY = "sk-extras"
@@ -32,65 +27,6 @@ HEX32 = re.compile(r"[0-9a-f]{32}")
 
 
 # ---------------------------------------------------------------------------------------------- the server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _children(pid: int) -> List[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(x) for x in f.read().split()]
-        except OSError:
-            pass
-    return out
-
-
-class Server:
-    def __init__(self, *extra: str) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "minisrv.launch_server", "--port", str(self.port), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: List[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited during startup:\n" + "".join(self.lines))
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("server did not become ready:\n" + "".join(self.lines))
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        finally:
-            if self.proc.poll() is None:
-                for k in _children(self.proc.pid):
-                    try:
-                        os.kill(k, signal.SIGKILL)
-                    except OSError:
-                        pass
-                self.proc.kill()
-                self.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     s = Server("--max-total-tokens", str(POOL_TOKENS), "--max-request-bytes", str(MAX_BYTES),

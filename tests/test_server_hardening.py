@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import random
 import select
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -24,7 +21,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import httpx
 import pytest
 
-STARTUP_TIMEOUT_S = 240
+from .server_process import Server, children as _children, gone as _gone
+
 READ_TIMEOUT_S = 2  # the module server's --request-read-timeout
 POOL_TOKENS = 2048  # the module server's --max-total-tokens: requests are limited to this, not to the context
 HEALTH_MAX_S = 0.100  # /health must answer within this under every load below
@@ -33,65 +31,6 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _children(pid: int) -> List[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(x) for x in f.read().split()]
-        except OSError:
-            pass
-    return out
-
-
-def _gone(pid: int) -> bool:
-    return not os.path.exists(f"/proc/{pid}")  # exited and reaped: a zombie still has its /proc entry
-
-
-class Server:
-    def __init__(self, *extra: str) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "minisrv.launch_server", "--port", str(self.port), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: List[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited during startup:\n" + "".join(self.lines))
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("server did not become ready:\n" + "".join(self.lines))
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            for k in _children(self.proc.pid):
-                try:
-                    os.kill(k, signal.SIGKILL)
-                except OSError:
-                    pass
-            self.proc.kill()
-            self.proc.wait()
-
-
 def raw_request(port: int, head: bytes, body: bytes = b"", timeout: float = 30.0) -> Tuple[int, bytes, bytes]:
     """One request written on a fresh socket; (status, head, body) of the answer, read until the server closes
     the connection or the body announced by Content-Length is complete."""

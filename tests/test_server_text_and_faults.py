@@ -12,7 +12,7 @@ import pytest
 from minisrv import SamplingParams
 
 from .conftest import build_tiny_model, make_llm
-from .test_server import Server
+from .server_process import Server
 from .test_text import write_spaced_tokenizer
 
 
