@@ -3,8 +3,10 @@
 Tokenizing and chat templating happen here, on the HTTP side, so the engine process sees only token ids (see
 engine_proc.py); the output text is made by the engine. A request is validated in full before anything reaches
 the engine: its shape and types by pydantic (protocol.py), its values by SamplingParams and check_request, the
-same checks the engine makes (a RequestError is a 400 naming the field, see errors.py). From there on both
-endpoints share one path (generation.py) and differ only in their renderer (render.py).
+same checks the engine makes (a RequestError is a 400 naming the field, see errors.py); a response_format, regex
+or ebnf becomes a SamplingParams constraint whose grammar is parsed here (check_grammar) before it is queued, and
+chat's tools and tool_choice are planned by tools.py (a required or named call is a JSON-schema constraint). From
+there on both endpoints share one path (generation.py) and differ only in their renderer (render.py).
 
 Model names: the server answers to its served model name (`--served-model-name`, default: the basename of the
 model path, e.g. `SmolLM2-135M-Instruct.Q4_1.gguf`), and also to the model path as given on the command line
