@@ -2,6 +2,8 @@
 import gc
 import os
 import random
+import warnings
+from typing import Callable, List
 
 import pytest
 import torch
@@ -26,3 +28,17 @@ def free_cuda():
 def hf_model(dtype=torch.bfloat16):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(CKPT, dtype=dtype).cuda().eval()
+
+
+def stream_syncs(run: Callable[[], None]) -> List[str]:
+    """Where run() synchronised the CUDA stream (torch's sync debug mode), as sorted "file:line: message" lines."""
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    return sorted({f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)})

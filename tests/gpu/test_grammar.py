@@ -7,7 +7,6 @@ CPU suite ("t12" is token 12): they need CUDA and xgrammar, no checkpoint.
     python3 -m pytest -q tests/gpu/test_grammar.py
 """
 import importlib.util
-import warnings
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from minisrv import SamplingParams
 from minisrv.engine.grammar import apply_bitmask
 
 from ..conftest import EOS_ID, build_tiny_model, make_llm, make_prompts
+from .common import stream_syncs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("xgrammar") is None,
                                 reason="needs CUDA and xgrammar")
@@ -66,19 +66,9 @@ def test_grammar_decode_steps_never_synchronise(qwen3):
         if all(len(r.output_ids) >= 2 for r in reqs):
             break
     assert all(len(r.output_ids) >= 2 for r in reqs)
-    torch.cuda.synchronize()
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(6):
-                eng.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
     # the torch attention backend synchronises by itself (tests/gpu/test_overlap.py checks fa and fi, which do not)
-    syncs = sorted({f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)
-                    and not w.filename.endswith("attention/torch_native.py")})
+    syncs = [s for s in stream_syncs(lambda: [eng.step() for _ in range(6)])
+             if "attention/torch_native.py:" not in s]
     assert not syncs, "grammar decode steps synchronised the stream at:\n" + "\n".join(syncs)
     for _ in range(100):
         if not eng.has_work():

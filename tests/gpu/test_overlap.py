@@ -6,15 +6,13 @@ until the stream drains (blocking host->device copies, .item(), .cpu(), stream o
 wait the engine means to make, on the previous step's event before reading its sampled tokens, is an event
 wait and is not reported.
 """
-import warnings
 
 import pytest
-import torch
 
 from minisrv import LLM, SamplingParams
 from minisrv.attention import device_sm, missing
 
-from .common import CKPT, free_cuda, mixed_prompts, requires_ckpt
+from .common import CKPT, free_cuda, mixed_prompts, requires_ckpt, stream_syncs
 
 pytestmark = requires_ckpt
 BACKENDS = ["fa,fi", "fi", "fa"]
@@ -39,18 +37,7 @@ def test_decode_steps_never_synchronise(backend, graphs):
                 for p in mixed_prompts(24, 10, 300, seed=5)]
         while any(len(r.output_ids) < 2 for r in reqs):  # prefill done, decoding under way
             eng.step()
-        torch.cuda.synchronize()
-        prev = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                for _ in range(16):
-                    eng.step()
-        finally:
-            torch.cuda.set_sync_debug_mode(prev)
-        syncs = sorted({f"{w.filename}:{w.lineno}: {w.message}" for w in caught
-                        if "synchroniz" in str(w.message)})
+        syncs = stream_syncs(lambda step=eng.step: [step() for _ in range(16)])
         assert not syncs, "decode steps synchronised the stream at:\n" + "\n".join(syncs)
         for r in reqs:
             eng.abort(r.rid)
