@@ -3,7 +3,7 @@
 # in .gpu-wheels/ (fa3, fi, srv, tools: FlashAttention-3, FlashInfer, server packages, install and checkpoint
 # scripts) and makes a random-weight Qwen3-0.6B-shaped checkpoint at $MINISRV_GPU_CKPT (default /tmp/qwen3).
 #   bash tests/gpu/run.sh [phase ...]
-#   phases: smoke e2e graph overlap sampling backends bench bench-steps bench-profile bench-p1 bench-fi bench-fa
+#   phases: smoke e2e graph overlap sampling grammar backends bench bench-steps bench-profile bench-p1 bench-fi bench-fa
 #           bench-nocache bench-shared bench-shared-lpm bench-shared-off decode profile cprofile llama8b
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
@@ -14,6 +14,7 @@ export MINISRV_GPU_CKPT=${MINISRV_GPU_CKPT:-/tmp/qwen3}
 FI_CACHE=$HOME/.cache/flashinfer/0.6.13/90a/cached_ops
 # FlashInfer re-runs ninja for anything in its JIT dir (and rebuilds without the object files), but loads a module
 # found in its AOT dir (<package>/data/aot/<name>/<name>.so) as is: put the carried kernels there
+[ -d .fi-cache-min ] && [ ! -d .fi-cache ] && mv .fi-cache-min .fi-cache  # a subset carried when the whole is too big
 if [ -d .fi-cache ]; then
   FI_AOT=$(python3 -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("flashinfer").origin), "data", "aot"))')
   for f in .fi-cache/*.so; do [ -e "$f" ] || continue
@@ -42,6 +43,7 @@ for phase in "${@:-smoke}"; do
                  echo "warm $c: $(tail -n 1 /tmp/warm-$c.log)") & done; wait
               step backends 300 python3 -m pytest -q -rs tests/gpu/test_backends.py ;;
     sampling) step sampling 300 python3 -m pytest -q tests/gpu/test_sampling.py ;;
+    grammar) step grammar 300 python3 -m pytest -q -s tests/gpu/test_grammar.py ;;
     overlap) step overlap 400 python3 -m pytest -q -s tests/gpu/test_overlap.py ;;
     bench) step bench 300 $BENCH --attention-backend auto ;;
     bench-profile) step bench-profile 300 $BENCH --attention-backend auto --profile ;;  # syncs every phase: no overlap
