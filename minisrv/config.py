@@ -28,6 +28,7 @@ class EngineConfig:
     disable_overlap_schedule: bool = False  # CUDA: prepare step N+1 on the host while step N runs
     disable_radix_cache: bool = False  # reuse the KV of shared prefixes across requests unless set
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest cached prefix first, when the queue is long)
+    enable_cascade_attention: bool = False  # decode steps where many requests share long prefixes read them once
     fail_on_token: Optional[int] = None  # testing only: a step whose batch holds a prompt with this id raises
     seed: Optional[int] = None  # seeds torch's generator, which unseeded requests draw from
     log_level: str = "info"
@@ -72,6 +73,9 @@ class EngineConfig:
                        help="do not keep and reuse the KV of shared prompt prefixes")
         p.add_argument("--schedule-policy", default=d.schedule_policy, choices=("fcfs", "lpm"),
                        help="fcfs: arrival order; lpm: longest cached prefix first when many requests wait")
+        p.add_argument("--enable-cascade-attention", action="store_true",
+                       help="fi decode: when many running requests share a long prefix, read its KV once per step for "
+                            "all of them (cascade attention; such steps run without CUDA graphs)")
         p.add_argument("--random-seed", "--seed", dest="seed", type=int, default=None,
                        help="seed for requests that give none (reproducible runs of one engine)")
         p.add_argument("--log-level", default=d.log_level)

@@ -205,6 +205,7 @@ def main() -> int:
     eng.peak_pages_used = 0
     eng.num_cached_prompt_tokens = 0
     eng.runner.wait_s = 0.0
+    eng.runner.num_cascade_steps = 0
     trace = trace_steps(eng) if a.steps else None
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -223,13 +224,15 @@ def main() -> int:
         "graph_capture_s": getattr(eng.runner.graph_runner, "capture_s", None),
         "host_wait_s": round(eng.runner.wait_s, 3),
         "radix_cache": eng.cache is not None, "cache_hit_rate": round(eng.num_cached_prompt_tokens / in_tokens, 3),
+        "cascade_attention": eng.runner.cascade is not None, "cascade_steps": eng.runner.num_cascade_steps,
     }
     print(f"minisrv [{result['backend']}, {result['dtype']}, {result['device']}]: {out_tokens} output tokens "
           f"({in_tokens} input) in {dt:.2f}s = {out_tokens / dt:.1f} output tok/s; ready in {t_ready:.1f}s; "
           f"peak KV {result['peak_kv_tokens']} of {result['kv_pool_tokens']} tokens; "
           f"{result['retractions']} retractions; graph capture {result['graph_capture_s']}s; "
           f"host waited for the device {eng.runner.wait_s:.2f}s; prefix cache "
-          f"{'hit rate ' + format(result['cache_hit_rate'], '.1%') if eng.cache is not None else 'off'}")
+          f"{'hit rate ' + format(result['cache_hit_rate'], '.1%') if eng.cache is not None else 'off'}"
+          + (f"; {result['cascade_steps']} cascade decode steps" if result["cascade_attention"] else ""))
     if a.profile:
         tm = eng.timings
         total = sum(tm.values())

@@ -8,9 +8,11 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
+
+from .cascade import PrefixGroups
 
 if TYPE_CHECKING:
     from minisrv.kvcache import KVPool
@@ -39,6 +41,8 @@ class ForwardBatch:
     seq_lens_cpu: List[int]
     extend_lens_cpu: List[int]
     max_seq_len: int
+    # a decode step to run as cascade attention (only ever set for a backend with supports_cascade); it runs eagerly
+    prefix_groups: Optional[PrefixGroups] = None
 
     @property
     def batch_size(self) -> int:
@@ -87,6 +91,9 @@ class AttentionBackend(ABC):
 
     # CUDA-graph hooks (decode only). A backend that cannot be captured leaves supports_cuda_graph False.
     supports_cuda_graph: bool = False
+    # Whether decode steps with `ForwardBatch.prefix_groups` set run as cascade attention (attention/cascade.py);
+    # the model runner plans groups only for a backend that says so.
+    supports_cascade: bool = False
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")
@@ -120,6 +127,7 @@ class HybridBackend(AttentionBackend):
         self.decode_backend = decode
         self.name = f"{prefill.name},{decode.name}"
         self.supports_cuda_graph = decode.supports_cuda_graph
+        self.supports_cascade = decode.supports_cascade
 
     def prepare(self, batch: ForwardBatch) -> AttentionStep:
         half = self.decode_backend if batch.is_decode else self.prefill_backend

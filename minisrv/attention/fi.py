@@ -8,6 +8,15 @@ lengths the batch already carries, the page ids are gathered on the device from 
 host round trip. New tokens' k/v are written into the pool before the kernel runs; the kernel reads the pool as
 the tuple (K, V) in NHD layout, [num_pages, page_size, Hkv, D] per layer.
 
+Cascade decode (a step whose batch carries `prefix_groups`, see cascade.py): each request's own pages (those past
+its group's shared ones) go through the decode wrapper, which also returns the log-sum-exp of every row; each
+group's shared pages go through a prefill wrapper whose queries are the group's members (non-causal: every shared
+token precedes them), read once per group instead of once per request; the two results are merged in place with
+`merge_state_in_place`. The prefill wrapper needs each group's queries contiguous, so q runs in the plan's order
+(groups first) and the output is put back in batch order. Requests in no group are left out of the shared level
+altogether rather than given an empty one: FlashInfer does not define the output or log-sum-exp of attention over
+no keys. Such steps run eagerly (the CUDA-graph runner refuses them).
+
 CUDA graphs: a FlashInfer decode wrapper in CUDA-graph mode is bound to one batch size (its indptr buffer has
 B+1 entries), so one wrapper is made per captured batch size, all sharing fixed index buffers and the workspace.
 `plan` never runs inside a capture: `prepare_for_capture` plans before the caller starts capturing, and
@@ -16,13 +25,14 @@ B+1 entries), so one wrapper is made per captured batch size, all sharing fixed 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from minisrv.utils import ceil_div
+from minisrv.utils import ceil_div, to_device
 
 from .base import AttentionBackend, ForwardBatch
+from .cascade import PrefixGroups
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -33,10 +43,37 @@ class FIMeta:
     wrapper: Any  # the FlashInfer wrapper planned for this step (its plan is FlashInfer's own state)
     kv_indices: torch.Tensor  # this step's page ids, kept alive while the wrapper may read them
 
+    def run(self, q: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.wrapper.run(q, kv)
+
+
+@dataclass(frozen=True)
+class FICascadeMeta:
+    """A cascade decode step: rows run in the plan's order, in which each group's members are contiguous."""
+
+    loc: torch.Tensor  # [B] slots the step's k/v go to (batch order)
+    own: Any  # decode wrapper over each request's pages past its group's shared ones, rows in cascade order
+    shared: Any  # prefill wrapper over each group's shared pages, with the group's members as its queries
+    merge: Callable  # flashinfer.merge_state_in_place
+    num_grouped: int  # cascade rows [0, num_grouped) belong to a group, in group order
+    order: Optional[torch.Tensor]  # [B] int64 batch row of each cascade row (None: the batch is in cascade order)
+    inverse: Optional[torch.Tensor]  # [B] int64 cascade row of each batch row
+    kv_indices: Tuple[torch.Tensor, torch.Tensor]  # own and shared page ids, kept alive while the wrappers read them
+
+    def run(self, q: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        qc = q if self.order is None else q[self.order]
+        out, lse = self.own.run(qc, kv, return_lse=True)
+        g = self.num_grouped
+        out_shared, lse_shared = self.shared.run(qc[:g], kv, return_lse=True)
+        # both log-sum-exps are FlashInfer's (base 2); the merge rewrites the grouped rows of out (and lse) in place
+        self.merge(out[:g], lse[:g], out_shared, lse_shared)
+        return out if self.inverse is None else out[self.inverse]
+
 
 class FlashInferBackend(AttentionBackend):
     name = "fi"
     supports_cuda_graph = True
+    supports_cascade = True
 
     def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int) -> None:
         super().__init__(pool, req_to_token, num_q_heads)
@@ -51,6 +88,7 @@ class FlashInferBackend(AttentionBackend):
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
+        self.shared_wrapper = None  # the shared level of cascade decode, made on the first cascade step
         # CUDA-graph state
         self.graph_wrappers: Dict[int, object] = {}
         self.g_kv_indptr: Optional[torch.Tensor] = None
@@ -63,6 +101,8 @@ class FlashInferBackend(AttentionBackend):
             self._plan_done.synchronize()
 
     def _after_plan(self) -> None:
+        if self.device.type != "cuda":
+            return  # nothing runs ahead of the host
         self._plan_done = torch.cuda.Event()
         self._plan_done.record()
 
@@ -80,18 +120,27 @@ class FlashInferBackend(AttentionBackend):
         return (torch.tensor(indptr, dtype=torch.int32), torch.tensor(last, dtype=torch.int32), indptr[-1])
 
     def _page_ids(self, rows: torch.Tensor, seq_lens: torch.Tensor, total: int) -> torch.Tensor:
-        """kv_indices [total] int32 on the device: request i contributes req_to_token[row_i, 0:len_i:ps] // ps.
+        """kv_indices [total] int32 on the device: request i contributes req_to_token[row_i, 0:len_i:ps] // ps."""
+        ps = self.page_size
+        n_pages = (seq_lens.to(torch.int64) + (ps - 1)) // ps  # [B]
+        return self._gather_pages(rows, None, n_pages, total)
 
-        Row of each output entry via repeat_interleave with a known output size (no device->host sync), column as
-        the entry's offset from its request's start.
+    def _gather_pages(self, rows: torch.Tensor, first: Optional[torch.Tensor], counts: torch.Tensor,
+                      total: int) -> torch.Tensor:
+        """kv_indices [total] int32 on the device: entry e contributes its table row rows[e]'s pages first[e] ..
+        first[e] + counts[e] - 1 (from page 0 when first is None), read as req_to_token[row, page * ps] // ps.
+
+        Entry of each output via repeat_interleave with a known output size (no device->host sync), page as the
+        output's offset from its entry's start.
         """
         ps = self.page_size
         dev = rows.device
-        n_pages = (seq_lens.to(torch.int64) + (ps - 1)) // ps  # [B]
-        req = torch.repeat_interleave(torch.arange(rows.numel(), device=dev), n_pages, output_size=total)
-        starts = torch.cumsum(n_pages, 0) - n_pages
-        col = torch.arange(total, device=dev) - starts[req]
-        slots = self.req_to_token[rows[req], col * ps]
+        entry = torch.repeat_interleave(torch.arange(rows.numel(), device=dev), counts, output_size=total)
+        starts = torch.cumsum(counts, 0) - counts
+        col = torch.arange(total, device=dev) - starts[entry]
+        if first is not None:
+            col = col + first[entry]
+        slots = self.req_to_token[rows[entry], col * ps]
         return slots if ps == 1 else slots // ps
 
     def _plan_decode(self, wrapper, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
@@ -103,7 +152,9 @@ class FlashInferBackend(AttentionBackend):
                      sm_scale=self.scale)
         self._after_plan()
 
-    def prepare(self, b: ForwardBatch) -> FIMeta:
+    def prepare(self, b: ForwardBatch) -> Any:
+        if b.is_decode and b.prefix_groups is not None:
+            return self._prepare_cascade(b, b.prefix_groups)
         kv_indptr, kv_last, total = self._host_kv_meta(b.seq_lens_cpu)
         kv_indices = self._page_ids(b.req_rows, b.seq_lens, total)
         if b.is_decode:
@@ -121,10 +172,54 @@ class FlashInferBackend(AttentionBackend):
         self._after_plan()
         return FIMeta(b.out_cache_loc, self.prefill_wrapper, kv_indices)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                meta: FIMeta) -> torch.Tensor:
+    def _prepare_cascade(self, b: ForwardBatch, groups: PrefixGroups) -> FICascadeMeta:
+        """Plan both levels of a cascade decode step. Every indptr comes from host-side lengths; the page ids are
+        gathered on the device from the request->token table (the shared level's from each group's leader), after
+        one host->device copy of the plan's indices."""
+        ps, bs, ng = self.page_size, b.batch_size, groups.num_groups
+        order = list(groups.order)
+        first = groups.shared_pages_in_order()
+        seq = [b.seq_lens_cpu[i] for i in order]
+        pages = [ceil_div(s, ps) for s in seq]
+        count = [n - f for n, f in zip(pages, first)]
+        if len(order) != bs or min(count) < 1:
+            raise ValueError("a cascade plan must cover the batch and leave each request the page it writes to")
+        own_indptr = _prefix_sums(count)
+        own_last = [s - (n - 1) * ps for s, n in zip(seq, pages)]
+        qo_indptr = _prefix_sums(groups.sizes)
+        shared_indptr = _prefix_sums(groups.shared_pages)
+        inverse = [0] * bs
+        for row, i in enumerate(order):
+            inverse[i] = row
+        idx = to_device(order + inverse + first + count + groups.leaders() + list(groups.shared_pages),
+                        torch.int64, self.device)
+        order_t, inverse_t = idx[:bs], idx[bs:2 * bs]
+        own_indices = self._gather_pages(b.req_rows[order_t], idx[2 * bs:3 * bs], idx[3 * bs:4 * bs],
+                                         own_indptr[-1])
+        shared_indices = self._gather_pages(b.req_rows[idx[4 * bs:4 * bs + ng]], None, idx[4 * bs + ng:],
+                                            shared_indptr[-1])
+        if self.shared_wrapper is None:
+            self.shared_wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        i32 = torch.int32
+        self._before_plan()
+        self.decode_wrapper.plan(torch.tensor(own_indptr, dtype=i32), own_indices, torch.tensor(own_last, dtype=i32),
+                                 self.num_q_heads, self.num_kv_heads, self.head_dim, ps,
+                                 pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
+                                 sm_scale=self.scale)
+        self.shared_wrapper.plan(torch.tensor(qo_indptr, dtype=i32), torch.tensor(shared_indptr, dtype=i32),
+                                 shared_indices, torch.full((ng,), ps, dtype=i32),
+                                 self.num_q_heads, self.num_kv_heads, self.head_dim, ps,
+                                 causal=False, pos_encoding_mode="NONE", sm_scale=self.scale,
+                                 q_data_type=self.dtype, kv_data_type=self.dtype)
+        self._after_plan()
+        in_order = order == list(range(bs))
+        return FICascadeMeta(b.out_cache_loc, self.decode_wrapper, self.shared_wrapper, self._fi.merge_state_in_place,
+                             groups.num_grouped, None if in_order else order_t, None if in_order else inverse_t,
+                             (own_indices, shared_indices))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: Any) -> torch.Tensor:
         self.pool.store(layer_id, meta.loc, k, v)
-        return meta.wrapper.run(q, (self.pool.k[layer_id], self.pool.v[layer_id]))
+        return meta.run(q, (self.pool.k[layer_id], self.pool.v[layer_id]))
 
     # -- CUDA graphs (decode) -------------------------------------------------------------------------------
 
@@ -177,3 +272,10 @@ class FlashInferBackend(AttentionBackend):
     def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: FIMeta) -> None:
         # the plan copies the page ids into the wrapper's fixed buffer (stream-ordered), which the graph reads
         self._plan_graph(b, meta.wrapper, padded_bs)
+
+
+def _prefix_sums(counts: Sequence[int]) -> List[int]:
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out

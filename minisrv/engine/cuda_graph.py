@@ -89,7 +89,8 @@ class CudaGraphRunner:
                     len(self.graphs), self.max_bs, self.capture_s, self.capture_gib)
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.is_decode and fb.batch_size <= self.max_bs
+        # a cascade step (prefix_groups set) plans two attention levels of its own: it runs eagerly
+        return fb.is_decode and fb.prefix_groups is None and fb.batch_size <= self.max_bs
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         bs = fb.batch_size

@@ -16,6 +16,7 @@ from typing import Deque, Dict, List, Optional, Tuple
 import torch
 
 from minisrv.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from minisrv.attention.cascade import CascadePolicy
 from minisrv.kvcache import KVPool, ReqToTokenTable
 from minisrv.utils import to_device
 
@@ -71,13 +72,15 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, pool: KVPool, table: ReqToTokenTable,
-                 device: torch.device, graph_runner=None) -> None:
+                 device: torch.device, graph_runner=None, cascade: Optional[CascadePolicy] = None) -> None:
         self.model = model
         self.backend = backend
         self.pool = pool
         self.table = table
         self.device = device
         self.graph_runner = graph_runner  # CUDA-graph decode, when enabled
+        self.cascade = cascade  # when decode steps run as cascade attention (None: never)
+        self.num_cascade_steps = 0
         self.timings: Optional[Dict[str, float]] = None  # phase -> seconds, when profiling
         self.wait_s = 0.0  # host time spent waiting for the device's results (the GPU-bound share of a run)
         self._inflight: Deque[LaunchedStep] = deque()  # launched and not yet collected, oldest first
@@ -119,6 +122,11 @@ class ModelRunner:
                 assert not r.num_pending, "an extend step needs every token of its requests on the host"
                 ids.extend(r.all_ids[r.num_cached:r.num_cached + n])
                 pos.extend(range(r.num_cached, r.num_cached + n))
+        groups = None
+        if self.cascade is not None and sb.mode is ForwardMode.DECODE:
+            graphed = self.graph_runner is not None and len(reqs) <= self.graph_runner.max_bs
+            groups = self.cascade.plan([r.pages for r in reqs], seq_lens, graphed)
+            self.num_cascade_steps += groups is not None
         cu = [0]
         for n in ext:
             cu.append(cu[-1] + n)
@@ -148,6 +156,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             extend_lens_cpu=list(ext),
             max_seq_len=max(seq_lens),
+            prefix_groups=groups,
         )
 
     @torch.inference_mode()

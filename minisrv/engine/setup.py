@@ -10,6 +10,7 @@ from typing import Any, List, Optional
 import torch
 
 from minisrv.attention import ForwardMode, create_backend, resolve_backend
+from minisrv.attention.cascade import CascadePolicy
 from minisrv.config import DEFAULT_CPU_POOL_TOKENS, EngineConfig
 from minisrv.kvcache import KVPool, PageAllocator, ReqToTokenTable, slots_for
 from minisrv.models.layers import ModelArgs, fused_ops_for
@@ -125,7 +126,14 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         from .cuda_graph import CudaGraphRunner, default_max_bs
         max_bs = min(cfg.cuda_graph_max_bs or default_max_bs(device), cfg.max_running_requests)
         graph_runner = CudaGraphRunner(model, backend, pad_row, pad_page * ps, max_bs, context_length, device)
-    runner = ModelRunner(model, backend, pool, table, device, graph_runner)
+    cascade = None
+    if cfg.enable_cascade_attention:
+        if backend.supports_cascade:
+            cascade = CascadePolicy(ps)
+        else:
+            logger.warning("--enable-cascade-attention: the %s backend has no cascade decode (decode on fi has); ignored",
+                           backend_name)
+    runner = ModelRunner(model, backend, pool, table, device, graph_runner, cascade)
     logger.info("model %s (%s, %s) on %s loaded in %.1fs%s", model_path, a.architecture,
                 str(dtype).replace("torch.", ""), device, t_load, "; fused ops on" if fused is not None else "")
     logger.info("KV pool: %d tokens (%d pages of %d), %.2f GiB; context length %d; attention backend %s",
