@@ -39,15 +39,17 @@ IN_ORDER = ["A0", "A1", "B0", "B1", "F"]
 
 class SharedPrefixScene:
     def __init__(self, page_size: int, dtype: torch.dtype, hkv: int, d: int, device: torch.device,
-                 seed: int = 0) -> None:
+                 seed: int = 0, pool_tokens: int = POOL_TOKENS, max_rows: int = MAX_ROWS,
+                 max_context: int = MAX_CONTEXT) -> None:
         self.page_size = page_size
         self.device = device
         self.gen = torch.Generator().manual_seed(seed)
-        num_pages = POOL_TOKENS // page_size
+        num_pages = pool_tokens // page_size
         self.pool = KVPool(NUM_LAYERS, num_pages, page_size, hkv, d, dtype, device)
+        fill = torch.Generator(device=device).manual_seed(seed)
         for layer in range(NUM_LAYERS):
-            self.pool.kv[layer].copy_(self.randn(*self.pool.kv[layer].shape))
-        self.table = torch.zeros((MAX_ROWS, MAX_CONTEXT), dtype=torch.int32, device=device)
+            self.pool.kv[layer].normal_(generator=fill)
+        self.table = torch.zeros((max_rows, max_context), dtype=torch.int32, device=device)
         self.alloc = PageAllocator(num_pages)
         everything = self.alloc.alloc(num_pages)
         perm = torch.randperm(num_pages, generator=self.gen).tolist()
@@ -120,6 +122,29 @@ def standard_scene(page_size: int, dtype: torch.dtype, hkv: int, d: int, device:
     for name, prefix, own in REQUESTS:
         sc.add_request(name, sc.prefixes[prefix] if prefix else [], own)
     return sc
+
+
+def many_groups_scene(page_size: int, dtype: torch.dtype, hkv: int, d: int, device: torch.device,
+                      num_prefixes: int, per_prefix: int, prefix_tokens: int, seed: int = 0
+                      ) -> Tuple[SharedPrefixScene, List[str]]:
+    """The offline benchmark's `prefix` workload mid-decode: num_prefixes prefixes of prefix_tokens, per_prefix
+    requests on each with 16-256 prompt tokens and 0-512 generated ones of their own, shuffled. Returns the scene
+    and the batch's request names."""
+    rng = torch.Generator().manual_seed(seed)
+    own = torch.randint(16, 256 + 512, (num_prefixes * per_prefix,), generator=rng).tolist()
+    context = prefix_tokens + 256 + 512 + 1
+    pages = num_prefixes * prefix_tokens // page_size + sum(ceil_div(o + 1, page_size) + 1 for o in own)
+    sc = SharedPrefixScene(page_size, dtype, hkv, d, device, seed, pool_tokens=pages * page_size,
+                           max_rows=len(own), max_context=ceil_div(context, page_size) * page_size)
+    names = []
+    for p in range(num_prefixes):
+        sc.add_prefix(f"P{p}", prefix_tokens)
+        for r in range(per_prefix):
+            name = f"P{p}-{r}"
+            sc.add_request(name, sc.prefixes[f"P{p}"], own[p * per_prefix + r])
+            names.append(name)
+    perm = torch.randperm(len(names), generator=rng).tolist()
+    return sc, [names[i] for i in perm]
 
 
 def named_groups(plan: PrefixGroups, names: Sequence[str], page_size: int) -> Dict[Tuple[str, ...], int]:

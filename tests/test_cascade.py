@@ -14,6 +14,7 @@ import torch
 
 from minisrv.attention.cascade import (MIN_SAVED_TOKENS, MIN_SAVED_TOKENS_EAGER, CascadePolicy, PrefixGroups,
                                        find_prefix_groups)
+from minisrv.attention.base import HybridBackend
 from minisrv.attention.torch_native import TorchNativeBackend
 from minisrv.config import EngineConfig
 from minisrv.engine.cuda_graph import CudaGraphRunner
@@ -204,6 +205,24 @@ def test_fi_cascade_step_matches_plain_decode_and_torch(fake_fi, page_size, hq, 
             assert torch.equal(pools["cascade"].kv[layer], pools["torch"].kv[layer])
 
 
+def test_the_gpu_tests_set_up_runs_here(fake_fi):
+    """tests/gpu/test_cascade.py's own steps, at a small size, through the stand-in: the GPU run meets no bug of
+    the test's making."""
+    from .gpu import test_cascade as gpu
+    cpu = torch.device("cpu")
+    sc = cs.standard_scene(16, torch.float32, 2, 8, cpu)
+    plan, outs, pools = gpu._three_ways(sc, [r[0] for r in cs.REQUESTS], 4)
+    for layer in range(cs.NUM_LAYERS):
+        assert gpu._rel_err(outs["cascade"][layer], outs["torch"][layer]) < 1e-5
+        assert torch.equal(pools["cascade"].kv[layer], pools["torch"].kv[layer])
+    sc, names = cs.many_groups_scene(16, torch.float32, 2, 8, cpu, 3, 4, 256)
+    plan, outs, _ = gpu._three_ways(sc, names, 4, reference=False)
+    assert plan.sizes == (4,) * 3 and plan.shared_pages == (16,) * 3
+    assert gpu._rel_err(outs["cascade"][1], outs["plain"][1]) < 1e-5
+    prompts = gpu._shared_prompts()
+    assert len(prompts) == 36 and sum(len(p) > 1024 for p in prompts) == 32
+
+
 def test_fi_cascade_refuses_a_plan_that_takes_the_current_page(fake_fi):
     sc = cs.standard_scene(16, torch.float32, 2, 8, torch.device("cpu"))
     names = ["A0", "A1"]
@@ -228,10 +247,11 @@ def _shared_prompts(vocab: int, seed: int = 3):
     return prompts + [[rng.randrange(3, vocab) for _ in range(30)]]
 
 
-def test_engine_on_fi_cascade_matches_hf_and_plain_decode(tiny_model, fake_fi):
-    """The whole engine (prefix cache on, so requests share pages) on the fi backend over the stand-in kernels:
-    with cascade planned on every decode step that has a group, each logits row equals HF's float64 one, and the
-    tokens equal those of the same engine without cascade."""
+@pytest.mark.parametrize("hybrid", [False, True], ids=["fi", "torch,fi"])
+def test_engine_on_fi_cascade_matches_hf_and_plain_decode(tiny_model, fake_fi, hybrid):
+    """The whole engine (prefix cache on, so requests share pages) on the fi backend over the stand-in kernels (or
+    decoding on it, prefilling on torch): with cascade planned on every decode step that has a group, each logits
+    row equals HF's float64 one, and the tokens equal those of the same engine without cascade."""
     path = tiny_model("qwen3")
     prompts = _shared_prompts(vocab_of(path))
     tokens = {}
@@ -239,8 +259,11 @@ def test_engine_on_fi_cascade_matches_hf_and_plain_decode(tiny_model, fake_fi):
         llm = make_llm(path, disable_radix_cache=False, page_size=4)
         eng = llm.engine
         runner = eng.runner
-        runner.backend = fake_fi.FlashInferBackend(eng.pool, eng.table.table, eng.args.num_heads)
-        if cascade:
+        fi = fake_fi.FlashInferBackend(eng.pool, eng.table.table, eng.args.num_heads)
+        runner.backend = HybridBackend(runner.backend, fi) if hybrid else fi
+        assert runner.backend.supports_cascade
+        if cascade:  # what setup does for --enable-cascade-attention, with thresholds this small model can meet
+            runner.backend.init_cascade_state()
             runner.cascade = CascadePolicy(page_size=4, min_shared_tokens=8, min_saved_tokens=0,
                                            min_saved_tokens_eager=0)
         watch = EngineWatch(eng)
@@ -250,9 +273,9 @@ def test_engine_on_fi_cascade_matches_hf_and_plain_decode(tiny_model, fake_fi):
         watch.assert_idle()
         if cascade:
             assert runner.num_cascade_steps >= 5, "the shared prompts' decode steps should run as cascade"
-            assert runner.backend.shared_wrapper.plans == runner.num_cascade_steps
+            assert fi.shared_wrapper.plans == runner.num_cascade_steps
         else:
-            assert runner.num_cascade_steps == 0 and runner.backend.shared_wrapper is None
+            assert runner.num_cascade_steps == 0 and fi.shared_wrapper is None
     assert tokens[True] == tokens[False]
 
 

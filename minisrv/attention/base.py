@@ -95,6 +95,10 @@ class AttentionBackend(ABC):
     # the model runner plans groups only for a backend that says so.
     supports_cascade: bool = False
 
+    def init_cascade_state(self) -> None:
+        """Make (and load the kernels of) what cascade steps use, at start-up rather than in the first one."""
+        raise NotImplementedError(f"{self.name} has no cascade decode")
+
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")
 
@@ -138,6 +142,9 @@ class HybridBackend(AttentionBackend):
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
         self.decode_backend.init_graph_state(max_bs, max_seq_len)
+
+    def init_cascade_state(self) -> None:
+        self.decode_backend.init_cascade_state()
 
     def prepare_for_capture(self, batch: ForwardBatch) -> AttentionStep:
         return AttentionStep(self.decode_backend, self.decode_backend.prepare_for_capture(batch))

@@ -88,7 +88,7 @@ class FlashInferBackend(AttentionBackend):
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
-        self.shared_wrapper = None  # the shared level of cascade decode, made on the first cascade step
+        self.shared_wrapper = None  # the shared level of cascade decode (init_cascade_state)
         # CUDA-graph state
         self.graph_wrappers: Dict[int, object] = {}
         self.g_kv_indptr: Optional[torch.Tensor] = None
@@ -199,7 +199,7 @@ class FlashInferBackend(AttentionBackend):
         shared_indices = self._gather_pages(b.req_rows[idx[4 * bs:4 * bs + ng]], None, idx[4 * bs + ng:],
                                             shared_indptr[-1])
         if self.shared_wrapper is None:
-            self.shared_wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+            self.init_cascade_state()
         i32 = torch.int32
         self._before_plan()
         self.decode_wrapper.plan(torch.tensor(own_indptr, dtype=i32), own_indices, torch.tensor(own_last, dtype=i32),
@@ -216,6 +216,14 @@ class FlashInferBackend(AttentionBackend):
         return FICascadeMeta(b.out_cache_loc, self.decode_wrapper, self.shared_wrapper, self._fi.merge_state_in_place,
                              groups.num_grouped, None if in_order else order_t, None if in_order else inverse_t,
                              (own_indices, shared_indices))
+
+    def init_cascade_state(self) -> None:
+        """The shared level's wrapper, and the merge kernel loaded (FlashInfer builds it on first use, which could
+        otherwise take a first cascade step's place in a timed run)."""
+        self.shared_wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        v = torch.zeros((1, self.num_q_heads, self.head_dim), dtype=self.dtype, device=self.device)
+        s = torch.zeros((1, self.num_q_heads), dtype=torch.float32, device=self.device)
+        self._fi.merge_state_in_place(v, s, v.clone(), s.clone())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: Any) -> torch.Tensor:
         self.pool.store(layer_id, meta.loc, k, v)

@@ -129,9 +129,10 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     cascade = None
     if cfg.enable_cascade_attention:
         if backend.supports_cascade:
+            backend.init_cascade_state()
             cascade = CascadePolicy(ps)
         else:
-            logger.warning("--enable-cascade-attention: the %s backend has no cascade decode (decode on fi has); ignored",
+            logger.warning("--enable-cascade-attention ignored: the %s backend has no cascade decode (fi has)",
                            backend_name)
     runner = ModelRunner(model, backend, pool, table, device, graph_runner, cascade)
     logger.info("model %s (%s, %s) on %s loaded in %.1fs%s", model_path, a.architecture,

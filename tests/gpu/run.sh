@@ -3,8 +3,10 @@
 # in .gpu-wheels/ (fa3, fi, srv, tools: FlashAttention-3, FlashInfer, server packages, install and checkpoint
 # scripts) and makes a random-weight Qwen3-0.6B-shaped checkpoint at $MINISRV_GPU_CKPT (default /tmp/qwen3).
 #   bash tests/gpu/run.sh [phase ...]
-#   phases: smoke e2e graph overlap sampling grammar backends bench bench-steps bench-profile bench-p1 bench-fi bench-fa
-#           bench-nocache bench-shared bench-shared-lpm bench-shared-off decode profile cprofile llama8b
+#   phases: smoke e2e graph overlap sampling grammar backends cascade bench bench-steps bench-profile bench-p1 bench-fi
+#           bench-fa bench-nocache bench-prefix bench-prefix-off bench-prefix-cascade bench-prefix-512
+#           bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm bench-shared-off
+#           bench-shared-cascade decode profile cprofile llama8b
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -45,6 +47,7 @@ for phase in "${@:-smoke}"; do
     sampling) step sampling 300 python3 -m pytest -q tests/gpu/test_sampling.py ;;
     grammar) step grammar 300 python3 -m pytest -q -s tests/gpu/test_grammar.py ;;
     overlap) step overlap 400 python3 -m pytest -q -s tests/gpu/test_overlap.py ;;
+    cascade) step cascade 500 python3 -m pytest -q -s -rs tests/gpu/test_cascade.py ;;
     bench) step bench 300 $BENCH --attention-backend auto ;;
     bench-profile) step bench-profile 300 $BENCH --attention-backend auto --profile ;;  # syncs every phase: no overlap
     bench-p1) step bench-p1 300 $BENCH --attention-backend auto --page-size 1 ;;
@@ -52,12 +55,15 @@ for phase in "${@:-smoke}"; do
     bench-fa) step bench-fa 300 $BENCH --attention-backend fa ;;
     bench-nocache) step bench-nocache 300 $BENCH --attention-backend auto --disable-radix-cache ;;
     bench-prefix) step bench-prefix 300 $BENCH --attention-backend auto --workload prefix ;;
+    bench-prefix-cascade) step bench-prefix-cascade 300 $BENCH --attention-backend auto --workload prefix --enable-cascade-attention ;;
     bench-prefix-off) step bench-prefix-off 300 $BENCH --attention-backend auto --workload prefix --disable-radix-cache ;;
     bench-prefix-512) step bench-prefix-512 300 $BENCH --attention-backend auto --workload prefix --max-output-len 512 ;;
+    bench-prefix-512-cascade) step bench-prefix-512-cascade 300 $BENCH --attention-backend auto --workload prefix --max-output-len 512 --enable-cascade-attention ;;
     bench-prefix-512-off) step bench-prefix-512-off 300 $BENCH --attention-backend auto --workload prefix --max-output-len 512 --disable-radix-cache ;;
     bench-shared) step bench-shared 300 $BENCH --attention-backend auto --workload shared ;;
     bench-shared-lpm) step bench-shared-lpm 300 $BENCH --attention-backend auto --workload shared --schedule-policy lpm ;;
     bench-shared-off) step bench-shared-off 300 $BENCH --attention-backend auto --workload shared --disable-radix-cache ;;
+    bench-shared-cascade) step bench-shared-cascade 300 $BENCH --attention-backend auto --workload shared --enable-cascade-attention ;;
     profile) step profile 200 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
                --batch-sizes 1,64,256 --graphs on --steps 16 --torch-profile ;;
     cprofile) step cprofile 200 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
