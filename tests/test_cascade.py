@@ -205,20 +205,20 @@ def test_fi_cascade_step_matches_plain_decode_and_torch(fake_fi, page_size, hq, 
             assert torch.equal(pools["cascade"].kv[layer], pools["torch"].kv[layer])
 
 
-def test_the_gpu_tests_set_up_runs_here(fake_fi):
-    """tests/gpu/test_cascade.py's own steps, at a small size, through the stand-in: the GPU run meets no bug of
-    the test's making."""
+def test_the_gpu_tests_run_here(fake_fi, monkeypatch):
+    """tests/gpu/test_cascade.py's kernel-level tests, through the stand-in on the CPU (the benchmark-shape one at a
+    small size): the one GPU run meets no bug of the test's own making."""
     from .gpu import test_cascade as gpu
     cpu = torch.device("cpu")
-    sc = cs.standard_scene(16, torch.float32, 2, 8, cpu)
-    plan, outs, pools = gpu._three_ways(sc, [r[0] for r in cs.REQUESTS], 4)
-    for layer in range(cs.NUM_LAYERS):
-        assert gpu._rel_err(outs["cascade"][layer], outs["torch"][layer]) < 1e-5
-        assert torch.equal(pools["cascade"].kv[layer], pools["torch"].kv[layer])
-    sc, names = cs.many_groups_scene(16, torch.float32, 2, 8, cpu, 3, 4, 256)
+    monkeypatch.setattr(gpu, "_dev", lambda: cpu)
+    monkeypatch.setattr(gpu, "_need_fi", lambda: None)
+    gpu.test_cascade_step_matches_plain_fi_and_torch(16)
+    gpu.test_cascade_step_matches_plain_fi_and_torch(1)
+    gpu.test_cascade_step_on_tensor_core_decode()
+    sc, names = cs.many_groups_scene(16, torch.bfloat16, 2, 8, cpu, 3, 4, 256)
     plan, outs, _ = gpu._three_ways(sc, names, 4, reference=False)
     assert plan.sizes == (4,) * 3 and plan.shared_pages == (16,) * 3
-    assert gpu._rel_err(outs["cascade"][1], outs["plain"][1]) < 1e-5
+    assert gpu._rel_err(outs["cascade"][1], outs["plain"][1]) < gpu.TOL
     prompts = gpu._shared_prompts()
     assert len(prompts) == 36 and sum(len(p) > 1024 for p in prompts) == 32
 
