@@ -17,6 +17,16 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model, attention_backend=attention_backend, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel processes (also done at interpreter exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def _encode(self, prompt: PromptType) -> List[int]:
         if isinstance(prompt, str):
             return self.tokenizer(prompt).input_ids
