@@ -4,7 +4,7 @@
 # scripts) and makes a random-weight Qwen3-0.6B-shaped checkpoint at $MINISRV_GPU_CKPT (default /tmp/qwen3).
 #   bash tests/gpu/run.sh [phase ...]
 #   phases: smoke e2e graph overlap sampling grammar backends bench bench-steps bench-profile bench-p1 bench-fi bench-fa
-#           bench-nocache bench-shared bench-shared-lpm bench-shared-off decode profile cprofile llama8b tp tp-bench tp-profile
+#           bench-nocache bench-shared bench-shared-lpm bench-shared-off decode profile cprofile llama8b tp tp-decode tp-offline tp-profile
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -67,12 +67,14 @@ for phase in "${@:-smoke}"; do
               --batch-sizes 1,64,256 --json "$OUT/decode.jsonl" ;;
     tp) step tp 500 python3 -m pytest -q -s tests/gpu/test_tensor_parallel.py ;;
     # tensor parallelism's benchmark on a Llama-3-8B-shaped checkpoint: tp 1 against tp 2, in one lease
-    tp-bench) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+    tp-decode) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
               for tp in 1 2; do
                 step tp$tp-decode 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
-                  --batch-sizes 1,64 --graphs on --steps 32 --tp-size $tp --json "$OUT/decode.jsonl"
-                step tp$tp-64 300 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size $tp --json "$OUT/bench.jsonl"
-                step tp$tp-256 400 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size $tp --json "$OUT/bench.jsonl"
+                  --batch-sizes 1,64 --graphs on --steps 32 --tp-size $tp --json "$OUT/decode.jsonl"; done ;;
+    tp-offline) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+              for tp in 1 2; do
+                step tp$tp-64 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size $tp --json "$OUT/bench.jsonl"
+                step tp$tp-256 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size $tp --json "$OUT/bench.jsonl"
               done ;;
     tp-profile) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
               step tp-profile 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
