@@ -10,11 +10,15 @@ A model built with `TensorParallel.single()` calls no collective at all: one GPU
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import torch
+
+logger = logging.getLogger("minisrv")
 
 # NVLink multicast (NVLS) stays off in every process: NCCL, torch's symmetric memory and NVSHMEM would otherwise
 # use it on hosts that have it, and multicast objects can take a shared host's GPUs out of service
@@ -111,8 +115,27 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     return tp
 
 
-def destroy_tensor_parallel(tp: TensorParallel) -> None:
-    if tp.size > 1:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def destroy_tensor_parallel(tp: TensorParallel, timeout_s: float = 10.0) -> None:
+    """Rank 0, after the other ranks have exited: drop the process groups so another engine can form its own.
+
+    NCCL's orderly teardown can wait for peers that are gone, so its communicators are aborted first, and the
+    teardown runs in a thread given `timeout_s`: an engine that cannot tear down in time is logged, never hung."""
+    if tp.size == 1:
+        return
+    import torch.distributed as dist
+
+    def teardown() -> None:
+        if not dist.is_initialized():
+            return
+        if torch.cuda.is_available():
+            try:
+                tp.group._get_backend(torch.device("cuda")).abort()
+            except Exception:  # noqa: BLE001 - not NCCL (gloo), or this torch has no abort: destroy below
+                pass
+        dist.destroy_process_group()
+
+    worker = threading.Thread(target=teardown, name="minisrv-tp-teardown", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        logger.warning("tensor-parallel process group did not tear down within %.0f s", timeout_s)

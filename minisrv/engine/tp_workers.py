@@ -144,6 +144,4 @@ def worker_main(cfg: EngineConfig, rank: int, init_method: str, parent_pid: int)
     except BaseException:  # noqa: BLE001 - any failure ends this rank; rank 0 notices the exit
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         os._exit(1)
-    from minisrv.distributed import destroy_tensor_parallel
-    destroy_tensor_parallel(runner.tp)
-    os._exit(0)
+    os._exit(0)  # no collective teardown: NCCL's can wait on rank 0, which is waiting for this exit

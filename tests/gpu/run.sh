@@ -65,7 +65,7 @@ for phase in "${@:-smoke}"; do
     bench-steps) step bench-steps 300 $BENCH --attention-backend auto --steps ;;
     decode) step decode 300 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
               --batch-sizes 1,64,256 --json "$OUT/decode.jsonl" ;;
-    tp) step tp 500 python3 -m pytest -q -s tests/gpu/test_tensor_parallel.py ;;
+    tp) step tp 400 python3 -X faulthandler -m pytest -q -s -o faulthandler_timeout=150 tests/gpu/test_tensor_parallel.py ;;
     # tensor parallelism's benchmark on a Llama-3-8B-shaped checkpoint: tp 1 against tp 2, in one lease
     tp-decode) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
               for tp in 1 2; do

@@ -50,16 +50,17 @@ def test_tp2_graph_replay_equals_eager(backend):
     why = missing(backend, device_sm())
     if why:
         pytest.skip(why)
-    for bs in (1, 17, 64):
-        prompts = mixed_prompts(bs, 8, 200, seed=bs)
-        runs = []
-        for graphs in (False, True):
-            with _llm(backend, disable_cuda_graph=not graphs, cuda_graph_max_bs=64) as llm:
-                assert (llm.engine.runner.graph_runner is not None) == graphs
-                runs.append(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                                                 logprobs=2), use_tqdm=False))
-            free_cuda()
-        for e, g in zip(*runs):
+    sizes = (1, 17, 64)
+    runs = []
+    for graphs in (False, True):
+        with _llm(backend, disable_cuda_graph=not graphs, cuda_graph_max_bs=64) as llm:
+            assert (llm.engine.runner.graph_runner is not None) == graphs
+            runs.append([llm.generate(mixed_prompts(bs, 8, 200, seed=bs),
+                                      SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
+                                      use_tqdm=False) for bs in sizes])
+        free_cuda()
+    for bs, eager, graph in zip(sizes, *runs):
+        for e, g in zip(eager, graph):
             for j, (te, tg) in enumerate(zip(e.token_ids, g.token_ids)):
                 if te != tg:
                     top = sorted(e.logprobs[j].top.values(), reverse=True)
