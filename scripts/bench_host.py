@@ -11,10 +11,12 @@ whatever the model; none of them depends on the device, so they can be measured 
 How: the engine runs a Qwen3-shaped checkpoint of one layer (hidden 64) with the default model's tokenizer (a real
 BPE tokenizer, so detokenisation costs what it does in production), and its runner's `forward_logits` is replaced by
 a stub that returns random logits over the first `--stub-vocab` token ids: no attention plan, no layers. The stub's
-time and the sampler's (tensor work a GPU would do) are subtracted from each step's wall time; what is left is the
-host time per step, reported by kind (extend / decode). Per-call costs of the per-request host work (request check,
-prefix match, tree insert) are timed in place. `--profile` adds a cProfile of one run (its overhead inflates Python
-code, so its numbers are shares, not timings).
+time and the sampler's (tensor work a GPU would do) are subtracted from each step's time; what is left is the host
+time per step, reported by kind (extend / decode). Per-call costs of the per-request host work (request check,
+prefix match, tree insert) are timed in place. Times are the engine thread's CPU time (torch kept to that thread),
+so other processes on a shared machine do not inflate them, and each figure is the median over `--repeat` runs of
+the workload, the prefix cache emptied before each. `--profile` adds a cProfile of one run (its overhead inflates
+Python code, so its numbers are shares, not timings).
 
   python scripts/bench_host.py                 # cache on and off, per-step and per-call host costs
   python scripts/bench_host.py --profile --no-cache-off --top 30
@@ -52,6 +54,12 @@ def build_checkpoint(path: str) -> str:
     return path
 
 
+def clock() -> float:
+    """This thread's CPU time: unlike wall time it does not grow while other processes hold the cores, so runs on a
+    shared machine agree (torch runs on this thread too, see main). On an idle machine the two are the same."""
+    return time.thread_time()
+
+
 class Timer:
     """Wraps obj.name so each call's count and seconds are recorded (the wrapper itself costs well under 1 us)."""
 
@@ -61,11 +69,11 @@ class Timer:
         self._undo = (obj, name, fn)
 
         def timed(*args, **kwargs):
-            t = time.perf_counter()
+            t = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - t
+                self.seconds += clock() - t
                 self.calls += 1
 
         setattr(obj, name, timed)
@@ -110,10 +118,10 @@ def run(path: str, cache: bool, a: argparse.Namespace, profile: bool) -> List[Di
 
     def timed_step():
         before = fwd.seconds + smp.seconds
-        t = time.perf_counter()
+        t = clock()
         out = step()
-        wall = time.perf_counter() - t
-        steps.append((kinds.pop() if kinds else "idle", wall - (fwd.seconds + smp.seconds - before)))
+        spent = clock() - t
+        steps.append((kinds.pop() if kinds else "idle", spent - (fwd.seconds + smp.seconds - before)))
         return out
 
     eng.runner.launch = launch_and_note
@@ -131,18 +139,18 @@ def run(path: str, cache: bool, a: argparse.Namespace, profile: bool) -> List[Di
         steps.clear()
         eng.num_cached_prompt_tokens = 0
         prof = cProfile.Profile() if profile and i == 0 else None
-        t = time.perf_counter()
+        t = clock()
         if prof is not None:
             prof.enable()
         outs = llm.generate(prompts, params, use_tqdm=False)
         if prof is not None:
             prof.disable()
-        wall = time.perf_counter() - t
+        total = clock() - t
         by_kind: Dict[str, List[float]] = {}
         for kind, s in steps:
             by_kind.setdefault(kind, []).append(s)
         results.append({
-            "cache": cache, "wall": wall, "standin": fwd.seconds + smp.seconds,
+            "cache": cache, "total": total, "standin": fwd.seconds + smp.seconds,
             "steps": sum(s for _, s in steps), "by_kind": by_kind,
             "calls": {k: (v.calls, v.us_per_call()) for k, v in timers.items()},
             "out_tokens": sum(len(o.token_ids) for o in outs), "hit": eng.num_cached_prompt_tokens,
@@ -158,16 +166,18 @@ def report(results: List[Dict[str, object]], top: int) -> None:
     med = statistics.median
     r0 = results[0]
     print(f"prefix cache {'on' if r0['cache'] else 'off'} ({r0['out_tokens']} output tokens, hit rate "
-          f"{r0['hit'] / r0['in_tokens']:.1%}), medians of {len(results)} runs: generate {med(r['wall'] for r in results):.3f} s "
-          f"wall, of which stub forward + sampler {med(r['standin'] for r in results):.3f} s; host time in steps "
-          f"{med(r['steps'] for r in results):.3f} s, outside steps (request checks, queueing) "
-          f"{med(r['wall'] - r['standin'] - r['steps'] for r in results):.3f} s")
-    print("  runs (wall s): " + ", ".join(f"{r['wall']:.3f}" for r in results))
+          f"{r0['hit'] / r0['in_tokens']:.1%}), thread CPU time, medians of {len(results)} runs: generate "
+          f"{med(r['total'] for r in results):.3f} s in all, of which stub forward + sampler "
+          f"{med(r['standin'] for r in results):.3f} s; host time in steps {med(r['steps'] for r in results):.3f} s, "
+          f"outside steps (request checks, queueing) "
+          f"{med(r['total'] - r['standin'] - r['steps'] for r in results):.3f} s")
+    print("  runs (s): " + ", ".join(f"{r['total']:.3f}" for r in results))
     for kind in sorted(r0["by_kind"]):
-        n = len(r0["by_kind"][kind])
-        print(f"  {kind:6s} steps {n:5d}: host per step median {med(1e6 * med(r['by_kind'][kind]) for r in results):8.0f} us,"
-              f" mean {med(1e6 * statistics.fmean(r['by_kind'][kind]) for r in results):8.0f} us, total "
-              f"{med(sum(r['by_kind'][kind]) for r in results):6.3f} s")
+        per_step = [r["by_kind"][kind] for r in results]
+        print(f"  {kind:6s} steps {len(per_step[0]):5d}: host per step median "
+              f"{med(1e6 * med(ts) for ts in per_step):8.0f} us, mean "
+              f"{med(1e6 * statistics.fmean(ts) for ts in per_step):8.0f} us, "
+              f"total {med(sum(ts) for ts in per_step):6.3f} s")
     for name, (n, _) in r0["calls"].items():
         print(f"  {name:14s} {n:5d} calls, {med(r['calls'][name][1] for r in results):8.1f} us each")
     if r0["prof"] is not None:

@@ -17,7 +17,7 @@ import torch
 
 from minisrv.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from minisrv.kvcache import KVPool, ReqToTokenTable
-from minisrv.utils import to_device
+from minisrv.utils import host_tensor, to_device
 
 from .request import Request, TokenLogprob
 from .sampler import SamplingBatch, sample
@@ -124,8 +124,8 @@ class ModelRunner:
             cu.append(cu[-1] + n)
         t, b, p = len(ids), len(reqs), len(pending_rows)
         # one pinned host buffer and one copy for every step tensor (int32 ones are converted on the device)
-        head = torch.tensor(ids + pos + [r.row for r in reqs] + [c - 1 for c in cu[1:]] + seq_lens + cu
-                            + pending_rows, dtype=torch.int64)
+        head = host_tensor(ids + pos + [r.row for r in reqs] + [c - 1 for c in cu[1:]] + seq_lens + cu
+                           + pending_rows, torch.int64)
         cuda = self.device.type == "cuda"
         buf = torch.empty(head.numel() + t, dtype=torch.int64, pin_memory=cuda)
         torch.cat([head, sb.out_cache_loc], out=buf)

@@ -6,7 +6,7 @@ from typing import List
 
 import torch
 
-from minisrv.utils import to_device
+from minisrv.utils import host_tensor, to_device
 
 
 class ReqToTokenTable:
@@ -40,5 +40,5 @@ class ReqToTokenTable:
 def slots_for(pages: List[int], page_size: int, start: int, end: int) -> torch.Tensor:
     """Slots of positions [start, end) of a request owning `pages` (in order)."""
     pos = torch.arange(start, end, dtype=torch.int64)
-    page_idx = torch.as_tensor(pages, dtype=torch.int64)[pos // page_size]
+    page_idx = host_tensor(pages, torch.int64)[pos // page_size]
     return page_idx * page_size + pos % page_size
