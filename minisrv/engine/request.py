@@ -183,8 +183,11 @@ class TokenLogprob:
 _ids = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
+    """One request's state. Compared by identity: the scheduler finds requests in its queues (`list.remove`, `in`),
+    and field-wise equality would compare whole prompts, which requests sharing a long prefix make slow."""
+
     prompt_ids: List[int]
     params: SamplingParams
     max_new_tokens: int  # resolved against the context length at admission
