@@ -115,24 +115,18 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     return tp
 
 
-def destroy_tensor_parallel(tp: TensorParallel, timeout_s: float = 10.0) -> None:
-    """Rank 0, after the other ranks have exited: drop the process groups so another engine can form its own.
+def destroy_tensor_parallel(tp: TensorParallel, timeout_s: float = 30.0) -> None:
+    """Drop the process groups so that another engine in this process can form its own. Every rank calls it at
+    the same time (rank 0 right after telling the others to stop): NCCL's teardown waits for the peers' teardown.
 
-    NCCL's orderly teardown can wait for peers that are gone, so its communicators are aborted first, and the
-    teardown runs in a thread given `timeout_s`: an engine that cannot tear down in time is logged, never hung."""
+    It runs in a thread given `timeout_s`: a teardown that cannot finish (a peer gone) is logged, never hung on."""
     if tp.size == 1:
         return
     import torch.distributed as dist
 
     def teardown() -> None:
-        if not dist.is_initialized():
-            return
-        if torch.cuda.is_available():
-            try:
-                tp.group._get_backend(torch.device("cuda")).abort()
-            except Exception:  # noqa: BLE001 - not NCCL (gloo), or this torch has no abort: destroy below
-                pass
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     worker = threading.Thread(target=teardown, name="minisrv-tp-teardown", daemon=True)
     worker.start()

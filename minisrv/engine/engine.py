@@ -156,8 +156,8 @@ class Engine:
     def close(self) -> None:
         """Stop the tensor-parallel ranks (nothing to do with one rank). The engine runs no step after this."""
         if self.workers is not None:
-            self.workers.stop(lambda: self.runner.tp.send_object(None))
-            destroy_tensor_parallel(self.runner.tp)
+            tp = self.runner.tp
+            self.workers.stop(lambda: tp.send_object(None), lambda: destroy_tensor_parallel(tp))
             atexit.unregister(self.close)
             self.workers = None
 

@@ -18,7 +18,7 @@ import torch
 from minisrv.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from minisrv.distributed import TensorParallel, TensorParallelError
 from minisrv.kvcache import KVPool, ReqToTokenTable
-from minisrv.utils import to_device
+from minisrv.utils import host_tensor, to_device
 
 from .request import Request, TokenLogprob
 from .sampler import SamplingBatch, sample
@@ -146,8 +146,9 @@ class ModelRunner:
         cu = [0]
         for n in ext:
             cu.append(cu[-1] + n)
-        head = torch.tensor(ids + pos + [r.row for r in reqs] + [c - 1 for c in cu[1:]] + seq_lens + cu
-                            + pending_rows, dtype=torch.int64)
+        # one host buffer and one copy for every step tensor (int32 ones are converted on the device)
+        head = host_tensor(ids + pos + [r.row for r in reqs] + [c - 1 for c in cu[1:]] + seq_lens + cu
+                           + pending_rows, torch.int64)
         cuda = self.device.type == "cuda"
         ints = torch.empty(head.numel() + sb.out_cache_loc.numel(), dtype=torch.int64, pin_memory=cuda)
         torch.cat([head, sb.out_cache_loc], out=ints)

@@ -120,7 +120,7 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, tp_init: Optional[st
         return _build_parts(cfg, tp_rank, tp_init, device, model_path, args, backend_name, workers, t0)
     except BaseException:
         if workers is not None:
-            workers.stop(lambda: None)
+            workers.stop(lambda: None, lambda: None)
         raise
 
 

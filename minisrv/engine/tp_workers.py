@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 import traceback
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from minisrv.config import EngineConfig
 from minisrv.distributed import NO_MULTICAST_ENV, TensorParallelError
@@ -100,16 +100,19 @@ class TPWorkers:
         for p in self.procs:
             p.join(STOP_TIMEOUT_S)
 
-    def stop(self, send_stop) -> None:
-        """Tell the ranks to end (send_stop sends them None), wait for them, kill what lingers; always reaps."""
+    def stop(self, send_stop: Callable[[], None], teardown: Callable[[], None]) -> None:
+        """Tell the ranks to end (send_stop sends them None), tear the process group down together with them
+        (`teardown`: its collective part needs every rank), wait for them, kill what lingers; always reaps.
+        A group that lost a rank is not torn down (its teardown would wait for the lost rank)."""
         if self._stopping.is_set():
             return
         self._stopping.set()
         if self.lost is None and all(p.is_alive() for p in self.procs):
             try:
                 send_stop()
+                teardown()
             except Exception as e:  # noqa: BLE001 - a broken group: the ranks are killed below
-                logger.warning("could not tell the tensor-parallel ranks to stop: %s", e)
+                logger.warning("could not stop the tensor-parallel ranks in order: %s", e)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -144,4 +147,6 @@ def worker_main(cfg: EngineConfig, rank: int, init_method: str, parent_pid: int)
     except BaseException:  # noqa: BLE001 - any failure ends this rank; rank 0 notices the exit
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         os._exit(1)
-    os._exit(0)  # no collective teardown: NCCL's can wait on rank 0, which is waiting for this exit
+    from minisrv.distributed import destroy_tensor_parallel
+    destroy_tensor_parallel(runner.tp)  # at the same time as rank 0's (see Engine.close)
+    os._exit(0)
