@@ -31,6 +31,7 @@ class EngineConfig:
     enable_cascade_attention: bool = False  # decode steps where many requests share long prefixes read them once
     fail_on_token: Optional[int] = None  # testing only: a step whose batch holds a prompt with this id raises
     seed: Optional[int] = None  # seeds torch's generator, which unseeded requests draw from
+    tp_size: int = 1  # tensor parallelism: one process per GPU (per CPU process with gloo), rank 0 schedules
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -44,6 +45,8 @@ class EngineConfig:
             raise ValueError("chunked_prefill_size and max_prefill_tokens must be >= 1")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static must be in (0, 1)")
 
@@ -78,6 +81,8 @@ class EngineConfig:
                             "all of them (cascade attention; such steps run without CUDA graphs)")
         p.add_argument("--random-seed", "--seed", dest="seed", type=int, default=None,
                        help="seed for requests that give none (reproducible runs of one engine)")
+        p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=d.tp_size,
+                       help="tensor parallelism: split the model over this many GPUs (one process each)")
         p.add_argument("--log-level", default=d.log_level)
         p.add_argument("--debug-fail-on-token", dest="fail_on_token", type=int, default=None,
                        help=argparse.SUPPRESS)  # tests: how the engine survives a request that breaks its step

@@ -17,10 +17,21 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model, attention_backend=attention_backend, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel processes (also done at interpreter exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def _encode(self, prompt: PromptType) -> List[int]:
         if isinstance(prompt, str):
             return self.tokenizer(prompt).input_ids
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        # every element an int, tested once per distinct element type (a C loop over a 4k-token prompt)
+        if isinstance(prompt, (list, tuple)) and all(issubclass(t, int) for t in set(map(type, prompt))):
             return list(prompt)
         raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
 

@@ -53,7 +53,8 @@ def main() -> int:
         eng = llm.engine
         ar = eng.args
         weights = sum(q.numel() * q.element_size() for q in eng.runner.model.parameters())
-        kv_tok = KVPool.bytes_per_token(ar.num_layers, ar.num_kv_heads, ar.head_dim, eng.dtype)
+        # one rank's bytes: its shard of the weights and its K/V heads (with tensor parallelism)
+        kv_tok = KVPool.bytes_per_token(ar.num_layers, eng.pool.num_kv_heads, ar.head_dim, eng.dtype)
         for bs in sizes:
             params = SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True)
             reqs = [eng.add_request([(7 * i + j) % 1000 + 1 for j in range(a.context)], params) for i in range(bs)]
@@ -92,8 +93,12 @@ def main() -> int:
                 evs = prof.key_averages()
                 busy = sum(getattr(e, "self_device_time_total", 0) for e in evs
                            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+                comm = sum(getattr(e, "self_device_time_total", 0) for e in evs
+                           if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+                           and "nccl" in e.key.lower())
                 print(f"batch {bs}: device busy {busy / 1e3 / a.steps:.3f} ms/step (kernels and copies), "
-                      f"wall {times[-1] * 1e3:.3f} ms/step")
+                      f"wall {times[-1] * 1e3:.3f} ms/step; NCCL kernels {comm / 1e3 / a.steps:.3f} ms/step "
+                      f"({100 * comm / max(busy, 1):.0f}% of device time, rank 0)")
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
                 print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
             for r in reqs:
@@ -104,11 +109,13 @@ def main() -> int:
                    "step_ms": round(med * 1e3, 3), "floor_ms": round(floor * 1e3, 3),
                    "of_floor": round(floor / med, 2), "ready_s": round(ready, 1),
                    "capture_s": getattr(eng.runner.graph_runner, "capture_s", None)}
+            row["tp_size"] = cfg.tp_size
             rows.append(row)
             row["host_wait_ms"] = round(wait_ms, 3)
-            print(f"{eng.backend_name:6s} graphs {mode:3s} batch {bs:4d}: step {med * 1e3:8.3f} ms; "
+            print(f"tp {cfg.tp_size} {eng.backend_name:6s} graphs {mode:3s} batch {bs:4d}: step {med * 1e3:8.3f} ms; "
                   f"floor {floor * 1e3:7.3f} ms ({100 * floor / med:.0f}% of floor); host waited "
                   f"{wait_ms:.3f} ms a step", flush=True)
+        llm.close()  # tensor-parallel ranks end here
         del llm, eng
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -225,8 +225,10 @@ def main() -> int:
         "host_wait_s": round(eng.runner.wait_s, 3),
         "radix_cache": eng.cache is not None, "cache_hit_rate": round(eng.num_cached_prompt_tokens / in_tokens, 3),
         "cascade_attention": eng.runner.cascade is not None, "cascade_steps": eng.runner.num_cascade_steps,
+        "tp_size": eng.config.tp_size,
     }
-    print(f"minisrv [{result['backend']}, {result['dtype']}, {result['device']}]: {out_tokens} output tokens "
+    tp = f", tp {eng.config.tp_size}" if eng.config.tp_size > 1 else ""
+    print(f"minisrv [{result['backend']}, {result['dtype']}, {result['device']}{tp}]: {out_tokens} output tokens "
           f"({in_tokens} input) in {dt:.2f}s = {out_tokens / dt:.1f} output tok/s; ready in {t_ready:.1f}s; "
           f"peak KV {result['peak_kv_tokens']} of {result['kv_pool_tokens']} tokens; "
           f"{result['retractions']} retractions; graph capture {result['graph_capture_s']}s; "

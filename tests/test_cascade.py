@@ -5,6 +5,7 @@ and the flag on the torch backend (which has no cascade path) changing nothing."
 from __future__ import annotations
 
 import argparse
+import pickle
 import random
 import sys
 from types import SimpleNamespace
@@ -49,6 +50,7 @@ def test_groups_of_the_standard_scene(page_size):
     assert plan.saved_tokens(page_size) == 5 * 640 + 2 * 320 + 1 * 272
     in_order = sc.groups(cs.IN_ORDER)
     assert in_order.order == tuple(range(len(cs.IN_ORDER)))
+    assert pickle.loads(pickle.dumps(plan)) == plan  # it travels to the other tensor-parallel ranks in StepInputs
 
 
 def test_shared_length_stops_where_members_diverge():

@@ -185,14 +185,14 @@ def test_a_request_whose_steps_always_fail_fails_alone(model):
     vocab = vocab_of(model)
     prompts = make_prompts(vocab, [6, 11, 8, 14, 9], seed=44)
     poison = prompts[2]
-    orig = eng.runner.build_forward_batch
+    orig = eng.runner.step_inputs
 
     def build(sb):
         if any(r.prompt_ids == poison for r in sb.reqs):
             raise ValueError("injected: this request cannot run")
         return orig(sb)
 
-    eng.runner.build_forward_batch = build
+    eng.runner.step_inputs = build
     watch = EngineWatch(eng)
     try:
         reqs = [eng.add_request(p, greedy(6)) for p in prompts]
@@ -203,7 +203,7 @@ def test_a_request_whose_steps_always_fail_fails_alone(model):
             if not eng.has_work():
                 break
     finally:
-        eng.runner.build_forward_batch = orig
+        eng.runner.step_inputs = orig
     bad = reqs[2]
     assert bad.finish_reason == "error" and news[bad.rid][-1].error and "injected" in news[bad.rid][-1].error
     for p, r in zip(prompts, reqs):

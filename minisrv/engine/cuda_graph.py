@@ -77,7 +77,11 @@ class CudaGraphRunner:
                 meta = self.backend.prepare_for_capture(fb)  # plans happen outside the captured region
                 self._run(fb, meta)  # warm-up: lazy kernel selection and allocations happen here
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.mempool, stream=stream):
+                # with tensor parallelism the NCCL watchdog thread queries events while this thread captures:
+                # only this thread's calls must be capturable
+                mode = "thread_local" if getattr(self.model, "tp", None) is not None and self.model.tp.enabled \
+                    else "global"
+                with torch.cuda.graph(graph, pool=self.mempool, stream=stream, capture_error_mode=mode):
                     self.logits[bs] = self._run(fb, meta)
                 self.meta[bs] = meta
                 self.graphs[bs] = graph

@@ -6,6 +6,7 @@ one, so the request that causes it fails alone with an error its client sees; on
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import logging
 import time
@@ -13,6 +14,7 @@ from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence
 
 from minisrv.config import EngineConfig
+from minisrv.distributed import TensorParallelError, destroy_tensor_parallel
 
 from minisrv.kvcache.radix import RadixCache
 
@@ -30,7 +32,10 @@ COMPILE_IDLE_WAIT_S = 0.002  # with nothing to run but grammars compiling, a ste
 
 
 def is_device_fault(e: BaseException) -> bool:
-    """A fault the device cannot recover from (a CUDA error poisons the context): the engine must end."""
+    """A fault the device cannot recover from (a CUDA error poisons the context, a tensor-parallel rank is gone):
+    the engine must end."""
+    if isinstance(e, TensorParallelError):
+        return True
     name = type(e).__name__
     return name in ("AcceleratorError", "CudaError", "OutOfMemoryError") or "CUDA error" in str(e)
 
@@ -49,6 +54,9 @@ class Engine:
         self.pool, self.allocator, self.table = parts.pool, parts.allocator, parts.table
         self.pad_row, self.pad_page = parts.pad_row, parts.pad_page
         self.runner = parts.runner
+        self.workers = parts.workers  # tensor parallelism: ranks 1..N-1 (None with one rank)
+        if self.workers is not None:
+            atexit.register(self.close)  # the ranks are not daemons: they must be told to stop before exit
         self.max_request_len = parts.max_request_len
         self.limits = RequestLimits(self.args.vocab_size, self.max_request_len)
         self.cache = None if cfg.disable_radix_cache else RadixCache(self.allocator, parts.page_size)
@@ -130,14 +138,28 @@ class Engine:
                 self.scheduler.commit(batch)
                 launched = True
         except Exception as e:  # noqa: BLE001 - one bad step must not end the engine
-            if is_device_fault(e):
-                raise
+            self._check_fatal(e)
             outputs += self._step_failed(batch.reqs if batch is not None else [], e)
         while runner.num_inflight > (1 if self.overlap and launched else 0):
             outputs += self._collect()
         if batch is None and self._compiling and not runner.num_inflight:
             cf.wait([r.grammar.future for r in self._compiling], COMPILE_IDLE_WAIT_S, cf.FIRST_COMPLETED)
         return outputs
+
+    def _check_fatal(self, e: Exception) -> None:
+        """Re-raise a failure the engine cannot survive; a lost tensor-parallel rank is named (TensorParallelError)."""
+        if self.workers is not None:
+            self.workers.check()
+        if is_device_fault(e):
+            raise e
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do with one rank). The engine runs no step after this."""
+        if self.workers is not None:
+            tp = self.runner.tp
+            self.workers.stop(lambda: tp.send_object(None), lambda: destroy_tensor_parallel(tp))
+            atexit.unregister(self.close)
+            self.workers = None
 
     def _grammars_done(self) -> List[RequestOutput]:
         """Requests whose grammar finished compiling become schedulable; a failed compile ends its request."""
@@ -161,8 +183,7 @@ class Engine:
         try:
             sampled = self.runner.collect()
         except Exception as e:  # noqa: BLE001
-            if is_device_fault(e):
-                raise
+            self._check_fatal(e)
             return self._step_failed(reqs, e)
         t0 = time.perf_counter()
         outputs = []

@@ -16,9 +16,10 @@ from typing import Deque, Dict, List, Optional, Tuple
 import torch
 
 from minisrv.attention.base import AttentionBackend, ForwardBatch, ForwardMode
-from minisrv.attention.cascade import CascadePolicy
+from minisrv.attention.cascade import CascadePolicy, PrefixGroups
+from minisrv.distributed import TensorParallel, TensorParallelError
 from minisrv.kvcache import KVPool, ReqToTokenTable
-from minisrv.utils import to_device
+from minisrv.utils import host_tensor, to_device
 
 from .request import Request, TokenLogprob
 from .sampler import SamplingBatch, sample
@@ -49,6 +50,28 @@ class PromptScores:
 
 
 @dataclass
+class StepInputs:
+    """Everything a forward step needs, as plain host data built from the scheduled batch: what rank 0 sends the
+    other tensor-parallel ranks so that every rank runs the same step without knowing any request."""
+
+    mode: ForwardMode
+    ints: torch.Tensor  # int64: ids, positions, rows, last indices, seq_lens, cu_seqlens, pending rows, slots
+    num_pending: int  # decode inputs still on the device (read from the newest launched step's sampled ids)
+    seq_lens: List[int]
+    extend_lens: List[int]
+    sample_rows: Optional[List[int]]  # rows of the batch that sample a token (None: all)
+    score_rows: Optional[List[int]] = None  # prompt logprobs: token rows whose next token is scored ...
+    score_targets: Optional[List[int]] = None  # ... and those next tokens
+    score_top_n: int = 0
+    table_writes: Optional[list] = None  # request->token table writes since the last step (tensor parallel)
+    prefix_groups: Optional[PrefixGroups] = None  # a decode step to run as cascade attention (attention/cascade.py)
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.seq_lens) if self.sample_rows is None else len(self.sample_rows)
+
+
+@dataclass
 class LaunchedStep:
     """A step whose work is queued on the device; its results reach the host when `event` completes."""
 
@@ -72,8 +95,10 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, pool: KVPool, table: ReqToTokenTable,
-                 device: torch.device, graph_runner=None, cascade: Optional[CascadePolicy] = None) -> None:
+                 device: torch.device, graph_runner=None, tp: Optional[TensorParallel] = None,
+                 cascade: Optional[CascadePolicy] = None) -> None:
         self.model = model
+        self.tp = tp or TensorParallel.single()
         self.backend = backend
         self.pool = pool
         self.table = table
@@ -84,6 +109,7 @@ class ModelRunner:
         self.timings: Optional[Dict[str, float]] = None  # phase -> seconds, when profiling
         self.wait_s = 0.0  # host time spent waiting for the device's results (the GPU-bound share of a run)
         self._inflight: Deque[LaunchedStep] = deque()  # launched and not yet collected, oldest first
+        self._newest_ids: Optional[torch.Tensor] = None  # sampled ids of the newest launched step, on the device
 
     def enable_profiling(self, timings: Dict[str, float]) -> None:
         """Charge each phase's time to `timings` (it synchronises the device after every phase)."""
@@ -97,9 +123,9 @@ class ModelRunner:
         self.timings[phase] += t - t0
         return t
 
-    def build_forward_batch(self, sb: ScheduledBatch) -> ForwardBatch:
-        """Step tensors for a scheduled batch. A decode input whose token is still pending is taken on the device
-        from the newest launched step's sampled ids."""
+    def step_inputs(self, sb: ScheduledBatch) -> StepInputs:
+        """Host data of a scheduled batch's step. A decode input whose token is still pending is marked with the row
+        of the newest launched step's sampled ids it will be read from, on the device."""
         reqs, ext = sb.reqs, sb.extend_lens
         seq_lens = [r.num_cached + n for r, n in zip(reqs, ext)]
         pending_rows: List[int] = []
@@ -122,30 +148,40 @@ class ModelRunner:
                 assert not r.num_pending, "an extend step needs every token of its requests on the host"
                 ids.extend(r.all_ids[r.num_cached:r.num_cached + n])
                 pos.extend(range(r.num_cached, r.num_cached + n))
+        cu = [0]
+        for n in ext:
+            cu.append(cu[-1] + n)
+        # one host buffer and one copy for every step tensor (int32 ones are converted on the device)
+        head = host_tensor(ids + pos + [r.row for r in reqs] + [c - 1 for c in cu[1:]] + seq_lens + cu
+                           + pending_rows, torch.int64)
+        cuda = self.device.type == "cuda"
+        ints = torch.empty(head.numel() + sb.out_cache_loc.numel(), dtype=torch.int64, pin_memory=cuda)
+        torch.cat([head, sb.out_cache_loc], out=ints)
+        samples = sb.samples
         groups = None
         if self.cascade is not None and sb.mode is ForwardMode.DECODE:
             graphed = self.graph_runner is not None and len(reqs) <= self.graph_runner.max_bs
             groups = self.cascade.plan([r.pages for r in reqs], seq_lens, graphed)
             self.num_cascade_steps += groups is not None
-        cu = [0]
-        for n in ext:
-            cu.append(cu[-1] + n)
-        t, b, p = len(ids), len(reqs), len(pending_rows)
-        # one pinned host buffer and one copy for every step tensor (int32 ones are converted on the device)
-        head = torch.tensor(ids + pos + [r.row for r in reqs] + [c - 1 for c in cu[1:]] + seq_lens + cu
-                            + pending_rows, dtype=torch.int64)
+        inp = StepInputs(sb.mode, ints, len(pending_rows), seq_lens, list(ext),
+                         None if all(samples) else [i for i, s in enumerate(samples) if s], prefix_groups=groups)
+        if self.table.journal is not None:
+            inp.table_writes = self.table.take_journal()
+        return inp
+
+    def forward_batch(self, inp: StepInputs) -> ForwardBatch:
+        """The step's tensors on the device: one host-to-device copy of `inp.ints`, sliced."""
+        t, b, p = sum(inp.extend_lens), len(inp.seq_lens), inp.num_pending
         cuda = self.device.type == "cuda"
-        buf = torch.empty(head.numel() + t, dtype=torch.int64, pin_memory=cuda)
-        torch.cat([head, sb.out_cache_loc], out=buf)
-        d = buf.to(self.device, non_blocking=True) if cuda else buf
+        d = inp.ints.to(self.device, non_blocking=True) if cuda else inp.ints
         o = 2 * t + 2 * b  # start of seq_lens, then cu, then pending rows
         i32 = d[o:o + 2 * b + 1].to(torch.int32)
         input_ids = d[:t]
         if p:
             rows = d[o + 2 * b + 1:o + 2 * b + 1 + p]
-            input_ids = torch.where(rows >= 0, self._inflight[-1].ids[rows.clamp(min=0)], input_ids)
+            input_ids = torch.where(rows >= 0, self._newest_ids[rows.clamp(min=0)], input_ids)
         return ForwardBatch(
-            mode=sb.mode,
+            mode=inp.mode,
             input_ids=input_ids,
             positions=d[t:2 * t],
             out_cache_loc=d[o + 2 * b + 1 + p:],
@@ -153,11 +189,14 @@ class ModelRunner:
             seq_lens=i32[:b],
             cu_seqlens_q=i32[b:],
             last_indices=d[2 * t + b:o],
-            seq_lens_cpu=seq_lens,
-            extend_lens_cpu=list(ext),
-            max_seq_len=max(seq_lens),
-            prefix_groups=groups,
+            seq_lens_cpu=inp.seq_lens,
+            extend_lens_cpu=inp.extend_lens,
+            max_seq_len=max(inp.seq_lens),
+            prefix_groups=inp.prefix_groups,
         )
+
+    def build_forward_batch(self, sb: ScheduledBatch) -> ForwardBatch:
+        return self.forward_batch(self.step_inputs(sb))
 
     @torch.inference_mode()
     def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:
@@ -167,12 +206,10 @@ class ModelRunner:
         hidden = self.model(fb.input_ids, fb.positions, self.backend.step(fb))
         return self.model.compute_logits(hidden[fb.last_indices])
 
-    def _score_prompts(self, sb: ScheduledBatch, fb: ForwardBatch) -> Tuple[torch.Tensor, Optional[PromptScores]]:
-        """An extend step with requests asking for prompt logprobs: last-token logits as forward_logits gives them,
-        and the logprob of each prompt token this step predicts (position p's logits score token p + 1), scored
-        PROMPT_LOGPROB_ROWS rows at a time."""
-        hidden = self.model(fb.input_ids, fb.positions, self.backend.step(fb))
-        logits = self.model.compute_logits(hidden[fb.last_indices])
+    @staticmethod
+    def _plan_prompt_scores(sb: ScheduledBatch, inp: StepInputs) -> Optional[Tuple[List[Request], List[List[int]]]]:
+        """For an extend step with requests asking for prompt logprobs: the token rows whose next prompt token is
+        scored this step (position p's logits score token p + 1) go into `inp`; returns their owners and positions."""
         rows, targets, owners, positions = [], [], [], []
         start = 0
         for r, n in zip(sb.reqs, sb.extend_lens):
@@ -186,9 +223,20 @@ class ModelRunner:
                     targets.extend(r.prompt_ids[p] for p in pos)
             start += n
         if not rows:
-            return logits, None
-        top_n = max(r.params.prompt_logprobs for r in owners)
-        idx = to_device([rows, targets], torch.int64, hidden.device)
+            return None
+        inp.score_rows, inp.score_targets = rows, targets
+        inp.score_top_n = max(r.params.prompt_logprobs for r in owners)
+        return owners, positions
+
+    def _run(self, inp: StepInputs, fb: ForwardBatch) -> Tuple[torch.Tensor, Optional[List[Optional[torch.Tensor]]]]:
+        """The forward every tensor-parallel rank runs: logits [B, V] at each request's last token and, when `inp`
+        asks, the logprob (and top-n) of each scored prompt token, PROMPT_LOGPROB_ROWS rows at a time."""
+        if inp.score_rows is None:
+            return self.forward_logits(fb), None
+        hidden = self.model(fb.input_ids, fb.positions, self.backend.step(fb))
+        logits = self.model.compute_logits(hidden[fb.last_indices])
+        rows, top_n = inp.score_rows, inp.score_top_n
+        idx = to_device([rows, inp.score_targets], torch.int64, hidden.device)
         chosen, top_v, top_i = [], [], []
         for c in range(0, len(rows), PROMPT_LOGPROB_ROWS):
             lp = torch.log_softmax(self.model.compute_logits(hidden[idx[0, c:c + PROMPT_LOGPROB_ROWS]]), dim=-1)
@@ -197,8 +245,7 @@ class ModelRunner:
                 t = lp.topk(top_n, dim=-1)
                 top_v.append(t.values)
                 top_i.append(t.indices)
-        outs = [torch.cat(chosen), torch.cat(top_v) if top_n else None, torch.cat(top_i) if top_n else None]
-        return logits, PromptScores(owners, positions, [self._to_host(x) for x in outs])
+        return logits, [torch.cat(chosen), torch.cat(top_v) if top_n else None, torch.cat(top_i) if top_n else None]
 
     def _to_host(self, x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """A non-blocking copy into pinned memory on CUDA (complete when the step's event is)."""
@@ -212,31 +259,49 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, sb: ScheduledBatch) -> None:
-        """Queue forward and sampling; copy results to the host without waiting for them."""
+        """Queue forward and sampling; copy results to the host without waiting for them. Under tensor
+        parallelism the step's inputs go to the other ranks first, and the sampled ids after sampling."""
         prof = self.timings is not None
         t = time.perf_counter() if prof else 0.0
-        fb = self.build_forward_batch(sb)
-        if prof:
-            t = self._tick("metadata", t)
+        inp = self.step_inputs(sb)
+        scoring = None
+        if inp.mode is not ForwardMode.DECODE and any(r.params.prompt_logprobs is not None for r in sb.reqs):
+            scoring = self._plan_prompt_scores(sb, inp)
+        if self.tp.enabled:
+            self.tp.send_object(inp)
+        try:
+            fb = self.forward_batch(inp)
+            if prof:
+                t = self._tick("metadata", t)
+            logits, score_outs = self._run(inp, fb)
+        except Exception as e:
+            if self.tp.enabled:  # the other ranks may wait in a collective this rank never reaches
+                raise TensorParallelError(f"a step failed on rank 0 after the other ranks began it: "
+                                          f"{type(e).__name__}: {e}") from e
+            raise
         scores = None
-        if not fb.is_decode and any(r.params.prompt_logprobs is not None for r in sb.reqs):
-            logits, scores = self._score_prompts(sb, fb)
-        else:
-            logits = self.forward_logits(fb)
+        if scoring is not None:
+            scores = PromptScores(scoring[0], scoring[1], [self._to_host(x) for x in score_outs])
         if prof:
             t = self._tick("forward_decode" if fb.is_decode else "forward_extend", t)
         sampling = [r for r, s in zip(sb.reqs, sb.samples) if s]
         if not sampling:
+            self._newest_ids = None
             event = None
             if scores is not None and self.device.type == "cuda":
                 event = torch.cuda.Event()
                 event.record()
             self._inflight.append(LaunchedStep(sb, [], None, [None] * 4, event, prompt_scores=scores))
             return
-        if len(sampling) != len(sb.reqs):
-            keep = to_device([i for i, s in enumerate(sb.samples) if s], torch.int64, logits.device)
-            logits = logits[keep]
-        ids, lp, top = sample(logits, SamplingBatch.build(sampling, logits.device))
+        if inp.sample_rows is not None:
+            logits = logits[to_device(inp.sample_rows, torch.int64, logits.device)]
+        try:
+            ids, lp, top = sample(logits, SamplingBatch.build(sampling, logits.device))
+        except Exception:
+            if self.tp.enabled:  # the other ranks wait for this step's ids: send them something, then fail
+                self.tp.broadcast(torch.zeros(len(sampling), dtype=torch.int64, device=self.device))
+            raise
+        self._newest_ids = self.tp.broadcast(ids)  # every rank reads pending decode inputs from these
         outs = [ids, lp, *(top if top is not None else (None, None))]
         event = None
         host = [self._to_host(x) for x in outs]
@@ -249,6 +314,17 @@ class ModelRunner:
                                            scores))
         if prof:
             self._tick("sampling", t)
+
+    @torch.inference_mode()
+    def run_remote_step(self, inp: StepInputs) -> None:
+        """A tensor-parallel rank > 0: the step rank 0 sent, on this rank's shard; then receive the sampled ids."""
+        if inp.table_writes:
+            self.table.replay(inp.table_writes)
+        self._run(inp, self.forward_batch(inp))
+        if inp.num_sampled:
+            self._newest_ids = self.tp.broadcast(torch.empty(inp.num_sampled, dtype=torch.int64, device=self.device))
+        else:
+            self._newest_ids = None
 
     def oldest_requests(self) -> List[Request]:
         return list(self._inflight[0].batch.reqs) if self._inflight else []

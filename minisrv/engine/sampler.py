@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from minisrv.utils import to_device
+from minisrv.utils import host_tensor, to_device
 
 from .grammar import apply_bitmask, fill_bitmask
 from .request import Request
@@ -137,7 +137,7 @@ def _pad(rows: List[List[int]], device: torch.device) -> torch.Tensor:
     out = torch.full((len(rows), width), -1, dtype=torch.int64)
     for i, r in enumerate(rows):
         if r:
-            out[i, :len(r)] = torch.as_tensor(r, dtype=torch.int64)
+            out[i, :len(r)] = host_tensor(r, torch.int64)
     return to_device(out, torch.int64, device)
 
 

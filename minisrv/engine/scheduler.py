@@ -18,7 +18,7 @@ import torch
 from minisrv.attention.base import ForwardMode
 from minisrv.kvcache import PageAllocator, ReqToTokenTable, slots_for
 from minisrv.kvcache.radix import PrefixMatch, RadixCache
-from minisrv.utils import ceil_div
+from minisrv.utils import ceil_div, host_tensor
 
 from .request import Request, RequestError, RequestStatus
 
@@ -314,7 +314,7 @@ class Scheduler:
             positions.append(pos)
         self.table.write_points(rows, positions, slots)
         n = len(reqs)
-        return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * n, torch.tensor(slots, dtype=torch.int64), [True] * n)
+        return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * n, host_tensor(slots, torch.int64), [True] * n)
 
     def _retract(self, req: Request) -> None:
         """Free a running request's KV and queue it again; it will be re-prefilled with its output so far."""

@@ -13,13 +13,16 @@ from minisrv.attention import ForwardMode, create_backend, resolve_backend
 from minisrv.attention.cascade import CascadePolicy
 from minisrv.config import DEFAULT_CPU_POOL_TOKENS, EngineConfig
 from minisrv.kvcache import KVPool, PageAllocator, ReqToTokenTable, slots_for
+from minisrv.distributed import TensorParallel, init_tensor_parallel
 from minisrv.models.layers import ModelArgs, fused_ops_for
+from minisrv.models.sharding import check_divisible
 from minisrv.models.loader import load_model, load_model_args, load_tokenizer, resolve_model_path
 from minisrv.utils import ceil_div
 
 from .model_runner import ModelRunner
 from .request import Request, SamplingParams
 from .scheduler import ScheduledBatch
+from .tp_workers import TPWorkers, free_tcp_address
 
 logger = logging.getLogger("minisrv")
 
@@ -82,9 +85,22 @@ class EngineParts:
     pad_page: Optional[int]  # the page their dummy K/V go to, when graphs are on
     runner: ModelRunner
     max_request_len: int  # prompt + output tokens one request may have
+    workers: Optional[TPWorkers] = None  # rank 0 of a tensor-parallel engine: the other ranks' processes
 
 
-def build_engine_parts(cfg: EngineConfig) -> EngineParts:
+def tp_device(device: torch.device, rank: int, size: int) -> torch.device:
+    """Rank r of a tensor-parallel group runs on GPU r (or on the CPU, every rank)."""
+    if device.type != "cuda":
+        return device
+    count = torch.cuda.device_count()
+    if size > count:
+        raise ValueError(f"tp size {size} needs {size} GPUs; this machine has {count}")
+    return torch.device("cuda", rank)
+
+
+def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, tp_init: Optional[str] = None) -> EngineParts:
+    """Rank 0 (the engine) builds everything; under tensor parallelism it first spawns ranks 1..N-1, which call this
+    with their rank and rank 0's meeting address and build the same parts for their shard (no tokenizer)."""
     t0 = time.perf_counter()
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)  # unseeded requests draw from torch's generator
@@ -92,31 +108,53 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     model_path = resolve_model_path(cfg.model)
     args = load_model_args(model_path)
     backend_name = resolve_backend(cfg.attention_backend, device)  # fail before loading weights
-    tokenizer = load_tokenizer(model_path, cfg.tokenizer)
+    workers = None
+    if cfg.tp_size > 1:
+        check_divisible(args, cfg.tp_size)  # before any process is started
+        device = tp_device(device, tp_rank, cfg.tp_size)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if tp_rank == 0:
+            tp_init = free_tcp_address()
+            workers = TPWorkers(cfg, tp_init, device.type == "cuda")
+    try:
+        return _build_parts(cfg, tp_rank, tp_init, device, model_path, args, backend_name, workers, t0)
+    except BaseException:
+        if workers is not None:
+            workers.stop(lambda: None, lambda: None)
+        raise
+
+
+def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[str], device: torch.device, model_path: str,
+                 args: ModelArgs, backend_name: str, workers: Optional[TPWorkers], t0: float) -> EngineParts:
+    tokenizer = load_tokenizer(model_path, cfg.tokenizer) if tp_rank == 0 else None
     eos = set(args.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     context_length = resolve_context_length(cfg, args)
     dtype = resolve_dtype(cfg.dtype, args.torch_dtype, device)
     ps = cfg.page_size or (16 if device.type == "cuda" else 1)
     fused = fused_ops_for(device)
-    model = load_model(model_path, args, dtype, device, context_length, fused)
+    tp = init_tensor_parallel(tp_rank, cfg.tp_size, tp_init, device) if cfg.tp_size > 1 else \
+        TensorParallel.single()
+    model = load_model(model_path, args, dtype, device, context_length, fused, tp)
     t_load = time.perf_counter() - t0
 
-    a = args
-    per_token = KVPool.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, dtype)
+    a, plan = args, model.plan
+    per_token = KVPool.bytes_per_token(a.num_layers, plan.num_kv_heads, a.head_dim, dtype)
     tokens = cfg.max_total_tokens
     if tokens is None:
         tokens = DEFAULT_CPU_POOL_TOKENS if device.type != "cuda" else \
             _gpu_pool_tokens(cfg, model, backend_name, args, dtype, ps, context_length, per_token, device)
+    tokens = tp.min_over_ranks(tokens)  # every rank holds the same pages (for its own heads)
     num_pages = max(1, tokens // ps)
-    pool = KVPool(a.num_layers, num_pages, ps, a.num_kv_heads, a.head_dim, dtype, device)
+    pool = KVPool(a.num_layers, num_pages, ps, plan.num_kv_heads, a.head_dim, dtype, device)
     allocator = PageAllocator(num_pages)
     table = ReqToTokenTable(cfg.max_running_requests + 1, context_length, device)
     pad_row = table.alloc_row()  # one spare row: CUDA-graph padding rows point at it
     pad_page = None
     max_request_len = min(context_length, pool.num_slots)
-    backend = create_backend(backend_name, pool, table.table, a.num_heads)
+    backend = create_backend(backend_name, pool, table.table, plan.num_heads)
     graph_runner = None
     if device.type == "cuda" and not cfg.disable_cuda_graph and backend.supports_cuda_graph:
         # CUDA-graph padding rows write their dummy K/V into a page of their own
@@ -134,13 +172,16 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         else:
             logger.warning("--enable-cascade-attention ignored: the %s backend has no cascade decode (fi has)",
                            backend_name)
-    runner = ModelRunner(model, backend, pool, table, device, graph_runner, cascade)
-    logger.info("model %s (%s, %s) on %s loaded in %.1fs%s", model_path, a.architecture,
-                str(dtype).replace("torch.", ""), device, t_load, "; fused ops on" if fused is not None else "")
+    runner = ModelRunner(model, backend, pool, table, device, graph_runner, tp, cascade)
+    if tp.enabled and tp_rank == 0:
+        table.journal = []  # from here on, the other ranks replay rank 0's table writes
+    logger.info("model %s (%s, %s) on %s loaded in %.1fs%s%s", model_path, a.architecture,
+                str(dtype).replace("torch.", ""), device, t_load, "; fused ops on" if fused is not None else "",
+                f"; tensor parallel over {tp.size} ranks" if tp.enabled else "")
     logger.info("KV pool: %d tokens (%d pages of %d), %.2f GiB; context length %d; attention backend %s",
                 pool.num_slots, num_pages, ps, pool.nbytes / GiB, context_length, backend_name)
     return EngineParts(device, model_path, args, tokenizer, sorted(eos), dtype, context_length, ps, backend_name,
-                       pool, allocator, table, pad_row, pad_page, runner, max_request_len)
+                       pool, allocator, table, pad_row, pad_page, runner, max_request_len, workers)
 
 
 def _gpu_pool_tokens(cfg: EngineConfig, model: torch.nn.Module, backend_name: str, args: ModelArgs,
@@ -166,10 +207,10 @@ def activation_peak(model: torch.nn.Module, backend_name: str, args: ModelArgs, 
                     page_size: int, context_length: int, num_tokens: int, device: torch.device) -> int:
     """Bytes a largest prefill step needs beyond the weights: one step of `num_tokens` run through a model runner
     of its own, on a throwaway pool just big enough."""
-    a, n = args, num_tokens
-    pool = KVPool(a.num_layers, ceil_div(n, page_size), page_size, a.num_kv_heads, a.head_dim, dtype, device)
+    a, n, plan = args, num_tokens, model.plan
+    pool = KVPool(a.num_layers, ceil_div(n, page_size), page_size, plan.num_kv_heads, a.head_dim, dtype, device)
     table = ReqToTokenTable(1, context_length, device)
-    runner = ModelRunner(model, create_backend(backend_name, pool, table.table, a.num_heads), pool, table, device)
+    runner = ModelRunner(model, create_backend(backend_name, pool, table.table, plan.num_heads), pool, table, device)
     req = Request([0] * n, SamplingParams(max_tokens=1), 1)
     req.row = table.alloc_row()
     req.pages = list(range(pool.num_pages))

@@ -190,12 +190,23 @@ class RadixCache:
         return upper
 
     def _common_tokens(self, key: Tuple[int, ...], tokens: Tuple[int, ...], pos: int) -> int:
-        """Length of the common prefix of key and tokens[pos:], floored to whole pages."""
-        limit = min(len(key), len(tokens) - pos)
-        i = 0
-        while i < limit and key[i] == tokens[pos + i]:
-            i += 1
-        return i - i % self.page_size
+        """Length of the common prefix of key and tokens[pos:], floored to whole pages.
+
+        Compared a slice at a time (C loops, not one Python step per token): a walk usually matches whole nodes,
+        which one comparison settles; otherwise the count of equal leading pages is found by bisection, comparing
+        only the pages not yet known to be equal, so the cost stays about two passes over the key."""
+        n = len(key)
+        if tokens[pos:pos + n] == key:
+            return n
+        ps = self.page_size
+        lo, hi = 0, min(n, len(tokens) - pos) // ps  # the number of equal leading pages is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if key[lo * ps:mid * ps] == tokens[pos + lo * ps:pos + mid * ps]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * ps
 
     def _child_key(self, tokens: Tuple[int, ...], pos: int = 0) -> Hashable:
         """The key of the child starting at tokens[pos]: its first page of tokens (the bare id for page_size 1)."""

@@ -2,19 +2,24 @@
 directly."""
 from __future__ import annotations
 
-from typing import List
+from typing import Any, List, Optional, Tuple
 
 import torch
 
-from minisrv.utils import to_device
+from minisrv.utils import ceil_div, host_tensor, to_device
 
 
 class ReqToTokenTable:
-    """Rows of [max_context] slots, one row per live request, on the device."""
+    """Rows of [max_context] slots, one row per live request, on the device.
+
+    With `journal` a list (tensor parallelism's rank 0), every write is also noted there, so the other ranks can
+    replay them on their own copies of the table before running the same step (`take_journal`, `replay`).
+    """
 
     def __init__(self, max_rows: int, max_context: int, device: torch.device) -> None:
         self.table = torch.zeros((max_rows, max_context), dtype=torch.int32, device=device)
         self._free_rows: List[int] = list(range(max_rows - 1, -1, -1))
+        self.journal: Optional[List[Tuple[Any, ...]]] = None
 
     @property
     def num_free_rows(self) -> int:
@@ -29,16 +34,34 @@ class ReqToTokenTable:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        if self.journal is not None:
+            self.journal.append(("span", row, start, slots))
         self.table[row, start:start + slots.numel()] = to_device(slots, torch.int32, self.table.device)
 
     def write_points(self, rows: List[int], positions: List[int], slots: List[int]) -> None:
         """table[rows[i], positions[i]] = slots[i], with one host->device copy."""
+        if self.journal is not None:
+            self.journal.append(("points", rows, positions, slots))
         idx = to_device([rows, positions, slots], torch.int64, self.table.device)
         self.table[idx[0], idx[1]] = idx[2].to(torch.int32)
 
+    def take_journal(self) -> List[Tuple[Any, ...]]:
+        writes, self.journal = self.journal, []
+        return writes
+
+    def replay(self, writes: List[Tuple[Any, ...]]) -> None:
+        for kind, *args in writes:
+            (self.write if kind == "span" else self.write_points)(*args)
+
 
 def slots_for(pages: List[int], page_size: int, start: int, end: int) -> torch.Tensor:
-    """Slots of positions [start, end) of a request owning `pages` (in order)."""
-    pos = torch.arange(start, end, dtype=torch.int64)
-    page_idx = torch.as_tensor(pages, dtype=torch.int64)[pos // page_size]
-    return page_idx * page_size + pos % page_size
+    """Slots of positions [start, end) of a request owning `pages` (in order).
+
+    Built page by page (each page's slots are page * page_size + 0..page_size-1) from only the pages the range
+    touches: a 4k-token prefix costs a few small tensor ops, not a division and a gather per position."""
+    first, last = start // page_size, ceil_div(end, page_size)
+    if last > len(pages):
+        raise IndexError(f"positions up to {end} need {last} pages, the request has {len(pages)}")
+    page_t = host_tensor(pages[first:last], torch.int64)
+    slots = (page_t[:, None] * page_size + torch.arange(page_size, dtype=torch.int64)).view(-1)
+    return slots[start - first * page_size:end - first * page_size]

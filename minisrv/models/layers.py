@@ -1,4 +1,6 @@
-"""Layers shared by every decoder model: RMSNorm, rotary embedding, gated SiLU MLP, GQA attention.
+"""Layers shared by every decoder model: RMSNorm, rotary embedding, gated SiLU MLP, GQA attention, the
+vocabulary embedding. Under tensor parallelism (`tp`, see minisrv.distributed) each holds its rank's shard (see
+sharding.py) and combines partial results with one all-reduce; with one rank they call no collective.
 
 On CUDA with FlashInfer installed, RMSNorm (with fused residual add), SiLU-and-mul and rotary use its fused
 kernels; everywhere else, plain torch. Both compute the same thing (tests compare against HF transformers). Which
@@ -13,6 +15,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from minisrv.distributed import TensorParallel
 
 def fused_ops_for(device: torch.device) -> Optional[Any]:
     """FlashInfer's module, whose fused norm/activation/rotary kernels the layers use, when on CUDA and importable;
@@ -178,30 +182,56 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul. `inter`: this rank's share of the
+    width; the down projection's partial sums are all-reduced."""
 
-    def __init__(self, hidden: int, inter: int, fused: Optional[Any] = None) -> None:
+    def __init__(self, hidden: int, inter: int, fused: Optional[Any] = None, tp: Optional[TensorParallel] = None
+                 ) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.fused = fused
+        self.tp = tp or TensorParallel.single()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
         if self.fused is not None:
-            return self.down_proj(self.fused.silu_and_mul(gu))
+            return self.tp.all_reduce(self.down_proj(self.fused.silu_and_mul(gu)))
         g, u = gu.chunk(2, dim=-1)
-        return self.down_proj(F.silu(g) * u)
+        return self.tp.all_reduce(self.down_proj(F.silu(g) * u))
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding over this rank's rows of the vocabulary [start, start + rows); ids outside it contribute
+    zeros, and the all-reduce sums each token's one non-zero row. Its weight doubles as a tied lm_head."""
+
+    def __init__(self, rows: int, hidden: int, start: int = 0, tp: Optional[TensorParallel] = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+        self.start = start
+        self.tp = tp or TensorParallel.single()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
 
 
 class Attention(nn.Module):
     """Grouped-query attention: fused qkv projection, optional q/k RMSNorm (Qwen3), rotary, then the backend."""
 
-    def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding, fused: Optional[Any] = None) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding, fused: Optional[Any] = None,
+                 num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
+                 tp: Optional[TensorParallel] = None) -> None:
+        """num_heads / num_kv_heads: this rank's heads (default: all); o_proj's partial sums are all-reduced."""
         super().__init__()
         self.fused = fused
         self.layer_id = layer_id
-        self.hq, self.hkv, self.d = args.num_heads, args.num_kv_heads, args.head_dim
+        self.tp = tp or TensorParallel.single()
+        self.hq, self.hkv, self.d = num_heads or args.num_heads, num_kv_heads or args.num_kv_heads, args.head_dim
         self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
@@ -225,4 +255,4 @@ class Attention(nn.Module):
                 k = self.k_norm(k.reshape(-1, self.d)).view(t, self.hkv, self.d)
         q, k = self.rotary(positions, q, k)
         o = attn(q, k, v, self.layer_id)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))

@@ -7,14 +7,18 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .layers import Attention, GatedMLP, ModelArgs, RMSNorm, RotaryEmbedding
+from minisrv.distributed import TensorParallel
+
+from .layers import Attention, GatedMLP, ModelArgs, RMSNorm, RotaryEmbedding, VocabEmbedding
+from .sharding import ShardPlan
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding, fused: Optional[Any]) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding, fused: Optional[Any],
+                 plan: ShardPlan, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(args, layer_id, rotary, fused)
-        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, fused)
+        self.self_attn = Attention(args, layer_id, rotary, fused, plan.num_heads, plan.num_kv_heads, tp)
+        self.mlp = GatedMLP(args.hidden_size, plan.intermediate, fused, tp)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused)
 
@@ -30,11 +34,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs, max_positions: int, fused: Optional[Any]) -> None:
+    def __init__(self, args: ModelArgs, max_positions: int, fused: Optional[Any], plan: ShardPlan,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = VocabEmbedding(plan.vocab_per_rank, args.hidden_size, plan.vocab_start, tp)
         rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, fused)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, rotary, fused) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i, rotary, fused, plan, tp) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused)
 
     def forward(self, input_ids, positions, attn):
@@ -47,15 +52,19 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, args: ModelArgs, max_positions: int, fused_ops: Optional[Any] = None) -> None:
-        """fused_ops: the fused-kernel module every layer uses (layers.fused_ops_for), or None for plain torch."""
+    def __init__(self, args: ModelArgs, max_positions: int, fused_ops: Optional[Any] = None,
+                 tp: Optional[TensorParallel] = None) -> None:
+        """fused_ops: the fused-kernel module every layer uses (layers.fused_ops_for), or None for plain torch.
+        tp: this rank's place in a tensor-parallel group; the model holds that rank's shard (sharding.py)."""
         super().__init__()
         self.args = args
-        self.model = LlamaModel(args, max_positions, fused_ops)
+        self.tp = tp or TensorParallel.single()
+        self.plan = ShardPlan.of(args, self.tp.rank, self.tp.size)
+        self.model = LlamaModel(args, max_positions, fused_ops, self.plan, self.tp)
         if args.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.lm_head = nn.Linear(args.hidden_size, self.plan.vocab_per_rank, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Callable) -> torch.Tensor:
         """Hidden states [T, hidden] of every token; logits are taken only where they are needed. attn: the step's
@@ -63,8 +72,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] float32 on every rank (each rank's vocabulary rows, gathered)."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(hidden, w.t()).float()
+        logits = torch.matmul(hidden, w.t())
+        if self.tp.enabled:
+            logits = self.tp.all_gather_last(logits)[:, :self.plan.vocab_size]
+        return logits.float()
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -14,13 +14,17 @@ import mmap
 import os
 import re
 import struct
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from minisrv.distributed import TensorParallel
+
 from .layers import ModelArgs
 from .registry import model_class
+from .sharding import ShardPlan, Slice
 
 logger = logging.getLogger(__name__)
 
@@ -334,7 +338,20 @@ def _safetensors_files(path: str) -> List[str]:
     return files
 
 
-def _iter_safetensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
+class StoredTensor:
+    """A checkpoint tensor before it is read: its shape, and a reader of all of it or of one rank's slice, so a
+    tensor-parallel rank reads only its part of each weight."""
+
+    def __init__(self, shape: Tuple[int, ...], read: Callable[[Optional[Slice]], torch.Tensor]) -> None:
+        self.shape = shape
+        self.read = read
+
+    @classmethod
+    def in_memory(cls, w: torch.Tensor) -> "StoredTensor":
+        return cls(tuple(w.shape), lambda piece: w if piece is None else w.narrow(piece.dim, piece.start, piece.length))
+
+
+def _iter_safetensors(path: str) -> Iterator[Tuple[str, StoredTensor]]:
     from safetensors import safe_open
     files = _safetensors_files(path)
     for file in files:  # every file's header against its size before reading any tensor
@@ -343,11 +360,19 @@ def _iter_safetensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    sl = f.get_slice(name)
+                    yield name, StoredTensor(tuple(sl.get_shape()), lambda piece, sl=sl: _read_slice(sl, piece))
         except WeightLoadError:
             raise
         except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
             raise WeightLoadError(f"cannot read weight file {file}: {e}") from e
+
+
+def _read_slice(sl: Any, piece: Optional[Slice]) -> torch.Tensor:
+    if piece is None:
+        return sl[:]
+    end = piece.start + piece.length
+    return sl[piece.start:end] if piece.dim == 0 else sl[:, piece.start:end]
 
 
 _GGUF_NAMES = [
@@ -415,43 +440,77 @@ _FUSED = {
 }
 
 
-def _expected_tensors(model: nn.Module, args: ModelArgs) -> Dict[str, Tuple[torch.Tensor, int, Tuple[int, ...]]]:
-    """HF name -> (our parameter, first row in it, expected shape)."""
+_VOCAB_SPLIT = ("model.embed_tokens.weight", "lm_head.weight")  # split by vocabulary rows, padded
+
+
+@dataclass
+class _Target:
+    """Where a checkpoint tensor goes: rows [row, row + piece's length) of `param` (a fused projection holds
+    several), taken from `piece` of a tensor of shape `full`."""
+
+    param: torch.Tensor
+    row: int
+    full: Tuple[int, ...]
+    piece: Optional[Slice]
+
+
+def _expected_tensors(model: nn.Module, args: ModelArgs, plan: ShardPlan) -> Dict[str, _Target]:
+    """HF name -> where its (slice of the) checkpoint tensor goes in our parameters."""
     q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
     rows = {"q_proj": q, "k_proj": kv, "v_proj": kv,
             "gate_proj": args.intermediate_size, "up_proj": args.intermediate_size}
-    out: Dict[str, Tuple[torch.Tensor, int, Tuple[int, ...]]] = {}
+    out: Dict[str, _Target] = {}
     for name, p in model.named_parameters():
         parts = name.split(".")
         fused = next((f for f in _FUSED if f in parts), None)
         if fused is None:
-            out[name] = (p, 0, tuple(p.shape))
+            full = (args.vocab_size,) + tuple(p.shape[1:]) if name in _VOCAB_SPLIT else \
+                _unsharded_shape(name, tuple(p.shape), args)
+            out[name] = _Target(p, 0, full, plan.slice_for(name))
             continue
         off = 0
         for sub in _FUSED[fused]:
-            n = rows[sub]
-            out[name.replace(fused, sub)] = (p, off, (n,) + tuple(p.shape[1:]))
-            off += n
+            hf = name.replace(fused, sub)
+            full = (rows[sub],) + tuple(p.shape[1:])
+            piece = plan.slice_for(hf)
+            out[hf] = _Target(p, off, full, piece)
+            off += piece.length if piece is not None else rows[sub]
     return out
 
 
-def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, torch.Tensor]], args: ModelArgs) -> None:
-    expected = _expected_tensors(model, args)
+def _unsharded_shape(name: str, shape: Tuple[int, ...], args: ModelArgs) -> Tuple[int, ...]:
+    """The checkpoint shape of a parameter that is not fused (row-parallel ones are split by columns)."""
+    if name.endswith("o_proj.weight"):
+        return (shape[0], args.num_heads * args.head_dim)
+    if name.endswith("down_proj.weight"):
+        return (shape[0], args.intermediate_size)
+    return shape
+
+
+def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, StoredTensor]], args: ModelArgs,
+                 plan: Optional[ShardPlan] = None) -> None:
+    """Fill the model's parameters (this rank's shard under `plan`) from (HF name, stored tensor) pairs."""
+    plan = plan or ShardPlan.of(args)
+    expected = _expected_tensors(model, args, plan)
     seen = set()
-    for name, w in tensors:
+    for name, stored in tensors:
         if "rotary_emb.inv_freq" in name:
             continue
         if name == "lm_head.weight" and args.tie_word_embeddings:
             continue  # some checkpoints store the tied head too
+        shape = tuple(stored.shape)
         if name not in expected:
-            raise WeightLoadError(f"unexpected tensor {name!r} (shape {tuple(w.shape)}) in the checkpoint")
-        p, off, shape = expected[name]
-        if tuple(w.shape) != shape:
-            raise WeightLoadError(f"tensor {name!r} has shape {tuple(w.shape)}, expected {shape}")
+            raise WeightLoadError(f"unexpected tensor {name!r} (shape {shape}) in the checkpoint")
+        t = expected[name]
+        if shape != t.full:
+            raise WeightLoadError(f"tensor {name!r} has shape {shape}, expected {t.full}")
         if name in seen:
             raise WeightLoadError(f"tensor {name!r} appears twice in the checkpoint")
+        w = stored.read(t.piece)
         with torch.no_grad():
-            p.data[off:off + shape[0]].copy_(w.to(p.dtype))
+            t.param.data[t.row:t.row + w.shape[0]].copy_(w.to(t.param.dtype))
+            if name in _VOCAB_SPLIT:
+                t.param.data[w.shape[0]:].zero_()  # the vocabulary's padding rows (on the last rank)
         seen.add(name)
     missing = [n for n in expected if n not in seen]
     if missing:
@@ -460,16 +519,20 @@ def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, torch.Tensor]], 
 
 
 def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
-               fused_ops: Optional[Any] = None) -> nn.Module:
+               fused_ops: Optional[Any] = None, tp: Optional[TensorParallel] = None) -> nn.Module:
     """Build the model without running any weight init (meta device), then fill it from the checkpoint.
-    `fused_ops`: the fused-kernel module its layers use (see layers.fused_ops_for), or None for plain torch."""
+    `fused_ops`: the fused-kernel module its layers use (see layers.fused_ops_for), or None for plain torch.
+    `tp`: this rank's place in a tensor-parallel group; only its shard is read and held."""
     cls = model_class(args.architecture)
     with torch.device("meta"):
-        model = cls(args, max_positions, fused_ops)
+        model = cls(args, max_positions, fused_ops, tp)
     model = model.to_empty(device=device).to(dtype)
     for m in model.modules():  # buffers (rotary cos/sin) were lost on the meta device
         if hasattr(m, "reset_buffers"):
             m.reset_buffers(device)
-    source = _iter_gguf(path, args) if is_gguf(path) else _iter_safetensors(path)
-    load_weights(model, source, args)
+    if is_gguf(path):  # quantised blocks are dequantised whole, one tensor at a time, then sliced
+        source = ((name, StoredTensor.in_memory(w)) for name, w in _iter_gguf(path, args))
+    else:
+        source = _iter_safetensors(path)
+    load_weights(model, source, args, model.plan)
     return model.eval()

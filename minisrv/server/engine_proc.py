@@ -73,11 +73,16 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
         ctx.destroy(linger=1000)
         os._exit(1)
     send.send_pyobj(EngineReady(EngineInfo.from_engine(engine)))
+    code = 0
     try:
         _loop(engine, recv, send, parent_pid)
+    except BaseException:  # noqa: BLE001 - e.g. a lost tensor-parallel rank: logged, and the process ends
+        logger.exception("engine: the loop ended")
+        code = 1
     finally:
+        engine.close()
         ctx.destroy(linger=0)
-    os._exit(0)
+    os._exit(code)
 
 
 def _loop(engine: Any, recv: zmq.Socket, send: zmq.Socket, parent_pid: int) -> None:
@@ -168,7 +173,8 @@ class EngineClient:
             s.setsockopt(zmq.LINGER, 0)
             s.bind(addr)
         self._proc = mp.get_context("spawn").Process(
-            target=engine_main, args=(self.cfg, in_addr, out_addr, os.getpid()), name="minisrv-engine", daemon=True)
+            target=engine_main, args=(self.cfg, in_addr, out_addr, os.getpid()), name="minisrv-engine",
+            daemon=self.cfg.tp_size == 1)  # a daemon cannot start tensor-parallel ranks; it is reaped in shutdown
         self._proc.start()
         while True:
             if await self._recv.poll(200):

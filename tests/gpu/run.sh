@@ -6,7 +6,7 @@
 #   phases: smoke e2e graph overlap sampling grammar backends cascade bench bench-steps bench-profile bench-p1 bench-fi
 #           bench-fa bench-nocache bench-prefix bench-prefix-off bench-prefix-cascade bench-prefix-512
 #           bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm bench-shared-off
-#           bench-shared-cascade decode profile cprofile llama8b
+#           bench-shared-cascade decode profile cprofile llama8b tp tp-decode tp-offline tp-profile
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -71,6 +71,20 @@ for phase in "${@:-smoke}"; do
     bench-steps) step bench-steps 300 $BENCH --attention-backend auto --steps ;;
     decode) step decode 300 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
               --batch-sizes 1,64,256 --json "$OUT/decode.jsonl" ;;
+    tp) step tp 400 python3 -X faulthandler -m pytest -q -s -o faulthandler_timeout=150 tests/gpu/test_tensor_parallel.py ;;
+    # tensor parallelism's benchmark on a Llama-3-8B-shaped checkpoint: tp 1 against tp 2, in one lease
+    tp-decode) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+              for tp in 1 2; do
+                step tp$tp-decode 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+                  --batch-sizes 1,64 --graphs on --steps 32 --tp-size $tp --json "$OUT/decode.jsonl"; done ;;
+    tp-offline) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+              for tp in 1 2; do
+                step tp$tp-64 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size $tp --json "$OUT/bench.jsonl"
+                step tp$tp-256 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size $tp --json "$OUT/bench.jsonl"
+              done ;;
+    tp-profile) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+              step tp-profile 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+                  --batch-sizes 1,64 --graphs on --steps 16 --tp-size 2 --torch-profile ;;
     llama8b) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
              step llama8b 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --json "$OUT/bench.jsonl" ;;
     *) echo "unknown phase $phase" ;;

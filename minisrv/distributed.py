@@ -1,0 +1,135 @@
+"""Tensor parallelism's process group: which rank this process is, and the collectives the model's layers call.
+
+Every rank runs the same forward on its shard of the weights; the layers combine the shards with `all_reduce`
+(after the row-parallel o and down projections, and the vocabulary-split embedding) and `all_gather_last` (the
+vocabulary-split logits). Tensors travel over `group` (NCCL on CUDA, gloo on the CPU); the step messages rank 0
+sends the others travel over `control`, a gloo group, as pickled objects.
+
+A model built with `TensorParallel.single()` calls no collective at all: one GPU pays nothing for this.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import torch
+
+logger = logging.getLogger("minisrv")
+
+# NVLink multicast (NVLS) stays off in every process: NCCL, torch's symmetric memory and NVSHMEM would otherwise
+# use it on hosts that have it, and multicast objects can take a shared host's GPUs out of service
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+# a collective that waits this long for a peer has lost it (a rank that dies is also noticed by its exit)
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class TensorParallelError(RuntimeError):
+    """The tensor-parallel group is broken (a rank is gone, or ranks ran different steps): no step can run."""
+
+
+@dataclass
+class TensorParallel:
+    rank: int
+    size: int
+    group: Any = None  # torch.distributed group for tensors (None when size is 1)
+    control: Any = None  # gloo group for step messages (None when size is 1)
+
+    @classmethod
+    def single(cls) -> "TensorParallel":
+        return cls(0, 1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place."""
+        if self.size > 1:
+            import torch.distributed as dist
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on each rank -> [..., size * n], rank r's part at columns [r*n, (r+1)*n)."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+        x = x.contiguous()
+        if x.is_cuda:
+            out = torch.empty((self.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(out, x, group=self.group)
+            parts = out.unbind(0)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x to every rank, in place."""
+        if self.size > 1:
+            import torch.distributed as dist
+            dist.broadcast(x, src=0, group=self.group)
+        return x
+
+    def send_object(self, obj: Any) -> None:
+        """Rank 0: one picklable object to every other rank (over the gloo control group)."""
+        import torch.distributed as dist
+        dist.broadcast_object_list([obj], src=0, group=self.control)
+
+    def recv_object(self) -> Any:
+        """Ranks > 0: the next object rank 0 sends."""
+        import torch.distributed as dist
+        box: List[Optional[Any]] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's value (e.g. the KV pool size each rank's memory allows)."""
+        if self.size == 1:
+            return value
+        import torch.distributed as dist
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return int(t.item())
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device) -> TensorParallel:
+    """Join the group of `size` ranks that meet at `init_method` (a tcp:// address rank 0 chose)."""
+    if size == 1:
+        return TensorParallel.single()
+    for k, v in NO_MULTICAST_ENV.items():
+        os.environ.setdefault(k, v)
+    import torch.distributed as dist
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=COLLECTIVE_TIMEOUT, **kwargs)
+    control = dist.new_group(list(range(size)), backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    tp = TensorParallel(rank, size, dist.group.WORLD, control)
+    tp.all_reduce(torch.zeros(1, device=device))  # NCCL sets up its communicator here, not inside a graph capture
+    return tp
+
+
+def destroy_tensor_parallel(tp: TensorParallel, timeout_s: float = 30.0) -> None:
+    """Drop the process groups so that another engine in this process can form its own. Every rank calls it at
+    the same time (rank 0 right after telling the others to stop): NCCL's teardown waits for the peers' teardown.
+
+    It runs in a thread given `timeout_s`: a teardown that cannot finish (a peer gone) is logged, never hung on."""
+    if tp.size == 1:
+        return
+    import torch.distributed as dist
+
+    def teardown() -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    worker = threading.Thread(target=teardown, name="minisrv-tp-teardown", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        logger.warning("tensor-parallel process group did not tear down within %.0f s", timeout_s)

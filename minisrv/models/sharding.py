@@ -1,0 +1,107 @@
+"""Which part of each weight one tensor-parallel rank holds, as Megatron splits a decoder.
+
+- q, k, v and gate, up are split by output rows (column-parallel): rank r holds its heads / its slice of the MLP.
+- o and down are split by input columns (row-parallel): each rank's product is a partial sum, all-reduced.
+- The embedding and lm_head are split by vocabulary rows, padded to a multiple of the rank count.
+- K/V heads are split across ranks, or replicated when there are fewer K/V heads than ranks (each rank then holds
+  the one K/V head its query heads read).
+- Norms are replicated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from minisrv.utils import ceil_div
+
+from .layers import ModelArgs
+
+
+class ShardingError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Rows (dim 0) or columns (dim 1) [start, start + length) of a checkpoint tensor."""
+
+    dim: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    rank: int
+    size: int
+    num_heads: int  # query heads on this rank
+    head_start: int
+    num_kv_heads: int  # K/V heads on this rank
+    kv_head_start: int
+    intermediate: int  # MLP width on this rank
+    intermediate_start: int
+    vocab_per_rank: int  # rows of the embedding / lm_head on this rank (padded)
+    vocab_start: int
+    vocab_size: int  # the whole vocabulary
+    head_dim: int
+
+    @classmethod
+    def of(cls, args: ModelArgs, rank: int = 0, size: int = 1) -> "ShardPlan":
+        check_divisible(args, size)
+        hq, hkv = args.num_heads // size, max(1, args.num_kv_heads // size)
+        kv_start = rank * args.num_kv_heads // size  # with fewer K/V heads than ranks: the head rank r's queries read
+        inter = args.intermediate_size // size
+        vocab = ceil_div(args.vocab_size, size)
+        return cls(rank, size, hq, rank * hq, hkv, kv_start, inter, rank * inter, vocab, rank * vocab,
+                   args.vocab_size, args.head_dim)
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the vocabulary this rank holds that exist (the last rank's padding excluded)."""
+        return max(0, min(self.vocab_per_rank, self.vocab_size - self.vocab_start))
+
+    def slice_for(self, hf_name: str) -> Optional[Slice]:
+        """The part of checkpoint tensor `hf_name` this rank holds; None: all of it."""
+        if self.size == 1:
+            return None
+        d = self.head_dim
+        last = hf_name.rsplit(".", 2)[-2]  # "model.layers.0.self_attn.q_proj.weight" -> "q_proj"
+        if last == "q_proj":
+            return Slice(0, self.head_start * d, self.num_heads * d)
+        if last in ("k_proj", "v_proj"):
+            return Slice(0, self.kv_head_start * d, self.num_kv_heads * d)
+        if last in ("gate_proj", "up_proj"):
+            return Slice(0, self.intermediate_start, self.intermediate)
+        if last == "o_proj":
+            return Slice(1, self.head_start * d, self.num_heads * d)
+        if last == "down_proj":
+            return Slice(1, self.intermediate_start, self.intermediate)
+        if last in ("embed_tokens", "lm_head"):
+            return Slice(0, self.vocab_start, self.vocab_rows)
+        return None
+
+
+def check_divisible(args: ModelArgs, size: int) -> None:
+    """Raises ShardingError saying which of the model's sizes `size` ranks cannot split."""
+    if size < 1:
+        raise ShardingError(f"tp size must be >= 1, got {size}")
+    if size == 1:
+        return
+    problems = []
+    if args.num_heads % size:
+        problems.append(f"its {args.num_heads} attention heads")
+    if args.num_kv_heads % size and size % args.num_kv_heads:
+        problems.append(f"its {args.num_kv_heads} key/value heads (nor does it divide {size})")
+    if args.intermediate_size % size:
+        problems.append(f"its MLP width {args.intermediate_size}")
+    if problems:
+        raise ShardingError(f"tp size {size} does not divide {' and '.join(problems)}; choose a tp size that "
+                            f"divides {args.num_heads} (the attention heads)")
+
+
+def local_shape(full: Tuple[int, ...], piece: Optional[Slice]) -> Tuple[int, ...]:
+    if piece is None:
+        return full
+    shape = list(full)
+    shape[piece.dim] = piece.length
+    return tuple(shape)

@@ -1,0 +1,150 @@
+"""Tensor parallelism on the CPU: two ranks over gloo run the same code as two GPUs over NCCL.
+
+References: HF transformers in float64 (greedy tokens) and the same engine with one rank (tokens of greedy and
+seeded sampling, prompt logprobs), on tiny random Llama (llama3 rope, untied head), Qwen2 (qkv bias, tied), Qwen3
+(q/k norm) and Mistral checkpoints, plus a model with fewer K/V heads than ranks (replicated K/V) and one whose
+vocabulary does not split evenly (padded).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from minisrv import SamplingParams
+from minisrv.distributed import TensorParallelError
+from minisrv.models.sharding import ShardingError
+
+from .conftest import (assert_greedy_matches, build_tiny_model, greedy, hf_greedy, make_llm, make_prompts,
+                       vocab_of)
+from .server_process import Server, children, gone
+
+VARIANTS = {  # name -> (base architecture, config overrides)
+    "llama-1kv": ("llama", dict(num_key_value_heads=1)),  # 1 K/V head, 2 ranks: each rank holds it
+    "qwen2-oddvocab": ("qwen2", dict(vocab_size=321)),  # 161 + 160 rows, the last rank padded
+}
+
+
+def spawned_children(pid: int):
+    """Live children of pid started by multiprocessing's spawn (not its resource tracker)."""
+    out = []
+    for c in children(pid):
+        try:
+            with open(f"/proc/{c}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    out.append(c)
+        except OSError:
+            pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_model(tiny_model, tmp_path_factory):
+    def get(name: str) -> str:
+        if name not in VARIANTS:
+            return tiny_model(name)
+        base, overrides = VARIANTS[name]
+        path = str(tmp_path_factory.mktemp(f"tp-{name}"))
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            build_tiny_model(path, base, seed=7, **overrides)
+        return path
+    return get
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "llama-1kv", "qwen2-oddvocab"])
+def test_two_ranks_give_hf_and_one_rank_tokens(tp_model, name):
+    path = tp_model(name)
+    prompts = make_prompts(vocab_of(path), [5, 40, 3, 23])
+    one = [o.token_ids for o in make_llm(path).generate(prompts, greedy(10), use_tqdm=False)]
+    with make_llm(path, tp_size=2) as llm:
+        two = [o.token_ids for o in llm.generate(prompts, greedy(10), use_tqdm=False)]
+        workers = llm.engine.workers.procs
+    assert all(not p.is_alive() and p.exitcode == 0 for p in workers), "ranks left behind after close()"
+    assert two == one
+    for p, toks in zip(prompts, two):
+        ref, scores = hf_greedy(path, p, 10)
+        assert_greedy_matches(toks, ref, scores, f"{name}, tp 2")
+
+
+def test_chunked_prefill_retraction_prefix_cache_sampling_and_prompt_logprobs(tiny_model):
+    """A pool small enough to retract, chunks of 16 tokens, the prefix cache on, seeded sampling and prompt
+    logprobs: two ranks give what one gives."""
+    path = tiny_model("qwen3")
+    vocab = vocab_of(path)
+    prompts = make_prompts(vocab, [30, 45, 12, 38, 27, 50], seed=9)
+    prompts += [prompts[1][:20] + p for p in make_prompts(vocab, [8, 15], seed=10)]  # share a cached prefix
+    params = [greedy(24) if i % 2 else SamplingParams(temperature=0.8, top_k=40, seed=100 + i, max_tokens=24,
+                                                      ignore_eos=True, prompt_logprobs=2 if i == 2 else None)
+              for i in range(len(prompts))]
+    opts = dict(max_total_tokens=192, chunked_prefill_size=16, disable_radix_cache=False, max_running_requests=8)
+    results = []
+    for tp in (1, 2):
+        with make_llm(path, tp_size=tp, **opts) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            results.append((outs, llm.engine.scheduler.num_retractions, llm.engine.num_cached_prompt_tokens))
+    (one, retr1, cached1), (two, retr2, cached2) = results
+    assert retr1 > 0 and retr2 > 0, "the pool was meant to be small enough to retract"
+    assert cached1 > 0 and cached2 > 0
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    lp1, lp2 = one[2].prompt_logprobs, two[2].prompt_logprobs
+    assert lp1[0] is None and lp2[0] is None and len(lp1) == len(lp2) == len(prompts[2])
+    for a, b in zip(lp1[1:], lp2[1:]):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+        assert a.top.keys() == b.top.keys() and all(abs(a.top[k] - b.top[k]) < 1e-4 for k in a.top)
+
+
+def test_a_tp_size_that_does_not_divide_the_heads_is_refused(tiny_model):
+    with pytest.raises(ShardingError, match="tp size 3 does not divide its 4 attention heads"):
+        make_llm(tiny_model("qwen3"), tp_size=3)
+    assert spawned_children(os.getpid()) == [], "refused before any rank was started"
+
+
+def test_a_killed_rank_ends_the_engine_with_an_error_and_no_orphan(tiny_model):
+    path = tiny_model("qwen3")
+    prompts = make_prompts(vocab_of(path), [6, 9])
+    llm = make_llm(path, tp_size=2)
+    try:
+        assert len(llm.generate(prompts, greedy(4), use_tqdm=False)) == 2
+        (rank1,) = llm.engine.workers.procs
+        os.kill(rank1.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            llm.generate(prompts, greedy(4), use_tqdm=False)
+        assert time.monotonic() - t0 < 30
+        rank1.join(5)
+        assert not rank1.is_alive() and gone(rank1.pid)
+    finally:
+        llm.close()
+
+
+def test_server_with_two_ranks_answers_and_a_lost_rank_gives_503s(tiny_model):
+    path = tiny_model("qwen3")
+    srv = Server("--model", path, "--tp-size", "2", "--attention-backend", "torch", "--dtype", "float32")
+    try:
+        srv.wait_ready()
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        ref, _ = hf_greedy(path, [5, 6, 7, 8], 6)
+        assert r.json()["choices"][0]["text"] == "".join(f"t{t}" for t in ref)  # the tokenizer's words
+        (engine_pid,) = spawned_children(srv.proc.pid)  # the engine process (spawned)
+        (rank1,) = spawned_children(engine_pid)
+        os.kill(rank1, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        status = None
+        while time.monotonic() < deadline:
+            status = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code
+            if status == 503:
+                break
+            time.sleep(0.2)
+        assert status == 503
+        deadline = time.monotonic() + 20
+        while not (gone(engine_pid) and gone(rank1)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(engine_pid) and gone(rank1), "the engine or its rank outlived the lost rank"
+        assert any("tensor-parallel rank 1" in line for line in srv.lines)
+    finally:
+        srv.stop()
