@@ -150,8 +150,8 @@ def test_forced_calls_plain_and_streamed(client, model, choice):
 
 
 def test_a_call_cut_off_by_max_tokens_says_length(client, model):
-    kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
-              max_tokens=2, temperature=0)
+    kw = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=2, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "get_time"}})
     r = client.chat.completions.create(**kw)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 2
     assert _stream(client, **kw)[1] == "length"
