@@ -278,7 +278,7 @@ def table(rows: List[Dict[str, Any]]) -> str:
                 part = r[kind] if kind else r
                 n = part["num_prompts"]
                 lines.append(f"| {r['request_rate']} | {kind or 'all'} | {part['completed']}/{n} "
-                             f"| {part['mean_output_tokens']:.1f} "
+                             f"| {part['mean_output_tokens']:.1f} | "
                              + " | ".join(f"{part[k]['p50']:.1f} / {part[k]['p99']:.1f}"
                                           for k in ("ttft_ms", "itl_ms", "e2e_ms")) + " |")
     return "\n".join(lines)
