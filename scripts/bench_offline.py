@@ -18,12 +18,23 @@ Workloads (`--workload`):
         requests shuffled with a fixed seed.
 One warm-up generate first; the clock covers one `generate` call.
 
+`--json-schema [SCHEMA]` generates every request of the workload under a JSON schema (SamplingParams.json_schema;
+without a value, BENCH_SCHEMA: one object with one string field), to price structured outputs: each step fills
+the constrained rows' token masks on the host and gives up overlap scheduling. The workloads set ignore_eos, but
+a grammar that is complete still ends its request (only a stop token is then allowed), so a constrained run may
+make fewer output tokens than the same workload unconstrained: the printout gives the mean output length and how
+many requests the grammar ended. So that the price is read off one run, the same prompts are then generated again
+without the grammar, each request stopped at the length its constrained run reached (the prefix cache emptied
+between the two), and both speeds are printed.
+
   python scripts/bench_offline.py                                  # default model, CPU workload, HF baseline
   python scripts/bench_offline.py --model /tmp/qwen3 --attention-backend fa,fi   # on a GPU: the nano workload
+  python scripts/bench_offline.py --json-schema                    # the same workload, every request constrained
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -37,6 +48,11 @@ import torch  # noqa: E402
 
 from minisrv.config import EngineConfig  # noqa: E402
 from minisrv.engine.request import SamplingParams  # noqa: E402
+
+
+# The schema of --json-schema without a value: a model writes `{"text": "` and then stays inside the string, where
+# nearly every token is allowed, until it writes a quote; the object's grammar work is that of typical JSON output.
+BENCH_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
 
 
 def nano_workload(n: int, in_range, out_range, seed: int = 0):
@@ -170,6 +186,9 @@ def main() -> int:
     p.add_argument("--profile", action="store_true", help="print where a step's time goes")
     p.add_argument("--steps", action="store_true",
                    help="print step times by kind and batch size (no synchronisation added)")
+    p.add_argument("--json-schema", nargs="?", const=json.dumps(BENCH_SCHEMA), default=None, metavar="SCHEMA",
+                   help="generate every request under this JSON schema (JSON text; without a value: "
+                        f"{json.dumps(BENCH_SCHEMA)})")
     p.add_argument("--json", help="append the result as one JSON line to this file")
     a = p.parse_args()
     if a.log_level == EngineConfig.log_level:
@@ -192,6 +211,9 @@ def main() -> int:
         n = a.num_prompts or 32
         prompts, params = cpu_workload(n, (a.min_input_len or 64, a.max_input_len or 256), a.max_output_len or 64)
 
+    if a.json_schema is not None:
+        params = [dataclasses.replace(sp, json_schema=a.json_schema) for sp in params]
+
     from minisrv.llm import LLM
     t_start = time.perf_counter()
     llm = LLM(**vars(EngineConfig.from_args(a)))
@@ -199,7 +221,8 @@ def main() -> int:
     eng = llm.engine
     vocab = eng.args.vocab_size
     prompts = [[t % vocab for t in pr] for pr in prompts]
-    llm.generate(["Benchmark: "], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
+    # warm-up (with the schema: its grammar is compiled here, as a server that has seen it once has it cached)
+    llm.generate(["Benchmark: "], SamplingParams(max_tokens=16, json_schema=a.json_schema), use_tqdm=False)
     if a.profile:
         eng.enable_profiling()
     eng.peak_pages_used = 0
@@ -214,10 +237,14 @@ def main() -> int:
         print_steps(trace)
     out_tokens = sum(len(o.token_ids) for o in outs)
     in_tokens = sum(len(pr) for pr in prompts)
+    asked = sum(sp.max_tokens for sp in params)
+    by_grammar = sum(1 for o in outs if o.finish_reason == "stop")  # ignore_eos: only a grammar stops one early
     result = {
-        "workload": workload, "model": eng.model_path, "dtype": str(eng.dtype).replace("torch.", ""),
+        "workload": workload, "constrained": a.json_schema is not None, "json_schema": a.json_schema,
+        "model": eng.model_path, "dtype": str(eng.dtype).replace("torch.", ""),
         "device": torch.cuda.get_device_name() if cuda else "cpu", "backend": eng.backend_name,
-        "num_prompts": n, "input_tokens": in_tokens, "output_tokens": out_tokens, "time_s": round(dt, 3),
+        "num_prompts": n, "input_tokens": in_tokens, "output_tokens": out_tokens, "max_output_tokens": asked,
+        "mean_output_tokens": round(out_tokens / n, 1), "ended_by_grammar": by_grammar, "time_s": round(dt, 3),
         "output_tok_s": round(out_tokens / dt, 1), "ready_s": round(t_ready, 1),
         "peak_kv_tokens": eng.peak_pages_used * eng.pool.page_size, "kv_pool_tokens": eng.pool.num_slots,
         "retractions": eng.scheduler.num_retractions,
@@ -227,9 +254,13 @@ def main() -> int:
         "cascade_attention": eng.runner.cascade is not None, "cascade_steps": eng.runner.num_cascade_steps,
         "tp_size": eng.config.tp_size,
     }
+    if a.json_schema is not None:
+        print(f"workload {workload}, CONSTRAINED: every request under the JSON schema {a.json_schema}; "
+              f"{by_grammar} of {n} requests ended by the grammar")
     tp = f", tp {eng.config.tp_size}" if eng.config.tp_size > 1 else ""
     print(f"minisrv [{result['backend']}, {result['dtype']}, {result['device']}{tp}]: {out_tokens} output tokens "
-          f"({in_tokens} input) in {dt:.2f}s = {out_tokens / dt:.1f} output tok/s; ready in {t_ready:.1f}s; "
+          f"(of {asked} asked for; mean {out_tokens / n:.1f} a request; {in_tokens} input) in {dt:.2f}s = "
+          f"{out_tokens / dt:.1f} output tok/s; ready in {t_ready:.1f}s; "
           f"peak KV {result['peak_kv_tokens']} of {result['kv_pool_tokens']} tokens; "
           f"{result['retractions']} retractions; graph capture {result['graph_capture_s']}s; "
           f"host waited for the device {eng.runner.wait_s:.2f}s; prefix cache "
@@ -241,7 +272,7 @@ def main() -> int:
         print("profile (s, share of step time):")
         for k, v in sorted(tm.items(), key=lambda kv: -kv[1]):
             print(f"  {k:16s} {v:8.3f}  {100 * v / total:5.1f}%")
-    if a.hf if a.hf is not None else workload == "cpu":
+    if a.hf if a.hf is not None else (workload == "cpu" and a.json_schema is None):  # HF has no grammar
         model = hf_model(llm)
         out_len = params[0].max_tokens
         hf = hf_single_stream(model, prompts, out_len, eng.device)
@@ -249,6 +280,23 @@ def main() -> int:
         result["speedup_vs_hf"] = round(out_tokens / dt / hf, 2)
         print(f"HF transformers single-stream generate: {hf:.1f} output tok/s -> minisrv is "
               f"{out_tokens / dt / hf:.2f}x")
+    if a.json_schema is not None:
+        # the same prompts again without the grammar, each made to stop at the length its constrained twin reached
+        # (the cache emptied first, so their prompts are computed again): the same work but for the grammar's
+        eng.flush_cache()
+        twins = [dataclasses.replace(sp, json_schema=None, max_tokens=len(o.token_ids))
+                 for sp, o in zip(params, outs)]
+        t = time.perf_counter()
+        twin_outs = llm.generate(prompts, twins, use_tqdm=False)
+        dt_twin = time.perf_counter() - t
+        twin_tokens = sum(len(o.token_ids) for o in twin_outs)
+        assert twin_tokens == out_tokens, (twin_tokens, out_tokens)
+        result.update(unconstrained_same_lengths_time_s=round(dt_twin, 3),
+                      unconstrained_same_lengths_tok_s=round(twin_tokens / dt_twin, 1),
+                      constrained_relative_speed=round(dt_twin / dt, 3))
+        print(f"the same prompts and output lengths unconstrained: {twin_tokens} output tokens (mean "
+              f"{twin_tokens / n:.1f}) in {dt_twin:.2f}s = {twin_tokens / dt_twin:.1f} output tok/s; constrained "
+              f"runs at {dt_twin / dt:.1%} of that speed")
     if a.json:
         with open(a.json, "a") as f:
             f.write(json.dumps(result) + "\n")

@@ -6,6 +6,12 @@ Requests arrive as a Poisson process at --request-rate (inf: all at once), optio
 and is timed per SSE chunk with httpx, so TTFT and inter-token latency are measured as a client sees them.
 Output lengths are controlled with ignore_eos + max_tokens (both SGLang and vLLM accept ignore_eos).
 
+`--constrained-fraction F` sends that fraction of the requests (every 1/F-th, spread evenly through the run) with
+`response_format` `json_schema` (SCHEMA: one object with one string field; `--json-schema` for another), and
+reports TTFT, ITL and E2E of the constrained and the unconstrained requests apart, besides all together: what
+structured outputs cost the requests that ask for them, and the others sharing their batches. A grammar that is
+complete ends its request despite ignore_eos, so the constrained requests' output lengths are reported too.
+
     python scripts/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts 32 \\
         --random-input-len 128 --random-output-len 64 --request-rates 1,2,4,inf
 
@@ -44,11 +50,24 @@ WORDS = ("the of and to in is that it was for on are as with his they at be this
          "answer room sea against top turned learn point city play toward five using himself usually").split()
 
 
+# --constrained-fraction's schema: the model writes `{"text": "` and then stays inside the string, where nearly
+# every token is allowed, until it writes a quote (as offline: scripts/bench_offline.py BENCH_SCHEMA)
+SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+
 # ---------------------------------------------------------------------------------------------- workload
 @dataclass
 class Item:
     prompt: Any  # str for completions, str (user message) or a messages list for chat
     max_tokens: int
+    schema: Any = None  # a JSON schema: sent as response_format json_schema
+
+
+def constrain(items: List[Item], fraction: float, schema: Any) -> None:
+    """Give `fraction` of the items the schema, spread evenly: item i when floor((i + 1) * f) > floor(i * f)."""
+    for i, item in enumerate(items):
+        if math.floor((i + 1) * fraction) > math.floor(i * fraction):
+            item.schema = schema
 
 
 def random_items(n: int, in_len: int, out_len: int, ratio: float, seed: int, tokenizer: Any = None) -> List[Item]:
@@ -99,12 +118,15 @@ class Result:
     e2e: float = 0.0
     itl: List[float] = field(default_factory=list)
     start: float = 0.0
+    constrained: bool = False
 
 
 async def send(http: httpx.AsyncClient, args: argparse.Namespace, model: str, item: Item) -> Result:
-    res = Result()
+    res = Result(constrained=item.schema is not None)
     body: Dict[str, Any] = {"model": model, "max_tokens": item.max_tokens, "temperature": args.temperature,
                             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    if item.schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": item.schema}}
     if args.endpoint == "chat":
         url = "/v1/chat/completions"
         body["messages"] = item.prompt if isinstance(item.prompt, list) else \
@@ -186,8 +208,11 @@ async def run_once(args: argparse.Namespace, model: str, items: List[Item], rate
             async with sem:
                 return await send(http, args, model, item)
 
+        schema = next((item.schema for item in items if item.schema is not None), None)
         for _ in range(args.warmup):
             await send(http, args, model, Item(items[0].prompt, min(8, items[0].max_tokens)))
+            if schema is not None:  # the grammar's compile, once per server, is not what is measured
+                await send(http, args, model, Item(items[0].prompt, min(8, items[0].max_tokens), schema))
         tasks = []
         t_start = time.perf_counter()
         for i, item in enumerate(items):
@@ -199,7 +224,6 @@ async def run_once(args: argparse.Namespace, model: str, items: List[Item], rate
 
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
-    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     summary = {
         "request_rate": "inf" if rate == math.inf else rate,
         "max_concurrency": args.max_concurrency,
@@ -213,12 +237,24 @@ async def run_once(args: argparse.Namespace, model: str, items: List[Item], rate
         "request_throughput": len(ok) / duration,
         "input_throughput": sum(r.prompt_tokens for r in ok) / duration,
         "output_throughput": out_tokens / duration,
-        "ttft_ms": stats([r.ttft for r in ok]),
-        "itl_ms": stats([x for r in ok for x in r.itl]),
-        "tpot_ms": stats(tpot),
-        "e2e_ms": stats([r.e2e for r in ok]),
+        **latencies(ok),
     }
+    constrained = [r for r in ok if r.constrained]
+    if any(item.schema is not None for item in items):
+        summary["constrained"] = {"num_prompts": sum(1 for item in items if item.schema is not None),
+                                  **latencies(constrained)}
+        summary["unconstrained"] = {"num_prompts": sum(1 for item in items if item.schema is None),
+                                    **latencies([r for r in ok if not r.constrained])}
     return summary
+
+
+def latencies(results: List[Result]) -> Dict[str, Any]:
+    """TTFT, ITL (every gap between two chunks of a request), TPOT and E2E of a set of finished requests."""
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
+    return {"completed": len(results), "output_tokens": sum(r.output_tokens for r in results),
+            "mean_output_tokens": sum(r.output_tokens for r in results) / len(results) if results else float("nan"),
+            "ttft_ms": stats([r.ttft for r in results]), "itl_ms": stats([x for r in results for x in r.itl]),
+            "tpot_ms": stats(tpot), "e2e_ms": stats([r.e2e for r in results])}
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -234,6 +270,17 @@ def table(rows: List[Dict[str, Any]]) -> str:
         lines.append(f"| {r['request_rate']} | {r['completed']}/{r['num_prompts']} | {r['request_throughput']:.2f} "
                      f"| {r['output_throughput']:.1f} | {four(r['ttft_ms'])} | {four(r['itl_ms'])} "
                      f"| {four(r['e2e_ms'])} |")
+    if any("constrained" in r for r in rows):
+        lines += ["", "| rate (req/s) | requests | done | mean out tokens | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | "
+                      "E2E p50 / p99 (ms) |", "|" + "---|" * 7]
+        for r in rows:
+            for kind in ("constrained", "unconstrained", None):
+                part = r[kind] if kind else r
+                n = part["num_prompts"]
+                lines.append(f"| {r['request_rate']} | {kind or 'all'} | {part['completed']}/{n} "
+                             f"| {part['mean_output_tokens']:.1f} | "
+                             + " | ".join(f"{part[k]['p50']:.1f} / {part[k]['p99']:.1f}"
+                                          for k in ("ttft_ms", "itl_ms", "e2e_ms")) + " |")
     return "\n".join(lines)
 
 
@@ -295,6 +342,10 @@ def main() -> None:
     p.add_argument("--dataset", default=None, help="JSONL of prompts (prompt / text / messages per line)")
     p.add_argument("--tokenizer", default=None,
                    help="HF tokenizer dir or .gguf: random prompts of exact token length (default: random words)")
+    p.add_argument("--constrained-fraction", type=float, default=0.0,
+                   help="this fraction of the requests (0-1) asks for response_format json_schema")
+    p.add_argument("--json-schema", default=None, help=f"the schema of constrained requests (JSON text; default "
+                                                       f"{json.dumps(SCHEMA)})")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="requests sent (and not measured) before each run")
@@ -315,6 +366,9 @@ def main() -> None:
                 tok = AutoTokenizer.from_pretrained(args.tokenizer)
         items = random_items(args.num_prompts, args.random_input_len, args.random_output_len,
                              args.random_range_ratio, args.seed, tok)
+    if not 0.0 <= args.constrained_fraction <= 1.0:
+        raise SystemExit("--constrained-fraction must be between 0 and 1")
+    constrain(items, args.constrained_fraction, json.loads(args.json_schema) if args.json_schema else SCHEMA)
     rates = [parse_rate(x) for x in args.request_rates.split(",")] if args.request_rates else [args.request_rate]
     model = asyncio.run(resolve_model(args))
     out = args.output or os.path.join("bench-results", f"serving-{time.strftime('%Y%m%d-%H%M%S')}.json")
@@ -328,6 +382,12 @@ def main() -> None:
         print(f"  done {row['completed']}/{row['num_prompts']} in {row['duration_s']:.1f}s, "
               f"{row['output_throughput']:.1f} out tok/s, TTFT p50 {row['ttft_ms']['p50']:.0f} ms, "
               f"ITL p50 {row['itl_ms']['p50']:.0f} ms", file=sys.stderr, flush=True)
+        for kind in ("constrained", "unconstrained"):
+            if kind in row:
+                part = row[kind]
+                print(f"  {kind}: {part['completed']}/{part['num_prompts']}, mean {part['mean_output_tokens']:.1f} "
+                      f"output tokens, ITL p50 {part['itl_ms']['p50']:.1f} ms, p99 {part['itl_ms']['p99']:.1f} ms",
+                      file=sys.stderr, flush=True)
         if row["failed"]:
             print(f"  errors: {row['errors']}", file=sys.stderr)
 

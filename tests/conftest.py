@@ -113,6 +113,13 @@ def tiny_model(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen2_tools(tmp_path_factory) -> str:
+    """Directory of a tiny random-weight Qwen2 with a Qwen2.5-style tool-calling chat template (tiny_qwen2.py)."""
+    from .tiny_qwen2 import build_tiny_qwen2
+    return build_tiny_qwen2(str(tmp_path_factory.mktemp("tiny-qwen2-tools")))
+
+
 def vocab_of(path: str) -> int:
     with open(os.path.join(path, "config.json")) as f:
         return json.load(f)["vocab_size"]

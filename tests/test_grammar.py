@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from minisrv import SamplingParams
-from minisrv.engine.grammar import apply_bitmask, check_grammar
+from minisrv.engine.grammar import MAX_JSON_WHITESPACE, apply_bitmask, check_grammar
 from minisrv.engine.request import Request, RequestError, RequestStatus
 from minisrv.engine.sampler import SamplingBatch, sample
 
@@ -137,6 +137,26 @@ def test_grammar_ends_the_request_even_with_ignore_eos(llm, prompts):
     assert re.fullmatch(PHONE, out.text)
     _ends_by_grammar(llm, out, 200)
     assert len(out.token_ids) <= 9  # at most one token per character, and the stop token
+
+
+@needs_default_model
+def test_json_whitespace_runs_are_bounded(llm, prompts):
+    """A model that prefers whitespace above all (here: a +100 bias on the four-newline token) still writes the
+    object: between JSON tokens at most MAX_JSON_WHITESPACE whitespace characters in a row are allowed, and with
+    this bias it takes every one of them. (No free string in the schema: newlines cannot go inside one, so there
+    the model would write whatever it likes, for as long as it likes.)"""
+    newlines = llm.tokenizer.encode("\n\n\n\n")
+    assert len(newlines) == 1 and MAX_JSON_WHITESPACE % 4 == 0
+    schema = {"type": "object", "properties": {"age": {"type": "integer"}, "adult": {"type": "boolean"}},
+              "required": ["age", "adult"]}
+    sp = SamplingParams(temperature=0.0, max_tokens=300, json_schema=json.dumps(schema),
+                        logit_bias={newlines[0]: 100.0})
+    out, = llm.generate([prompts[0]], sp, use_tqdm=False)
+    obj = json.loads(out.text)
+    assert set(obj) == {"age", "adult"} and isinstance(obj["adult"], bool), out.text
+    _ends_by_grammar(llm, out, 300)
+    runs = [len(m) for m in re.findall(r"[ \t\r\n]+", out.text)]
+    assert runs and max(runs) == MAX_JSON_WHITESPACE, (runs, out.text)
 
 
 def _mixed_batch(prompts):

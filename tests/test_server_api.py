@@ -1,7 +1,7 @@
 """The OpenAI API features clients rely on, against a real server on the default model with the official client:
-structured outputs (parse with a Pydantic model, json_object, regex), tool calling (required, named, auto with a
-Hermes call; plain and streamed), echo with logprobs and max_tokens 0 (prompt scoring, as lm-eval does),
-cached-token usage, logit_bias, top_p 0, system_fingerprint, and 400s for every new kind of bad input."""
+structured outputs (parse with a Pydantic model, json_object, regex), echo with logprobs and max_tokens 0 (prompt
+scoring, as lm-eval does), cached-token usage, logit_bias, top_p 0, system_fingerprint, and 400s for every new kind
+of bad input. Tool calling has its own model and tests: test_server_tools.py."""
 from __future__ import annotations
 
 import json
@@ -17,12 +17,6 @@ from minisrv import LLM, SamplingParams  # noqa: E402
 
 from .server_process import Server  # noqa: E402
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the weather in a city",
-                                            "parameters": {"type": "object", "properties": {
-                                                "city": {"type": "string"}, "days": {"type": "integer"}},
-                                                "required": ["city", "days"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the served name of the default model
 ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
 
@@ -40,13 +34,6 @@ def srv() -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def client(srv):
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
-
-
-def _check_weather_args(args: str) -> dict:
-    a = json.loads(args)
-    assert set(a) >= {"city", "days"} and isinstance(a["city"], str) and isinstance(a["days"], int) \
-        and not isinstance(a["days"], bool)
-    return a
 
 
 def test_parse_with_a_pydantic_model(client):
@@ -74,48 +61,6 @@ def test_json_object_and_regex(client, srv):
         "prompt": "Call me at", "regex": "[0-9]{3}-[0-9]{4}", "max_tokens": 20, "temperature": 0.8, "seed": 3})
     import re
     assert r.status_code == 200 and re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.json()["choices"][0]["text"])
-
-
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_forced_tool_calls_plain_and_streamed(client, choice):
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
-                                       max_tokens=80, temperature=0)
-    c = r.choices[0]
-    assert c.finish_reason == "tool_calls" and c.message.tool_calls, c.message
-    call = c.message.tool_calls[0]
-    assert call.type == "function" and call.id
-    if call.function.name == "get_weather":
-        _check_weather_args(call.function.arguments)
-    else:
-        assert choice == "required" and isinstance(json.loads(call.function.arguments)["zone"], str)
-    # streamed: a delta with the id and name first, then the arguments; the same call
-    name, args, finish = None, "", None
-    for chunk in client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
-                                                max_tokens=80, temperature=0, stream=True):
-        if not chunk.choices:
-            continue
-        d = chunk.choices[0].delta
-        for tc in d.tool_calls or []:
-            if tc.function.name:
-                assert name is None and not args, "the name comes first, once"
-                name = tc.function.name
-            args += tc.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
-    assert finish == "tool_calls" and name == call.function.name and args == call.function.arguments
-
-
-def test_auto_parses_a_hermes_call(client):
-    forced = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
-    import re
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="auto", max_tokens=60,
-                                       temperature=0, extra_body={"regex": re.escape(forced)})
-    c = r.choices[0]
-    assert c.finish_reason == "tool_calls" and c.message.content is None
-    assert c.message.tool_calls[0].function.name == "get_weather"
-    assert _check_weather_args(c.message.tool_calls[0].function.arguments) == {"city": "Paris", "days": 3}
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=8,
-                                       temperature=0)
-    assert r.choices[0].message.tool_calls is None
 
 
 def test_echo_logprobs_and_max_tokens_zero_score_the_prompt(srv):
@@ -166,9 +111,6 @@ def test_logit_bias_and_top_p_zero(client, srv):
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"regex": "[unclosed"}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 500}}, "logit_bias"),
 ])

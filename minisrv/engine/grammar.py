@@ -54,6 +54,10 @@ ANY_OBJECT_SCHEMA = '{"type": "object"}'
 CACHE_ENTRIES = 256  # compiled grammars kept by (kind, text); live requests hold theirs beyond that
 XGR_CACHE_BYTES = 512 << 20  # xgrammar's own compile cache
 COMPILE_WORKERS = 2  # grammars compiled at once (each compile also uses xgrammar's own threads)
+# JSON grammars admit at most this many whitespace characters in a row between tokens. Unbounded, a weak model
+# (small, or random) can spend every token it has on whitespace after a "{" and never write the object; bounded,
+# pretty-printed JSON still fits (a newline and 31 spaces: depth 7 at indent 4), and nothing else changes.
+MAX_JSON_WHITESPACE = 32
 PARAM = "response_format"  # where an invalid grammar is reported (the OpenAI request field that carries it)
 
 
@@ -86,17 +90,26 @@ def check_grammar(params: SamplingParams) -> None:
     key = constraint_of(params)
     if key is None:
         return
+    why = grammar_error(*key)
+    if why is not None:
+        raise RequestError(f"invalid {key[0]}: {why}", PARAM)
+
+
+@functools.lru_cache(maxsize=CACHE_ENTRIES)
+def grammar_error(kind: str, text: str) -> Optional[str]:
+    """Why xgrammar cannot parse a grammar of this kind ("json_schema", "json_object", "regex", "ebnf"), or None.
+    Cached: a client resends the same schemas (its tools, with every turn of a chat)."""
     import xgrammar as xgr
-    kind, text = key
     try:
         if kind == "json_schema":
-            xgr.Grammar.from_json_schema(text)
+            xgr.Grammar.from_json_schema(text, max_whitespace_cnt=MAX_JSON_WHITESPACE)
         elif kind == "regex":
             xgr.Grammar.from_regex(text)
         elif kind == "ebnf":
             xgr.Grammar.from_ebnf(text)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError (and ValueError) for a bad grammar
-        raise RequestError(f"invalid {kind}: {_message(e)}", PARAM) from None
+        return _message(e)
+    return None
 
 
 class GrammarState:
@@ -177,9 +190,9 @@ class GrammarBackend:
     def _compile(self, kind: str, text: str) -> Any:
         comp = self._get_compiler()
         if kind == "json_schema":
-            return comp.compile_json_schema(text)
+            return comp.compile_json_schema(text, max_whitespace_cnt=MAX_JSON_WHITESPACE)
         if kind == "json_object":
-            return comp.compile_json_schema(ANY_OBJECT_SCHEMA)
+            return comp.compile_json_schema(ANY_OBJECT_SCHEMA, max_whitespace_cnt=MAX_JSON_WHITESPACE)
         if kind == "regex":
             return comp.compile_regex(text)
         if kind == "ebnf":

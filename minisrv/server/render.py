@@ -160,7 +160,7 @@ class ChatRenderer:
             out.append(self._chunk(choice.index, DeltaMessage(tool_calls=[opening]), [], None))
             out.append(self._chunk(choice.index, DeltaMessage(tool_calls=[
                 {"index": i, "function": {"arguments": call.arguments}}]), [], None))
-        out.append(self._chunk(choice.index, DeltaMessage(), [], "tool_calls"))
+        out.append(self._chunk(choice.index, DeltaMessage(), [], _call_finish(finish_reason)))
         return out
 
     def usage_chunk(self, usage: UsageInfo) -> Any:
@@ -171,7 +171,8 @@ class ChatRenderer:
         if self._tools_on():
             content, calls = parse_tool_calls(ch.text, self.tools)
             if calls:
-                return ChatResponseMessage(content=content, tool_calls=[c.to_openai() for c in calls]), "tool_calls"
+                return ChatResponseMessage(content=content, tool_calls=[c.to_openai() for c in calls]), \
+                    _call_finish(ch.finish_reason)
         return ChatResponseMessage(content=ch.text), ch.finish_reason
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any:
@@ -183,3 +184,10 @@ class ChatRenderer:
                                             if self.logprobs else None)))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage,
                                       system_fingerprint=self.fingerprint, choices=out)
+
+
+def _call_finish(engine_reason: Optional[str]) -> Optional[str]:
+    """The finish_reason of a choice that made tool calls: "tool_calls" when the model ended its output, but
+    "length" (or whatever else ended it) when it was cut off, since then the last call's arguments may be cut off
+    too and the client must be able to tell."""
+    return "tool_calls" if engine_reason == "stop" else engine_reason

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from minisrv.engine.grammar import grammar_error
 from minisrv.engine.request import RequestError
 
 PARSERS = ("auto", "hermes", "llama3_json")
@@ -70,6 +71,11 @@ def _function_of(tool: Any, i: int) -> Dict[str, Any]:
     params = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict):
         raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+    # checked whatever tool_choice is: with "auto" the schema only reaches the template, but a client whose schema
+    # is broken wants to hear it from the request that sent it, not from a later one that forces the call
+    why = grammar_error("json_schema", json.dumps(params))
+    if why is not None:
+        raise RequestError(f"tools[{i}].function.parameters is not a valid JSON schema: {why}", "tools")
     return {"name": name, "description": fn.get("description", ""), "parameters": params}
 
 

@@ -6,7 +6,8 @@
 #   phases: smoke e2e graph overlap sampling grammar backends cascade bench bench-steps bench-profile bench-p1 bench-fi
 #           bench-fa bench-nocache bench-prefix bench-prefix-off bench-prefix-cascade bench-prefix-512
 #           bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm bench-shared-off
-#           bench-shared-cascade decode profile cprofile llama8b tp tp-decode tp-offline tp-profile
+#           bench-shared-cascade bench-grammar serving serving-grammar decode profile cprofile llama8b
+#           tp tp-decode tp-offline tp-profile
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -32,6 +33,18 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t=$SECONDS
 save_cache() { ls -S "$FI_CACHE"/*/*.so 2>/dev/null | while read -r f; do
     [ -e ".fi-cache/$(basename "$f")" ] || echo "$f"; done | head -5 | while read -r f; do cp -u "$f" "$OUT/"; done; }
 BENCH="python3 scripts/bench_offline.py --model $MINISRV_GPU_CKPT --json $OUT/bench.jsonl"
+# bench_serving against a server on the checkpoint, started in the background and stopped (SIGTERM) after it;
+# 256 requests of 256-512 prompt and 128-256 output tokens at 64 req/s. Its results and the server's log stay in
+# /tmp (the table is in run.log), so that no more files come back than the call allows.
+serving() { local name=$1; shift; local port=30123 log=/tmp/$name-server.log pid
+  python3 -m minisrv.launch_server --model "$MINISRV_GPU_CKPT" --attention-backend auto --port $port >"$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 300); do python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" 2>/dev/null && break
+    kill -0 $pid 2>/dev/null || break; sleep 1; done
+  step "$name" 240 python3 scripts/bench_serving.py --base-url http://127.0.0.1:$port --num-prompts 256 \
+    --request-rate 64 --random-input-len 512 --random-output-len 256 --random-range-ratio 0.5 \
+    --output /tmp/$name.json "$@"
+  kill $pid 2>/dev/null; wait $pid; echo "server exited rc $? (log: $log)"; tail -n 3 "$log"; }
 for phase in "${@:-smoke}"; do
   case $phase in
     smoke) step smoke 300 python3 scripts/generate.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
@@ -64,6 +77,9 @@ for phase in "${@:-smoke}"; do
     bench-shared-lpm) step bench-shared-lpm 300 $BENCH --attention-backend auto --workload shared --schedule-policy lpm ;;
     bench-shared-off) step bench-shared-off 300 $BENCH --attention-backend auto --workload shared --disable-radix-cache ;;
     bench-shared-cascade) step bench-shared-cascade 300 $BENCH --attention-backend auto --workload shared --enable-cascade-attention ;;
+    bench-grammar) step bench-grammar 300 $BENCH --attention-backend auto --json-schema ;;  # every request constrained
+    serving) serving serving ;;
+    serving-grammar) serving serving-grammar --constrained-fraction 0.5 ;;  # half the requests constrained
     profile) step profile 200 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
                --batch-sizes 1,64,256 --graphs on --steps 16 --torch-profile ;;
     cprofile) step cprofile 200 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
