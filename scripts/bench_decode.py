@@ -53,7 +53,7 @@ def main() -> int:
         eng = llm.engine
         ar = eng.args
         weights = sum(q.numel() * q.element_size() for q in eng.runner.model.parameters())
-        kv_tok = KVPool.bytes_per_token(ar.num_layers, ar.num_kv_heads, ar.head_dim, eng.dtype)
+        kv_tok = KVPool.bytes_per_token(ar.num_layers, ar.num_kv_heads, ar.head_dim, eng.pool.kv_dtype)
         for bs in sizes:
             params = SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True)
             reqs = [eng.add_request([(7 * i + j) % 1000 + 1 for j in range(a.context)], params) for i in range(bs)]

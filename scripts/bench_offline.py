@@ -215,6 +215,7 @@ def main() -> int:
     in_tokens = sum(len(pr) for pr in prompts)
     result = {
         "workload": workload, "model": eng.model_path, "dtype": str(eng.dtype).replace("torch.", ""),
+        "kv_dtype": str(eng.pool.kv_dtype).replace("torch.", ""),
         "device": torch.cuda.get_device_name() if cuda else "cpu", "backend": eng.backend_name,
         "num_prompts": n, "input_tokens": in_tokens, "output_tokens": out_tokens, "time_s": round(dt, 3),
         "output_tok_s": round(out_tokens / dt, 1), "ready_s": round(t_ready, 1),
@@ -224,7 +225,7 @@ def main() -> int:
         "host_wait_s": round(eng.runner.wait_s, 3),
         "radix_cache": eng.cache is not None, "cache_hit_rate": round(eng.num_cached_prompt_tokens / in_tokens, 3),
     }
-    print(f"minisrv [{result['backend']}, {result['dtype']}, {result['device']}]: {out_tokens} output tokens "
+    print(f"minisrv [{result['backend']}, {result['dtype']}, KV {result['kv_dtype']}, {result['device']}]: {out_tokens} output tokens "
           f"({in_tokens} input) in {dt:.2f}s = {out_tokens / dt:.1f} output tok/s; ready in {t_ready:.1f}s; "
           f"peak KV {result['peak_kv_tokens']} of {result['kv_pool_tokens']} tokens; "
           f"{result['retractions']} retractions; graph capture {result['graph_capture_s']}s; "

@@ -8,6 +8,11 @@ lengths the batch already carries, the page ids are gathered on the device from 
 host round trip. New tokens' k/v are written into the pool before the kernel runs; the kernel reads the pool as
 the tuple (K, V) in NHD layout, [num_pages, page_size, Hkv, D] per layer.
 
+With an FP8 pool the wrappers are planned with `kv_data_type=float8_e4m3fn` and q in the model's dtype (FlashInfer's
+FA2-style kernels convert K/V to q's dtype as they load them; its FA3-style Hopper kernels need an FP8 q, so with a
+bf16 q FlashInfer picks the former by itself), and each run gets the layer's K and V scales as the floats
+`k_scale` (folded into the softmax scale) and `v_scale` (multiplied into the output unless it is 1.0).
+
 CUDA graphs: a FlashInfer decode wrapper in CUDA-graph mode is bound to one batch size (its indptr buffer has
 B+1 entries), so one wrapper is made per captured batch size, all sharing fixed index buffers and the workspace.
 `plan` never runs inside a capture: `prepare_for_capture` plans before the caller starts capturing, and
@@ -45,6 +50,7 @@ class FlashInferBackend(AttentionBackend):
         self._fi = flashinfer
         self.page_size = pool.page_size
         self.dtype = pool.dtype
+        self.kv_dtype = pool.kv_dtype
         self.device = req_to_token.device
         self.use_tensor_cores = num_q_heads // self.num_kv_heads >= 4
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
@@ -99,7 +105,7 @@ class FlashInferBackend(AttentionBackend):
         self._before_plan()
         wrapper.plan(kv_indptr, kv_indices, kv_last,
                      self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                     pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
+                     pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.kv_dtype,
                      sm_scale=self.scale)
         self._after_plan()
 
@@ -117,14 +123,18 @@ class FlashInferBackend(AttentionBackend):
         self.prefill_wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_last,
                                   self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
                                   causal=True, pos_encoding_mode="NONE", sm_scale=self.scale,
-                                  q_data_type=self.dtype, kv_data_type=self.dtype)
+                                  q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         self._after_plan()
         return FIMeta(b.out_cache_loc, self.prefill_wrapper, kv_indices)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: FIMeta) -> torch.Tensor:
         self.pool.store(layer_id, meta.loc, k, v)
-        return meta.wrapper.run(q, (self.pool.k[layer_id], self.pool.v[layer_id]))
+        kv = (self.pool.k[layer_id], self.pool.v[layer_id])
+        if not self.pool.quantized:
+            return meta.wrapper.run(q, kv)
+        return meta.wrapper.run(q, kv, k_scale=self.pool.k_scale_host[layer_id],
+                                v_scale=self.pool.v_scale_host[layer_id])
 
     # -- CUDA graphs (decode) -------------------------------------------------------------------------------
 
