@@ -7,7 +7,7 @@ reads; extend batches pass ragged queries through `cu_seqlens_q` with `causal=Tr
 bottom right (query j of a request with prefix p sees keys 0..p+j), exactly the cached-prefix causal mask.
 
 With an FP8 pool the kernel runs in its FP8 mode, which takes q, K and V all in float8_e4m3fn (it has no mode with
-a bf16 query over an FP8 cache): q is cast to e4m3 (saturated, no scale: attention queries sit far inside +-448),
+a bf16 query over an FP8 cache): q is cast to e4m3 (saturated, no scale: queries normally sit far inside +-448),
 the pool's per-layer K and V scales go in as `k_descale` / `v_descale` ([B, Hkv], expanded from one element, so no
 copy), and the output comes back in bf16. The kernel also rounds the softmax probabilities to e4m3 for the P @ V
 product, so this path is a little less exact than FlashInfer's, which keeps q in the model's dtype.
