@@ -54,7 +54,7 @@ def main() -> int:
         ar = eng.args
         weights = sum(q.numel() * q.element_size() for q in eng.runner.model.parameters())
         # one rank's bytes: its shard of the weights and its K/V heads (with tensor parallelism)
-        kv_tok = KVPool.bytes_per_token(ar.num_layers, eng.pool.num_kv_heads, ar.head_dim, eng.dtype)
+        kv_tok = KVPool.bytes_per_token(ar.num_layers, eng.pool.num_kv_heads, ar.head_dim, eng.pool.kv_dtype)
         for bs in sizes:
             params = SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True)
             reqs = [eng.add_request([(7 * i + j) % 1000 + 1 for j in range(a.context)], params) for i in range(bs)]

@@ -242,6 +242,7 @@ def main() -> int:
     result = {
         "workload": workload, "constrained": a.json_schema is not None, "json_schema": a.json_schema,
         "model": eng.model_path, "dtype": str(eng.dtype).replace("torch.", ""),
+        "kv_dtype": str(eng.pool.kv_dtype).replace("torch.", ""),
         "device": torch.cuda.get_device_name() if cuda else "cpu", "backend": eng.backend_name,
         "num_prompts": n, "input_tokens": in_tokens, "output_tokens": out_tokens, "max_output_tokens": asked,
         "mean_output_tokens": round(out_tokens / n, 1), "ended_by_grammar": by_grammar, "time_s": round(dt, 3),
@@ -258,9 +259,9 @@ def main() -> int:
         print(f"workload {workload}, CONSTRAINED: every request under the JSON schema {a.json_schema}; "
               f"{by_grammar} of {n} requests ended by the grammar")
     tp = f", tp {eng.config.tp_size}" if eng.config.tp_size > 1 else ""
-    print(f"minisrv [{result['backend']}, {result['dtype']}, {result['device']}{tp}]: {out_tokens} output tokens "
-          f"(of {asked} asked for; mean {out_tokens / n:.1f} a request; {in_tokens} input) in {dt:.2f}s = "
-          f"{out_tokens / dt:.1f} output tok/s; ready in {t_ready:.1f}s; "
+    print(f"minisrv [{result['backend']}, {result['dtype']}, KV {result['kv_dtype']}, {result['device']}{tp}]: "
+          f"{out_tokens} output tokens (of {asked} asked for; mean {out_tokens / n:.1f} a request; {in_tokens} "
+          f"input) in {dt:.2f}s = {out_tokens / dt:.1f} output tok/s; ready in {t_ready:.1f}s; "
           f"peak KV {result['peak_kv_tokens']} of {result['kv_pool_tokens']} tokens; "
           f"{result['retractions']} retractions; graph capture {result['graph_capture_s']}s; "
           f"host waited for the device {eng.runner.wait_s:.2f}s; prefix cache "

@@ -6,6 +6,12 @@ their tokens are valid. New tokens' k/v are written into the pool first (`pool.s
 reads; extend batches pass ragged queries through `cu_seqlens_q` with `causal=True`, which FA3 aligns to the
 bottom right (query j of a request with prefix p sees keys 0..p+j), exactly the cached-prefix causal mask.
 
+With an FP8 pool the kernel runs in its FP8 mode, which takes q, K and V all in float8_e4m3fn (it has no mode with
+a bf16 query over an FP8 cache): q is cast to e4m3 (saturated, no scale: queries normally sit far inside +-448),
+the pool's per-layer K and V scales go in as `k_descale` / `v_descale` ([B, Hkv], expanded from one element, so no
+copy), and the output comes back in bf16. The kernel also rounds the softmax probabilities to e4m3 for the P @ V
+product, so this path is a little less exact than FlashInfer's, which keeps q in the model's dtype.
+
 The kernel comes from sgl-kernel (`sgl_kernel.flash_attn`) when installed, else from upstream FlashAttention-3's
 `flash_attn_interface`; both take the same keyword arguments (sgl-kernel adds `ver`, pinned to 3 here).
 """
@@ -62,6 +68,10 @@ class FlashAttentionBackend(AttentionBackend):
         super().__init__(pool, req_to_token, num_q_heads)
         self._attn = _load_kernel()
         self.page_size = pool.page_size
+        self.fp8 = pool.quantized
+        if self.fp8 and self.head_dim % 16:
+            raise ValueError(f"the fa backend's FP8 mode needs head_dim to be a multiple of 16; this model's is "
+                             f"{self.head_dim}: use --kv-cache-dtype auto, or another attention backend")
         # CUDA-graph state: static buffers that captured graphs read
         self.g_page_table: Optional[torch.Tensor] = None
         self.g_cache_seqlens: Optional[torch.Tensor] = None
@@ -87,15 +97,29 @@ class FlashAttentionBackend(AttentionBackend):
                 meta: FAMeta) -> torch.Tensor:
         self.pool.store(layer_id, meta.loc, k, v)
         k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
+        out_dtype = q.dtype
+        fp8 = {}
+        if self.fp8:
+            q, fp8 = self._fp8_args(q, layer_id, meta.page_table.shape[0])
         if meta.cu_seqlens_q is None:  # decode
             o = self._attn(q=q.unsqueeze(1), k_cache=k_cache, v_cache=v_cache,
                            cache_seqlens=meta.cache_seqlens, page_table=meta.page_table,
-                           softmax_scale=self.scale, causal=True)
-            return o.squeeze(1)
-        return self._attn(q=q, k_cache=k_cache, v_cache=v_cache,
-                          cache_seqlens=meta.cache_seqlens, page_table=meta.page_table,
-                          cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
-                          softmax_scale=self.scale, causal=True)
+                           softmax_scale=self.scale, causal=True, **fp8).squeeze(1)
+        else:
+            o = self._attn(q=q, k_cache=k_cache, v_cache=v_cache,
+                           cache_seqlens=meta.cache_seqlens, page_table=meta.page_table,
+                           cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
+                           softmax_scale=self.scale, causal=True, **fp8)
+        return o if o.dtype == out_dtype else o.to(out_dtype)  # FP8 mode answers in bf16
+
+    def _fp8_args(self, q: torch.Tensor, layer_id: int, batch_size: int):
+        """q in e4m3 and the layer's descales as the [B, Hkv] float32 tensors FA3 wants (stride-0 views of the
+        pool's scales: no kernel, and a CUDA graph keeps reading the same scale)."""
+        top = torch.finfo(self.pool.kv_dtype).max
+        q8 = q.clamp(-top, top).to(self.pool.kv_dtype)
+        shape = (batch_size, self.num_kv_heads)
+        scale = self.pool.kv_scale[layer_id]
+        return q8, {"k_descale": scale[0].expand(shape), "v_descale": scale[1].expand(shape)}
 
     # -- CUDA graphs (decode) -------------------------------------------------------------------------------
 

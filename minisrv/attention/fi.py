@@ -15,7 +15,12 @@ token precedes them), read once per group instead of once per request; the two r
 `merge_state_in_place`. The prefill wrapper needs each group's queries contiguous, so q runs in the plan's order
 (groups first) and the output is put back in batch order. Requests in no group are left out of the shared level
 altogether rather than given an empty one: FlashInfer does not define the output or log-sum-exp of attention over
-no keys. Such steps run eagerly (the CUDA-graph runner refuses them).
+no keys. Such steps run eagerly (the CUDA-graph runner refuses them); an FP8 pool does not use cascade.
+
+With an FP8 pool the wrappers are planned with `kv_data_type=float8_e4m3fn` and q in the model's dtype (FlashInfer's
+FA2-style kernels convert K/V to q's dtype as they load them; its FA3-style Hopper kernels need an FP8 q, so with a
+bf16 q FlashInfer picks the former by itself), and each run gets the layer's K and V scales as the floats
+`k_scale` (folded into the softmax scale) and `v_scale` (multiplied into the output unless it is 1.0).
 
 CUDA graphs: a FlashInfer decode wrapper in CUDA-graph mode is bound to one batch size (its indptr buffer has
 B+1 entries), so one wrapper is made per captured batch size, all sharing fixed index buffers and the workspace.
@@ -43,8 +48,9 @@ class FIMeta:
     wrapper: Any  # the FlashInfer wrapper planned for this step (its plan is FlashInfer's own state)
     kv_indices: torch.Tensor  # this step's page ids, kept alive while the wrapper may read them
 
-    def run(self, q: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return self.wrapper.run(q, kv)
+    def run(self, q: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor], **scales: float) -> torch.Tensor:
+        """scales: an FP8 pool's k_scale and v_scale."""
+        return self.wrapper.run(q, kv, **scales)
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,7 @@ class FlashInferBackend(AttentionBackend):
         self._fi = flashinfer
         self.page_size = pool.page_size
         self.dtype = pool.dtype
+        self.kv_dtype = pool.kv_dtype
         self.device = req_to_token.device
         self.use_tensor_cores = num_q_heads // self.num_kv_heads >= 4
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
@@ -148,7 +155,7 @@ class FlashInferBackend(AttentionBackend):
         self._before_plan()
         wrapper.plan(kv_indptr, kv_indices, kv_last,
                      self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                     pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
+                     pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.kv_dtype,
                      sm_scale=self.scale)
         self._after_plan()
 
@@ -168,7 +175,7 @@ class FlashInferBackend(AttentionBackend):
         self.prefill_wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_last,
                                   self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
                                   causal=True, pos_encoding_mode="NONE", sm_scale=self.scale,
-                                  q_data_type=self.dtype, kv_data_type=self.dtype)
+                                  q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         self._after_plan()
         return FIMeta(b.out_cache_loc, self.prefill_wrapper, kv_indices)
 
@@ -227,7 +234,10 @@ class FlashInferBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: Any) -> torch.Tensor:
         self.pool.store(layer_id, meta.loc, k, v)
-        return meta.run(q, (self.pool.k[layer_id], self.pool.v[layer_id]))
+        kv = (self.pool.k[layer_id], self.pool.v[layer_id])
+        if not self.pool.quantized:
+            return meta.run(q, kv)
+        return meta.run(q, kv, k_scale=self.pool.k_scale_host[layer_id], v_scale=self.pool.v_scale_host[layer_id])
 
     # -- CUDA graphs (decode) -------------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 It is the reference the fast backends are tested against, and the CPU serving path. Each step it gathers every
 request's K/V into a padded [B, max_len] table (once per layer, from indices planned once per step) and runs one
-batched SDPA with a mask that is causal with respect to each request's cached prefix.
+batched SDPA with a mask that is causal with respect to each request's cached prefix. An FP8 pool's K/V are
+dequantised as they are gathered (the pool's `load`), so attention itself runs in the model's dtype on any device.
 """
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ class TorchNativeBackend(AttentionBackend):
         bsz, max_q = meta.kv_idx.shape[0], meta.max_q
         hkv, d = self.num_kv_heads, self.head_dim
         g = self.num_q_heads // hkv
-        kk = self.pool.flat_k(layer_id)[meta.kv_idx].transpose(1, 2)  # [B, Hkv, L, D]
-        vv = self.pool.flat_v(layer_id)[meta.kv_idx].transpose(1, 2)
+        kk, vv = self.pool.load(layer_id, meta.kv_idx)  # [B, L, Hkv, D], dequantised from an FP8 pool
+        kk, vv = kk.transpose(1, 2), vv.transpose(1, 2)  # [B, Hkv, L, D]
         qp = q if meta.q_gather is None else q[meta.q_gather]
         # fold the GQA group into the query length: [B, Hkv, G * max_q, D], no K/V repeat needed
         qp = qp.view(bsz, max_q, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, hkv, g * max_q, d)

@@ -28,6 +28,7 @@ logger = logging.getLogger("minisrv")
 
 GiB = 1 << 30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
 
 
 def setup_logging(level: str) -> None:
@@ -48,6 +49,10 @@ def resolve_dtype(name: str, checkpoint_dtype: Optional[str], device: torch.devi
     if device.type == "cpu":
         return torch.float32
     return _DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    return dtype if name == "auto" else _KV_CACHE_DTYPES[name]
 
 
 def resolve_context_length(cfg: EngineConfig, args: ModelArgs) -> int:
@@ -141,14 +146,15 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[str], device
     t_load = time.perf_counter() - t0
 
     a, plan = args, model.plan
-    per_token = KVPool.bytes_per_token(a.num_layers, plan.num_kv_heads, a.head_dim, dtype)
+    kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, dtype)
+    per_token = KVPool.bytes_per_token(a.num_layers, plan.num_kv_heads, a.head_dim, kv_dtype)
     tokens = cfg.max_total_tokens
     if tokens is None:
         tokens = DEFAULT_CPU_POOL_TOKENS if device.type != "cuda" else \
-            _gpu_pool_tokens(cfg, model, backend_name, args, dtype, ps, context_length, per_token, device)
+            _gpu_pool_tokens(cfg, model, backend_name, args, dtype, kv_dtype, ps, context_length, per_token, device)
     tokens = tp.min_over_ranks(tokens)  # every rank holds the same pages (for its own heads)
     num_pages = max(1, tokens // ps)
-    pool = KVPool(a.num_layers, num_pages, ps, plan.num_kv_heads, a.head_dim, dtype, device)
+    pool = KVPool(a.num_layers, num_pages, ps, plan.num_kv_heads, a.head_dim, dtype, device, kv_dtype)
     allocator = PageAllocator(num_pages)
     table = ReqToTokenTable(cfg.max_running_requests + 1, context_length, device)
     pad_row = table.alloc_row()  # one spare row: CUDA-graph padding rows point at it
@@ -166,7 +172,10 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[str], device
         graph_runner = CudaGraphRunner(model, backend, pad_row, pad_page * ps, max_bs, context_length, device)
     cascade = None
     if cfg.enable_cascade_attention:
-        if backend.supports_cascade:
+        if pool.quantized:
+            logger.warning("--enable-cascade-attention ignored: cascade decode reads a bfloat16/float16 pool, "
+                           "not an FP8 one")
+        elif backend.supports_cascade:
             backend.init_cascade_state()
             cascade = CascadePolicy(ps)
         else:
@@ -180,19 +189,22 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[str], device
                 f"; tensor parallel over {tp.size} ranks" if tp.enabled else "")
     logger.info("KV pool: %d tokens (%d pages of %d), %.2f GiB; context length %d; attention backend %s",
                 pool.num_slots, num_pages, ps, pool.nbytes / GiB, context_length, backend_name)
+    if pool.quantized:
+        logger.info("KV cache %s: %d tokens (%dx %s in the same memory; K/V scales 1.0)", cfg.kv_cache_dtype,
+                    pool.num_slots, dtype.itemsize // kv_dtype.itemsize, str(dtype).replace("torch.", ""))
     return EngineParts(device, model_path, args, tokenizer, sorted(eos), dtype, context_length, ps, backend_name,
                        pool, allocator, table, pad_row, pad_page, runner, max_request_len, workers)
 
 
 def _gpu_pool_tokens(cfg: EngineConfig, model: torch.nn.Module, backend_name: str, args: ModelArgs,
-                     dtype: torch.dtype, page_size: int, context_length: int, per_token: int,
-                     device: torch.device) -> int:
+                     dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, context_length: int,
+                     per_token: int, device: torch.device) -> int:
     """KV pool size from the GPU memory left after the weights and the largest prefill step's activations."""
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     n = min(cfg.chunked_prefill_size, cfg.max_prefill_tokens, context_length)
-    peak = activation_peak(model, backend_name, args, dtype, page_size, context_length, n, device)
+    peak = activation_peak(model, backend_name, args, dtype, page_size, context_length, n, device, kv_dtype)
     budget = min(total * cfg.mem_fraction_static - weights, free - peak - GiB)
     if budget < per_token * 4096:
         raise MemoryError(f"not enough GPU memory for a KV pool: {budget / GiB:.2f} GiB left after weights "
@@ -204,11 +216,14 @@ def _gpu_pool_tokens(cfg: EngineConfig, model: torch.nn.Module, backend_name: st
 
 @torch.inference_mode()
 def activation_peak(model: torch.nn.Module, backend_name: str, args: ModelArgs, dtype: torch.dtype,
-                    page_size: int, context_length: int, num_tokens: int, device: torch.device) -> int:
+                    page_size: int, context_length: int, num_tokens: int, device: torch.device,
+                    kv_dtype: Optional[torch.dtype] = None) -> int:
     """Bytes a largest prefill step needs beyond the weights: one step of `num_tokens` run through a model runner
-    of its own, on a throwaway pool just big enough."""
+    of its own, on a throwaway pool just big enough (of the real pool's kv_dtype: an FP8 pool's store and query
+    casts make temporaries of their own)."""
     a, n, plan = args, num_tokens, model.plan
-    pool = KVPool(a.num_layers, ceil_div(n, page_size), page_size, plan.num_kv_heads, a.head_dim, dtype, device)
+    pool = KVPool(a.num_layers, ceil_div(n, page_size), page_size, plan.num_kv_heads, a.head_dim, dtype, device,
+                  kv_dtype)
     table = ReqToTokenTable(1, context_length, device)
     runner = ModelRunner(model, create_backend(backend_name, pool, table.table, plan.num_heads), pool, table, device)
     req = Request([0] * n, SamplingParams(max_tokens=1), 1)

@@ -3,10 +3,10 @@
 # in .gpu-wheels/ (fa3, fi, srv, tools: FlashAttention-3, FlashInfer, server packages, install and checkpoint
 # scripts) and makes a random-weight Qwen3-0.6B-shaped checkpoint at $MINISRV_GPU_CKPT (default /tmp/qwen3).
 #   bash tests/gpu/run.sh [phase ...]
-#   phases: smoke e2e graph overlap sampling grammar backends cascade bench bench-steps bench-profile bench-p1 bench-fi
-#           bench-fa bench-nocache bench-prefix bench-prefix-off bench-prefix-cascade bench-prefix-512
-#           bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm bench-shared-off
-#           bench-shared-cascade bench-grammar serving serving-grammar decode profile cprofile llama8b
+#   phases: smoke e2e graph overlap sampling grammar backends cascade fp8kv bench bench-steps bench-profile bench-p1
+#           bench-fi bench-fa bench-fp8kv bench-nocache bench-prefix bench-prefix-off bench-prefix-cascade
+#           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
+#           bench-shared-off bench-shared-cascade bench-grammar serving serving-grammar decode profile cprofile llama8b
 #           tp tp-decode tp-offline tp-profile
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
@@ -57,6 +57,12 @@ for phase in "${@:-smoke}"; do
                 (timeout 400 python3 -m pytest -q -x tests/gpu/test_backends.py -k "$c" >/tmp/warm-$c.log 2>&1;
                  echo "warm $c: $(tail -n 1 /tmp/warm-$c.log)") & done; wait
               step backends 300 python3 -m pytest -q -rs tests/gpu/test_backends.py ;;
+    # the FP8 KV cache: backends on an FP8 pool against torch, graph replays, end to end against HF (FlashInfer's
+    # FP8-KV kernels are builds of their own: made in parallel first, as for backends)
+    fp8kv) for c in 32-8-128-bf16 16-8-128-bf16 16-2-64-fp16; do
+             (timeout 400 python3 -m pytest -q -x tests/gpu/test_fp8_kv.py -k "$c" >/tmp/warm-fp8-$c.log 2>&1;
+              echo "warm $c: $(tail -n 1 /tmp/warm-fp8-$c.log)") & done; wait
+           step fp8kv 500 python3 -m pytest -q -s -rs tests/gpu/test_fp8_kv.py ;;
     sampling) step sampling 300 python3 -m pytest -q tests/gpu/test_sampling.py ;;
     grammar) step grammar 300 python3 -m pytest -q -s tests/gpu/test_grammar.py ;;
     overlap) step overlap 400 python3 -m pytest -q -s tests/gpu/test_overlap.py ;;
@@ -66,6 +72,7 @@ for phase in "${@:-smoke}"; do
     bench-p1) step bench-p1 300 $BENCH --attention-backend auto --page-size 1 ;;
     bench-fi) step bench-fi 300 $BENCH --attention-backend fi ;;
     bench-fa) step bench-fa 300 $BENCH --attention-backend fa ;;
+    bench-fp8kv) step bench-fp8kv 300 $BENCH --attention-backend auto --workload nano --kv-cache-dtype fp8_e4m3 ;;
     bench-nocache) step bench-nocache 300 $BENCH --attention-backend auto --disable-radix-cache ;;
     bench-prefix) step bench-prefix 300 $BENCH --attention-backend auto --workload prefix ;;
     bench-prefix-cascade) step bench-prefix-cascade 300 $BENCH --attention-backend auto --workload prefix --enable-cascade-attention ;;

@@ -7,7 +7,7 @@ wrote into its pool.
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import pytest
 import torch
@@ -44,6 +44,16 @@ def _need(name: str) -> None:
         pytest.skip(why)
 
 
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, for any dtype (float8 tensors have no equality kernels everywhere)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _written(pool: KVPool, layer: int, loc: torch.Tensor) -> torch.Tensor:
+    """The bytes of K and V at slots `loc` of one layer, [2, T, Hkv, D * itemsize]."""
+    return pool.kv[layer].view(2, -1, pool.num_kv_heads, pool.head_dim).view(torch.uint8)[:, loc]
+
+
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-12)).item()
@@ -52,12 +62,13 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 class Scene:
     """A pool, a request->token table and requests whose pages come from a shuffled allocator."""
 
-    def __init__(self, page_size: int, dtype: torch.dtype, hkv: int, d: int, seed: int = 0) -> None:
+    def __init__(self, page_size: int, dtype: torch.dtype, hkv: int, d: int, seed: int = 0,
+                 kv_dtype: Optional[torch.dtype] = None) -> None:
         self.dev = _dev()
         self.page_size = page_size
         self.gen = torch.Generator().manual_seed(seed)
         num_pages = -(-POOL_TOKENS // page_size)
-        self.pool = KVPool(NUM_LAYERS, num_pages, page_size, hkv, d, dtype, self.dev)
+        self.pool = KVPool(NUM_LAYERS, num_pages, page_size, hkv, d, dtype, self.dev, kv_dtype)
         self.table = torch.zeros((NUM_ROWS, MAX_CONTEXT), dtype=torch.int32, device=self.dev)
         self.alloc = PageAllocator(num_pages)
         everything = self.alloc.alloc(num_pages)
@@ -85,10 +96,11 @@ class Scene:
 
     def clone_pool(self) -> KVPool:
         p = self.pool
-        twin = KVPool(p.num_layers, p.num_pages, p.page_size, p.num_kv_heads, p.head_dim, p.dtype, p.device)
+        twin = KVPool(p.num_layers, p.num_pages, p.page_size, p.num_kv_heads, p.head_dim, p.dtype, p.device,
+                      p.kv_dtype)
+        twin.set_scales(p.k_scale_host, p.v_scale_host)
         for layer in range(p.num_layers):
-            twin.k[layer].copy_(p.k[layer])
-            twin.v[layer].copy_(p.v[layer])
+            twin.kv[layer].view(torch.uint8).copy_(p.kv[layer].view(torch.uint8))
         return twin
 
     def batch(self, mode: ForwardMode, rows: Sequence[int], cached: Sequence[int],
@@ -156,8 +168,8 @@ def test_matches_torch(name, mode, page_size, dtype, hq, hkv, d):
         assert out[layer].shape == (t, hq, d)
         err = _rel_err(out[layer], ref[layer])
         assert err < TOL, f"layer {layer}: relative error {err:.3g}"
-        assert torch.equal(sc.pool.k[layer], ref_pool.k[layer])
-        assert torch.equal(sc.pool.v[layer], ref_pool.v[layer])
+        assert same_bytes(sc.pool.k[layer], ref_pool.k[layer])
+        assert same_bytes(sc.pool.v[layer], ref_pool.v[layer])
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (16, 8, 128)])  # fi: tensor-core and CUDA-core decode
@@ -165,9 +177,17 @@ def test_matches_torch(name, mode, page_size, dtype, hq, hkv, d):
 @pytest.mark.parametrize("name", ["fa", "fi"])
 def test_cuda_graph_decode(name, page_size, hq, hkv, d):
     """Capture decode at bs 4 and 8 on static buffers, then replay real batches padded up to them."""
+    check_cuda_graph_decode(name, page_size, hq, hkv, d)
+
+
+def check_cuda_graph_decode(name: str, page_size: int, hq: int, hkv: int, d: int,
+                            kv_dtype: Optional[torch.dtype] = None, scales=None, tol: float = TOL) -> None:
+    """Graph replays against the torch backend on a copy of the pool; `scales` ((k, v) per layer) for FP8 pools."""
     _need(name)
     dtype = torch.bfloat16
-    sc = Scene(page_size, dtype, hkv, d, seed=1)
+    sc = Scene(page_size, dtype, hkv, d, seed=1, kv_dtype=kv_dtype)
+    if scales is not None:
+        sc.pool.set_scales(*scales)
     dev = sc.dev
     rows = list(range(len(PREFIX_LENS)))
     cached = [p + e for p, e in zip(PREFIX_LENS, EXTEND_LENS)]
@@ -242,6 +262,5 @@ def test_cuda_graph_decode(name, page_size, hq, hkv, d):
             assert got.shape == (padded_bs, hq, d)
             assert torch.isfinite(got.float()).all()
             err = _rel_err(got[:n], ref[layer])
-            assert err < TOL, f"rows {real_rows} padded to {padded_bs}, layer {layer}: relative error {err:.3g}"
-            assert torch.equal(sc.pool.flat_k(layer)[loc], ref_pool.flat_k(layer)[loc])
-            assert torch.equal(sc.pool.flat_v(layer)[loc], ref_pool.flat_v(layer)[loc])
+            assert err < tol, f"rows {real_rows} padded to {padded_bs}, layer {layer}: relative error {err:.3g}"
+            assert torch.equal(_written(sc.pool, layer, loc), _written(ref_pool, layer, loc))

@@ -1,0 +1,174 @@
+"""The FP8 KV cache (`--kv-cache-dtype fp8_e4m3`) on a CUDA GPU.
+
+Backends: every fast backend and hybrid on an FP8 pool (per-layer scales other than 1.0, so that each backend's
+way of applying them is checked) against the torch backend on a byte-for-byte copy of the same pool, for extend and
+decode steps, page sizes 1 and 16, and CUDA-graph decode replays. FlashInfer reads the FP8 pool with q in bf16 and
+converts K/V exactly, so it must agree as closely as on a bf16 pool (1e-2). FlashAttention-3's FP8 mode also rounds q
+and the softmax probabilities to e4m3 (3 mantissa bits: up to 2^-4 of each value), which on these random inputs
+moves the output by about 3.5% (a float64 simulation of those two roundings); its bound is 8e-2.
+
+End to end: a random-weight Qwen3-0.6B-shaped checkpoint with an FP8 pool against HF transformers in bf16 (which
+keeps K/V in bf16): every generated token is HF's argmax or within 0.25 logit of it, with CUDA graphs and overlap
+scheduling on; the pool sized from memory holds twice the tokens of a bf16 one.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisrv import LLM, SamplingParams
+from minisrv.attention import create_backend, device_sm, missing
+from minisrv.attention.base import ForwardMode
+from minisrv.attention.torch_native import TorchNativeBackend
+
+from .common import CKPT, free_cuda, hf_model, mixed_prompts, requires_ckpt, stream_syncs
+from .test_backends import (EXTEND_LENS, NUM_LAYERS, PREFIX_LENS, TOL, Scene, _need, _rel_err, _run,
+                            check_cuda_graph_decode, same_bytes)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+FP8 = torch.float8_e4m3fn
+FA_FP8_TOL = 8e-2
+# per-layer (K, V) scales, NUM_LAYERS of each: not powers of two, so a scale applied twice or not at all shows
+SCALES = ([0.75, 1.5], [1.25, 0.625])
+# (q heads, kv heads, head_dim, dtype): FlashInfer's tensor-core and CUDA-core decode at head_dim 128, head_dim 64,
+# and fp16 (FA3's FP8 mode answers in bf16, which the backend casts back)
+CONFIGS = [(32, 8, 128, torch.bfloat16), (16, 8, 128, torch.bfloat16), (16, 2, 64, torch.float16)]
+CONFIG_IDS = [f"{hq}-{hkv}-{d}-{'bf16' if dt is torch.bfloat16 else 'fp16'}" for hq, hkv, d, dt in CONFIGS]
+
+
+def _tol(name: str, mode: ForwardMode) -> float:
+    parts = name.split(",")
+    used = parts[-1] if mode is ForwardMode.DECODE else parts[0]
+    return FA_FP8_TOL if used == "fa" else TOL
+
+
+@pytest.mark.parametrize("hq,hkv,d,dtype", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
+@pytest.mark.parametrize("name", ["fa", "fi", "fa,fi"])
+def test_fp8_pool_matches_torch(name, mode, page_size, dtype, hq, hkv, d):
+    _need(name)
+    sc = Scene(page_size, dtype, hkv, d, kv_dtype=FP8)
+    sc.pool.set_scales(*SCALES)
+    rows = list(range(len(PREFIX_LENS)))
+    if mode is ForwardMode.EXTEND:
+        cached, new = PREFIX_LENS, EXTEND_LENS
+    else:
+        cached, new = [p + e for p, e in zip(PREFIX_LENS, EXTEND_LENS)], [1] * len(PREFIX_LENS)
+    for r, c, n in zip(rows, cached, new):
+        sc.add_request(r, c + n)
+        sc.fill(r, c)
+    batch = sc.batch(mode, rows, cached, new)
+    t = batch.num_tokens
+    qkv = [(sc.randn(t, hq, d), sc.randn(t, hkv, d), sc.randn(t, hkv, d)) for _ in range(NUM_LAYERS)]
+
+    ref_pool = sc.clone_pool()
+    backend = create_backend(name, sc.pool, sc.table, hq)
+    out = _run(backend, batch, qkv)
+    ref = _run(TorchNativeBackend(ref_pool, sc.table, hq), batch, qkv)
+    torch.cuda.synchronize()
+
+    tol = _tol(name, mode)
+    for layer in range(NUM_LAYERS):
+        assert out[layer].shape == (t, hq, d) and out[layer].dtype == dtype
+        err = _rel_err(out[layer], ref[layer])
+        print(f"{name} {mode.value} page {page_size} {hq}-{hkv}-{d}: layer {layer} relative error {err:.4f}")
+        assert err < tol, f"layer {layer}: relative error {err:.3g} (bound {tol})"
+        assert sc.pool.k[layer].dtype == FP8
+        assert same_bytes(sc.pool.k[layer], ref_pool.k[layer])
+        assert same_bytes(sc.pool.v[layer], ref_pool.v[layer])
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (16, 8, 128)])  # fi: tensor-core and CUDA-core decode
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("name", ["fa", "fi"])
+def test_fp8_cuda_graph_decode(name, page_size, hq, hkv, d):
+    check_cuda_graph_decode(name, page_size, hq, hkv, d, kv_dtype=FP8, scales=SCALES,
+                            tol=_tol(name, ForwardMode.DECODE))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# end to end
+
+BACKENDS = ["fa", "fi", "fa,fi", "torch"]
+N_PROMPTS, N_NEW = 16, 32
+GAP = 0.25  # logits: a generated token may sit this far below HF's argmax (bf16 K/V there, e4m3 here)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return mixed_prompts(N_PROMPTS, 5, 300, seed=1)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    m = hf_model()
+    yield m
+    del m
+    free_cuda()
+
+
+def _need_backend(backend: str) -> None:
+    why = missing(backend, device_sm())
+    if why:
+        pytest.skip(why)
+
+
+@requires_ckpt
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_matches_hf_with_fp8_pool(backend, prompts, hf):
+    _need_backend(backend)
+    llm = LLM(model=CKPT, attention_backend=backend, dtype="bfloat16", kv_cache_dtype="fp8_e4m3",
+              max_total_tokens=65536, cuda_graph_max_bs=64, log_level="warning")
+    eng = llm.engine
+    try:
+        assert eng.pool.quantized and eng.overlap
+        assert (eng.runner.graph_runner is not None) == (backend != "torch")
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True),
+                            use_tqdm=False)
+        if backend != "torch":  # the FP8 store and query casts add no synchronisation to a decode step
+            reqs = [eng.add_request(p, SamplingParams(temperature=0.7, max_tokens=40, ignore_eos=True))
+                    for p in mixed_prompts(12, 10, 200, seed=5)]
+            while any(len(r.output_ids) < 2 for r in reqs):
+                eng.step()
+            syncs = stream_syncs(lambda step=eng.step: [step() for _ in range(8)])
+            assert not syncs, "decode steps synchronised the stream at:\n" + "\n".join(syncs)
+            for r in reqs:
+                eng.abort(r.rid)
+            while eng.has_work():
+                eng.step()
+        assert eng.flush_cache()  # every page back: nothing leaked on the FP8 path
+        assert eng.allocator.num_free == eng.num_free_pages_when_idle
+    finally:
+        del llm, eng
+        free_cuda()
+    worst = 0.0
+    for p, o in zip(prompts, outs):
+        assert len(o.token_ids) == N_NEW
+        with torch.inference_mode():
+            ref = hf(torch.tensor([p + o.token_ids], device="cuda")).logits[0].float()
+        at = ref[len(p) - 1: len(p) - 1 + N_NEW]
+        chosen = at.gather(1, torch.tensor(o.token_ids, device="cuda")[:, None]).squeeze(1)
+        gap = (at.max(dim=1).values - chosen).max().item()
+        worst = max(worst, gap)
+        assert gap <= GAP, f"{backend}: a generated token is {gap:.3f} logits below HF's argmax"
+    print(f"{backend} with an FP8 pool: worst gap to HF's argmax {worst:.4f}")
+
+
+@requires_ckpt
+def test_pool_sized_from_memory_holds_twice_the_tokens():
+    _need_backend("fi")
+    slots = {}
+    for kv in ("auto", "fp8_e4m3"):
+        llm = LLM(model=CKPT, attention_backend="fi", dtype="bfloat16", kv_cache_dtype=kv, disable_cuda_graph=True,
+                  log_level="warning")
+        try:
+            slots[kv] = llm.engine.pool.num_slots
+            nbytes = llm.engine.pool.nbytes
+        finally:
+            del llm
+            free_cuda()
+        print(f"kv {kv}: {slots[kv]} tokens, {nbytes / 2**30:.2f} GiB")
+    ratio = slots["fp8_e4m3"] / slots["auto"]
+    assert 1.9 < ratio < 2.1, f"an FP8 pool holds {ratio:.2f}x the tokens of a bf16 one"
