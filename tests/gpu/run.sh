@@ -36,8 +36,11 @@ BENCH="python3 scripts/bench_offline.py --model $MINISRV_GPU_CKPT --json $OUT/be
 # bench_serving against a server on the checkpoint, started in the background and stopped (SIGTERM) after it;
 # 256 requests of 256-512 prompt and 128-256 output tokens at 64 req/s. Its results and the server's log stay in
 # /tmp (the table is in run.log), so that no more files come back than the call allows.
+# the checkpoint maker's word-level tokenizer cannot write JSON: the structured-output runs use one that can
+JTOK=/tmp/json-tokenizer
+json_tokenizer() { [ -f $JTOK/tokenizer.json ] || python3 tests/gpu/json_tokenizer.py $JTOK "$MINISRV_GPU_CKPT" >/dev/null; }
 serving() { local name=$1; shift; local port=30123 log=/tmp/$name-server.log pid
-  python3 -m minisrv.launch_server --model "$MINISRV_GPU_CKPT" --attention-backend auto --port $port >"$log" 2>&1 &
+  python3 -m minisrv.launch_server --model "$MINISRV_GPU_CKPT" --attention-backend auto --port $port ${SERVER_ARGS:-} >"$log" 2>&1 &
   pid=$!
   for _ in $(seq 300); do python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" 2>/dev/null && break
     kill -0 $pid 2>/dev/null || break; sleep 1; done
@@ -84,9 +87,12 @@ for phase in "${@:-smoke}"; do
     bench-shared-lpm) step bench-shared-lpm 300 $BENCH --attention-backend auto --workload shared --schedule-policy lpm ;;
     bench-shared-off) step bench-shared-off 300 $BENCH --attention-backend auto --workload shared --disable-radix-cache ;;
     bench-shared-cascade) step bench-shared-cascade 300 $BENCH --attention-backend auto --workload shared --enable-cascade-attention ;;
-    bench-grammar) step bench-grammar 300 $BENCH --attention-backend auto --json-schema ;;  # every request constrained
+    # every request constrained, then the same unconstrained (prefix cache off: the second run must not find the
+    # first one's prompts cached)
+    bench-grammar) json_tokenizer; step bench-grammar 300 $BENCH --attention-backend auto --json-schema --tokenizer $JTOK \
+                     --disable-radix-cache ;;
     serving) serving serving ;;
-    serving-grammar) serving serving-grammar --constrained-fraction 0.5 ;;  # half the requests constrained
+    serving-grammar) json_tokenizer; SERVER_ARGS="--tokenizer $JTOK" serving serving-grammar --constrained-fraction 0.5 ;;
     profile) step profile 200 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
                --batch-sizes 1,64,256 --graphs on --steps 16 --torch-profile ;;
     cprofile) step cprofile 200 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
