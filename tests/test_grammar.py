@@ -57,9 +57,8 @@ def _is_person(text: str) -> dict:
     obj = json.loads(text)
     assert isinstance(obj, dict) and set(obj) == {"name", "age"}, text
     assert isinstance(obj["name"], str) and isinstance(obj["age"], int) and not isinstance(obj["age"], bool), text
-    if importlib.util.find_spec("jsonschema") is not None:
-        import jsonschema
-        jsonschema.validate(obj, PERSON_SCHEMA)
+    import jsonschema
+    jsonschema.validate(obj, PERSON_SCHEMA)
     return obj
 
 

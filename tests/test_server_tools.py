@@ -17,8 +17,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import httpx
 import pytest
 
-openai = pytest.importorskip("openai")
-jsonschema = pytest.importorskip("jsonschema")
+import openai  # noqa: E402 - a test dependency (pyproject: test extra)
+import jsonschema  # noqa: E402 - a test dependency (pyproject: test extra)
 
 from minisrv.server.tools import parser_for  # noqa: E402
 
