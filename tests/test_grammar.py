@@ -458,3 +458,30 @@ def test_grammar_request_joining_an_overlapped_batch(qwen3):
         assert all(10 <= t <= 19 for t in b.output_ids if t != EOS_ID) and b.finish_reason in ("stop", "length")
         assert_pool_free(eng)
     assert results[True] == results[False]
+
+
+@needs_default_model
+def test_batch_filled_masks_equal_row_by_row_masks(llm):
+    """A step's masks filled by xgrammar's threads (BATCH_FILL_MIN rows or more) equal those filled one row at a time,
+    for matchers in different states of different grammars."""
+    from minisrv.engine.grammar import BATCH_FILL_MIN, fill_bitmask
+    eng = llm.engine
+    grammars = [SamplingParams(json_schema=json.dumps(PERSON_SCHEMA)), SamplingParams(regex=PHONE),
+                SamplingParams(ebnf=YES_NO)]
+    reqs = []
+    for i in range(2 * BATCH_FILL_MIN):
+        state = eng.grammar.submit(grammars[i % 3])
+        state.future.result()
+        assert state.poll() is None and state.ready
+        prefix = ['{"name": "A', "55", "The answer is "][i % 3][: i // 3 + 1]
+        assert state.matcher.accept_string(prefix)
+        req = Request([1, 2, 3], SamplingParams(), 4, eos_ids=eng.eos_ids)
+        req.grammar = state
+        reqs.append(req)
+    reqs.insert(3, Request([1, 2, 3], SamplingParams(), 4, eos_ids=eng.eos_ids))  # a row without a grammar
+    batch_mask, rows = fill_bitmask(reqs, torch.device("cpu"))
+    for state in (r.grammar for r in reqs if r.grammar is not None):
+        state.batch_filler = None  # row by row
+    row_mask, rows2 = fill_bitmask(reqs, torch.device("cpu"))
+    assert rows.tolist() == rows2.tolist() == [i for i in range(len(reqs)) if i != 3]
+    assert torch.equal(batch_mask, row_mask) and batch_mask.ne(0).any(dim=1).all()

@@ -37,7 +37,7 @@ import re
 import sys
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
+from typing import Callable, TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -54,6 +54,7 @@ ANY_OBJECT_SCHEMA = '{"type": "object"}'
 CACHE_ENTRIES = 256  # compiled grammars kept by (kind, text); live requests hold theirs beyond that
 XGR_CACHE_BYTES = 512 << 20  # xgrammar's own compile cache
 COMPILE_WORKERS = 2  # grammars compiled at once (each compile also uses xgrammar's own threads)
+BATCH_FILL_MIN = 4  # masks of this many rows or more are filled by xgrammar's threads at once, not row by row
 # JSON grammars admit at most this many whitespace characters in a row between tokens. Unbounded, a weak model
 # (small, or random) can spend every token it has on whitespace after a "{" and never write the object; bounded,
 # pretty-printed JSON still fits (a newline and 31 spaces: depth 7 at indent 4), and nothing else changes.
@@ -118,10 +119,12 @@ class GrammarState:
     Only the engine loop touches the matcher; the compile future completes in a worker thread, and `ready` is set
     by the loop (`poll`) so the scheduler's view never changes under it."""
 
-    def __init__(self, key: Tuple[str, str], future: "cf.Future", vocab_size: int) -> None:
+    def __init__(self, key: Tuple[str, str], future: "cf.Future", vocab_size: int,
+                 batch_filler: Optional[Callable[[], Any]] = None) -> None:
         self.key = key
         self.future = future
         self.vocab_size = vocab_size  # the model's (the logits' width, and the mask's)
+        self.batch_filler = batch_filler  # the engine's xgrammar.BatchGrammarMatcher (fills many rows in threads)
         self.matcher: Any = None
         self.ready = False  # compiled and matched: the request may be admitted
 
@@ -164,6 +167,14 @@ class GrammarBackend:
         self._compiler: Any = None
         self._workers = workers
         self._pool: Optional[cf.ThreadPoolExecutor] = None
+        self._batch_filler: Any = None
+
+    def batch_filler(self) -> Any:
+        """xgrammar's BatchGrammarMatcher: fills a step's masks on several threads (made on first use)."""
+        if self._batch_filler is None:
+            import xgrammar as xgr
+            self._batch_filler = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+        return self._batch_filler
 
     # ------------------------------------------------------------------ compiling
     def _get_compiler(self) -> Any:
@@ -221,7 +232,7 @@ class GrammarBackend:
         key = constraint_of(params)
         if key is None:
             return None
-        return GrammarState(key, self._future(key), self.vocab_size)
+        return GrammarState(key, self._future(key), self.vocab_size, self.batch_filler)
 
     def check(self, params: SamplingParams) -> None:
         """Compile a request's grammar now (through the cache, so the engine's compile of it is then a lookup).
@@ -257,11 +268,15 @@ def fill_bitmask(reqs: List["Request"], device: torch.device) -> Tuple[torch.Ten
     rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
     # filled in plain host memory (xgrammar takes it through DLPack, which may not call pinned memory "CPU"), then
     # staged through pinned memory by to_device: one small extra host copy, G x V/8 bytes
-    host = torch.empty((len(rows), ceil_div(reqs[rows[0]].grammar.vocab_size, 32)), dtype=torch.int32)
-    for k, i in enumerate(rows):
-        r = reqs[i]
-        assert not r.num_pending, "a grammar row's previous token must be accepted before its mask is made"
-        r.grammar.matcher.fill_next_token_bitmask(host, k)
+    first = reqs[rows[0]].grammar
+    host = torch.empty((len(rows), ceil_div(first.vocab_size, 32)), dtype=torch.int32)
+    assert not any(reqs[i].num_pending for i in rows), \
+        "a grammar row's previous token must be accepted before its mask is made"
+    if len(rows) >= BATCH_FILL_MIN and first.batch_filler is not None:
+        first.batch_filler().batch_fill_next_token_bitmask([reqs[i].grammar.matcher for i in rows], host)
+    else:
+        for k, i in enumerate(rows):
+            reqs[i].grammar.matcher.fill_next_token_bitmask(host, k)
     mask = to_device(host, torch.int32, device)
     index = None if len(rows) == len(reqs) else to_device(rows, torch.int64, device)
     return mask, index
