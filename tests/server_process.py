@@ -9,7 +9,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List
+from contextlib import contextmanager
+from typing import Iterator, List
 
 import httpx
 
@@ -90,3 +91,15 @@ class Server:
                     pass
             self.proc.kill()
             self.proc.wait()
+
+
+@contextmanager
+def running(*extra: str) -> Iterator[Server]:
+    """A ready server for the with-block; stopped after it, and its exit must be clean (its output is the message)."""
+    s = Server(*extra)
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        code = s.stop()
+    assert code == 0, "".join(s.lines)

@@ -19,20 +19,15 @@ openai = pytest.importorskip("openai")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from .server_process import Server, free_port as _free_port  # noqa: E402
+from .server_process import Server, free_port as _free_port, running  # noqa: E402
 
 CHAT_Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    s = Server()
-    try:
-        s.wait_ready()
+    with running() as s:
         yield s
-    finally:
-        code = s.stop()
-    assert code == 0, "".join(s.lines)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ pydantic = pytest.importorskip("pydantic")
 
 from minisrv import LLM, SamplingParams  # noqa: E402
 
-from .server_process import Server  # noqa: E402
+from .server_process import Server, running  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the served name of the default model
 ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
@@ -23,12 +23,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 
 
 @pytest.fixture(scope="module")
 def srv() -> Iterator[Server]:
-    s = Server()
-    try:
-        s.wait_ready()
+    with running() as s:
         yield s
-    finally:
-        assert s.stop() == 0
 
 
 @pytest.fixture(scope="module")

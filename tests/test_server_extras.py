@@ -15,7 +15,7 @@ from typing import Dict, Iterator, Optional
 import httpx
 import pytest
 
-from .server_process import Server
+from .server_process import Server, running
 from prometheus_client.parser import text_string_to_metric_families
 
 POOL_TOKENS = 2048  # --max-total-tokens: the enforced max_model_len
@@ -29,14 +29,9 @@ HEX32 = re.compile(r"[0-9a-f]{32}")
 # ---------------------------------------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    s = Server("--max-total-tokens", str(POOL_TOKENS), "--max-request-bytes", str(MAX_BYTES),
-               "--api-key", API_KEY, "--allowed-origins", UI)
-    try:
-        s.wait_ready()
+    with running("--max-total-tokens", str(POOL_TOKENS), "--max-request-bytes", str(MAX_BYTES),
+                 "--api-key", API_KEY, "--allowed-origins", UI) as s:
         yield s
-    finally:
-        code = s.stop()
-    assert code == 0, "".join(s.lines)
 
 
 @pytest.fixture(scope="module")

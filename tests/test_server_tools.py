@@ -22,7 +22,7 @@ import jsonschema  # noqa: E402 - a test dependency (pyproject: test extra)
 
 from minisrv.server.tools import parser_for  # noqa: E402
 
-from .server_process import Server  # noqa: E402
+from .server_process import Server, running  # noqa: E402
 from .tiny_qwen2 import CHAT_TEMPLATE  # noqa: E402
 
 WEATHER = {"type": "function", "function": {
@@ -42,12 +42,8 @@ MAX_TOKENS = 600  # a forced call of these schemas is far shorter, even with the
 
 @pytest.fixture(scope="module")
 def srv(tiny_qwen2_tools) -> Iterator[Server]:
-    s = Server("--model", tiny_qwen2_tools)
-    try:
-        s.wait_ready()
+    with running("--model", tiny_qwen2_tools) as s:
         yield s
-    finally:
-        assert s.stop() == 0
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,16 @@ def hf_model(dtype=torch.bfloat16):
     return AutoModelForCausalLM.from_pretrained(CKPT, dtype=dtype).cuda().eval()
 
 
+def gap_to_hf_argmax(hf, prompt: List[int], token_ids: List[int]) -> float:
+    """How far below HF's argmax logit the worst of `token_ids` (generated after `prompt`) is; 0 when every token is
+    HF's greedy choice (bf16 near-ties make small gaps legitimate)."""
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt + token_ids], device="cuda")).logits[0].float()
+    at = ref[len(prompt) - 1: len(prompt) - 1 + len(token_ids)]
+    chosen = at.gather(1, torch.tensor(token_ids, device="cuda")[:, None]).squeeze(1)
+    return (at.max(dim=1).values - chosen).max().item()
+
+
 def stream_syncs(run: Callable[[], None]) -> List[str]:
     """Where run() synchronised the CUDA stream (torch's sync debug mode), as sorted "file:line: message" lines."""
     torch.cuda.synchronize()

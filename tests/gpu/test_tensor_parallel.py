@@ -6,7 +6,7 @@ import torch
 from minisrv import LLM, SamplingParams
 from minisrv.attention import device_sm, missing
 
-from .common import CKPT, free_cuda, hf_model, mixed_prompts, requires_ckpt
+from .common import CKPT, free_cuda, gap_to_hf_argmax, hf_model, mixed_prompts, requires_ckpt
 
 pytestmark = [requires_ckpt, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 N_NEW = 32
@@ -33,11 +33,7 @@ def test_tp2_greedy_matches_hf(backend):
     worst = 0.0
     for p, o in zip(prompts, outs):
         assert len(o.token_ids) == N_NEW
-        with torch.inference_mode():
-            ref = hf(torch.tensor([p + o.token_ids], device="cuda")).logits[0].float()
-        at = ref[len(p) - 1: len(p) - 1 + N_NEW]
-        chosen = at.gather(1, torch.tensor(o.token_ids, device="cuda")[:, None]).squeeze(1)
-        gap = (at.max(dim=1).values - chosen).max().item()
+        gap = gap_to_hf_argmax(hf, p, o.token_ids)
         worst = max(worst, gap)
         assert gap <= 0.1, f"{backend} tp 2: a generated token is {gap:.3f} logits below HF's argmax"
     del hf
