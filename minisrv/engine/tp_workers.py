@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 import traceback
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 from minisrv.config import EngineConfig
 from minisrv.distributed import NO_MULTICAST_ENV, TensorParallelError
@@ -57,10 +57,6 @@ class TPWorkers:
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="minisrv-tp-watch", daemon=True)
         self._watcher.start()
-
-    @property
-    def pids(self) -> List[int]:
-        return [p.pid for p in self.procs]
 
     def _watch(self) -> None:
         live = {p.sentinel: rank for rank, p in enumerate(self.procs, start=1)}

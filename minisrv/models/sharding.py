@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 from minisrv.utils import ceil_div
 
@@ -98,10 +98,3 @@ def check_divisible(args: ModelArgs, size: int) -> None:
         raise ShardingError(f"tp size {size} does not divide {' and '.join(problems)}; choose a tp size that "
                             f"divides {args.num_heads} (the attention heads)")
 
-
-def local_shape(full: Tuple[int, ...], piece: Optional[Slice]) -> Tuple[int, ...]:
-    if piece is None:
-        return full
-    shape = list(full)
-    shape[piece.dim] = piece.length
-    return tuple(shape)

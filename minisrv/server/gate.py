@@ -106,22 +106,21 @@ def is_loopback_name(host: HostName) -> bool:
     """localhost, an IPv4 address in 127.0.0.0/8, [::1] (or an IPv4-mapped loopback address)."""
     if host.name == "localhost":
         return True
-    name = host.name[1:-1] if host.name.startswith("[") else host.name
-    try:
-        addr = ipaddress.ip_address(name)
-    except ValueError:
-        return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return addr.ipv4_mapped.is_loopback
-    return addr.is_loopback
+    return _is_loopback_ip(host.name[1:-1] if host.name.startswith("[") else host.name)
 
 
 def is_loopback_address(address: str) -> bool:
     """Is a bound address (or the name it was given by) a loopback one?"""
     if address.lower().rstrip(".") == "localhost":
         return True
+    return _is_loopback_ip(address.split("%", 1)[0])
+
+
+def _is_loopback_ip(text: str) -> bool:
+    """An IP address literal in a loopback range (an IPv4-mapped IPv6 address by its IPv4 part); False for a
+    text that is not an address."""
     try:
-        addr = ipaddress.ip_address(address.split("%", 1)[0])
+        addr = ipaddress.ip_address(text)
     except ValueError:
         return False
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
