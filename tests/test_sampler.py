@@ -360,8 +360,11 @@ def test_seeded_sampling_reproducible(qwen2):
     assert_pool_free(llm.engine)
 
 
-def test_seeded_output_independent_of_batch_and_retraction(tiny_model):
-    """A seeded request gives the same tokens alone and in a mixed batch that is chunked and retracted."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_seeded_output_independent_of_batch_and_retraction(tiny_model, overlap):
+    """A seeded request gives the same tokens alone and in a mixed batch that is chunked and retracted; with
+    overlap scheduling forced on, where the penalised rows' sampling waits for the previous step's collect
+    while the next forward is already queued, every request gives the same tokens as with it off."""
     path = tiny_model("qwen2")
     vocab = vocab_of(path)
     target = make_prompts(vocab, [17], seed=8)[0]
@@ -381,6 +384,14 @@ def test_seeded_output_independent_of_batch_and_retraction(tiny_model):
     assert llm.engine.scheduler.num_retractions > 0
     assert outs[2].token_ids == alone
     watch.assert_idle()
+    if overlap:
+        llm.engine.overlap = True
+        llm.engine.scheduler.new_token_ratio = MIN_NEW_TOKEN_RATIO
+        again = llm.generate(prompts, oparams[:2] + [p] + oparams[2:], use_tqdm=False)
+        determined = [0, 1, 2, 4]  # greedy or seeded (row 3 draws from torch's generator)
+        assert [again[i].token_ids for i in determined] == [outs[i].token_ids for i in determined]
+        assert llm.engine.scheduler.num_retractions > 0
+        watch.assert_idle()
 
 
 def test_top_k_1_equals_greedy(qwen2):

@@ -120,8 +120,12 @@ class Engine:
         outputs: List[RequestOutput] = []
         if self._compiling:
             outputs += self._grammars_done()
-        if runner.num_inflight and (self.scheduler.num_penalized or self.scheduler.num_constrained):
-            outputs += self._collect()  # penalties count the actual previous tokens; a grammar mask needs them
+        # penalties count the previous tokens and a grammar mask needs them accepted: with such a request live, the
+        # previous step is collected before this one samples; with overlap, while this one's forward runs
+        needs_tokens = bool(self.scheduler.num_penalized or self.scheduler.num_constrained)
+        if runner.num_inflight and needs_tokens and not self.overlap:
+            outputs += self._collect()
+        defer = needs_tokens and self.overlap and runner.num_inflight > 0
         launched = False
         t0 = time.perf_counter()
         batch = None
@@ -134,12 +138,20 @@ class Engine:
                                            self.num_free_pages_when_idle - self.allocator.num_free)
                 if self.config.fail_on_token is not None:
                     self._injected_fault(batch)
-                runner.launch(batch)
+                runner.launch(batch, defer_sampling=defer)
                 self.scheduler.commit(batch)
                 launched = True
         except Exception as e:  # noqa: BLE001 - one bad step must not end the engine
             self._check_fatal(e)
             outputs += self._step_failed(batch.reqs if batch is not None else [], e)
+        if runner.has_deferred:
+            while runner.num_inflight:
+                outputs += self._collect()
+            try:
+                runner.finish_launch()
+            except Exception as e:  # noqa: BLE001
+                self._check_fatal(e)
+                outputs += self._step_failed(batch.reqs, e)
         while runner.num_inflight > (1 if self.overlap and launched else 0):
             outputs += self._collect()
         if batch is None and self._compiling and not runner.num_inflight:

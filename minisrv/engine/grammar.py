@@ -20,9 +20,12 @@ Where the pieces run, and why:
   Once the matcher has accepted a stop token (only allowed where the grammar is complete) it is terminated and the
   request ends with "stop"; a token it rejects (impossible through the mask) ends it with "error".
 - Overlap scheduling: the mask of step N+1 needs step N's token accepted by the matcher, which needs its value on
-  the host. So while any live request has a grammar (`Scheduler.num_constrained`), the engine collects the step in
-  flight before scheduling the next one, exactly as it does for penalties: those steps lose the overlap of host
-  work with the device, the others keep it.
+  the host. So while any live request has a grammar (`Scheduler.num_constrained`), the engine splits step N+1:
+  it queues N+1's forward (whose inputs are read from N's sampled ids on the device), then collects N (the
+  matchers accept its tokens), then fills N+1's masks and queues its sampling (`ModelRunner.launch(...,
+  defer_sampling=True)`, `finish_launch`). The device runs N+1's forward while the host does all of that; it
+  waits only when the host takes longer than a forward. Penalties (which count the previous tokens) take the
+  same path.
 
 Special tokens other than the stop tokens are never allowed inside a grammar: they are shown to xgrammar as empty
 strings, which it treats as special, since their text would be dropped from the output (skip_special_tokens) and
@@ -264,7 +267,9 @@ def _special_ids(tokenizer: Any) -> set:
 def fill_bitmask(reqs: List["Request"], device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The allowed-token bits of the rows of `reqs` that have a grammar, on `device` (copied without waiting),
     and those rows' indices (None when every row has one). Every grammar row's tokens must be on the host (see the
-    overlap note in the module docstring)."""
+    overlap note in the module docstring). A row whose request has already finished (its sampling was deferred
+    past the collect that ended it) allows every token: its token is discarded, and its matcher may be
+    terminated, which xgrammar refuses to fill."""
     rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
     # filled in plain host memory (xgrammar takes it through DLPack, which may not call pinned memory "CPU"), then
     # staged through pinned memory by to_device: one small extra host copy, G x V/8 bytes
@@ -272,11 +277,15 @@ def fill_bitmask(reqs: List["Request"], device: torch.device) -> Tuple[torch.Ten
     host = torch.empty((len(rows), ceil_div(first.vocab_size, 32)), dtype=torch.int32)
     assert not any(reqs[i].num_pending for i in rows), \
         "a grammar row's previous token must be accepted before its mask is made"
-    if len(rows) >= BATCH_FILL_MIN and first.batch_filler is not None:
-        first.batch_filler().batch_fill_next_token_bitmask([reqs[i].grammar.matcher for i in rows], host)
+    live = [k for k, i in enumerate(rows) if not reqs[i].finished]
+    if len(live) < len(rows):
+        host.fill_(-1)
+    if len(live) >= BATCH_FILL_MIN and first.batch_filler is not None:
+        first.batch_filler().batch_fill_next_token_bitmask([reqs[rows[k]].grammar.matcher for k in live], host,
+                                                           live if len(live) < len(rows) else None)
     else:
-        for k, i in enumerate(rows):
-            reqs[i].grammar.matcher.fill_next_token_bitmask(host, k)
+        for k in live:
+            reqs[rows[k]].grammar.matcher.fill_next_token_bitmask(host, k)
     mask = to_device(host, torch.int32, device)
     index = None if len(rows) == len(reqs) else to_device(rows, torch.int64, device)
     return mask, index

@@ -110,6 +110,7 @@ class ModelRunner:
         self.wait_s = 0.0  # host time spent waiting for the device's results (the GPU-bound share of a run)
         self._inflight: Deque[LaunchedStep] = deque()  # launched and not yet collected, oldest first
         self._newest_ids: Optional[torch.Tensor] = None  # sampled ids of the newest launched step, on the device
+        self._deferred: Optional[tuple] = None  # a step whose forward is queued and sampling is not (see launch)
 
     def enable_profiling(self, timings: Dict[str, float]) -> None:
         """Charge each phase's time to `timings` (it synchronises the device after every phase)."""
@@ -258,9 +259,14 @@ class ModelRunner:
         return len(self._inflight)
 
     @torch.inference_mode()
-    def launch(self, sb: ScheduledBatch) -> None:
+    def launch(self, sb: ScheduledBatch, defer_sampling: bool = False) -> None:
         """Queue forward and sampling; copy results to the host without waiting for them. Under tensor
-        parallelism the step's inputs go to the other ranks first, and the sampled ids after sampling."""
+        parallelism the step's inputs go to the other ranks first, and the sampled ids after sampling.
+
+        defer_sampling: queue only the forward; `finish_launch` queues the sampling. In between, the caller
+        collects the previous step, whose tokens this step's sampling needs on the host (grammar masks,
+        penalties), while the device runs this step's forward."""
+        assert self._deferred is None, "finish_launch the deferred step first"
         prof = self.timings is not None
         t = time.perf_counter() if prof else 0.0
         inp = self.step_inputs(sb)
@@ -283,7 +289,22 @@ class ModelRunner:
         if scoring is not None:
             scores = PromptScores(scoring[0], scoring[1], [self._to_host(x) for x in score_outs])
         if prof:
-            t = self._tick("forward_decode" if fb.is_decode else "forward_extend", t)
+            self._tick("forward_decode" if fb.is_decode else "forward_extend", t)
+        self._deferred = (sb, inp, logits, scores)
+        if not defer_sampling:
+            self.finish_launch()
+
+    @property
+    def has_deferred(self) -> bool:
+        return self._deferred is not None
+
+    @torch.inference_mode()
+    def finish_launch(self) -> None:
+        """Queue the sampling of the step whose forward `launch` queued, and count it as in flight."""
+        sb, inp, logits, scores = self._deferred
+        self._deferred = None
+        prof = self.timings is not None
+        t = time.perf_counter() if prof else 0.0
         sampling = [r for r, s in zip(sb.reqs, sb.samples) if s]
         if not sampling:
             self._newest_ids = None
