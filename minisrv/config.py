@@ -8,6 +8,7 @@ from typing import Optional
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model's dtype
+QUANTIZATIONS = ("fp8",)  # weight quantisation at load (models/fp8.py)
 
 
 @dataclass
@@ -17,6 +18,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | fa | fi | P,D
     dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8_e4m3: K/V stored in float8_e4m3fn with per-layer scales
+    quantization: Optional[str] = None  # fp8: projection weights in float8_e4m3fn, per-channel scales (FP8 checkpoints: always)
     device: Optional[str] = None  # None: cuda if available else cpu
     page_size: Optional[int] = None  # tokens per KV page; None: 16 on CUDA (smaller page tables), 1 on CPU
     context_length: Optional[int] = None  # None: the model's max_position_embeddings
@@ -41,6 +43,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.page_size is not None and self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:
@@ -67,6 +71,9 @@ class EngineConfig:
         p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                        help="auto: the model's dtype; fp8_e4m3: float8 K/V (per-layer scales of 1.0), twice the "
                             "tokens of bf16 in the same memory")
+        p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                       help="fp8: quantise the projection weights to float8_e4m3fn at load (per output channel; "
+                            "activations per token); FP8 checkpoints are detected without it")
         p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
         p.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: 16 on CUDA, 1 on CPU)")
         p.add_argument("--context-length", type=int, default=None)

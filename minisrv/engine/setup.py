@@ -16,6 +16,7 @@ from minisrv.kvcache import KVPool, PageAllocator, ReqToTokenTable, slots_for
 from minisrv.distributed import TensorParallel, init_tensor_parallel
 from minisrv.models.layers import ModelArgs, fused_ops_for
 from minisrv.models.sharding import check_divisible
+from minisrv.models.fp8 import Fp8Linear
 from minisrv.models.loader import load_model, load_model_args, load_tokenizer, resolve_model_path
 from minisrv.utils import ceil_div
 
@@ -142,7 +143,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[str], device
     fused = fused_ops_for(device)
     tp = init_tensor_parallel(tp_rank, cfg.tp_size, tp_init, device) if cfg.tp_size > 1 else \
         TensorParallel.single()
-    model = load_model(model_path, args, dtype, device, context_length, fused, tp)
+    model = load_model(model_path, args, dtype, device, context_length, fused, tp, cfg.quantization)
     t_load = time.perf_counter() - t0
 
     a, plan = args, model.plan
@@ -155,6 +156,12 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[str], device
     tokens = tp.min_over_ranks(tokens)  # every rank holds the same pages (for its own heads)
     num_pages = max(1, tokens // ps)
     pool = KVPool(a.num_layers, num_pages, ps, plan.num_kv_heads, a.head_dim, dtype, device, kv_dtype)
+    if model.kv_scales is not None:  # an FP8 checkpoint's calibrated K/V scales (before any graph is captured)
+        if pool.quantized:
+            pool.set_scales(*model.kv_scales)
+        else:
+            logger.info("the checkpoint's K/V scales are not used: the KV cache is %s (--kv-cache-dtype fp8_e4m3 "
+                        "uses them)", str(dtype).replace("torch.", ""))
     allocator = PageAllocator(num_pages)
     table = ReqToTokenTable(cfg.max_running_requests + 1, context_length, device)
     pad_row = table.alloc_row()  # one spare row: CUDA-graph padding rows point at it
@@ -184,14 +191,17 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[str], device
     runner = ModelRunner(model, backend, pool, table, device, graph_runner, tp, cascade)
     if tp.enabled and tp_rank == 0:
         table.journal = []  # from here on, the other ranks replay rank 0's table writes
-    logger.info("model %s (%s, %s) on %s loaded in %.1fs%s%s", model_path, a.architecture,
-                str(dtype).replace("torch.", ""), device, t_load, "; fused ops on" if fused is not None else "",
+    fp8_weights = any(isinstance(m, Fp8Linear) for m in model.modules())
+    logger.info("model %s (%s, %s%s) on %s loaded in %.1fs%s%s", model_path, a.architecture,
+                str(dtype).replace("torch.", ""), ", fp8 weights" if fp8_weights else "", device, t_load,
+                "; fused ops on" if fused is not None else "",
                 f"; tensor parallel over {tp.size} ranks" if tp.enabled else "")
     logger.info("KV pool: %d tokens (%d pages of %d), %.2f GiB; context length %d; attention backend %s",
                 pool.num_slots, num_pages, ps, pool.nbytes / GiB, context_length, backend_name)
     if pool.quantized:
-        logger.info("KV cache %s: %d tokens (%dx %s in the same memory; K/V scales 1.0)", cfg.kv_cache_dtype,
-                    pool.num_slots, dtype.itemsize // kv_dtype.itemsize, str(dtype).replace("torch.", ""))
+        logger.info("KV cache %s: %d tokens (%dx %s in the same memory; K/V scales %s)", cfg.kv_cache_dtype,
+                    pool.num_slots, dtype.itemsize // kv_dtype.itemsize, str(dtype).replace("torch.", ""),
+                    "from the checkpoint" if model.kv_scales is not None else "1.0")
     return EngineParts(device, model_path, args, tokenizer, sorted(eos), dtype, context_length, ps, backend_name,
                        pool, allocator, table, pad_row, pad_page, runner, max_request_len, workers)
 

@@ -53,6 +53,7 @@ class ModelArgs:
     eos_token_ids: List[int] = field(default_factory=list)
     bos_token_id: Optional[int] = None
     sliding_window: Optional[int] = None  # attention window of (some) layers; None: full attention everywhere
+    quantization_config: Optional[Dict[str, Any]] = None  # a quantised checkpoint's (see fp8.py)
 
     @classmethod
     def from_hf_config(cls, cfg: Dict[str, Any]) -> "ModelArgs":
@@ -97,6 +98,7 @@ class ModelArgs:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             sliding_window=int(window) if window else None,
+            quantization_config=cfg.get("quantization_config") or None,
         )
 
 

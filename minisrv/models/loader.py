@@ -22,6 +22,7 @@ from torch import nn
 
 from minisrv.distributed import TensorParallel
 
+from .fp8 import FP8, dequantize, fp8_checkpoint_format, quantize_linear_layers
 from .layers import ModelArgs
 from .registry import model_class
 from .sharding import ShardPlan, Slice
@@ -80,6 +81,10 @@ def load_hf_config(path: str) -> Dict[str, Any]:
 def load_model_args(path: str) -> ModelArgs:
     args = ModelArgs.from_hf_config(load_hf_config(path))
     model_class(args.architecture)  # refuse unknown architectures before touching the weights
+    try:
+        fp8_checkpoint_format(args.quantization_config)  # and quantisation methods that cannot be read
+    except ValueError as e:
+        raise WeightLoadError(f"{path}: {e}") from None
     for eos in _generation_eos_ids(path):  # HF generate stops on these too (e.g. an instruct model's end-of-turn)
         if eos not in args.eos_token_ids:
             args.eos_token_ids.append(eos)
@@ -370,7 +375,7 @@ def _iter_safetensors(path: str) -> Iterator[Tuple[str, StoredTensor]]:
 
 def _read_slice(sl: Any, piece: Optional[Slice]) -> torch.Tensor:
     if piece is None:
-        return sl[:]
+        return sl[:] if sl.get_shape() else sl[...]  # a 0-d tensor (a per-tensor scale) takes no slice
     end = piece.start + piece.length
     return sl[piece.start:end] if piece.dim == 0 else sl[:, piece.start:end]
 
@@ -487,6 +492,77 @@ def _unsharded_shape(name: str, shape: Tuple[int, ...], args: ModelArgs) -> Tupl
     return shape
 
 
+_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # block scales (a multiplier despite "inv"), per tensor/row
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
+
+
+class _CheckpointKVScales:
+    """Per-layer K/V scales an FP8 checkpoint carries (`self_attn.k_scale` / `v_scale`, vLLM's names)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.k: Dict[int, float] = {}
+        self.v: Dict[int, float] = {}
+        self.num_layers = num_layers
+
+    def add(self, layer: int, which: str, value: float) -> None:
+        (self.k if which == "k" else self.v)[layer] = value
+
+    def complete(self) -> Optional[Tuple[List[float], List[float]]]:
+        """(K scales, V scales) by layer when every layer has both, else None (partial sets are not used)."""
+        layers = range(self.num_layers)
+        if all(i in self.k and i in self.v for i in layers):
+            return [self.k[i] for i in layers], [self.v[i] for i in layers]
+        return None
+
+
+def _dequantized_fp8(tensors: Iterator[Tuple[str, StoredTensor]], block: Optional[Tuple[int, int]],
+                     kv_scales: _CheckpointKVScales) -> Iterator[Tuple[str, StoredTensor]]:
+    """An FP8 checkpoint's tensors with every float8 weight read as float32 values (its scale applied, to the
+    slice a rank reads); scales are consumed, static activation scales dropped (activations are quantised per
+    token at run time), K/V scales handed to `kv_scales`."""
+    held = dict(tensors)  # lazy readers: nothing is read yet
+    scales: Dict[str, StoredTensor] = {}
+    for name in list(held):
+        if name.endswith(_SCALE_SUFFIXES):
+            suffix = next(x for x in _SCALE_SUFFIXES if name.endswith(x))
+            scales[name[:-len(suffix)] + ".weight"] = held.pop(name)
+        elif name.endswith(".input_scale"):
+            held.pop(name)
+        elif _KV_SCALE.match(name):
+            m = _KV_SCALE.match(name)
+            kv_scales.add(int(m.group(1)), m.group(2), float(held.pop(name).read(None).float().reshape(-1)[0]))
+    for name, stored in held.items():
+        scale = scales.pop(name, None)
+        if scale is None:
+            yield name, stored
+            continue
+        yield name, StoredTensor(stored.shape, lambda piece, w=stored, s=scale, n=name: _dequantize_piece(
+            n, w, s, piece, block))
+    if scales:
+        raise WeightLoadError(f"scale(s) without a weight in the checkpoint: {', '.join(sorted(scales)[:5])}")
+
+
+def _dequantize_piece(name: str, weight: StoredTensor, scale: StoredTensor, piece: Optional[Slice],
+                      block: Optional[Tuple[int, int]]) -> torch.Tensor:
+    q = weight.read(piece)
+    s = scale.read(None)
+    if q.dtype != FP8:
+        raise WeightLoadError(f"tensor {name!r} has a scale but is {q.dtype}, not float8_e4m3fn")
+    rows = (piece.start, piece.length) if piece is not None and piece.dim == 0 else None
+    cols = (piece.start, piece.length) if piece is not None and piece.dim == 1 else None
+    full = weight.shape
+    if block is not None and s.numel() > 1:
+        want = tuple(-(-n // b) for n, b in zip(full, block))
+        if tuple(s.shape) != want:
+            raise WeightLoadError(f"{name!r}: block scales of shape {tuple(s.shape)}, expected {want} for "
+                                  f"{full} in blocks of {block}")
+        return dequantize(q, s, block, rows, cols)
+    if s.numel() not in (1, full[0]):
+        raise WeightLoadError(f"{name!r}: scale of shape {tuple(s.shape)} is neither per tensor nor per row "
+                              f"of {full}")
+    return dequantize(q, s, None, rows, cols)
+
+
 def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, StoredTensor]], args: ModelArgs,
                  plan: Optional[ShardPlan] = None) -> None:
     """Fill the model's parameters (this rank's shard under `plan`) from (HF name, stored tensor) pairs."""
@@ -519,10 +595,14 @@ def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, StoredTensor]], 
 
 
 def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
-               fused_ops: Optional[Any] = None, tp: Optional[TensorParallel] = None) -> nn.Module:
+               fused_ops: Optional[Any] = None, tp: Optional[TensorParallel] = None,
+               quantization: Optional[str] = None) -> nn.Module:
     """Build the model without running any weight init (meta device), then fill it from the checkpoint.
     `fused_ops`: the fused-kernel module its layers use (see layers.fused_ops_for), or None for plain torch.
-    `tp`: this rank's place in a tensor-parallel group; only its shard is read and held."""
+    `tp`: this rank's place in a tensor-parallel group; only its shard is read and held.
+    `quantization`: "fp8" quantises the projection layers after loading (see fp8.py); an FP8 checkpoint is read
+    into the model's dtype, then quantised the same way. The model's `kv_scales` holds the checkpoint's per-layer
+    K/V scales, or None."""
     cls = model_class(args.architecture)
     with torch.device("meta"):
         model = cls(args, max_positions, fused_ops, tp)
@@ -534,5 +614,14 @@ def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.dev
         source = ((name, StoredTensor.in_memory(w)) for name, w in _iter_gguf(path, args))
     else:
         source = _iter_safetensors(path)
+    fp8_format = fp8_checkpoint_format(args.quantization_config)
+    kv_scales = _CheckpointKVScales(args.num_layers)
+    if fp8_format is not None:
+        source = _dequantized_fp8(source, None if fp8_format == "tensor" else fp8_format, kv_scales)
     load_weights(model, source, args, model.plan)
+    model.kv_scales = kv_scales.complete()
+    if quantization == "fp8" or fp8_format is not None:
+        quantize_linear_layers(model)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the bf16 projections are gone
     return model.eval()

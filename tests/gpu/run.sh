@@ -7,7 +7,7 @@
 #           bench-fi bench-fa bench-fp8kv bench-nocache bench-prefix bench-prefix-off bench-prefix-cascade
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
 #           bench-shared-off bench-shared-cascade bench-grammar serving serving-grammar decode profile cprofile llama8b
-#           tp tp-decode tp-offline tp-profile
+#           tp tp-decode tp-offline tp-profile fp8w llama8b-fp8 decode-fp8
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -66,6 +66,7 @@ for phase in "${@:-smoke}"; do
              (timeout 400 python3 -m pytest -q -x tests/gpu/test_fp8_kv.py -k "$c" >/tmp/warm-fp8-$c.log 2>&1;
               echo "warm $c: $(tail -n 1 /tmp/warm-fp8-$c.log)") & done; wait
            step fp8kv 500 python3 -m pytest -q -s -rs tests/gpu/test_fp8_kv.py ;;
+    fp8w) step fp8w 400 python3 -m pytest -q -s -rs tests/gpu/test_fp8_weights.py ;;
     sampling) step sampling 300 python3 -m pytest -q tests/gpu/test_sampling.py ;;
     grammar) step grammar 300 python3 -m pytest -q -s tests/gpu/test_grammar.py ;;
     overlap) step overlap 400 python3 -m pytest -q -s tests/gpu/test_overlap.py ;;
@@ -116,6 +117,14 @@ for phase in "${@:-smoke}"; do
                   --batch-sizes 1,64 --graphs on --steps 16 --tp-size 2 --torch-profile ;;
     llama8b) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
              step llama8b 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --json "$OUT/bench.jsonl" ;;
+    # FP8: Llama-3-8B-shaped, 64 requests, FP8 weights and KV; decode steps in bf16, FP8 KV, FP8 weights + KV
+    llama8b-fp8) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+             step llama8b-fp8 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
+               --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
+    decode-fp8) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+             for mode in "" "--kv-cache-dtype fp8_e4m3" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do
+               step "decode-8b $mode" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+                 --batch-sizes 1,64,256 --graphs on --steps 32 $mode --json "$OUT/decode.jsonl"; done ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

@@ -1,0 +1,160 @@
+"""FP8 (float8_e4m3fn) linear layers: weights stored in one byte each with a scale per output channel, activations
+quantised per token as they arrive, the product by one scaled GEMM.
+
+Why this form: decode reads every weight once per step, so weight bytes set the floor of a step at small batches;
+one byte instead of two halves it. A scale per output row (rather than one per tensor or per 128x128 block) keeps
+the error of each row to its own range and is what `torch._scaled_mm`'s row-wise mode takes on Hopper (scale_a
+[M, 1] per token, scale_b [1, N] per channel, bfloat16 out), so one kernel does the whole GEMM. Where that kernel
+is missing (the CPU, a float32 or float16 model), the same arithmetic runs as a dequantised matmul: identical
+quantisation, so CPU tests check what the GPU computes up to the GEMM's summation order.
+
+Checkpoints that are already FP8 (per-tensor scales, or 128x128 block scales as in Qwen3's and DeepSeek's FP8
+releases) are dequantised as they are read (`dequantize`) and requantised per output row when the model is
+converted (`quantize_linear_layers`): per-tensor scales become rows of the same scale; block scales cost one
+more rounding, at most one e4m3 step per element (see tests/test_fp8_weights.py for the bound).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+MIN_SCALE = 1e-12  # an all-zero row or token gets this scale (its quantised values are all 0)
+LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # quantised; embedding, norms, lm_head are not
+
+
+def quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (float8 [R, C], float32 scale [R, 1]) with x ~= q * scale, each row scaled to its own max."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_(min=MIN_SCALE) / FP8_MAX
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: Optional[Tuple[int, int]] = None,
+               rows: Optional[Tuple[int, int]] = None, cols: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """float32 values of an FP8 checkpoint tensor q [R, C] (or a slice of one). scale: a scalar (per tensor),
+    [R_full] or [R_full, 1] (per row), or [ceil(R_full / bh), ceil(C_full / bw)] with block=(bh, bw). rows / cols:
+    where q's rows / columns start in the full tensor, and how many (a tensor-parallel rank's slice)."""
+    q = q.float()
+    scale = scale.float()
+    r0 = rows[0] if rows else 0
+    c0 = cols[0] if cols else 0
+    if scale.numel() == 1:
+        return q * scale.reshape(())
+    if block is None:  # per row
+        s = scale.reshape(-1)[r0:r0 + q.shape[0]]
+        return q * s[:, None]
+    bh, bw = block
+    ri = torch.arange(r0, r0 + q.shape[0]) // bh
+    ci = torch.arange(c0, c0 + q.shape[1]) // bw
+    return q * scale[ri][:, ci]
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_quant():
+    """A one-kernel per-token quantiser (Triton) for CUDA, or None where Triton is missing. Eager torch takes five
+    kernels for the same thing, and a decode step quantises four activations per layer."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # noqa: BLE001 - any import failure means "not present"
+        return None
+
+    @triton.jit
+    def kernel(x_ptr, q_ptr, s_ptr, n, stride, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride + offs, mask=offs < n, other=0.0).to(tl.float32)
+        s = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
+        y = tl.minimum(tl.maximum(x / s, -448.0), 448.0)
+        tl.store(q_ptr + row * n + offs, y.to(q_ptr.dtype.element_ty), mask=offs < n)
+        tl.store(s_ptr + row, s)
+
+    def run(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        t, n = x.shape
+        q = torch.empty((t, n), dtype=FP8, device=x.device)
+        s = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+        if t:
+            block = triton.next_power_of_2(n)
+            kernel[(t,)](x, q, s, n, x.stride(0), BLOCK=block, num_warps=8 if block >= 4096 else 4)
+        return q, s
+
+    return run
+
+
+def quantize_tokens(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Activations [T, K] -> (float8 [T, K], float32 [T, 1]), one scale per token (dynamic: no calibration)."""
+    if x.is_cuda and x.stride(-1) == 1:
+        fused = _triton_quant()
+        if fused is not None:
+            return fused(x)
+    return quantize_rows(x)
+
+
+def _scaled_mm_ok(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_scaled_mm")
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T (+ b) with W in float8_e4m3fn [N, K] and a float32 scale per output row; x quantised per token."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [N, K] float8_e4m3fn
+        self.weight_scale = nn.Parameter(scale.reshape(1, -1).float().contiguous(), requires_grad=False)  # [1, N]
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+        q, scale = quantize_rows(linear.weight.detach())
+        return cls(q, scale, linear.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """W as float32 [N, K] (what the layer multiplies by)."""
+        return self.weight.float() * self.weight_scale.reshape(-1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, xs = quantize_tokens(x2)
+        if _scaled_mm_ok(x2):
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale,
+                                   out_dtype=torch.bfloat16)
+        else:  # the same product, dequantised (CPU; float32 / float16 models)
+            out = ((xq.float() * xs) @ self.dequantized_weight().t()).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn per-row scales"
+
+
+def quantize_linear_layers(model: nn.Module) -> int:
+    """Replace the decoder's projection layers (LINEAR_NAMES) by Fp8Linear, quantising their weights per output
+    row; the bf16 weights are freed one layer at a time. Returns how many were replaced."""
+    count = 0
+    for module in list(model.modules()):
+        for name in LINEAR_NAMES:
+            child = getattr(module, name, None)
+            if isinstance(child, nn.Linear):
+                setattr(module, name, Fp8Linear.from_linear(child))
+                count += 1
+    return count
+
+
+def fp8_checkpoint_format(quantization_config: Optional[dict]) -> Optional[Any]:
+    """For a checkpoint's `quantization_config`: None when it is not quantised; the block shape (bh, bw) or
+    "tensor" (per-tensor or per-row scales) for an `fp8` one. Other methods raise ValueError naming them."""
+    if not quantization_config:
+        return None
+    method = quantization_config.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"unsupported checkpoint quantization {method!r}: minisrv reads fp8 checkpoints "
+                         "(per-tensor, per-channel or 128x128 block scales) and bf16/fp16/fp32 ones")
+    block = quantization_config.get("weight_block_size")
+    return tuple(int(b) for b in block) if block else "tensor"

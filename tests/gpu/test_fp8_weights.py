@@ -1,0 +1,100 @@
+"""FP8 weights (`--quantization fp8`) on a CUDA GPU.
+
+The layer: Fp8Linear on CUDA (per-token quantisation by the Triton kernel, then torch._scaled_mm's row-wise FP8
+GEMM, bfloat16 out) against the CPU path's arithmetic in float64 on the same bytes: the only differences are the
+GEMM's summation order and the bf16 rounding of the output (2^-9 of each value), so 1e-2 relative. The Triton
+quantiser against quantize_rows (torch): the same scales, and values at most one e4m3 step apart (its division
+may round the last float32 bit differently, which can move a value across a rounding boundary).
+
+End to end: the random-weight Qwen3-0.6B-shaped checkpoint with FP8 weights and an FP8 KV cache against HF
+transformers in bf16: every generated token is HF's argmax or within GAP logits of it, with CUDA graphs and overlap
+scheduling on.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisrv import LLM, SamplingParams
+from minisrv.attention import device_sm, missing
+from minisrv.models.fp8 import Fp8Linear, _triton_quant, quantize_rows
+
+from .common import CKPT, free_cuda, gap_to_hf_argmax, hf_model, mixed_prompts, requires_ckpt
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+GAP = 0.25
+N_PROMPTS, N_NEW = 16, 32
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("k,n", [(1024, 3072), (3072, 1024)])
+def test_layer_matches_float64(m, k, n):
+    g = torch.Generator(device="cuda").manual_seed(m)
+    lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, device="cuda", generator=g) * 0.05)
+    layer = Fp8Linear.from_linear(lin)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    xq, xs = quantize_rows(x)  # the torch quantiser: the CPU path's arithmetic
+    ref = (xq.double() * xs.double()) @ layer.dequantized_weight().double().t()
+    err = ((got.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, f"m={m} k={k} n={n}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("shape", [(1, 1024), (37, 4096), (256, 14336)])
+def test_triton_quantiser_matches_torch(shape):
+    fused = _triton_quant()
+    assert fused is not None, "Triton is missing: activations are quantised by five torch kernels"
+    x = (torch.randn(*shape, device="cuda") * torch.logspace(-3, 2, shape[0], device="cuda")[:, None]).bfloat16()
+    x[0, :7] = 0  # zeros stay zero
+    q1, s1 = fused(x)
+    q2, s2 = quantize_rows(x)
+    assert torch.allclose(s1, s2, rtol=1e-6, atol=0)
+    a, b = q1.float(), q2.float()
+    step = torch.maximum(a.abs(), b.abs()) * 2.0 ** -3 + 2.0 ** -9
+    assert ((a - b).abs() <= step).all()
+    assert (a != b).float().mean().item() < 1e-3
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return mixed_prompts(N_PROMPTS, 8, 300, seed=11)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    m = hf_model(torch.bfloat16)
+    yield m
+    del m
+    free_cuda()
+
+
+@requires_ckpt
+@pytest.mark.parametrize("backend", ["fa,fi", "fi"])
+def test_greedy_matches_hf_with_fp8_weights_and_kv(backend, prompts, hf):
+    why = missing(backend, device_sm(torch.device("cuda")))
+    if why:
+        pytest.skip(why)
+    llm = LLM(model=CKPT, attention_backend=backend, dtype="bfloat16", quantization="fp8",
+              kv_cache_dtype="fp8_e4m3", max_total_tokens=65536, cuda_graph_max_bs=64, log_level="warning")
+    eng = llm.engine
+    try:
+        n_fp8 = sum(isinstance(m, Fp8Linear) for m in eng.runner.model.modules())
+        assert n_fp8 == 4 * eng.args.num_layers and eng.pool.quantized and eng.overlap
+        assert eng.runner.graph_runner is not None
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True),
+                            use_tqdm=False)
+        assert eng.flush_cache() and eng.allocator.num_free == eng.num_free_pages_when_idle
+    finally:
+        del llm, eng
+        free_cuda()
+    worst = 0.0
+    for p, o in zip(prompts, outs):
+        assert len(o.token_ids) == N_NEW
+        gap = gap_to_hf_argmax(hf, p, o.token_ids)
+        worst = max(worst, gap)
+        assert gap <= GAP, f"{backend}: a generated token is {gap:.3f} logits below HF's argmax"
+    print(f"{backend} with FP8 weights and KV: worst gap to HF's argmax {worst:.4f}")
