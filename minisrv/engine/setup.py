@@ -141,7 +141,8 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[str], device
     dtype = resolve_dtype(cfg.dtype, args.torch_dtype, device)
     ps = cfg.page_size or (16 if device.type == "cuda" else 1)
     fused = fused_ops_for(device)
-    tp = init_tensor_parallel(tp_rank, cfg.tp_size, tp_init, device) if cfg.tp_size > 1 else \
+    tp = init_tensor_parallel(tp_rank, cfg.tp_size, tp_init, device,
+                              None if cfg.disable_custom_all_reduce else dtype) if cfg.tp_size > 1 else \
         TensorParallel.single()
     model = load_model(model_path, args, dtype, device, context_length, fused, tp, cfg.quantization)
     t_load = time.perf_counter() - t0
@@ -195,7 +196,8 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[str], device
     logger.info("model %s (%s, %s%s) on %s loaded in %.1fs%s%s", model_path, a.architecture,
                 str(dtype).replace("torch.", ""), ", fp8 weights" if fp8_weights else "", device, t_load,
                 "; fused ops on" if fused is not None else "",
-                f"; tensor parallel over {tp.size} ranks" if tp.enabled else "")
+                f"; tensor parallel over {tp.size} ranks" + (", one-shot small all-reduces" if tp.one_shot else "")
+                if tp.enabled else "")
     logger.info("KV pool: %d tokens (%d pages of %d), %.2f GiB; context length %d; attention backend %s",
                 pool.num_slots, num_pages, ps, pool.nbytes / GiB, context_length, backend_name)
     if pool.quantized:

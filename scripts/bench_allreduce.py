@@ -1,0 +1,96 @@
+"""All-reduce time by message size on N GPUs: NCCL against the one-shot path (minisrv.distributed.OneShotAllReduce),
+each as a CUDA graph of 20 back-to-back all-reduces (as a decode step replays them), median of 20 replays.
+
+    python scripts/bench_allreduce.py [--tp-size 2] [--sizes-kib 8,32,128,512,1024,4096]
+
+Used to choose ONE_SHOT_MAX_BYTES: the one-shot path should win every size below it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from minisrv.distributed import NO_MULTICAST_ENV, OneShotAllReduce, TensorParallel, init_tensor_parallel  # noqa: E402
+from minisrv.engine.tp_workers import free_tcp_address  # noqa: E402
+
+CALLS = 20
+
+
+def _time_graph(fn, x: torch.Tensor) -> float:
+    """Median milliseconds of one all-reduce, from replays of a graph of CALLS of them."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x
+        for _ in range(CALLS):
+            y = fn(y) * 0.5  # a dependent chain, as layers are
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / CALLS)
+    return statistics.median(times)
+
+
+def worker(rank: int, size: int, addr: str, sizes_kib, queue) -> None:
+    os.environ.update(NO_MULTICAST_ENV)
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    tp = init_tensor_parallel(rank, size, addr, device, torch.bfloat16)
+    nccl = TensorParallel(tp.rank, tp.size, tp.group, tp.control)  # the same group, NCCL for every size
+    rows = []
+    for kib in sizes_kib:
+        n = kib * 1024 // 2
+        x = torch.randn(n, device=device, dtype=torch.bfloat16) / 64
+        one = OneShotAllReduce(tp.group, device, torch.bfloat16, n * 2) if tp.one_shot is not None else None
+        t_nccl = _time_graph(nccl.all_reduce, x.clone())
+        t_one = _time_graph(one, x.clone()) if one is not None else float("nan")
+        ref = nccl.all_reduce(x.clone())
+        same = one is None or torch.allclose(one(x.clone()).float(), ref.float(), rtol=1e-2, atol=1e-2)
+        rows.append((kib, t_nccl, t_one, same))
+    if rank == 0:
+        queue.put(rows)
+    import torch.distributed as dist
+    dist.barrier(group=tp.control)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tp-size", type=int, default=2)
+    p.add_argument("--sizes-kib", default="8,32,128,256,512,1024,2048,4096")
+    a = p.parse_args()
+    sizes = [int(s) for s in a.sizes_kib.split(",")]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    addr = free_tcp_address()
+    procs = [ctx.Process(target=worker, args=(r, a.tp_size, addr, sizes, queue)) for r in range(a.tp_size)]
+    for pr in procs:
+        pr.start()
+    rows = queue.get(timeout=300)
+    for pr in procs:
+        pr.join(60)
+    print(f"all-reduce of bf16 on {a.tp_size} GPUs ({torch.cuda.get_device_name(0)}), ms per call in a CUDA graph")
+    for kib, t_nccl, t_one, same in rows:
+        print(f"{kib:6d} KiB: NCCL {t_nccl * 1e3:7.1f} us, one-shot {t_one * 1e3:7.1f} us "
+              f"({t_nccl / t_one:.2f}x){'' if same else '  RESULTS DIFFER'}")
+
+
+if __name__ == "__main__":
+    main()
