@@ -143,6 +143,9 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     for k, v in NO_MULTICAST_ENV.items():
         os.environ.setdefault(k, v)
     import torch.distributed as dist
+    if dist.is_initialized():  # left by an engine whose group broke (a lost rank): it is never used again
+        logger.warning("dropping a broken tensor-parallel group left by an earlier engine")
+        _teardown(30.0)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
@@ -171,8 +174,11 @@ def destroy_tensor_parallel(tp: TensorParallel, timeout_s: float = 30.0) -> None
     the same time (rank 0 right after telling the others to stop): NCCL's teardown waits for the peers' teardown.
 
     It runs in a thread given `timeout_s`: a teardown that cannot finish (a peer gone) is logged, never hung on."""
-    if tp.size == 1:
-        return
+    if tp.size > 1:
+        _teardown(timeout_s)
+
+
+def _teardown(timeout_s: float) -> None:
     import torch.distributed as dist
 
     def teardown() -> None:

@@ -24,6 +24,7 @@ from .request import (Request, RequestLimits, RequestOutput, SamplingParams, che
                       prompt_logprob_list)
 from .scheduler import Scheduler
 from .setup import build_engine_parts, setup_logging
+from .tp_workers import STOP_AND_TEAR_DOWN, STOP_NOW
 from .text import TextStream
 
 logger = logging.getLogger("minisrv")
@@ -56,7 +57,7 @@ class Engine:
         self.runner = parts.runner
         self.workers = parts.workers  # tensor parallelism: ranks 1..N-1 (None with one rank)
         if self.workers is not None:
-            atexit.register(self.close)  # the ranks are not daemons: they must be told to stop before exit
+            atexit.register(self._close_at_exit)  # the ranks are not daemons: they must be told to stop
         self.max_request_len = parts.max_request_len
         self.limits = RequestLimits(self.args.vocab_size, self.max_request_len)
         self.cache = None if cfg.disable_radix_cache else RadixCache(self.allocator, parts.page_size)
@@ -166,11 +167,20 @@ class Engine:
             raise e
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks (nothing to do with one rank). The engine runs no step after this."""
+        """Stop the tensor-parallel ranks and tear their process group down, so that another engine in this
+        process can form one (nothing to do with one rank). The engine runs no step after this."""
         if self.workers is not None:
             tp = self.runner.tp
-            self.workers.stop(lambda: tp.send_object(None), lambda: destroy_tensor_parallel(tp))
-            atexit.unregister(self.close)
+            self.runner.release_graphs()  # NCCL's teardown waits for graphs that captured its kernels to go
+            self.workers.stop(lambda: tp.send_object(STOP_AND_TEAR_DOWN), lambda: destroy_tensor_parallel(tp))
+            atexit.unregister(self._close_at_exit)
+            self.workers = None
+
+    def _close_at_exit(self) -> None:
+        """The process is ending: the ranks just exit (no group teardown, which nothing after needs)."""
+        if self.workers is not None:
+            tp = self.runner.tp
+            self.workers.stop(lambda: tp.send_object(STOP_NOW), lambda: None)
             self.workers = None
 
     def _grammars_done(self) -> List[RequestOutput]:

@@ -254,6 +254,16 @@ class ModelRunner:
             return x
         return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)
 
+    def release_graphs(self) -> None:
+        """Drop the captured CUDA graphs (before a tensor-parallel group's teardown: NCCL waits for graphs holding
+        its kernels); decode runs eagerly after this."""
+        if self.graph_runner is not None:
+            self.graph_runner = None
+            import gc
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
     @property
     def num_inflight(self) -> int:
         return len(self._inflight)

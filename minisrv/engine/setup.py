@@ -142,7 +142,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[str], device
     ps = cfg.page_size or (16 if device.type == "cuda" else 1)
     fused = fused_ops_for(device)
     tp = init_tensor_parallel(tp_rank, cfg.tp_size, tp_init, device,
-                              None if cfg.disable_custom_all_reduce else dtype) if cfg.tp_size > 1 else \
+                              dtype if cfg.enable_one_shot_all_reduce else None) if cfg.tp_size > 1 else \
         TensorParallel.single()
     model = load_model(model_path, args, dtype, device, context_length, fused, tp, cfg.quantization)
     t_load = time.perf_counter() - t0

@@ -124,6 +124,12 @@ def _die_with_parent() -> None:
         pass
 
 
+# what rank 0 sends the other ranks instead of a step: stop, tearing the process group down together (an engine
+# closed in a process that goes on), or stop at once (the process is exiting)
+STOP_AND_TEAR_DOWN = "stop-and-tear-down"
+STOP_NOW = "stop-now"
+
+
 def worker_main(cfg: EngineConfig, rank: int, init_method: str, parent_pid: int) -> None:
     """Entry point of rank `rank` (spawned): build this rank's parts, then follow rank 0's steps until told to stop."""
     _die_with_parent()
@@ -137,12 +143,14 @@ def worker_main(cfg: EngineConfig, rank: int, init_method: str, parent_pid: int)
         runner = parts.runner
         while True:
             inp = runner.tp.recv_object()
-            if inp is None:
+            if inp in (STOP_AND_TEAR_DOWN, STOP_NOW):
                 break
             runner.run_remote_step(inp)
     except BaseException:  # noqa: BLE001 - any failure ends this rank; rank 0 notices the exit
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         os._exit(1)
-    from minisrv.distributed import destroy_tensor_parallel
-    destroy_tensor_parallel(runner.tp)  # at the same time as rank 0's (see Engine.close)
+    if inp == STOP_AND_TEAR_DOWN:
+        from minisrv.distributed import destroy_tensor_parallel
+        runner.release_graphs()
+        destroy_tensor_parallel(runner.tp)  # at the same time as rank 0's (see Engine.close)
     os._exit(0)
