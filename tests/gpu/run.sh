@@ -7,7 +7,7 @@
 #           bench-fi bench-fa bench-fp8kv bench-nocache bench-prefix bench-prefix-off bench-prefix-cascade
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
 #           bench-shared-off bench-shared-cascade bench-grammar serving serving-grammar decode profile cprofile llama8b
-#           tp tp-decode tp-offline tp-profile allreduce fp8w llama8b-fp8 decode-fp8 profile-fp8
+#           tp tp-decode tp-offline tp-profile allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -126,6 +126,9 @@ for phase in "${@:-smoke}"; do
              for mode in "" "--kv-cache-dtype fp8_e4m3" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do
                step "decode-8b $mode" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                  --batch-sizes 1,64,256 --graphs on --steps 32 $mode --json "$OUT/decode.jsonl"; done ;;
+    decode-fp8w) step decode-8b-fp8w 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+                 --batch-sizes 1,64,256 --graphs on --steps 32 --quantization fp8 --kv-cache-dtype fp8_e4m3 \
+                 --json "$OUT/decode.jsonl" ;;
     profile-fp8) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
              step profile-fp8 200 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                --batch-sizes 1,64 --graphs on --steps 16 --quantization fp8 --kv-cache-dtype fp8_e4m3 --torch-profile ;;
