@@ -7,7 +7,7 @@
 #           bench-fi bench-fa bench-fp8kv bench-nocache bench-prefix bench-prefix-off bench-prefix-cascade
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
 #           bench-shared-off bench-shared-cascade bench-grammar serving serving-grammar decode profile cprofile llama8b
-#           tp tp-decode tp-offline tp-profile allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
+#           tp tp-decode tp-offline tp-profile tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -107,6 +107,9 @@ for phase in "${@:-smoke}"; do
               for tp in 1 2 "2 --enable-one-shot-all-reduce"; do
                 step "tp$tp-decode" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                   --batch-sizes 1,64 --graphs on --steps 32 --tp-size $tp --json "$OUT/decode.jsonl"; done ;;
+    tp-fp8) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+            step tp2-64-fp8 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
+              --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
     allreduce) step allreduce 200 python3 scripts/bench_allreduce.py --tp-size 2 ;;
     tp-offline) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
               for tp in 1 2; do
