@@ -184,6 +184,8 @@ def main() -> int:
     p.add_argument("--hf", dest="hf", action="store_true", default=None, help="also time HF single-stream")
     p.add_argument("--no-hf", dest="hf", action="store_false")
     p.add_argument("--profile", action="store_true", help="print where a step's time goes")
+    p.add_argument("--cprofile", action="store_true",
+                   help="print the host's top Python functions over the timed run (their overhead slows it)")
     p.add_argument("--steps", action="store_true",
                    help="print step times by kind and batch size (no synchronisation added)")
     p.add_argument("--json-schema", nargs="?", const=json.dumps(BENCH_SCHEMA), default=None, metavar="SCHEMA",
@@ -230,9 +232,18 @@ def main() -> int:
     eng.runner.wait_s = 0.0
     eng.runner.num_cascade_steps = 0
     trace = trace_steps(eng) if a.steps else None
+    cprof = None
+    if a.cprofile:
+        import cProfile
+        cprof = cProfile.Profile()
+        cprof.enable()
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t
+    if cprof is not None:
+        import pstats
+        cprof.disable()
+        pstats.Stats(cprof).sort_stats("tottime").print_stats(25)
     if trace is not None:
         print_steps(trace)
     out_tokens = sum(len(o.token_ids) for o in outs)

@@ -6,7 +6,8 @@
 #   phases: smoke e2e graph overlap sampling grammar backends cascade fp8kv bench bench-steps bench-profile bench-p1
 #           bench-fi bench-fa bench-fp8kv bench-nocache bench-prefix bench-prefix-off bench-prefix-cascade
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
-#           bench-shared-off bench-shared-cascade bench-grammar serving serving-grammar decode profile cprofile llama8b
+#           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv decode-fp8w-fa
+#           llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
 #           tp tp-decode tp-offline tp-profile tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
@@ -92,6 +93,14 @@ for phase in "${@:-smoke}"; do
     # first one's prompts cached)
     bench-grammar) json_tokenizer; step bench-grammar 300 $BENCH --attention-backend auto --json-schema --tokenizer $JTOK \
                      --disable-radix-cache ;;
+    bench-grammar-cprofile) json_tokenizer; step bench-grammar-cprofile 300 $BENCH --attention-backend auto --json-schema \
+                     --tokenizer $JTOK --disable-radix-cache --cprofile ;;
+    bench-fa-fp8kv) step bench-fa-fp8kv 300 $BENCH --attention-backend fa --workload nano --kv-cache-dtype fp8_e4m3 ;;
+    decode-fp8w-fa) step decode-8b-fp8w-fa 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend fa \
+                 --batch-sizes 1,64,256 --graphs on --steps 32 --quantization fp8 --kv-cache-dtype fp8_e4m3 \
+                 --json "$OUT/decode.jsonl" ;;
+    llama8b-fp8-fa) step llama8b-fp8-fa 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
+               --attention-backend fa --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
     serving) serving serving ;;
     serving-grammar) json_tokenizer; SERVER_ARGS="--tokenizer $JTOK" serving serving-grammar --constrained-fraction 0.5 ;;
     profile) step profile 200 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
