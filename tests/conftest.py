@@ -340,6 +340,16 @@ class EngineWatch:
         assert not eng.scheduler.running and not eng.scheduler.waiting and not eng.scheduler.by_id
         assert_pool_free(eng)
 
+    def errors_against(self, model) -> List[float]:
+        """Relative error of every recorded logits row against `model`'s (an HF model's) teacher-forced logits."""
+        errs = []
+        for req in self.reqs.values():
+            seq = req.prompt_ids + req.output_ids
+            with torch.no_grad():
+                ref = model(torch.tensor([seq[:-1] if req.output_ids else seq])).logits[0]
+            errs += [rel_err(row, ref[pos]) for pos, row in self.logits.get(req.rid, [])]
+        return errs
+
     def check_logits(self, path: str, reqs=None, tol: float = 1e-4) -> int:
         """Every recorded logits row (one per step per request) against HF's teacher-forced float64 logits at the
         same position of the same sequence. Returns how many rows were compared."""

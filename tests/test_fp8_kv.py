@@ -92,17 +92,6 @@ def perturbed_model(path: str, seed: int = 0):
     return m
 
 
-def errors_against(model, watch: EngineWatch) -> List[float]:
-    """Relative error of every logits row the engine computed against `model`'s teacher-forced logits."""
-    errs = []
-    for req in watch.reqs.values():
-        seq = req.prompt_ids + req.output_ids
-        with torch.no_grad():
-            ref = model(torch.tensor([seq[:-1] if req.output_ids else seq])).logits[0]
-        errs += [rel_err(row, ref[pos]) for pos, row in watch.logits.get(req.rid, [])]
-    return errs
-
-
 def reference_errors(model, path: str, watch: EngineWatch) -> List[float]:
     """Relative error of `model`'s logits against the unquantised float64 model's, at the rows the engine made."""
     errs = []
@@ -207,12 +196,12 @@ def test_logits_match_e4m3_emulation_and_stay_within_e4m3_error(tiny_model, arch
     llm, watch = _run(path, prompts, page_size=1)
     assert llm.engine.pool.kv_dtype == FP8 and llm.engine.pool.quantized
 
-    emulated = errors_against(emulated_model(path), watch)
+    emulated = watch.errors_against(emulated_model(path))
     assert len(emulated) >= len(prompts) * MAX_TOKENS
     assert _median(emulated) < 1e-5 and max(emulated) < EMULATION_TOL, \
         f"{arch}: against the e4m3 emulation, median {_median(emulated):.2e}, worst {max(emulated):.2e}"
 
-    ours = errors_against(hf_model(path), watch)
+    ours = watch.errors_against(hf_model(path))
     yard = reference_errors(perturbed_model(path), path, watch)
     print(f"{arch}: FP8 pool vs float64: RMS {_rms(ours):.4f}, worst {max(ours):.4f}; every K/V element moved by "
           f"2^-4: RMS {_rms(yard):.4f}, worst {max(yard):.4f}; vs emulation: worst {max(emulated):.1e}")
@@ -255,7 +244,7 @@ def test_modes_and_scales_match_e4m3_emulation(tiny_model, mode):
         assert eng.scheduler.num_retractions > 0
     watch.assert_idle()
     assert_pool_free(eng)
-    errs = errors_against(emulated_model(path, k_scales, v_scales), watch)
+    errs = watch.errors_against(emulated_model(path, k_scales, v_scales))
     assert len(errs) >= len(prompts) * MAX_TOKENS
     assert _median(errs) < 1e-5 and max(errs) < EMULATION_TOL, \
         f"{mode}: against the e4m3 emulation, median {_median(errs):.2e}, worst {max(errs):.2e}"

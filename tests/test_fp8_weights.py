@@ -98,16 +98,6 @@ def _emulated_hf(path: str, ranks: int = 1):
     return m
 
 
-def _errors(model, watch: EngineWatch) -> List[float]:
-    errs = []
-    for req in watch.reqs.values():
-        seq = req.prompt_ids + req.output_ids
-        with torch.no_grad():
-            ref = model(torch.tensor([seq[:-1] if req.output_ids else seq])).logits[0]
-        errs += [rel_err(row, ref[pos]) for pos, row in watch.logits.get(req.rid, [])]
-    return errs
-
-
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 def test_quantized_model_matches_hf_emulation(tiny_model, name):
     path = tiny_model(name)
@@ -121,7 +111,7 @@ def test_quantized_model_matches_hf_emulation(tiny_model, name):
     prompts = make_prompts(vocab_of(path), [5, 30, 12])
     llm.generate(prompts, greedy(8), use_tqdm=False)
     watch.assert_idle()
-    errs = sorted(_errors(_emulated_hf(path), watch))
+    errs = sorted(watch.errors_against(_emulated_hf(path)))
     print(f"{name}: {len(errs)} rows, median {errs[len(errs) // 2]:.2e}, worst {errs[-1]:.2e} against the emulation")
     assert errs[len(errs) // 2] < 1e-4, f"median error {errs[len(errs) // 2]:.2e} against the emulation"
     assert errs[-1] < EMULATION_TOL, f"worst error {errs[-1]:.2e} against the emulation"
@@ -261,7 +251,7 @@ def test_two_ranks_with_fp8_weights(tiny_model):
         watch = EngineWatch(eng)
         llm.generate(prompts, greedy(8), use_tqdm=False)
         watch.assert_idle()
-    errs = sorted(_errors(_emulated_hf(path, ranks=2), watch))
+    errs = sorted(watch.errors_against(_emulated_hf(path, ranks=2)))
     assert errs[len(errs) // 2] < 1e-4 and errs[-1] < EMULATION_TOL, \
         f"median {errs[len(errs) // 2]:.2e}, worst {errs[-1]:.2e} against the two-rank emulation"
 

@@ -99,7 +99,7 @@ def test_json_schema_greedy_and_sampled_in_one_batch(llm, prompts):
     for out in outs:
         _is_person(out.text)
         _ends_by_grammar(llm, out, 120)
-    g, s, pen = outs[:3], outs[3:9], outs[9]
+    s, pen = outs[3:9], outs[9]
     assert [s[2 * i].token_ids for i in range(3)] == [s[2 * i + 1].token_ids for i in range(3)]  # one seed
     assert len(pen.logprobs) == len(pen.token_ids) and all(lp.logprob <= 0.0 for lp in pen.logprobs)
     assert all(len(lp.top) == 2 for lp in pen.logprobs)

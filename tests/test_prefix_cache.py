@@ -7,8 +7,6 @@ import random
 
 import pytest
 
-from minisrv import SamplingParams
-
 from .conftest import (EngineWatch, assert_greedy_matches, assert_pool_free, greedy, hf_greedy, make_llm,
                        tree_pages, vocab_of)
 

@@ -2,7 +2,6 @@
 whether it runs alone or in a batch, with a tokenizer that cleans up spaces (" ." -> ".")."""
 from __future__ import annotations
 
-import os
 
 import pytest
 

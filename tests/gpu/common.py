@@ -40,6 +40,18 @@ def gap_to_hf_argmax(hf, prompt: List[int], token_ids: List[int]) -> float:
     return (at.max(dim=1).values - chosen).max().item()
 
 
+def assert_near_hf_greedy(hf, prompts, outs, n_new: int, max_gap: float, what: str) -> float:
+    """Every output has n_new tokens and each is HF's argmax or within max_gap logits of it; returns the worst gap."""
+    worst = 0.0
+    for p, o in zip(prompts, outs):
+        assert len(o.token_ids) == n_new
+        gap = gap_to_hf_argmax(hf, p, o.token_ids)
+        worst = max(worst, gap)
+        assert gap <= max_gap, f"{what}: a generated token is {gap:.3f} logits below HF's argmax"
+    print(f"{what}: worst gap to HF's argmax {worst:.4f}")
+    return worst
+
+
 def stream_syncs(run: Callable[[], None]) -> List[str]:
     """Where run() synchronised the CUDA stream (torch's sync debug mode), as sorted "file:line: message" lines."""
     torch.cuda.synchronize()

@@ -21,7 +21,7 @@ from minisrv.attention import create_backend, device_sm, missing
 from minisrv.attention.base import ForwardMode
 from minisrv.attention.torch_native import TorchNativeBackend
 
-from .common import CKPT, free_cuda, gap_to_hf_argmax, hf_model, mixed_prompts, requires_ckpt, stream_syncs
+from .common import CKPT, assert_near_hf_greedy, free_cuda, hf_model, mixed_prompts, requires_ckpt, stream_syncs
 from .test_backends import (EXTEND_LENS, NUM_LAYERS, PREFIX_LENS, TOL, Scene, _need, _rel_err, _run,
                             check_cuda_graph_decode, same_bytes)
 
@@ -143,13 +143,7 @@ def test_greedy_matches_hf_with_fp8_pool(backend, prompts, hf):
     finally:
         del llm, eng
         free_cuda()
-    worst = 0.0
-    for p, o in zip(prompts, outs):
-        assert len(o.token_ids) == N_NEW
-        gap = gap_to_hf_argmax(hf, p, o.token_ids)
-        worst = max(worst, gap)
-        assert gap <= GAP, f"{backend}: a generated token is {gap:.3f} logits below HF's argmax"
-    print(f"{backend} with an FP8 pool: worst gap to HF's argmax {worst:.4f}")
+    assert_near_hf_greedy(hf, prompts, outs, N_NEW, GAP, f"{backend} with an FP8 pool")
 
 
 @requires_ckpt

@@ -21,7 +21,7 @@ from minisrv import LLM, SamplingParams
 from minisrv.attention import device_sm, missing
 from minisrv.models.fp8 import Fp8Linear, _triton_quant, quantize_rows
 
-from .common import CKPT, free_cuda, gap_to_hf_argmax, hf_model, mixed_prompts, requires_ckpt
+from .common import CKPT, assert_near_hf_greedy, free_cuda, hf_model, mixed_prompts, requires_ckpt
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -93,13 +93,7 @@ def test_greedy_matches_hf_with_fp8_weights_and_kv(backend, kv, prompts, hf):
     finally:
         del llm, eng
         free_cuda()
-    worst = 0.0
-    for p, o in zip(prompts, outs):
-        assert len(o.token_ids) == N_NEW
-        gap = gap_to_hf_argmax(hf, p, o.token_ids)
-        worst = max(worst, gap)
-        assert gap <= GAP, f"{backend}: a generated token is {gap:.3f} logits below HF's argmax"
-    print(f"{backend} with FP8 weights, KV {kv}: worst gap to HF's argmax {worst:.4f}")
+    assert_near_hf_greedy(hf, prompts, outs, N_NEW, GAP, f"{backend} with FP8 weights, KV {kv}")
 
 
 @pytest.mark.parametrize("m", [1, 16, 33, 64])
