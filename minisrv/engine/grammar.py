@@ -58,9 +58,10 @@ CACHE_ENTRIES = 256  # compiled grammars kept by (kind, text); live requests hol
 XGR_CACHE_BYTES = 512 << 20  # xgrammar's own compile cache
 COMPILE_WORKERS = 2  # grammars compiled at once (each compile also uses xgrammar's own threads)
 BATCH_FILL_MIN = 4  # masks of this many rows or more are filled by one xgrammar call, not a Python loop over rows
-# threads of that call: one. A row of a JSON schema's mask takes about a microsecond, less than handing it to a thread
-# costs: 256 rows took 0.24 ms on one thread and 0.36 ms on two (a 2-core machine), and 1.19 ms on eight (the H100
-# machine's 16 cores, under cProfile), against 0.46 ms row by row from Python.
+# threads of that call: one. A row of a JSON schema's mask takes a few microseconds, less than handing it to a
+# thread costs: 256 rows (Qwen's vocabulary, steps interleaved on a 2-core machine) took 0.92 ms on one thread,
+# 1.26 ms on two, 1.16 ms row by row from Python; on the H100 machine, 8 threads took 1.19 ms a step (cProfile).
+# scripts/bench_grammar_host.py measures it.
 BATCH_FILL_THREADS = 1
 # JSON grammars admit at most this many whitespace characters in a row between tokens. Unbounded, a weak model
 # (small, or random) can spend every token it has on whitespace after a "{" and never write the object; bounded,
@@ -273,14 +274,22 @@ def _special_ids(tokenizer: Any) -> set:
 def fill_bitmask(reqs: List["Request"], device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The allowed-token bits of the rows of `reqs` that have a grammar, on `device` (copied without waiting),
     and those rows' indices (None when every row has one). Every grammar row's tokens must be on the host (see the
-    overlap note in the module docstring). A row whose request has already finished (its sampling was deferred
-    past the collect that ended it) allows every token: its token is discarded, and its matcher may be
-    terminated, which xgrammar refuses to fill."""
+    overlap note in the module docstring)."""
     rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
-    # filled in plain host memory (xgrammar takes it through DLPack, which may not call pinned memory "CPU"), then
-    # staged through pinned memory by to_device: one small extra host copy, G x V/8 bytes
+    host = fill_host_bitmask(reqs, rows)
+    mask = to_device(host, torch.int32, device)
+    index = None if len(rows) == len(reqs) else to_device(rows, torch.int64, device)
+    return mask, index
+
+
+def fill_host_bitmask(reqs: List["Request"], rows: List[int]) -> torch.Tensor:
+    """The masks of reqs[rows] (each with a grammar) in host memory, int32 [len(rows), ceil(V/32)]. A row whose
+    request has already finished (its sampling was deferred past the collect that ended it) allows every token: its
+    token is discarded, and its matcher may be terminated, which xgrammar refuses to fill. Plain host memory, not
+    pinned (xgrammar takes it through DLPack, which may not call pinned memory "CPU"): `to_device` stages it."""
     first = reqs[rows[0]].grammar
-    host = torch.empty((len(rows), ceil_div(first.vocab_size, 32)), dtype=torch.int32)
+    words = ceil_div(first.vocab_size, 32)
+    host = torch.empty((len(rows), words), dtype=torch.int32)
     assert not any(reqs[i].num_pending for i in rows), \
         "a grammar row's previous token must be accepted before its mask is made"
     live = [k for k, i in enumerate(rows) if not reqs[i].finished]
@@ -292,9 +301,7 @@ def fill_bitmask(reqs: List["Request"], device: torch.device) -> Tuple[torch.Ten
     else:
         for k in live:
             reqs[rows[k]].grammar.matcher.fill_next_token_bitmask(host, k)
-    mask = to_device(host, torch.int32, device)
-    index = None if len(rows) == len(reqs) else to_device(rows, torch.int64, device)
-    return mask, index
+    return host
 
 
 @functools.lru_cache(maxsize=None)
