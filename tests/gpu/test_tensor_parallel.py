@@ -6,7 +6,7 @@ import torch
 from minisrv import LLM, SamplingParams
 from minisrv.attention import device_sm, missing
 
-from .common import CKPT, free_cuda, gap_to_hf_argmax, hf_model, mixed_prompts, requires_ckpt
+from .common import CKPT, assert_near_hf_greedy, free_cuda, hf_model, mixed_prompts, requires_ckpt
 
 pytestmark = [requires_ckpt, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 N_NEW = 32
@@ -30,15 +30,9 @@ def test_tp2_greedy_matches_hf(backend):
                             use_tqdm=False)
     free_cuda()
     hf = hf_model()
-    worst = 0.0
-    for p, o in zip(prompts, outs):
-        assert len(o.token_ids) == N_NEW
-        gap = gap_to_hf_argmax(hf, p, o.token_ids)
-        worst = max(worst, gap)
-        assert gap <= 0.1, f"{backend} tp 2: a generated token is {gap:.3f} logits below HF's argmax"
+    assert_near_hf_greedy(hf, prompts, outs, N_NEW, 0.1, f"{backend} tp 2")
     del hf
     free_cuda()
-    print(f"{backend} tp 2: worst gap to HF argmax {worst:.4f}")
 
 
 @pytest.mark.parametrize("backend", ["fa,fi"])
