@@ -265,3 +265,41 @@ def test_default_model_with_fp8_weights_and_kv_knows_paris():
     out = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]],
                    SamplingParams(temperature=0.0, max_tokens=30), use_tqdm=False)[0]
     assert "Paris" in out.text, out.text
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_quantised_while_loading_equals_quantised_after(tiny_model, tmp_path, name):
+    """The loader quantises each checkpoint tensor as it reads it (the model never exists in full precision): the
+    bytes equal those of loading it unquantised and converting every projection afterwards, for a bf16/float32
+    checkpoint and for an FP8 one."""
+    from minisrv.models.fp8 import quantize_linear_layers
+    from minisrv.models.loader import load_model, load_model_args
+    src = tiny_model(name)
+    fp8_dir = str(tmp_path / "fp8")
+    _write_fp8_checkpoint(src, fp8_dir, [16, 16], kv_scales=False)
+    for path, quantization in ((src, "fp8"), (fp8_dir, None)):
+        args = load_model_args(path)
+        for dtype in (torch.float32, torch.bfloat16):
+            loaded = load_model(path, args, dtype, torch.device("cpu"), 256, quantization=quantization)
+            plain_args = load_model_args(path)
+            plain_args.quantization_config = None  # the same tensors, read without converting the layers ...
+            if path == fp8_dir:
+                from minisrv.models import loader
+                source = loader._dequantized_fp8(loader._iter_safetensors(path), (16, 16),
+                                                 loader._CheckpointKVScales(args.num_layers))
+                with torch.device("meta"):
+                    after = loader.model_class(args.architecture)(plain_args, 256, None, None).to(dtype)
+                after = after.to_empty(device="cpu")
+                for m in after.modules():
+                    if hasattr(m, "reset_buffers"):
+                        m.reset_buffers(torch.device("cpu"))
+                loader.load_weights(after, source, plain_args, after.plan)
+            else:
+                after = load_model(path, plain_args, dtype, torch.device("cpu"), 256)
+            assert quantize_linear_layers(after) == 4 * args.num_layers  # ... then converted
+            a, b = loaded.state_dict(), after.state_dict()
+            assert a.keys() == b.keys()
+            for k in a:
+                same = torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) if a[k].dtype == FP8 else \
+                    torch.equal(a[k], b[k])
+                assert same, f"{path} {dtype}: {k} differs"

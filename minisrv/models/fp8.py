@@ -8,10 +8,11 @@ the error of each row to its own range and is what `torch._scaled_mm`'s row-wise
 is missing (the CPU, a float32 or float16 model), the same arithmetic runs as a dequantised matmul: identical
 quantisation, so CPU tests check what the GPU computes up to the GEMM's summation order.
 
-Checkpoints that are already FP8 (per-tensor scales, or 128x128 block scales as in Qwen3's and DeepSeek's FP8
-releases) are dequantised as they are read (`dequantize`) and requantised per output row when the model is
-converted (`quantize_linear_layers`): per-tensor scales become rows of the same scale; block scales cost one
-more rounding, at most one e4m3 step per element (see tests/test_fp8_weights.py for the bound).
+The loader quantises each checkpoint tensor as it is read (`Fp8Linear.load_rows`), so the model never exists in
+bf16 in full. Checkpoints that are already FP8 (per-tensor scales, or 128x128 block scales as in Qwen3's and
+DeepSeek's FP8 releases) are dequantised as they are read (`dequantize`) and requantised per output row: per-tensor
+scales become rows of the same scale; block scales cost one more rounding, at most one e4m3 step per element (see
+tests/test_fp8_weights.py for the bound).
 """
 from __future__ import annotations
 
@@ -167,17 +168,29 @@ def _triton_small_m_gemm():
 class Fp8Linear(nn.Module):
     """y = x W^T (+ b) with W in float8_e4m3fn [N, K] and a float32 scale per output row; x quantised per token."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
+                 source_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # [N, K] float8_e4m3fn
         self.weight_scale = nn.Parameter(scale.reshape(1, -1).float().contiguous(), requires_grad=False)  # [1, N]
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.source_dtype = source_dtype  # the model's dtype: loaded rows are rounded to it before quantising
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+        """Quantised from a linear layer's weights (on the meta device: the shapes only, for the loader to fill)."""
         q, scale = quantize_rows(linear.weight.detach())
-        return cls(q, scale, linear.bias)
+        return cls(q, scale, linear.bias, linear.weight.dtype)
+
+    @torch.no_grad()
+    def load_rows(self, row: int, w: torch.Tensor) -> None:
+        """Quantise checkpoint rows w [n, K] into output rows [row, row + n) (the loader's path: the model's weights
+        never exist in bf16 in full, only one checkpoint tensor at a time). The same bytes as loading the rows into
+        a `source_dtype` linear layer and converting it with `from_linear`, since each row is scaled on its own."""
+        q, scale = quantize_rows(w.to(self.weight.device, self.source_dtype))
+        self.weight[row:row + w.shape[0]] = q
+        self.weight_scale[0, row:row + w.shape[0]] = scale.reshape(-1)
 
     def dequantized_weight(self) -> torch.Tensor:
         """W as float32 [N, K] (what the layer multiplies by)."""
@@ -206,7 +219,7 @@ class Fp8Linear(nn.Module):
 
 def quantize_linear_layers(model: nn.Module) -> int:
     """Replace the decoder's projection layers (LINEAR_NAMES) by Fp8Linear, quantising their weights per output
-    row; the bf16 weights are freed one layer at a time. Returns how many were replaced."""
+    row (on a meta-device model: swapped for empty FP8 layers the loader fills). Returns how many were replaced."""
     count = 0
     for module in list(model.modules()):
         for name in LINEAR_NAMES:

@@ -22,7 +22,7 @@ from torch import nn
 
 from minisrv.distributed import TensorParallel
 
-from .fp8 import FP8, dequantize, fp8_checkpoint_format, quantize_linear_layers
+from .fp8 import FP8, Fp8Linear, dequantize, fp8_checkpoint_format, quantize_linear_layers
 from .layers import ModelArgs
 from .registry import model_class
 from .sharding import ShardPlan, Slice
@@ -451,12 +451,14 @@ _VOCAB_SPLIT = ("model.embed_tokens.weight", "lm_head.weight")  # split by vocab
 @dataclass
 class _Target:
     """Where a checkpoint tensor goes: rows [row, row + piece's length) of `param` (a fused projection holds
-    several), taken from `piece` of a tensor of shape `full`."""
+    several), taken from `piece` of a tensor of shape `full`; through `fp8` (quantised as it is written) when the
+    param is an FP8 layer's weight."""
 
     param: torch.Tensor
     row: int
     full: Tuple[int, ...]
     piece: Optional[Slice]
+    fp8: Optional[Fp8Linear] = None
 
 
 def _expected_tensors(model: nn.Module, args: ModelArgs, plan: ShardPlan) -> Dict[str, _Target]:
@@ -466,19 +468,24 @@ def _expected_tensors(model: nn.Module, args: ModelArgs, plan: ShardPlan) -> Dic
             "gate_proj": args.intermediate_size, "up_proj": args.intermediate_size}
     out: Dict[str, _Target] = {}
     for name, p in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        fp8 = module if isinstance(module, Fp8Linear) and leaf == "weight" else None
+        if isinstance(module, Fp8Linear) and leaf == "weight_scale":
+            continue  # written with its weight's rows
         parts = name.split(".")
         fused = next((f for f in _FUSED if f in parts), None)
         if fused is None:
             full = (args.vocab_size,) + tuple(p.shape[1:]) if name in _VOCAB_SPLIT else \
                 _unsharded_shape(name, tuple(p.shape), args)
-            out[name] = _Target(p, 0, full, plan.slice_for(name))
+            out[name] = _Target(p, 0, full, plan.slice_for(name), fp8)
             continue
         off = 0
         for sub in _FUSED[fused]:
             hf = name.replace(fused, sub)
             full = (rows[sub],) + tuple(p.shape[1:])
             piece = plan.slice_for(hf)
-            out[hf] = _Target(p, off, full, piece)
+            out[hf] = _Target(p, off, full, piece, fp8)
             off += piece.length if piece is not None else rows[sub]
     return out
 
@@ -584,6 +591,10 @@ def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, StoredTensor]], 
             raise WeightLoadError(f"tensor {name!r} appears twice in the checkpoint")
         w = stored.read(t.piece)
         with torch.no_grad():
+            if t.fp8 is not None:
+                t.fp8.load_rows(t.row, w)
+                seen.add(name)
+                continue
             t.param.data[t.row:t.row + w.shape[0]].copy_(w.to(t.param.dtype))
             if name in _VOCAB_SPLIT:
                 t.param.data[w.shape[0]:].zero_()  # the vocabulary's padding rows (on the last rank)
@@ -600,13 +611,16 @@ def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.dev
     """Build the model without running any weight init (meta device), then fill it from the checkpoint.
     `fused_ops`: the fused-kernel module its layers use (see layers.fused_ops_for), or None for plain torch.
     `tp`: this rank's place in a tensor-parallel group; only its shard is read and held.
-    `quantization`: "fp8" quantises the projection layers after loading (see fp8.py); an FP8 checkpoint is read
-    into the model's dtype, then quantised the same way. The model's `kv_scales` holds the checkpoint's per-layer
-    K/V scales, or None."""
+    `quantization`: "fp8" makes the projection layers FP8 (see fp8.py), each checkpoint tensor quantised as it is
+    read; an FP8 checkpoint always loads that way (dequantised, rounded to the model's dtype, requantised per row).
+    The model's `kv_scales` holds the checkpoint's per-layer K/V scales, or None."""
     cls = model_class(args.architecture)
+    fp8_format = fp8_checkpoint_format(args.quantization_config)
     with torch.device("meta"):
-        model = cls(args, max_positions, fused_ops, tp)
-    model = model.to_empty(device=device).to(dtype)
+        model = cls(args, max_positions, fused_ops, tp).to(dtype)
+        if quantization == "fp8" or fp8_format is not None:
+            quantize_linear_layers(model)  # empty FP8 layers: the loader quantises each tensor as it reads it
+    model = model.to_empty(device=device)
     for m in model.modules():  # buffers (rotary cos/sin) were lost on the meta device
         if hasattr(m, "reset_buffers"):
             m.reset_buffers(device)
@@ -614,14 +628,9 @@ def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.dev
         source = ((name, StoredTensor.in_memory(w)) for name, w in _iter_gguf(path, args))
     else:
         source = _iter_safetensors(path)
-    fp8_format = fp8_checkpoint_format(args.quantization_config)
     kv_scales = _CheckpointKVScales(args.num_layers)
     if fp8_format is not None:
         source = _dequantized_fp8(source, None if fp8_format == "tensor" else fp8_format, kv_scales)
     load_weights(model, source, args, model.plan)
     model.kv_scales = kv_scales.complete()
-    if quantization == "fp8" or fp8_format is not None:
-        quantize_linear_layers(model)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the bf16 projections are gone
     return model.eval()
