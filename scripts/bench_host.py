@@ -104,17 +104,20 @@ def run(path: str, cache: bool, a: argparse.Namespace, profile: bool) -> List[Di
         return torch.randn(fb.batch_size, width)
 
     eng.runner.forward_logits = stub_forward
-    prompts, params = bench_offline.prefix_workload(a.num_prefixes, a.prefix_len, a.per_prefix,
-                                                    (a.min_output_len, a.max_output_len))
+    if a.workload == "nano":
+        prompts, params = bench_offline.nano_workload(256, (100, 1024), (100, 1024))
+    else:
+        prompts, params = bench_offline.prefix_workload(a.num_prefixes, a.prefix_len, a.per_prefix,
+                                                        (a.min_output_len, a.max_output_len))
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
 
     steps: List[Tuple[str, float]] = []
     kinds: List[str] = []
     launch, step = eng.runner.launch, eng.step
 
-    def launch_and_note(batch, *args):
+    def launch_and_note(batch, *args, **kwargs):
         kinds.append(batch.mode.value)
-        return launch(batch, *args)
+        return launch(batch, *args, **kwargs)
 
     def timed_step():
         before = fwd.seconds + smp.seconds
@@ -189,6 +192,9 @@ def report(results: List[Dict[str, object]], top: int) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a checkpoint directory to use instead of the one-layer one built here")
+    p.add_argument("--workload", choices=("prefix", "nano"), default="prefix",
+                   help="prefix: the GPU prefix workload (below); nano: the nano workload (256 requests of 100-1024 "
+                        "prompt and output tokens: 256-row decode steps)")
     p.add_argument("--num-prefixes", type=int, default=8)
     p.add_argument("--prefix-len", type=int, default=4096)
     p.add_argument("--per-prefix", type=int, default=32)

@@ -145,9 +145,9 @@ def trace_steps(eng):
     step, launch = eng.step, eng.runner.launch
     last = []
 
-    def launch_and_note(batch, *args):
+    def launch_and_note(batch, *args, **kwargs):
         last.append((batch.mode.value, len(batch.reqs)))
-        return launch(batch, *args)
+        return launch(batch, *args, **kwargs)
 
     def timed():
         t = time.perf_counter()
