@@ -292,8 +292,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    error: Optional[str] = None
-    prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None  # with the first output, when asked for  # with finish_reason "error": what went wrong
+    error: Optional[str] = None  # with finish_reason "error": what went wrong
+    prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None  # with the first output, when asked for
 
 
 @dataclass
