@@ -15,6 +15,37 @@ requires_ckpt = pytest.mark.skipif(
     reason="needs CUDA and a checkpoint from make_checkpoint.py at $MINISRV_GPU_CKPT")
 
 
+TIE = 0.05  # a bf16 near-tie: the top two logprobs this close may legitimately swap between kernels
+
+
+def skip_unless_runs(backend: str) -> None:
+    """Skip the test when `backend` cannot run on this GPU (a package missing, or the wrong SM)."""
+    from minisrv.attention import device_sm, missing
+    why = missing(backend, device_sm())
+    if why:
+        pytest.skip(why)
+
+
+def assert_same_up_to_ties(first, second, what: str) -> None:
+    """Two runs' outputs (`first` with logprobs of 2 or more) give each prompt the same tokens, or the same up to a
+    position where `first`'s top two logprobs are within TIE; after such a tie the continuations may differ."""
+    for i, (x, y) in enumerate(zip(first, second)):
+        for j, (a, b) in enumerate(zip(x.token_ids, y.token_ids)):
+            if a != b:
+                top = sorted(x.logprobs[j].top.values(), reverse=True)
+                assert top[0] - top[1] < TIE, f"{what}, prompt {i}: token {j} differs ({a} vs {b}) " \
+                                              f"without a near-tie ({top})"
+                break
+
+
+def start_decoding(eng, prompts, params) -> list:
+    """Add the requests and step the engine until every one has finished its prefill and is decoding."""
+    reqs = [eng.add_request(p, params) for p in prompts]
+    while any(len(r.output_ids) < 2 for r in reqs):
+        eng.step()
+    return reqs
+
+
 def mixed_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 10000):
     rnd = random.Random(seed)
     return [[rnd.randrange(vocab) for _ in range(rnd.randint(lo, hi))] for _ in range(n)]

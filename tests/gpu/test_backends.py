@@ -12,10 +12,12 @@ from typing import List, Optional, Sequence
 import pytest
 import torch
 
-from minisrv.attention import create_backend, device_sm, missing
+from minisrv.attention import create_backend
 from minisrv.attention.base import ForwardBatch, ForwardMode
 from minisrv.attention.torch_native import TorchNativeBackend
 from minisrv.kvcache import KVPool, PageAllocator, slots_for
+
+from .common import skip_unless_runs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -36,12 +38,6 @@ TOL = 1e-2
 
 def _dev() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
-
-
-def _need(name: str) -> None:
-    why = missing(name, device_sm(_dev()))
-    if why is not None:
-        pytest.skip(why)
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -139,13 +135,15 @@ def _run(backend, batch: ForwardBatch, qkv) -> List[torch.Tensor]:
     return [backend.forward(q, k, v, layer, meta) for layer, (q, k, v) in enumerate(qkv)]
 
 
-@pytest.mark.parametrize("hq,hkv,d,dtype", CONFIGS, ids=CONFIG_IDS)
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
-@pytest.mark.parametrize("name", ["fa", "fi", "fa,fi", "fi,fa"])
-def test_matches_torch(name, mode, page_size, dtype, hq, hkv, d):
-    _need(name)
-    sc = Scene(page_size, dtype, hkv, d)
+def run_against_torch(name: str, mode: ForwardMode, page_size: int, dtype: torch.dtype, hq: int, hkv: int, d: int,
+                      kv_dtype: Optional[torch.dtype] = None, scales=None):
+    """One extend (on cached prefixes) or decode step of every layer through backend `name` and through the torch
+    backend on a copy of the pool (of `kv_dtype`, with `scales` for an FP8 one). Returns (scene, the copy, outputs,
+    the torch backend's outputs, tokens in the step), each output a list over the layers."""
+    skip_unless_runs(name)
+    sc = Scene(page_size, dtype, hkv, d, kv_dtype=kv_dtype)
+    if scales is not None:
+        sc.pool.set_scales(*scales)
     rows = list(range(len(PREFIX_LENS)))
     if mode is ForwardMode.EXTEND:
         cached, new = PREFIX_LENS, EXTEND_LENS
@@ -163,7 +161,15 @@ def test_matches_torch(name, mode, page_size, dtype, hq, hkv, d):
     out = _run(backend, batch, qkv)
     ref = _run(TorchNativeBackend(ref_pool, sc.table, hq), batch, qkv)
     torch.cuda.synchronize()
+    return sc, ref_pool, out, ref, t
 
+
+@pytest.mark.parametrize("hq,hkv,d,dtype", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
+@pytest.mark.parametrize("name", ["fa", "fi", "fa,fi", "fi,fa"])
+def test_matches_torch(name, mode, page_size, dtype, hq, hkv, d):
+    sc, ref_pool, out, ref, t = run_against_torch(name, mode, page_size, dtype, hq, hkv, d)
     for layer in range(NUM_LAYERS):
         assert out[layer].shape == (t, hq, d)
         err = _rel_err(out[layer], ref[layer])
@@ -183,7 +189,7 @@ def test_cuda_graph_decode(name, page_size, hq, hkv, d):
 def check_cuda_graph_decode(name: str, page_size: int, hq: int, hkv: int, d: int,
                             kv_dtype: Optional[torch.dtype] = None, scales=None, tol: float = TOL) -> None:
     """Graph replays against the torch backend on a copy of the pool; `scales` ((k, v) per layer) for FP8 pools."""
-    _need(name)
+    skip_unless_runs(name)
     dtype = torch.bfloat16
     sc = Scene(page_size, dtype, hkv, d, seed=1, kv_dtype=kv_dtype)
     if scales is not None:

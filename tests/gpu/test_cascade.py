@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from minisrv import LLM, SamplingParams
-from minisrv.attention import create_backend, device_sm, missing
+from minisrv.attention import create_backend
 from minisrv.attention.torch_native import TorchNativeBackend
 
 from .. import cascade_scene as cs
-from .common import CKPT, free_cuda, requires_ckpt, stream_syncs
+from .common import (CKPT, assert_same_up_to_ties, free_cuda, requires_ckpt, skip_unless_runs, start_decoding,
+                     stream_syncs)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 TOL = 1e-2  # relative, bf16
-TIE = 0.05  # a bf16 near-tie: the top two logprobs this close may legitimately swap between kernels
 
 
 def _dev() -> torch.device:
@@ -31,9 +31,7 @@ def _dev() -> torch.device:
 
 
 def _need_fi() -> None:
-    why = missing("fi", device_sm(_dev()))
-    if why is not None:
-        pytest.skip(why)
+    skip_unless_runs("fi")
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -125,9 +123,7 @@ def _shared_prompts(num_prefixes: int = 4, per_prefix: int = 8, prefix_len: int 
 
 
 def _llm(backend: str, cascade: bool) -> LLM:
-    why = missing(backend, device_sm())
-    if why:
-        pytest.skip(why)
+    skip_unless_runs(backend)
     llm = LLM(model=CKPT, attention_backend=backend, dtype="bfloat16", max_total_tokens=65536, cuda_graph_max_bs=64,
               log_level="warning", enable_cascade_attention=cascade)
     runner = llm.engine.runner
@@ -152,14 +148,8 @@ def test_greedy_tokens_with_cascade_equal_without(backend):
             del llm
             free_cuda()
     assert steps[False] == 0 and steps[True] >= 20, f"cascade steps: {steps}"
-    for i, (off, on) in enumerate(zip(outs[False], outs[True])):
-        assert len(on.token_ids) == len(off.token_ids) == 32
-        for j, (a, b) in enumerate(zip(off.token_ids, on.token_ids)):
-            if a != b:
-                top = sorted(off.logprobs[j].top.values(), reverse=True)
-                assert top[0] - top[1] < TIE, f"{backend}, prompt {i}: token {j} differs ({a} vs {b}) " \
-                                              f"without a near-tie ({top})"
-                break  # after a legitimate tie the two continuations may differ
+    assert all(len(on.token_ids) == len(off.token_ids) == 32 for off, on in zip(outs[False], outs[True]))
+    assert_same_up_to_ties(outs[False], outs[True], backend)
     print(f"\n{backend}: {steps[True]} cascade decode steps")
 
 
@@ -169,10 +159,8 @@ def test_cascade_steps_never_synchronise():
     eng = llm.engine
     try:
         assert eng.overlap
-        reqs = [eng.add_request(p, SamplingParams(temperature=0.7, max_tokens=64, ignore_eos=True))
-                for p in _shared_prompts(seed=1)]
-        while any(len(r.output_ids) < 2 for r in reqs):  # prefill done, decoding under way
-            eng.step()
+        reqs = start_decoding(eng, _shared_prompts(seed=1),
+                              SamplingParams(temperature=0.7, max_tokens=64, ignore_eos=True))
         before = eng.runner.num_cascade_steps
         syncs = stream_syncs(lambda step=eng.step: [step() for _ in range(8)])
         assert eng.runner.num_cascade_steps - before == 8, "the steps checked should all run as cascade"

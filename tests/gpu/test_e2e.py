@@ -3,9 +3,7 @@ import pytest
 import torch
 
 from minisrv import LLM, SamplingParams
-from minisrv.attention import device_sm, missing
-
-from .common import CKPT, free_cuda, hf_model, mixed_prompts, requires_ckpt
+from .common import CKPT, free_cuda, mixed_prompts, requires_ckpt, skip_unless_runs
 
 pytestmark = requires_ckpt
 
@@ -16,14 +14,6 @@ N_PROMPTS, N_NEW = 16, 32
 @pytest.fixture(scope="module")
 def prompts():
     return mixed_prompts(N_PROMPTS, 5, 300, seed=1)
-
-
-@pytest.fixture(scope="module")
-def hf():
-    m = hf_model()
-    yield m
-    del m
-    free_cuda()
 
 
 @torch.inference_mode()
@@ -48,9 +38,7 @@ def _prefill_logits(llm, prompts):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_and_prefill_match_hf(backend, prompts, hf):
-    why = missing(backend, device_sm())
-    if why:
-        pytest.skip(why)
+    skip_unless_runs(backend)
     llm = LLM(model=CKPT, attention_backend=backend, dtype="bfloat16", max_total_tokens=65536, page_size=1,
               log_level="warning")
     try:

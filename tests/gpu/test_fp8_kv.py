@@ -17,13 +17,11 @@ import pytest
 import torch
 
 from minisrv import LLM, SamplingParams
-from minisrv.attention import create_backend, device_sm, missing
 from minisrv.attention.base import ForwardMode
-from minisrv.attention.torch_native import TorchNativeBackend
 
-from .common import CKPT, assert_near_hf_greedy, free_cuda, hf_model, mixed_prompts, requires_ckpt, stream_syncs
-from .test_backends import (EXTEND_LENS, NUM_LAYERS, PREFIX_LENS, TOL, Scene, _need, _rel_err, _run,
-                            check_cuda_graph_decode, same_bytes)
+from .common import (CKPT, assert_near_hf_greedy, free_cuda, mixed_prompts, requires_ckpt, skip_unless_runs,
+                     start_decoding, stream_syncs)
+from .test_backends import NUM_LAYERS, TOL, _rel_err, check_cuda_graph_decode, run_against_torch, same_bytes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -48,27 +46,8 @@ def _tol(name: str, mode: ForwardMode) -> float:
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
 @pytest.mark.parametrize("name", ["fa", "fi", "fa,fi"])
 def test_fp8_pool_matches_torch(name, mode, page_size, dtype, hq, hkv, d):
-    _need(name)
-    sc = Scene(page_size, dtype, hkv, d, kv_dtype=FP8)
-    sc.pool.set_scales(*SCALES)
-    rows = list(range(len(PREFIX_LENS)))
-    if mode is ForwardMode.EXTEND:
-        cached, new = PREFIX_LENS, EXTEND_LENS
-    else:
-        cached, new = [p + e for p, e in zip(PREFIX_LENS, EXTEND_LENS)], [1] * len(PREFIX_LENS)
-    for r, c, n in zip(rows, cached, new):
-        sc.add_request(r, c + n)
-        sc.fill(r, c)
-    batch = sc.batch(mode, rows, cached, new)
-    t = batch.num_tokens
-    qkv = [(sc.randn(t, hq, d), sc.randn(t, hkv, d), sc.randn(t, hkv, d)) for _ in range(NUM_LAYERS)]
-
-    ref_pool = sc.clone_pool()
-    backend = create_backend(name, sc.pool, sc.table, hq)
-    out = _run(backend, batch, qkv)
-    ref = _run(TorchNativeBackend(ref_pool, sc.table, hq), batch, qkv)
-    torch.cuda.synchronize()
-
+    sc, ref_pool, out, ref, t = run_against_torch(name, mode, page_size, dtype, hq, hkv, d, kv_dtype=FP8,
+                                                  scales=SCALES)
     tol = _tol(name, mode)
     for layer in range(NUM_LAYERS):
         assert out[layer].shape == (t, hq, d) and out[layer].dtype == dtype
@@ -101,24 +80,10 @@ def prompts():
     return mixed_prompts(N_PROMPTS, 5, 300, seed=1)
 
 
-@pytest.fixture(scope="module")
-def hf():
-    m = hf_model()
-    yield m
-    del m
-    free_cuda()
-
-
-def _need_backend(backend: str) -> None:
-    why = missing(backend, device_sm())
-    if why:
-        pytest.skip(why)
-
-
 @requires_ckpt
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_matches_hf_with_fp8_pool(backend, prompts, hf):
-    _need_backend(backend)
+    skip_unless_runs(backend)
     llm = LLM(model=CKPT, attention_backend=backend, dtype="bfloat16", kv_cache_dtype="fp8_e4m3",
               max_total_tokens=65536, cuda_graph_max_bs=64, log_level="warning")
     eng = llm.engine
@@ -128,10 +93,8 @@ def test_greedy_matches_hf_with_fp8_pool(backend, prompts, hf):
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True),
                             use_tqdm=False)
         if backend != "torch":  # the FP8 store and query casts add no synchronisation to a decode step
-            reqs = [eng.add_request(p, SamplingParams(temperature=0.7, max_tokens=40, ignore_eos=True))
-                    for p in mixed_prompts(12, 10, 200, seed=5)]
-            while any(len(r.output_ids) < 2 for r in reqs):
-                eng.step()
+            reqs = start_decoding(eng, mixed_prompts(12, 10, 200, seed=5),
+                                  SamplingParams(temperature=0.7, max_tokens=40, ignore_eos=True))
             syncs = stream_syncs(lambda step=eng.step: [step() for _ in range(8)])
             assert not syncs, "decode steps synchronised the stream at:\n" + "\n".join(syncs)
             for r in reqs:
@@ -148,7 +111,7 @@ def test_greedy_matches_hf_with_fp8_pool(backend, prompts, hf):
 
 @requires_ckpt
 def test_pool_sized_from_memory_holds_twice_the_tokens():
-    _need_backend("fi")
+    skip_unless_runs("fi")
     slots = {}
     for kv in ("auto", "fp8_e4m3"):
         llm = LLM(model=CKPT, attention_backend="fi", dtype="bfloat16", kv_cache_dtype=kv, disable_cuda_graph=True,

@@ -18,10 +18,9 @@ import pytest
 import torch
 
 from minisrv import LLM, SamplingParams
-from minisrv.attention import device_sm, missing
 from minisrv.models.fp8 import Fp8Linear, _triton_quant, quantize_rows
 
-from .common import CKPT, assert_near_hf_greedy, free_cuda, hf_model, mixed_prompts, requires_ckpt
+from .common import CKPT, assert_near_hf_greedy, free_cuda, mixed_prompts, requires_ckpt, skip_unless_runs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -66,20 +65,10 @@ def prompts():
     return mixed_prompts(N_PROMPTS, 8, 300, seed=11)
 
 
-@pytest.fixture(scope="module")
-def hf():
-    m = hf_model(torch.bfloat16)
-    yield m
-    del m
-    free_cuda()
-
-
 @requires_ckpt
 @pytest.mark.parametrize("backend,kv", [("fa,fi", "fp8_e4m3"), ("fi", "fp8_e4m3"), ("fi", "auto")])
 def test_greedy_matches_hf_with_fp8_weights_and_kv(backend, kv, prompts, hf):
-    why = missing(backend, device_sm(torch.device("cuda")))
-    if why:
-        pytest.skip(why)
+    skip_unless_runs(backend)
     llm = LLM(model=CKPT, attention_backend=backend, dtype="bfloat16", quantization="fp8",
               kv_cache_dtype=kv, max_total_tokens=65536, cuda_graph_max_bs=64, log_level="warning")
     eng = llm.engine

@@ -10,18 +10,14 @@ wait and is not reported.
 import pytest
 
 from minisrv import LLM, SamplingParams
-from minisrv.attention import device_sm, missing
-
-from .common import CKPT, free_cuda, mixed_prompts, requires_ckpt, stream_syncs
+from .common import CKPT, free_cuda, mixed_prompts, requires_ckpt, skip_unless_runs, start_decoding, stream_syncs
 
 pytestmark = requires_ckpt
 BACKENDS = ["fa,fi", "fi", "fa"]
 
 
 def _llm(backend, **kw):
-    why = missing(backend, device_sm())
-    if why:
-        pytest.skip(why)
+    skip_unless_runs(backend)
     return LLM(model=CKPT, attention_backend=backend, dtype="bfloat16", max_total_tokens=65536,
                cuda_graph_max_bs=64, log_level="warning", **kw)
 
@@ -33,10 +29,8 @@ def test_decode_steps_never_synchronise(backend, graphs):
     eng = llm.engine
     try:
         assert eng.overlap
-        reqs = [eng.add_request(p, SamplingParams(temperature=0.7, max_tokens=64, ignore_eos=True))
-                for p in mixed_prompts(24, 10, 300, seed=5)]
-        while any(len(r.output_ids) < 2 for r in reqs):  # prefill done, decoding under way
-            eng.step()
+        reqs = start_decoding(eng, mixed_prompts(24, 10, 300, seed=5),
+                              SamplingParams(temperature=0.7, max_tokens=64, ignore_eos=True))
         syncs = stream_syncs(lambda step=eng.step: [step() for _ in range(16)])
         assert not syncs, "decode steps synchronised the stream at:\n" + "\n".join(syncs)
         for r in reqs:
