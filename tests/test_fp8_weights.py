@@ -287,12 +287,7 @@ def test_quantised_while_loading_equals_quantised_after(tiny_model, tmp_path, na
                 from minisrv.models import loader
                 source = loader._dequantized_fp8(loader._iter_safetensors(path), (16, 16),
                                                  loader._CheckpointKVScales(args.num_layers))
-                with torch.device("meta"):
-                    after = loader.model_class(args.architecture)(plain_args, 256, None, None).to(dtype)
-                after = after.to_empty(device="cpu")
-                for m in after.modules():
-                    if hasattr(m, "reset_buffers"):
-                        m.reset_buffers(torch.device("cpu"))
+                after = loader.empty_model(plain_args, dtype, torch.device("cpu"), 256)
                 loader.load_weights(after, source, plain_args, after.plan)
             else:
                 after = load_model(path, plain_args, dtype, torch.device("cpu"), 256)

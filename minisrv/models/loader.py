@@ -605,6 +605,21 @@ def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, StoredTensor]], 
         raise WeightLoadError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}{more}")
 
 
+def empty_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
+                fused_ops: Optional[Any] = None, tp: Optional[TensorParallel] = None, fp8: bool = False) -> nn.Module:
+    """The model with its parameters allocated but not filled (no weight init is run: built on the meta device),
+    its projections FP8 layers when `fp8` (filled by the loader, which quantises each tensor as it reads it)."""
+    with torch.device("meta"):
+        model = model_class(args.architecture)(args, max_positions, fused_ops, tp).to(dtype)
+        if fp8:
+            quantize_linear_layers(model)
+    model = model.to_empty(device=device)
+    for m in model.modules():  # buffers (rotary cos/sin) were lost on the meta device
+        if hasattr(m, "reset_buffers"):
+            m.reset_buffers(device)
+    return model
+
+
 def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
                fused_ops: Optional[Any] = None, tp: Optional[TensorParallel] = None,
                quantization: Optional[str] = None) -> nn.Module:
@@ -614,16 +629,9 @@ def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.dev
     `quantization`: "fp8" makes the projection layers FP8 (see fp8.py), each checkpoint tensor quantised as it is
     read; an FP8 checkpoint always loads that way (dequantised, rounded to the model's dtype, requantised per row).
     The model's `kv_scales` holds the checkpoint's per-layer K/V scales, or None."""
-    cls = model_class(args.architecture)
     fp8_format = fp8_checkpoint_format(args.quantization_config)
-    with torch.device("meta"):
-        model = cls(args, max_positions, fused_ops, tp).to(dtype)
-        if quantization == "fp8" or fp8_format is not None:
-            quantize_linear_layers(model)  # empty FP8 layers: the loader quantises each tensor as it reads it
-    model = model.to_empty(device=device)
-    for m in model.modules():  # buffers (rotary cos/sin) were lost on the meta device
-        if hasattr(m, "reset_buffers"):
-            m.reset_buffers(device)
+    model = empty_model(args, dtype, device, max_positions, fused_ops, tp,
+                        fp8=quantization == "fp8" or fp8_format is not None)
     if is_gguf(path):  # quantised blocks are dequantised whole, one tensor at a time, then sliced
         source = ((name, StoredTensor.in_memory(w)) for name, w in _iter_gguf(path, args))
     else:
