@@ -8,7 +8,7 @@
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
 #           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv decode-fp8w-fa
 #           llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
-#           tp tp-decode tp-offline tp-profile tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
+#           attn tp tp-decode tp-offline tp-profile tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -110,6 +110,7 @@ for phase in "${@:-smoke}"; do
     bench-steps) step bench-steps 300 $BENCH --attention-backend auto --steps ;;
     decode) step decode 300 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
               --batch-sizes 1,64,256 --json "$OUT/decode.jsonl" ;;
+    attn) step attn 500 python3 scripts/bench_attention.py ;;
     tp) step tp 400 python3 -X faulthandler -m pytest -q -s -o faulthandler_timeout=150 tests/gpu/test_tensor_parallel.py ;;
     # tensor parallelism's benchmark on a Llama-3-8B-shaped checkpoint: tp 1 against tp 2, in one lease
     tp-decode) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
