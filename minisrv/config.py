@@ -8,6 +8,7 @@ from typing import Optional
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model's dtype
+FP8_DECODE_KERNELS = ("auto", "xqa", "flashinfer")
 QUANTIZATIONS = ("fp8",)  # weight quantisation at load (models/fp8.py)
 
 
@@ -18,6 +19,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | fa | fi | P,D
     dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8_e4m3: K/V stored in float8_e4m3fn with per-layer scales
+    # decode over an FP8 pool in the fi backend: xqa (Hopper, pages >= 16; q and softmax in e4m3, fastest),
+    # flashinfer (its wrappers: K/V converted exactly to the model's dtype), auto (xqa where it can run)
+    fp8_decode_kernel: str = "auto"
     quantization: Optional[str] = None  # fp8: projection weights in float8_e4m3fn, per-channel scales (FP8 checkpoints: always)
     device: Optional[str] = None  # None: cuda if available else cpu
     page_size: Optional[int] = None  # tokens per KV page; None: 16 on CUDA (smaller page tables), 1 on CPU
@@ -44,6 +48,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.fp8_decode_kernel not in FP8_DECODE_KERNELS:
+            raise ValueError(f"fp8_decode_kernel must be one of {FP8_DECODE_KERNELS}, got {self.fp8_decode_kernel!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.page_size is not None and self.page_size < 1:
@@ -72,6 +78,10 @@ class EngineConfig:
         p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                        help="auto: the model's dtype; fp8_e4m3: float8 K/V (per-layer scales of 1.0), twice the "
                             "tokens of bf16 in the same memory")
+        p.add_argument("--fp8-decode-kernel", default=d.fp8_decode_kernel, choices=FP8_DECODE_KERNELS,
+                       help="with --kv-cache-dtype fp8_e4m3, the fi backend's decode kernel: xqa (Hopper, page size "
+                            ">= 16: q and softmax rounded to e4m3, about 1.3x faster), flashinfer (K/V converted "
+                            "exactly), auto (xqa where it can run)")
         p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                        help="fp8: quantise the projection weights to float8_e4m3fn at load (per output channel; "
                             "activations per token); FP8 checkpoints are detected without it")

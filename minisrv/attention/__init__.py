@@ -67,19 +67,19 @@ def _torch_missing(sm: Optional[int]) -> Optional[str]:
     return None
 
 
-def _create_torch(pool, req_to_token, num_q_heads) -> AttentionBackend:
+def _create_torch(pool, req_to_token, num_q_heads, fp8_decode_kernel: str) -> AttentionBackend:
     from .torch_native import TorchNativeBackend
     return TorchNativeBackend(pool, req_to_token, num_q_heads)
 
 
-def _create_fa(pool, req_to_token, num_q_heads) -> AttentionBackend:
+def _create_fa(pool, req_to_token, num_q_heads, fp8_decode_kernel: str) -> AttentionBackend:
     from .fa import FlashAttentionBackend
     return FlashAttentionBackend(pool, req_to_token, num_q_heads)
 
 
-def _create_fi(pool, req_to_token, num_q_heads) -> AttentionBackend:
+def _create_fi(pool, req_to_token, num_q_heads, fp8_decode_kernel: str) -> AttentionBackend:
     from .fi import FlashInferBackend
-    return FlashInferBackend(pool, req_to_token, num_q_heads)
+    return FlashInferBackend(pool, req_to_token, num_q_heads, fp8_decode_kernel)
 
 
 # name -> (what it lacks on this machine, lazily importing creator)
@@ -142,11 +142,14 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return choice
 
 
-def create_backend(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int) -> AttentionBackend:
-    """Create a resolved backend (see resolve_backend); a hybrid shares the pool between its two halves."""
+def create_backend(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int,
+                   fp8_decode_kernel: str = "auto") -> AttentionBackend:
+    """Create a resolved backend (see resolve_backend); a hybrid shares the pool between its two halves.
+    fp8_decode_kernel: the fi backend's decode kernel over an FP8 pool (EngineConfig.fp8_decode_kernel)."""
     parts = _parts(name)
     if len(parts) == 1 or parts[0] == parts[1]:
-        return BACKENDS[parts[0]][1](pool, req_to_token, num_q_heads)
-    prefill = BACKENDS[parts[0]][1](pool, req_to_token, num_q_heads)
-    decode = BACKENDS[parts[1]][1](pool, req_to_token, num_q_heads)
+        return BACKENDS[parts[0]][1](pool, req_to_token, num_q_heads, fp8_decode_kernel)
+    # the prefill half never decodes: no decode kernel of its own to load
+    prefill = BACKENDS[parts[0]][1](pool, req_to_token, num_q_heads, "flashinfer")
+    decode = BACKENDS[parts[1]][1](pool, req_to_token, num_q_heads, fp8_decode_kernel)
     return HybridBackend(prefill, decode)

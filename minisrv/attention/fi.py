@@ -29,6 +29,7 @@ B+1 entries), so one wrapper is made per captured batch size, all sharing fixed 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -38,6 +39,10 @@ from minisrv.utils import ceil_div, to_device
 
 from .base import AttentionBackend, ForwardBatch
 from .cascade import PrefixGroups
+from .xqa import PAGE_SIZES as XQA_PAGE_SIZES
+from .xqa import XQADecode
+
+logger = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -81,7 +86,7 @@ class FlashInferBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_cascade = True
 
-    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int) -> None:
+    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, fp8_decode_kernel: str = "auto") -> None:
         super().__init__(pool, req_to_token, num_q_heads)
         import flashinfer
 
@@ -102,6 +107,35 @@ class FlashInferBackend(AttentionBackend):
         # plan() fills pinned host buffers and queues copies from them; with overlap scheduling the next plan
         # can come before the device has run those copies, so each plan first waits for the previous one's
         self._plan_done: Optional[torch.cuda.Event] = None
+        # decode over an FP8 pool on Hopper (attention/xqa.py)
+        self.xqa = self._load_xqa(pool, num_q_heads, fp8_decode_kernel) if pool.quantized else None
+
+    def _load_xqa(self, pool, num_q_heads: int, choice: str) -> Optional[XQADecode]:
+        """XQA for choice xqa (raises if it cannot run) and auto (where it can); None for flashinfer."""
+        if choice == "flashinfer":
+            return None
+        if not XQADecode.usable(pool, self.device):
+            if choice == "xqa":
+                raise ValueError("the xqa FP8 decode kernel needs an SM 9.x GPU, an FP8 e4m3 KV cache, pages of "
+                                 f"{'/'.join(map(str, XQA_PAGE_SIZES))} tokens and FlashInfer's XQA; here the page "
+                                 f"size is {self.page_size}")
+            return None
+        try:
+            xqa = XQADecode(self.req_to_token, self.page_size, self.scale)
+            xqa.load(pool, num_q_heads, self.dtype)
+        except Exception as e:  # noqa: BLE001 - e.g. no CUDA compiler for FlashInfer's JIT
+            if choice == "xqa":
+                raise
+            logger.warning("XQA decode kernel unavailable (%s: %s); FP8 decode uses FlashInfer's wrappers",
+                           type(e).__name__, e)
+            return None
+        logger.info("FP8 KV cache: decode runs XQA's Hopper FP8 kernel")
+        return xqa
+
+    @property
+    def decode_kernel(self) -> str:
+        """Which kernel runs this backend's plain decode steps: "xqa" or "flashinfer"."""
+        return "xqa" if self.xqa is not None else "flashinfer"
 
     def _before_plan(self) -> None:
         if self._plan_done is not None:
@@ -162,6 +196,8 @@ class FlashInferBackend(AttentionBackend):
     def prepare(self, b: ForwardBatch) -> Any:
         if b.is_decode and b.prefix_groups is not None:
             return self._prepare_cascade(b, b.prefix_groups)
+        if b.is_decode and self.xqa is not None:
+            return self.xqa.prepare(b)
         kv_indptr, kv_last, total = self._host_kv_meta(b.seq_lens_cpu)
         kv_indices = self._page_ids(b.req_rows, b.seq_lens, total)
         if b.is_decode:
@@ -242,6 +278,8 @@ class FlashInferBackend(AttentionBackend):
     # -- CUDA graphs (decode) -------------------------------------------------------------------------------
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
+        if self.xqa is not None:
+            return self.xqa.init_graph_state(max_bs, max_seq_len)
         self.g_max_bs = max_bs
         self.g_max_pages = ceil_div(max_seq_len, self.page_size)
         self.g_kv_indptr = torch.zeros((max_bs + 1,), dtype=torch.int32, device=self.device)
@@ -280,14 +318,18 @@ class FlashInferBackend(AttentionBackend):
         self._plan_decode(wrapper, kv_indptr, kv_indices, kv_last)
         return kv_indices
 
-    def prepare_for_capture(self, b: ForwardBatch) -> FIMeta:
+    def prepare_for_capture(self, b: ForwardBatch) -> Any:
         """Plan the batch-size-`bs` graph wrapper; call before capture begins (FlashInfer plans on the host)."""
         if not b.is_decode:
             raise ValueError("CUDA graphs capture decode batches only")
+        if self.xqa is not None:
+            return self.xqa.prepare_for_capture(b)
         wrapper = self._graph_wrapper(b.batch_size)
         return FIMeta(b.out_cache_loc, wrapper, self._plan_graph(b, wrapper, b.batch_size))
 
-    def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: FIMeta) -> None:
+    def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: Any) -> None:
+        if self.xqa is not None:
+            return self.xqa.prepare_for_replay(b, padded_bs, meta)
         # the plan copies the page ids into the wrapper's fixed buffer (stream-ordered), which the graph reads
         self._plan_graph(b, meta.wrapper, padded_bs)
 

@@ -140,6 +140,10 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[str], device
     context_length = resolve_context_length(cfg, args)
     dtype = resolve_dtype(cfg.dtype, args.torch_dtype, device)
     ps = cfg.page_size or (16 if device.type == "cuda" else 1)
+    if cfg.fp8_decode_kernel == "xqa" and (cfg.kv_cache_dtype != "fp8_e4m3" or backend_name.split(",")[-1] != "fi"):
+        raise ValueError(f"--fp8-decode-kernel xqa is the fi backend's decode over an FP8 KV cache: it needs "
+                         f"--kv-cache-dtype fp8_e4m3 and fi decoding (fi or PREFILL,fi); here the KV cache is "
+                         f"{cfg.kv_cache_dtype} and the attention backend {backend_name}")
     fused = fused_ops_for(device)
     tp = init_tensor_parallel(tp_rank, cfg.tp_size, tp_init, device,
                               dtype if cfg.enable_one_shot_all_reduce else None) if cfg.tp_size > 1 else \
@@ -168,7 +172,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[str], device
     pad_row = table.alloc_row()  # one spare row: CUDA-graph padding rows point at it
     pad_page = None
     max_request_len = min(context_length, pool.num_slots)
-    backend = create_backend(backend_name, pool, table.table, plan.num_heads)
+    backend = create_backend(backend_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel)
     graph_runner = None
     if device.type == "cuda" and not cfg.disable_cuda_graph and backend.supports_cuda_graph:
         # CUDA-graph padding rows write their dummy K/V into a page of their own
@@ -237,7 +241,9 @@ def activation_peak(model: torch.nn.Module, backend_name: str, args: ModelArgs, 
     pool = KVPool(a.num_layers, ceil_div(n, page_size), page_size, plan.num_kv_heads, a.head_dim, dtype, device,
                   kv_dtype)
     table = ReqToTokenTable(1, context_length, device)
-    runner = ModelRunner(model, create_backend(backend_name, pool, table.table, plan.num_heads), pool, table, device)
+    # a prefill step only: no decode kernel to load
+    backend = create_backend(backend_name, pool, table.table, plan.num_heads, fp8_decode_kernel="flashinfer")
+    runner = ModelRunner(model, backend, pool, table, device)
     req = Request([0] * n, SamplingParams(max_tokens=1), 1)
     req.row = table.alloc_row()
     req.pages = list(range(pool.num_pages))

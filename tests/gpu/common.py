@@ -95,3 +95,9 @@ def stream_syncs(run: Callable[[], None]) -> List[str]:
     finally:
         torch.cuda.set_sync_debug_mode(prev)
     return sorted({f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)})
+
+
+def decode_kernel(backend) -> str:
+    """The kernel that decodes: "xqa" or "flashinfer" for fi, else the decode backend's name."""
+    half = getattr(backend, "decode_backend", backend)
+    return getattr(half, "decode_kernel", half.name)

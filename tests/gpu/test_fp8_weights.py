@@ -9,8 +9,10 @@ may round the last float32 bit differently, which can move a value across a roun
 End to end: the random-weight Qwen3-0.6B-shaped checkpoint with FP8 weights (and with an FP8 KV cache too) against
 HF transformers in bf16: every generated token is HF's argmax or within GAP logits of it, with CUDA graphs and
 overlap scheduling on. Quantising every activation to e4m3 (3 mantissa bits) moves each projection's output by a few
-percent; over 28 layers a near-tie can flip by a third of a logit (0.36 measured with weights and KV in FP8), so GAP
-is 0.5, twice the 0.25 an FP8 KV cache alone is held to.
+percent; over 28 layers a near-tie can flip by a third of a logit (0.36-0.41 measured with weights and KV in FP8
+and FlashInfer's exact FP8 decode), so GAP is 0.5, twice the 0.25 an FP8 KV cache alone is held to. With XQA's
+decode (the default on Hopper: q and the softmax probabilities in e4m3 too, see attention/xqa.py) the worst measured
+was 0.56: GAP_XQA is 0.75.
 """
 from __future__ import annotations
 
@@ -20,11 +22,13 @@ import torch
 from minisrv import LLM, SamplingParams
 from minisrv.models.fp8 import Fp8Linear, _triton_quant, quantize_rows
 
-from .common import CKPT, assert_near_hf_greedy, free_cuda, mixed_prompts, requires_ckpt, skip_unless_runs
+from .common import (CKPT, assert_near_hf_greedy, decode_kernel, free_cuda, mixed_prompts, requires_ckpt,
+                     skip_unless_runs)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 GAP = 0.5  # the issue asked for 0.25; W8A8 e4m3 on this random checkpoint measured 0.36 (see the module docstring)
+GAP_XQA = 0.75  # and with XQA's e4m3 attention products as well, 0.56
 N_PROMPTS, N_NEW = 16, 32
 
 
@@ -66,12 +70,14 @@ def prompts():
 
 
 @requires_ckpt
-@pytest.mark.parametrize("backend,kv", [("fa,fi", "fp8_e4m3"), ("fi", "fp8_e4m3"), ("fi", "auto")])
-def test_greedy_matches_hf_with_fp8_weights_and_kv(backend, kv, prompts, hf):
+@pytest.mark.parametrize("backend,kv,kernel", [("fa,fi", "fp8_e4m3", "auto"), ("fi", "fp8_e4m3", "auto"),
+                                               ("fi", "fp8_e4m3", "flashinfer"), ("fi", "auto", "auto")])
+def test_greedy_matches_hf_with_fp8_weights_and_kv(backend, kv, kernel, prompts, hf):
     skip_unless_runs(backend)
-    llm = LLM(model=CKPT, attention_backend=backend, dtype="bfloat16", quantization="fp8",
-              kv_cache_dtype=kv, max_total_tokens=65536, cuda_graph_max_bs=64, log_level="warning")
+    llm = LLM(model=CKPT, attention_backend=backend, dtype="bfloat16", quantization="fp8", kv_cache_dtype=kv,
+              fp8_decode_kernel=kernel, max_total_tokens=65536, cuda_graph_max_bs=64, log_level="warning")
     eng = llm.engine
+    used = decode_kernel(eng.runner.backend)
     try:
         n_fp8 = sum(isinstance(m, Fp8Linear) for m in eng.runner.model.modules())
         assert n_fp8 == 4 * eng.args.num_layers and eng.pool.quantized == (kv == "fp8_e4m3") and eng.overlap
@@ -82,7 +88,8 @@ def test_greedy_matches_hf_with_fp8_weights_and_kv(backend, kv, prompts, hf):
     finally:
         del llm, eng
         free_cuda()
-    assert_near_hf_greedy(hf, prompts, outs, N_NEW, GAP, f"{backend} with FP8 weights, KV {kv}")
+    assert_near_hf_greedy(hf, prompts, outs, N_NEW, GAP_XQA if used == "xqa" else GAP,
+                          f"{backend} with FP8 weights, KV {kv}, decode kernel {used}")
 
 
 @pytest.mark.parametrize("m", [1, 16, 33, 64])

@@ -1,0 +1,126 @@
+"""Decode over an FP8 pool on Hopper with XQA, TensorRT-LLM's decode kernel as FlashInfer ships it.
+
+Why: a decode step reads every running request's K and V, so an FP8 pool should halve the attention time; but
+FlashInfer's decode wrappers (FA2-style kernels that convert K/V to q's dtype as they load them) and FA3's FP8 mode
+reach only about half the HBM bandwidth over FP8 pages, while XQA's Hopper FP8 kernel reaches 74-84%
+(`scripts/bench_attention.py`, H100, 8 KV heads of 128, 1,024 tokens a request, pages of 16: batch 256 takes 192 us
+a layer against FlashInfer's 256 and FA3's 297, the bytes' floor being 160). Like FA3's FP8 mode it multiplies in
+e4m3: q and the softmax probabilities are rounded to e4m3 (the FP8 tests' looser bound says why that is fine).
+
+The kernel takes FA3's description of the batch: a page table [B, max_pages] int32 (page ids, row per request) and
+the sequence lengths (uint32, counting the step's own token, whose K/V the backend has stored before it runs).
+Everything it needs is a tensor or a constant, so it is captured in CUDA graphs as is: the graph's page table is the
+full-width static buffer (the kernel only splits a sequence across CTAs when the batch is too small to fill the GPU,
+and then by the lengths it reads at run time). K's scale is folded into q's (`bmm1_scale`), V's multiplies the
+output (`bmm2_scale`).
+
+Used by the FlashInfer backend for decode when the pool is FP8 e4m3, the GPU is SM 9.x and pages are 16, 32, 64 or
+128 tokens (`XQADecode.usable`); anything else keeps FlashInfer's wrappers. The kernel is compiled by FlashInfer on
+first use; `XQADecode.load` runs it once at start-up and says why if it cannot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from minisrv.utils import ceil_div
+
+from .base import ForwardBatch
+
+PAGE_SIZES = (16, 32, 64, 128)
+SEMAPHORE_BYTES = 8 << 20  # the kernel's layout: semaphores first (zero before first use), then scratch
+SCRATCH_BYTES = 8 << 20  # partial results of sequences split across CTAs (a few hundred KB at most on an H100)
+
+
+@dataclass(frozen=True)
+class XQAMeta:
+    loc: torch.Tensor  # [B] slots the step's k/v go to
+    page_table: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] uint32 (a view of int32 lengths)
+    kernel: Callable
+    workspace: torch.Tensor
+    scale: float  # the softmax scale
+
+    def run(self, q: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor], k_scale: float = 1.0,
+            v_scale: float = 1.0) -> torch.Tensor:
+        return self.kernel(q, kv, self.workspace, self.page_table, self.seq_lens,
+                           self.page_table.shape[1] * kv[0].shape[1], bmm1_scale=self.scale * k_scale,
+                           bmm2_scale=v_scale, kv_layout="NHD")
+
+
+class XQADecode:
+    """The decode half of the FlashInfer backend over an FP8 pool on Hopper (see the module docstring)."""
+
+    def __init__(self, req_to_token: torch.Tensor, page_size: int, scale: float) -> None:
+        from flashinfer.decode import xqa_batch_decode_with_kv_cache
+        self.kernel = xqa_batch_decode_with_kv_cache
+        self.req_to_token = req_to_token
+        self.page_size = page_size
+        self.scale = scale
+        self.device = req_to_token.device
+        self.workspace = torch.zeros(SEMAPHORE_BYTES + SCRATCH_BYTES, dtype=torch.uint8, device=self.device)
+        self.g_page_table: Optional[torch.Tensor] = None
+        self.g_seq_lens: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def usable(pool, device: torch.device) -> bool:
+        if pool.kv_dtype != torch.float8_e4m3fn or device.type != "cuda" or pool.page_size not in PAGE_SIZES:
+            return False
+        if torch.cuda.get_device_capability(device)[0] != 9 or not hasattr(torch, "uint32"):
+            return False
+        try:
+            import flashinfer.decode
+        except ImportError:
+            return False
+        return hasattr(flashinfer.decode, "xqa_batch_decode_with_kv_cache")
+
+    def load(self, pool, num_q_heads: int, dtype: torch.dtype) -> None:
+        """Compile (FlashInfer's JIT, cached on disk) and run the kernel once on a one-token batch; raises if it
+        cannot, so the backend can keep its wrappers."""
+        q = torch.zeros((1, num_q_heads, pool.head_dim), dtype=dtype, device=self.device)
+        page_table = torch.zeros((1, 1), dtype=torch.int32, device=self.device)
+        seq_lens = torch.ones((1,), dtype=torch.int32, device=self.device)
+        meta = XQAMeta(page_table, page_table, seq_lens.view(torch.uint32), self.kernel, self.workspace, self.scale)
+        meta.run(q, (pool.k[0], pool.v[0]))
+        torch.cuda.synchronize(self.device)
+
+    def _page_table(self, rows: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+        return self.req_to_token[rows, :max_seq_len:self.page_size] // self.page_size
+
+    def prepare(self, b: ForwardBatch) -> XQAMeta:
+        seq_lens = b.seq_lens if b.seq_lens.dtype == torch.int32 else b.seq_lens.to(torch.int32)
+        return XQAMeta(b.out_cache_loc, self._page_table(b.req_rows, b.max_seq_len), seq_lens.view(torch.uint32),
+                       self.kernel, self.workspace, self.scale)
+
+    # -- CUDA graphs --------------------------------------------------------------------------------------------
+
+    def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
+        self.g_page_table = torch.zeros((max_bs, ceil_div(max_seq_len, self.page_size)), dtype=torch.int32,
+                                        device=self.device)
+        self.g_seq_lens = torch.ones((max_bs,), dtype=torch.int32, device=self.device)
+
+    def _fill_static(self, b: ForwardBatch, padded_bs: int) -> None:
+        if self.g_page_table is None:
+            raise RuntimeError("init_graph_state must be called before capture/replay")
+        bs = b.batch_size
+        if padded_bs < bs or padded_bs > self.g_page_table.shape[0]:
+            raise ValueError(f"padded batch size {padded_bs} outside [{bs}, {self.g_page_table.shape[0]}]")
+        ncols = ceil_div(b.max_seq_len, self.page_size)
+        if ncols > self.g_page_table.shape[1]:
+            raise ValueError(f"sequence length {b.max_seq_len} exceeds the graph's max_seq_len")
+        self.g_page_table[:bs, :ncols].copy_(self._page_table(b.req_rows[:bs], b.max_seq_len))
+        self.g_seq_lens[:bs].copy_(b.seq_lens[:bs])
+        if padded_bs > bs:  # padding rows attend to one valid token of page 0; their outputs are dropped
+            self.g_page_table[bs:padded_bs, 0] = 0
+            self.g_seq_lens[bs:padded_bs] = 1
+
+    def prepare_for_capture(self, b: ForwardBatch) -> XQAMeta:
+        bs = b.batch_size
+        self._fill_static(b, bs)
+        return XQAMeta(b.out_cache_loc, self.g_page_table[:bs], self.g_seq_lens[:bs].view(torch.uint32),
+                       self.kernel, self.workspace, self.scale)
+
+    def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: XQAMeta) -> None:
+        self._fill_static(b, padded_bs)
