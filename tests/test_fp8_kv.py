@@ -264,20 +264,21 @@ def test_flag_and_config(capsys):
     assert "invalid choice: 'int8'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp8_e5m2")
-    args = ["--kv-cache-dtype", "fp8_e4m3", "--fp8-decode-kernel", "flashinfer"]
-    assert EngineConfig.from_args(p.parse_args(args)).fp8_decode_kernel == "flashinfer"
-    assert EngineConfig.from_args(p.parse_args([])).fp8_decode_kernel == "auto"
+    args = ["--kv-cache-dtype", "fp8_e4m3", "--fp8-decode-kernel", "xqa"]
+    assert EngineConfig.from_args(p.parse_args(args)).fp8_decode_kernel == "xqa"
+    assert EngineConfig.from_args(p.parse_args([])).fp8_decode_kernel == "flashinfer"
     with pytest.raises(ValueError, match="fp8_decode_kernel"):
-        EngineConfig(fp8_decode_kernel="fa3")
+        EngineConfig(fp8_decode_kernel="auto")
 
 
 def test_xqa_where_it_cannot_run_is_a_clear_error(tiny_model):
     """Asking for the xqa decode kernel without fi decoding an FP8 pool fails at start-up, saying what it needs
-    (on the CPU the backend is torch); auto quietly keeps the backend's own kernel."""
+    (on the CPU the backend is torch)."""
     path = tiny_model("llama")
     with pytest.raises(ValueError, match="needs --kv-cache-dtype fp8_e4m3 and fi decoding.*attention backend torch"):
         fp8_llm(path, max_total_tokens=512, fp8_decode_kernel="xqa")
-    assert fp8_llm(path, max_total_tokens=512, fp8_decode_kernel="auto").engine.pool.quantized
+    with pytest.raises(ValueError, match="KV cache is auto"):
+        make_llm(path, max_total_tokens=512, fp8_decode_kernel="xqa")
 
 
 def test_pool_tokens_and_start_up_log(tiny_model, caplog):

@@ -6,9 +6,10 @@
 #   phases: smoke e2e graph overlap sampling grammar backends cascade fp8kv bench bench-steps bench-profile bench-p1
 #           bench-fi bench-fa bench-fp8kv bench-nocache bench-prefix bench-prefix-off bench-prefix-cascade
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
-#           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv decode-fp8w-fa
+#           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv bench-fp8kv-xqa decode-fp8w-fa
 #           llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
 #           attn tp tp-decode tp-offline tp-profile tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
+#           llama8b-fp8-xqa decode-fp8w-xqa
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -95,6 +96,14 @@ for phase in "${@:-smoke}"; do
                      --disable-radix-cache ;;
     bench-grammar-cprofile) json_tokenizer; step bench-grammar-cprofile 300 $BENCH --attention-backend auto --json-schema \
                      --tokenizer $JTOK --disable-radix-cache --cprofile ;;
+    bench-fp8kv-xqa) step bench-fp8kv-xqa 300 $BENCH --attention-backend auto --workload nano --kv-cache-dtype fp8_e4m3 \
+                       --fp8-decode-kernel xqa ;;
+    llama8b-fp8-xqa) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+             step llama8b-fp8-xqa 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
+               --quantization fp8 --kv-cache-dtype fp8_e4m3 --fp8-decode-kernel xqa --json "$OUT/bench.jsonl" ;;
+    decode-fp8w-xqa) step decode-8b-fp8w-xqa 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+                 --batch-sizes 1,64,256 --graphs on --steps 32 --quantization fp8 --kv-cache-dtype fp8_e4m3 \
+                 --fp8-decode-kernel xqa --json "$OUT/decode.jsonl" ;;
     bench-fa-fp8kv) step bench-fa-fp8kv 300 $BENCH --attention-backend fa --workload nano --kv-cache-dtype fp8_e4m3 ;;
     decode-fp8w-fa) step decode-8b-fp8w-fa 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend fa \
                  --batch-sizes 1,64,256 --graphs on --steps 32 --quantization fp8 --kv-cache-dtype fp8_e4m3 \

@@ -136,7 +136,7 @@ def _run(backend, batch: ForwardBatch, qkv) -> List[torch.Tensor]:
 
 
 def run_against_torch(name: str, mode: ForwardMode, page_size: int, dtype: torch.dtype, hq: int, hkv: int, d: int,
-                      kv_dtype: Optional[torch.dtype] = None, scales=None):
+                      kv_dtype: Optional[torch.dtype] = None, scales=None, fp8_decode_kernel: str = "flashinfer"):
     """One extend (on cached prefixes) or decode step of every layer through backend `name` and through the torch
     backend on a copy of the pool (of `kv_dtype`, with `scales` for an FP8 one). Returns (scene, the copy, outputs,
     the torch backend's outputs, tokens in the step), each output a list over the layers."""
@@ -157,7 +157,7 @@ def run_against_torch(name: str, mode: ForwardMode, page_size: int, dtype: torch
     qkv = [(sc.randn(t, hq, d), sc.randn(t, hkv, d), sc.randn(t, hkv, d)) for _ in range(NUM_LAYERS)]
 
     ref_pool = sc.clone_pool()
-    backend = create_backend(name, sc.pool, sc.table, hq)
+    backend = create_backend(name, sc.pool, sc.table, hq, fp8_decode_kernel)
     out = _run(backend, batch, qkv)
     ref = _run(TorchNativeBackend(ref_pool, sc.table, hq), batch, qkv)
     torch.cuda.synchronize()
@@ -187,7 +187,8 @@ def test_cuda_graph_decode(name, page_size, hq, hkv, d):
 
 
 def check_cuda_graph_decode(name: str, page_size: int, hq: int, hkv: int, d: int,
-                            kv_dtype: Optional[torch.dtype] = None, scales=None, tol: float = TOL) -> None:
+                            kv_dtype: Optional[torch.dtype] = None, scales=None, tol: float = TOL,
+                            fp8_decode_kernel: str = "flashinfer") -> None:
     """Graph replays against the torch backend on a copy of the pool; `scales` ((k, v) per layer) for FP8 pools."""
     skip_unless_runs(name)
     dtype = torch.bfloat16
@@ -204,7 +205,7 @@ def check_cuda_graph_decode(name: str, page_size: int, hq: int, hkv: int, d: int
     sc.add_request(dummy_row, 1)
     dummy_slot = int(sc.slots[dummy_row][0])
 
-    backend = create_backend(name, sc.pool, sc.table, hq)
+    backend = create_backend(name, sc.pool, sc.table, hq, fp8_decode_kernel)
     assert backend.supports_cuda_graph
     max_bs = 8
     backend.init_graph_state(max_bs, MAX_CONTEXT)
