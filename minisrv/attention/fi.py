@@ -86,7 +86,8 @@ class FlashInferBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_cascade = True
 
-    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, fp8_decode_kernel: str = "flashinfer") -> None:
+    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int,
+                 fp8_decode_kernel: str = "flashinfer") -> None:
         super().__init__(pool, req_to_token, num_q_heads)
         import flashinfer
 
