@@ -8,7 +8,7 @@ from typing import Optional
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model's dtype
-FP8_DECODE_KERNELS = ("flashinfer", "xqa")
+FP8_DECODE_KERNELS = ("auto", "xqa", "flashinfer")
 QUANTIZATIONS = ("fp8",)  # weight quantisation at load (models/fp8.py)
 
 
@@ -19,9 +19,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | fa | fi | P,D
     dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8_e4m3: K/V stored in float8_e4m3fn with per-layer scales
-    # decode over an FP8 pool in the fi backend: flashinfer (its wrappers: K/V converted exactly to the model's
-    # dtype) or xqa (Hopper, pages >= 16: q and the softmax in e4m3; faster, less exact: see attention/xqa.py)
-    fp8_decode_kernel: str = "flashinfer"
+    # decode over an FP8 pool in the fi backend: xqa (Hopper, pages >= 16: q and the softmax in e4m3, about 1.3x
+    # faster attention; attention/xqa.py), flashinfer (its wrappers: K/V converted exactly), auto (xqa where it runs)
+    fp8_decode_kernel: str = "auto"
     quantization: Optional[str] = None  # fp8: projection weights in float8_e4m3fn, per-channel scales (FP8 checkpoints: always)
     device: Optional[str] = None  # None: cuda if available else cpu
     page_size: Optional[int] = None  # tokens per KV page; None: 16 on CUDA (smaller page tables), 1 on CPU
@@ -79,9 +79,10 @@ class EngineConfig:
                        help="auto: the model's dtype; fp8_e4m3: float8 K/V (per-layer scales of 1.0), twice the "
                             "tokens of bf16 in the same memory")
         p.add_argument("--fp8-decode-kernel", default=d.fp8_decode_kernel, choices=FP8_DECODE_KERNELS,
-                       help="with --kv-cache-dtype fp8_e4m3, the fi backend's decode kernel: flashinfer (K/V "
-                            "converted exactly) or xqa (Hopper, page size >= 16: about 1.3x faster attention, but "
-                            "q and the softmax are rounded to e4m3 and greedy tokens drift further from bf16's)")
+                       help="with --kv-cache-dtype fp8_e4m3, the fi backend's decode kernel: xqa (Hopper, page size "
+                            ">= 16: reads the FP8 pages at ~80%% of HBM bandwidth; q and the softmax rounded to "
+                            "e4m3, as FA3's FP8 mode does), flashinfer (K/V converted exactly, ~55%%), auto (xqa "
+                            "where it can run)")
         p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                        help="fp8: quantise the projection weights to float8_e4m3fn at load (per output channel; "
                             "activations per token); FP8 checkpoints are detected without it")

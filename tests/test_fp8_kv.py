@@ -266,9 +266,9 @@ def test_flag_and_config(capsys):
         EngineConfig(kv_cache_dtype="fp8_e5m2")
     args = ["--kv-cache-dtype", "fp8_e4m3", "--fp8-decode-kernel", "xqa"]
     assert EngineConfig.from_args(p.parse_args(args)).fp8_decode_kernel == "xqa"
-    assert EngineConfig.from_args(p.parse_args([])).fp8_decode_kernel == "flashinfer"
+    assert EngineConfig.from_args(p.parse_args([])).fp8_decode_kernel == "auto"
     with pytest.raises(ValueError, match="fp8_decode_kernel"):
-        EngineConfig(fp8_decode_kernel="auto")
+        EngineConfig(fp8_decode_kernel="fa3")
 
 
 def test_xqa_where_it_cannot_run_is_a_clear_error(tiny_model):

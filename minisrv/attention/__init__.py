@@ -143,7 +143,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
 
 
 def create_backend(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int,
-                   fp8_decode_kernel: str = "flashinfer") -> AttentionBackend:
+                   fp8_decode_kernel: str = "auto") -> AttentionBackend:
     """Create a resolved backend (see resolve_backend); a hybrid shares the pool between its two halves.
     fp8_decode_kernel: the fi backend's decode kernel over an FP8 pool (EngineConfig.fp8_decode_kernel)."""
     parts = _parts(name)

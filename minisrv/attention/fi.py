@@ -87,7 +87,7 @@ class FlashInferBackend(AttentionBackend):
     supports_cascade = True
 
     def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int,
-                 fp8_decode_kernel: str = "flashinfer") -> None:
+                 fp8_decode_kernel: str = "auto") -> None:
         super().__init__(pool, req_to_token, num_q_heads)
         import flashinfer
 
@@ -112,15 +112,24 @@ class FlashInferBackend(AttentionBackend):
         self.xqa = self._load_xqa(pool, num_q_heads, fp8_decode_kernel) if pool.quantized else None
 
     def _load_xqa(self, pool, num_q_heads: int, choice: str) -> Optional[XQADecode]:
-        """XQA when asked for (fp8_decode_kernel "xqa"; raises if it cannot run here), else None."""
-        if choice != "xqa":
+        """XQA for choice "xqa" (raises if it cannot run here) and "auto" (where it can), else None."""
+        if choice == "flashinfer":
             return None
         if not XQADecode.usable(pool, self.device):
-            raise ValueError("the xqa FP8 decode kernel needs an SM 9.x GPU, an FP8 e4m3 KV cache, pages of "
-                             f"{'/'.join(map(str, XQA_PAGE_SIZES))} tokens and FlashInfer's XQA; here the page "
-                             f"size is {self.page_size}")
-        xqa = XQADecode(self.req_to_token, self.page_size, self.scale)
-        xqa.load(pool, num_q_heads, self.dtype)
+            if choice == "xqa":
+                raise ValueError("the xqa FP8 decode kernel needs an SM 9.x GPU, an FP8 e4m3 KV cache, pages of "
+                                 f"{'/'.join(map(str, XQA_PAGE_SIZES))} tokens and FlashInfer's XQA; here the page "
+                                 f"size is {self.page_size}")
+            return None
+        try:
+            xqa = XQADecode(self.req_to_token, self.page_size, self.scale)
+            xqa.load(pool, num_q_heads, self.dtype)
+        except Exception as e:  # noqa: BLE001 - e.g. no CUDA compiler for FlashInfer's JIT
+            if choice == "xqa":
+                raise
+            logger.warning("XQA decode kernel unavailable (%s: %s); FP8 decode uses FlashInfer's wrappers",
+                           type(e).__name__, e)
+            return None
         logger.info("FP8 KV cache: decode runs XQA's Hopper FP8 kernel")
         return xqa
 

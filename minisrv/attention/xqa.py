@@ -1,18 +1,13 @@
-"""Decode over an FP8 pool on Hopper with XQA, TensorRT-LLM's decode kernel as FlashInfer ships it (opt-in:
-`--fp8-decode-kernel xqa`).
+"""Decode over an FP8 pool on Hopper with XQA, TensorRT-LLM's decode kernel as FlashInfer ships it.
 
 Why: a decode step reads every running request's K and V, so an FP8 pool should halve the attention time; but
 FlashInfer's decode wrappers (FA2-style kernels that convert K/V to q's dtype as they load them) and FA3's FP8 mode
 reach only about half the HBM bandwidth over FP8 pages, while XQA's Hopper FP8 kernel reaches 74-84%
 (`scripts/bench_attention.py`, H100, 8 KV heads of 128, 1,024 tokens a request, pages of 16: batch 256 takes 192 us
-a layer against FlashInfer's 256 and FA3's 297, the bytes' floor being 160).
-
-Why not by default: it multiplies in e4m3, rounding q and the softmax probabilities (scaled by 448) to e4m3, as
-FA3's FP8 mode does. On random inputs its output is as far from the exact one as FA3's (about 4% relative; the GPU
-tests' kernel bound), and it is deterministic; but end to end on the random-weight Qwen3-0.6B-shaped checkpoint its
-greedy tokens sat up to 0.83-0.92 logits below HF's argmax (0.27 in one earlier run of the same kernel), where FA3's
-FP8 mode stays within 0.08 and the exact wrappers within 0.11. Until that is understood the exact wrappers decode by
-default.
+a layer against FlashInfer's 256 and FA3's 297, the bytes' floor being 160). Like FA3's FP8 mode it multiplies in
+e4m3, rounding q and the softmax probabilities (scaled by 448) to e4m3: about 3% (relative) from the exact output on
+random inputs, FA3's bound in the GPU tests; end to end its greedy tokens stay as close to HF's as the exact
+kernels' (tests/gpu/test_fp8_kv.py). `--fp8-decode-kernel flashinfer` keeps the exact wrappers.
 
 The kernel takes FA3's description of the batch: a page table [B, max_pages] int32 (page ids, row per request) and
 the sequence lengths (uint32, counting the step's own token, whose K/V the backend has stored before it runs).
@@ -21,8 +16,9 @@ full-width static buffer (the kernel only splits a sequence across CTAs when the
 and then by the lengths it reads at run time). K's scale is folded into q's (`bmm1_scale`), V's multiplies the
 output (`bmm2_scale`).
 
-It needs an FP8 e4m3 pool, an SM 9.x GPU and pages of 16, 32, 64 or 128 tokens (`XQADecode.usable`). FlashInfer
-compiles the kernel on first use; `XQADecode.load` runs it once at start-up.
+It needs an FP8 e4m3 pool, an SM 9.x GPU and pages of 16, 32, 64 or 128 tokens (`XQADecode.usable`); with
+`--fp8-decode-kernel auto` (the default) the FlashInfer backend uses it wherever it can. FlashInfer compiles the
+kernel on first use; `XQADecode.load` runs it once at start-up.
 """
 from __future__ import annotations
 
@@ -51,7 +47,9 @@ class XQAMeta:
 
     def run(self, q: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor], k_scale: float = 1.0,
             v_scale: float = 1.0) -> torch.Tensor:
-        return self.kernel(q, kv, self.workspace, self.page_table, self.seq_lens,
+        # the kernel reads q (and writes its output, made like q) as contiguous [B, Hq, D]; the model's q is a
+        # strided view of the fused qkv projection
+        return self.kernel(q.contiguous(), kv, self.workspace, self.page_table, self.seq_lens,
                            self.page_table.shape[1] * kv[0].shape[1], bmm1_scale=self.scale * k_scale,
                            bmm2_scale=v_scale, kv_layout="NHD")
 

@@ -135,6 +135,14 @@ def _run(backend, batch: ForwardBatch, qkv) -> List[torch.Tensor]:
     return [backend.forward(q, k, v, layer, meta) for layer, (q, k, v) in enumerate(qkv)]
 
 
+def _fused_views(qkv: torch.Tensor, hq: int, hkv: int, d: int):
+    """q, k, v as the model passes them: strided views of one [T, (Hq + 2 Hkv) D] projection output (a kernel that
+    reads q as if it were contiguous reads other tokens' values)."""
+    t = qkv.shape[0]
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
+
+
 def run_against_torch(name: str, mode: ForwardMode, page_size: int, dtype: torch.dtype, hq: int, hkv: int, d: int,
                       kv_dtype: Optional[torch.dtype] = None, scales=None, fp8_decode_kernel: str = "flashinfer"):
     """One extend (on cached prefixes) or decode step of every layer through backend `name` and through the torch
@@ -154,7 +162,7 @@ def run_against_torch(name: str, mode: ForwardMode, page_size: int, dtype: torch
         sc.fill(r, c)
     batch = sc.batch(mode, rows, cached, new)
     t = batch.num_tokens
-    qkv = [(sc.randn(t, hq, d), sc.randn(t, hkv, d), sc.randn(t, hkv, d)) for _ in range(NUM_LAYERS)]
+    qkv = [_fused_views(sc.randn(t, (hq + 2 * hkv) * d), hq, hkv, d) for _ in range(NUM_LAYERS)]
 
     ref_pool = sc.clone_pool()
     backend = create_backend(name, sc.pool, sc.table, hq, fp8_decode_kernel)

@@ -9,10 +9,8 @@ may round the last float32 bit differently, which can move a value across a roun
 End to end: the random-weight Qwen3-0.6B-shaped checkpoint with FP8 weights (and with an FP8 KV cache too) against
 HF transformers in bf16: every generated token is HF's argmax or within GAP logits of it, with CUDA graphs and
 overlap scheduling on. Quantising every activation to e4m3 (3 mantissa bits) moves each projection's output by a few
-percent; over 28 layers a near-tie can flip by a third of a logit (0.36-0.41 measured with weights and KV in FP8
-and FlashInfer's exact FP8 decode), so GAP is 0.5, twice the 0.25 an FP8 KV cache alone is held to. With XQA's
-decode (opt-in: q and the softmax probabilities in e4m3 too, see attention/xqa.py) the worst measured was 0.56-0.92:
-GAP_XQA is 1.0.
+percent; over 28 layers a near-tie can flip by a third of a logit (0.36-0.41 measured with weights and KV in FP8,
+with either FP8 decode kernel), so GAP is 0.5, twice the 0.25 an FP8 KV cache alone is held to.
 """
 from __future__ import annotations
 
@@ -28,7 +26,6 @@ from .common import (CKPT, assert_near_hf_greedy, decode_kernel, free_cuda, mixe
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 GAP = 0.5  # the issue asked for 0.25; W8A8 e4m3 on this random checkpoint measured 0.36 (see the module docstring)
-GAP_XQA = 1.0  # and with XQA's e4m3 attention products as well, 0.56-0.92
 N_PROMPTS, N_NEW = 16, 32
 
 
@@ -70,12 +67,10 @@ def prompts():
 
 
 @requires_ckpt
-@pytest.mark.parametrize("backend,kv,kernel", [("fa,fi", "fp8_e4m3", "flashinfer"), ("fi", "fp8_e4m3", "flashinfer"),
-                                               ("fi", "fp8_e4m3", "xqa"), ("fi", "auto", "flashinfer")])
+@pytest.mark.parametrize("backend,kv,kernel", [("fa,fi", "fp8_e4m3", "auto"), ("fi", "fp8_e4m3", "auto"),
+                                               ("fi", "fp8_e4m3", "flashinfer"), ("fi", "auto", "auto")])
 def test_greedy_matches_hf_with_fp8_weights_and_kv(backend, kv, kernel, prompts, hf):
     skip_unless_runs(backend)
-    if kernel == "xqa" and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("XQA's FP8 kernel is Hopper's")
     llm = LLM(model=CKPT, attention_backend=backend, dtype="bfloat16", quantization="fp8", kv_cache_dtype=kv,
               fp8_decode_kernel=kernel, max_total_tokens=65536, cuda_graph_max_bs=64, log_level="warning")
     eng = llm.engine
@@ -90,8 +85,7 @@ def test_greedy_matches_hf_with_fp8_weights_and_kv(backend, kv, kernel, prompts,
     finally:
         del llm, eng
         free_cuda()
-    assert_near_hf_greedy(hf, prompts, outs, N_NEW, GAP_XQA if used == "xqa" else GAP,
-                          f"{backend} with FP8 weights, KV {kv}, decode kernel {used}")
+    assert_near_hf_greedy(hf, prompts, outs, N_NEW, GAP, f"{backend} with FP8 weights, KV {kv}, decode kernel {used}")
 
 
 @pytest.mark.parametrize("m", [1, 16, 33, 64])
