@@ -24,9 +24,8 @@ from typing import Callable, Optional
 
 import torch
 
-from minisrv.utils import ceil_div
-
 from .base import AttentionBackend, ForwardBatch
+from .page_table import StaticPageTable, int32_lens, page_table, require
 
 
 def _load_kernel() -> Callable:
@@ -72,26 +71,17 @@ class FlashAttentionBackend(AttentionBackend):
         if self.fp8 and self.head_dim % 16:
             raise ValueError(f"the fa backend's FP8 mode needs head_dim to be a multiple of 16; this model's is "
                              f"{self.head_dim}: use --kv-cache-dtype auto, or another attention backend")
-        # CUDA-graph state: static buffers that captured graphs read
-        self.g_page_table: Optional[torch.Tensor] = None
-        self.g_cache_seqlens: Optional[torch.Tensor] = None
+        self.static: Optional[StaticPageTable] = None  # what captured graphs read (init_graph_state)
 
     # -- metadata -------------------------------------------------------------------------------------------
 
-    def _page_table(self, rows: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-        """[B, ceil(max_seq_len / page_size)] int32 page ids: slots at positions k*page_size are page starts."""
-        ps = self.page_size
-        if ps == 1:
-            return self.req_to_token[rows, :max_seq_len]
-        return self.req_to_token[rows, :max_seq_len:ps] // ps
-
     def prepare(self, b: ForwardBatch) -> FAMeta:
-        seqlens = b.seq_lens if b.seq_lens.dtype == torch.int32 else b.seq_lens.to(torch.int32)
-        page_table = self._page_table(b.req_rows, b.max_seq_len)
+        seqlens = int32_lens(b)
+        table = page_table(self.req_to_token, b.req_rows, b.max_seq_len, self.page_size)
         if b.is_decode:
-            return FAMeta(b.out_cache_loc, page_table, seqlens, None, 1)
+            return FAMeta(b.out_cache_loc, table, seqlens, None, 1)
         cu = b.cu_seqlens_q if b.cu_seqlens_q.dtype == torch.int32 else b.cu_seqlens_q.to(torch.int32)
-        return FAMeta(b.out_cache_loc, page_table, seqlens, cu, max(b.extend_lens_cpu))
+        return FAMeta(b.out_cache_loc, table, seqlens, cu, max(b.extend_lens_cpu))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: FAMeta) -> torch.Tensor:
@@ -124,33 +114,14 @@ class FlashAttentionBackend(AttentionBackend):
     # -- CUDA graphs (decode) -------------------------------------------------------------------------------
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
-        dev = self.req_to_token.device
-        self.g_max_pages = ceil_div(max_seq_len, self.page_size)
-        self.g_page_table = torch.zeros((max_bs, self.g_max_pages), dtype=torch.int32, device=dev)
-        self.g_cache_seqlens = torch.ones((max_bs,), dtype=torch.int32, device=dev)
-
-    def _fill_static(self, b: ForwardBatch, padded_bs: int) -> None:
-        if self.g_page_table is None:
-            raise RuntimeError("init_graph_state must be called before capture/replay")
-        bs = b.batch_size
-        if padded_bs < bs or padded_bs > self.g_page_table.shape[0]:
-            raise ValueError(f"padded batch size {padded_bs} outside [{bs}, {self.g_page_table.shape[0]}]")
-        ncols = ceil_div(b.max_seq_len, self.page_size)
-        if ncols > self.g_max_pages:
-            raise ValueError(f"sequence length {b.max_seq_len} exceeds the graph's max_seq_len")
-        self.g_page_table[:bs, :ncols].copy_(self._page_table(b.req_rows[:bs], b.max_seq_len))
-        self.g_cache_seqlens[:bs].copy_(b.seq_lens[:bs])
-        if padded_bs > bs:  # padding rows attend to one valid token of page 0
-            self.g_page_table[bs:padded_bs, 0] = 0
-            self.g_cache_seqlens[bs:padded_bs] = 1
+        self.static = StaticPageTable(max_bs, max_seq_len, self.page_size, self.req_to_token.device)
 
     def prepare_for_capture(self, b: ForwardBatch) -> FAMeta:
         if not b.is_decode:
             raise ValueError("CUDA graphs capture decode batches only")
-        bs = b.batch_size
-        self._fill_static(b, bs)
-        # full-width slices: the kernel's shapes (and so its launch decisions) depend only on the graph's size
-        return FAMeta(b.out_cache_loc, self.g_page_table[:bs], self.g_cache_seqlens[:bs], None, 1)
+        static = require(self.static)
+        static.fill(self.req_to_token, b, b.batch_size)
+        return FAMeta(b.out_cache_loc, *static.rows(b.batch_size), None, 1)
 
     def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: FAMeta) -> None:
-        self._fill_static(b, padded_bs)
+        require(self.static).fill(self.req_to_token, b, padded_bs)

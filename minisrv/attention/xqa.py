@@ -27,9 +27,8 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from minisrv.utils import ceil_div
-
 from .base import ForwardBatch
+from .page_table import StaticPageTable, int32_lens, page_table, require
 
 PAGE_SIZES = (16, 32, 64, 128)
 SEMAPHORE_BYTES = 8 << 20  # the kernel's layout: semaphores first (zero before first use), then scratch
@@ -65,8 +64,7 @@ class XQADecode:
         self.scale = scale
         self.device = req_to_token.device
         self.workspace = torch.zeros(SEMAPHORE_BYTES + SCRATCH_BYTES, dtype=torch.uint8, device=self.device)
-        self.g_page_table: Optional[torch.Tensor] = None
-        self.g_seq_lens: Optional[torch.Tensor] = None
+        self.static: Optional[StaticPageTable] = None  # what captured graphs read (init_graph_state)
 
     @staticmethod
     def usable(pool, device: torch.device) -> bool:
@@ -84,47 +82,27 @@ class XQADecode:
         """Compile (FlashInfer's JIT, cached on disk) and run the kernel once on a one-token batch; raises if it
         cannot, so the backend can keep its wrappers."""
         q = torch.zeros((1, num_q_heads, pool.head_dim), dtype=dtype, device=self.device)
-        page_table = torch.zeros((1, 1), dtype=torch.int32, device=self.device)
+        table = torch.zeros((1, 1), dtype=torch.int32, device=self.device)
         seq_lens = torch.ones((1,), dtype=torch.int32, device=self.device)
-        meta = XQAMeta(page_table, page_table, seq_lens.view(torch.uint32), self.kernel, self.workspace, self.scale)
-        meta.run(q, (pool.k[0], pool.v[0]))
+        self._meta(table, table, seq_lens).run(q, (pool.k[0], pool.v[0]))
         torch.cuda.synchronize(self.device)
 
-    def _page_table(self, rows: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-        return self.req_to_token[rows, :max_seq_len:self.page_size] // self.page_size
+    def _meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> XQAMeta:
+        return XQAMeta(loc, table, seq_lens.view(torch.uint32), self.kernel, self.workspace, self.scale)
 
     def prepare(self, b: ForwardBatch) -> XQAMeta:
-        seq_lens = b.seq_lens if b.seq_lens.dtype == torch.int32 else b.seq_lens.to(torch.int32)
-        return XQAMeta(b.out_cache_loc, self._page_table(b.req_rows, b.max_seq_len), seq_lens.view(torch.uint32),
-                       self.kernel, self.workspace, self.scale)
+        return self._meta(b.out_cache_loc, page_table(self.req_to_token, b.req_rows, b.max_seq_len, self.page_size),
+                          int32_lens(b))
 
     # -- CUDA graphs --------------------------------------------------------------------------------------------
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
-        self.g_page_table = torch.zeros((max_bs, ceil_div(max_seq_len, self.page_size)), dtype=torch.int32,
-                                        device=self.device)
-        self.g_seq_lens = torch.ones((max_bs,), dtype=torch.int32, device=self.device)
-
-    def _fill_static(self, b: ForwardBatch, padded_bs: int) -> None:
-        if self.g_page_table is None:
-            raise RuntimeError("init_graph_state must be called before capture/replay")
-        bs = b.batch_size
-        if padded_bs < bs or padded_bs > self.g_page_table.shape[0]:
-            raise ValueError(f"padded batch size {padded_bs} outside [{bs}, {self.g_page_table.shape[0]}]")
-        ncols = ceil_div(b.max_seq_len, self.page_size)
-        if ncols > self.g_page_table.shape[1]:
-            raise ValueError(f"sequence length {b.max_seq_len} exceeds the graph's max_seq_len")
-        self.g_page_table[:bs, :ncols].copy_(self._page_table(b.req_rows[:bs], b.max_seq_len))
-        self.g_seq_lens[:bs].copy_(b.seq_lens[:bs])
-        if padded_bs > bs:  # padding rows attend to one valid token of page 0; their outputs are dropped
-            self.g_page_table[bs:padded_bs, 0] = 0
-            self.g_seq_lens[bs:padded_bs] = 1
+        self.static = StaticPageTable(max_bs, max_seq_len, self.page_size, self.device)
 
     def prepare_for_capture(self, b: ForwardBatch) -> XQAMeta:
-        bs = b.batch_size
-        self._fill_static(b, bs)
-        return XQAMeta(b.out_cache_loc, self.g_page_table[:bs], self.g_seq_lens[:bs].view(torch.uint32),
-                       self.kernel, self.workspace, self.scale)
+        static = require(self.static)
+        static.fill(self.req_to_token, b, b.batch_size)
+        return self._meta(b.out_cache_loc, *static.rows(b.batch_size))
 
     def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: XQAMeta) -> None:
-        self._fill_static(b, padded_bs)
+        require(self.static).fill(self.req_to_token, b, padded_bs)

@@ -1,0 +1,58 @@
+"""A batch's pages as a page table, the form FA3 (`fa.py`) and XQA (`xqa.py`) take: [B, max_pages] int32 page ids,
+a row per request, with the lengths [B] int32 beside it; and its CUDA-graph form, static buffers rewritten in place
+before each replay."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from minisrv.utils import ceil_div
+
+from .base import ForwardBatch
+
+
+def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, max_seq_len: int, page_size: int) -> torch.Tensor:
+    """[B, ceil(max_seq_len / page_size)] int32 page ids: a page's first slot is its id times page_size."""
+    if page_size == 1:
+        return req_to_token[rows, :max_seq_len]
+    return req_to_token[rows, :max_seq_len:page_size] // page_size
+
+
+def int32_lens(b: ForwardBatch) -> torch.Tensor:
+    return b.seq_lens if b.seq_lens.dtype == torch.int32 else b.seq_lens.to(torch.int32)
+
+
+class StaticPageTable:
+    """A page table and lengths at fixed addresses for captured decode graphs: full width (max_seq_len's pages), so
+    a kernel's shapes, and the launch decisions it makes from them, depend only on the graph's batch size."""
+
+    def __init__(self, max_bs: int, max_seq_len: int, page_size: int, device: torch.device) -> None:
+        self.page_size = page_size
+        self.table = torch.zeros((max_bs, ceil_div(max_seq_len, page_size)), dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones((max_bs,), dtype=torch.int32, device=device)
+
+    def rows(self, bs: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The views a graph of `bs` rows captures: (page table [bs, max_pages], lengths [bs])."""
+        return self.table[:bs], self.seq_lens[:bs]
+
+    def fill(self, req_to_token: torch.Tensor, b: ForwardBatch, padded_bs: int) -> None:
+        """Write batch b into the leading rows; rows bs..padded_bs (graph padding) attend to one token of page 0,
+        a valid page whose result is dropped."""
+        bs = b.batch_size
+        if padded_bs < bs or padded_bs > self.table.shape[0]:
+            raise ValueError(f"padded batch size {padded_bs} outside [{bs}, {self.table.shape[0]}]")
+        ncols = ceil_div(b.max_seq_len, self.page_size)
+        if ncols > self.table.shape[1]:
+            raise ValueError(f"sequence length {b.max_seq_len} exceeds the graph's max_seq_len")
+        self.table[:bs, :ncols].copy_(page_table(req_to_token, b.req_rows[:bs], b.max_seq_len, self.page_size))
+        self.seq_lens[:bs].copy_(b.seq_lens[:bs])
+        if padded_bs > bs:
+            self.table[bs:padded_bs, 0] = 0
+            self.seq_lens[bs:padded_bs] = 1
+
+
+def require(static: Optional[StaticPageTable]) -> StaticPageTable:
+    if static is None:
+        raise RuntimeError("init_graph_state must be called before capture/replay")
+    return static
