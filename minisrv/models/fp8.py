@@ -17,7 +17,7 @@ tests/test_fp8_weights.py for the bound).
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -103,6 +103,20 @@ SMALL_M = 64  # token counts up to this (decode batches) take the narrow-tile ke
 SMALL_M_BLOCK_K = 128
 
 
+class SmallMConfig(NamedTuple):
+    """Launch parameters of the small-batch kernel (scripts/bench_fp8_gemm.py sweeps them)."""
+
+    block_n: int  # output columns a program owns
+    block_k: int  # the reduction's step; the input width must be a multiple of it
+    num_warps: int
+    num_stages: int
+
+
+def default_small_m_config(n: int) -> SmallMConfig:
+    # at least ~2 programs per SM on an H100
+    return SmallMConfig(16 if n <= 8192 else 32, SMALL_M_BLOCK_K, 4, 4)
+
+
 @functools.lru_cache(maxsize=None)
 def _triton_small_m_gemm():
     """y = (xq * xs) (wq * ws)^T for few rows of x, in bf16, or None where Triton is missing.
@@ -143,18 +157,23 @@ def _triton_small_m_gemm():
 
     broken: list = []  # a compile failure turns the kernel off for good (cuBLAS then runs every size)
 
-    def run(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> Optional[torch.Tensor]:
-        if broken:
+    def run(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
+            config: Optional[SmallMConfig] = None, raise_errors: bool = False) -> Optional[torch.Tensor]:
+        """None (and cuBLAS from then on) if the kernel cannot compile here, unless raise_errors (a sweep's
+        configurations that do not fit are its own business)."""
+        if broken and not raise_errors:
             return None
         m, k = xq.shape
         n = w.shape[0]
+        c = config or default_small_m_config(n)
         y = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
         block_m = max(16, triton.next_power_of_2(m))
-        block_n = 16 if n <= 8192 else 32  # at least ~2 programs per SM on an H100
         try:
-            kernel[(triton.cdiv(n, block_n),)](xq, xs, w, ws, y, m, n, k, BLOCK_M=block_m, BLOCK_N=block_n,
-                                               BLOCK_K=SMALL_M_BLOCK_K, num_warps=4, num_stages=4)
+            kernel[(triton.cdiv(n, c.block_n),)](xq, xs, w, ws, y, m, n, k, BLOCK_M=block_m, BLOCK_N=c.block_n,
+                                                 BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
         except Exception as e:  # noqa: BLE001 - e.g. a Triton without FP8 dot support on this GPU
+            if raise_errors:
+                raise
             import logging
             logging.getLogger("minisrv").warning("FP8 small-batch kernel unavailable (%s: %s); using cuBLAS",
                                                  type(e).__name__, e)
