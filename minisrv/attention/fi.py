@@ -20,7 +20,9 @@ no keys. Such steps run eagerly (the CUDA-graph runner refuses them); an FP8 poo
 With an FP8 pool the wrappers are planned with `kv_data_type=float8_e4m3fn` and q in the model's dtype (FlashInfer's
 FA2-style kernels convert K/V to q's dtype as they load them; its FA3-style Hopper kernels need an FP8 q, so with a
 bf16 q FlashInfer picks the former by itself), and each run gets the layer's K and V scales as the floats
-`k_scale` (folded into the softmax scale) and `v_scale` (multiplied into the output unless it is 1.0).
+`k_scale` (folded into the softmax scale) and `v_scale` (multiplied into the output unless it is 1.0). On Hopper
+decode steps over an FP8 pool run XQA instead (`xqa.py`: these kernels reach about half the bandwidth over FP8
+pages, XQA 74-84%), unless `fp8_decode_kernel` is "flashinfer"; its metadata and CUDA-graph buffers are its own.
 
 CUDA graphs: a FlashInfer decode wrapper in CUDA-graph mode is bound to one batch size (its indptr buffer has
 B+1 entries), so one wrapper is made per captured batch size, all sharing fixed index buffers and the workspace.
