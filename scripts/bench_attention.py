@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from graph_timing import graph_us  # noqa: E402 (beside this script)
 
 FP8 = torch.float8_e4m3fn
 
@@ -34,29 +35,6 @@ def reference(q, k_cache, v_cache, page_table, seq_len, scale, k_scale, v_scale)
     k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
     s = torch.einsum("bhd,bthd->bht", q.float(), k) * scale
     return torch.einsum("bht,bthd->bhd", s.softmax(-1), v)
-
-
-def timed(fn, iters: int, repeat: int) -> float:
-    """Median microseconds per call of `fn` captured `iters` times in one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(iters):
-                fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(times)
 
 
 def kernels(q, k_cache, v_cache, page_table, seq_lens, scale, k_scale, v_scale, page_size, kv_dtype):
@@ -154,7 +132,7 @@ def main() -> int:
                     if kname not in wanted:
                         continue
                     try:
-                        us = timed(fn, a.iters, a.repeat)
+                        us = graph_us(fn, a.iters, a.repeat)
                         err = (o.float() - ref).abs().max().item()
                         line += f"  {kname} {us:6.1f} ({100 * floor_us / us:3.0f}%, err {err:.1e})"
                     except Exception as e:  # noqa: BLE001

@@ -14,38 +14,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from graph_timing import graph_us  # noqa: E402 (beside this script)
+
 from minisrv.models.fp8 import SmallMConfig, _triton_small_m_gemm, default_small_m_config, quantize_rows  # noqa: E402
 
 LLAMA_8B = "6144x4096,4096x4096,28672x4096,4096x14336"
-
-
-def timed(fn, iters: int, repeat: int) -> float:
-    """Median microseconds per call of `fn` captured `iters` times in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(iters):
-                fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -79,7 +58,7 @@ def main() -> int:
         for m in ints(a.ms):
             xq, xs = quantize_rows(torch.randn(m, k, device="cuda").bfloat16())
             ref = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
-            cublas = timed(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16),
+            cublas = graph_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16),
                            a.iters, a.repeat)
             default = default_small_m_config(n)
             results = {}
@@ -87,7 +66,7 @@ def main() -> int:
                 if k % c.block_k:
                     continue
                 try:
-                    results[c] = timed(lambda c=c: small(xq, xs, wq, ws, c, raise_errors=True), a.iters, a.repeat)
+                    results[c] = graph_us(lambda c=c: small(xq, xs, wq, ws, c, raise_errors=True), a.iters, a.repeat)
                 except Exception as e:  # noqa: BLE001 - e.g. more shared memory than the GPU has
                     print(f"  {shape} m={m} {c}: {type(e).__name__}")
             best = min(results, key=results.get)
