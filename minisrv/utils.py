@@ -57,5 +57,7 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         values = host_tensor(values, dtype)
     if device.type != "cuda":
         return values.to(device=device, dtype=dtype)
+    if values.dtype == dtype and values.is_pinned():  # already staged by its maker (e.g. a grammar step's masks)
+        return values.to(device, non_blocking=True)
     host = torch.empty(values.shape, dtype=dtype, pin_memory=True).copy_(values)
     return host.to(device, non_blocking=True)
