@@ -3,7 +3,8 @@
 Every rank runs the same forward on its shard of the weights; the layers combine the shards with `all_reduce`
 (after the row-parallel o and down projections, and the vocabulary-split embedding) and `all_gather_last` (the
 vocabulary-split logits). Tensors travel over `group` (NCCL on CUDA, gloo on the CPU); the step messages rank 0
-sends the others travel over `control`, a gloo group, as pickled objects.
+sends the others travel through a shared-memory block (step_channel.py), and through `control`, a gloo group, as
+pickled objects where that block is missing or a message does not fit it.
 
 A model built with `TensorParallel.single()` calls no collective at all: one GPU pays nothing for this.
 """
@@ -12,11 +13,14 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 import threading
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
+
+from minisrv.step_channel import ShmBroadcast, dumps
 
 logger = logging.getLogger("minisrv")
 
@@ -75,6 +79,8 @@ class TensorParallel:
     group: Any = None  # torch.distributed group for tensors (None when size is 1)
     control: Any = None  # gloo group for step messages (None when size is 1)
     one_shot: Optional[OneShotAllReduce] = None  # small all-reduces on CUDA (None: NCCL for every size)
+    channel: Optional[ShmBroadcast] = None  # step messages (None: over `control` only)
+    health_check: Optional[Callable[[], None]] = None  # rank 0: raises if a rank is gone (set by the engine)
 
     @classmethod
     def single(cls) -> "TensorParallel":
@@ -116,12 +122,19 @@ class TensorParallel:
         return x
 
     def send_object(self, obj: Any) -> None:
-        """Rank 0: one picklable object to every other rank (over the gloo control group)."""
+        """Rank 0: one picklable object to every other rank (through the shared-memory channel, or over the gloo
+        control group when it is missing or the object does not fit it)."""
+        if self.channel is not None and self.channel.write(dumps(obj), self.health_check):
+            return
         import torch.distributed as dist
         dist.broadcast_object_list([obj], src=0, group=self.control)
 
     def recv_object(self) -> Any:
         """Ranks > 0: the next object rank 0 sends."""
+        if self.channel is not None:
+            payload = self.channel.read()
+            if payload is not None:
+                return pickle.loads(payload)
         import torch.distributed as dist
         box: List[Optional[Any]] = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
@@ -156,6 +169,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     control = dist.new_group(list(range(size)), backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     tp = TensorParallel(rank, size, dist.group.WORLD, control)
     tp.all_reduce(torch.zeros(1, device=device))  # NCCL sets up its communicator here, not inside a graph capture
+    tp.channel = _open_step_channel(rank, size, control)
     if device.type == "cuda" and one_shot_dtype is not None:
         try:
             one_shot = OneShotAllReduce(tp.group, device, one_shot_dtype, ONE_SHOT_MAX_BYTES)
@@ -172,12 +186,44 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     return tp
 
 
+def _open_step_channel(rank: int, size: int, control: Any) -> Optional[ShmBroadcast]:
+    """The shared-memory block for step messages (every rank opens it, or none does: then gloo carries them)."""
+    import torch.distributed as dist
+    channel = None
+    box: List[Optional[str]] = [None]
+    try:
+        if rank == 0:
+            channel = ShmBroadcast.create(size - 1)
+            box[0] = channel.name
+    except Exception as e:  # noqa: BLE001 - e.g. no /dev/shm
+        logger.warning("no shared memory for step messages (%s: %s); they go over gloo", type(e).__name__, e)
+    dist.broadcast_object_list(box, src=0, group=control)
+    if rank > 0 and box[0] is not None:
+        try:
+            channel = ShmBroadcast.attach(box[0], size - 1, rank - 1)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("rank %d cannot open the step channel (%s: %s); step messages go over gloo",
+                           rank, type(e).__name__, e)
+    flag = torch.tensor([1 if channel is not None else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=control)  # now every rank has attached, or failed
+    if rank == 0 and channel is not None:
+        channel.unlink()  # mapped by every rank: the name is no longer needed, and nothing can leak
+    if not int(flag.item()):
+        if channel is not None:
+            channel.close()
+        return None
+    return channel
+
+
 def destroy_tensor_parallel(tp: TensorParallel, timeout_s: float = 30.0) -> None:
     """Drop the process groups so that another engine in this process can form its own. Every rank calls it at
     the same time (rank 0 right after telling the others to stop): NCCL's teardown waits for the peers' teardown.
 
     It runs in a thread given `timeout_s`: a teardown that cannot finish (a peer gone) is logged, never hung on."""
     if tp.size > 1:
+        if tp.channel is not None:
+            tp.channel.close()
+            tp.channel = None
         _teardown(timeout_s)
 
 

@@ -173,8 +173,7 @@ class ModelRunner:
     def forward_batch(self, inp: StepInputs) -> ForwardBatch:
         """The step's tensors on the device: one host-to-device copy of `inp.ints`, sliced."""
         t, b, p = sum(inp.extend_lens), len(inp.seq_lens), inp.num_pending
-        cuda = self.device.type == "cuda"
-        d = inp.ints.to(self.device, non_blocking=True) if cuda else inp.ints
+        d = to_device(inp.ints, torch.int64, self.device)  # pinned on rank 0; staged through pinned memory elsewhere
         o = 2 * t + 2 * b  # start of seq_lens, then cu, then pending rows
         i32 = d[o:o + 2 * b + 1].to(torch.int32)
         input_ids = d[:t]

@@ -196,6 +196,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[str], device
     runner = ModelRunner(model, backend, pool, table, device, graph_runner, tp, cascade)
     if tp.enabled and tp_rank == 0:
         table.journal = []  # from here on, the other ranks replay rank 0's table writes
+        tp.health_check = workers.check  # a step message waiting for a lost rank raises instead of waiting
     fp8_weights = any(isinstance(m, Fp8Linear) for m in model.modules())
     logger.info("model %s (%s, %s%s) on %s loaded in %.1fs%s%s", model_path, a.architecture,
                 str(dtype).replace("torch.", ""), ", fp8 weights" if fp8_weights else "", device, t_load,
