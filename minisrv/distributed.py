@@ -16,7 +16,7 @@ import os
 import pickle
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -33,6 +33,9 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 # with --enable-one-shot-all-reduce, all-reduces of at most this many bytes (decode steps: batch x hidden x 2) take
 # the one-shot path on CUDA (off by default: on 2 H200s it measured no faster than NCCL, see the README)
 ONE_SHOT_MAX_BYTES = 1 << 20
+# with --enable-flashinfer-allreduce-fusion, batches of at most this many tokens (decode) all-reduce, add the
+# residual and normalise in one kernel (its buffers: about 4 x 2 x this x hidden x 2 bytes a rank)
+FUSED_NORM_MAX_TOKENS = 512
 
 
 class TensorParallelError(RuntimeError):
@@ -72,6 +75,41 @@ class OneShotAllReduce:
         return out.view(x.shape)
 
 
+class FusedAllReduceNorm:
+    """All-reduce, residual add and RMSNorm in one kernel: FlashInfer's port of TensorRT-LLM's all-reduce fusion,
+    over buffers in torch's symmetric memory (peer-to-peer over NVLink; its multicast backend is never asked for).
+
+    Why: a decode step all-reduces after every o and down projection and then adds the residual and normalises;
+    on 2 H200s (Llama-3-8B shape, batch 1) NCCL's all-reduce took 6.8 us and the fused add + norm 2.5 us, 64 times
+    a step, against a step of ~4 ms. One kernel reads each rank's partial sums from its peers directly (one-shot
+    for small batches) and writes both the normalised output and the new residual. Batches of more than
+    `max_tokens` rows (prefill chunks) keep NCCL and the separate norm."""
+
+    def __init__(self, tp_rank: int, tp_size: int, group: Any, max_tokens: int, hidden: int,
+                 dtype: torch.dtype) -> None:
+        import flashinfer.comm as comm
+        self.comm = comm
+        self.max_tokens, self.hidden, self.dtype = max_tokens, hidden, dtype
+        self.workspace = comm.create_allreduce_fusion_workspace(
+            backend="trtllm", world_size=tp_size, rank=tp_rank, max_token_num=max_tokens, hidden_dim=hidden,
+            dtype=dtype, group=group)
+        self.pattern = comm.AllReduceFusionPattern.kARResidualRMSNorm
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (x.dim() == 2 and 0 < x.shape[0] <= self.max_tokens and x.shape[1] == self.hidden
+                and x.dtype == self.dtype and x.is_contiguous())
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> "tuple[torch.Tensor, torch.Tensor]":
+        """(rmsnorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual)."""
+        norm_out = torch.empty_like(x)
+        residual_out = torch.empty_like(residual)
+        self.comm.allreduce_fusion(input=x, workspace=self.workspace, pattern=self.pattern,
+                                   residual_out=residual_out, norm_out=norm_out, residual_in=residual,
+                                   rms_gamma=weight, rms_eps=eps)
+        return norm_out, residual_out
+
+
 @dataclass
 class TensorParallel:
     rank: int
@@ -80,6 +118,7 @@ class TensorParallel:
     control: Any = None  # gloo group for step messages (None when size is 1)
     one_shot: Optional[OneShotAllReduce] = None  # small all-reduces on CUDA (None: NCCL for every size)
     channel: Optional[ShmBroadcast] = None  # step messages (None: over `control` only)
+    fused_norm: Optional[FusedAllReduceNorm] = None  # all-reduce + add + RMSNorm in one kernel (None: separate)
     health_check: Optional[Callable[[], None]] = None  # rank 0: raises if a rank is gone (set by the engine)
 
     @classmethod
@@ -151,9 +190,12 @@ class TensorParallel:
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device,
-                         one_shot_dtype: Optional[torch.dtype] = None) -> TensorParallel:
+                         one_shot_dtype: Optional[torch.dtype] = None,
+                         fused_norm: Optional[Tuple[int, torch.dtype]] = None) -> TensorParallel:
     """Join the group of `size` ranks that meet at `init_method` (a tcp:// address rank 0 chose). On CUDA with
-    `one_shot_dtype` (the model's), small all-reduces of that dtype take the one-shot path (OneShotAllReduce)."""
+    `one_shot_dtype` (the model's), small all-reduces of that dtype take the one-shot path (OneShotAllReduce);
+    with `fused_norm` (the model's hidden size and dtype), decode batches all-reduce, add and normalise in one
+    kernel (FusedAllReduceNorm)."""
     if size == 1:
         return TensorParallel.single()
     for k, v in NO_MULTICAST_ENV.items():
@@ -170,6 +212,8 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     tp = TensorParallel(rank, size, dist.group.WORLD, control)
     tp.all_reduce(torch.zeros(1, device=device))  # NCCL sets up its communicator here, not inside a graph capture
     tp.channel = _open_step_channel(rank, size, control)
+    if device.type == "cuda" and fused_norm is not None:
+        tp.fused_norm = _open_fused_norm(tp, device, *fused_norm)
     if device.type == "cuda" and one_shot_dtype is not None:
         try:
             one_shot = OneShotAllReduce(tp.group, device, one_shot_dtype, ONE_SHOT_MAX_BYTES)
@@ -184,6 +228,24 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
             tp.one_shot(torch.zeros(8, dtype=one_shot_dtype, device=device))  # set up outside any graph capture
             torch.cuda.synchronize(device)
     return tp
+
+
+def _open_fused_norm(tp: TensorParallel, device: torch.device, hidden: int, dtype: torch.dtype
+                     ) -> Optional[FusedAllReduceNorm]:
+    """The fused all-reduce + norm on every rank, or on none (a rank where it fails says why)."""
+    import torch.distributed as dist
+    fused = None
+    try:
+        fused = FusedAllReduceNorm(tp.rank, tp.size, tp.group, FUSED_NORM_MAX_TOKENS, hidden, dtype)
+    except Exception as e:  # noqa: BLE001 - no FlashInfer comm module, no peer access
+        logger.warning("fused all-reduce + RMSNorm unavailable (%s: %s); NCCL and a separate norm instead",
+                       type(e).__name__, e)
+    flag = torch.tensor([1 if fused is not None else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=tp.control)
+    if not int(flag.item()):
+        return None
+    torch.cuda.synchronize(device)
+    return fused
 
 
 def _open_step_channel(rank: int, size: int, control: Any) -> Optional[ShmBroadcast]:

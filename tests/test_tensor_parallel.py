@@ -13,9 +13,10 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from minisrv import SamplingParams
-from minisrv.distributed import TensorParallelError
+from minisrv.distributed import TensorParallel, TensorParallelError
 from minisrv.models.sharding import ShardingError
 
 from .conftest import (assert_greedy_matches, build_tiny_model, greedy, hf_greedy, make_llm, make_prompts,
@@ -148,3 +149,56 @@ def test_server_with_two_ranks_answers_and_a_lost_rank_gives_503s(tiny_model):
         assert any("tensor-parallel rank 1" in line for line in srv.lines)
     finally:
         srv.stop()
+
+
+class _DoublingGroup(TensorParallel):
+    """One rank standing for two identical ones: an all-reduce doubles its input, so a partial sum that is
+    reduced twice, or never, changes the output."""
+
+    def all_reduce(self, x):
+        return x * 2
+
+
+class _ReferenceFusedNorm:
+    """The fused all-reduce + add + RMSNorm's arithmetic in torch, for _DoublingGroup."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def fits(self, x):
+        return True
+
+    def __call__(self, x, residual, weight, eps):
+        self.calls += 1
+        s = 2 * x + residual
+        h = s.float()  # the norm's statistics in float32, as the kernel and RMSNorm compute them
+        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(s.dtype), s
+
+
+def _causal_attention(q, k, v, layer_id):
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                         is_causal=True)
+    return o.transpose(0, 1).reshape(q.shape[0], -1)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_deferred_all_reduces_meet_the_fused_norm_once_each(tiny_model, name):
+    """With a fused all-reduce + norm, o and down return partial sums and each norm after them reduces them: the
+    hidden states equal those of the model that all-reduces inside o and down (float64)."""
+    from minisrv.models.loader import load_model, load_model_args
+    path = tiny_model(name)
+    args = load_model_args(path)
+    ids = torch.tensor([5, 9, 31, 7, 12, 3, 40])
+    pos = torch.arange(len(ids))
+    hidden = []
+    fused = _ReferenceFusedNorm()
+    for f in (None, fused):
+        group = _DoublingGroup(0, 1)
+        group.fused_norm = f
+        model = load_model(path, args, torch.float64, torch.device("cpu"), 64, None, group)
+        with torch.no_grad():
+            hidden.append(model(ids, pos, _causal_attention))
+    assert fused.calls == 2 * args.num_layers  # after every o and down projection, the last down included
+    torch.testing.assert_close(hidden[1], hidden[0], rtol=1e-12, atol=1e-12)

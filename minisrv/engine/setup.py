@@ -146,8 +146,9 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[str], device
                          f"{cfg.kv_cache_dtype} and the attention backend {backend_name}")
     fused = fused_ops_for(device)
     tp = init_tensor_parallel(tp_rank, cfg.tp_size, tp_init, device,
-                              dtype if cfg.enable_one_shot_all_reduce else None) if cfg.tp_size > 1 else \
-        TensorParallel.single()
+                              dtype if cfg.enable_one_shot_all_reduce else None,
+                              (args.hidden_size, dtype) if cfg.enable_flashinfer_allreduce_fusion else None
+                              ) if cfg.tp_size > 1 else TensorParallel.single()
     model = load_model(model_path, args, dtype, device, context_length, fused, tp, cfg.quantization)
     t_load = time.perf_counter() - t0
 
@@ -202,6 +203,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[str], device
                 str(dtype).replace("torch.", ""), ", fp8 weights" if fp8_weights else "", device, t_load,
                 "; fused ops on" if fused is not None else "",
                 f"; tensor parallel over {tp.size} ranks" + (", one-shot small all-reduces" if tp.one_shot else "")
+                + (", fused all-reduce + RMSNorm" if tp.fused_norm else "")
                 if tp.enabled else "")
     logger.info("KV pool: %d tokens (%d pages of %d), %.2f GiB; context length %d; attention backend %s",
                 pool.num_slots, num_pages, ps, pool.nbytes / GiB, context_length, backend_name)

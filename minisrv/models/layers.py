@@ -194,13 +194,16 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.fused = fused
         self.tp = tp or TensorParallel.single()
+        self.defer_reduce = False  # True: return this rank's partial sum; the next norm all-reduces it (see there)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
         if self.fused is not None:
-            return self.tp.all_reduce(self.down_proj(self.fused.silu_and_mul(gu)))
-        g, u = gu.chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(g) * u))
+            out = self.down_proj(self.fused.silu_and_mul(gu))
+        else:
+            g, u = gu.chunk(2, dim=-1)
+            out = self.down_proj(F.silu(g) * u)
+        return out if self.defer_reduce else self.tp.all_reduce(out)
 
 
 class VocabEmbedding(nn.Module):
@@ -240,6 +243,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.d, args.rms_norm_eps, fused) if args.qk_norm else None
         self.k_norm = RMSNorm(self.d, args.rms_norm_eps, fused) if args.qk_norm else None
         self.rotary = rotary
+        self.defer_reduce = False  # True: return this rank's partial sum; the next norm all-reduces it (see there)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Callable) -> torch.Tensor:
         """attn: the step's attention (an attention.AttentionStep), called as attn(q, k, v, layer_id)."""
@@ -257,4 +261,18 @@ class Attention(nn.Module):
                 k = self.k_norm(k.reshape(-1, self.d)).view(t, self.hkv, self.d)
         q, k = self.rotary(positions, q, k)
         o = attn(q, k, v, self.layer_id)
-        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
+        out = self.o_proj(o.reshape(t, self.q_size))
+        return out if self.defer_reduce else self.tp.all_reduce(out)
+
+
+def reduce_add_norm(tp: TensorParallel, norm: "RMSNorm", x: torch.Tensor, residual: torch.Tensor,
+                    x_is_partial: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(norm(sum + residual), sum + residual), where sum is x all-reduced over the ranks if `x_is_partial` (a
+    row-parallel projection's output whose all-reduce was deferred to here), else x itself. With the group's
+    fused kernel (tp.fused_norm) the all-reduce, the add and the norm are one kernel instead of two."""
+    if x_is_partial:
+        fused = tp.fused_norm
+        if fused is not None and fused.fits(x):
+            return fused(x, residual, norm.weight, norm.eps)
+        x = tp.all_reduce(x)
+    return norm(x, residual)

@@ -9,7 +9,7 @@ from torch import nn
 
 from minisrv.distributed import TensorParallel
 
-from .layers import Attention, GatedMLP, ModelArgs, RMSNorm, RotaryEmbedding, VocabEmbedding
+from .layers import Attention, GatedMLP, ModelArgs, RMSNorm, RotaryEmbedding, VocabEmbedding, reduce_add_norm
 from .sharding import ShardPlan
 
 
@@ -21,15 +21,21 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(args.hidden_size, plan.intermediate, fused, tp)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused)
+        self.tp = tp
+        # with a fused all-reduce + add + norm, o and down return partial sums and the norm after each reduces them
+        self.partial = tp.fused_norm is not None
+        self.self_attn.defer_reduce = self.mlp.defer_reduce = self.partial
 
     def forward(self, x, residual, positions, attn):
+        """x: the previous layer's output (a partial sum when `partial`, except for the first layer's input,
+        the embedding, which has no residual yet)."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = reduce_add_norm(self.tp, self.input_layernorm, x, residual, self.partial)
         h = self.self_attn(h, positions, attn)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = reduce_add_norm(self.tp, self.post_attention_layernorm, h, residual, self.partial)
         return self.mlp(h), residual
 
 
@@ -41,13 +47,14 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, fused)
         self.layers = nn.ModuleList(DecoderLayer(args, i, rotary, fused, plan, tp) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused)
+        self.tp = tp
 
     def forward(self, input_ids, positions, attn):
         x = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, attn)
-        x, _ = self.norm(x, residual)
+        x, _ = reduce_add_norm(self.tp, self.norm, x, residual, self.layers[-1].partial)
         return x
 
 

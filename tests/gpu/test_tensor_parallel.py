@@ -16,28 +16,31 @@ def _llm(backend, **kw):
                log_level="warning", **kw)
 
 
-@pytest.mark.parametrize("backend", ["fa,fi", "fi"])
-def test_tp2_greedy_matches_hf(backend):
+@pytest.mark.parametrize("backend,fusion", [("fa,fi", False), ("fi", False), ("fa,fi", True)])
+def test_tp2_greedy_matches_hf(backend, fusion):
+    """fusion: decode steps all-reduce, add and normalise in FlashInfer's fused kernel (prefill keeps NCCL)."""
     skip_unless_runs(backend)
     prompts = mixed_prompts(16, 5, 300, seed=1)
-    with _llm(backend) as llm:
+    with _llm(backend, enable_flashinfer_allreduce_fusion=fusion) as llm:
         assert llm.engine.pool.num_kv_heads * 2 == llm.engine.args.num_kv_heads
+        assert (llm.engine.runner.tp.fused_norm is not None) == fusion
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True),
                             use_tqdm=False)
     free_cuda()
     hf = hf_model()
-    assert_near_hf_greedy(hf, prompts, outs, N_NEW, 0.1, f"{backend} tp 2")
+    assert_near_hf_greedy(hf, prompts, outs, N_NEW, 0.1, f"{backend} tp 2" + (" fused norm" if fusion else ""))
     del hf
     free_cuda()
 
 
-@pytest.mark.parametrize("backend", ["fa,fi"])
-def test_tp2_graph_replay_equals_eager(backend):
+@pytest.mark.parametrize("backend,fusion", [("fa,fi", False), ("fa,fi", True)])
+def test_tp2_graph_replay_equals_eager(backend, fusion):
     skip_unless_runs(backend)
     sizes = (1, 17, 64)
     runs = []
     for graphs in (False, True):
-        with _llm(backend, disable_cuda_graph=not graphs, cuda_graph_max_bs=64) as llm:
+        with _llm(backend, disable_cuda_graph=not graphs, cuda_graph_max_bs=64,
+                  enable_flashinfer_allreduce_fusion=fusion) as llm:
             assert (llm.engine.runner.graph_runner is not None) == graphs
             runs.append([llm.generate(mixed_prompts(bs, 8, 200, seed=bs),
                                       SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
