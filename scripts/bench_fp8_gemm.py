@@ -60,7 +60,7 @@ def main() -> int:
             ref = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
             cublas = graph_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16),
                            a.iters, a.repeat)
-            default = default_small_m_config(n)
+            default = default_small_m_config(n, k, m)
             results = {}
             for c in configs:
                 if k % c.block_k:

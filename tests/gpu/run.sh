@@ -8,7 +8,7 @@
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
 #           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv bench-fp8kv-xqa decode-fp8w-fa
 #           llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
-#           attn gemm-fp8 tp tp-decode tp-offline tp-profile tp-cprofile tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
+#           attn gemm-fp8 tp tp-decode tp-offline tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 #           llama8b-fp8-xqa decode-fp8w-xqa
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
@@ -136,6 +136,20 @@ for phase in "${@:-smoke}"; do
                 step tp$tp-64 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size $tp --json "$OUT/bench.jsonl"
                 step tp$tp-256 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size $tp --json "$OUT/bench.jsonl"
               done ;;
+    # FlashInfer's communication kernels (all-reduce + RMSNorm fusion): a JIT build of minutes, started in the
+    # background by comm-build so that other phases run meanwhile; tp-fused waits for it
+    comm-build) (t=$SECONDS; python3 -c "from flashinfer.comm.trtllm_ar import get_trtllm_comm_module as g; g()" \
+                   > /tmp/comm-build.log 2>&1; echo "comm build rc $? in $((SECONDS - t))s" >> /tmp/comm-build.log) &
+                echo "comm-build started in the background (pid $!)"; COMM_PID=$! ;;
+    tp-fused) [ -n "${COMM_PID:-}" ] && wait "$COMM_PID"; tail -n 3 /tmp/comm-build.log 2>/dev/null
+              [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+              step tp2-decode-fused 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+                  --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --enable-flashinfer-allreduce-fusion \
+                  --log-level info --json "$OUT/decode.jsonl"
+              step tp2-64-fused 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
+                  --enable-flashinfer-allreduce-fusion --json "$OUT/bench.jsonl"
+              step tp2-256-fused 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size 2 \
+                  --enable-flashinfer-allreduce-fusion --json "$OUT/bench.jsonl" ;;
     tp-cprofile) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
               step tp-cprofile 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                   --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --cprofile ;;
