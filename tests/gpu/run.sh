@@ -19,7 +19,10 @@ export MINISRV_GPU_CKPT=${MINISRV_GPU_CKPT:-/tmp/qwen3}
 FI_CACHE=$HOME/.cache/flashinfer/0.6.13/90a/cached_ops
 # FlashInfer re-runs ninja for anything in its JIT dir (and rebuilds without the object files), but loads a module
 # found in its AOT dir (<package>/data/aot/<name>/<name>.so) as is: put the carried kernels there
-[ -d .fi-cache-min ] && [ ! -d .fi-cache ] && mv .fi-cache-min .fi-cache  # a subset carried when the whole is too big
+# subsets carried when the whole is too big: .fi-cache-min (one GPU, FP8 included), .fi-cache-tp (bf16 Llama-8B and
+# the all-reduce fusion's trtllm_comm, for the two-GPU runs)
+for sub in .fi-cache-min .fi-cache-tp; do
+  [ -d $sub ] && mkdir -p .fi-cache && cp -n $sub/*.so .fi-cache/ 2>/dev/null; done
 if [ -d .fi-cache ]; then
   FI_AOT=$(python3 -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("flashinfer").origin), "data", "aot"))')
   for f in .fi-cache/*.so; do [ -e "$f" ] || continue
