@@ -211,7 +211,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     control = dist.new_group(list(range(size)), backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     tp = TensorParallel(rank, size, dist.group.WORLD, control)
     tp.all_reduce(torch.zeros(1, device=device))  # NCCL sets up its communicator here, not inside a graph capture
-    tp.channel = _open_step_channel(rank, size, control)
+    tp.channel = _open_step_channel(tp)
     if device.type == "cuda" and fused_norm is not None:
         tp.fused_norm = _open_fused_norm(tp, device, *fused_norm)
     if device.type == "cuda" and one_shot_dtype is not None:
@@ -221,9 +221,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
             one_shot = None
             logger.warning("one-shot all-reduce unavailable (%s: %s); NCCL does every all-reduce", type(e).__name__, e)
         # every rank must take the same path for the same message: agree on it
-        flag = torch.tensor([1 if one_shot is not None else 0], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=control)
-        tp.one_shot = one_shot if int(flag.item()) else None
+        tp.one_shot = one_shot if tp.min_over_ranks(int(one_shot is not None)) else None
         if tp.one_shot is not None:
             tp.one_shot(torch.zeros(8, dtype=one_shot_dtype, device=device))  # set up outside any graph capture
             torch.cuda.synchronize(device)
@@ -233,24 +231,22 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
 def _open_fused_norm(tp: TensorParallel, device: torch.device, hidden: int, dtype: torch.dtype
                      ) -> Optional[FusedAllReduceNorm]:
     """The fused all-reduce + norm on every rank, or on none (a rank where it fails says why)."""
-    import torch.distributed as dist
     fused = None
     try:
         fused = FusedAllReduceNorm(tp.rank, tp.size, tp.group, FUSED_NORM_MAX_TOKENS, hidden, dtype)
     except Exception as e:  # noqa: BLE001 - no FlashInfer comm module, no peer access
         logger.warning("fused all-reduce + RMSNorm unavailable (%s: %s); NCCL and a separate norm instead",
                        type(e).__name__, e)
-    flag = torch.tensor([1 if fused is not None else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=tp.control)
-    if not int(flag.item()):
+    if not tp.min_over_ranks(int(fused is not None)):
         return None
     torch.cuda.synchronize(device)
     return fused
 
 
-def _open_step_channel(rank: int, size: int, control: Any) -> Optional[ShmBroadcast]:
+def _open_step_channel(tp: TensorParallel) -> Optional[ShmBroadcast]:
     """The shared-memory block for step messages (every rank opens it, or none does: then gloo carries them)."""
     import torch.distributed as dist
+    rank, size = tp.rank, tp.size
     channel = None
     box: List[Optional[str]] = [None]
     try:
@@ -259,18 +255,17 @@ def _open_step_channel(rank: int, size: int, control: Any) -> Optional[ShmBroadc
             box[0] = channel.name
     except Exception as e:  # noqa: BLE001 - e.g. no /dev/shm
         logger.warning("no shared memory for step messages (%s: %s); they go over gloo", type(e).__name__, e)
-    dist.broadcast_object_list(box, src=0, group=control)
+    dist.broadcast_object_list(box, src=0, group=tp.control)
     if rank > 0 and box[0] is not None:
         try:
             channel = ShmBroadcast.attach(box[0], size - 1, rank - 1)
         except Exception as e:  # noqa: BLE001
             logger.warning("rank %d cannot open the step channel (%s: %s); step messages go over gloo",
                            rank, type(e).__name__, e)
-    flag = torch.tensor([1 if channel is not None else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=control)  # now every rank has attached, or failed
+    everyone = tp.min_over_ranks(int(channel is not None))  # now every rank has attached, or failed
     if rank == 0 and channel is not None:
         channel.unlink()  # mapped by every rank: the name is no longer needed, and nothing can leak
-    if not int(flag.item()):
+    if not everyone:
         if channel is not None:
             channel.close()
         return None
