@@ -298,3 +298,15 @@ def test_quantised_while_loading_equals_quantised_after(tiny_model, tmp_path, na
                 same = torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) if a[k].dtype == FP8 else \
                     torch.equal(a[k], b[k])
                 assert same, f"{path} {dtype}: {k} differs"
+
+
+def test_small_batch_launch_parameters_respect_the_kernel_contract():
+    """The kernel loops over K in steps of block_k with no tail: every default it is given must divide K (the layer
+    sends it only K that are multiples of SMALL_M_BLOCK_K), for any shape and batch."""
+    from minisrv.models.fp8 import SMALL_M, SMALL_M_BLOCK_K, default_small_m_config
+    for k in (128, 384, 2048, 4096, 7168, 14336, 13824 + 128):
+        assert k % SMALL_M_BLOCK_K == 0
+        for n in (64, 3072, 4096, 6144, 8192, 14336, 28672):
+            for m in (1, 2, 16, 17, SMALL_M):
+                c = default_small_m_config(n, k, m)
+                assert k % c.block_k == 0 and c.block_n in (16, 32, 64) and c.num_warps in (2, 4, 8), (n, k, m, c)
