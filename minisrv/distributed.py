@@ -100,7 +100,7 @@ class FusedAllReduceNorm:
                 and x.dtype == self.dtype and x.is_contiguous())
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> "tuple[torch.Tensor, torch.Tensor]":
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual)."""
         norm_out = torch.empty_like(x)
         residual_out = torch.empty_like(residual)
@@ -115,7 +115,7 @@ class TensorParallel:
     rank: int
     size: int
     group: Any = None  # torch.distributed group for tensors (None when size is 1)
-    control: Any = None  # gloo group for step messages (None when size is 1)
+    control: Any = None  # gloo group: start-up agreements, step messages `channel` cannot carry (None: size 1)
     one_shot: Optional[OneShotAllReduce] = None  # small all-reduces on CUDA (None: NCCL for every size)
     channel: Optional[ShmBroadcast] = None  # step messages (None: over `control` only)
     fused_norm: Optional[FusedAllReduceNorm] = None  # all-reduce + add + RMSNorm in one kernel (None: separate)

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from graph_timing import graph_us  # noqa: E402 (beside this script)
+from graph_timing import add_timing_args, graph_us  # noqa: E402 (beside this script)
 
 FP8 = torch.float8_e4m3fn
 
@@ -98,9 +98,7 @@ def main() -> int:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-dtypes", default="bf16,fp8")
     p.add_argument("--kernels", default="fi,fi-tc,fa3,xqa")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--repeat", type=int, default=20)
-    p.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s (H100 SXM HBM3)")
+    add_timing_args(p, repeat=20)
     a = p.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from graph_timing import graph_us  # noqa: E402 (beside this script)
+from graph_timing import add_timing_args, graph_us  # noqa: E402 (beside this script)
 
 from minisrv.models.fp8 import SmallMConfig, _triton_small_m_gemm, default_small_m_config, quantize_rows  # noqa: E402
 
@@ -35,9 +35,7 @@ def main() -> int:
     p.add_argument("--block-k", default="128,256")
     p.add_argument("--num-warps", default="2,4,8")
     p.add_argument("--num-stages", default="3,4,5")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--repeat", type=int, default=10)
-    p.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s (H100 SXM HBM3)")
+    add_timing_args(p, repeat=10)
     a = p.parse_args()
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     small = _triton_small_m_gemm()

@@ -2,9 +2,17 @@
 many times in one CUDA graph, so launch overhead does not count, and the median over graph replays."""
 from __future__ import annotations
 
+import argparse
 import statistics
 
 import torch
+
+
+def add_timing_args(p: argparse.ArgumentParser, repeat: int) -> None:
+    """--iters and --repeat (graph_us's), and --bandwidth for the floor each figure is set against."""
+    p.add_argument("--iters", type=int, default=20, help="calls captured in one CUDA graph")
+    p.add_argument("--repeat", type=int, default=repeat, help="graph replays; the median is reported")
+    p.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s (H100 SXM HBM3)")
 
 
 def graph_us(fn, iters: int, repeat: int) -> float:
