@@ -1,4 +1,4 @@
-"""Timing of short GPU work for the kernel benchmarks (bench_attention.py, bench_fp8_gemm.py): the call captured
+"""Timing of short GPU work for the kernel benchmarks (bench_attention.py, bench_small_m_gemm.py): the call captured
 many times in one CUDA graph, so launch overhead does not count, and the median over graph replays."""
 from __future__ import annotations
 

@@ -17,10 +17,12 @@ tests/test_fp8_weights.py for the bound).
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import nn
+
+from minisrv.models.small_m_gemm import SMALL_M, fits, small_m_gemm
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -99,104 +101,20 @@ def _scaled_mm_ok(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_scaled_mm")
 
 
-SMALL_M = 64  # token counts up to this (decode batches) take the narrow-tile kernel below
-SMALL_M_BLOCK_K = 128
-
-
-class SmallMConfig(NamedTuple):
-    """Launch parameters of the small-batch kernel (scripts/bench_fp8_gemm.py sweeps them)."""
-
-    block_n: int  # output columns a program owns
-    block_k: int  # the reduction's step; the input width must be a multiple of it
-    num_warps: int
-    num_stages: int
-
-
-def default_small_m_config(n: int, k: int, m: int) -> SmallMConfig:
-    """Launch parameters for an [m, k] x [n, k]^T product, from scripts/bench_fp8_gemm.py's sweep on an H100
-    (Llama-3-8B's projections at m = 1, 16, 64): narrow outputs want 16-column programs, K steps of 256 and two warps
-    for a few rows (four for more), and deeper pipelines for long reductions; the 4096 x 14336 down projection went
-    from 35 to 25 us, the 4096 x 4096 o projection from 9.8 to 7.3 us at m = 1. Wide outputs (> 8192 columns) already
-    have enough programs and keep 32 columns and K steps of 128 (within 5% of the best)."""
-    if n > 8192 or k % 256:
-        return SmallMConfig(32 if n > 8192 else 16, SMALL_M_BLOCK_K, 4, 3 if n > 8192 else 4)
-    stages = 5 if k > 8192 else (3 if m <= 16 else 4)
-    return SmallMConfig(16, 256, 2, stages) if m <= 16 else SmallMConfig(32, 256, 4, stages)
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_small_m_gemm():
-    """y = (xq * xs) (wq * ws)^T for few rows of x, in bf16, or None where Triton is missing.
-
-    Why: for a decode batch cuBLAS's FP8 kernel tiles the output 128 columns at a time, so a 4096-wide projection
-    runs on 32 of the H100's 132 SMs and reads its weights at a fraction of the memory bandwidth (32 us for a
-    4096 x 14336 matrix that takes 20 us to read). Here each program owns 16 or 32 output columns and all of the
-    (at most SMALL_M) rows, so even a 4096-wide output spreads over 128-256 programs. Same operands and scales as
-    `torch._scaled_mm`'s row-wise mode: the same product up to summation order."""
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001 - any import failure means "not present"
-        return None
-
-    @triton.jit
-    def kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, m, n, k,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = tl.arange(0, BLOCK_M)
-        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + rows[:, None] * k + ks[None, :]
-        w_ptrs = w_ptr + cols[:, None] * k + ks[None, :]
-        row_ok = rows[:, None] < m
-        col_ok = cols[:, None] < n
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, k, BLOCK_K):  # k is a multiple of BLOCK_K (checked by the caller)
-            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=col_ok, other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        xs = tl.load(xs_ptr + rows, mask=rows < m, other=0.0)
-        ws = tl.load(ws_ptr + cols, mask=cols < n, other=0.0)
-        y = acc * xs[:, None] * ws[None, :]
-        tl.store(y_ptr + rows[:, None] * n + cols[None, :], y.to(tl.bfloat16), mask=row_ok & (cols[None, :] < n))
-
-    broken: list = []  # a compile failure turns the kernel off for good (cuBLAS then runs every size)
-
-    def run(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
-            config: Optional[SmallMConfig] = None, raise_errors: bool = False) -> Optional[torch.Tensor]:
-        """None (and cuBLAS from then on) if the kernel cannot compile here, unless raise_errors (a sweep's
-        configurations that do not fit are its own business)."""
-        if broken and not raise_errors:
-            return None
-        m, k = xq.shape
-        n = w.shape[0]
-        c = config or default_small_m_config(n, k, m)
-        y = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
-        block_m = max(16, triton.next_power_of_2(m))
-        try:
-            kernel[(triton.cdiv(n, c.block_n),)](xq, xs, w, ws, y, m, n, k, BLOCK_M=block_m, BLOCK_N=c.block_n,
-                                                 BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
-        except Exception as e:  # noqa: BLE001 - e.g. a Triton without FP8 dot support on this GPU
-            if raise_errors:
-                raise
-            import logging
-            logging.getLogger("minisrv").warning("FP8 small-batch kernel unavailable (%s: %s); using cuBLAS",
-                                                 type(e).__name__, e)
-            broken.append(e)
-            return None
-        return y
-
-    return run
+DECODE_ACTIVATIONS = ("bf16", "fp8")
 
 
 class Fp8Linear(nn.Module):
-    """y = x W^T (+ b) with W in float8_e4m3fn [N, K] and a float32 scale per output row; x quantised per token."""
+    """y = x W^T (+ b) with W in float8_e4m3fn [N, K] and a float32 scale per output row; x quantised per token,
+    except in decode batches (at most SMALL_M tokens) on CUDA when decode_activations is "bf16": there the
+    small-batch kernel widens W to bf16 and multiplies the activations as they are (W8A16; see small_m_gemm.py)."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
-                 source_dtype: torch.dtype = torch.bfloat16) -> None:
+                 source_dtype: torch.dtype = torch.bfloat16, decode_activations: str = "fp8") -> None:
         super().__init__()
+        if decode_activations not in DECODE_ACTIVATIONS:
+            raise ValueError(f"decode_activations must be one of {DECODE_ACTIVATIONS}, got {decode_activations!r}")
+        self.decode_activations = decode_activations
         self.weight = nn.Parameter(weight, requires_grad=False)  # [N, K] float8_e4m3fn
         self.weight_scale = nn.Parameter(scale.reshape(1, -1).float().contiguous(), requires_grad=False)  # [1, N]
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -204,10 +122,10 @@ class Fp8Linear(nn.Module):
         self.source_dtype = source_dtype  # the model's dtype: loaded rows are rounded to it before quantising
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear, decode_activations: str = "fp8") -> "Fp8Linear":
         """Quantised from a linear layer's weights (on the meta device: the shapes only, for the loader to fill)."""
         q, scale = quantize_rows(linear.weight.detach())
-        return cls(q, scale, linear.bias, linear.weight.dtype)
+        return cls(q, scale, linear.bias, linear.weight.dtype, decode_activations)
 
     @torch.no_grad()
     def load_rows(self, row: int, w: torch.Tensor) -> None:
@@ -225,25 +143,35 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        xq, xs = quantize_tokens(x2)
+        m = x2.shape[0]
+        small = None
+        if _scaled_mm_ok(x2) and 0 < m <= SMALL_M and fits(self.in_features):
+            small = small_m_gemm()  # decode batches: narrow output tiles (see small_m_gemm.py)
         out = None
-        if _scaled_mm_ok(x2) and 0 < x2.shape[0] <= SMALL_M and self.in_features % SMALL_M_BLOCK_K == 0:
-            small = _triton_small_m_gemm()  # decode batches: narrow output tiles (see there)
-            out = small(xq, xs, self.weight, self.weight_scale) if small is not None else None
-        if out is None and _scaled_mm_ok(x2):
-            out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale,
-                                   out_dtype=torch.bfloat16)
-        elif out is None:  # the same product, dequantised (CPU; float32 / float16 models)
-            out = ((xq.float() * xs) @ self.dequantized_weight().t()).to(x.dtype)
+        if self.decode_activations == "bf16" and 0 < m <= SMALL_M:  # W8A16
+            if small is not None:
+                out = small(x2.contiguous(), self.weight, ws=self.weight_scale)
+            elif not x2.is_cuda:  # the same product, dequantised (on CUDA a failed kernel leaves it to W8A8)
+                out = (x2.float() @ self.dequantized_weight().t()).to(x.dtype)
+        if out is None:  # W8A8: activations quantised per token
+            xq, xs = quantize_tokens(x2)
+            if small is not None:
+                out = small(xq, self.weight, xs=xs, ws=self.weight_scale)
+            if out is None and _scaled_mm_ok(x2):
+                out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale,
+                                       out_dtype=torch.bfloat16)
+            elif out is None:  # the same product, dequantised (CPU; float32 / float16 models)
+                out = ((xq.float() * xs) @ self.dequantized_weight().t()).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn per-row scales"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn per-row scales, "
+                f"decode activations {self.decode_activations}")
 
 
-def quantize_linear_layers(model: nn.Module) -> int:
+def quantize_linear_layers(model: nn.Module, decode_activations: str = "fp8") -> int:
     """Replace the decoder's projection layers (LINEAR_NAMES) by Fp8Linear, quantising their weights per output
     row (on a meta-device model: swapped for empty FP8 layers the loader fills). Returns how many were replaced."""
     count = 0
@@ -251,7 +179,7 @@ def quantize_linear_layers(model: nn.Module) -> int:
         for name in LINEAR_NAMES:
             child = getattr(module, name, None)
             if isinstance(child, nn.Linear):
-                setattr(module, name, Fp8Linear.from_linear(child))
+                setattr(module, name, Fp8Linear.from_linear(child, decode_activations))
                 count += 1
     return count
 

@@ -8,8 +8,8 @@
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
 #           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv bench-fp8kv-xqa decode-fp8w-fa
 #           llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
-#           attn gemm-fp8 tp tp-decode tp-offline tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
-#           llama8b-fp8-xqa decode-fp8w-xqa
+#           attn gemm-fp8 gemm-bf16 tp tp-decode tp-offline tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
+#           llama8b-fp8-xqa decode-fp8w-xqa llama8b-fp8-w8a16 decode-fp8w-w8a16 decode-gemm llama8b-triton
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -123,7 +123,11 @@ for phase in "${@:-smoke}"; do
     decode) step decode 300 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
               --batch-sizes 1,64,256 --json "$OUT/decode.jsonl" ;;
     attn) step attn 500 python3 scripts/bench_attention.py ;;
-    gemm-fp8) step gemm-fp8 500 python3 scripts/bench_fp8_gemm.py ;;
+    # the small-batch GEMM's launch-parameter sweeps: FP8 weights (W8A16; W8A8 was swept before: --kinds fp8),
+    # and bf16 weights on one rank's shapes of tp 1 and tp 2
+    gemm-fp8) step gemm-fp8 500 python3 scripts/bench_small_m_gemm.py --kinds w8a16 ;;
+    gemm-bf16) step gemm-bf16 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 1
+               step gemm-bf16-tp2 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 2 ;;
     tp) step tp 400 python3 -X faulthandler -m pytest -q -s -o faulthandler_timeout=150 tests/gpu/test_tensor_parallel.py ;;
     # tensor parallelism's benchmark on a Llama-3-8B-shaped checkpoint: tp 1 against tp 2, in one lease
     tp-decode) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
@@ -169,6 +173,19 @@ for phase in "${@:-smoke}"; do
              for mode in "" "--kv-cache-dtype fp8_e4m3" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do
                step "decode-8b $mode" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                  --batch-sizes 1,64,256 --graphs on --steps 32 $mode --json "$OUT/decode.jsonl"; done ;;
+    # the same two with W8A16 decode batches (FP8 weights, bf16 activations)
+    llama8b-fp8-w8a16) step llama8b-fp8-w8a16 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
+               --quantization fp8 --kv-cache-dtype fp8_e4m3 --fp8-decode-activations bf16 --json "$OUT/bench.jsonl" ;;
+    decode-fp8w-w8a16) step decode-8b-fp8w-w8a16 300 python3 scripts/bench_decode.py --model /tmp/llama8b \
+                 --attention-backend auto --batch-sizes 1,64,256 --graphs on --steps 32 --quantization fp8 \
+                 --kv-cache-dtype fp8_e4m3 --fp8-decode-activations bf16 --json "$OUT/decode.jsonl" ;;
+    # bf16 decode GEMMs: cuBLAS against the small-batch Triton kernel, decode steps and the 64-request workload
+    decode-gemm) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+                 for g in cublas triton; do
+                   step "decode-8b-$g" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+                     --batch-sizes 1,64 --graphs on --steps 32 --decode-gemm $g --json "$OUT/decode.jsonl"; done ;;
+    llama8b-triton) step llama8b-triton 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
+               --decode-gemm triton --json "$OUT/bench.jsonl" ;;
     decode-fp8w) step decode-8b-fp8w 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                  --batch-sizes 1,64,256 --graphs on --steps 32 --quantization fp8 --kv-cache-dtype fp8_e4m3 \
                  --json "$OUT/decode.jsonl" ;;

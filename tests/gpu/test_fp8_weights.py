@@ -7,10 +7,15 @@ quantiser against quantize_rows (torch): the same scales, and values at most one
 may round the last float32 bit differently, which can move a value across a rounding boundary).
 
 End to end: the random-weight Qwen3-0.6B-shaped checkpoint with FP8 weights (and with an FP8 KV cache too) against
-HF transformers in bf16: every generated token is HF's argmax or within GAP logits of it, with CUDA graphs and
-overlap scheduling on. Quantising every activation to e4m3 (3 mantissa bits) moves each projection's output by a few
-percent; over 28 layers a near-tie can flip by a third of a logit (0.36-0.41 measured with weights and KV in FP8,
-with either FP8 decode kernel), so GAP is 0.5, twice the 0.25 an FP8 KV cache alone is held to.
+two HF references, with CUDA graphs and overlap scheduling on: every generated token must be the reference's argmax
+or within a gap of it.
+- HF on the same weights: HF transformers in bf16 with each projection's weight replaced by its e4m3 per-row
+  rounding (what minisrv multiplies by). What is left is minisrv's own rounding: the activations of prefill (and,
+  with --fp8-decode-activations fp8, of decode) to e4m3, and the KV cache's. Held to SAME_WEIGHTS_GAP = 0.25, the
+  issue's bound, with W8A16 decode (--fp8-decode-activations bf16).
+- HF on the original bf16 weights: adds the weight rounding the user asked for. Rounding weights and activations to
+  e4m3 (3 mantissa bits) moves each projection's output by a few percent; over 28 layers a near-tie can flip by a
+  third of a logit (0.36-0.41 measured with W8A8, weights and KV in FP8), so this one is held to BF16_GAP = 0.5.
 """
 from __future__ import annotations
 
@@ -18,30 +23,37 @@ import pytest
 import torch
 
 from minisrv import LLM, SamplingParams
-from minisrv.models.fp8 import Fp8Linear, _triton_quant, quantize_rows
+from minisrv.models.fp8 import LINEAR_NAMES, Fp8Linear, _triton_quant, quantize_rows
+from minisrv.models.small_m_gemm import SMALL_M, default_config, small_m_gemm
 
-from .common import (CKPT, assert_near_hf_greedy, decode_kernel, free_cuda, mixed_prompts, requires_ckpt,
+from .common import (CKPT, assert_near_hf_greedy, decode_kernel, free_cuda, hf_model, mixed_prompts, requires_ckpt,
                      skip_unless_runs)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-GAP = 0.5  # the issue asked for 0.25; W8A8 e4m3 on this random checkpoint measured 0.36 (see the module docstring)
+SAME_WEIGHTS_GAP = 0.25  # against HF on the dequantised FP8 weights, with W8A16 decode
+BF16_GAP = 0.5  # against HF on the original bf16 weights, and W8A8 decode against either (see the docstring)
 N_PROMPTS, N_NEW = 16, 32
 
 
+@pytest.mark.parametrize("decode_activations", ["bf16", "fp8"])
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
 @pytest.mark.parametrize("k,n", [(1024, 3072), (3072, 1024)])
-def test_layer_matches_float64(m, k, n):
+def test_layer_matches_float64(m, k, n, decode_activations):
     g = torch.Generator(device="cuda").manual_seed(m)
     lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(n, k, device="cuda", generator=g) * 0.05)
-    layer = Fp8Linear.from_linear(lin)
+    layer = Fp8Linear.from_linear(lin, decode_activations)
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     got = layer(x)
     assert got.dtype == torch.bfloat16
-    xq, xs = quantize_rows(x)  # the torch quantiser: the CPU path's arithmetic
-    ref = (xq.double() * xs.double()) @ layer.dequantized_weight().double().t()
+    if decode_activations == "bf16" and m <= SMALL_M:  # W8A16: the activations as they are
+        x_used = x.double()
+    else:
+        xq, xs = quantize_rows(x)  # the torch quantiser: the CPU path's arithmetic
+        x_used = xq.double() * xs.double()
+    ref = x_used @ layer.dequantized_weight().double().t()
     err = ((got.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, f"m={m} k={k} n={n}: relative error {err:.2e}"
 
@@ -66,18 +78,37 @@ def prompts():
     return mixed_prompts(N_PROMPTS, 8, 300, seed=11)
 
 
+@pytest.fixture(scope="module")
+def hf_same_weights():
+    """HF in bf16 with every projection's weight replaced by its e4m3 per-row rounding, as minisrv quantises it
+    (q, k, v rows and gate, up rows are scaled one by one, so the fused layers' rows are the same)."""
+    m = hf_model()
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    with torch.no_grad():
+        for name, mod in m.named_modules():
+            if name.rsplit(".", 1)[-1] in names:
+                q, s = quantize_rows(mod.weight)
+                mod.weight.copy_((q.float() * s).to(mod.weight.dtype))
+    yield m
+    del m
+    free_cuda()
+
+
 @requires_ckpt
-@pytest.mark.parametrize("backend,kv,kernel", [("fa,fi", "fp8_e4m3", "auto"), ("fi", "fp8_e4m3", "auto"),
-                                               ("fi", "fp8_e4m3", "flashinfer"), ("fi", "auto", "auto")])
-def test_greedy_matches_hf_with_fp8_weights_and_kv(backend, kv, kernel, prompts, hf):
+@pytest.mark.parametrize("backend,kv,kernel,acts", [
+    ("fa,fi", "fp8_e4m3", "auto", "bf16"), ("fi", "fp8_e4m3", "auto", "bf16"), ("fi", "fp8_e4m3", "flashinfer", "bf16"),
+    ("fi", "auto", "auto", "bf16"), ("fi", "fp8_e4m3", "auto", "fp8"), ("fi", "auto", "auto", "fp8")])
+def test_greedy_matches_hf_with_fp8_weights_and_kv(backend, kv, kernel, acts, prompts, hf, hf_same_weights):
     skip_unless_runs(backend)
     llm = LLM(model=CKPT, attention_backend=backend, dtype="bfloat16", quantization="fp8", kv_cache_dtype=kv,
-              fp8_decode_kernel=kernel, max_total_tokens=65536, cuda_graph_max_bs=64, log_level="warning")
+              fp8_decode_kernel=kernel, fp8_decode_activations=acts, max_total_tokens=65536, cuda_graph_max_bs=64,
+              log_level="warning")
     eng = llm.engine
     used = decode_kernel(eng.runner.backend)
     try:
-        n_fp8 = sum(isinstance(m, Fp8Linear) for m in eng.runner.model.modules())
-        assert n_fp8 == 4 * eng.args.num_layers and eng.pool.quantized == (kv == "fp8_e4m3") and eng.overlap
+        fp8 = [m for m in eng.runner.model.modules() if isinstance(m, Fp8Linear)]
+        assert len(fp8) == 4 * eng.args.num_layers and {m.decode_activations for m in fp8} == {acts}
+        assert eng.pool.quantized == (kv == "fp8_e4m3") and eng.overlap
         assert eng.runner.graph_runner is not None
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True),
                             use_tqdm=False)
@@ -85,22 +116,52 @@ def test_greedy_matches_hf_with_fp8_weights_and_kv(backend, kv, kernel, prompts,
     finally:
         del llm, eng
         free_cuda()
-    assert_near_hf_greedy(hf, prompts, outs, N_NEW, GAP, f"{backend} with FP8 weights, KV {kv}, decode kernel {used}")
+    what = f"{backend} with FP8 weights (decode activations {acts}), KV {kv}, decode kernel {used}"
+    assert_near_hf_greedy(hf_same_weights, prompts, outs, N_NEW, SAME_WEIGHTS_GAP if acts == "bf16" else BF16_GAP,
+                          f"{what}, against HF on the same FP8 weights")
+    assert_near_hf_greedy(hf, prompts, outs, N_NEW, BF16_GAP, f"{what}, against HF on the bf16 weights")
 
 
+@pytest.mark.parametrize("kind", ["fp8", "w8a16", "bf16"])
 @pytest.mark.parametrize("m", [1, 16, 33, 64])
-def test_small_batch_kernel_runs_and_matches_cublas(m):
+def test_small_batch_kernel_runs_and_matches_a_reference(m, kind):
     """Decode batches take the narrow-tile Triton kernel (it must compile and run here, not fall back), and it
-    computes what cuBLAS's row-wise FP8 GEMM computes on the same operands."""
-    from minisrv.models.fp8 import _triton_small_m_gemm
+    computes what cuBLAS computes on the same operands (row-wise FP8 GEMM for fp8, F.linear for bf16) or, for
+    W8A16, the float64 product of the activations and the dequantised weights."""
     g = torch.Generator(device="cuda").manual_seed(m)
-    w = (torch.randn(4096, 14336, device="cuda", generator=g) * 0.02).bfloat16()
-    x = torch.randn(m, 14336, device="cuda", generator=g).bfloat16()
+    n, k = 4096, 14336
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
     wq, ws = quantize_rows(w)
     ws = ws.reshape(1, -1).contiguous()
     xq, xs = quantize_rows(x)
-    small = _triton_small_m_gemm()(xq, xs, wq, ws)
-    assert small is not None, "the small-batch FP8 kernel fell back to cuBLAS"
-    ref = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
-    err = ((small.float() - ref.float()).norm() / ref.float().norm()).item()
-    assert err < 1e-2, f"m={m}: {err:.2e} from cuBLAS"
+    run = small_m_gemm()
+    if kind == "fp8":
+        got = run(xq, wq, xs=xs, ws=ws)
+        ref = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+    elif kind == "w8a16":
+        got = run(x, wq, ws=ws)
+        ref = x.double() @ (wq.double() * ws.double().t()).t()
+    else:
+        got = run(x, w)
+        ref = torch.nn.functional.linear(x, w)
+    assert got is not None, f"the small-batch {kind} kernel fell back to cuBLAS ({default_config(kind, n, k, m)})"
+    err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < 1e-2, f"m={m} {kind}: {err:.2e} from the reference"
+
+
+@requires_ckpt
+def test_decode_gemm_triton_matches_hf_end_to_end(prompts, hf):
+    """--decode-gemm triton (bf16 projections through the small-batch kernel): greedy tokens HF's argmax up to bf16
+    near-ties, as with cuBLAS (tests/gpu/test_e2e.py)."""
+    llm = LLM(model=CKPT, attention_backend="auto", dtype="bfloat16", decode_gemm="triton", max_total_tokens=65536,
+              cuda_graph_max_bs=64, log_level="warning")
+    try:
+        kinds = {type(getattr(mod, n)).__name__ for mod in llm.engine.runner.model.modules() for n in LINEAR_NAMES
+                 if hasattr(mod, n)}
+        assert kinds == {"SmallBatchLinear"}
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True), use_tqdm=False)
+    finally:
+        del llm
+        free_cuda()
+    assert_near_hf_greedy(hf, prompts, outs, N_NEW, 0.1, "bf16 with --decode-gemm triton")
