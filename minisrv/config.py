@@ -10,7 +10,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model's dtype
 FP8_DECODE_KERNELS = ("auto", "xqa", "flashinfer")
 QUANTIZATIONS = ("fp8",)  # weight quantisation at load (models/fp8.py)
-FP8_DECODE_ACTIVATIONS = ("bf16", "fp8")  # FP8 weights' decode batches: W8A16 or W8A8 (models/small_m_gemm.py)
 DECODE_GEMMS = ("cublas", "triton")  # bf16 projections' decode batches (models/small_m_gemm.py)
 
 
@@ -25,7 +24,6 @@ class EngineConfig:
     # faster attention; attention/xqa.py), flashinfer (its wrappers: K/V converted exactly), auto (xqa where it runs)
     fp8_decode_kernel: str = "auto"
     quantization: Optional[str] = None  # fp8: projection weights in float8_e4m3fn, per-channel scales (FP8 checkpoints: always)
-    fp8_decode_activations: str = "fp8"  # FP8 weights, decode batches: per-token fp8 (W8A8) or bf16 (W8A16)
     decode_gemm: str = "cublas"  # bf16 weights, decode batches: cuBLAS or the small-batch Triton kernel
     device: Optional[str] = None  # None: cuda if available else cpu
     page_size: Optional[int] = None  # tokens per KV page; None: 16 on CUDA (smaller page tables), 1 on CPU
@@ -57,9 +55,6 @@ class EngineConfig:
             raise ValueError(f"fp8_decode_kernel must be one of {FP8_DECODE_KERNELS}, got {self.fp8_decode_kernel!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.fp8_decode_activations not in FP8_DECODE_ACTIVATIONS:
-            raise ValueError(f"fp8_decode_activations must be one of {FP8_DECODE_ACTIVATIONS}, "
-                             f"got {self.fp8_decode_activations!r}")
         if self.decode_gemm not in DECODE_GEMMS:
             raise ValueError(f"decode_gemm must be one of {DECODE_GEMMS}, got {self.decode_gemm!r}")
         if self.page_size is not None and self.page_size < 1:
@@ -96,12 +91,8 @@ class EngineConfig:
         p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                        help="fp8: quantise the projection weights to float8_e4m3fn at load (per output channel; "
                             "activations per token); FP8 checkpoints are detected without it")
-        p.add_argument("--fp8-decode-activations", default=d.fp8_decode_activations, choices=FP8_DECODE_ACTIVATIONS,
-                       help="FP8 weights, decode batches (<= 64 tokens): fp8 quantises the activations per token "
-                            "(W8A8, as prefill always does); bf16 multiplies them as they are by the widened "
-                            "weights (W8A16: no activation rounding, the same weight bytes)")
         p.add_argument("--decode-gemm", default=d.decode_gemm, choices=DECODE_GEMMS,
-                       help="bf16 weights, decode batches (<= 64 tokens): cuBLAS, or a Triton kernel with narrow "
+                       help="bf16 weights, decode batches (<= 16 tokens): cuBLAS, or a Triton kernel with narrow "
                             "output tiles that spreads small projections over every SM")
         p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
         p.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: 16 on CUDA, 1 on CPU)")

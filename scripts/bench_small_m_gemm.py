@@ -2,14 +2,13 @@
 """The decode GEMM alone: the small-batch Triton kernel (minisrv/models/small_m_gemm.py) over a sweep of its launch
 parameters, against cuBLAS on the same operands and the bytes it must read (the weights once).
 
-Kinds (--kinds): fp8 (W8A8, against cuBLAS's row-wise FP8 GEMM `torch._scaled_mm`), w8a16 (FP8 weights, bf16
-activations; against the W8A8 path it replaces: the per-token quantiser plus `_scaled_mm`), bf16 (against F.linear).
+Kinds (--kinds): fp8 (W8A8, against cuBLAS's row-wise FP8 GEMM `torch._scaled_mm`), bf16 (against F.linear).
 Shapes are a Llama-3-8B layer's projections ([N, K]: qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096, down
 4096 x 14336; with --tp 2 a rank's halves; --shapes for others) at decode batch sizes (--ms). Each configuration
 runs --iters times in a CUDA graph; the median of --repeat replays is reported, with the best configuration per
 shape and batch size, the default one (`default_config`), and the best one's relative difference from cuBLAS.
 
-  python scripts/bench_small_m_gemm.py [--kinds fp8,w8a16,bf16] [--tp 1] [--ms 1,16,64] [--shapes 6144x4096]
+  python scripts/bench_small_m_gemm.py [--kinds fp8,bf16] [--tp 1] [--ms 1,16,64] [--shapes 6144x4096]
 """
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from graph_timing import add_timing_args, graph_us  # noqa: E402 (beside this script)
 
-from minisrv.models.fp8 import quantize_rows, quantize_tokens  # noqa: E402
+from minisrv.models.fp8 import quantize_rows  # noqa: E402
 from minisrv.models.small_m_gemm import SmallMConfig, default_config, small_m_gemm  # noqa: E402
 
 
@@ -36,7 +35,7 @@ def llama_8b_shapes(tp: int) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kinds", default="fp8,w8a16,bf16")
+    p.add_argument("--kinds", default="fp8,bf16")
     p.add_argument("--tp", type=int, default=1, help="the default shapes are one of this many ranks'")
     p.add_argument("--shapes", default=None, help="NxK weight shapes, comma-separated (default: Llama-3-8B's)")
     p.add_argument("--ms", default="1,16,64", help="rows (decode batch sizes)")
@@ -44,7 +43,6 @@ def main() -> int:
     p.add_argument("--block-k", default="64,128,256", help="fp8 kinds skip 64")
     p.add_argument("--num-warps", default="2,4")
     p.add_argument("--num-stages", default="3,4,5")
-    p.add_argument("--fp16-math", default="0,1", help="w8a16 only: widen to float16 (1) or bf16 (0)")
     add_timing_args(p, repeat=10)
     a = p.parse_args()
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
@@ -52,8 +50,8 @@ def main() -> int:
     if run is None:
         print("Triton is missing: nothing to sweep")
         return 1
-    configs = [SmallMConfig(*c[:4], bool(c[4])) for c in itertools.product(
-        ints(a.block_n), ints(a.block_k), ints(a.num_warps), ints(a.num_stages), ints(a.fp16_math))]
+    configs = [SmallMConfig(*c) for c in itertools.product(ints(a.block_n), ints(a.block_k), ints(a.num_warps),
+                                                           ints(a.num_stages))]
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}; us per GEMM (median of {a.repeat} x {a.iters}), % of "
           f"{a.bandwidth / 1e12:.2f} TB/s over the weight bytes")
@@ -72,12 +70,6 @@ def main() -> int:
                     ours = lambda c, xq=xq, xs=xs: run(xq, wq, xs=xs, ws=ws, config=c, raise_errors=True)  # noqa: E731
                     theirs = lambda xq=xq, xs=xs: torch._scaled_mm(  # noqa: E731
                         xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
-                elif kind == "w8a16":
-                    ours = lambda c, x=x: run(x, wq, ws=ws, config=c, raise_errors=True)  # noqa: E731
-
-                    def theirs(x=x):  # the W8A8 path: quantise the activations, then cuBLAS
-                        q, s = quantize_tokens(x)
-                        return torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=ws, out_dtype=torch.bfloat16)
                 else:
                     ours = lambda c, x=x: run(x, w, config=c, raise_errors=True)  # noqa: E731
                     theirs = lambda x=x: F.linear(x, w)  # noqa: E731
@@ -86,7 +78,7 @@ def main() -> int:
                 default = default_config(kind, n, k, m)
                 results = {}
                 for c in set(configs) | {default}:
-                    if k % c.block_k or (wbytes == 1 and c.block_k < 128) or (c.fp16_math and kind != "w8a16"):
+                    if k % c.block_k or (wbytes == 1 and c.block_k < 128):
                         continue
                     try:
                         results[c] = graph_us(lambda c=c: ours(c), a.iters, a.repeat)

@@ -150,7 +150,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[str], device
                               (args.hidden_size, dtype) if cfg.enable_flashinfer_allreduce_fusion else None
                               ) if cfg.tp_size > 1 else TensorParallel.single()
     model = load_model(model_path, args, dtype, device, context_length, fused, tp, cfg.quantization,
-                       cfg.fp8_decode_activations, cfg.decode_gemm)
+                       cfg.decode_gemm)
     t_load = time.perf_counter() - t0
 
     a, plan = args, model.plan

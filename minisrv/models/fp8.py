@@ -101,20 +101,12 @@ def _scaled_mm_ok(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_scaled_mm")
 
 
-DECODE_ACTIVATIONS = ("bf16", "fp8")
-
-
 class Fp8Linear(nn.Module):
-    """y = x W^T (+ b) with W in float8_e4m3fn [N, K] and a float32 scale per output row; x quantised per token,
-    except in decode batches (at most SMALL_M tokens) on CUDA when decode_activations is "bf16": there the
-    small-batch kernel widens W to bf16 and multiplies the activations as they are (W8A16; see small_m_gemm.py)."""
+    """y = x W^T (+ b) with W in float8_e4m3fn [N, K] and a float32 scale per output row; x quantised per token."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
-                 source_dtype: torch.dtype = torch.bfloat16, decode_activations: str = "fp8") -> None:
+                 source_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
-        if decode_activations not in DECODE_ACTIVATIONS:
-            raise ValueError(f"decode_activations must be one of {DECODE_ACTIVATIONS}, got {decode_activations!r}")
-        self.decode_activations = decode_activations
         self.weight = nn.Parameter(weight, requires_grad=False)  # [N, K] float8_e4m3fn
         self.weight_scale = nn.Parameter(scale.reshape(1, -1).float().contiguous(), requires_grad=False)  # [1, N]
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -122,10 +114,10 @@ class Fp8Linear(nn.Module):
         self.source_dtype = source_dtype  # the model's dtype: loaded rows are rounded to it before quantising
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, decode_activations: str = "fp8") -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
         """Quantised from a linear layer's weights (on the meta device: the shapes only, for the loader to fill)."""
         q, scale = quantize_rows(linear.weight.detach())
-        return cls(q, scale, linear.bias, linear.weight.dtype, decode_activations)
+        return cls(q, scale, linear.bias, linear.weight.dtype)
 
     @torch.no_grad()
     def load_rows(self, row: int, w: torch.Tensor) -> None:
@@ -143,35 +135,25 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        m = x2.shape[0]
-        small = None
-        if _scaled_mm_ok(x2) and 0 < m <= SMALL_M and fits(self.in_features):
-            small = small_m_gemm()  # decode batches: narrow output tiles (see small_m_gemm.py)
+        xq, xs = quantize_tokens(x2)
         out = None
-        if self.decode_activations == "bf16" and 0 < m <= SMALL_M:  # W8A16
-            if small is not None:
-                out = small(x2.contiguous(), self.weight, ws=self.weight_scale)
-            elif not x2.is_cuda:  # the same product, dequantised (on CUDA a failed kernel leaves it to W8A8)
-                out = (x2.float() @ self.dequantized_weight().t()).to(x.dtype)
-        if out is None:  # W8A8: activations quantised per token
-            xq, xs = quantize_tokens(x2)
-            if small is not None:
-                out = small(xq, self.weight, xs=xs, ws=self.weight_scale)
-            if out is None and _scaled_mm_ok(x2):
-                out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale,
-                                       out_dtype=torch.bfloat16)
-            elif out is None:  # the same product, dequantised (CPU; float32 / float16 models)
-                out = ((xq.float() * xs) @ self.dequantized_weight().t()).to(x.dtype)
+        if _scaled_mm_ok(x2) and 0 < x2.shape[0] <= SMALL_M and fits(self.in_features):
+            small = small_m_gemm()  # decode batches: narrow output tiles (see small_m_gemm.py)
+            out = small(xq, self.weight, xs=xs, ws=self.weight_scale) if small is not None else None
+        if out is None and _scaled_mm_ok(x2):
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale,
+                                   out_dtype=torch.bfloat16)
+        elif out is None:  # the same product, dequantised (CPU; float32 / float16 models)
+            out = ((xq.float() * xs) @ self.dequantized_weight().t()).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn per-row scales, "
-                f"decode activations {self.decode_activations}")
+        return f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn per-row scales"
 
 
-def quantize_linear_layers(model: nn.Module, decode_activations: str = "fp8") -> int:
+def quantize_linear_layers(model: nn.Module) -> int:
     """Replace the decoder's projection layers (LINEAR_NAMES) by Fp8Linear, quantising their weights per output
     row (on a meta-device model: swapped for empty FP8 layers the loader fills). Returns how many were replaced."""
     count = 0
@@ -179,7 +161,7 @@ def quantize_linear_layers(model: nn.Module, decode_activations: str = "fp8") ->
         for name in LINEAR_NAMES:
             child = getattr(module, name, None)
             if isinstance(child, nn.Linear):
-                setattr(module, name, Fp8Linear.from_linear(child, decode_activations))
+                setattr(module, name, Fp8Linear.from_linear(child))
                 count += 1
     return count
 

@@ -608,14 +608,14 @@ def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, StoredTensor]], 
 
 def empty_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
                 fused_ops: Optional[Any] = None, tp: Optional[TensorParallel] = None, fp8: bool = False,
-                fp8_decode_activations: str = "fp8", decode_gemm: str = "cublas") -> nn.Module:
+                decode_gemm: str = "cublas") -> nn.Module:
     """The model with its parameters allocated but not filled (no weight init is run: built on the meta device),
     its projections FP8 layers when `fp8` (filled by the loader, which quantises each tensor as it reads it), else
     SmallBatchLinear ones when decode_gemm is "triton"."""
     with torch.device("meta"):
         model = model_class(args.architecture)(args, max_positions, fused_ops, tp).to(dtype)
         if fp8:
-            quantize_linear_layers(model, fp8_decode_activations)
+            quantize_linear_layers(model)
         elif decode_gemm == "triton":
             use_for_projections(model, LINEAR_NAMES)
     model = model.to_empty(device=device)
@@ -627,19 +627,18 @@ def empty_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, max_p
 
 def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
                fused_ops: Optional[Any] = None, tp: Optional[TensorParallel] = None,
-               quantization: Optional[str] = None, fp8_decode_activations: str = "fp8",
-               decode_gemm: str = "cublas") -> nn.Module:
+               quantization: Optional[str] = None, decode_gemm: str = "cublas") -> nn.Module:
     """Build the model without running any weight init (meta device), then fill it from the checkpoint.
     `fused_ops`: the fused-kernel module its layers use (see layers.fused_ops_for), or None for plain torch.
     `tp`: this rank's place in a tensor-parallel group; only its shard is read and held.
     `quantization`: "fp8" makes the projection layers FP8 (see fp8.py), each checkpoint tensor quantised as it is
     read; an FP8 checkpoint always loads that way (dequantised, rounded to the model's dtype, requantised per row).
-    `fp8_decode_activations`, `decode_gemm`: the decode batches' GEMM (EngineConfig's fields of those names).
+    `decode_gemm`: bf16 decode batches' GEMM, "cublas" or "triton" (EngineConfig.decode_gemm).
     The model's `kv_scales` holds the checkpoint's per-layer K/V scales, or None."""
     fp8_format = fp8_checkpoint_format(args.quantization_config)
     model = empty_model(args, dtype, device, max_positions, fused_ops, tp,
                         fp8=quantization == "fp8" or fp8_format is not None,
-                        fp8_decode_activations=fp8_decode_activations, decode_gemm=decode_gemm)
+                        decode_gemm=decode_gemm)
     if is_gguf(path):  # quantised blocks are dequantised whole, one tensor at a time, then sliced
         source = ((name, StoredTensor.in_memory(w)) for name, w in _iter_gguf(path, args))
     else:

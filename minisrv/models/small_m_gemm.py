@@ -5,17 +5,18 @@ reading W at the memory bandwidth. cuBLAS tiles the output 64-128 columns at a t
 tensor-parallel rank's half of one) runs on a few dozen of the GPU's 132 SMs and reads its weights at half the
 bandwidth. Here each program owns 16-64 output columns and all of the rows, so every SM streams a share of W.
 
-Three operand kinds, one kernel:
-- "fp8":   x and W in float8_e4m3fn, x scaled per row (xs [m, 1]), W per output column (ws [1, N]): the same
-           operands and product as `torch._scaled_mm`'s row-wise mode (W8A8).
-- "w8a16": x in bf16, W in float8_e4m3fn with ws [1, N]: W widened to bf16 in registers, x used as it is (no
-           rounding of the activations, and no quantising kernel before the GEMM). With `fp16_math`, W is widened
-           to float16 instead (every e4m3 value is a float16 one; the GPU converts e4m3 pairs to float16 in one
-           instruction, to bf16 only through float32) and x is rounded to float16 (3 more mantissa bits than
-           bf16; magnitudes beyond float16's 65504 are clamped).
-- "bf16":  x and W in bf16: what `F.linear` computes.
-Every kind accumulates in float32. Launch parameters come from `default_config` (scripts/bench_small_m_gemm.py's
-sweep on an H100) unless given; K must be a multiple of the chosen K step (`fits`).
+Two operand kinds, one kernel, float32 accumulation:
+- "fp8":  x and W in float8_e4m3fn, x scaled per row (xs [m, 1]), W per output column (ws [1, N]): the same
+          operands and product as `torch._scaled_mm`'s row-wise mode (W8A8). FP8 weights take it up to SMALL_M rows.
+- "bf16": x and W in bf16: what `F.linear` computes. bf16 weights take it (with --decode-gemm triton) up to
+          SMALL_M_BF16 rows: beyond, cuBLAS was as fast or faster in the sweep.
+Launch parameters come from `default_config` (scripts/bench_small_m_gemm.py's sweeps on an H100) unless given; K
+must be a multiple of the chosen K step (`fits`).
+
+Measured and not kept: FP8 weights with bf16 activations (W8A16: W widened to bf16, or to float16 with x rounded
+to float16, in registers; no activation quantiser) ran 1.3-2.5x slower than W8A8 here at every Llama-3-8B shape
+(down 4096 x 14336: 32 us at m = 1, 60 us at m = 64, against 25 and 25), for a worst greedy gap to HF on the same
+FP8 weights of 0.20 against W8A8's 0.22 (tests/gpu/test_fp8_weights.py).
 """
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SMALL_M = 64  # token counts up to this (decode batches) take this kernel
+SMALL_M = 64  # token counts up to this (decode batches) take the FP8 kernel
+SMALL_M_BF16 = 16  # and up to this the bf16 one
 MIN_BLOCK_K = 128  # every configuration's K step is a multiple of this: K must be too
-KINDS = ("fp8", "w8a16", "bf16")
+KINDS = ("fp8", "bf16")
 
 
 class SmallMConfig(NamedTuple):
@@ -39,37 +41,36 @@ class SmallMConfig(NamedTuple):
     block_k: int  # the reduction's step; the input width must be a multiple of it
     num_warps: int
     num_stages: int
-    fp16_math: bool = False  # w8a16 only: widen W to float16 (one conversion from e4m3) and round x to float16
 
 
 def kind_of(x: torch.Tensor, w: torch.Tensor) -> str:
-    """The operand kind ("fp8", "w8a16", "bf16") of x and W, or ValueError for a pair the kernel does not take."""
-    fp8 = torch.float8_e4m3fn
-    if x.dtype == fp8 and w.dtype == fp8:
+    """The operand kind ("fp8", "bf16") of x and W, or ValueError for a pair the kernel does not take."""
+    if x.dtype == torch.float8_e4m3fn and w.dtype == torch.float8_e4m3fn:
         return "fp8"
-    if x.dtype == torch.bfloat16 and w.dtype == fp8:
-        return "w8a16"
     if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16:
         return "bf16"
     raise ValueError(f"no small-batch GEMM for x {x.dtype} and W {w.dtype}")
 
 
 def default_config(kind: str, n: int, k: int, m: int) -> SmallMConfig:
-    """Launch parameters for an [m, k] x [n, k]^T product of the given kind.
+    """Launch parameters for an [m, k] x [n, k]^T product of the given kind, from the H100 sweeps of Llama-3-8B's
+    projections (and, for bf16, a tensor-parallel rank's halves of them) at m = 1, 16, 64.
 
-    FP8 weights (from the H100 sweep of Llama-3-8B's projections at m = 1, 16, 64): narrow outputs want 16-column
-    programs, K steps of 256 and two warps for a few rows (four for more), and deeper pipelines for long reductions;
-    the 4096 x 14336 down projection went from 35 to 25 us, the 4096 x 4096 o projection from 9.8 to 7.3 us at
-    m = 1. Wide outputs (> 8192 columns) already have enough programs and keep 32 columns and K steps of 128.
-    bf16 weights take the same shape of tile in bytes: half the K step."""
-    if n > 8192 or k % 256:
-        c = SmallMConfig(32 if n > 8192 else 16, 128, 4, 3 if n > 8192 else 4)
-    else:
-        stages = 5 if k > 8192 else (3 if m <= 16 else 4)
-        c = SmallMConfig(16, 256, 2, stages) if m <= 16 else SmallMConfig(32, 256, 4, stages)
+    FP8: narrow outputs want 16-column programs, K steps of 256 and two warps for a few rows (four for more), and
+    deeper pipelines for long reductions; the 4096 x 14336 down projection went from 35 to 25 us, the 4096 x 4096 o
+    projection from 9.8 to 7.3 us at m = 1. Wide outputs (> 8192 columns) already have enough programs and keep 32
+    columns and K steps of 128.
+    bf16 (m <= 16): 32 columns and K steps of 256 (128 for wide outputs), deeper pipelines for long reductions; at
+    m = 1 the 4096 x 7168 down projection of tp 2 went from cuBLAS's 25.0 to 22.7 us, the 4096 x 4096 o projection
+    from 11.3 to 9.2 us; gate_up stayed level (80 against 83 us)."""
     if kind == "bf16":
-        c = c._replace(block_k=max(MIN_BLOCK_K // 2, c.block_k // 2))
-    return c
+        if n > 8192 or k % 256:
+            return SmallMConfig(32, 128, 4 if m == 1 else 2, 3)
+        return SmallMConfig(32, 256, 4 if m == 1 else 2, 5 if k > 4096 else 4)
+    if n > 8192 or k % 256:
+        return SmallMConfig(32 if n > 8192 else 16, 128, 4, 3 if n > 8192 else 4)
+    stages = 5 if k > 8192 else (3 if m <= 16 else 4)
+    return SmallMConfig(16, 256, 2, stages) if m <= 16 else SmallMConfig(32, 256, 4, stages)
 
 
 def fits(k: int) -> bool:
@@ -90,8 +91,7 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
 
     @triton.jit
     def kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, m, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, X_SCALED: tl.constexpr, W_SCALED: tl.constexpr, WIDEN_W: tl.constexpr,
-               F16_MATH: tl.constexpr):
+               BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
         pid = tl.program_id(0)
         rows = tl.arange(0, BLOCK_M)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -104,17 +104,11 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
         for _ in range(0, k, BLOCK_K):  # k is a multiple of BLOCK_K (checked by the launcher)
             x = tl.load(x_ptrs, mask=row_ok, other=0.0)
             w = tl.load(w_ptrs, mask=col_ok, other=0.0)
-            if F16_MATH:
-                x = tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-                w = w.to(tl.float16)
-            elif WIDEN_W:
-                w = w.to(tl.bfloat16)
             acc = tl.dot(x, tl.trans(w), acc)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        if X_SCALED:
+        if SCALED:
             acc = acc * tl.load(xs_ptr + rows, mask=rows < m, other=0.0)[:, None]
-        if W_SCALED:
             acc = acc * tl.load(ws_ptr + cols, mask=cols < n, other=0.0)[None, :]
         tl.store(y_ptr + rows[:, None] * n + cols[None, :], acc.to(tl.bfloat16), mask=row_ok & (cols[None, :] < n))
 
@@ -128,7 +122,7 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
         m, k = x.shape
         n = w.shape[0]
         c = config or default_config(kind, n, k, m)
-        if k % c.block_k or (kind != "bf16") != (ws is not None) or (kind == "fp8") != (xs is not None):
+        if k % c.block_k or (kind == "fp8") != (xs is not None) or (kind == "fp8") != (ws is not None):
             raise ValueError(f"{kind} GEMM of K={k}: K step {c.block_k}, x scale {xs is not None}, "
                              f"W scale {ws is not None}")
         y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
@@ -136,8 +130,7 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
             kernel[(triton.cdiv(n, c.block_n),)](
                 x, xs if xs is not None else x, w, ws if ws is not None else w, y, m, n, k,
                 BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                X_SCALED=xs is not None, W_SCALED=ws is not None, WIDEN_W=kind == "w8a16",
-                F16_MATH=kind == "w8a16" and c.fp16_math,
+                SCALED=kind == "fp8",
                 num_warps=c.num_warps, num_stages=c.num_stages)
         except Exception as e:  # noqa: BLE001 - e.g. a Triton without FP8 dot support on this GPU
             if raise_errors:
@@ -152,14 +145,14 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
 
 
 class SmallBatchLinear(nn.Linear):
-    """nn.Linear whose decode batches (at most SMALL_M rows, bf16 on CUDA, K a multiple of MIN_BLOCK_K) take the
+    """nn.Linear whose decode batches (at most SMALL_M_BF16 rows, bf16 on CUDA, K a multiple of MIN_BLOCK_K) take the
     small-batch kernel; everything else (prefill, the CPU, other dtypes) F.linear. The parameters are nn.Linear's:
     `use_for_projections` turns a built model's projections into these in place."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if (x2.is_cuda and x2.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16
-                and 0 < x2.shape[0] <= SMALL_M and fits(self.in_features)):
+                and 0 < x2.shape[0] <= SMALL_M_BF16 and fits(self.in_features)):
             run = small_m_gemm()
             out = run(x2.contiguous(), self.weight) if run is not None else None
             if out is not None:

@@ -9,7 +9,7 @@
 #           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv bench-fp8kv-xqa decode-fp8w-fa
 #           llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
 #           attn gemm-fp8 gemm-bf16 tp tp-decode tp-offline tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
-#           llama8b-fp8-xqa decode-fp8w-xqa llama8b-fp8-w8a16 decode-fp8w-w8a16 decode-gemm llama8b-triton
+#           llama8b-fp8-xqa decode-fp8w-xqa decode-gemm llama8b-triton
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -37,6 +37,8 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t=$SECONDS
 # and 5 kernels; a kernel already in .fi-cache is not sent again)
 save_cache() { ls -S "$FI_CACHE"/*/*.so 2>/dev/null | while read -r f; do
     [ -e ".fi-cache/$(basename "$f")" ] || echo "$f"; done | head -5 | while read -r f; do cp -u "$f" "$OUT/"; done; }
+# DECODE_GEMM=triton: the tp phases' runs with --decode-gemm triton (their step names say so)
+GEMM=${DECODE_GEMM:+--decode-gemm $DECODE_GEMM}; G=${DECODE_GEMM:+-$DECODE_GEMM}
 BENCH="python3 scripts/bench_offline.py --model $MINISRV_GPU_CKPT --json $OUT/bench.jsonl"
 # bench_serving against a server on the checkpoint, started in the background and stopped (SIGTERM) after it;
 # 256 requests of 256-512 prompt and 128-256 output tokens at 64 req/s. Its results and the server's log stay in
@@ -123,25 +125,26 @@ for phase in "${@:-smoke}"; do
     decode) step decode 300 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
               --batch-sizes 1,64,256 --json "$OUT/decode.jsonl" ;;
     attn) step attn 500 python3 scripts/bench_attention.py ;;
-    # the small-batch GEMM's launch-parameter sweeps: FP8 weights (W8A16; W8A8 was swept before: --kinds fp8),
-    # and bf16 weights on one rank's shapes of tp 1 and tp 2
-    gemm-fp8) step gemm-fp8 500 python3 scripts/bench_small_m_gemm.py --kinds w8a16 ;;
+    # the small-batch GEMM's launch-parameter sweeps: FP8 weights, and bf16 weights on one rank's shapes of tp 1
+    # and tp 2 (--bandwidth: an H100's; pass 4.8e12 on an H200)
+    gemm-fp8) step gemm-fp8 500 python3 scripts/bench_small_m_gemm.py --kinds fp8 ;;
     gemm-bf16) step gemm-bf16 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 1
                step gemm-bf16-tp2 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 2 ;;
     tp) step tp 400 python3 -X faulthandler -m pytest -q -s -o faulthandler_timeout=150 tests/gpu/test_tensor_parallel.py ;;
     # tensor parallelism's benchmark on a Llama-3-8B-shaped checkpoint: tp 1 against tp 2, in one lease
     tp-decode) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
               for tp in 1 2; do
-                step "tp$tp-decode" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
-                  --batch-sizes 1,64 --graphs on --steps 32 --tp-size $tp --json "$OUT/decode.jsonl"; done ;;
+                step "tp$tp-decode$G" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+                  --batch-sizes 1,64 --graphs on --steps 32 --tp-size $tp $GEMM --json "$OUT/decode.jsonl"; done ;;
     tp-fp8) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
             step tp2-64-fp8 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
               --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
     allreduce) step allreduce 200 python3 scripts/bench_allreduce.py --tp-size 2 ;;
     tp-offline) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
               for tp in 1 2; do
-                step tp$tp-64 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size $tp --json "$OUT/bench.jsonl"
-                step tp$tp-256 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size $tp --json "$OUT/bench.jsonl"
+                step tp$tp-64$G 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size $tp $GEMM \
+                  --json "$OUT/bench.jsonl"
+                step tp$tp-256$G 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size $tp $GEMM --json "$OUT/bench.jsonl"
               done ;;
     # FlashInfer's communication kernels (all-reduce + RMSNorm fusion): a JIT build of minutes, started in the
     # background by comm-build so that other phases run meanwhile; tp-fused waits for it
@@ -150,13 +153,14 @@ for phase in "${@:-smoke}"; do
                 echo "comm-build started in the background (pid $!)"; COMM_PID=$! ;;
     tp-fused) [ -n "${COMM_PID:-}" ] && wait "$COMM_PID"; tail -n 3 /tmp/comm-build.log 2>/dev/null
               [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
-              step tp2-decode-fused 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
-                  --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --enable-flashinfer-allreduce-fusion \
+              step tp2-decode-fused$G 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+                  --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --enable-flashinfer-allreduce-fusion $GEMM \
                   --log-level info --json "$OUT/decode.jsonl"
-              step tp2-64-fused 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
-                  --enable-flashinfer-allreduce-fusion --json "$OUT/bench.jsonl"
-              step tp2-256-fused 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size 2 \
-                  --enable-flashinfer-allreduce-fusion --json "$OUT/bench.jsonl" ;;
+              [ -n "${DECODE_ONLY:-}" ] && continue
+              step tp2-64-fused$G 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
+                  --enable-flashinfer-allreduce-fusion $GEMM --json "$OUT/bench.jsonl"
+              step tp2-256-fused$G 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size 2 \
+                  --enable-flashinfer-allreduce-fusion $GEMM --json "$OUT/bench.jsonl" ;;
     tp-cprofile) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
               step tp-cprofile 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                   --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --cprofile ;;
@@ -173,12 +177,6 @@ for phase in "${@:-smoke}"; do
              for mode in "" "--kv-cache-dtype fp8_e4m3" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do
                step "decode-8b $mode" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                  --batch-sizes 1,64,256 --graphs on --steps 32 $mode --json "$OUT/decode.jsonl"; done ;;
-    # the same two with W8A16 decode batches (FP8 weights, bf16 activations)
-    llama8b-fp8-w8a16) step llama8b-fp8-w8a16 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
-               --quantization fp8 --kv-cache-dtype fp8_e4m3 --fp8-decode-activations bf16 --json "$OUT/bench.jsonl" ;;
-    decode-fp8w-w8a16) step decode-8b-fp8w-w8a16 300 python3 scripts/bench_decode.py --model /tmp/llama8b \
-                 --attention-backend auto --batch-sizes 1,64,256 --graphs on --steps 32 --quantization fp8 \
-                 --kv-cache-dtype fp8_e4m3 --fp8-decode-activations bf16 --json "$OUT/decode.jsonl" ;;
     # bf16 decode GEMMs: cuBLAS against the small-batch Triton kernel, decode steps and the 64-request workload
     decode-gemm) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
                  for g in cublas triton; do

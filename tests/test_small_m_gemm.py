@@ -1,0 +1,46 @@
+"""The small-batch decode GEMM (minisrv/models/small_m_gemm.py) where the CPU can check it: its launch parameters
+keep the kernel's contract, and --decode-gemm triton changes nothing but which kernel runs on CUDA (the kernel
+itself is checked against cuBLAS and float64 in tests/gpu/test_fp8_weights.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .conftest import EngineWatch, greedy, make_llm, make_prompts, vocab_of
+
+
+def test_small_batch_launch_parameters_respect_the_kernel_contract():
+    """The kernel loops over K in steps of block_k with no tail: every default it is given must divide K (the layers
+    send it only K where `fits`), for any kind, shape and batch."""
+    from minisrv.models.small_m_gemm import KINDS, SMALL_M, default_config, fits
+    for k in (128, 384, 2048, 4096, 7168, 14336, 13824 + 128):
+        assert fits(k)
+        for n in (64, 3072, 4096, 6144, 8192, 14336, 28672):
+            for m in (1, 2, 16, 17, SMALL_M):
+                for kind in KINDS:
+                    c = default_config(kind, n, k, m)
+                    assert k % c.block_k == 0 and c.block_n in (16, 32, 64) and c.num_warps in (2, 4, 8), \
+                        (kind, n, k, m, c)
+    assert not fits(100) and not fits(64)
+
+
+def test_small_batch_linear_is_nn_linear_off_cuda(tiny_model):
+    """--decode-gemm triton swaps the projections' class, nothing else: same parameters, and on the CPU (where the
+    Triton kernel does not run) the same logits as cuBLAS's path, i.e. F.linear."""
+    from minisrv.models.fp8 import LINEAR_NAMES
+    from minisrv.models.small_m_gemm import SmallBatchLinear
+    path = tiny_model("qwen2")  # qkv bias: the kernel's output gets it added
+    prompts = make_prompts(vocab_of(path), [5, 30, 12])
+    logits = {}
+    for gemm in ("cublas", "triton"):
+        llm = make_llm(path, decode_gemm=gemm)
+        model = llm.engine.runner.model
+        kinds = {type(getattr(mod, n)) for mod in model.modules() for n in LINEAR_NAMES if hasattr(mod, n)}
+        assert kinds == ({SmallBatchLinear} if gemm == "triton" else {torch.nn.Linear})
+        watch = EngineWatch(llm.engine)
+        llm.generate(prompts, greedy(4), use_tqdm=False)
+        logits[gemm] = [t for steps in watch.logits.values() for _, t in steps]  # in the order first seen
+    assert len(logits["cublas"]) == len(logits["triton"]) == 3 * 4
+    assert all(torch.equal(a, b) for a, b in zip(logits["cublas"], logits["triton"]))
+    with pytest.raises(ValueError, match="decode_gemm"):
+        make_llm(path, decode_gemm="cutlass")
