@@ -141,7 +141,7 @@ for phase in "${@:-smoke}"; do
               --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
     allreduce) step allreduce 200 python3 scripts/bench_allreduce.py --tp-size 2 ;;
     tp-offline) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
-              for tp in 1 2; do
+              for tp in ${TP_SIZES:-1 2}; do
                 step tp$tp-64$G 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size $tp $GEMM \
                   --json "$OUT/bench.jsonl"
                 step tp$tp-256$G 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size $tp $GEMM --json "$OUT/bench.jsonl"
