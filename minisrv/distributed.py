@@ -16,7 +16,7 @@ import os
 import pickle
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -36,6 +36,38 @@ ONE_SHOT_MAX_BYTES = 1 << 20
 # with --enable-flashinfer-allreduce-fusion, batches of at most this many tokens (decode) all-reduce, add the
 # residual and normalise in one kernel (its buffers: about 4 x 2 x this x hidden x 2 bytes a rank)
 FUSED_NORM_MAX_TOKENS = 512
+
+
+class Rendezvous(NamedTuple):
+    """Where a tensor-parallel group meets (rank 0's tcp:// address), and the number its process groups' names
+    start at.
+
+    Why the number: torch names process groups by a per-process counter that restarts at 0 when the groups are
+    destroyed, and torch's symmetric memory (the fused all-reduce's and the one-shot all-reduce's buffers) keeps
+    what it set up per group name for the life of the process. A second engine in the same process (an offline
+    script, a test) would reuse the first one's names, and its symmetric-memory rendezvous would wait forever on
+    the first group's state. So rank 0 never lets the counter go back (`_teardown`) and hands its value to the
+    ranks it spawns (fresh processes): every rank names its groups alike, and never twice."""
+
+    address: str
+    first_group: int
+
+
+def new_rendezvous(address: str) -> Rendezvous:
+    """Rank 0's: the address and this process's next process-group number."""
+    return Rendezvous(address, _group_counter() or 0)
+
+
+def _group_counter() -> Optional[int]:
+    """torch.distributed's next process-group number in this process (None where torch keeps no such counter)."""
+    from torch.distributed import distributed_c10d as c10d
+    return getattr(getattr(c10d, "_world", None), "group_count", None)
+
+
+def _set_group_counter(value: int) -> None:
+    from torch.distributed import distributed_c10d as c10d
+    if _group_counter() is not None:
+        c10d._world.group_count = value
 
 
 class TensorParallelError(RuntimeError):
@@ -189,10 +221,10 @@ class TensorParallel:
         return int(t.item())
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device,
+def init_tensor_parallel(rank: int, size: int, rendezvous: Rendezvous, device: torch.device,
                          one_shot_dtype: Optional[torch.dtype] = None,
                          fused_norm: Optional[Tuple[int, torch.dtype]] = None) -> TensorParallel:
-    """Join the group of `size` ranks that meet at `init_method` (a tcp:// address rank 0 chose). On CUDA with
+    """Join the group of `size` ranks that meet at `rendezvous` (rank 0's, see Rendezvous). On CUDA with
     `one_shot_dtype` (the model's), small all-reduces of that dtype take the one-shot path (OneShotAllReduce);
     with `fused_norm` (the model's hidden size and dtype), decode batches all-reduce, add and normalise in one
     kernel (FusedAllReduceNorm)."""
@@ -206,7 +238,8 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
         _teardown(30.0)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+    _set_group_counter(rendezvous.first_group)
+    dist.init_process_group(backend, init_method=rendezvous.address, rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT, **kwargs)
     control = dist.new_group(list(range(size)), backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     tp = TensorParallel(rank, size, dist.group.WORLD, control)
@@ -289,7 +322,10 @@ def _teardown(timeout_s: float) -> None:
 
     def teardown() -> None:
         if dist.is_initialized():
+            count = _group_counter()
             dist.destroy_process_group()
+            if count is not None:  # the next engine's groups get fresh names (see Rendezvous)
+                _set_group_counter(count)
 
     worker = threading.Thread(target=teardown, name="minisrv-tp-teardown", daemon=True)
     worker.start()

@@ -17,7 +17,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from minisrv.distributed import NO_MULTICAST_ENV, OneShotAllReduce, TensorParallel, init_tensor_parallel  # noqa: E402
+from minisrv.distributed import (NO_MULTICAST_ENV, OneShotAllReduce, Rendezvous, TensorParallel,  # noqa: E402
+                                 init_tensor_parallel)
 from minisrv.engine.tp_workers import free_tcp_address  # noqa: E402
 
 CALLS = 20
@@ -52,7 +53,7 @@ def worker(rank: int, size: int, addr: str, sizes_kib, queue) -> None:
     os.environ.update(NO_MULTICAST_ENV)
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    tp = init_tensor_parallel(rank, size, addr, device, torch.bfloat16)
+    tp = init_tensor_parallel(rank, size, Rendezvous(addr, 0), device, torch.bfloat16)  # fresh processes
     nccl = TensorParallel(tp.rank, tp.size, tp.group, tp.control)  # the same group, NCCL for every size
     rows = []
     for kib in sizes_kib:

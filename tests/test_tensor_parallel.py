@@ -103,6 +103,21 @@ def test_a_tp_size_that_does_not_divide_the_heads_is_refused(tiny_model):
     assert spawned_children(os.getpid()) == [], "refused before any rank was started"
 
 
+def test_engines_in_one_process_never_reuse_a_process_group_name(tiny_model):
+    """torch's symmetric memory keeps per-name state for the life of a process (Rendezvous says why this matters:
+    on CUDA a reused name hangs the fused all-reduce's set-up). Each engine's groups get names no earlier engine
+    in this process had, and its freshly spawned rank agrees on them (or the group could not form at all)."""
+    path = tiny_model("llama")
+    prompts = make_prompts(vocab_of(path), [6, 9])
+    names = []
+    for _ in range(3):
+        with make_llm(path, tp_size=2) as llm:
+            tp = llm.engine.runner.tp
+            names.append({tp.group.group_name, tp.control.group_name})
+            assert len(llm.generate(prompts, greedy(3), use_tqdm=False)) == 2
+    assert all(len(n) == 2 for n in names) and len(set().union(*names)) == 6, names
+
+
 def test_a_killed_rank_ends_the_engine_with_an_error_and_no_orphan(tiny_model):
     path = tiny_model("qwen3")
     prompts = make_prompts(vocab_of(path), [6, 9])

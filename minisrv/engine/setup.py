@@ -13,7 +13,7 @@ from minisrv.attention import ForwardMode, create_backend, resolve_backend
 from minisrv.attention.cascade import CascadePolicy
 from minisrv.config import DEFAULT_CPU_POOL_TOKENS, EngineConfig
 from minisrv.kvcache import KVPool, PageAllocator, ReqToTokenTable, slots_for
-from minisrv.distributed import TensorParallel, init_tensor_parallel
+from minisrv.distributed import Rendezvous, TensorParallel, init_tensor_parallel, new_rendezvous
 from minisrv.models.layers import ModelArgs, fused_ops_for
 from minisrv.models.sharding import check_divisible
 from minisrv.models.fp8 import Fp8Linear
@@ -104,7 +104,7 @@ def tp_device(device: torch.device, rank: int, size: int) -> torch.device:
     return torch.device("cuda", rank)
 
 
-def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, tp_init: Optional[str] = None) -> EngineParts:
+def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, tp_init: Optional[Rendezvous] = None) -> EngineParts:
     """Rank 0 (the engine) builds everything; under tensor parallelism it first spawns ranks 1..N-1, which call this
     with their rank and rank 0's meeting address and build the same parts for their shard (no tokenizer)."""
     t0 = time.perf_counter()
@@ -121,7 +121,7 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, tp_init: Optional[st
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if tp_rank == 0:
-            tp_init = free_tcp_address()
+            tp_init = new_rendezvous(free_tcp_address())
             workers = TPWorkers(cfg, tp_init, device.type == "cuda")
     try:
         return _build_parts(cfg, tp_rank, tp_init, device, model_path, args, backend_name, workers, t0)
@@ -131,7 +131,7 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, tp_init: Optional[st
         raise
 
 
-def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[str], device: torch.device, model_path: str,
+def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[Rendezvous], device: torch.device, model_path: str,
                  args: ModelArgs, backend_name: str, workers: Optional[TPWorkers], t0: float) -> EngineParts:
     tokenizer = load_tokenizer(model_path, cfg.tokenizer) if tp_rank == 0 else None
     eos = set(args.eos_token_ids)

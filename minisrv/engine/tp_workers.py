@@ -25,7 +25,7 @@ import traceback
 from typing import Callable, Optional
 
 from minisrv.config import EngineConfig
-from minisrv.distributed import NO_MULTICAST_ENV, TensorParallelError
+from minisrv.distributed import NO_MULTICAST_ENV, Rendezvous, TensorParallelError
 
 logger = logging.getLogger("minisrv")
 
@@ -42,11 +42,11 @@ def free_tcp_address() -> str:
 class TPWorkers:
     """The processes of ranks 1..size-1 and a thread that watches them die."""
 
-    def __init__(self, cfg: EngineConfig, init_method: str, cuda: bool) -> None:
+    def __init__(self, cfg: EngineConfig, rendezvous: Rendezvous, cuda: bool) -> None:
         for k, v in NO_MULTICAST_ENV.items():  # spawned children inherit the environment
             os.environ.setdefault(k, v)
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=worker_main, args=(cfg, rank, init_method, os.getpid()),
+        self.procs = [ctx.Process(target=worker_main, args=(cfg, rank, rendezvous, os.getpid()),
                                   name=f"minisrv-tp{rank}", daemon=False)
                       for rank in range(1, cfg.tp_size)]
         for p in self.procs:
@@ -130,7 +130,7 @@ STOP_AND_TEAR_DOWN = "stop-and-tear-down"
 STOP_NOW = "stop-now"
 
 
-def worker_main(cfg: EngineConfig, rank: int, init_method: str, parent_pid: int) -> None:
+def worker_main(cfg: EngineConfig, rank: int, rendezvous: Rendezvous, parent_pid: int) -> None:
     """Entry point of rank `rank` (spawned): build this rank's parts, then follow rank 0's steps until told to stop."""
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
@@ -139,7 +139,7 @@ def worker_main(cfg: EngineConfig, rank: int, init_method: str, parent_pid: int)
     from .setup import build_engine_parts, setup_logging
     setup_logging("warning" if cfg.log_level.lower() == "info" else cfg.log_level)
     try:
-        parts = build_engine_parts(cfg, tp_rank=rank, tp_init=init_method)
+        parts = build_engine_parts(cfg, tp_rank=rank, tp_init=rendezvous)
         runner = parts.runner
         while True:
             inp = runner.tp.recv_object()
