@@ -17,9 +17,10 @@ tests/test_fp8_weights.py for the bound).
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from minisrv.models.small_m_gemm import SMALL_M, fits, small_m_gemm
@@ -28,6 +29,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MIN_SCALE = 1e-12  # an all-zero row or token gets this scale (its quantised values are all 0)
 LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # quantised; embedding, norms, lm_head are not
+NORMS_BEFORE_PROJECTIONS = ("input_layernorm", "post_attention_layernorm")  # their outputs feed qkv, gate_up
 
 
 def quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -56,10 +58,29 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: Optional[Tuple[int, 
     return q * scale[ri][:, ci]
 
 
+class Fp8Activations(NamedTuple):
+    """Activations already quantised per token (q float8 [T, K], scale float32 [T, 1]), as a fused norm hands them
+    to the projection after it (see RMSNorm.quantize_out); `shape` is q's, so layers can size by it."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
 @functools.lru_cache(maxsize=None)
 def _triton_quant():
-    """A one-kernel per-token quantiser (Triton) for CUDA, or None where Triton is missing. Eager torch takes five
-    kernels for the same thing, and a decode step quantises four activations per layer."""
+    """One-kernel per-token quantisers (Triton) for CUDA, or None where Triton is missing: `quant(x)`, and two that
+    compute the activation they quantise, so it never goes to memory in bf16: `silu_mul_quant(gu)` (SiLU(gate) *
+    up, the MLP's down-projection input) and `add_norm_quant(x, residual, weight, eps)` (the decoder's residual add
+    and RMSNorm, the qkv and gate/up projections' input; residual updated in place to x + residual, or None).
+    Why: eager torch takes five kernels to quantise, and a decode step quantises four activations per layer;
+    fusing three of them into the kernels before them leaves one extra kernel per layer instead of four.
+
+    Each rounds where the unfused path does (to the model's dtype after SiLU-and-mul, after the add and after the
+    norm; HF's order), so the fused and unfused paths quantise the same values."""
     try:
         import triton
         import triton.language as tl
@@ -67,25 +88,57 @@ def _triton_quant():
         return None
 
     @triton.jit
-    def kernel(x_ptr, q_ptr, s_ptr, n, stride, BLOCK: tl.constexpr):
+    def kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, n, stride, eps, BLOCK: tl.constexpr, MODE: tl.constexpr,
+               HAS_RESIDUAL: tl.constexpr):
+        """MODE 0: quantise x's row; 1: x's row is [gate | up] (2n wide), quantise silu(gate) * up; 2: quantise
+        rmsnorm(x + residual) * w, writing x + residual to residual when HAS_RESIDUAL."""
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride + offs, mask=offs < n, other=0.0).to(tl.float32)
+        ok = offs < n
+        dtype = x_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * stride + offs, mask=ok, other=0.0).to(tl.float32)
+        if MODE == 1:
+            up = tl.load(x_ptr + row * stride + n + offs, mask=ok, other=0.0).to(tl.float32)
+            x = (x / (1.0 + tl.exp(-x)) * up).to(dtype).to(tl.float32)
+        if MODE == 2:
+            if HAS_RESIDUAL:
+                x = (x + tl.load(r_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)).to(dtype)
+                tl.store(r_ptr + row * n + offs, x, mask=ok)
+                x = x.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+            w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
         s = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
         y = tl.minimum(tl.maximum(x / s, -448.0), 448.0)
-        tl.store(q_ptr + row * n + offs, y.to(q_ptr.dtype.element_ty), mask=offs < n)
+        tl.store(q_ptr + row * n + offs, y.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + row, s)
 
-    def run(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        t, n = x.shape
+    def launch(x: torch.Tensor, n: int, mode: int, residual=None, weight=None, eps: float = 0.0) -> Fp8Activations:
+        t = x.shape[0]
         q = torch.empty((t, n), dtype=FP8, device=x.device)
         s = torch.empty((t, 1), dtype=torch.float32, device=x.device)
         if t:
             block = triton.next_power_of_2(n)
-            kernel[(t,)](x, q, s, n, x.stride(0), BLOCK=block, num_warps=8 if block >= 4096 else 4)
-        return q, s
+            kernel[(t,)](x, residual if residual is not None else x, weight if weight is not None else x, q, s, n,
+                         x.stride(0), eps, BLOCK=block, MODE=mode, HAS_RESIDUAL=residual is not None,
+                         num_warps=16 if block >= 16384 else (8 if block >= 4096 else 4))
+        return Fp8Activations(q, s)
 
-    return run
+    class Quantisers:
+        @staticmethod
+        def quant(x: torch.Tensor) -> Fp8Activations:
+            return launch(x, x.shape[1], 0)
+
+        @staticmethod
+        def silu_mul_quant(gu: torch.Tensor) -> Fp8Activations:
+            return launch(gu, gu.shape[1] // 2, 1)
+
+        @staticmethod
+        def add_norm_quant(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                           eps: float) -> Fp8Activations:
+            return launch(x, x.shape[1], 2, residual, weight, eps)
+
+    return Quantisers
 
 
 def quantize_tokens(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -93,12 +146,21 @@ def quantize_tokens(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     if x.is_cuda and x.stride(-1) == 1:
         fused = _triton_quant()
         if fused is not None:
-            return fused(x)
+            return tuple(fused.quant(x))
     return quantize_rows(x)
 
 
-def _scaled_mm_ok(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_scaled_mm")
+def fused_quantisers(x: torch.Tensor) -> Optional[Any]:
+    """The fused quantisers (see _triton_quant) for activations like x, or None (CPU, no Triton, not contiguous,
+    not bf16/fp16): the caller then computes the activation and quantises it separately."""
+    if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16):
+        return _triton_quant()
+    return None
+
+
+def _scaled_mm_ok(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the FP8 GEMM kernels run for activations on x's device, of the model's `dtype`."""
+    return x.is_cuda and dtype == torch.bfloat16 and hasattr(torch, "_scaled_mm")
 
 
 class Fp8Linear(nn.Module):
@@ -132,22 +194,37 @@ class Fp8Linear(nn.Module):
         """W as float32 [N, K] (what the layer multiplies by)."""
         return self.weight.float() * self.weight_scale.reshape(-1, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        xq, xs = quantize_tokens(x2)
+    def forward(self, x) -> torch.Tensor:
+        """x: activations [..., K], or Fp8Activations [T, K] (quantised already, by a fused norm or by
+        `forward_silu_mul`)."""
+        if isinstance(x, Fp8Activations):
+            lead, (xq, xs), like = x.q.shape[:-1], x, x.q
+            dtype = self.source_dtype
+        else:
+            lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
+            xq, xs = quantize_tokens(x2)
+            like, dtype = x2, x.dtype
         out = None
-        if _scaled_mm_ok(x2) and 0 < x2.shape[0] <= SMALL_M and fits(self.in_features):
+        if _scaled_mm_ok(like, dtype) and 0 < xq.shape[0] <= SMALL_M and fits(self.in_features):
             small = small_m_gemm()  # decode batches: narrow output tiles (see small_m_gemm.py)
             out = small(xq, self.weight, xs=xs, ws=self.weight_scale) if small is not None else None
-        if out is None and _scaled_mm_ok(x2):
+        if out is None and _scaled_mm_ok(like, dtype):
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale,
                                    out_dtype=torch.bfloat16)
         elif out is None:  # the same product, dequantised (CPU; float32 / float16 models)
-            out = ((xq.float() * xs) @ self.dequantized_weight().t()).to(x.dtype)
+            out = ((xq.float() * xs) @ self.dequantized_weight().t()).to(dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*lead, self.out_features)
+
+    def forward_silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """forward(silu(gate) * up) for gu = [gate | up] [T, 2K], the activation computed and quantised in one
+        kernel where there is one (fused_quantisers)."""
+        fused = fused_quantisers(gu)
+        if fused is not None:
+            return self.forward(fused.silu_mul_quant(gu))
+        g, u = gu.chunk(2, dim=-1)
+        return self.forward(F.silu(g) * u)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn per-row scales"
@@ -155,7 +232,8 @@ class Fp8Linear(nn.Module):
 
 def quantize_linear_layers(model: nn.Module) -> int:
     """Replace the decoder's projection layers (LINEAR_NAMES) by Fp8Linear, quantising their weights per output
-    row (on a meta-device model: swapped for empty FP8 layers the loader fills). Returns how many were replaced."""
+    row (on a meta-device model: swapped for empty FP8 layers the loader fills), and have the norms before them
+    hand over quantised activations. Returns how many layers were replaced."""
     count = 0
     for module in list(model.modules()):
         for name in LINEAR_NAMES:
@@ -163,6 +241,9 @@ def quantize_linear_layers(model: nn.Module) -> int:
             if isinstance(child, nn.Linear):
                 setattr(module, name, Fp8Linear.from_linear(child))
                 count += 1
+        for name in NORMS_BEFORE_PROJECTIONS:
+            if hasattr(getattr(module, name, None), "quantize_out"):
+                getattr(module, name).quantize_out = True
     return count
 
 

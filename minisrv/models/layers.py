@@ -18,6 +18,8 @@ from torch import nn
 
 from minisrv.distributed import TensorParallel
 
+from .fp8 import Fp8Linear, fused_quantisers
+
 def fused_ops_for(device: torch.device) -> Optional[Any]:
     """FlashInfer's module, whose fused norm/activation/rotary kernels the layers use, when on CUDA and importable;
     None otherwise (plain torch). Chosen once, when a model is built, and handed to each layer."""
@@ -108,9 +110,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.fused = fused
+        self.quantize_out = False  # True when FP8 projections take the output (fp8.quantize_linear_layers)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual), the add fused on GPU."""
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual), the add fused on GPU.
+        With `quantize_out` on CUDA, norm(...) comes quantised per token (fp8.Fp8Activations), from one kernel."""
+        quantisers = fused_quantisers(x) if self.quantize_out else None
+        if quantisers is not None:
+            out = quantisers.add_norm_quant(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
         if self.fused is not None and x.dim() == 2:
             if residual is None:
                 return self.fused.rmsnorm(x, self.weight, self.eps)
@@ -198,7 +206,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
-        if self.fused is not None:
+        if isinstance(self.down_proj, Fp8Linear):  # its input quantised as it is computed
+            out = self.down_proj.forward_silu_mul(gu)
+        elif self.fused is not None:
             out = self.down_proj(self.fused.silu_and_mul(gu))
         else:
             g, u = gu.chunk(2, dim=-1)

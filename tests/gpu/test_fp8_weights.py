@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from minisrv import LLM, SamplingParams
-from minisrv.models.fp8 import LINEAR_NAMES, Fp8Linear, _triton_quant, quantize_rows
+from minisrv.models.fp8 import FP8, LINEAR_NAMES, Fp8Linear, _triton_quant, quantize_rows
 from minisrv.models.small_m_gemm import default_config, small_m_gemm
 
 from .common import (CKPT, assert_near_hf_greedy, decode_kernel, free_cuda, hf_model, mixed_prompts, requires_ckpt,
@@ -58,13 +58,43 @@ def test_triton_quantiser_matches_torch(shape):
     assert fused is not None, "Triton is missing: activations are quantised by five torch kernels"
     x = (torch.randn(*shape, device="cuda") * torch.logspace(-3, 2, shape[0], device="cuda")[:, None]).bfloat16()
     x[0, :7] = 0  # zeros stay zero
-    q1, s1 = fused(x)
+    q1, s1 = fused.quant(x)
     q2, s2 = quantize_rows(x)
     assert torch.allclose(s1, s2, rtol=1e-6, atol=0)
     a, b = q1.float(), q2.float()
     step = torch.maximum(a.abs(), b.abs()) * 2.0 ** -3 + 2.0 ** -9
     assert ((a - b).abs() <= step).all()
     assert (a != b).float().mean().item() < 1e-3
+
+
+def _within_e4m3(q: torch.Tensor, scale: torch.Tensor, ref: torch.Tensor) -> bool:
+    """q * scale is ref rounded to e4m3: within half a step (2^-4 of the value, half of 2^-9 of the scale near
+    zero), plus one bf16 rounding of ref (2^-8) that a different summation order may flip."""
+    deq, ref = q.float() * scale, ref.float()
+    return bool(((deq - ref).abs() <= (2 ** -4 + 2 ** -8) * ref.abs() + 2 ** -10 * scale).all())
+
+
+@pytest.mark.parametrize("t,h", [(1, 4096), (37, 1024), (300, 4096)])
+def test_fused_quantisers_match_the_unfused_path(t, h):
+    """The decoder's add + RMSNorm and the MLP's SiLU-and-mul, each computed and quantised in one kernel, against
+    the same computed by torch in HF's order and quantised separately."""
+    fused = _triton_quant()
+    g = torch.Generator(device="cuda").manual_seed(t)
+    x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+    res = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+    w = (torch.rand(h, device="cuda", generator=g) + 0.5).bfloat16()
+    total = x + res
+    normed = lambda v: w * (v.float() * torch.rsqrt(v.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()  # noqa: E731
+    residual = res.clone()
+    q, s = fused.add_norm_quant(x, residual, w, 1e-6)
+    assert torch.equal(residual, total), "the residual becomes x + residual, in place"
+    assert q.dtype == FP8 and s.shape == (t, 1) and _within_e4m3(q, s, normed(total))
+    q, s = fused.add_norm_quant(x, None, w, 1e-6)
+    assert _within_e4m3(q, s, normed(x))
+    gu = torch.randn(t, 2 * 3 * h, device="cuda", generator=g).bfloat16()  # 3 h wide: 12,288 at h = 4096
+    gate, up = gu.chunk(2, dim=-1)
+    q, s = fused.silu_mul_quant(gu)
+    assert q.shape == (t, 3 * h) and _within_e4m3(q, s, torch.nn.functional.silu(gate.float()) * up.float())
 
 
 @pytest.fixture(scope="module")
