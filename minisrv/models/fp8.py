@@ -17,7 +17,7 @@ tests/test_fp8_weights.py for the bound).
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -70,8 +70,17 @@ class Fp8Activations(NamedTuple):
         return self.q.shape
 
 
+class FusedQuantisers(NamedTuple):
+    """The per-token quantisers of _triton_quant, each returning Fp8Activations."""
+
+    quant: Callable[[torch.Tensor], Fp8Activations]  # x [T, K]
+    silu_mul_quant: Callable[[torch.Tensor], Fp8Activations]  # [gate | up] [T, 2K] -> silu(gate) * up
+    # (x, residual or None, weight, eps) -> rmsnorm(x + residual) * weight; residual <- x + residual in place
+    add_norm_quant: Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor, float], Fp8Activations]
+
+
 @functools.lru_cache(maxsize=None)
-def _triton_quant():
+def _triton_quant() -> Optional[FusedQuantisers]:
     """One-kernel per-token quantisers (Triton) for CUDA, or None where Triton is missing: `quant(x)`, and two that
     compute the activation they quantise, so it never goes to memory in bf16: `silu_mul_quant(gu)` (SiLU(gate) *
     up, the MLP's down-projection input) and `add_norm_quant(x, residual, weight, eps)` (the decoder's residual add
@@ -124,21 +133,10 @@ def _triton_quant():
                          num_warps=16 if block >= 16384 else (8 if block >= 4096 else 4))
         return Fp8Activations(q, s)
 
-    class Quantisers:
-        @staticmethod
-        def quant(x: torch.Tensor) -> Fp8Activations:
-            return launch(x, x.shape[1], 0)
-
-        @staticmethod
-        def silu_mul_quant(gu: torch.Tensor) -> Fp8Activations:
-            return launch(gu, gu.shape[1] // 2, 1)
-
-        @staticmethod
-        def add_norm_quant(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-                           eps: float) -> Fp8Activations:
-            return launch(x, x.shape[1], 2, residual, weight, eps)
-
-    return Quantisers
+    return FusedQuantisers(
+        quant=lambda x: launch(x, x.shape[1], 0),
+        silu_mul_quant=lambda gu: launch(gu, gu.shape[1] // 2, 1),
+        add_norm_quant=lambda x, residual, weight, eps: launch(x, x.shape[1], 2, residual, weight, eps))
 
 
 def quantize_tokens(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -150,7 +148,7 @@ def quantize_tokens(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(x)
 
 
-def fused_quantisers(x: torch.Tensor) -> Optional[Any]:
+def fused_quantisers(x: torch.Tensor) -> Optional[FusedQuantisers]:
     """The fused quantisers (see _triton_quant) for activations like x, or None (CPU, no Triton, not contiguous,
     not bf16/fp16): the caller then computes the activation and quantises it separately."""
     if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16):
