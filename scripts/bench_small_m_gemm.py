@@ -39,9 +39,9 @@ def main() -> int:
     p.add_argument("--tp", type=int, default=1, help="the default shapes are one of this many ranks'")
     p.add_argument("--shapes", default=None, help="NxK weight shapes, comma-separated (default: Llama-3-8B's)")
     p.add_argument("--ms", default="1,16,64", help="rows (decode batch sizes)")
-    p.add_argument("--block-n", default="16,32,64")
+    p.add_argument("--block-n", default="16,32,64,128")
     p.add_argument("--block-k", default="64,128,256", help="fp8 kinds skip 64")
-    p.add_argument("--num-warps", default="2,4")
+    p.add_argument("--num-warps", default="2,4,8")
     p.add_argument("--num-stages", default="3,4,5")
     add_timing_args(p, repeat=10)
     a = p.parse_args()
@@ -90,7 +90,9 @@ def main() -> int:
                 pct = lambda us: f"{us:6.1f} us ({100 * floor / us:3.0f}%)"  # noqa: E731
                 print(f"{kind:>5} {shape:>11} m={m:3d}: floor {floor:6.1f} us; cuBLAS {pct(cublas)}; "
                       f"default {tuple(default)} {pct(results.get(default, float('nan')))}; "
-                      f"best {tuple(best)} {pct(results[best])} (from cuBLAS {diff:.1e})", flush=True)
+                      f"best {tuple(best)} {pct(results[best])} (from cuBLAS {diff:.1e}); next: "
+                      + ", ".join(f"{tuple(c)} {results[c]:.1f}" for c in sorted(results, key=results.get)[1:4]),
+                      flush=True)
     return 0
 
 

@@ -19,21 +19,22 @@ def test_small_batch_launch_parameters_respect_the_kernel_contract():
             for m in (1, 2, 16, 17, SMALL_M):
                 for kind in KINDS:
                     c = default_config(kind, n, k, m)
-                    assert k % c.block_k == 0 and c.block_n in (16, 32, 64) and c.num_warps in (2, 4, 8), \
+                    assert k % c.block_k == 0 and c.block_n in (16, 32, 64, 128) and c.num_warps in (2, 4, 8), \
                         (kind, n, k, m, c)
     assert not fits(100) and not fits(64)
 
 
 def test_small_batch_linear_is_nn_linear_off_cuda(tiny_model):
-    """--decode-gemm triton swaps the projections' class, nothing else: same parameters, and on the CPU (where the
-    Triton kernel does not run) the same logits as cuBLAS's path, i.e. F.linear."""
+    """--decode-gemm triton swaps the projections' class, nothing else: same parameters, and off CUDA the layers
+    take F.linear (with the bias), so the logits are the same. (The kernel itself runs only on CUDA: it is checked
+    against cuBLAS in tests/gpu/test_fp8_weights.py.)"""
     from minisrv.models.fp8 import LINEAR_NAMES
     from minisrv.models.small_m_gemm import SmallBatchLinear
-    path = tiny_model("qwen2")  # qkv bias: the kernel's output gets it added
+    path = tiny_model("qwen2")  # qkv bias: SmallBatchLinear must keep adding it
     prompts = make_prompts(vocab_of(path), [5, 30, 12])
     logits = {}
     for gemm in ("cublas", "triton"):
-        llm = make_llm(path, decode_gemm=gemm)
+        llm = make_llm(path, decode_gemm=gemm, dtype="bfloat16")
         model = llm.engine.runner.model
         kinds = {type(getattr(mod, n)) for mod in model.modules() for n in LINEAR_NAMES if hasattr(mod, n)}
         assert kinds == ({SmallBatchLinear} if gemm == "triton" else {torch.nn.Linear})
@@ -44,3 +45,34 @@ def test_small_batch_linear_is_nn_linear_off_cuda(tiny_model):
     assert all(torch.equal(a, b) for a, b in zip(logits["cublas"], logits["triton"]))
     with pytest.raises(ValueError, match="decode_gemm"):
         make_llm(path, decode_gemm="cutlass")
+
+
+def test_fp8_linear_takes_activations_quantised_before_it():
+    """A fused norm or SiLU-and-mul hands Fp8Linear its input already quantised (Fp8Activations): the product must
+    be the one Fp8Linear computes when it quantises the same input itself, bias included."""
+    from minisrv.models.fp8 import Fp8Activations, Fp8Linear, quantize_rows
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 96, bias=True)
+    layer = Fp8Linear.from_linear(linear)
+    x = torch.randn(5, 256)
+    direct = layer(x)
+    handed = layer(Fp8Activations(*quantize_rows(x)))
+    assert handed.shape == direct.shape == (5, 96)
+    assert torch.equal(handed, direct)
+    exact = linear(x)  # and both are the float product up to e4m3's rounding of weights and inputs
+    assert (direct - exact).abs().max() <= 0.1 * exact.abs().max()
+
+
+def test_only_norms_before_fp8_projections_quantise_their_output(tiny_model):
+    """The norms before qkv and gate/up hand over FP8 activations only where those projections are FP8 layers."""
+    from minisrv.models.fp8 import NORMS_BEFORE_PROJECTIONS, Fp8Linear
+    path = tiny_model("llama")
+    for quantization in ("fp8", None):
+        model = make_llm(path, quantization=quantization).engine.runner.model
+        layers = [m for m in model.modules() if hasattr(m, "input_layernorm")]
+        assert layers
+        for layer in layers:
+            for norm, (block, projection) in NORMS_BEFORE_PROJECTIONS.items():
+                fp8 = isinstance(getattr(getattr(layer, block), projection), Fp8Linear)
+                assert fp8 == (quantization == "fp8")
+                assert getattr(layer, norm).quantize_out == fp8

@@ -13,7 +13,7 @@ from minisrv.attention import ForwardMode, create_backend, resolve_backend
 from minisrv.attention.cascade import CascadePolicy
 from minisrv.config import DEFAULT_CPU_POOL_TOKENS, EngineConfig
 from minisrv.kvcache import KVPool, PageAllocator, ReqToTokenTable, slots_for
-from minisrv.distributed import Rendezvous, TensorParallel, init_tensor_parallel, new_rendezvous
+from minisrv.distributed import FusedNormRequest, Rendezvous, TensorParallel, init_tensor_parallel, new_rendezvous
 from minisrv.models.layers import ModelArgs, fused_ops_for
 from minisrv.models.sharding import check_divisible
 from minisrv.models.fp8 import Fp8Linear
@@ -104,9 +104,10 @@ def tp_device(device: torch.device, rank: int, size: int) -> torch.device:
     return torch.device("cuda", rank)
 
 
-def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, tp_init: Optional[Rendezvous] = None) -> EngineParts:
+def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional[Rendezvous] = None) -> EngineParts:
     """Rank 0 (the engine) builds everything; under tensor parallelism it first spawns ranks 1..N-1, which call this
-    with their rank and rank 0's meeting address and build the same parts for their shard (no tokenizer)."""
+    with their rank and rank 0's rendezvous (address and first process-group number) and build the same parts for
+    their shard (no tokenizer)."""
     t0 = time.perf_counter()
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)  # unseeded requests draw from torch's generator
@@ -117,21 +118,23 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, tp_init: Optional[Re
     workers = None
     if cfg.tp_size > 1:
         check_divisible(args, cfg.tp_size)  # before any process is started
+        if cfg.enable_flashinfer_allreduce_fusion and device.type != "cuda":
+            raise ValueError("--enable-flashinfer-allreduce-fusion needs CUDA devices")
         device = tp_device(device, tp_rank, cfg.tp_size)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if tp_rank == 0:
-            tp_init = new_rendezvous(free_tcp_address())
-            workers = TPWorkers(cfg, tp_init, device.type == "cuda")
+            rendezvous = new_rendezvous(free_tcp_address())
+            workers = TPWorkers(cfg, rendezvous, device.type == "cuda")
     try:
-        return _build_parts(cfg, tp_rank, tp_init, device, model_path, args, backend_name, workers, t0)
+        return _build_parts(cfg, tp_rank, rendezvous, device, model_path, args, backend_name, workers, t0)
     except BaseException:
         if workers is not None:
             workers.stop(lambda: None, lambda: None)
         raise
 
 
-def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[Rendezvous], device: torch.device, model_path: str,
+def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvous], device: torch.device, model_path: str,
                  args: ModelArgs, backend_name: str, workers: Optional[TPWorkers], t0: float) -> EngineParts:
     tokenizer = load_tokenizer(model_path, cfg.tokenizer) if tp_rank == 0 else None
     eos = set(args.eos_token_ids)
@@ -145,9 +148,12 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, tp_init: Optional[Rendezvous],
                          f"--kv-cache-dtype fp8_e4m3 and fi decoding (fi or PREFILL,fi); here the KV cache is "
                          f"{cfg.kv_cache_dtype} and the attention backend {backend_name}")
     fused = fused_ops_for(device)
-    tp = init_tensor_parallel(tp_rank, cfg.tp_size, tp_init, device,
-                              dtype if cfg.enable_one_shot_all_reduce else None,
-                              (args.hidden_size, dtype) if cfg.enable_flashinfer_allreduce_fusion else None
+    fusion = cfg.enable_flashinfer_allreduce_fusion  # None: wherever it can run (CUDA)
+    fused_norm = None
+    if fusion or (fusion is None and device.type == "cuda"):
+        fused_norm = FusedNormRequest(args.hidden_size, dtype, required=fusion is True, pdl=cfg.allreduce_fusion_pdl)
+    tp = init_tensor_parallel(tp_rank, cfg.tp_size, rendezvous, device,
+                              dtype if cfg.enable_one_shot_all_reduce else None, fused_norm
                               ) if cfg.tp_size > 1 else TensorParallel.single()
     model = load_model(model_path, args, dtype, device, context_length, fused, tp, cfg.quantization,
                        cfg.decode_gemm)

@@ -139,7 +139,7 @@ def worker_main(cfg: EngineConfig, rank: int, rendezvous: Rendezvous, parent_pid
     from .setup import build_engine_parts, setup_logging
     setup_logging("warning" if cfg.log_level.lower() == "info" else cfg.log_level)
     try:
-        parts = build_engine_parts(cfg, tp_rank=rank, tp_init=rendezvous)
+        parts = build_engine_parts(cfg, tp_rank=rank, rendezvous=rendezvous)
         runner = parts.runner
         while True:
             inp = runner.tp.recv_object()

@@ -29,7 +29,10 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MIN_SCALE = 1e-12  # an all-zero row or token gets this scale (its quantised values are all 0)
 LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # quantised; embedding, norms, lm_head are not
-NORMS_BEFORE_PROJECTIONS = ("input_layernorm", "post_attention_layernorm")  # their outputs feed qkv, gate_up
+# a decoder layer's norms whose output feeds an FP8 projection ((sub-module, projection) of the same layer): they
+# can hand it quantised activations
+NORMS_BEFORE_PROJECTIONS = {"input_layernorm": ("self_attn", "qkv_proj"),
+                            "post_attention_layernorm": ("mlp", "gate_up_proj")}
 
 
 def quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -86,10 +89,13 @@ def _triton_quant() -> Optional[FusedQuantisers]:
     up, the MLP's down-projection input) and `add_norm_quant(x, residual, weight, eps)` (the decoder's residual add
     and RMSNorm, the qkv and gate/up projections' input; residual updated in place to x + residual, or None).
     Why: eager torch takes five kernels to quantise, and a decode step quantises four activations per layer;
-    fusing three of them into the kernels before them leaves one extra kernel per layer instead of four.
+    fusing three of them into the kernels before them leaves one extra kernel per layer instead of four. (Under
+    tensor parallelism with the all-reduce fusion, the norms of decode batches run inside the all-reduce kernel
+    instead, and the qkv and gate/up inputs take `quant` after it.)
 
-    Each rounds where the unfused path does (to the model's dtype after SiLU-and-mul, after the add and after the
-    norm; HF's order), so the fused and unfused paths quantise the same values."""
+    Each rounds to the model's dtype where the unfused path does (after the add and after the norm, HF's order;
+    after SiLU-and-mul), so the two paths quantise the same values up to one rounding: the CPU path also rounds
+    SiLU's output before the multiply, which can move a value by one bf16 ulp."""
     try:
         import triton
         import triton.language as tl
@@ -97,8 +103,8 @@ def _triton_quant() -> Optional[FusedQuantisers]:
         return None
 
     @triton.jit
-    def kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, n, stride, eps, BLOCK: tl.constexpr, MODE: tl.constexpr,
-               HAS_RESIDUAL: tl.constexpr):
+    def kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, n, stride, r_stride, eps, BLOCK: tl.constexpr,
+               MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
         """MODE 0: quantise x's row; 1: x's row is [gate | up] (2n wide), quantise silu(gate) * up; 2: quantise
         rmsnorm(x + residual) * w, writing x + residual to residual when HAS_RESIDUAL."""
         row = tl.program_id(0)
@@ -111,8 +117,8 @@ def _triton_quant() -> Optional[FusedQuantisers]:
             x = (x / (1.0 + tl.exp(-x)) * up).to(dtype).to(tl.float32)
         if MODE == 2:
             if HAS_RESIDUAL:
-                x = (x + tl.load(r_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)).to(dtype)
-                tl.store(r_ptr + row * n + offs, x, mask=ok)
+                x = (x + tl.load(r_ptr + row * r_stride + offs, mask=ok, other=0.0).to(tl.float32)).to(dtype)
+                tl.store(r_ptr + row * r_stride + offs, x, mask=ok)
                 x = x.to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
             w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -124,12 +130,14 @@ def _triton_quant() -> Optional[FusedQuantisers]:
 
     def launch(x: torch.Tensor, n: int, mode: int, residual=None, weight=None, eps: float = 0.0) -> Fp8Activations:
         t = x.shape[0]
+        if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+            raise ValueError("the fused quantisers need rows of unit column stride")
         q = torch.empty((t, n), dtype=FP8, device=x.device)
         s = torch.empty((t, 1), dtype=torch.float32, device=x.device)
         if t:
             block = triton.next_power_of_2(n)
             kernel[(t,)](x, residual if residual is not None else x, weight if weight is not None else x, q, s, n,
-                         x.stride(0), eps, BLOCK=block, MODE=mode, HAS_RESIDUAL=residual is not None,
+                         x.stride(0), residual.stride(0) if residual is not None else 0, eps, BLOCK=block, MODE=mode, HAS_RESIDUAL=residual is not None,
                          num_warps=16 if block >= 16384 else (8 if block >= 4096 else 4))
         return Fp8Activations(q, s)
 
@@ -239,9 +247,11 @@ def quantize_linear_layers(model: nn.Module) -> int:
             if isinstance(child, nn.Linear):
                 setattr(module, name, Fp8Linear.from_linear(child))
                 count += 1
-        for name in NORMS_BEFORE_PROJECTIONS:
-            if hasattr(getattr(module, name, None), "quantize_out"):
-                getattr(module, name).quantize_out = True
+    for module in model.modules():  # after every swap: a layer comes before its projections in modules()
+        for name, (block, projection) in NORMS_BEFORE_PROJECTIONS.items():
+            norm, fed = getattr(module, name, None), getattr(getattr(module, block, None), projection, None)
+            if hasattr(norm, "quantize_out") and isinstance(fed, Fp8Linear):
+                norm.quantize_out = True
     return count
 
 

@@ -115,7 +115,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual), the add fused on GPU.
         With `quantize_out` on CUDA, norm(...) comes quantised per token (fp8.Fp8Activations), from one kernel."""
-        quantisers = fused_quantisers(x) if self.quantize_out and (residual is None or residual.is_contiguous()) \
+        quantisers = fused_quantisers(x) if self.quantize_out and (residual is None or residual.stride(-1) == 1) \
             else None
         if quantisers is not None:
             out = quantisers.add_norm_quant(x, residual, self.weight, self.eps)

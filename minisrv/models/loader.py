@@ -616,8 +616,12 @@ def empty_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, max_p
         model = model_class(args.architecture)(args, max_positions, fused_ops, tp).to(dtype)
         if fp8:
             quantize_linear_layers(model)
-        elif decode_gemm == "triton":
+        elif decode_gemm == "triton" and dtype == torch.bfloat16:
             use_for_projections(model, LINEAR_NAMES)
+    if decode_gemm == "triton" and (fp8 or dtype != torch.bfloat16):
+        logging.getLogger("minisrv").warning(
+            "--decode-gemm triton is for bf16 weights: %s take their own GEMMs",
+            "FP8 weights" if fp8 else f"{str(dtype).replace('torch.', '')} weights")
     model = model.to_empty(device=device)
     for m in model.modules():  # buffers (rotary cos/sin) were lost on the meta device
         if hasattr(m, "reset_buffers"):

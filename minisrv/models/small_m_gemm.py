@@ -81,8 +81,8 @@ def fits(k: int) -> bool:
 @functools.lru_cache(maxsize=None)
 def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
     """The kernel's launcher `run(x, w, xs=None, ws=None, config=None, raise_errors=False)`, or None where Triton
-    is missing. `run` returns None (and keeps returning None, so callers use cuBLAS) if the kernel cannot compile
-    here, unless raise_errors (a sweep's configurations that do not fit are its own business)."""
+    is missing. `run` returns None (and keeps returning None for that operand kind, so callers use cuBLAS) if the
+    kernel cannot compile here, unless raise_errors (a sweep's configurations that do not fit are its own business)."""
     try:
         import triton
         import triton.language as tl
@@ -112,13 +112,13 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
             acc = acc * tl.load(ws_ptr + cols, mask=cols < n, other=0.0)[None, :]
         tl.store(y_ptr + rows[:, None] * n + cols[None, :], acc.to(tl.bfloat16), mask=row_ok & (cols[None, :] < n))
 
-    broken: list = []  # a compile failure turns the kernel off for good
+    broken: dict = {}  # kind -> the error that turned the kernel off for good for that kind
 
     def run(x: torch.Tensor, w: torch.Tensor, xs: Optional[torch.Tensor] = None, ws: Optional[torch.Tensor] = None,
             config: Optional[SmallMConfig] = None, raise_errors: bool = False) -> Optional[torch.Tensor]:
-        if broken and not raise_errors:
-            return None
         kind = kind_of(x, w)
+        if kind in broken and not raise_errors:
+            return None
         m, k = x.shape
         n = w.shape[0]
         c = config or default_config(kind, n, k, m)
@@ -135,9 +135,9 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
         except Exception as e:  # noqa: BLE001 - e.g. a Triton without FP8 dot support on this GPU
             if raise_errors:
                 raise
-            logging.getLogger("minisrv").warning("small-batch GEMM unavailable (%s: %s); using cuBLAS",
-                                                 type(e).__name__, e)
-            broken.append(e)
+            logging.getLogger("minisrv").warning("small-batch %s GEMM unavailable (%s: %s); using cuBLAS",
+                                                 kind, type(e).__name__, e)
+            broken[kind] = e
             return None
         return y
 

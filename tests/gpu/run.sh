@@ -8,7 +8,7 @@
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
 #           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv bench-fp8kv-xqa decode-fp8w-fa
 #           llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
-#           attn gemm-fp8 gemm-bf16 tp tp-decode tp-offline tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
+#           attn gemm-fp8 gemm-fp8-wide gemm-bf16 tp tp-decode tp-offline tp-profile tp-cprofile comm-build tp-nccl tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 #           llama8b-fp8-xqa decode-fp8w-xqa decode-gemm llama8b-triton
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
@@ -37,6 +37,10 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t=$SECONDS
 # and 5 kernels; a kernel already in .fi-cache is not sent again)
 save_cache() { ls -S "$FI_CACHE"/*/*.so 2>/dev/null | while read -r f; do
     [ -e ".fi-cache/$(basename "$f")" ] || echo "$f"; done | head -5 | while read -r f; do cp -u "$f" "$OUT/"; done; }
+# FlashInfer's communication kernels (the fused all-reduce, on by default with tp > 1 on CUDA): a JIT build of
+# minutes. comm-build starts it in the background so that other phases run meanwhile; the tp phases wait for it
+COMM_PID=
+wait_comm() { [ -n "$COMM_PID" ] && wait "$COMM_PID"; COMM_PID=; tail -n 1 /tmp/comm-build.log 2>/dev/null; }
 # DECODE_GEMM=triton: the tp phases' runs with --decode-gemm triton (their step names say so)
 GEMM=${DECODE_GEMM:+--decode-gemm $DECODE_GEMM}; G=${DECODE_GEMM:+-$DECODE_GEMM}
 BENCH="python3 scripts/bench_offline.py --model $MINISRV_GPU_CKPT --json $OUT/bench.jsonl"
@@ -45,6 +49,8 @@ BENCH="python3 scripts/bench_offline.py --model $MINISRV_GPU_CKPT --json $OUT/be
 # /tmp (the table is in run.log), so that no more files come back than the call allows.
 # the checkpoint maker's word-level tokenizer cannot write JSON: the structured-output runs use one that can
 JTOK=/tmp/json-tokenizer
+# the Llama-3-8B-shaped random checkpoint of the 8B phases, made once per machine
+need_llama8b() { [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1; }
 json_tokenizer() { [ -f $JTOK/tokenizer.json ] || python3 tests/gpu/json_tokenizer.py $JTOK "$MINISRV_GPU_CKPT" >/dev/null; }
 serving() { local name=$1; shift; local port=30123 log=/tmp/$name-server.log pid
   python3 -m minisrv.launch_server --model "$MINISRV_GPU_CKPT" --attention-backend auto --port $port ${SERVER_ARGS:-} >"$log" 2>&1 &
@@ -103,17 +109,17 @@ for phase in "${@:-smoke}"; do
                      --tokenizer $JTOK --disable-radix-cache --cprofile ;;
     bench-fp8kv-xqa) step bench-fp8kv-xqa 300 $BENCH --attention-backend auto --workload nano --kv-cache-dtype fp8_e4m3 \
                        --fp8-decode-kernel xqa ;;
-    llama8b-fp8-xqa) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+    llama8b-fp8-xqa) need_llama8b
              step llama8b-fp8-xqa 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
                --quantization fp8 --kv-cache-dtype fp8_e4m3 --fp8-decode-kernel xqa --json "$OUT/bench.jsonl" ;;
-    decode-fp8w-xqa) step decode-8b-fp8w-xqa 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+    decode-fp8w-xqa) need_llama8b; step decode-8b-fp8w-xqa 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                  --batch-sizes 1,64,256 --graphs on --steps 32 --quantization fp8 --kv-cache-dtype fp8_e4m3 \
                  --fp8-decode-kernel xqa --json "$OUT/decode.jsonl" ;;
     bench-fa-fp8kv) step bench-fa-fp8kv 300 $BENCH --attention-backend fa --workload nano --kv-cache-dtype fp8_e4m3 ;;
-    decode-fp8w-fa) step decode-8b-fp8w-fa 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend fa \
+    decode-fp8w-fa) need_llama8b; step decode-8b-fp8w-fa 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend fa \
                  --batch-sizes 1,64,256 --graphs on --steps 32 --quantization fp8 --kv-cache-dtype fp8_e4m3 \
                  --json "$OUT/decode.jsonl" ;;
-    llama8b-fp8-fa) step llama8b-fp8-fa 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
+    llama8b-fp8-fa) need_llama8b; step llama8b-fp8-fa 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
                --attention-backend fa --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
     serving) serving serving ;;
     serving-grammar) json_tokenizer; SERVER_ARGS="--tokenizer $JTOK" serving serving-grammar --constrained-fraction 0.5 ;;
@@ -128,66 +134,65 @@ for phase in "${@:-smoke}"; do
     # the small-batch GEMM's launch-parameter sweeps: FP8 weights, and bf16 weights on one rank's shapes of tp 1
     # and tp 2 (--bandwidth: an H100's; pass 4.8e12 on an H200)
     gemm-fp8) step gemm-fp8 500 python3 scripts/bench_small_m_gemm.py --kinds fp8 ;;
+    # the FP8 kernel's wider tiles and more warps, at the batch sizes where rows are many (16, 64)
+    gemm-fp8-wide) step gemm-fp8-wide 500 python3 scripts/bench_small_m_gemm.py --kinds fp8 --ms 16,64 \
+                     --block-n 16,32,64,128 --block-k 128,256 --num-warps 4,8 --num-stages 3,4,5 ;;
     gemm-bf16) step gemm-bf16 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 1
                step gemm-bf16-tp2 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 2 ;;
-    tp) step tp 400 python3 -X faulthandler -m pytest -q -s -o faulthandler_timeout=150 tests/gpu/test_tensor_parallel.py ;;
+    tp) wait_comm; step tp 400 python3 -X faulthandler -m pytest -q -s -o faulthandler_timeout=150 tests/gpu/test_tensor_parallel.py ;;
     # tensor parallelism's benchmark on a Llama-3-8B-shaped checkpoint: tp 1 against tp 2, in one lease
-    tp-decode) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+    tp-decode) need_llama8b; wait_comm
               for tp in 1 2; do
                 step "tp$tp-decode$G" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                   --batch-sizes 1,64 --graphs on --steps 32 --tp-size $tp $GEMM --json "$OUT/decode.jsonl"; done ;;
-    tp-fp8) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+    tp-fp8) need_llama8b; wait_comm
             step tp2-64-fp8 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
               --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
     allreduce) step allreduce 200 python3 scripts/bench_allreduce.py --tp-size 2 ;;
-    tp-offline) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+    tp-offline) need_llama8b; wait_comm
               for tp in ${TP_SIZES:-1 2}; do
                 step tp$tp-64$G 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size $tp $GEMM \
                   --json "$OUT/bench.jsonl"
                 step tp$tp-256$G 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size $tp $GEMM --json "$OUT/bench.jsonl"
               done ;;
-    # FlashInfer's communication kernels (all-reduce + RMSNorm fusion): a JIT build of minutes, started in the
-    # background by comm-build so that other phases run meanwhile; tp-fused waits for it
     comm-build) (t=$SECONDS; python3 -c "from flashinfer.comm.trtllm_ar import get_trtllm_comm_module as g; g()" \
                    > /tmp/comm-build.log 2>&1; echo "comm build rc $? in $((SECONDS - t))s" >> /tmp/comm-build.log) &
                 echo "comm-build started in the background (pid $!)"; COMM_PID=$! ;;
-    tp-fused) [ -n "${COMM_PID:-}" ] && wait "$COMM_PID"; tail -n 3 /tmp/comm-build.log 2>/dev/null
-              [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
-              step tp2-decode-fused$G 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
-                  --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --enable-flashinfer-allreduce-fusion $GEMM \
-                  --log-level info --json "$OUT/decode.jsonl"
-              [ -n "${DECODE_ONLY:-}" ] && continue
-              step tp2-64-fused$G 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
-                  --enable-flashinfer-allreduce-fusion $GEMM --json "$OUT/bench.jsonl"
-              step tp2-256-fused$G 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size 2 \
-                  --enable-flashinfer-allreduce-fusion $GEMM --json "$OUT/bench.jsonl" ;;
-    tp-cprofile) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+    # tp 2 decode steps without the all-reduce fusion (NCCL and a separate norm), and with it but without PDL
+    tp-nccl) need_llama8b; wait_comm
+             step "tp2-decode-nccl$G" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+               --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --disable-flashinfer-allreduce-fusion $GEMM \
+               --json "$OUT/decode.jsonl"
+             step "tp2-decode-nopdl$G" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+               --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --disable-allreduce-fusion-pdl $GEMM \
+               --json "$OUT/decode.jsonl" ;;
+    tp-cprofile) need_llama8b; wait_comm
               step tp-cprofile 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                   --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --cprofile ;;
-    tp-profile) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+    tp-profile) need_llama8b; wait_comm
               step tp-profile 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
-                  --batch-sizes 1,64 --graphs on --steps 16 --tp-size 2 --torch-profile ;;
-    llama8b) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+                  --batch-sizes 1,64 --graphs on --steps 16 --tp-size 2 --torch-profile $GEMM ;;
+    llama8b) need_llama8b
              step llama8b 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --json "$OUT/bench.jsonl" ;;
     # FP8: Llama-3-8B-shaped, 64 requests, FP8 weights and KV; decode steps in bf16, FP8 KV, FP8 weights + KV
-    llama8b-fp8) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+    llama8b-fp8) need_llama8b
              step llama8b-fp8 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
                --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
-    decode-fp8) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+    decode-fp8) need_llama8b
              for mode in "" "--kv-cache-dtype fp8_e4m3" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do
                step "decode-8b $mode" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                  --batch-sizes 1,64,256 --graphs on --steps 32 $mode --json "$OUT/decode.jsonl"; done ;;
     # bf16 decode GEMMs: cuBLAS against the small-batch Triton kernel, decode steps and the 64-request workload
-    decode-gemm) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+    decode-gemm) need_llama8b
                  for g in cublas triton; do
                    step "decode-8b-$g" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                      --batch-sizes 1,64 --graphs on --steps 32 --decode-gemm $g --json "$OUT/decode.jsonl"; done ;;
-    llama8b-triton) step llama8b-triton 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
+    llama8b-triton) need_llama8b; step llama8b-triton 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
                --decode-gemm triton --json "$OUT/bench.jsonl" ;;
-    decode-fp8w) step decode-8b-fp8w 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+    decode-fp8w) need_llama8b; step decode-8b-fp8w 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                  --batch-sizes 1,64,256 --graphs on --steps 32 --quantization fp8 --kv-cache-dtype fp8_e4m3 \
                  --json "$OUT/decode.jsonl" ;;
-    profile-fp8) [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1
+    profile-fp8) need_llama8b
              step profile-fp8 200 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                --batch-sizes 1,64 --graphs on --steps 16 --quantization fp8 --kv-cache-dtype fp8_e4m3 --torch-profile ;;
     *) echo "unknown phase $phase" ;;
