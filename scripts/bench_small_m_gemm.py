@@ -6,14 +6,20 @@ Kinds (--kinds): fp8 (W8A8, against cuBLAS's row-wise FP8 GEMM `torch._scaled_mm
 Shapes are a Llama-3-8B layer's projections ([N, K]: qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096, down
 4096 x 14336; with --tp 2 a rank's halves; --shapes for others) at decode batch sizes (--ms). Each configuration
 runs --iters times in a CUDA graph; the median of --repeat replays is reported, with the best configuration per
-shape and batch size, the default one (`default_config`), and the best one's relative difference from cuBLAS.
+shape and batch size, the one in use (`config_for`), and the best one's relative difference from cuBLAS.
 
   python scripts/bench_small_m_gemm.py [--kinds fp8,bf16] [--tp 1] [--ms 1,16,64] [--shapes 6144x4096]
+                                      [--write-configs]
+
+--write-configs records each shape and batch size's best configuration in this GPU model's table
+(minisrv/models/small_m_configs/, read by `small_m_gemm.config_for`) where it beats the configuration in use by
+more than --min-gain (the table's entry, else `default_config`'s).
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 
@@ -25,7 +31,8 @@ import torch.nn.functional as F  # noqa: E402
 from graph_timing import add_timing_args, graph_us  # noqa: E402 (beside this script)
 
 from minisrv.models.fp8 import quantize_rows  # noqa: E402
-from minisrv.models.small_m_gemm import SmallMConfig, default_config, small_m_gemm  # noqa: E402
+from minisrv.models.small_m_gemm import (TUNED_M, SmallMConfig, config_file, config_for, small_m_gemm,  # noqa: E402
+                                         tuned_key)
 
 
 def llama_8b_shapes(tp: int) -> str:
@@ -43,6 +50,8 @@ def main() -> int:
     p.add_argument("--block-k", default="64,128,256", help="fp8 kinds skip 64")
     p.add_argument("--num-warps", default="2,4,8")
     p.add_argument("--num-stages", default="3,4,5")
+    p.add_argument("--write-configs", action="store_true", help="record the winners in this GPU's table")
+    p.add_argument("--min-gain", type=float, default=0.02, help="--write-configs: the least relative gain recorded")
     add_timing_args(p, repeat=10)
     a = p.parse_args()
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
@@ -53,6 +62,8 @@ def main() -> int:
     configs = [SmallMConfig(*c) for c in itertools.product(ints(a.block_n), ints(a.block_k), ints(a.num_warps),
                                                            ints(a.num_stages))]
     torch.manual_seed(0)
+    gpu = torch.cuda.get_device_name()
+    winners = {}
     print(f"{torch.cuda.get_device_name()}; us per GEMM (median of {a.repeat} x {a.iters}), % of "
           f"{a.bandwidth / 1e12:.2f} TB/s over the weight bytes")
     for kind in a.kinds.split(","):
@@ -75,7 +86,7 @@ def main() -> int:
                     theirs = lambda x=x: F.linear(x, w)  # noqa: E731
                 ref = theirs()
                 cublas = graph_us(theirs, a.iters, a.repeat)
-                default = default_config(kind, n, k, m)
+                default = config_for(kind, n, k, m, gpu)  # what the layers run now
                 results = {}
                 for c in set(configs) | {default}:
                     if k % c.block_k or (wbytes == 1 and c.block_k < 128):
@@ -89,10 +100,23 @@ def main() -> int:
                 diff = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 pct = lambda us: f"{us:6.1f} us ({100 * floor / us:3.0f}%)"  # noqa: E731
                 print(f"{kind:>5} {shape:>11} m={m:3d}: floor {floor:6.1f} us; cuBLAS {pct(cublas)}; "
-                      f"default {tuple(default)} {pct(results.get(default, float('nan')))}; "
+                      f"in use {tuple(default)} {pct(results.get(default, float('nan')))}; "
                       f"best {tuple(best)} {pct(results[best])} (from cuBLAS {diff:.1e}); next: "
                       + ", ".join(f"{tuple(c)} {results[c]:.1f}" for c in sorted(results, key=results.get)[1:4]),
                       flush=True)
+                if a.write_configs and m in TUNED_M and results[best] < (1 - a.min_gain) * results.get(default, 1e9):
+                    winners[tuned_key(kind, n, k, m)] = list(best)
+    if winners:
+        path = config_file(gpu)
+        table = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                table = json.load(f)
+        table.update(winners)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(dict(sorted(table.items())), f, indent=1)
+        print(f"wrote {len(winners)} configuration(s) to {path}")
     return 0
 
 

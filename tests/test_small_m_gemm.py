@@ -76,3 +76,35 @@ def test_only_norms_before_fp8_projections_quantise_their_output(tiny_model):
                 fp8 = isinstance(getattr(getattr(layer, block), projection), Fp8Linear)
                 assert fp8 == (quantization == "fp8")
                 assert getattr(layer, norm).quantize_out == fp8
+
+
+def test_a_gpu_models_table_of_launch_parameters_is_used_where_it_has_the_shape(tmp_path):
+    """A sweep's table (small_m_configs/<GPU>.json) overrides the rules for the shapes and batch sizes it holds,
+    a batch taking the entry of the next tuned size up; other shapes keep `default_config`; an entry whose K step
+    does not divide its K is refused. Every table shipped keeps the kernel's contract."""
+    import glob
+    import json
+    import os
+    from minisrv.models.small_m_gemm import (CONFIG_DIR, SmallMConfig, config_file, default_config, tuned_configs,
+                                             tuned_key)
+    gpu = "Some GPU 80GB"
+    assert os.path.basename(config_file(gpu)) == "Some_GPU_80GB.json"
+    with open(config_file(gpu, str(tmp_path)), "w") as f:
+        json.dump({"fp8 28672x4096 64": [128, 128, 8, 4], "fp8 28672x4096 16": [64, 256, 4, 3]}, f)
+    table = tuned_configs(gpu, str(tmp_path))
+    assert table[tuned_key("fp8", 28672, 4096, 40)] == SmallMConfig(128, 128, 8, 4)
+    assert table[tuned_key("fp8", 28672, 4096, 9)] == SmallMConfig(64, 256, 4, 3)
+    assert tuned_key("fp8", 28672, 4096, 1) not in table and tuned_key("fp8", 4096, 4096, 64) not in table
+    assert tuned_configs("Another GPU", str(tmp_path)) == {}
+    with open(config_file("Bad GPU", str(tmp_path)), "w") as f:
+        json.dump({"fp8 4096x13952 64": [16, 256, 4, 4]}, f)  # 13952 is not a multiple of 256
+    with pytest.raises(ValueError, match="do not divide"):
+        tuned_configs("Bad GPU", str(tmp_path))
+    for path in glob.glob(os.path.join(CONFIG_DIR, "*.json")):
+        with open(path) as f:
+            for key, value in json.load(f).items():
+                kind, shape, m = key.split()
+                n, k = (int(x) for x in shape.split("x"))
+                c = SmallMConfig(*value)
+                assert kind in ("fp8", "bf16") and k % c.block_k == 0 and c.block_n in (16, 32, 64, 128), (path, key)
+                assert default_config(kind, n, k, int(m)) is not None

@@ -3,15 +3,17 @@
 Why: at decode a projection reads its whole weight matrix for a handful of tokens, so the product is a matter of
 reading W at the memory bandwidth. cuBLAS tiles the output 64-128 columns at a time, so a 4096-wide projection (or a
 tensor-parallel rank's half of one) runs on a few dozen of the GPU's 132 SMs and reads its weights at half the
-bandwidth. Here each program owns 16-64 output columns and all of the rows, so every SM streams a share of W.
+bandwidth. Here each program owns 16-128 output columns and all of the rows, so every SM streams a share of W.
 
 Two operand kinds, one kernel, float32 accumulation:
 - "fp8":  x and W in float8_e4m3fn, x scaled per row (xs [m, 1]), W per output column (ws [1, N]): the same
           operands and product as `torch._scaled_mm`'s row-wise mode (W8A8). FP8 weights take it up to SMALL_M rows.
 - "bf16": x and W in bf16: what `F.linear` computes. bf16 weights take it (with --decode-gemm triton) up to
           SMALL_M_BF16 rows: beyond, cuBLAS was as fast or faster in the sweep.
-Launch parameters come from `default_config` (scripts/bench_small_m_gemm.py's sweeps on an H100) unless given; K
-must be a multiple of the chosen K step (`fits`).
+Launch parameters come from `config_for`: a sweep's table for this GPU where one is shipped (small_m_configs/, written
+by `scripts/bench_small_m_gemm.py --write-configs`, as vLLM and SGLang ship tuned Triton configurations per device),
+else the rules of `default_config` (drawn from the same sweeps on an H100). K must be a multiple of the chosen K step:
+every default takes any K that `fits`, and a table entry is used only where its K step divides K.
 
 Measured and not kept: FP8 weights with bf16 activations (W8A16: W widened to bf16, or to float16 with x rounded
 to float16, in registers; no activation quantiser) ran 1.3-2.5x slower than W8A8 here at every Llama-3-8B shape
@@ -21,8 +23,11 @@ FP8 weights of 0.20 against W8A8's 0.22 (tests/gpu/test_fp8_weights.py).
 from __future__ import annotations
 
 import functools
+import json
 import logging
-from typing import Callable, NamedTuple, Optional, Tuple
+import os
+import re
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -73,9 +78,51 @@ def default_config(kind: str, n: int, k: int, m: int) -> SmallMConfig:
     return SmallMConfig(16, 256, 2, stages) if m <= 16 else SmallMConfig(32, 256, 4, stages)
 
 
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "small_m_configs")
+TUNED_M = (1, 16, 32, 64)  # the batch sizes a table holds; a batch takes the entry of the next one up
+
+
+def config_file(device_name: str, directory: str = CONFIG_DIR) -> str:
+    """The table of one GPU model, e.g. small_m_configs/NVIDIA_H100_80GB_HBM3.json."""
+    return os.path.join(directory, re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_configs(device_name: str, directory: str = CONFIG_DIR) -> Dict[str, SmallMConfig]:
+    """A GPU model's sweep results, {"kind NxK m": config}, or {} where none is shipped. A table entry whose K step
+    is not a multiple of MIN_BLOCK_K is refused (ValueError): the layers send K only where `fits`."""
+    try:
+        with open(config_file(device_name, directory)) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        return {}
+    table = {key: SmallMConfig(*value) for key, value in raw.items()}
+    bad = [key for key, c in table.items() if c.block_k % MIN_BLOCK_K or int(key.split()[1].split("x")[1]) % c.block_k]
+    if bad:
+        raise ValueError(f"{config_file(device_name, directory)}: K steps that do not divide K: {bad}")
+    return table
+
+
+def tuned_key(kind: str, n: int, k: int, m: int) -> str:
+    """The table key of a product: its kind, its weight's shape and the tuned batch size that covers m."""
+    return f"{kind} {n}x{k} {next((t for t in TUNED_M if m <= t), TUNED_M[-1])}"
+
+
+def config_for(kind: str, n: int, k: int, m: int, device_name: Optional[str] = None) -> SmallMConfig:
+    """The launch parameters for this product on this GPU model: its sweep's best where the shipped table has the
+    shape, else `default_config`'s."""
+    tuned = tuned_configs(device_name).get(tuned_key(kind, n, k, m)) if device_name else None
+    return tuned if tuned is not None and k % tuned.block_k == 0 else default_config(kind, n, k, m)
+
+
 def fits(k: int) -> bool:
     """Whether an input width K can take the kernel (every default K step divides it)."""
     return k % MIN_BLOCK_K == 0
+
+
+@functools.lru_cache(maxsize=None)
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,7 +168,7 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
             return None
         m, k = x.shape
         n = w.shape[0]
-        c = config or default_config(kind, n, k, m)
+        c = config or config_for(kind, n, k, m, device_name(x.device))
         if k % c.block_k or (kind == "fp8") != (xs is not None) or (kind == "fp8") != (ws is not None):
             raise ValueError(f"{kind} GEMM of K={k}: K step {c.block_k}, x scale {xs is not None}, "
                              f"W scale {ws is not None}")

@@ -135,22 +135,23 @@ for phase in "${@:-smoke}"; do
     # and tp 2 (--bandwidth: an H100's; pass 4.8e12 on an H200)
     gemm-fp8) step gemm-fp8 500 python3 scripts/bench_small_m_gemm.py --kinds fp8 ;;
     # the FP8 kernel's wider tiles and more warps, at the batch sizes where rows are many (16, 64)
-    gemm-fp8-wide) step gemm-fp8-wide 500 python3 scripts/bench_small_m_gemm.py --kinds fp8 --ms 16,64 \
-                     --block-n 16,32,64,128 --block-k 128,256 --num-warps 4,8 --num-stages 3,4,5 ;;
+    gemm-fp8-wide) step gemm-fp8-wide 500 python3 scripts/bench_small_m_gemm.py --kinds fp8 --ms 16,32,64 \
+                     --block-n 16,32,64,128 --block-k 128,256 --num-warps 4,8 --num-stages 3,4 --write-configs
+                   cp minisrv/models/small_m_configs/*.json "$OUT/" 2>/dev/null ;;
     gemm-bf16) step gemm-bf16 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 1
                step gemm-bf16-tp2 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 2 ;;
     tp) wait_comm; step tp 400 python3 -X faulthandler -m pytest -q -s -o faulthandler_timeout=150 tests/gpu/test_tensor_parallel.py ;;
     # tensor parallelism's benchmark on a Llama-3-8B-shaped checkpoint: tp 1 against tp 2, in one lease
-    tp-decode) need_llama8b; wait_comm
-              for tp in 1 2; do
+    tp-decode) need_llama8b
+              for tp in ${TP_SIZES:-1 2}; do [ "$tp" -gt 1 ] && wait_comm
                 step "tp$tp-decode$G" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                   --batch-sizes 1,64 --graphs on --steps 32 --tp-size $tp $GEMM --json "$OUT/decode.jsonl"; done ;;
     tp-fp8) need_llama8b; wait_comm
             step tp2-64-fp8 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
               --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
     allreduce) step allreduce 200 python3 scripts/bench_allreduce.py --tp-size 2 ;;
-    tp-offline) need_llama8b; wait_comm
-              for tp in ${TP_SIZES:-1 2}; do
+    tp-offline) need_llama8b
+              for tp in ${TP_SIZES:-1 2}; do [ "$tp" -gt 1 ] && wait_comm
                 step tp$tp-64$G 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size $tp $GEMM \
                   --json "$OUT/bench.jsonl"
                 step tp$tp-256$G 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size $tp $GEMM --json "$OUT/bench.jsonl"
