@@ -43,9 +43,8 @@ class EngineConfig:
     seed: Optional[int] = None  # seeds torch's generator, which unseeded requests draw from
     tp_size: int = 1  # tensor parallelism: one process per GPU (per CPU process with gloo), rank 0 schedules
     enable_one_shot_all_reduce: bool = False  # tensor parallel on CUDA: small all-reduces through symmetric memory
-    # tensor parallel on CUDA: decode batches' all-reduce + add + RMSNorm in one kernel; None: on where it loads
-    enable_flashinfer_allreduce_fusion: Optional[bool] = None
-    allreduce_fusion_pdl: bool = True  # that kernel starts as the one before it ends (programmatic dependent launch)
+    # tensor parallel on CUDA: decode batches' all-reduce + add + RMSNorm in one kernel (FlashInfer's)
+    enable_flashinfer_allreduce_fusion: bool = False
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -122,17 +121,10 @@ class EngineConfig:
         p.add_argument("--enable-one-shot-all-reduce", action="store_true",
                        help="tensor parallel: all-reduces up to 1 MiB in one kernel through torch's symmetric memory "
                             "instead of NCCL (measured no faster on 2 H200s: off by default)")
-        p.add_argument("--enable-flashinfer-allreduce-fusion", dest="enable_flashinfer_allreduce_fusion",
-                       action="store_const", const=True, default=d.enable_flashinfer_allreduce_fusion,
+        p.add_argument("--enable-flashinfer-allreduce-fusion", action="store_true",
                        help="tensor parallel on CUDA: decode batches all-reduce, add the residual and RMS-normalise in "
-                            "one FlashInfer kernel (peer-to-peer buffers) instead of NCCL and a separate norm; the "
-                            "default where FlashInfer's communication kernels load, and this makes it an error if "
-                            "they do not")
-        p.add_argument("--disable-flashinfer-allreduce-fusion", dest="enable_flashinfer_allreduce_fusion",
-                       action="store_const", const=False,
-                       help="tensor parallel: NCCL all-reduces and a separate norm for every batch")
-        p.add_argument("--disable-allreduce-fusion-pdl", dest="allreduce_fusion_pdl", action="store_false",
-                       help="launch the fused all-reduce only after the kernel before it has finished")
+                            "one FlashInfer kernel (peer-to-peer buffers) instead of NCCL and a separate norm (an "
+                            "error if FlashInfer's communication kernels cannot be set up)")
         p.add_argument("--log-level", default=d.log_level)
         p.add_argument("--debug-fail-on-token", dest="fail_on_token", type=int, default=None,
                        help=argparse.SUPPRESS)  # tests: how the engine survives a request that breaks its step

@@ -33,7 +33,7 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 # with --enable-one-shot-all-reduce, all-reduces of at most this many bytes (decode steps: batch x hidden x 2) take
 # the one-shot path on CUDA (off by default: on 2 H200s it measured no faster than NCCL, see the README)
 ONE_SHOT_MAX_BYTES = 1 << 20
-# with the fused all-reduce (on CUDA by default), batches of at most this many tokens (decode) all-reduce, add the
+# with --enable-flashinfer-allreduce-fusion, batches of at most this many tokens (decode) all-reduce, add the
 # residual and normalise in one kernel (its buffers: about 4 x 2 x this x hidden x 2 bytes a rank)
 FUSED_NORM_MAX_TOKENS = 512
 
@@ -107,15 +107,6 @@ class OneShotAllReduce:
         return out.view(x.shape)
 
 
-class FusedNormRequest(NamedTuple):
-    """What init_tensor_parallel needs to open the fused all-reduce + norm (FusedAllReduceNorm)."""
-
-    hidden: int  # the model's hidden size
-    dtype: torch.dtype  # and its dtype
-    required: bool = False  # the user asked for it: failing to open it is an error, not a fallback to NCCL
-    pdl: bool = True  # programmatic dependent launch (see FusedAllReduceNorm)
-
-
 class FusedAllReduceNorm:
     """All-reduce, residual add and RMSNorm in one kernel: FlashInfer's port of TensorRT-LLM's all-reduce fusion,
     over buffers in torch's symmetric memory (peer-to-peer over NVLink; its multicast backend is never asked for).
@@ -124,17 +115,13 @@ class FusedAllReduceNorm:
     on 2 H200s (Llama-3-8B shape, batch 1) NCCL's all-reduce took 6.8 us and the fused add + norm 2.5 us, 64 times
     a step, against a step of ~4 ms. One kernel reads each rank's partial sums from its peers directly (one-shot
     for small batches) and writes both the normalised output and the new residual. Batches of more than
-    `max_tokens` rows (prefill chunks) keep NCCL and the separate norm.
-
-    With `pdl` the kernel is launched as a programmatic dependent launch: the GPU may start it while the projection
-    before it finishes (it waits for that kernel's results in-kernel before it reads them), hiding the gap between
-    the two kernels, 64 times a decode step."""
+    `max_tokens` rows (prefill chunks) keep NCCL and the separate norm."""
 
     def __init__(self, tp_rank: int, tp_size: int, group: Any, max_tokens: int, hidden: int,
-                 dtype: torch.dtype, pdl: bool = True) -> None:
+                 dtype: torch.dtype) -> None:
         import flashinfer.comm as comm
         self.comm = comm
-        self.max_tokens, self.hidden, self.dtype, self.pdl = max_tokens, hidden, dtype, pdl
+        self.max_tokens, self.hidden, self.dtype = max_tokens, hidden, dtype
         self.workspace = comm.create_allreduce_fusion_workspace(
             backend="trtllm", world_size=tp_size, rank=tp_rank, max_token_num=max_tokens, hidden_dim=hidden,
             dtype=dtype, group=group)
@@ -151,7 +138,7 @@ class FusedAllReduceNorm:
         residual_out = torch.empty_like(residual)
         self.comm.allreduce_fusion(input=x, workspace=self.workspace, pattern=self.pattern,
                                    residual_out=residual_out, norm_out=norm_out, residual_in=residual,
-                                   rms_gamma=weight, rms_eps=eps, launch_with_pdl=self.pdl)
+                                   rms_gamma=weight, rms_eps=eps)
         return norm_out, residual_out
 
 
@@ -236,10 +223,11 @@ class TensorParallel:
 
 def init_tensor_parallel(rank: int, size: int, rendezvous: Rendezvous, device: torch.device,
                          one_shot_dtype: Optional[torch.dtype] = None,
-                         fused_norm: Optional[FusedNormRequest] = None) -> TensorParallel:
+                         fused_norm: Optional[Tuple[int, torch.dtype]] = None) -> TensorParallel:
     """Join the group of `size` ranks that meet at `rendezvous` (rank 0's, see Rendezvous). On CUDA with
     `one_shot_dtype` (the model's), small all-reduces of that dtype take the one-shot path (OneShotAllReduce);
-    with `fused_norm`, decode batches all-reduce, add and normalise in one kernel (FusedAllReduceNorm)."""
+    with `fused_norm` (the model's hidden size and dtype), decode batches all-reduce, add and normalise in one
+    kernel (FusedAllReduceNorm); a rank that cannot set it up makes every rank raise."""
     if size == 1:
         return TensorParallel.single()
     for k, v in NO_MULTICAST_ENV.items():
@@ -258,7 +246,7 @@ def init_tensor_parallel(rank: int, size: int, rendezvous: Rendezvous, device: t
     tp.all_reduce(torch.zeros(1, device=device))  # NCCL sets up its communicator here, not inside a graph capture
     tp.channel = _open_step_channel(tp)
     if device.type == "cuda" and fused_norm is not None:
-        tp.fused_norm = _open_fused_norm(tp, device, fused_norm)
+        tp.fused_norm = _open_fused_norm(tp, device, *fused_norm)
     if device.type == "cuda" and one_shot_dtype is not None:
         try:
             one_shot = OneShotAllReduce(tp.group, device, one_shot_dtype, ONE_SHOT_MAX_BYTES)
@@ -273,23 +261,17 @@ def init_tensor_parallel(rank: int, size: int, rendezvous: Rendezvous, device: t
     return tp
 
 
-def _open_fused_norm(tp: TensorParallel, device: torch.device, request: FusedNormRequest
-                     ) -> Optional[FusedAllReduceNorm]:
-    """The fused all-reduce + norm on every rank, or on none (a rank where it fails says why; where it was
-    required, every rank then raises)."""
+def _open_fused_norm(tp: TensorParallel, device: torch.device, hidden: int, dtype: torch.dtype
+                     ) -> FusedAllReduceNorm:
+    """The fused all-reduce + norm on every rank, or an error on every rank (a rank where it fails says why)."""
     fused = None
     try:
-        fused = FusedAllReduceNorm(tp.rank, tp.size, tp.group, FUSED_NORM_MAX_TOKENS, request.hidden, request.dtype,
-                                   pdl=request.pdl)
+        fused = FusedAllReduceNorm(tp.rank, tp.size, tp.group, FUSED_NORM_MAX_TOKENS, hidden, dtype)
     except Exception as e:  # noqa: BLE001 - no FlashInfer comm module, no peer access
-        logger.warning("fused all-reduce + RMSNorm unavailable (%s: %s)%s", type(e).__name__, e,
-                       "" if request.required else "; NCCL and a separate norm instead")
+        logger.warning("fused all-reduce + RMSNorm unavailable (%s: %s)", type(e).__name__, e)
     if not tp.min_over_ranks(int(fused is not None)):
-        if request.required:
-            raise RuntimeError("--enable-flashinfer-allreduce-fusion: FlashInfer's fused all-reduce could not be set "
-                               "up on every rank (see the warning above); --disable-flashinfer-allreduce-fusion "
-                               "runs without it")
-        return None
+        raise RuntimeError("--enable-flashinfer-allreduce-fusion: FlashInfer's fused all-reduce could not be set up "
+                           "on every rank (see the warning above); without the flag NCCL does the all-reduces")
     torch.cuda.synchronize(device)
     return fused
 

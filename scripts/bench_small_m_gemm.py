@@ -114,8 +114,9 @@ def main() -> int:
                 table = json.load(f)
         table.update(winners)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(dict(sorted(table.items())), f, indent=1)
+        with open(path, "w") as f:  # one entry a line: "kind NxK m": [block_n, block_k, num_warps, num_stages]
+            f.write("{\n" + ",\n".join(f" {json.dumps(key)}: {json.dumps(table[key])}" for key in sorted(table))
+                    + "\n}\n")
         print(f"wrote {len(winners)} configuration(s) to {path}")
     return 0
 

@@ -103,20 +103,6 @@ def test_a_tp_size_that_does_not_divide_the_heads_is_refused(tiny_model):
     assert spawned_children(os.getpid()) == [], "refused before any rank was started"
 
 
-def test_the_fused_all_reduce_flags():
-    """The fused all-reduce is on by default where it can be (CUDA; None = decide at start-up), and either flag
-    overrides that; asked for on the CPU it is refused before any rank starts."""
-    import argparse
-    from minisrv.config import EngineConfig
-    p = argparse.ArgumentParser()
-    EngineConfig.add_cli_args(p)
-    parse = lambda *argv: EngineConfig.from_args(p.parse_args(list(argv)))  # noqa: E731
-    assert parse().enable_flashinfer_allreduce_fusion is None and parse().allreduce_fusion_pdl
-    assert parse("--enable-flashinfer-allreduce-fusion").enable_flashinfer_allreduce_fusion is True
-    assert parse("--disable-flashinfer-allreduce-fusion").enable_flashinfer_allreduce_fusion is False
-    assert not parse("--disable-allreduce-fusion-pdl").allreduce_fusion_pdl
-
-
 def test_the_fused_all_reduce_asked_for_on_the_cpu_is_refused(tiny_model):
     with pytest.raises(ValueError, match="needs CUDA"):
         make_llm(tiny_model("llama"), tp_size=2, enable_flashinfer_allreduce_fusion=True)

@@ -13,7 +13,7 @@ from minisrv.attention import ForwardMode, create_backend, resolve_backend
 from minisrv.attention.cascade import CascadePolicy
 from minisrv.config import DEFAULT_CPU_POOL_TOKENS, EngineConfig
 from minisrv.kvcache import KVPool, PageAllocator, ReqToTokenTable, slots_for
-from minisrv.distributed import FusedNormRequest, Rendezvous, TensorParallel, init_tensor_parallel, new_rendezvous
+from minisrv.distributed import Rendezvous, TensorParallel, init_tensor_parallel, new_rendezvous
 from minisrv.models.layers import ModelArgs, fused_ops_for
 from minisrv.models.sharding import check_divisible
 from minisrv.models.fp8 import Fp8Linear
@@ -148,12 +148,9 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
                          f"--kv-cache-dtype fp8_e4m3 and fi decoding (fi or PREFILL,fi); here the KV cache is "
                          f"{cfg.kv_cache_dtype} and the attention backend {backend_name}")
     fused = fused_ops_for(device)
-    fusion = cfg.enable_flashinfer_allreduce_fusion  # None: wherever it can run (CUDA)
-    fused_norm = None
-    if fusion or (fusion is None and device.type == "cuda"):
-        fused_norm = FusedNormRequest(args.hidden_size, dtype, required=fusion is True, pdl=cfg.allreduce_fusion_pdl)
     tp = init_tensor_parallel(tp_rank, cfg.tp_size, rendezvous, device,
-                              dtype if cfg.enable_one_shot_all_reduce else None, fused_norm
+                              dtype if cfg.enable_one_shot_all_reduce else None,
+                              (args.hidden_size, dtype) if cfg.enable_flashinfer_allreduce_fusion else None
                               ) if cfg.tp_size > 1 else TensorParallel.single()
     model = load_model(model_path, args, dtype, device, context_length, fused, tp, cfg.quantization,
                        cfg.decode_gemm)

@@ -8,12 +8,15 @@
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
 #           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv bench-fp8kv-xqa decode-fp8w-fa
 #           llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
-#           attn gemm-fp8 gemm-fp8-wide gemm-bf16 tp tp-decode tp-offline tp-profile tp-cprofile comm-build tp-nccl tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
+#           attn gemm-fp8 gemm-fp8-wide gemm-bf16 tp tp-decode tp-offline tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 #           llama8b-fp8-xqa decode-fp8w-xqa decode-gemm llama8b-triton
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+# a call cut off by its time limit leaves its step running (timeout stops only this script): stop what an earlier
+# run left, so that it holds neither GPU memory nor FlashInfer's build locks
+pkill -f "^[^ ]*python[0-9.]* .*(pytest|scripts/bench_|multiprocessing.spawn|get_trtllm_comm_module)" 2>/dev/null && sleep 3
 export PYTHONPATH=$(bash .gpu-wheels/tools/install_on_device.sh 2>/dev/null):$PWD
 export MINISRV_GPU_CKPT=${MINISRV_GPU_CKPT:-/tmp/qwen3}
 FI_CACHE=$HOME/.cache/flashinfer/0.6.13/90a/cached_ops
@@ -37,8 +40,7 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t=$SECONDS
 # and 5 kernels; a kernel already in .fi-cache is not sent again)
 save_cache() { ls -S "$FI_CACHE"/*/*.so 2>/dev/null | while read -r f; do
     [ -e ".fi-cache/$(basename "$f")" ] || echo "$f"; done | head -5 | while read -r f; do cp -u "$f" "$OUT/"; done; }
-# FlashInfer's communication kernels (the fused all-reduce, on by default with tp > 1 on CUDA): a JIT build of
-# minutes. comm-build starts it in the background so that other phases run meanwhile; the tp phases wait for it
+# FlashInfer's communication kernels (--enable-flashinfer-allreduce-fusion): a JIT build of minutes. comm-build starts it in the background so that other phases run meanwhile; the tp phases wait for it
 COMM_PID=
 wait_comm() { [ -n "$COMM_PID" ] && wait "$COMM_PID"; COMM_PID=; tail -n 1 /tmp/comm-build.log 2>/dev/null; }
 # DECODE_GEMM=triton: the tp phases' runs with --decode-gemm triton (their step names say so)
@@ -159,14 +161,16 @@ for phase in "${@:-smoke}"; do
     comm-build) (t=$SECONDS; python3 -c "from flashinfer.comm.trtllm_ar import get_trtllm_comm_module as g; g()" \
                    > /tmp/comm-build.log 2>&1; echo "comm build rc $? in $((SECONDS - t))s" >> /tmp/comm-build.log) &
                 echo "comm-build started in the background (pid $!)"; COMM_PID=$! ;;
-    # tp 2 decode steps without the all-reduce fusion (NCCL and a separate norm), and with it but without PDL
-    tp-nccl) need_llama8b; wait_comm
-             step "tp2-decode-nccl$G" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
-               --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --disable-flashinfer-allreduce-fusion $GEMM \
-               --json "$OUT/decode.jsonl"
-             step "tp2-decode-nopdl$G" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
-               --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --disable-allreduce-fusion-pdl $GEMM \
-               --json "$OUT/decode.jsonl" ;;
+    # tp 2 with the all-reduce fusion: decode steps, then (unless DECODE_ONLY) the 64- and 256-request workloads
+    tp-fused) need_llama8b; wait_comm
+              step tp2-decode-fused$G 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+                  --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --enable-flashinfer-allreduce-fusion $GEMM \
+                  --log-level info --json "$OUT/decode.jsonl"
+              [ -n "${DECODE_ONLY:-}" ] && continue
+              step tp2-64-fused$G 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
+                  --enable-flashinfer-allreduce-fusion $GEMM --json "$OUT/bench.jsonl"
+              step tp2-256-fused$G 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size 2 \
+                  --enable-flashinfer-allreduce-fusion $GEMM --json "$OUT/bench.jsonl" ;;
     tp-cprofile) need_llama8b; wait_comm
               step tp-cprofile 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                   --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --cprofile ;;

@@ -33,18 +33,6 @@ def test_tp2_greedy_matches_hf(backend, fusion):
     free_cuda()
 
 
-def test_tp2_fused_all_reduce_is_the_default_on_cuda():
-    """Without a flag, tp 2 on CUDA decodes through the fused all-reduce + norm (FlashInfer's communication
-    kernels are present here), launched with PDL."""
-    with _llm("fa,fi") as llm:
-        fused = llm.engine.runner.tp.fused_norm
-        assert fused is not None and fused.pdl
-        outs = llm.generate(mixed_prompts(4, 5, 50, seed=3), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                            use_tqdm=False)
-        assert all(len(o.token_ids) == 4 for o in outs)
-    free_cuda()
-
-
 @pytest.mark.parametrize("backend,fusion", [("fa,fi", False), ("fa,fi", True)])
 def test_tp2_graph_replay_equals_eager(backend, fusion):
     skip_unless_runs(backend)
