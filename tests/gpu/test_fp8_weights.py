@@ -23,7 +23,7 @@ import torch
 
 from minisrv import LLM, SamplingParams
 from minisrv.models.fp8 import FP8, LINEAR_NAMES, Fp8Linear, _triton_quant, quantize_rows
-from minisrv.models.small_m_gemm import default_config, small_m_gemm
+from minisrv.models.small_m_gemm import TUNED_M, config_for, small_m_gemm, tuned_configs, tuned_key
 
 from .common import (CKPT, assert_near_hf_greedy, decode_kernel, free_cuda, hf_model, mixed_prompts, requires_ckpt,
                      skip_unless_runs)
@@ -162,9 +162,39 @@ def test_small_batch_kernel_runs_and_matches_cublas(m, kind):
     else:
         got = run(x, w)
         ref = torch.nn.functional.linear(x, w)
-    assert got is not None, f"the small-batch {kind} kernel fell back to cuBLAS ({default_config(kind, n, k, m)})"
+    config = config_for(kind, n, k, m, torch.cuda.get_device_name())
+    assert got is not None, f"the small-batch {kind} kernel fell back to cuBLAS ({config})"
     err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
     assert err < 1e-2, f"m={m} {kind}: {err:.2e} from the reference"
+
+
+def test_this_gpus_table_of_launch_parameters_matches_cublas():
+    """Every entry of this GPU model's table (small_m_configs/) computes what cuBLAS computes, at the batch size
+    it was tuned for and at the smallest one it covers."""
+    table = tuned_configs(torch.cuda.get_device_name())
+    if not table:
+        pytest.skip(f"no table of launch parameters for {torch.cuda.get_device_name()}")
+    run = small_m_gemm()
+    for key, config in table.items():
+        kind, shape, tuned_m = key.split()
+        n, k = (int(v) for v in shape.split("x"))
+        smaller = [t for t in TUNED_M if t < int(tuned_m)]
+        for m in {int(tuned_m), smaller[-1] + 1 if smaller else 1}:
+            assert tuned_key(kind, n, k, m) == key
+            g = torch.Generator(device="cuda").manual_seed(m)
+            w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            if kind == "fp8":
+                wq, ws = quantize_rows(w)
+                ws = ws.reshape(1, -1).contiguous()
+                xq, xs = quantize_rows(x)
+                got = run(xq, wq, xs=xs, ws=ws, config=config, raise_errors=True)
+                ref = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+            else:
+                got = run(x, w, config=config, raise_errors=True)
+                ref = torch.nn.functional.linear(x, w)
+            err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+            assert err < 1e-2, f"{key} {tuple(config)} at m={m}: {err:.2e} from cuBLAS"
 
 
 @requires_ckpt
