@@ -134,8 +134,9 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
         raise
 
 
-def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvous], device: torch.device, model_path: str,
-                 args: ModelArgs, backend_name: str, workers: Optional[TPWorkers], t0: float) -> EngineParts:
+def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvous], device: torch.device,
+                 model_path: str, args: ModelArgs, backend_name: str, workers: Optional[TPWorkers],
+                 t0: float) -> EngineParts:
     tokenizer = load_tokenizer(model_path, cfg.tokenizer) if tp_rank == 0 else None
     eos = set(args.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:

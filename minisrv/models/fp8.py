@@ -137,7 +137,8 @@ def _triton_quant() -> Optional[FusedQuantisers]:
         if t:
             block = triton.next_power_of_2(n)
             kernel[(t,)](x, residual if residual is not None else x, weight if weight is not None else x, q, s, n,
-                         x.stride(0), residual.stride(0) if residual is not None else 0, eps, BLOCK=block, MODE=mode, HAS_RESIDUAL=residual is not None,
+                         x.stride(0), residual.stride(0) if residual is not None else 0, eps, BLOCK=block,
+                         MODE=mode, HAS_RESIDUAL=residual is not None,
                          num_warps=16 if block >= 16384 else (8 if block >= 4096 else 4))
         return Fp8Activations(q, s)
 
