@@ -127,6 +127,18 @@ class FusedAllReduceNorm:
             dtype=dtype, group=group)
         self.pattern = comm.AllReduceFusionPattern.kARResidualRMSNorm
 
+    def close(self) -> None:
+        """Let go of the peer buffers. FlashInfer keeps every workspace's symmetric-memory buffers referenced until
+        told (trtllm_ar's workspace registry): without this each engine closed in a process would leave its
+        buffers, registered under its process group, behind. Every rank calls it, with no kernel of its own in
+        flight, before the group is torn down (destroy_tensor_parallel)."""
+        workspace, self.workspace = self.workspace, None
+        if workspace is None:
+            return
+        from flashinfer.comm.trtllm_ar import trtllm_destroy_ipc_workspace_for_all_reduce_fusion as release
+        release(workspace.ipc_handles)
+        workspace.destroy()
+
     def fits(self, x: torch.Tensor) -> bool:
         return (x.dim() == 2 and 0 < x.shape[0] <= self.max_tokens and x.shape[1] == self.hidden
                 and x.dtype == self.dtype and x.is_contiguous())
@@ -314,6 +326,12 @@ def destroy_tensor_parallel(tp: TensorParallel, timeout_s: float = 30.0) -> None
         if tp.channel is not None:
             tp.channel.close()
             tp.channel = None
+        if tp.fused_norm is not None or tp.one_shot is not None:  # their buffers, before the group they belong to
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # no kernel of this rank still reads or writes them
+            if tp.fused_norm is not None:
+                tp.fused_norm.close()
+            tp.fused_norm = tp.one_shot = None
         _teardown(timeout_s)
 
 

@@ -196,6 +196,23 @@ class _ReferenceFusedNorm:
         return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(s.dtype), s
 
 
+def test_closing_the_group_releases_the_all_reduce_buffers_first():
+    """destroy_tensor_parallel lets go of the fused all-reduce's and the one-shot all-reduce's peer buffers before the
+    group is torn down, so that a later engine in the process starts without them."""
+    from minisrv.distributed import destroy_tensor_parallel
+    closed = []
+
+    class FusedNorm(_ReferenceFusedNorm):
+        def close(self):
+            closed.append(self)
+
+    tp = TensorParallel(0, 2)
+    fused = tp.fused_norm = FusedNorm()
+    tp.one_shot = object()
+    destroy_tensor_parallel(tp)
+    assert closed == [fused] and tp.fused_norm is None and tp.one_shot is None
+
+
 def _causal_attention(q, k, v, layer_id):
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)

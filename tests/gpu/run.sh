@@ -8,7 +8,7 @@
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
 #           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv bench-fp8kv-xqa decode-fp8w-fa
 #           llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
-#           attn gemm-fp8 gemm-fp8-wide gemm-bf16 tp tp-decode tp-offline tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
+#           attn gemm-fp8 gemm-fp8-wide gemm-bf16 gemm-bf16-tp2 tp tp-decode tp-decode-fa tp-offline tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 #           llama8b-fp8-xqa decode-fp8w-xqa decode-gemm llama8b-triton
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
@@ -140,6 +140,11 @@ for phase in "${@:-smoke}"; do
     gemm-fp8-wide) step gemm-fp8-wide 500 python3 scripts/bench_small_m_gemm.py --kinds fp8 --ms 16,32,64 \
                      --block-n 16,32,64,128 --block-k 128,256 --num-warps 4,8 --num-stages 3,4 --write-configs
                    cp minisrv/models/small_m_configs/*.json "$OUT/" 2>/dev/null ;;
+    # bf16 at one tp 2 rank's shapes on this GPU, recording winners in its table (the H200's: 4.8 TB/s)
+    gemm-bf16-tp2) step gemm-bf16-tp2 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 2 --ms 1,16 \
+                     --bandwidth $(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8e12 || echo 3.35e12) \
+                     --write-configs
+                   cp minisrv/models/small_m_configs/*.json "$OUT/" 2>/dev/null ;;
     gemm-bf16) step gemm-bf16 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 1
                step gemm-bf16-tp2 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 2 ;;
     tp) wait_comm; step tp 400 python3 -X faulthandler -m pytest -q -s -o faulthandler_timeout=150 tests/gpu/test_tensor_parallel.py ;;
@@ -148,6 +153,11 @@ for phase in "${@:-smoke}"; do
               for tp in ${TP_SIZES:-1 2}; do [ "$tp" -gt 1 ] && wait_comm
                 step "tp$tp-decode$G" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                   --batch-sizes 1,64 --graphs on --steps 32 --tp-size $tp $GEMM --json "$OUT/decode.jsonl"; done ;;
+    # tp 1 and tp 2 (fused all-reduce) decode steps with FA3 decoding instead of FlashInfer's
+    tp-decode-fa) need_llama8b; wait_comm
+              for tp in 1 2; do F=; [ "$tp" -gt 1 ] && F=--enable-flashinfer-allreduce-fusion
+                step "tp$tp-decode-fa$G" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend fa \
+                  --batch-sizes 1,64 --graphs on --steps 32 --tp-size $tp $F $GEMM --json "$OUT/decode.jsonl"; done ;;
     tp-fp8) need_llama8b; wait_comm
             step tp2-64-fp8 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
               --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
