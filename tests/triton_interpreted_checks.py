@@ -1,0 +1,88 @@
+"""The Triton kernels of the FP8 path run by Triton's interpreter on the CPU (TRITON_INTERPRET=1, set before
+Triton is imported: hence a script of its own, run by tests/test_triton_kernels_on_cpu.py in a fresh process).
+
+What the interpreter can check here: the kernels' indexing, masking, tiling over K and the scaling arithmetic, for
+FP8 operands and float16/float32 activations. Not everything: its bfloat16 matrix products and stores, its dot
+products' precision and its float-to-e4m3 rounding are not the GPU's (see each check), which tests/gpu/ covers. Each check compares with the same arithmetic written out in torch (float64 for
+the GEMM). Prints one line per check; raises AssertionError on the first failure.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from minisrv.models.fp8 import FP8, _triton_quant, quantize_rows  # noqa: E402
+from minisrv.models.small_m_gemm import SmallMConfig, small_m_gemm  # noqa: E402
+
+
+def check_small_m_gemm() -> None:
+    """y = (xq * xs) (wq * ws)^T for FP8 operands: every row count up to a full tile and beyond the tile's rows
+    (m = 1, 5, 16, 17, 33), output widths that are and are not multiples of the tile, K of 1 and several K steps,
+    and the tile shapes the H100's table uses (128 columns, K steps of 128 and 256)."""
+    run = small_m_gemm()
+    assert run is not None, "Triton is missing"
+    torch.manual_seed(0)
+    for (n, k), config in [((96, 256), SmallMConfig(32, 128, 4, 3)), ((80, 512), SmallMConfig(16, 256, 2, 3)),
+                           ((200, 256), SmallMConfig(128, 128, 8, 3)), ((64, 128), SmallMConfig(64, 128, 4, 4))]:
+        w = torch.randn(n, k) * 0.02
+        wq, ws = quantize_rows(w)
+        ws = ws.reshape(1, -1).contiguous()
+        for m in (1, 5, 16, 17, 33):
+            x = torch.randn(m, k)
+            xq, xs = quantize_rows(x)
+            y = run(xq, wq, xs=xs, ws=ws, config=config, raise_errors=True)
+            ref = (xq.double() * xs.double()) @ (wq.double() * ws.double().t()).t()
+            assert y.shape == (m, n) and y.dtype == torch.bfloat16
+            err = ((y.double() - ref).abs() / ref.abs().max()).max().item()
+            # the interpreter's dot is less exact than the GPU's float32 accumulation (errors of a few 1e-3 of the
+            # largest output here): the bound is the GPU test's; a wrong index, mask or scale is off by O(1)
+            assert err <= 1e-2, f"{n}x{k} m={m} {tuple(config)}: {err:.2e} from float64"
+            print(f"small-M FP8 GEMM {n}x{k} m={m} {tuple(config)}: max error {err:.1e} of the largest output")
+
+
+def check_fused_quantisers() -> None:
+    """The three quantisers (plain; SiLU(gate) * up; residual add + RMSNorm, the residual written back through its
+    own row stride) against the same steps in torch, rounding to the activations' dtype where the model does, for
+    float16 and float32: the per-token scales (max |activation| / 448, so the activation's arithmetic at each row's
+    largest element) and the residual. Not the e4m3 values themselves: the interpreter's float-to-e4m3 conversion
+    mishandles a rounding that carries into the next power of two (124.7 became 64, not 128), so they are checked
+    on the GPU (tests/gpu/test_fp8_weights.py) against torch's conversion."""
+    fused = _triton_quant()
+    assert fused is not None
+    torch.manual_seed(1)
+    for dtype in (torch.float16, torch.float32):
+        for t, n in ((1, 64), (3, 96), (4, 1000)):
+            x = (torch.randn(t, n) * 3).to(dtype)
+            q, s = fused.quant(x)
+            assert q.dtype == FP8 and q.shape == (t, n) and s.shape == (t, 1)
+            torch.testing.assert_close(s, quantize_rows(x)[1], rtol=1e-6, atol=0)
+
+            gu = torch.randn(t, 2 * n).to(dtype)
+            g, u = gu.float().chunk(2, dim=-1)
+            act = (g / (1 + torch.exp(-g)) * u).to(dtype)
+            q, s = fused.silu_mul_quant(gu)
+            assert q.shape == (t, n)
+            torch.testing.assert_close(s, quantize_rows(act)[1], rtol=1e-5, atol=0)
+
+            weight = (torch.rand(n) + 0.5).to(dtype)
+            residual = torch.randn(t, 2 * n).to(dtype)[:, :n]  # a row stride that is not n
+            expect_sum = (x.float() + residual.float()).to(dtype)
+            h = expect_sum.float()
+            normed = ((h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).float()
+                      * weight.float()).to(dtype)
+            q, s = fused.add_norm_quant(x, residual, weight, 1e-6)
+            assert torch.equal(residual, expect_sum), f"residual {dtype} {t}x{n}"
+            torch.testing.assert_close(s, quantize_rows(normed)[1], rtol=1e-5, atol=0)
+            print(f"fused quantisers {dtype} {t}x{n}: scales and residual as torch")
+
+
+if __name__ == "__main__":
+    check_small_m_gemm()
+    check_fused_quantisers()
+    print("ok")
