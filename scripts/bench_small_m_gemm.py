@@ -50,6 +50,7 @@ def main() -> int:
     p.add_argument("--block-k", default="64,128,256", help="fp8 kinds skip 64")
     p.add_argument("--num-warps", default="2,4,8")
     p.add_argument("--num-stages", default="3,4,5")
+    p.add_argument("--split-k", default="1", help="programs per column block, each over a slice of K (e.g. 1,2,4)")
     p.add_argument("--write-configs", action="store_true", help="record the winners in this GPU's table")
     p.add_argument("--min-gain", type=float, default=0.02, help="--write-configs: the least relative gain recorded")
     add_timing_args(p, repeat=10)
@@ -60,7 +61,7 @@ def main() -> int:
         print("Triton is missing: nothing to sweep")
         return 1
     configs = [SmallMConfig(*c) for c in itertools.product(ints(a.block_n), ints(a.block_k), ints(a.num_warps),
-                                                           ints(a.num_stages))]
+                                                           ints(a.num_stages), ints(a.split_k))]
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name()
     winners = {}
@@ -88,13 +89,21 @@ def main() -> int:
                 cublas = graph_us(theirs, a.iters, a.repeat)
                 default = config_for(kind, n, k, m, gpu)  # what the layers run now
                 results = {}
+
+                def wrong(out: torch.Tensor, ref: torch.Tensor = ref) -> bool:
+                    return ((out.float() - ref.float()).norm() / ref.float().norm()).item() > 1e-2
                 for c in set(configs) | {default}:
-                    if k % c.block_k or (wbytes == 1 and c.block_k < 128):
+                    if k % (c.block_k * c.split_k) or (wbytes == 1 and c.block_k < 128):
                         continue
                     try:
+                        if wrong(ours(c)):
+                            raise AssertionError("differs from cuBLAS")
                         results[c] = graph_us(lambda c=c: ours(c), a.iters, a.repeat)
+                        if wrong(ours(c)):  # after many replays: a split-K race would show
+                            raise AssertionError("differs from cuBLAS after the timing")
                     except Exception as e:  # noqa: BLE001 - e.g. more shared memory than the GPU has
-                        print(f"  {kind} {shape} m={m} {tuple(c)}: {type(e).__name__}")
+                        results.pop(c, None)
+                        print(f"  {kind} {shape} m={m} {tuple(c)}: {type(e).__name__} {e}")
                 best = min(results, key=results.get)
                 out = ours(best)
                 diff = ((out.float() - ref.float()).norm() / ref.float().norm()).item()

@@ -100,11 +100,19 @@ def test_a_gpu_models_table_of_launch_parameters_is_used_where_it_has_the_shape(
         json.dump({"fp8 4096x13952 64": [16, 256, 4, 4]}, f)  # 13952 is not a multiple of 256
     with pytest.raises(ValueError, match="do not divide"):
         tuned_configs("Bad GPU", str(tmp_path))
+    with open(config_file("Split GPU", str(tmp_path)), "w") as f:  # K split over 4 slices of K steps
+        json.dump({"fp8 4096x4096 16": [32, 256, 4, 3, 4]}, f)
+    assert tuned_configs("Split GPU", str(tmp_path))["fp8 4096x4096 16"] == SmallMConfig(32, 256, 4, 3, split_k=4)
+    with open(config_file("Split bad GPU", str(tmp_path)), "w") as f:
+        json.dump({"fp8 4096x3968 16": [32, 128, 4, 3, 4]}, f)  # 3968 = 31 x 128: not 4 slices of K steps
+    with pytest.raises(ValueError, match="4096x3968"):
+        tuned_configs("Split bad GPU", str(tmp_path))
     for path in glob.glob(os.path.join(CONFIG_DIR, "*.json")):
         with open(path) as f:
             for key, value in json.load(f).items():
                 kind, shape, m = key.split()
                 n, k = (int(x) for x in shape.split("x"))
                 c = SmallMConfig(*value)
-                assert kind in ("fp8", "bf16") and k % c.block_k == 0 and c.block_n in (16, 32, 64, 128), (path, key)
+                assert kind in ("fp8", "bf16") and k % (c.block_k * c.split_k) == 0, (path, key)
+                assert c.block_n in (16, 32, 64, 128) and c.split_k in (1, 2, 4), (path, key)
                 assert default_config(kind, n, k, int(m)) is not None

@@ -3,8 +3,10 @@ Triton is imported: hence a script of its own, run by tests/test_triton_kernels_
 
 What the interpreter can check here: the kernels' indexing, masking, tiling over K and the scaling arithmetic, for
 FP8 operands and float16/float32 activations. Not everything: its bfloat16 matrix products and stores, its dot
-products' precision and its float-to-e4m3 rounding are not the GPU's (see each check), which tests/gpu/ covers. Each check compares with the same arithmetic written out in torch (float64 for
-the GEMM). Prints one line per check; raises AssertionError on the first failure.
+products' precision and its float-to-e4m3 rounding are not the GPU's (see each check), and it runs programs one
+after another, so split-K's arrival counting is checked for its logic, not for races: tests/gpu/ covers those.
+Each check compares with the same arithmetic written out in torch (float64 for the GEMM). Prints one line per
+check; raises AssertionError on the first failure.
 """
 from __future__ import annotations
 
@@ -24,12 +26,15 @@ from minisrv.models.small_m_gemm import SmallMConfig, small_m_gemm  # noqa: E402
 def check_small_m_gemm() -> None:
     """y = (xq * xs) (wq * ws)^T for FP8 operands: every row count up to a full tile and beyond the tile's rows
     (m = 1, 5, 16, 17, 33), output widths that are and are not multiples of the tile, K of 1 and several K steps,
-    and the tile shapes the H100's table uses (128 columns, K steps of 128 and 256)."""
+    the tile shapes the H100's table uses (128 columns, K steps of 128 and 256), and K split over 2 and 4
+    programs per column block (the last to arrive adds the others' partial sums), twice in a row."""
     run = small_m_gemm()
     assert run is not None, "Triton is missing"
     torch.manual_seed(0)
     for (n, k), config in [((96, 256), SmallMConfig(32, 128, 4, 3)), ((80, 512), SmallMConfig(16, 256, 2, 3)),
-                           ((200, 256), SmallMConfig(128, 128, 8, 3)), ((64, 128), SmallMConfig(64, 128, 4, 4))]:
+                           ((200, 256), SmallMConfig(128, 128, 8, 3)), ((64, 128), SmallMConfig(64, 128, 4, 4)),
+                           ((96, 512), SmallMConfig(32, 128, 4, 3, split_k=2)),
+                           ((80, 1024), SmallMConfig(16, 128, 4, 3, split_k=4))]:
         w = torch.randn(n, k) * 0.02
         wq, ws = quantize_rows(w)
         ws = ws.reshape(1, -1).contiguous()
@@ -37,6 +42,9 @@ def check_small_m_gemm() -> None:
             x = torch.randn(m, k)
             xq, xs = quantize_rows(x)
             y = run(xq, wq, xs=xs, ws=ws, config=config, raise_errors=True)
+            if config.split_k > 1:  # split K: the arrival counters must be back at 0 for the next product
+                again = run(xq, wq, xs=xs, ws=ws, config=config, raise_errors=True)
+                assert torch.equal(again, y), f"{n}x{k} m={m} {tuple(config)}: a second product differs"
             ref = (xq.double() * xs.double()) @ (wq.double() * ws.double().t()).t()
             assert y.shape == (m, n) and y.dtype == torch.bfloat16
             err = ((y.double() - ref).abs() / ref.abs().max()).max().item()

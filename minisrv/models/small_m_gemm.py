@@ -3,7 +3,9 @@
 Why: at decode a projection reads its whole weight matrix for a handful of tokens, so the product is a matter of
 reading W at the memory bandwidth. cuBLAS tiles the output 64-128 columns at a time, so a 4096-wide projection (or a
 tensor-parallel rank's half of one) runs on a few dozen of the GPU's 132 SMs and reads its weights at half the
-bandwidth. Here each program owns 16-128 output columns and all of the rows, so every SM streams a share of W.
+bandwidth. Here each program owns 16-128 output columns and all of the rows, so every SM streams a share of W;
+where that still leaves too few programs, a configuration may split K over 2-4 programs per column block
+(`split_k`: each writes float32 partial sums, the last to finish adds them up and stores the output).
 
 Two operand kinds, one kernel, float32 accumulation:
 - "fp8":  x and W in float8_e4m3fn, x scaled per row (xs [m, 1]), W per output column (ws [1, N]): the same
@@ -37,15 +39,17 @@ SMALL_M = 64  # token counts up to this (decode batches) take the FP8 kernel
 SMALL_M_BF16 = 16  # and up to this the bf16 one
 MIN_BLOCK_K = 128  # every configuration's K step is a multiple of this: K must be too
 KINDS = ("fp8", "bf16")
+MAX_COLUMN_BLOCKS = 1 << 16  # output column blocks of one split-K product (its arrival counters)
 
 
 class SmallMConfig(NamedTuple):
     """Launch parameters (scripts/bench_small_m_gemm.py sweeps them)."""
 
     block_n: int  # output columns a program owns
-    block_k: int  # the reduction's step; the input width must be a multiple of it
+    block_k: int  # the reduction's step; the input width must be a multiple of block_k x split_k
     num_warps: int
     num_stages: int
+    split_k: int = 1  # programs that share a column block, each over its slice of K (see small_m_gemm)
 
 
 def kind_of(x: torch.Tensor, w: torch.Tensor) -> str:
@@ -97,7 +101,8 @@ def tuned_configs(device_name: str, directory: str = CONFIG_DIR) -> Dict[str, Sm
     except FileNotFoundError:
         return {}
     table = {key: SmallMConfig(*value) for key, value in raw.items()}
-    bad = [key for key, c in table.items() if c.block_k % MIN_BLOCK_K or int(key.split()[1].split("x")[1]) % c.block_k]
+    bad = [key for key, c in table.items()
+           if c.block_k % MIN_BLOCK_K or int(key.split()[1].split("x")[1]) % (c.block_k * c.split_k)]
     if bad:
         raise ValueError(f"{config_file(device_name, directory)}: K steps that do not divide K: {bad}")
     return table
@@ -112,7 +117,9 @@ def config_for(kind: str, n: int, k: int, m: int, device_name: Optional[str] = N
     """The launch parameters for this product on this GPU model: its sweep's best where the shipped table has the
     shape, else `default_config`'s."""
     tuned = tuned_configs(device_name).get(tuned_key(kind, n, k, m)) if device_name else None
-    return tuned if tuned is not None and k % tuned.block_k == 0 else default_config(kind, n, k, m)
+    if tuned is not None and k % (tuned.block_k * tuned.split_k) == 0:
+        return tuned
+    return default_config(kind, n, k, m)
 
 
 def fits(k: int) -> bool:
@@ -137,27 +144,58 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
         return None
 
     @triton.jit
-    def kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, m, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
+    def kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, arrivals_ptr, m, n, k, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, SPLIT_K: tl.constexpr):
+        """Program (pid, split) owns output columns [pid * BLOCK_N, +BLOCK_N) over K's slice number `split`.
+        With SPLIT_K > 1 each writes its float32 partial sums to part[split] and counts itself in at its column
+        block's arrival counter; the last to arrive adds the others' partials, stores the output and sets the
+        counter back to 0 for the next product (no extra kernel to clear or reduce)."""
         pid = tl.program_id(0)
+        split = tl.program_id(1)
+        k_slice = k // SPLIT_K  # a multiple of BLOCK_K (checked by the launcher)
         rows = tl.arange(0, BLOCK_M)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
+        ks = split * k_slice + tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + rows[:, None] * k + ks[None, :]
         w_ptrs = w_ptr + cols[:, None] * k + ks[None, :]
         row_ok = rows[:, None] < m
         col_ok = cols[:, None] < n
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, k, BLOCK_K):  # k is a multiple of BLOCK_K (checked by the launcher)
+        for _ in range(0, k_slice, BLOCK_K):
             x = tl.load(x_ptrs, mask=row_ok, other=0.0)
             w = tl.load(w_ptrs, mask=col_ok, other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        out_ok = row_ok & (cols[None, :] < n)
+        if SPLIT_K > 1:
+            tile = rows[:, None] * n + cols[None, :]
+            tl.store(part_ptr + split * m * n + tile, acc, mask=out_ok)
+            tl.debug_barrier()  # every thread's partials are written before the arrival is counted (release)
+            arrived = tl.atomic_add(arrivals_ptr + pid, 1, sem="acq_rel")
+            tl.debug_barrier()
+            # the tile's shape for the scalars (arrival order, slice number) that the masks combine
+            last = (tl.zeros((BLOCK_M, BLOCK_N), tl.int32) + arrived) == SPLIT_K - 1
+            slice_no = tl.zeros((BLOCK_M, BLOCK_N), tl.int32) + split
+            for other in tl.static_range(SPLIT_K):  # the last adds the others' partials, read through L2 (.cg)
+                acc += tl.load(part_ptr + other * m * n + tile, mask=out_ok & last & (slice_no != other), other=0.0,
+                               cache_modifier=".cg")
+            tl.atomic_xchg(arrivals_ptr + pid, 0, mask=arrived == SPLIT_K - 1)
+            out_ok = out_ok & last  # only the last stores
         if SCALED:
             acc = acc * tl.load(xs_ptr + rows, mask=rows < m, other=0.0)[:, None]
             acc = acc * tl.load(ws_ptr + cols, mask=cols < n, other=0.0)[None, :]
-        tl.store(y_ptr + rows[:, None] * n + cols[None, :], acc.to(tl.bfloat16), mask=row_ok & (cols[None, :] < n))
+        tl.store(y_ptr + rows[:, None] * n + cols[None, :], acc.to(tl.bfloat16), mask=out_ok)
+
+    # device -> int32 zeros, one per column block, made once and kept (graphs that captured a split-K product
+    # hold its address); every split-K product leaves them 0. Products on one device must not overlap in time:
+    # minisrv runs its forward passes on one stream.
+    arrival_counters: dict = {}
+
+    def counters(device: torch.device) -> torch.Tensor:
+        if device not in arrival_counters:
+            arrival_counters[device] = torch.zeros(MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
+        return arrival_counters[device]
 
     broken: dict = {}  # kind -> the error that turned the kernel off for good for that kind
 
@@ -169,15 +207,22 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
         m, k = x.shape
         n = w.shape[0]
         c = config or config_for(kind, n, k, m, device_name(x.device))
-        if k % c.block_k or (kind == "fp8") != (xs is not None) or (kind == "fp8") != (ws is not None):
-            raise ValueError(f"{kind} GEMM of K={k}: K step {c.block_k}, x scale {xs is not None}, "
-                             f"W scale {ws is not None}")
+        if k % (c.block_k * c.split_k) or (kind == "fp8") != (xs is not None) or (kind == "fp8") != (ws is not None):
+            raise ValueError(f"{kind} GEMM of K={k}: K step {c.block_k} x {c.split_k} slices, x scale "
+                             f"{xs is not None}, W scale {ws is not None}")
         y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+        blocks = triton.cdiv(n, c.block_n)
+        part, arrivals = y, y  # not read with one slice of K
+        if c.split_k > 1:
+            if blocks > MAX_COLUMN_BLOCKS:
+                raise ValueError(f"split-K GEMM of {blocks} column blocks: at most {MAX_COLUMN_BLOCKS}")
+            part = torch.empty((c.split_k, m, n), dtype=torch.float32, device=x.device)
+            arrivals = counters(x.device)
         try:
-            kernel[(triton.cdiv(n, c.block_n),)](
-                x, xs if xs is not None else x, w, ws if ws is not None else w, y, m, n, k,
+            kernel[(blocks, c.split_k)](
+                x, xs if xs is not None else x, w, ws if ws is not None else w, y, part, arrivals, m, n, k,
                 BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                SCALED=kind == "fp8",
+                SCALED=kind == "fp8", SPLIT_K=c.split_k,
                 num_warps=c.num_warps, num_stages=c.num_stages)
         except Exception as e:  # noqa: BLE001 - e.g. a Triton without FP8 dot support on this GPU
             if raise_errors:

@@ -8,7 +8,7 @@
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
 #           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv bench-fp8kv-xqa decode-fp8w-fa
 #           llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
-#           attn gemm-fp8 gemm-fp8-wide gemm-bf16 gemm-bf16-tp2 tp tp-decode tp-decode-fa tp-offline tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
+#           attn gemm-fp8 gemm-fp8-wide gemm-fp8-split gemm-bf16 gemm-bf16-tp2 tp tp-decode tp-decode-fa tp-offline tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 #           llama8b-fp8-xqa decode-fp8w-xqa decode-gemm llama8b-triton
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
@@ -142,9 +142,14 @@ for phase in "${@:-smoke}"; do
                    cp minisrv/models/small_m_configs/*.json "$OUT/" 2>/dev/null ;;
     # bf16 at one tp 2 rank's shapes on this GPU, recording winners in its table (the H200's: 4.8 TB/s)
     gemm-bf16-tp2) step gemm-bf16-tp2 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 2 --ms 1,16 \
+                     --block-n 16,32,64 --block-k 128,256 --num-warps 4 --num-stages 3,4,5 --split-k 1,2,4 \
                      --bandwidth $(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8e12 || echo 3.35e12) \
                      --write-configs
                    cp minisrv/models/small_m_configs/*.json "$OUT/" 2>/dev/null ;;
+    # the FP8 kernel with K split over 2 or 4 programs per column block, at the batch sizes of few rows
+    gemm-fp8-split) step gemm-fp8-split 500 python3 scripts/bench_small_m_gemm.py --kinds fp8 --ms 1,16 \
+                      --block-n 16,32 --block-k 128,256 --num-warps 2,4 --num-stages 3,4,5 --split-k 1,2,4 --write-configs
+                    cp minisrv/models/small_m_configs/*.json "$OUT/" 2>/dev/null ;;
     gemm-bf16) step gemm-bf16 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 1
                step gemm-bf16-tp2 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 2 ;;
     tp) wait_comm; step tp 400 python3 -X faulthandler -m pytest -q -s -o faulthandler_timeout=150 tests/gpu/test_tensor_parallel.py ;;

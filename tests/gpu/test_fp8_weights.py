@@ -168,6 +168,46 @@ def test_small_batch_kernel_runs_and_matches_cublas(m, kind):
     assert err < 1e-2, f"m={m} {kind}: {err:.2e} from the reference"
 
 
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_split_k_matches_cublas_product_after_product(split_k, kind):
+    """K split over programs: the last of a column block's programs adds the others' partial sums (an arrival
+    counter per block, set back to 0 for the next product). Many products in a row, eager and in a CUDA graph,
+    must each equal cuBLAS's: a partial read before it is written, or a counter left behind, would show."""
+    from minisrv.models.small_m_gemm import SmallMConfig
+    run = small_m_gemm()
+    g = torch.Generator(device="cuda").manual_seed(split_k)
+    n, k = 4096, 7168
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    config = SmallMConfig(32, 128, 4, 3, split_k=split_k)
+    for m in (1, 16):
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        if kind == "fp8":
+            wq, ws = quantize_rows(w)
+            ws = ws.reshape(1, -1).contiguous()
+            xq, xs = quantize_rows(x)
+            product = lambda: run(xq, wq, xs=xs, ws=ws, config=config, raise_errors=True)  # noqa: E731
+            ref = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+        else:
+            product = lambda: run(x, w, config=config, raise_errors=True)  # noqa: E731
+            ref = torch.nn.functional.linear(x, w)
+        outs = [product() for _ in range(50)]
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            product()
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            captured = [product() for _ in range(10)]
+        for _ in range(5):
+            graph.replay()
+            outs += [c.clone() for c in captured]
+        torch.cuda.synchronize()
+        for i, out in enumerate(outs):
+            err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+            assert err < 1e-2, f"{kind} split {split_k} m={m}, product {i}: {err:.2e} from cuBLAS"
+
+
 def test_this_gpus_table_of_launch_parameters_matches_cublas():
     """Every entry of this GPU model's table (small_m_configs/) computes what cuBLAS computes, at the batch size
     it was tuned for and at the smallest one it covers."""
