@@ -612,13 +612,14 @@ def empty_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, max_p
     """The model with its parameters allocated but not filled (no weight init is run: built on the meta device),
     its projections FP8 layers when `fp8` (filled by the loader, which quantises each tensor as it reads it), else
     SmallBatchLinear ones when decode_gemm is "triton"."""
+    triton_gemm = decode_gemm == "triton" and not fp8 and dtype == torch.bfloat16
     with torch.device("meta"):
         model = model_class(args.architecture)(args, max_positions, fused_ops, tp).to(dtype)
         if fp8:
             quantize_linear_layers(model)
-        elif decode_gemm == "triton" and dtype == torch.bfloat16:
+        elif triton_gemm:
             use_for_projections(model, LINEAR_NAMES)
-    if decode_gemm == "triton" and (fp8 or dtype != torch.bfloat16):
+    if decode_gemm == "triton" and not triton_gemm:
         logging.getLogger("minisrv").warning(
             "--decode-gemm triton is for bf16 weights: %s take their own GEMMs",
             "FP8 weights" if fp8 else f"{str(dtype).replace('torch.', '')} weights")

@@ -15,7 +15,7 @@ Two operand kinds, one kernel, float32 accumulation:
 Launch parameters come from `config_for`: a sweep's table for this GPU where one is shipped (small_m_configs/, written
 by `scripts/bench_small_m_gemm.py --write-configs`, as vLLM and SGLang ship tuned Triton configurations per device),
 else the rules of `default_config` (drawn from the same sweeps on an H100). K must be a multiple of the chosen K step:
-every default takes any K that `fits`, and a table entry is used only where its K step divides K.
+every default takes any K that `fits`, and a table's entries are checked against their K as it is read.
 
 Measured and not kept: FP8 weights with bf16 activations (W8A16: W widened to bf16, or to float16 with x rounded
 to float16, in registers; no activation quantiser) ran 1.3-2.5x slower than W8A8 here at every Llama-3-8B shape
@@ -93,8 +93,9 @@ def config_file(device_name: str, directory: str = CONFIG_DIR) -> str:
 
 @functools.lru_cache(maxsize=None)
 def tuned_configs(device_name: str, directory: str = CONFIG_DIR) -> Dict[str, SmallMConfig]:
-    """A GPU model's sweep results, {"kind NxK m": config}, or {} where none is shipped. A table entry whose K step
-    is not a multiple of MIN_BLOCK_K is refused (ValueError): the layers send K only where `fits`."""
+    """A GPU model's sweep results, {"kind NxK m": config}, or {} where none is shipped. A table with an entry
+    whose K step is not a multiple of MIN_BLOCK_K, or whose K steps times K slices do not divide its K, is refused
+    (ValueError): every entry it returns fits the products of its key."""
     try:
         with open(config_file(device_name, directory)) as f:
             raw = json.load(f)
@@ -117,9 +118,7 @@ def config_for(kind: str, n: int, k: int, m: int, device_name: Optional[str] = N
     """The launch parameters for this product on this GPU model: its sweep's best where the shipped table has the
     shape, else `default_config`'s."""
     tuned = tuned_configs(device_name).get(tuned_key(kind, n, k, m)) if device_name else None
-    if tuned is not None and k % (tuned.block_k * tuned.split_k) == 0:
-        return tuned
-    return default_config(kind, n, k, m)
+    return tuned if tuned is not None else default_config(kind, n, k, m)
 
 
 def fits(k: int) -> bool:

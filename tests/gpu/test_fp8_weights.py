@@ -23,7 +23,7 @@ import torch
 
 from minisrv import LLM, SamplingParams
 from minisrv.models.fp8 import FP8, LINEAR_NAMES, Fp8Linear, _triton_quant, quantize_rows
-from minisrv.models.small_m_gemm import TUNED_M, config_for, small_m_gemm, tuned_configs, tuned_key
+from minisrv.models.small_m_gemm import TUNED_M, SmallMConfig, config_for, small_m_gemm, tuned_configs, tuned_key
 
 from .common import (CKPT, assert_near_hf_greedy, decode_kernel, free_cuda, hf_model, mixed_prompts, requires_ckpt,
                      skip_unless_runs)
@@ -143,6 +143,23 @@ def test_greedy_matches_hf_with_fp8_weights_and_kv(backend, kv, kernel, prompts,
     assert_near_hf_greedy(hf, prompts, outs, N_NEW, BF16_GAP, f"{what}, against HF on the bf16 weights")
 
 
+def _small_m_product(kind: str, w: torch.Tensor, x: torch.Tensor):
+    """(product, ref): the small-batch kernel's x W^T as a function of its launch parameters (`product(config=None,
+    raise_errors=False)`, run's), and cuBLAS's on the same operands (row-wise FP8 GEMM for fp8, F.linear for bf16)."""
+    run = small_m_gemm()
+    if kind == "fp8":
+        wq, ws = quantize_rows(w)
+        ws = ws.reshape(1, -1).contiguous()
+        xq, xs = quantize_rows(x)
+        return (lambda **kw: run(xq, wq, xs=xs, ws=ws, **kw),
+                torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16))
+    return lambda **kw: run(x, w, **kw), torch.nn.functional.linear(x, w)
+
+
+def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("m", [1, 16, 33, 64])
 def test_small_batch_kernel_runs_and_matches_cublas(m, kind):
@@ -152,19 +169,11 @@ def test_small_batch_kernel_runs_and_matches_cublas(m, kind):
     n, k = 4096, 14336
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-    wq, ws = quantize_rows(w)
-    ws = ws.reshape(1, -1).contiguous()
-    xq, xs = quantize_rows(x)
-    run = small_m_gemm()
-    if kind == "fp8":
-        got = run(xq, wq, xs=xs, ws=ws)
-        ref = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
-    else:
-        got = run(x, w)
-        ref = torch.nn.functional.linear(x, w)
+    product, ref = _small_m_product(kind, w, x)
+    got = product()
     config = config_for(kind, n, k, m, torch.cuda.get_device_name())
     assert got is not None, f"the small-batch {kind} kernel fell back to cuBLAS ({config})"
-    err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+    err = _relative_error(got, ref)
     assert err < 1e-2, f"m={m} {kind}: {err:.2e} from the reference"
 
 
@@ -174,23 +183,14 @@ def test_split_k_matches_cublas_product_after_product(split_k, kind):
     """K split over programs: the last of a column block's programs adds the others' partial sums (an arrival
     counter per block, set back to 0 for the next product). Many products in a row, eager and in a CUDA graph,
     must each equal cuBLAS's: a partial read before it is written, or a counter left behind, would show."""
-    from minisrv.models.small_m_gemm import SmallMConfig
-    run = small_m_gemm()
     g = torch.Generator(device="cuda").manual_seed(split_k)
     n, k = 4096, 7168
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
     config = SmallMConfig(32, 128, 4, 3, split_k=split_k)
     for m in (1, 16):
         x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-        if kind == "fp8":
-            wq, ws = quantize_rows(w)
-            ws = ws.reshape(1, -1).contiguous()
-            xq, xs = quantize_rows(x)
-            product = lambda: run(xq, wq, xs=xs, ws=ws, config=config, raise_errors=True)  # noqa: E731
-            ref = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
-        else:
-            product = lambda: run(x, w, config=config, raise_errors=True)  # noqa: E731
-            ref = torch.nn.functional.linear(x, w)
+        run, ref = _small_m_product(kind, w, x)
+        product = lambda: run(config=config, raise_errors=True)  # noqa: E731
         outs = [product() for _ in range(50)]
         graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -204,7 +204,7 @@ def test_split_k_matches_cublas_product_after_product(split_k, kind):
             outs += [c.clone() for c in captured]
         torch.cuda.synchronize()
         for i, out in enumerate(outs):
-            err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+            err = _relative_error(out, ref)
             assert err < 1e-2, f"{kind} split {split_k} m={m}, product {i}: {err:.2e} from cuBLAS"
 
 
@@ -214,7 +214,6 @@ def test_this_gpus_table_of_launch_parameters_matches_cublas():
     table = tuned_configs(torch.cuda.get_device_name())
     if not table:
         pytest.skip(f"no table of launch parameters for {torch.cuda.get_device_name()}")
-    run = small_m_gemm()
     for key, config in table.items():
         kind, shape, tuned_m = key.split()
         n, k = (int(v) for v in shape.split("x"))
@@ -224,16 +223,8 @@ def test_this_gpus_table_of_launch_parameters_matches_cublas():
             g = torch.Generator(device="cuda").manual_seed(m)
             w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-            if kind == "fp8":
-                wq, ws = quantize_rows(w)
-                ws = ws.reshape(1, -1).contiguous()
-                xq, xs = quantize_rows(x)
-                got = run(xq, wq, xs=xs, ws=ws, config=config, raise_errors=True)
-                ref = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
-            else:
-                got = run(x, w, config=config, raise_errors=True)
-                ref = torch.nn.functional.linear(x, w)
-            err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+            product, ref = _small_m_product(kind, w, x)
+            err = _relative_error(product(config=config, raise_errors=True), ref)
             assert err < 1e-2, f"{key} {tuple(config)} at m={m}: {err:.2e} from cuBLAS"
 
 
