@@ -6,7 +6,10 @@ Kinds (--kinds): fp8 (W8A8, against cuBLAS's row-wise FP8 GEMM `torch._scaled_mm
 Shapes are a Llama-3-8B layer's projections ([N, K]: qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096, down
 4096 x 14336; with --tp 2 a rank's halves; --shapes for others) at decode batch sizes (--ms). Each configuration
 runs --iters times in a CUDA graph; the median of --repeat replays is reported, with the best configuration per
-shape and batch size, the one in use (`config_for`), and the best one's relative difference from cuBLAS.
+shape and batch size, the one in use (`config_for`), and the best one's relative difference from cuBLAS. The calls
+cycle through copies of the weights that together exceed the GPU's L2 cache (--cycle-bytes), as a model's layers
+do: a 4096 x 2048 bf16 weight (16 MiB) would otherwise be read from the 50 MiB L2 after its first call.
+--gemv-block-n adds the one-row kernel's configurations (SmallMConfig.gemv) at m = 1.
 
   python scripts/bench_small_m_gemm.py [--kinds fp8,bf16] [--tp 1] [--ms 1,16,64] [--shapes 6144x4096]
                                       [--write-configs]
@@ -40,17 +43,44 @@ def llama_8b_shapes(tp: int) -> str:
     return f"{6144 // tp}x4096,4096x{4096 // tp},{28672 // tp}x4096,4096x{14336 // tp}"
 
 
+def record(gpu: str, key: str, config: SmallMConfig) -> None:
+    """Put one winner into this GPU model's table (small_m_configs/), one entry a line:
+    "kind NxK m": [block_n, block_k, num_warps, num_stages(, split_k(, gemv))], trailing defaults left out."""
+    path = config_file(gpu)
+    table = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            table = json.load(f)
+    entry = list(config[:4]) + ([config.split_k] if config.split_k != 1 or config.gemv else []) + (
+        [True] if config.gemv else [])
+    table[key] = entry
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(table[k])}" for k in sorted(table)) + "\n}\n")
+    print(f"  recorded {key}: {entry} in {path}", flush=True)
+
+
+def cycling(product, weights):
+    """A no-argument call of product(w) that takes the next of `weights` each time it is called."""
+    calls = itertools.count()
+    return lambda: product(weights[next(calls) % len(weights)])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kinds", default="fp8,bf16")
     p.add_argument("--tp", type=int, default=1, help="the default shapes are one of this many ranks'")
     p.add_argument("--shapes", default=None, help="NxK weight shapes, comma-separated (default: Llama-3-8B's)")
     p.add_argument("--ms", default="1,16,64", help="rows (decode batch sizes)")
-    p.add_argument("--block-n", default="16,32,64,128")
+    p.add_argument("--block-n", default="16,32,64,128", help="the dot kernel's column blocks ('': only the one "
+                   "in use, e.g. to sweep the one-row kernel alone)")
     p.add_argument("--block-k", default="64,128,256", help="fp8 kinds skip 64")
     p.add_argument("--num-warps", default="2,4,8")
     p.add_argument("--num-stages", default="3,4,5")
     p.add_argument("--split-k", default="1", help="programs per column block, each over a slice of K (e.g. 1,2,4)")
+    p.add_argument("--gemv-block-n", default="", help="the one-row kernel's column blocks at m = 1 (e.g. 4,8,16)")
+    p.add_argument("--gemv-block-k", default="256,512,1024")
+    p.add_argument("--cycle-bytes", type=float, default=256e6, help="weight copies cycled through, in bytes at least")
     p.add_argument("--write-configs", action="store_true", help="record the winners in this GPU's table")
     p.add_argument("--min-gain", type=float, default=0.02, help="--write-configs: the least relative gain recorded")
     add_timing_args(p, repeat=10)
@@ -61,10 +91,12 @@ def main() -> int:
         print("Triton is missing: nothing to sweep")
         return 1
     configs = [SmallMConfig(*c) for c in itertools.product(ints(a.block_n), ints(a.block_k), ints(a.num_warps),
-                                                           ints(a.num_stages), ints(a.split_k))]
+                                                           ints(a.num_stages), ints(a.split_k))] if a.block_n else []
+    gemv_configs = [SmallMConfig(*c, gemv=True) for c in itertools.product(
+        ints(a.gemv_block_n), ints(a.gemv_block_k), ints(a.num_warps), ints(a.num_stages), ints(a.split_k))] \
+        if a.gemv_block_n else []
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name()
-    winners = {}
     print(f"{gpu}; us per GEMM (median of {a.repeat} x {a.iters}), % of "
           f"{a.bandwidth / 1e12:.2f} TB/s over the weight bytes")
     for kind in a.kinds.split(","):
@@ -75,18 +107,22 @@ def main() -> int:
             wq, ws = quantize_rows(w)
             ws = ws.reshape(1, -1).contiguous()
             floor = n * k * wbytes / a.bandwidth * 1e6
+            copies = max(1, -(-int(a.cycle_bytes) // (n * k * wbytes)))
+            copies_of_w = [w] + [w.clone() for _ in range(copies - 1)] if kind == "bf16" else [wq] + [
+                wq.clone() for _ in range(copies - 1)]
             for m in ints(a.ms):
                 x = torch.randn(m, k, device="cuda").bfloat16()
                 xq, xs = quantize_rows(x)
                 if kind == "fp8":
-                    ours = lambda c, xq=xq, xs=xs: run(xq, wq, xs=xs, ws=ws, config=c, raise_errors=True)  # noqa: E731
-                    theirs = lambda xq=xq, xs=xs: torch._scaled_mm(  # noqa: E731
+                    ours = lambda c, wq=wq, xq=xq, xs=xs: run(  # noqa: E731
+                        xq, wq, xs=xs, ws=ws, config=c, raise_errors=True)
+                    theirs = lambda wq=wq, xq=xq, xs=xs: torch._scaled_mm(  # noqa: E731
                         xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
                 else:
-                    ours = lambda c, x=x: run(x, w, config=c, raise_errors=True)  # noqa: E731
-                    theirs = lambda x=x: F.linear(x, w)  # noqa: E731
+                    ours = lambda c, w=w, x=x: run(x, w, config=c, raise_errors=True)  # noqa: E731
+                    theirs = lambda w=w, x=x: F.linear(x, w)  # noqa: E731
                 ref = theirs()
-                cublas = graph_us(theirs, a.iters, a.repeat)
+                cublas = graph_us(cycling(theirs, copies_of_w), a.iters, a.repeat)
                 default = config_for(kind, n, k, m, gpu)  # what the layers run now
                 results = {}
 
@@ -95,13 +131,13 @@ def main() -> int:
 
                 def wrong(out: torch.Tensor) -> bool:
                     return relative_diff(out) > 1e-2
-                for c in set(configs) | {default}:
+                for c in set(configs) | set(gemv_configs if m == 1 else []) | {default}:
                     if k % (c.block_k * c.split_k) or (wbytes == 1 and c.block_k < 128):
                         continue
                     try:
                         if wrong(ours(c)):
                             raise AssertionError("differs from cuBLAS")
-                        results[c] = graph_us(lambda c=c: ours(c), a.iters, a.repeat)
+                        results[c] = graph_us(cycling(lambda w, c=c: ours(c, w), copies_of_w), a.iters, a.repeat)
                         if wrong(ours(c)):  # after many replays: a split-K race would show
                             raise AssertionError("differs from cuBLAS after the timing")
                     except Exception as e:  # noqa: BLE001 - e.g. more shared memory than the GPU has
@@ -116,20 +152,7 @@ def main() -> int:
                       + ", ".join(f"{tuple(c)} {results[c]:.1f}" for c in sorted(results, key=results.get)[1:4]),
                       flush=True)
                 if a.write_configs and m in TUNED_M and results[best] < (1 - a.min_gain) * results.get(default, 1e9):
-                    winners[tuned_key(kind, n, k, m)] = list(best)
-    if winners:
-        path = config_file(gpu)
-        table = {}
-        if os.path.exists(path):
-            with open(path) as f:
-                table = json.load(f)
-        table.update(winners)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        # one entry a line: "kind NxK m": [block_n, block_k, num_warps, num_stages, (split_k)]
-        with open(path, "w") as f:
-            f.write("{\n" + ",\n".join(f" {json.dumps(key)}: {json.dumps(table[key])}" for key in sorted(table))
-                    + "\n}\n")
-        print(f"wrote {len(winners)} configuration(s) to {path}")
+                    record(gpu, tuned_key(kind, n, k, m), best)  # at once: a sweep cut off keeps what it found
     return 0
 
 

@@ -106,6 +106,14 @@ def test_a_gpu_models_table_of_launch_parameters_is_used_where_it_has_the_shape(
         json.dump({"fp8 4096x3968 16": [32, 128, 4, 3, 4]}, f)  # 3968 = 31 x 128: not 4 slices of K steps
     with pytest.raises(ValueError, match="4096x3968"):
         tuned_configs("Split bad GPU", str(tmp_path))
+    with open(config_file("Gemv GPU", str(tmp_path)), "w") as f:  # the one-row kernel, for m = 1 only
+        json.dump({"bf16 4096x7168 1": [8, 512, 4, 3, 2, True], "bf16 7168x4096 16": [8, 512, 4, 3, 1, True]}, f)
+    with pytest.raises(ValueError, match="7168x4096 16"):
+        tuned_configs("Gemv GPU", str(tmp_path))
+    with open(config_file("Gemv GPU 2", str(tmp_path)), "w") as f:
+        json.dump({"bf16 4096x7168 1": [8, 512, 4, 3, 2, True]}, f)
+    assert tuned_configs("Gemv GPU 2", str(tmp_path))[tuned_key("bf16", 4096, 7168, 1)] == SmallMConfig(
+        8, 512, 4, 3, 2, gemv=True)
     for path in glob.glob(os.path.join(CONFIG_DIR, "*.json")):
         with open(path) as f:
             for key, value in json.load(f).items():
@@ -113,4 +121,7 @@ def test_a_gpu_models_table_of_launch_parameters_is_used_where_it_has_the_shape(
                 k = int(shape.split("x")[1])
                 c = SmallMConfig(*value)
                 assert kind in ("fp8", "bf16") and int(m) in TUNED_M and k % (c.block_k * c.split_k) == 0, (path, key)
-                assert c.block_n in (16, 32, 64, 128) and c.split_k in (1, 2, 4), (path, key)
+                assert c.split_k in (1, 2, 4), (path, key)
+                # the dot kernel's tiles are 16 columns or more; the one-row kernel's may be narrower
+                assert c.block_n in ((4, 8, 16, 32) if c.gemv else (16, 32, 64, 128)), (path, key)
+                assert not c.gemv or m == "1", (path, key)

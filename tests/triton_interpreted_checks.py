@@ -54,6 +54,36 @@ def check_small_m_gemm() -> None:
             print(f"small-M FP8 GEMM {n}x{k} m={m} {tuple(config)}: max error {err:.1e} of the largest output")
 
 
+def check_gemv() -> None:
+    """The one-row kernel (SmallMConfig.gemv, taken at m = 1) for FP8 and bf16 operands: column blocks narrower
+    than the dot kernel's (4 and 8), output widths that are not multiples of them, one and several K steps, and K
+    split over 2 and 4 programs per column block, twice in a row (the arrival counters back at 0). FP8 against
+    float64 on the same rounded operands; bf16 against float64 on the bf16 values (the interpreter rounds the
+    float32 sum to bf16 as it stores)."""
+    run = small_m_gemm()
+    torch.manual_seed(2)
+    for (n, k), config in [((90, 256), SmallMConfig(8, 256, 4, 1, gemv=True)),
+                           ((37, 1024), SmallMConfig(4, 256, 4, 2, gemv=True)),
+                           ((96, 512), SmallMConfig(16, 128, 4, 3, split_k=2, gemv=True)),
+                           ((70, 2048), SmallMConfig(8, 512, 8, 3, split_k=4, gemv=True))]:
+        w = torch.randn(n, k) * 0.02
+        x = torch.randn(1, k)
+        wq, ws = quantize_rows(w)
+        ws = ws.reshape(1, -1).contiguous()
+        xq, xs = quantize_rows(x)
+        wb, xb = w.bfloat16(), x.bfloat16()
+        for kind, product, ref in [
+                ("fp8", lambda: run(xq, wq, xs=xs, ws=ws, config=config, raise_errors=True),
+                 (xq.double() * xs.double()) @ (wq.double() * ws.double().t()).t()),
+                ("bf16", lambda: run(xb, wb, config=config, raise_errors=True), xb.double() @ wb.double().t())]:
+            y = product()
+            assert y.shape == (1, n) and y.dtype == torch.bfloat16
+            assert torch.equal(product(), y), f"{kind} {n}x{k} {tuple(config)}: a second product differs"
+            err = ((y.double() - ref).abs() / ref.abs().max()).max().item()
+            assert err <= 1e-2, f"{kind} {n}x{k} {tuple(config)}: {err:.2e} from float64"
+            print(f"small-M GEMV {kind} {n}x{k} {tuple(config)}: max error {err:.1e} of the largest output")
+
+
 def check_fused_quantisers() -> None:
     """The three quantisers (plain; SiLU(gate) * up; residual add + RMSNorm, the residual written back through its
     own row stride) against the same steps in torch, rounding to the activations' dtype where the model does, for
@@ -92,5 +122,6 @@ def check_fused_quantisers() -> None:
 
 if __name__ == "__main__":
     check_small_m_gemm()
+    check_gemv()
     check_fused_quantisers()
     print("ok")

@@ -50,6 +50,7 @@ class SmallMConfig(NamedTuple):
     num_warps: int
     num_stages: int
     split_k: int = 1  # programs that share a column block, each over its slice of K (see small_m_gemm)
+    gemv: bool = False  # one row (m = 1): multiply-adds in registers and a row sum instead of a padded dot
 
 
 def kind_of(x: torch.Tensor, w: torch.Tensor) -> str:
@@ -94,8 +95,8 @@ def config_file(device_name: str, directory: str = CONFIG_DIR) -> str:
 @functools.lru_cache(maxsize=None)
 def tuned_configs(device_name: str, directory: str = CONFIG_DIR) -> Dict[str, SmallMConfig]:
     """A GPU model's sweep results, {"kind NxK m": config}, or {} where none is shipped. A table with an entry
-    whose K step is not a multiple of MIN_BLOCK_K, or whose K steps times K slices do not divide its K, is refused
-    (ValueError): every entry it returns fits the products of its key."""
+    whose K step is not a multiple of MIN_BLOCK_K, or whose K steps times K slices do not divide its K, or a one-row
+    entry for batches of more rows, is refused (ValueError): every entry it returns fits the products of its key."""
     try:
         with open(config_file(device_name, directory)) as f:
             raw = json.load(f)
@@ -106,6 +107,9 @@ def tuned_configs(device_name: str, directory: str = CONFIG_DIR) -> Dict[str, Sm
            if c.block_k % MIN_BLOCK_K or int(key.split()[1].split("x")[1]) % (c.block_k * c.split_k)]
     if bad:
         raise ValueError(f"{config_file(device_name, directory)}: K steps that do not divide K: {bad}")
+    bad = [key for key, c in table.items() if c.gemv and key.split()[2] != "1"]
+    if bad:
+        raise ValueError(f"{config_file(device_name, directory)}: one-row (gemv) entries for more rows: {bad}")
     return table
 
 
@@ -138,53 +142,10 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
     kernel cannot compile here, unless raise_errors (a sweep's configurations that do not fit are its own business)."""
     try:
         import triton
-        import triton.language as tl
+
+        from .small_m_kernels import gemv_kernel, kernel
     except Exception:  # noqa: BLE001 - any import failure means "not present"
         return None
-
-    @triton.jit
-    def kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, arrivals_ptr, m, n, k, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, SPLIT_K: tl.constexpr):
-        """Program (pid, split) owns output columns [pid * BLOCK_N, +BLOCK_N) over K's slice number `split`.
-        With SPLIT_K > 1 each writes its float32 partial sums to part[split] and counts itself in at its column
-        block's arrival counter; the last to arrive adds the others' partials, stores the output and sets the
-        counter back to 0 for the next product (no extra kernel to clear or reduce)."""
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        k_slice = k // SPLIT_K  # a multiple of BLOCK_K (checked by the launcher)
-        rows = tl.arange(0, BLOCK_M)
-        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = split * k_slice + tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + rows[:, None] * k + ks[None, :]
-        w_ptrs = w_ptr + cols[:, None] * k + ks[None, :]
-        row_ok = rows[:, None] < m
-        col_ok = cols[:, None] < n
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, k_slice, BLOCK_K):
-            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=col_ok, other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        out_ok = row_ok & (cols[None, :] < n)
-        if SPLIT_K > 1:
-            tile = rows[:, None] * n + cols[None, :]
-            tl.store(part_ptr + split * m * n + tile, acc, mask=out_ok)
-            tl.debug_barrier()  # every thread's partials are written before the arrival is counted (release)
-            arrived = tl.atomic_add(arrivals_ptr + pid, 1, sem="acq_rel")
-            tl.debug_barrier()
-            # the tile's shape for the scalars (arrival order, slice number) that the masks combine
-            last = (tl.zeros((BLOCK_M, BLOCK_N), tl.int32) + arrived) == SPLIT_K - 1
-            slice_no = tl.zeros((BLOCK_M, BLOCK_N), tl.int32) + split
-            for other in tl.static_range(SPLIT_K):  # the last adds the others' partials, read through L2 (.cg)
-                acc += tl.load(part_ptr + other * m * n + tile, mask=out_ok & last & (slice_no != other), other=0.0,
-                               cache_modifier=".cg")
-            tl.atomic_xchg(arrivals_ptr + pid, 0, mask=arrived == SPLIT_K - 1)
-            out_ok = out_ok & last  # only the last stores
-        if SCALED:
-            acc = acc * tl.load(xs_ptr + rows, mask=rows < m, other=0.0)[:, None]
-            acc = acc * tl.load(ws_ptr + cols, mask=cols < n, other=0.0)[None, :]
-        tl.store(y_ptr + rows[:, None] * n + cols[None, :], acc.to(tl.bfloat16), mask=out_ok)
 
     # device -> int32 zeros, one per column block, made once and kept (graphs that captured a split-K product
     # hold its address); every split-K product leaves them 0. Products on one device must not overlap in time:
@@ -217,12 +178,17 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
                 raise ValueError(f"split-K GEMM of {blocks} column blocks: at most {MAX_COLUMN_BLOCKS}")
             part = torch.empty((c.split_k, m, n), dtype=torch.float32, device=x.device)
             arrivals = counters(x.device)
+        operands = (x, xs if xs is not None else x, w, ws if ws is not None else w, y, part, arrivals)
         try:
-            kernel[(blocks, c.split_k)](
-                x, xs if xs is not None else x, w, ws if ws is not None else w, y, part, arrivals, m, n, k,
-                BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                SCALED=kind == "fp8", SPLIT_K=c.split_k,
-                num_warps=c.num_warps, num_stages=c.num_stages)
+            if c.gemv and m == 1:
+                gemv_kernel[(blocks, c.split_k)](
+                    *operands, n, k, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SCALED=kind == "fp8",
+                    SPLIT_K=c.split_k, num_warps=c.num_warps, num_stages=c.num_stages)
+            else:
+                kernel[(blocks, c.split_k)](
+                    *operands, m, n, k, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=c.block_n,
+                    BLOCK_K=c.block_k, SCALED=kind == "fp8", SPLIT_K=c.split_k,
+                    num_warps=c.num_warps, num_stages=c.num_stages)
         except Exception as e:  # noqa: BLE001 - e.g. a Triton without FP8 dot support on this GPU
             if raise_errors:
                 raise

@@ -8,7 +8,7 @@
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
 #           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv bench-fp8kv-xqa decode-fp8w-fa
 #           llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
-#           attn gemm-fp8 gemm-fp8-wide gemm-fp8-split gemm-bf16 gemm-bf16-tp2 tp tp-decode tp-decode-fa tp-offline tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
+#           attn gemm-fp8 gemm-fp8-wide gemm-fp8-split gemm-bf16 gemm-bf16-tp2 gemv tp tp-decode tp-decode-fa tp-offline tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 #           llama8b-fp8-xqa decode-fp8w-xqa decode-gemm llama8b-triton
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
@@ -146,6 +146,15 @@ for phase in "${@:-smoke}"; do
                      --bandwidth $(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8e12 || echo 3.35e12) \
                      --write-configs
                    cp minisrv/models/small_m_configs/*.json "$OUT/" 2>/dev/null ;;
+    # one row (batch-1 decode): the one-row kernel (gemv) against the dot kernel in use and cuBLAS, bf16 at one tp 2 rank's
+    # shapes and at tp 1's, recording winners in this GPU's table (SWEEP_TP: which)
+    gemv) BW=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8e12 || echo 3.35e12)
+          for tp in ${SWEEP_TP:-2 1}; do
+            step gemv-bf16-tp$tp 280 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp $tp --ms 1 \
+              --block-n "" --num-warps 4,8 --num-stages 3 --split-k 1,2 \
+              --gemv-block-n 4,8,16 --gemv-block-k 256,512,1024 --bandwidth $BW --write-configs; done
+          step gemm-tests 200 python3 -m pytest -q -rs tests/gpu/test_fp8_weights.py -k "one_row or table or small_batch"
+          cp minisrv/models/small_m_configs/*.json "$OUT/" 2>/dev/null ;;
     # the FP8 kernel with K split over 2 or 4 programs per column block, at the batch sizes of few rows
     gemm-fp8-split) step gemm-fp8-split 500 python3 scripts/bench_small_m_gemm.py --kinds fp8 --ms 1,16 \
                       --block-n 16,32 --block-k 128,256 --num-warps 2,4 --num-stages 3,4,5 --split-k 1,2,4 --write-configs

@@ -208,6 +208,35 @@ def test_split_k_matches_cublas_product_after_product(split_k, kind):
             assert err < 1e-2, f"{kind} split {split_k} m={m}, product {i}: {err:.2e} from cuBLAS"
 
 
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+@pytest.mark.parametrize("config", [SmallMConfig(8, 512, 4, 3, gemv=True), SmallMConfig(4, 1024, 8, 3, gemv=True),
+                                    SmallMConfig(16, 256, 4, 3, split_k=2, gemv=True)])
+def test_one_row_kernel_matches_cublas_eager_and_in_a_graph(config, kind):
+    """The one-row kernel (m = 1, SmallMConfig.gemv) computes cuBLAS's product, on an output width that is not a
+    multiple of its column block, product after product, eager and replayed in a CUDA graph (split K included)."""
+    g = torch.Generator(device="cuda").manual_seed(config.block_n)
+    n, k = 4100, 7168
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+    run, ref = _small_m_product(kind, w, x)
+    product = lambda: run(config=config, raise_errors=True)  # noqa: E731
+    outs = [product() for _ in range(20)]
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        product()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        captured = [product() for _ in range(5)]
+    for _ in range(4):
+        graph.replay()
+        outs += [c.clone() for c in captured]
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        err = _relative_error(out, ref)
+        assert err < 1e-2, f"{kind} {tuple(config)}, product {i}: {err:.2e} from cuBLAS"
+
+
 def test_this_gpus_table_of_launch_parameters_matches_cublas():
     """Every entry of this GPU model's table (small_m_configs/) computes what cuBLAS computes, at the batch size
     it was tuned for and at the smallest one it covers."""
