@@ -19,6 +19,7 @@ from torch import nn
 from minisrv.distributed import TensorParallel
 
 from .fp8 import Fp8Linear, fused_quantisers
+from .small_m_gemm import SmallBatchLinear
 
 def fused_ops_for(device: torch.device) -> Optional[Any]:
     """FlashInfer's module, whose fused norm/activation/rotary kernels the layers use, when on CUDA and importable;
@@ -209,12 +210,17 @@ class GatedMLP(nn.Module):
         gu = self.gate_up_proj(x)
         if isinstance(self.down_proj, Fp8Linear):  # its input quantised as it is computed
             out = self.down_proj.forward_silu_mul(gu)
-        elif self.fused is not None:
-            out = self.down_proj(self.fused.silu_and_mul(gu))
+        elif isinstance(self.down_proj, SmallBatchLinear):  # one row: the activation computed as it is loaded
+            out = self.down_proj.forward_silu_mul(gu, self.silu_and_mul)
         else:
-            g, u = gu.chunk(2, dim=-1)
-            out = self.down_proj(F.silu(g) * u)
+            out = self.down_proj(self.silu_and_mul(gu))
         return out if self.defer_reduce else self.tp.all_reduce(out)
+
+    def silu_and_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.silu_and_mul(gu)
+        g, u = gu.chunk(2, dim=-1)
+        return F.silu(g) * u
 
 
 class VocabEmbedding(nn.Module):

@@ -244,6 +244,12 @@ def test_one_row_kernel_matches_cublas_eager_and_in_a_graph(config, kind):
     for i, out in enumerate(outs):
         err = _relative_error(out, ref)
         assert err < 1e-2, f"{kind} {tuple(config)}, product {i}: {err:.2e} from float64"
+    if kind == "bf16":  # the MLP's SiLU-and-mul fused in: the row is [gate | up]
+        gu = torch.randn(1, 2 * k, device="cuda", generator=g).bfloat16()
+        gate, up = gu.double().chunk(2, dim=-1)
+        err = _relative_error(run(gu, w, config=config, raise_errors=True, silu_mul=True),
+                              (gate * torch.sigmoid(gate) * up) @ w.double().t())
+        assert err < 1e-2, f"silu_mul {tuple(config)}: {err:.2e} from float64"
 
 
 def test_this_gpus_table_of_launch_parameters_matches_cublas():
