@@ -8,7 +8,7 @@
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
 #           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv bench-fp8kv-xqa decode-fp8w-fa
 #           llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
-#           attn gemm-fp8 gemm-fp8-wide gemm-fp8-split gemm-bf16 gemm-bf16-tp2 gemv tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
+#           attn attn-small gemm-fp8 gemm-fp8-wide gemm-fp8-split gemm-bf16 gemm-bf16-tp2 gemv tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 #           llama8b-fp8-xqa decode-fp8w-xqa decode-gemm llama8b-triton
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
@@ -133,6 +133,9 @@ for phase in "${@:-smoke}"; do
     decode) step decode 300 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
               --batch-sizes 1,64,256 --json "$OUT/decode.jsonl" ;;
     attn) step attn 500 python3 scripts/bench_attention.py ;;
+    # small decode batches (latency, not bandwidth), a tp 1 and a tp 2 rank's heads of Llama-3-8B
+    attn-small) step attn-small 300 python3 scripts/bench_attention.py --heads "32,8;16,4" --batch-sizes 1,2,4,8,16,32 \
+                  --kv-dtypes bf16 --kernels fi,fi-tc,fa3 ;;
     # the small-batch GEMM's launch-parameter sweeps: FP8 weights, and bf16 weights on one rank's shapes of tp 1
     # and tp 2 (--bandwidth: an H100's; pass 4.8e12 on an H200)
     gemm-fp8) step gemm-fp8 500 python3 scripts/bench_small_m_gemm.py --kinds fp8 ;;
