@@ -10,7 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model's dtype
 FP8_DECODE_KERNELS = ("auto", "xqa", "flashinfer")
 QUANTIZATIONS = ("fp8",)  # weight quantisation at load (models/fp8.py)
-DECODE_GEMMS = ("cublas", "triton")  # bf16 projections' decode batches (models/small_m_gemm.py)
+DECODE_GEMMS = ("auto", "cublas", "triton")  # bf16 projections' decode batches (models/small_m_gemm.py)
 
 
 @dataclass
@@ -24,7 +24,7 @@ class EngineConfig:
     # faster attention; attention/xqa.py), flashinfer (its wrappers: K/V converted exactly), auto (xqa where it runs)
     fp8_decode_kernel: str = "auto"
     quantization: Optional[str] = None  # fp8: projection weights in float8_e4m3fn, per-channel scales (FP8 checkpoints: always)
-    decode_gemm: str = "cublas"  # bf16 weights, decode batches: cuBLAS or the small-batch Triton kernel
+    decode_gemm: str = "auto"  # bf16 weights, decode batches: cuBLAS, the small-batch Triton kernel, or auto
     device: Optional[str] = None  # None: cuda if available else cpu
     page_size: Optional[int] = None  # tokens per KV page; None: 16 on CUDA (smaller page tables), 1 on CPU
     context_length: Optional[int] = None  # None: the model's max_position_embeddings
@@ -94,7 +94,9 @@ class EngineConfig:
                             "activations per token); FP8 checkpoints are detected without it")
         p.add_argument("--decode-gemm", default=d.decode_gemm, choices=DECODE_GEMMS,
                        help="bf16 weights, decode batches (<= 16 tokens): cuBLAS, or a Triton kernel with narrow "
-                            "output tiles that spreads small projections over every SM")
+                            "output tiles that spreads small projections over every SM (triton); auto: the Triton "
+                            "one-row kernel for batches of one token where this GPU's table of swept launch "
+                            "parameters has it for the shape (H100, H200), cuBLAS for the rest")
         p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
         p.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: 16 on CUDA, 1 on CPU)")
         p.add_argument("--context-length", type=int, default=None)

@@ -33,7 +33,7 @@ def test_small_batch_linear_is_nn_linear_off_cuda(tiny_model):
     path = tiny_model("qwen2")  # qkv bias: SmallBatchLinear must keep adding it
     prompts = make_prompts(vocab_of(path), [5, 30, 12])
     logits = {}
-    for gemm in ("cublas", "triton"):
+    for gemm in ("cublas", "triton", "auto"):  # auto: the one-row kernel is for CUDA only, so nn.Linear here
         llm = make_llm(path, decode_gemm=gemm, dtype="bfloat16")
         model = llm.engine.runner.model
         kinds = {type(getattr(mod, n)) for mod in model.modules() for n in LINEAR_NAMES if hasattr(mod, n)}
@@ -41,8 +41,9 @@ def test_small_batch_linear_is_nn_linear_off_cuda(tiny_model):
         watch = EngineWatch(llm.engine)
         llm.generate(prompts, greedy(4), use_tqdm=False)
         logits[gemm] = [t for steps in watch.logits.values() for _, t in steps]  # in the order first seen
-    assert len(logits["cublas"]) == len(logits["triton"]) == 3 * 4
-    assert all(torch.equal(a, b) for a, b in zip(logits["cublas"], logits["triton"]))
+    assert len(logits["cublas"]) == len(logits["triton"]) == len(logits["auto"]) == 3 * 4
+    assert all(torch.equal(a, b) and torch.equal(a, c)
+               for a, b, c in zip(logits["cublas"], logits["triton"], logits["auto"]))
     with pytest.raises(ValueError, match="decode_gemm"):
         make_llm(path, decode_gemm="cutlass")
 
@@ -125,3 +126,19 @@ def test_a_gpu_models_table_of_launch_parameters_is_used_where_it_has_the_shape(
                 # the dot kernel's tiles are 16 columns or more; the one-row kernel's may be narrower
                 assert c.block_n in ((4, 8, 16, 32) if c.gemv else (16, 32, 64, 128)), (path, key)
                 assert not c.gemv or m == "1", (path, key)
+
+
+def test_auto_takes_the_one_row_kernel_only_where_a_gpus_table_tunes_it():
+    """--decode-gemm auto: a projection takes the one-row kernel for one row where the GPU's table gives it for the
+    shape (the H200's and H100's sweeps: tp 2's Llama-3-8B qkv on both), never for more rows, and never on a GPU
+    without a table (cuBLAS there)."""
+    from minisrv.models.small_m_gemm import SmallBatchLinear, config_for
+    assert config_for("bf16", 3072, 4096, 1, "NVIDIA H200").gemv
+    assert config_for("bf16", 3072, 4096, 1, "NVIDIA H100 80GB HBM3").gemv
+    assert not config_for("bf16", 3072, 4096, 2, "NVIDIA H200").gemv
+    assert not config_for("bf16", 3072, 4096, 1, "Some GPU").gemv
+    layer = torch.nn.Linear(4096, 3072, bias=False, dtype=torch.bfloat16, device="meta")
+    layer.__class__ = SmallBatchLinear
+    layer.tuned_one_row_only = True
+    x = torch.empty(1, 4096, dtype=torch.bfloat16, device="meta")
+    assert not layer.takes_kernel(x, 1)  # not CUDA

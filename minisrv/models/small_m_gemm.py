@@ -207,42 +207,56 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
 
 
 class SmallBatchLinear(nn.Linear):
-    """nn.Linear whose decode batches (at most SMALL_M_BF16 rows, bf16 on CUDA, K a multiple of MIN_BLOCK_K) take the
-    small-batch kernel; everything else (prefill, the CPU, other dtypes) F.linear. The parameters are nn.Linear's:
-    `use_for_projections` turns a built model's projections into these in place."""
+    """nn.Linear whose decode batches (bf16 on CUDA, K a multiple of MIN_BLOCK_K) take the small-batch kernel;
+    everything else (prefill, the CPU, other dtypes) F.linear. Which batches: up to SMALL_M_BF16 rows
+    (--decode-gemm triton), or, with `tuned_one_row_only` (--decode-gemm auto), a single row where this GPU's
+    table gives the one-row kernel for the shape (a sweep found it faster than cuBLAS there). The parameters are
+    nn.Linear's: `use_for_projections` turns a built model's projections into these in place."""
+
+    tuned_one_row_only = False
+
+    def one_row_kernel(self, device: torch.device) -> bool:
+        """Whether this GPU's table gives the one-row kernel for this layer's shape (SmallMConfig.gemv)."""
+        return config_for("bf16", self.out_features, self.in_features, 1, device_name(device)).gemv
+
+    def takes_kernel(self, x2: torch.Tensor, rows: int) -> bool:
+        """Whether an input of `rows` rows (x2: its 2-D view) goes to the small-batch kernel."""
+        if not (x2.is_cuda and x2.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16
+                and 0 < rows <= SMALL_M_BF16 and fits(self.in_features)):
+            return False
+        return rows == 1 and self.one_row_kernel(x2.device) if self.tuned_one_row_only else True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if (x2.is_cuda and x2.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16
-                and 0 < x2.shape[0] <= SMALL_M_BF16 and fits(self.in_features)):
+        if self.takes_kernel(x2, x2.shape[0]):
             run = small_m_gemm()
             out = run(x2.contiguous(), self.weight) if run is not None else None
             if out is not None:
-                if self.bias is not None:
-                    out = out + self.bias
-                return out.reshape(*x.shape[:-1], self.out_features)
+                return self._finish(out, x.shape[:-1])
         return F.linear(x, self.weight, self.bias)
-
 
     def forward_silu_mul(self, gu: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
                          ) -> torch.Tensor:
         """forward(silu(gate) * up) for gu = [gate | up]: one kernel for a single row where this GPU's table gives
         the one-row kernel for the shape (the activation computed as the row is loaded), else `silu_and_mul`
         then forward."""
-        if (gu.is_cuda and gu.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16
-                and gu.reshape(-1, gu.shape[-1]).shape[0] == 1 and fits(self.in_features)
-                and config_for("bf16", self.out_features, self.in_features, 1, device_name(gu.device)).gemv):
+        gu2 = gu.reshape(-1, gu.shape[-1])
+        if gu2.shape[0] == 1 and self.takes_kernel(gu2, 1) and self.one_row_kernel(gu.device):
             run = small_m_gemm()
-            out = run(gu.reshape(1, -1).contiguous(), self.weight, silu_mul=True) if run is not None else None
+            out = run(gu2.contiguous(), self.weight, silu_mul=True) if run is not None else None
             if out is not None:
-                if self.bias is not None:
-                    out = out + self.bias
-                return out.reshape(*gu.shape[:-1], self.out_features)
+                return self._finish(out, gu.shape[:-1])
         return self(silu_and_mul(gu))
 
+    def _finish(self, out: torch.Tensor, lead: torch.Size) -> torch.Tensor:
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*lead, self.out_features)
 
-def use_for_projections(model: nn.Module, names: Tuple[str, ...]) -> int:
-    """Make the model's nn.Linear children called `names` SmallBatchLinear (same parameters, new forward).
+
+def use_for_projections(model: nn.Module, names: Tuple[str, ...], tuned_one_row_only: bool = False) -> int:
+    """Make the model's nn.Linear children called `names` SmallBatchLinear (same parameters, new forward), taking
+    the kernel for every decode batch, or with `tuned_one_row_only` for the single rows this GPU's table tunes.
     Returns how many changed."""
     count = 0
     for module in model.modules():
@@ -250,5 +264,6 @@ def use_for_projections(model: nn.Module, names: Tuple[str, ...]) -> int:
             child = getattr(module, name, None)
             if type(child) is nn.Linear:
                 child.__class__ = SmallBatchLinear
+                child.tuned_one_row_only = tuned_one_row_only
                 count += 1
     return count

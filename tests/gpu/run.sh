@@ -218,9 +218,10 @@ for phase in "${@:-smoke}"; do
              for mode in "" "--kv-cache-dtype fp8_e4m3" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do
                step "decode-8b $mode" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                  --batch-sizes 1,64,256 --graphs on --steps 32 $mode --json "$OUT/decode.jsonl"; done ;;
-    # bf16 decode GEMMs: cuBLAS against the small-batch Triton kernel, decode steps and the 64-request workload
+    # bf16 decode GEMMs: cuBLAS, auto (the one-row kernel where tuned) and the small-batch Triton kernel for every
+    # decode batch of up to 16 rows (GEMMS: which), decode steps
     decode-gemm) need_llama8b
-                 for g in cublas triton; do
+                 for g in ${GEMMS:-cublas auto triton}; do
                    step "decode-8b-$g" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                      --batch-sizes 1,64 --graphs on --steps 32 --decode-gemm $g --json "$OUT/decode.jsonl"; done ;;
     llama8b-triton) need_llama8b; step llama8b-triton 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
