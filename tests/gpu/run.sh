@@ -7,7 +7,7 @@
 #           bench-fi bench-fa bench-fp8kv bench-nocache bench-prefix bench-prefix-off bench-prefix-cascade
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
 #           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv bench-fp8kv-xqa decode-fp8w-fa
-#           llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
+#           gemm-e2e llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
 #           attn attn-small gemm-fp8 gemm-fp8-wide gemm-fp8-split gemm-bf16 gemm-bf16-tp2 gemv tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 #           llama8b-fp8-xqa decode-fp8w-xqa decode-gemm llama8b-triton
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
@@ -82,6 +82,8 @@ for phase in "${@:-smoke}"; do
               echo "warm $c: $(tail -n 1 /tmp/warm-fp8-$c.log)") & done; wait
            step fp8kv 500 python3 -m pytest -q -s -rs tests/gpu/test_fp8_kv.py ;;
     fp8w) step fp8w 400 python3 -m pytest -q -s -rs tests/gpu/test_fp8_weights.py ;;
+    # the small-batch GEMM's tests alone: kernels against cuBLAS and float64, this GPU's table, end to end against HF
+    gemm-e2e) step gemm-e2e 300 python3 -m pytest -q -s -rs tests/gpu/test_fp8_weights.py -k "one_row or table or small_batch or split_k or decode_gemm" ;;
     sampling) step sampling 300 python3 -m pytest -q tests/gpu/test_sampling.py ;;
     grammar) step grammar 300 python3 -m pytest -q -s tests/gpu/test_grammar.py ;;
     overlap) step overlap 400 python3 -m pytest -q -s tests/gpu/test_overlap.py ;;
