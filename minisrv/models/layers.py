@@ -19,7 +19,6 @@ from torch import nn
 from minisrv.distributed import TensorParallel
 
 from .fp8 import Fp8Linear, fused_quantisers
-from .small_m_gemm import SmallBatchLinear
 
 def fused_ops_for(device: torch.device) -> Optional[Any]:
     """FlashInfer's module, whose fused norm/activation/rotary kernels the layers use, when on CUDA and importable;
@@ -210,8 +209,6 @@ class GatedMLP(nn.Module):
         gu = self.gate_up_proj(x)
         if isinstance(self.down_proj, Fp8Linear):  # its input quantised as it is computed
             out = self.down_proj.forward_silu_mul(gu)
-        elif isinstance(self.down_proj, SmallBatchLinear):  # one row: the activation computed as it is loaded
-            out = self.down_proj.forward_silu_mul(gu, self.silu_and_mul)
         else:
             out = self.down_proj(self.silu_and_mul(gu))
         return out if self.defer_reduce else self.tp.all_reduce(out)

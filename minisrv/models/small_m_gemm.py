@@ -137,9 +137,8 @@ def device_name(device: torch.device) -> str:
 
 @functools.lru_cache(maxsize=None)
 def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
-    """The kernel's launcher `run(x, w, xs=None, ws=None, config=None, raise_errors=False, silu_mul=False)`, or
-    None where Triton is missing. silu_mul: x is [gate | up] and the product is silu(gate) * up times W^T (bf16, one
-    row, a one-row configuration). `run` returns None (and keeps returning None for that operand kind, so callers use cuBLAS) if the
+    """The kernel's launcher `run(x, w, xs=None, ws=None, config=None, raise_errors=False)`, or None where Triton
+    is missing. `run` returns None (and keeps returning None for that operand kind, so callers use cuBLAS) if the
     kernel cannot compile here, unless raise_errors (a sweep's configurations that do not fit are its own business)."""
     try:
         import triton
@@ -161,20 +160,16 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
     broken: dict = {}  # kind -> the error that turned the kernel off for good for that kind
 
     def run(x: torch.Tensor, w: torch.Tensor, xs: Optional[torch.Tensor] = None, ws: Optional[torch.Tensor] = None,
-            config: Optional[SmallMConfig] = None, raise_errors: bool = False, silu_mul: bool = False
-            ) -> Optional[torch.Tensor]:
+            config: Optional[SmallMConfig] = None, raise_errors: bool = False) -> Optional[torch.Tensor]:
         kind = kind_of(x, w)
         if kind in broken and not raise_errors:
             return None
-        m, k = x.shape[0], w.shape[1]
+        m, k = x.shape
         n = w.shape[0]
         c = config or config_for(kind, n, k, m, device_name(x.device))
         if k % (c.block_k * c.split_k) or (kind == "fp8") != (xs is not None) or (kind == "fp8") != (ws is not None):
             raise ValueError(f"{kind} GEMM of K={k}: K step {c.block_k} x {c.split_k} slices, x scale "
                              f"{xs is not None}, W scale {ws is not None}")
-        if x.shape[1] != (2 * k if silu_mul else k) or (silu_mul and not (c.gemv and m == 1 and kind == "bf16")):
-            raise ValueError(f"{kind} GEMM of x {tuple(x.shape)}, W {tuple(w.shape)}, silu_mul {silu_mul}: SiLU-and-"
-                             f"mul is fused only into the one-row bf16 kernel, on x = [gate | up] of width 2K")
         y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
         blocks = triton.cdiv(n, c.block_n)
         part, arrivals = y, y  # not read with one slice of K
@@ -188,7 +183,7 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
             if c.gemv and m == 1:
                 gemv_kernel[(blocks, c.split_k)](
                     *operands, n, k, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SCALED=kind == "fp8",
-                    SPLIT_K=c.split_k, SILU_MUL=silu_mul, num_warps=c.num_warps, num_stages=c.num_stages)
+                    SPLIT_K=c.split_k, num_warps=c.num_warps, num_stages=c.num_stages)
             else:
                 kernel[(blocks, c.split_k)](
                     *operands, m, n, k, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=c.block_n,
@@ -234,19 +229,6 @@ class SmallBatchLinear(nn.Linear):
             if out is not None:
                 return self._finish(out, x.shape[:-1])
         return F.linear(x, self.weight, self.bias)
-
-    def forward_silu_mul(self, gu: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-                         ) -> torch.Tensor:
-        """forward(silu(gate) * up) for gu = [gate | up]: one kernel for a single row where this GPU's table gives
-        the one-row kernel for the shape (the activation computed as the row is loaded), else `silu_and_mul`
-        then forward."""
-        gu2 = gu.reshape(-1, gu.shape[-1])
-        if gu2.shape[0] == 1 and self.takes_kernel(gu2, 1) and self.one_row_kernel(gu.device):
-            run = small_m_gemm()
-            out = run(gu2.contiguous(), self.weight, silu_mul=True) if run is not None else None
-            if out is not None:
-                return self._finish(out, gu.shape[:-1])
-        return self(silu_and_mul(gu))
 
     def _finish(self, out: torch.Tensor, lead: torch.Size) -> torch.Tensor:
         if self.bias is not None:

@@ -57,12 +57,10 @@ def kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, arrivals_ptr, m, n, k,
 
 @triton.jit
 def gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, arrivals_ptr, n, k, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, SCALED: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr):
+                BLOCK_K: tl.constexpr, SCALED: tl.constexpr, SPLIT_K: tl.constexpr):
     """One row (m = 1): program (pid, split) multiplies its BLOCK_N columns' slice of W by x element-wise in
     float32 registers, BLOCK_K at a time, and sums each column's products once at the end. No tensor cores
-    and no padding of the row to 16: each thread streams its share of W with wide loads. With SILU_MUL the row
-    is [gate | up], 2k wide, and the input is silu(gate) * up, computed as it is loaded (the MLP's down projection
-    without the SiLU-and-mul kernel before it)."""
+    and no padding of the row to 16: each thread streams its share of W with wide loads."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     k_slice = k // SPLIT_K
@@ -74,8 +72,6 @@ def gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, arrivals_ptr, n, 
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for _ in range(0, k_slice, BLOCK_K):
         x = tl.load(x_ptrs).to(tl.float32)
-        if SILU_MUL:
-            x = x / (1.0 + tl.exp(-x)) * tl.load(x_ptrs + k).to(tl.float32)
         w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
         x_ptrs += BLOCK_K
