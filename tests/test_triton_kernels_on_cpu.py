@@ -1,4 +1,4 @@
-"""The FP8 path's Triton kernels (the small-batch GEMM, the fused quantisers) under Triton's interpreter on the CPU:
+"""The Triton kernels (the small-batch GEMM, the fused rotary + K/V store, the FP8 quantisers) under Triton's interpreter on the CPU:
 their indexing, masking, K tiling, strides and scaling against torch (tests/triton_interpreted_checks.py, run in a
 fresh process because the interpreter must be switched on before Triton is imported). On the GPU the same kernels
 are checked against cuBLAS and torch's quantisers in tests/gpu/test_fp8_weights.py."""
@@ -19,4 +19,4 @@ def test_fp8_triton_kernels_under_the_interpreter():
     done = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.rstrip().endswith("ok"), done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("small-M FP8 GEMM") == 30 and done.stdout.count("fused quantisers") == 6
-    assert done.stdout.count("small-M GEMV") == 8
+    assert done.stdout.count("small-M GEMV") == 8 and done.stdout.count("rope and store") == 3

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
 
+from minisrv.kvcache.pool import Rotary
+
 from .cascade import PrefixGroups
 
 if TYPE_CHECKING:
@@ -83,8 +85,10 @@ class AttentionBackend(ABC):
         """This step's metadata, built once per step before the model runs."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: Any) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D]. Stores k/v at the step's slots, returns attention output [T, Hq, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: Any,
+                rotary: Optional[Rotary] = None) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D]. Rotates q and k by `rotary` (if given) as it stores k/v at the step's
+        slots (KVPool.store_rotated: one kernel on CUDA), returns attention output [T, Hq, D]."""
 
     def step(self, batch: ForwardBatch) -> "AttentionStep":
         return AttentionStep(self, self.prepare(batch))
@@ -118,8 +122,9 @@ class AttentionStep:
     backend: AttentionBackend
     meta: Any
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        return self.backend.forward(q, k, v, layer_id, self.meta)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                 rotary: Optional[Rotary] = None) -> torch.Tensor:
+        return self.backend.forward(q, k, v, layer_id, self.meta, rotary)
 
 
 class HybridBackend(AttentionBackend):
@@ -137,8 +142,8 @@ class HybridBackend(AttentionBackend):
         half = self.decode_backend if batch.is_decode else self.prefill_backend
         return half.step(batch)
 
-    def forward(self, q, k, v, layer_id: int, meta: AttentionStep) -> torch.Tensor:
-        return meta(q, k, v, layer_id)
+    def forward(self, q, k, v, layer_id: int, meta: AttentionStep, rotary: Optional[Rotary] = None) -> torch.Tensor:
+        return meta(q, k, v, layer_id, rotary)
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
         self.decode_backend.init_graph_state(max_bs, max_seq_len)

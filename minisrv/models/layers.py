@@ -260,7 +260,7 @@ class Attention(nn.Module):
         self.defer_reduce = False  # True: return this rank's partial sum; the next norm all-reduces it (see there)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Callable) -> torch.Tensor:
-        """attn: the step's attention (an attention.AttentionStep), called as attn(q, k, v, layer_id)."""
+        """attn: the step's attention (an attention.AttentionStep), called as attn(q, k, v, layer_id, rotary)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.hq, self.d)
@@ -273,8 +273,8 @@ class Attention(nn.Module):
             else:
                 q = self.q_norm(q.reshape(-1, self.d)).view(t, self.hq, self.d)
                 k = self.k_norm(k.reshape(-1, self.d)).view(t, self.hkv, self.d)
-        q, k = self.rotary(positions, q, k)
-        o = attn(q, k, v, self.layer_id)
+        # the rotary is applied as k/v are stored (KVPool.store_rotated: one kernel with the store on CUDA)
+        o = attn(q, k, v, self.layer_id, (positions, self.rotary))
         out = self.o_proj(o.reshape(t, self.q_size))
         return out if self.defer_reduce else self.tp.all_reduce(out)
 
