@@ -199,9 +199,9 @@ def test_hybrid_routes_extend_to_prefill_half_and_decode_to_decode_half():
             calls.append((self.name, "prepare", b.mode.value))
             return super().prepare(b)
 
-        def forward(self, q, k, v, layer_id, meta):
+        def forward(self, q, k, v, layer_id, meta, rotary=None):
             calls.append((self.name, "forward"))
-            return super().forward(q, k, v, layer_id, meta)
+            return super().forward(q, k, v, layer_id, meta, rotary)
 
         def init_graph_state(self, max_bs, max_seq_len):
             calls.append((self.name, "init_graph_state"))
