@@ -309,11 +309,14 @@ def test_rope_and_store_in_one_kernel_matches_the_rotary_then_the_store(heads):
     rope.fused = None  # the torch rotary
     rq, rk = rope(positions, rq, rk)
     pools[1].store(1, loc, rk, rv)
-    torch.testing.assert_close(q, rq, rtol=0, atol=0)
-    torch.testing.assert_close(k, rk, rtol=0, atol=0)
-    assert torch.equal(pools[0].kv[1], pools[1].kv[1]) and not pools[0].kv[0].any()
-    # in a CUDA graph: new inputs copied into the captured ones give the same result as eager
-    pools[0].kv[1].zero_()
+    # the same float32 arithmetic; a fused multiply-add may move a value across a bf16 rounding boundary (1 ulp)
+    close = dict(rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(q, rq, **close)
+    torch.testing.assert_close(k, rk, **close)
+    torch.testing.assert_close(pools[0].kv[1], pools[1].kv[1], **close)
+    assert not pools[0].kv[0].any()  # the other layer untouched
+    # in a CUDA graph: the captured inputs refilled and replayed give exactly the eager kernel's results
+    eager_q, eager_kv = q.clone(), pools[0].kv[1].clone()
     captured = qkv.clone()
     cq, ck, cv = views(captured)
     graph = torch.cuda.CUDAGraph()
@@ -323,5 +326,4 @@ def test_rope_and_store_in_one_kernel_matches_the_rotary_then_the_store(heads):
     pools[0].kv[1].zero_()
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(cq, rq, rtol=0, atol=0)
-    assert torch.equal(pools[0].kv[1], pools[1].kv[1])
+    assert torch.equal(cq, eager_q) and torch.equal(pools[0].kv[1], eager_kv)
