@@ -7,11 +7,14 @@ bandwidth. Here each program owns 16-128 output columns and all of the rows, so 
 where that still leaves too few programs, a configuration may split K over 2-4 programs per column block
 (`split_k`: each writes float32 partial sums, the last to finish adds them up and stores the output).
 
-Two operand kinds, one kernel, float32 accumulation:
+Two operand kinds, float32 accumulation:
 - "fp8":  x and W in float8_e4m3fn, x scaled per row (xs [m, 1]), W per output column (ws [1, N]): the same
           operands and product as `torch._scaled_mm`'s row-wise mode (W8A8). FP8 weights take it up to SMALL_M rows.
-- "bf16": x and W in bf16: what `F.linear` computes. bf16 weights take it (with --decode-gemm triton) up to
-          SMALL_M_BF16 rows: beyond, cuBLAS was as fast or faster in the sweep.
+- "bf16": x and W in bf16: what `F.linear` computes. bf16 weights take it with --decode-gemm triton up to
+          SMALL_M_BF16 rows (beyond, cuBLAS was as fast or faster in the sweep), and with --decode-gemm auto (the
+          default) for one row where this GPU's table has a one-row configuration for the shape.
+Two kernels (small_m_kernels.py): a tensor-core dot over the rows padded to 16, and for one row (a configuration with
+`gemv`) multiply-adds in registers with one sum per column at the end, which reads W faster at batch-1 decode.
 Launch parameters come from `config_for`: a sweep's table for this GPU where one is shipped (small_m_configs/, written
 by `scripts/bench_small_m_gemm.py --write-configs`, as vLLM and SGLang ship tuned Triton configurations per device),
 else the rules of `default_config` (drawn from the same sweeps on an H100). K must be a multiple of the chosen K step:
