@@ -45,5 +45,6 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.
     at slots loc [T] of kv, one layer's [2, pages, page_size, Hkv, D] pool; cos_sin [P, D] float32 at positions [T]."""
     t, hq, d = q.shape
     hkv = k.shape[1]
+    # one warp a program: a head is 64-256 elements, a few per thread (prefill launches tokens x heads programs)
     rope_store_kernel[(t, hq + hkv)](q, k, v, kv, positions, loc, cos_sin, q.stride(0), k.stride(0), v.stride(0),
-                                     kv[0].numel(), NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv, HEAD_DIM=d)
+                                     kv[0].numel(), NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv, HEAD_DIM=d, num_warps=1)
