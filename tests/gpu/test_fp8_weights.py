@@ -178,6 +178,24 @@ def test_small_batch_kernel_runs_and_matches_cublas(m, kind):
     assert err < 1e-2, f"m={m} {kind}: {err:.2e} from the reference"
 
 
+def _eager_and_graph_products(product, eager: int, captured: int, replays: int):
+    """`eager` products in a row, then `captured` products captured in one CUDA graph and replayed `replays` times:
+    every output, in order (a kernel that leaves state behind for the next product would show in one of them)."""
+    outs = [product() for _ in range(eager)]
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        product()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        in_graph = [product() for _ in range(captured)]
+    for _ in range(replays):
+        graph.replay()
+        outs += [c.clone() for c in in_graph]
+    torch.cuda.synchronize()
+    return outs
+
+
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("split_k", [2, 4])
 def test_split_k_matches_cublas_product_after_product(split_k, kind):
@@ -192,19 +210,7 @@ def test_split_k_matches_cublas_product_after_product(split_k, kind):
         x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
         run, ref = _small_m_product(kind, w, x)
         product = lambda: run(config=config, raise_errors=True)  # noqa: E731
-        outs = [product() for _ in range(50)]
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            product()
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
-            captured = [product() for _ in range(10)]
-        for _ in range(5):
-            graph.replay()
-            outs += [c.clone() for c in captured]
-        torch.cuda.synchronize()
-        for i, out in enumerate(outs):
+        for i, out in enumerate(_eager_and_graph_products(product, eager=50, captured=10, replays=5)):
             err = _relative_error(out, ref)
             assert err < 1e-2, f"{kind} split {split_k} m={m}, product {i}: {err:.2e} from cuBLAS"
 
@@ -230,19 +236,7 @@ def test_one_row_kernel_matches_cublas_eager_and_in_a_graph(config, kind):
     else:
         product = lambda: run(x, w, config=config, raise_errors=True)  # noqa: E731
         ref = x.double() @ w.double().t()
-    outs = [product() for _ in range(20)]
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        product()
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        captured = [product() for _ in range(5)]
-    for _ in range(4):
-        graph.replay()
-        outs += [c.clone() for c in captured]
-    torch.cuda.synchronize()
-    for i, out in enumerate(outs):
+    for i, out in enumerate(_eager_and_graph_products(product, eager=20, captured=5, replays=4)):
         err = _relative_error(out, ref)
         assert err < 1e-2, f"{kind} {tuple(config)}, product {i}: {err:.2e} from float64"
 
