@@ -209,15 +209,12 @@ class GatedMLP(nn.Module):
         gu = self.gate_up_proj(x)
         if isinstance(self.down_proj, Fp8Linear):  # its input quantised as it is computed
             out = self.down_proj.forward_silu_mul(gu)
+        elif self.fused is not None:
+            out = self.down_proj(self.fused.silu_and_mul(gu))
         else:
-            out = self.down_proj(self.silu_and_mul(gu))
+            g, u = gu.chunk(2, dim=-1)
+            out = self.down_proj(F.silu(g) * u)
         return out if self.defer_reduce else self.tp.all_reduce(out)
-
-    def silu_and_mul(self, gu: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None:
-            return self.fused.silu_and_mul(gu)
-        g, u = gu.chunk(2, dim=-1)
-        return F.silu(g) * u
 
 
 class VocabEmbedding(nn.Module):

@@ -217,8 +217,9 @@ class SmallBatchLinear(nn.Linear):
         """Whether this GPU's table gives the one-row kernel for this layer's shape (SmallMConfig.gemv)."""
         return config_for("bf16", self.out_features, self.in_features, 1, device_name(device)).gemv
 
-    def takes_kernel(self, x2: torch.Tensor, rows: int) -> bool:
-        """Whether an input of `rows` rows (x2: its 2-D view) goes to the small-batch kernel."""
+    def takes_kernel(self, x2: torch.Tensor) -> bool:
+        """Whether an input (x2: its 2-D view, one row a token) goes to the small-batch kernel."""
+        rows = x2.shape[0]
         if not (x2.is_cuda and x2.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16
                 and 0 < rows <= SMALL_M_BF16 and fits(self.in_features)):
             return False
@@ -226,17 +227,14 @@ class SmallBatchLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if self.takes_kernel(x2, x2.shape[0]):
+        if self.takes_kernel(x2):
             run = small_m_gemm()
             out = run(x2.contiguous(), self.weight) if run is not None else None
             if out is not None:
-                return self._finish(out, x.shape[:-1])
+                if self.bias is not None:
+                    out = out + self.bias
+                return out.reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
-
-    def _finish(self, out: torch.Tensor, lead: torch.Size) -> torch.Tensor:
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*lead, self.out_features)
 
 
 def use_for_projections(model: nn.Module, names: Tuple[str, ...], tuned_one_row_only: bool = False) -> int:
