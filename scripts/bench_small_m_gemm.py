@@ -9,7 +9,10 @@ runs --iters times in a CUDA graph; the median of --repeat replays is reported, 
 shape and batch size, the one in use (`config_for`), and the best one's relative difference from cuBLAS. The calls
 cycle through copies of the weights that together exceed the GPU's L2 cache (--cycle-bytes), as a model's layers
 do: a 4096 x 2048 bf16 weight (16 MiB) would otherwise be read from the 50 MiB L2 after its first call.
---gemv-block-n adds the one-row kernel's configurations (SmallMConfig.gemv) at m = 1.
+--gemv-block-n adds the one-row kernel's configurations (SmallMConfig.gemv) at m = 1. --silu-mul sweeps the gate and
+up projections (gate_up, or --shapes) as the model runs them at m = 1: the one-row kernel ending in SiLU-and-mul
+(run(..., silu_mul=True); block_n counts weight rows, gate and up) against cuBLAS followed by the activation kernel
+(FlashInfer's where installed, as the layers use); a recorded winner is that shape's one-row entry.
 
   python scripts/bench_small_m_gemm.py [--kinds fp8,bf16] [--tp 1] [--ms 1,16,64] [--shapes 6144x4096]
                                       [--write-configs]
@@ -35,12 +38,24 @@ from graph_timing import add_timing_args, graph_us  # noqa: E402 (beside this sc
 
 from minisrv.models.fp8 import quantize_rows  # noqa: E402
 from minisrv.models.small_m_gemm import (TUNED_M, SmallMConfig, config_file, config_for, small_m_gemm,  # noqa: E402
-                                         tuned_key)
+                                         takes_silu_mul, tuned_key)
 
 
 def llama_8b_shapes(tp: int) -> str:
     """qkv, o, gate_up, down of Llama-3-8B on one of `tp` ranks (column-parallel N and row-parallel K split)."""
     return f"{6144 // tp}x4096,4096x{4096 // tp},{28672 // tp}x4096,4096x{14336 // tp}"
+
+
+def silu_and_mul_kernel():
+    """The activation the layers run after a separate gate and up product: FlashInfer's where installed."""
+    try:
+        from flashinfer.activation import silu_and_mul
+        return silu_and_mul
+    except Exception:  # noqa: BLE001 - any import failure means "not present"
+        def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
+            g, u = gu.chunk(2, dim=-1)
+            return F.silu(g) * u
+        return silu_and_mul
 
 
 def record(gpu: str, key: str, config: SmallMConfig) -> None:
@@ -80,6 +95,7 @@ def main() -> int:
     p.add_argument("--split-k", default="1", help="programs per column block, each over a slice of K (e.g. 1,2,4)")
     p.add_argument("--gemv-block-n", default="", help="the one-row kernel's column blocks at m = 1 (e.g. 4,8,16)")
     p.add_argument("--gemv-block-k", default="256,512,1024")
+    p.add_argument("--silu-mul", action="store_true", help="gate and up projections ending in SiLU-and-mul, m = 1")
     p.add_argument("--cycle-bytes", type=float, default=256e6, help="weight copies cycled through, in bytes at least")
     p.add_argument("--write-configs", action="store_true", help="record the winners in this GPU's table")
     p.add_argument("--min-gain", type=float, default=0.02, help="--write-configs: the least relative gain recorded")
@@ -97,6 +113,11 @@ def main() -> int:
         if a.gemv_block_n else []
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name()
+    act = silu_and_mul_kernel()
+    if a.silu_mul:  # only what can end in the activation: one-row configurations at m = 1 over the gate_up shapes
+        configs, a.ms, a.kinds = [], "1", "bf16"
+        gemv_configs = [c for c in gemv_configs if takes_silu_mul(c, "bf16", 1, 2)]
+        a.shapes = a.shapes or llama_8b_shapes(a.tp).split(",")[2]
     print(f"{gpu}; us per GEMM (median of {a.repeat} x {a.iters}), % of "
           f"{a.bandwidth / 1e12:.2f} TB/s over the weight bytes")
     for kind in a.kinds.split(","):
@@ -118,6 +139,9 @@ def main() -> int:
                         xq, wq, xs=xs, ws=ws, config=c, raise_errors=True)
                     theirs = lambda wq=wq, xq=xq, xs=xs: torch._scaled_mm(  # noqa: E731
                         xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+                elif a.silu_mul:
+                    ours = lambda c, w=w, x=x: run(x, w, config=c, raise_errors=True, silu_mul=True)  # noqa: E731
+                    theirs = lambda w=w, x=x: act(F.linear(x, w))  # noqa: E731
                 else:
                     ours = lambda c, w=w, x=x: run(x, w, config=c, raise_errors=True)  # noqa: E731
                     theirs = lambda w=w, x=x: F.linear(x, w)  # noqa: E731
@@ -131,7 +155,8 @@ def main() -> int:
 
                 def wrong(out: torch.Tensor) -> bool:
                     return relative_diff(out) > 1e-2
-                for c in set(configs) | set(gemv_configs if m == 1 else []) | {default}:
+                in_use = {default} if not a.silu_mul or takes_silu_mul(default, kind, m, n) else set()
+                for c in set(configs) | set(gemv_configs if m == 1 else []) | in_use:
                     if k % (c.block_k * c.split_k) or (wbytes == 1 and c.block_k < 128):
                         continue
                     try:
@@ -151,7 +176,9 @@ def main() -> int:
                       f"best {tuple(best)} {pct(results[best])} (from cuBLAS {diff:.1e}); next: "
                       + ", ".join(f"{tuple(c)} {results[c]:.1f}" for c in sorted(results, key=results.get)[1:4]),
                       flush=True)
-                if a.write_configs and m in TUNED_M and results[best] < (1 - a.min_gain) * results.get(default, 1e9):
+                # the silu-mul sweep's alternative is cuBLAS and the activation, unless a one-row entry is in use
+                beat = results.get(default, 1e9) if in_use or not a.silu_mul else cublas
+                if a.write_configs and m in TUNED_M and results[best] < (1 - a.min_gain) * beat:
                     record(gpu, tuned_key(kind, n, k, m), best)  # at once: a sweep cut off keeps what it found
     return 0
 

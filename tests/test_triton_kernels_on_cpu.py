@@ -19,4 +19,6 @@ def test_fp8_triton_kernels_under_the_interpreter():
     done = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.rstrip().endswith("ok"), done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("small-M FP8 GEMM") == 30 and done.stdout.count("fused quantisers") == 6
-    assert done.stdout.count("small-M GEMV") == 8 and done.stdout.count("rope and store") == 3
+    assert done.stdout.count("small-M GEMV fp8") == 4 and done.stdout.count("small-M GEMV bf16") == 4
+    assert done.stdout.count("small-M GEMV SiLU-and-mul") == 4
+    assert done.stdout.count("rope and store") == 3

@@ -83,6 +83,37 @@ def check_gemv() -> None:
             print(f"small-M GEMV {kind} {n}x{k} {tuple(config)}: max error {err:.1e} of the largest output")
 
 
+def check_gemv_silu_mul() -> None:
+    """The one-row kernel ending in SiLU-and-mul (run(..., silu_mul=True)) on a stacked gate and up weight: each
+    output column's gate and up rows are the program's, also where the output width is not a multiple of the
+    program's columns; against float64 with the gate and up sums rounded to bf16 first, as the kernel does.
+    A configuration it cannot take (K split) is refused."""
+    run = small_m_gemm()
+    torch.manual_seed(3)
+    for (inter, k), config in [((45, 256), SmallMConfig(16, 256, 4, 1, gemv=True)),
+                               ((64, 1024), SmallMConfig(8, 256, 4, 2, gemv=True)),
+                               ((37, 512), SmallMConfig(4, 512, 8, 3, gemv=True))]:
+        w = (torch.randn(2 * inter, k) * 0.05).bfloat16()
+        x = torch.randn(1, k).bfloat16()
+        y = run(x, w, config=config, raise_errors=True, silu_mul=True)
+        assert y.shape == (1, inter) and y.dtype == torch.bfloat16
+        sums = (x.double() @ w.double().t()).bfloat16().double()
+        gate, up = sums[:, :inter], sums[:, inter:]
+        ref = gate * torch.sigmoid(gate) * up
+        # the interpreter truncates to bf16 (up to one unit of bf16's last place, 2**-7 relative, at each of the
+        # gate's, the up's and the output's roundings): each element within 3% of its own value (a wrong row,
+        # column or mask is off by O(1))
+        err = ((y.double() - ref).abs() / (ref.abs() + 1e-2 * ref.abs().max())).max().item()
+        assert err <= 3e-2, f"{inter}x{k} {tuple(config)}: {err:.2e} from float64"
+        print(f"small-M GEMV SiLU-and-mul {2 * inter}x{k} {tuple(config)}: max relative error {err:.1e}")
+    try:
+        run(x, w, config=SmallMConfig(8, 256, 4, 1, split_k=2, gemv=True), raise_errors=True, silu_mul=True)
+    except ValueError:
+        print("small-M GEMV SiLU-and-mul refuses split K")
+    else:
+        raise AssertionError("a SiLU-and-mul product with K split was not refused")
+
+
 def check_rope_and_store() -> None:
     """The fused rotary + K/V store (kvcache/rope_store_kernel.py) against the model's torch rotary then the pool's
     store: q and k rotated in place (strided views of one qkv row, as the model passes them), k and v at their
@@ -156,6 +187,7 @@ def check_fused_quantisers() -> None:
 if __name__ == "__main__":
     check_small_m_gemm()
     check_gemv()
+    check_gemv_silu_mul()
     check_rope_and_store()
     check_fused_quantisers()
     print("ok")

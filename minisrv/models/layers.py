@@ -19,6 +19,8 @@ from torch import nn
 from minisrv.distributed import TensorParallel
 
 from .fp8 import Fp8Linear, fused_quantisers
+from .small_m_gemm import SmallBatchLinear
+
 
 def fused_ops_for(device: torch.device) -> Optional[Any]:
     """FlashInfer's module, whose fused norm/activation/rotary kernels the layers use, when on CUDA and importable;
@@ -206,13 +208,15 @@ class GatedMLP(nn.Module):
         self.defer_reduce = False  # True: return this rank's partial sum; the next norm all-reduces it (see there)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)
-        if isinstance(self.down_proj, Fp8Linear):  # its input quantised as it is computed
-            out = self.down_proj.forward_silu_mul(gu)
+        act = self.gate_up_proj.silu_mul_forward(x) if isinstance(self.gate_up_proj, SmallBatchLinear) else None
+        if act is not None:  # SiLU-and-mul done by the gate and up projection's kernel (one-row decode)
+            out = self.down_proj(act)
+        elif isinstance(self.down_proj, Fp8Linear):  # its input quantised as it is computed
+            out = self.down_proj.forward_silu_mul(self.gate_up_proj(x))
         elif self.fused is not None:
-            out = self.down_proj(self.fused.silu_and_mul(gu))
+            out = self.down_proj(self.fused.silu_and_mul(self.gate_up_proj(x)))
         else:
-            g, u = gu.chunk(2, dim=-1)
+            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
             out = self.down_proj(F.silu(g) * u)
         return out if self.defer_reduce else self.tp.all_reduce(out)
 

@@ -133,6 +133,14 @@ def fits(k: int) -> bool:
     return k % MIN_BLOCK_K == 0
 
 
+def takes_silu_mul(config: SmallMConfig, kind: str, m: int, n: int) -> bool:
+    """Whether a product with this configuration can end in SiLU-and-mul (run(..., silu_mul=True)): the one-row
+    kernel on bf16 operands, K not split (the activation needs each column's whole sum in one program), and W a
+    gate and an up projection stacked (an even number of rows, at least two a program)."""
+    return (config.gemv and config.split_k == 1 and config.block_n >= 2 and kind == "bf16" and m == 1
+            and n % 2 == 0)
+
+
 @functools.lru_cache(maxsize=None)
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
@@ -140,8 +148,9 @@ def device_name(device: torch.device) -> str:
 
 @functools.lru_cache(maxsize=None)
 def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
-    """The kernel's launcher `run(x, w, xs=None, ws=None, config=None, raise_errors=False)`, or None where Triton
-    is missing. `run` returns None (and keeps returning None for that operand kind, so callers use cuBLAS) if the
+    """The kernel's launcher `run(x, w, xs=None, ws=None, config=None, raise_errors=False, silu_mul=False)`, or None
+    where Triton is missing. With silu_mul, W is a gate and up projection stacked and `run` returns silu(gate) * up
+    ([1, N / 2]; only where `takes_silu_mul`). `run` returns None (and keeps returning None for that operand kind, so callers use cuBLAS) if the
     kernel cannot compile here, unless raise_errors (a sweep's configurations that do not fit are its own business)."""
     try:
         import triton
@@ -163,7 +172,8 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
     broken: dict = {}  # kind -> the error that turned the kernel off for good for that kind
 
     def run(x: torch.Tensor, w: torch.Tensor, xs: Optional[torch.Tensor] = None, ws: Optional[torch.Tensor] = None,
-            config: Optional[SmallMConfig] = None, raise_errors: bool = False) -> Optional[torch.Tensor]:
+            config: Optional[SmallMConfig] = None, raise_errors: bool = False, silu_mul: bool = False
+            ) -> Optional[torch.Tensor]:
         kind = kind_of(x, w)
         if kind in broken and not raise_errors:
             return None
@@ -173,8 +183,12 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
         if k % (c.block_k * c.split_k) or (kind == "fp8") != (xs is not None) or (kind == "fp8") != (ws is not None):
             raise ValueError(f"{kind} GEMM of K={k}: K step {c.block_k} x {c.split_k} slices, x scale "
                              f"{xs is not None}, W scale {ws is not None}")
-        y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-        blocks = triton.cdiv(n, c.block_n)
+        if silu_mul and not takes_silu_mul(c, kind, m, n):
+            raise ValueError(f"no SiLU-and-mul product for {kind} {n}x{k} at m={m} with {tuple(c)}")
+        # with silu_mul a program's block_n weight rows are its half as many output columns' gate and up rows
+        cols, block_n = (n // 2, c.block_n // 2) if silu_mul else (n, c.block_n)
+        y = torch.empty((m, cols), dtype=torch.bfloat16, device=x.device)
+        blocks = triton.cdiv(cols, block_n)
         part, arrivals = y, y  # not read with one slice of K
         if c.split_k > 1:
             if blocks > MAX_COLUMN_BLOCKS:
@@ -185,8 +199,8 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
         try:
             if c.gemv and m == 1:
                 gemv_kernel[(blocks, c.split_k)](
-                    *operands, n, k, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SCALED=kind == "fp8",
-                    SPLIT_K=c.split_k, num_warps=c.num_warps, num_stages=c.num_stages)
+                    *operands, cols, k, BLOCK_N=block_n, BLOCK_K=c.block_k, SCALED=kind == "fp8",
+                    SPLIT_K=c.split_k, SILU_MUL=silu_mul, num_warps=c.num_warps, num_stages=c.num_stages)
             else:
                 kernel[(blocks, c.split_k)](
                     *operands, m, n, k, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=c.block_n,
@@ -224,6 +238,20 @@ class SmallBatchLinear(nn.Linear):
                 and 0 < rows <= SMALL_M_BF16 and fits(self.in_features)):
             return False
         return rows == 1 and self.one_row_kernel(x2.device) if self.tuned_one_row_only else True
+
+    def silu_mul_forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """For a gated MLP's stacked gate and up projection: silu(gate) * up of x in one kernel with the product,
+        or None where the kernel does not take x (the caller then runs `forward` and the activation apart). Taken
+        for a single bf16 row whose shape has this GPU's one-row configuration without split K."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.bias is not None or x2.shape[0] != 1 or not self.takes_kernel(x2):
+            return None
+        config = config_for("bf16", self.out_features, self.in_features, 1, device_name(x2.device))
+        run = small_m_gemm()
+        if run is None or not takes_silu_mul(config, "bf16", 1, self.out_features):
+            return None
+        out = run(x2.contiguous(), self.weight, config=config, silu_mul=True)
+        return None if out is None else out.reshape(*x.shape[:-1], self.out_features // 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from minisrv import LLM, SamplingParams
 from minisrv.models.fp8 import FP8, LINEAR_NAMES, Fp8Linear, _triton_quant, quantize_rows
@@ -239,6 +240,25 @@ def test_one_row_kernel_matches_cublas_eager_and_in_a_graph(config, kind):
     for i, out in enumerate(_eager_and_graph_products(product, eager=20, captured=5, replays=4)):
         err = _relative_error(out, ref)
         assert err < 1e-2, f"{kind} {tuple(config)}, product {i}: {err:.2e} from float64"
+
+
+@pytest.mark.parametrize("config", [SmallMConfig(16, 256, 4, 3, gemv=True), SmallMConfig(8, 1024, 8, 3, gemv=True)])
+def test_one_row_kernel_with_silu_and_mul_matches_cublas_then_the_activation(config):
+    """The one-row kernel ending in SiLU-and-mul (a gated MLP's stacked gate and up weight) gives silu(gate) * up
+    of cuBLAS's bf16 product (float64 from there), on an output width that is not a multiple of its columns,
+    product after product, eager and replayed in a CUDA graph."""
+    g = torch.Generator(device="cuda").manual_seed(config.block_k)
+    inter, k = 4100, 4096
+    w = (torch.randn(2 * inter, k, device="cuda", generator=g) * 0.02).bfloat16()
+    x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+    gate, up = F.linear(x, w).double().chunk(2, dim=-1)
+    ref = gate * torch.sigmoid(gate) * up
+    run = small_m_gemm()
+    product = lambda: run(x, w, config=config, raise_errors=True, silu_mul=True)  # noqa: E731
+    for i, out in enumerate(_eager_and_graph_products(product, eager=20, captured=5, replays=4)):
+        assert out.shape == (1, inter)
+        err = _relative_error(out, ref)
+        assert err < 1e-2, f"{tuple(config)}, product {i}: {err:.2e} from cuBLAS then the activation"
 
 
 def test_this_gpus_table_of_launch_parameters_matches_cublas():
