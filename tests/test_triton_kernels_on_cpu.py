@@ -1,4 +1,4 @@
-"""The Triton kernels (the small-batch GEMM, the fused rotary + K/V store, the FP8 quantisers) under Triton's interpreter on the CPU:
+"""The Triton kernels (the small-batch GEMM, the fused rotary + K/V store, greedy decoding's argmax, the FP8 quantisers) under Triton's interpreter on the CPU:
 their indexing, masking, K tiling, strides and scaling against torch (tests/triton_interpreted_checks.py, run in a
 fresh process because the interpreter must be switched on before Triton is imported). On the GPU the same kernels
 are checked against cuBLAS and torch's quantisers in tests/gpu/test_fp8_weights.py."""
@@ -21,4 +21,4 @@ def test_fp8_triton_kernels_under_the_interpreter():
     assert done.stdout.count("small-M FP8 GEMM") == 30 and done.stdout.count("fused quantisers") == 6
     assert done.stdout.count("small-M GEMV fp8") == 4 and done.stdout.count("small-M GEMV bf16") == 4
     assert done.stdout.count("small-M GEMV SiLU-and-mul") == 4
-    assert done.stdout.count("rope and store") == 3
+    assert done.stdout.count("rope and store") == 3 and done.stdout.count("row argmax") == 9

@@ -114,6 +114,30 @@ def check_gemv_silu_mul() -> None:
         raise AssertionError("a SiLU-and-mul product with K split was not refused")
 
 
+def check_row_argmax() -> None:
+    """Greedy decoding's two-kernel argmax (engine/argmax_kernel.py) against torch's: several rows, widths that are
+    and are not multiples of its block (one block, many), float32 / bf16 / float16, rows that are views with a
+    longer stride, a maximum tied within a block and across blocks (the lowest index wins, as torch's), a row of
+    -inf (index 0, as torch's)."""
+    from minisrv.engine.argmax_kernel import BLOCK, row_argmax
+    torch.manual_seed(4)
+    for rows, vocab in [(1, 100), (3, 3 * BLOCK), (2, 2 * BLOCK + 7)]:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            wide = torch.randn(rows, vocab + 5).to(dtype)
+            logits = wide[:, :vocab]  # rows not contiguous with each other
+            top = logits.max()
+            logits[0, vocab - 1] = top + 1  # row 0: the maximum in the last, partial block, then tied earlier
+            logits[0, vocab // 3] = top + 1
+            if rows > 1:
+                logits[1] = float("-inf")
+            if rows > 2:
+                logits[2, BLOCK + 3] = logits[2, BLOCK + 9] = top + 2  # tied within one block
+            got = row_argmax(logits)
+            assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1)), (
+                f"{rows}x{vocab} {dtype}: {got.tolist()} against torch's {logits.argmax(dim=-1).tolist()}")
+            print(f"row argmax {rows}x{vocab} {dtype}: as torch's")
+
+
 def check_rope_and_store() -> None:
     """The fused rotary + K/V store (kvcache/rope_store_kernel.py) against the model's torch rotary then the pool's
     store: q and k rotated in place (strided views of one qkv row, as the model passes them), k and v at their
@@ -188,6 +212,7 @@ if __name__ == "__main__":
     check_small_m_gemm()
     check_gemv()
     check_gemv_silu_mul()
+    check_row_argmax()
     check_rope_and_store()
     check_fused_quantisers()
     print("ok")

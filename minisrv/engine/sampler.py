@@ -173,6 +173,24 @@ def _fused_sampling(device: torch.device):
     return sampling_from_logits
 
 
+@functools.lru_cache(maxsize=None)
+def _argmax_kernel(device: torch.device):
+    """The two-kernel row argmax of argmax_kernel.py on CUDA where Triton is importable, else None (torch's)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from .argmax_kernel import row_argmax
+    except Exception:  # noqa: BLE001 - any import failure means "not present"
+        return None
+    return row_argmax
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the lowest index among equal maxima)."""
+    kernel = _argmax_kernel(logits.device)
+    return kernel(logits) if kernel is not None else logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> Tuple[torch.Tensor, Optional[torch.Tensor],
                                                               Optional[Tuple[torch.Tensor, torch.Tensor]]]:
     """logits [B, V] float32 -> (token ids [B], logprob of each chosen token [B], (top values, top ids) [B, n]).
@@ -187,7 +205,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> Tuple[torch.Tensor, Optio
     if sb.grammar_mask is not None:  # disallowed tokens to -inf, in a copy (raw stays the model's)
         logits = apply_bitmask(logits, sb.grammar_mask, sb.grammar_rows)
     if sb.all_greedy:
-        ids = logits.argmax(dim=-1)
+        ids = greedy_ids(logits)
     else:
         temp = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
         scaled = logits / temp[:, None]
@@ -208,8 +226,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> Tuple[torch.Tensor, Optio
             rows = sb.seeded_rows
             e[rows] = -torch.log(hashed_uniform(sb.seeds[rows], sb.steps[rows], logits.shape[-1]))
         if fused is None:
-            sampled = scaled.sub_(e.log_()).argmax(dim=-1)
-        ids = torch.where(sb.temperature > 0, sampled, logits.argmax(dim=-1)) if sb.any_greedy else sampled
+            sampled = greedy_ids(scaled.sub_(e.log_()))
+        ids = torch.where(sb.temperature > 0, sampled, greedy_ids(logits)) if sb.any_greedy else sampled
     chosen_lp = top = None
     if sb.max_logprobs >= 0:
         lp = torch.log_softmax(raw, dim=-1)

@@ -9,7 +9,7 @@
 #           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv bench-fp8kv-xqa decode-fp8w-fa
 #           gemm-e2e llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
 #           attn attn-small gemm-fp8 gemm-fp8-wide gemm-fp8-split gemm-bf16 gemm-bf16-tp2 gemv tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
-#           llama8b-fp8-xqa decode-fp8w-xqa decode-gemm llama8b-triton
+#           llama8b-fp8-xqa decode-fp8w-xqa decode-gemm llama8b-triton gemv-silu argmax half-decode half-profile
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -53,6 +53,12 @@ BENCH="python3 scripts/bench_offline.py --model $MINISRV_GPU_CKPT --json $OUT/be
 JTOK=/tmp/json-tokenizer
 # the Llama-3-8B-shaped random checkpoint of the 8B phases, made once per machine
 need_llama8b() { [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/llama8b llama3-8b >/dev/null 2>&1; }
+# one tp 2 rank's share of that shape on one GPU (half the heads, half the MLP width; the whole vocabulary, so its
+# lm_head is twice a rank's): a tp 2 rank's step less its all-reduces, where two GPUs are not to be had
+need_llama8b_half() { [ -f /tmp/llama8b-half/config.json ] || { sed -e 's/intermediate_size=14336/intermediate_size=7168/' \
+    -e 's/num_attention_heads=32, num_key_value_heads=8,/num_attention_heads=16, num_key_value_heads=4, head_dim=128,/' \
+    .gpu-wheels/tools/make_checkpoint.py > /tmp/make_half_checkpoint.py
+  python3 /tmp/make_half_checkpoint.py /tmp/llama8b-half llama3-8b >/dev/null 2>&1; }; }
 json_tokenizer() { [ -f $JTOK/tokenizer.json ] || python3 tests/gpu/json_tokenizer.py $JTOK "$MINISRV_GPU_CKPT" >/dev/null; }
 serving() { local name=$1; shift; local port=30123 log=/tmp/$name-server.log pid
   python3 -m minisrv.launch_server --model "$MINISRV_GPU_CKPT" --attention-backend auto --port $port ${SERVER_ARGS:-} >"$log" 2>&1 &
@@ -161,6 +167,26 @@ for phase in "${@:-smoke}"; do
               --gemv-block-n 4,8,16 --gemv-block-k 256,512,1024 --bandwidth $BW --write-configs; done
           step gemm-tests 200 python3 -m pytest -q -rs tests/gpu/test_fp8_weights.py -k "one_row or table or small_batch"
           cp minisrv/models/small_m_configs/*.json "$OUT/" 2>/dev/null ;;
+    # the gate and up projections ending in SiLU-and-mul (one row) against cuBLAS then the activation, at tp 1's and
+    # a tp 2 rank's gate_up shape, recording winners in this GPU's table; then the GEMM tests
+    gemv-silu) BW=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8e12 || echo 3.35e12)
+          for tp in ${SWEEP_TP:-2 1}; do
+            step gemv-silu-tp$tp 280 python3 scripts/bench_small_m_gemm.py --tp $tp --silu-mul \
+              --num-warps 4,8 --num-stages 3,4 --gemv-block-n 8,16,32 --gemv-block-k 256,512,1024 --bandwidth $BW \
+              --write-configs; done
+          step gemm-tests 200 python3 -m pytest -q -rs tests/gpu/test_fp8_weights.py -k "one_row or table or small_batch"
+          cp minisrv/models/small_m_configs/*.json "$OUT/" 2>/dev/null ;;
+    argmax) step argmax 200 python3 scripts/bench_argmax.py
+            step argmax-test 200 python3 -m pytest -q tests/gpu/test_sampling.py ;;
+    # decode steps of one tp 2 rank's share on one GPU (need_llama8b_half), cuBLAS and auto (GEMMS: which)
+    half-decode) need_llama8b_half
+                 for g in ${GEMMS:-cublas auto}; do
+                   step "decode-8b-half-$g" 300 python3 scripts/bench_decode.py --model /tmp/llama8b-half \
+                     --attention-backend auto --batch-sizes 1,64 --graphs on --steps 32 --decode-gemm $g \
+                     --json "$OUT/decode.jsonl"; done ;;
+    half-profile) need_llama8b_half
+              step half-profile$G 300 python3 scripts/bench_decode.py --model /tmp/llama8b-half --attention-backend auto \
+                  --batch-sizes 1 --graphs on --steps 16 --torch-profile $GEMM ;;
     # the FP8 kernel with K split over 2 or 4 programs per column block, at the batch sizes of few rows
     gemm-fp8-split) step gemm-fp8-split 500 python3 scripts/bench_small_m_gemm.py --kinds fp8 --ms 1,16 \
                       --block-n 16,32 --block-k 128,256 --num-warps 2,4 --num-stages 3,4,5 --split-k 1,2,4 --write-configs
