@@ -56,7 +56,7 @@ need_llama8b() { [ -f /tmp/llama8b/config.json ] || python3 .gpu-wheels/tools/ma
 # one tp 2 rank's share of that shape on one GPU (half the heads, half the MLP width; the whole vocabulary, so its
 # lm_head is twice a rank's): a tp 2 rank's step less its all-reduces, where two GPUs are not to be had
 need_llama8b_half() { [ -f /tmp/llama8b-half/config.json ] || { sed -e 's/intermediate_size=14336/intermediate_size=7168/' \
-    -e 's/num_attention_heads=32, num_key_value_heads=8,/num_attention_heads=16, num_key_value_heads=4, head_dim=128,/' \
+    -e 's/num_attention_heads=32, num_key_value_heads=8,/num_attention_heads=16, num_key_value_heads=4,/' \
     .gpu-wheels/tools/make_checkpoint.py > /tmp/make_half_checkpoint.py
   python3 /tmp/make_half_checkpoint.py /tmp/llama8b-half llama3-8b >/dev/null 2>&1; }; }
 json_tokenizer() { [ -f $JTOK/tokenizer.json ] || python3 tests/gpu/json_tokenizer.py $JTOK "$MINISRV_GPU_CKPT" >/dev/null; }
