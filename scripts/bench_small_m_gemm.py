@@ -17,6 +17,11 @@ up projections (gate_up, or --shapes) as the model runs them at m = 1: the one-r
   python scripts/bench_small_m_gemm.py [--kinds fp8,bf16] [--tp 1] [--ms 1,16,64] [--shapes 6144x4096]
                                       [--write-configs]
 
+--chain times a layer's four projections at m = 1 one after another, as a decode step runs them (the in-use
+configurations, gate_up ending in SiLU-and-mul where it can), cycling weight copies past L2: cuBLAS (and the
+activation), the one-row kernel, and the one-row kernel as programmatic dependent launches without and with its
+weights prefetched into L2 while the previous product ends (SM 90+).
+
 --write-configs records each shape and batch size's best configuration in this GPU model's table
 (minisrv/models/small_m_configs/, read by `small_m_gemm.config_for`) where it beats the configuration in use by
 more than --min-gain (the table's entry, else `default_config`'s).
@@ -81,6 +86,40 @@ def cycling(product, weights):
     return lambda: product(weights[next(calls) % len(weights)])
 
 
+def time_chain(a, run, gpu: str) -> None:
+    """--chain: a layer's projections in a row, cuBLAS against the one-row kernel launched four ways."""
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in (a.shapes or llama_8b_shapes(a.tp)).split(",")]
+    act = silu_and_mul_kernel()
+    steps = []  # (n, k, config, silu_mul, weight copies, x)
+    for i, (n, k) in enumerate(shapes):
+        w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+        copies = [w] + [w.clone() for _ in range(max(1, -(-int(a.cycle_bytes) // (n * k * 2))) - 1)]
+        config = config_for("bf16", n, k, 1, gpu)
+        gated = i == 2 and takes_silu_mul(config, "bf16", 1, n)  # Llama's third projection is gate_up
+        steps.append((n, k, config, gated, copies, torch.randn(1, k, device="cuda").bfloat16()))
+    calls = itertools.count()
+
+    def chain(mode: str) -> None:
+        c = next(calls)
+        for i, (n, k, config, gated, copies, x) in enumerate(steps):
+            w = copies[c % len(copies)]
+            if mode == "cublas" or not config.gemv:
+                y = F.linear(x, w)
+                if i == 2:
+                    act(y)
+            else:
+                run(x, w, config=config, raise_errors=True, silu_mul=gated,
+                    dependent_launch=mode != "gemv", prefetch=mode == "pdl+prefetch")
+                if i == 2 and not gated:
+                    act(F.linear(x, w))
+    floor = sum(n * k * 2 for n, k in shapes) / a.bandwidth * 1e6
+    print(f"chain {' '.join(f'{n}x{k}' for n, k in shapes)} (floor {floor:.1f} us); configs "
+          + ", ".join(f"{tuple(s[2])}{' silu' if s[3] else ''}" for s in steps))
+    for mode in ("cublas", "gemv", "pdl", "pdl+prefetch"):
+        us = graph_us(lambda: chain(mode), a.iters, a.repeat)
+        print(f"  {mode:>12}: {us:6.1f} us ({100 * floor / us:3.0f}% of the floor)", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kinds", default="fp8,bf16")
@@ -96,6 +135,7 @@ def main() -> int:
     p.add_argument("--gemv-block-n", default="", help="the one-row kernel's column blocks at m = 1 (e.g. 4,8,16)")
     p.add_argument("--gemv-block-k", default="256,512,1024")
     p.add_argument("--silu-mul", action="store_true", help="gate and up projections ending in SiLU-and-mul, m = 1")
+    p.add_argument("--chain", action="store_true", help="a layer's projections in a row (see above)")
     p.add_argument("--cycle-bytes", type=float, default=256e6, help="weight copies cycled through, in bytes at least")
     p.add_argument("--write-configs", action="store_true", help="record the winners in this GPU's table")
     p.add_argument("--min-gain", type=float, default=0.02, help="--write-configs: the least relative gain recorded")
@@ -113,6 +153,9 @@ def main() -> int:
         if a.gemv_block_n else []
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name()
+    if a.chain:
+        time_chain(a, run, gpu)
+        return 0
     act = silu_and_mul_kernel()
     if a.silu_mul:  # only what can end in the activation: one-row configurations at m = 1 over the gate_up shapes
         configs, a.ms, a.kinds = [], "1", "bf16"

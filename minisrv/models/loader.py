@@ -23,7 +23,7 @@ from torch import nn
 from minisrv.distributed import TensorParallel
 
 from .fp8 import FP8, LINEAR_NAMES, Fp8Linear, dequantize, fp8_checkpoint_format, quantize_linear_layers
-from .small_m_gemm import use_for_projections
+from .small_m_gemm import supports_dependent_launch, use_for_projections
 from .layers import ModelArgs
 from .registry import model_class
 from .sharding import ShardPlan, Slice
@@ -620,7 +620,8 @@ def empty_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, max_p
         if fp8:
             quantize_linear_layers(model)
         elif triton_gemm:
-            use_for_projections(model, LINEAR_NAMES, tuned_one_row_only=decode_gemm == "auto")
+            use_for_projections(model, LINEAR_NAMES, tuned_one_row_only=decode_gemm == "auto",
+                                dependent_launch=supports_dependent_launch(device))
     if decode_gemm == "triton" and not triton_gemm:
         logging.getLogger("minisrv").warning(
             "--decode-gemm triton is for bf16 weights: %s take their own GEMMs",

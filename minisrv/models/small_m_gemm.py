@@ -141,6 +141,13 @@ def takes_silu_mul(config: SmallMConfig, kind: str, m: int, n: int) -> bool:
             and n % 2 == 0)
 
 
+def supports_dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on this device can be programmatic dependent launches (CUDA, SM 90 and later).
+    MINISRV_NO_PDL=1 says no (a benchmark's comparison)."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+            and os.environ.get("MINISRV_NO_PDL") != "1")
+
+
 @functools.lru_cache(maxsize=None)
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
@@ -148,10 +155,13 @@ def device_name(device: torch.device) -> str:
 
 @functools.lru_cache(maxsize=None)
 def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
-    """The kernel's launcher `run(x, w, xs=None, ws=None, config=None, raise_errors=False, silu_mul=False)`, or None
-    where Triton is missing. With silu_mul, W is a gate and up projection stacked and `run` returns silu(gate) * up
-    ([1, N / 2]; only where `takes_silu_mul`). `run` returns None (and keeps returning None for that operand kind, so callers use cuBLAS) if the
-    kernel cannot compile here, unless raise_errors (a sweep's configurations that do not fit are its own business)."""
+    """The kernel's launcher `run(x, w, xs=None, ws=None, config=None, raise_errors=False, silu_mul=False,
+    dependent_launch=False, prefetch=True)`, or None where Triton is missing. `run` returns None (and keeps returning
+    None for that operand kind, so callers use cuBLAS) if the kernel cannot compile here, unless raise_errors (a
+    sweep's configurations that do not fit are its own business). With silu_mul, W is a gate and up projection
+    stacked and `run` returns silu(gate) * up ([1, N / 2]; only where `takes_silu_mul`). With dependent_launch
+    (SM 90+) the one-row kernel is a programmatic dependent launch: its programs start while the kernel before it
+    ends, bring their weights into L2 (unless not `prefetch`) and wait for that kernel only to read x."""
     try:
         import triton
 
@@ -172,8 +182,8 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
     broken: dict = {}  # kind -> the error that turned the kernel off for good for that kind
 
     def run(x: torch.Tensor, w: torch.Tensor, xs: Optional[torch.Tensor] = None, ws: Optional[torch.Tensor] = None,
-            config: Optional[SmallMConfig] = None, raise_errors: bool = False, silu_mul: bool = False
-            ) -> Optional[torch.Tensor]:
+            config: Optional[SmallMConfig] = None, raise_errors: bool = False, silu_mul: bool = False,
+            dependent_launch: bool = False, prefetch: bool = True) -> Optional[torch.Tensor]:
         kind = kind_of(x, w)
         if kind in broken and not raise_errors:
             return None
@@ -198,9 +208,12 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
         operands = (x, xs if xs is not None else x, w, ws if ws is not None else w, y, part, arrivals)
         try:
             if c.gemv and m == 1:
+                line = 128 // w.element_size()  # elements of a 128-byte line
+                lines = triton.next_power_of_2(triton.cdiv(k // c.split_k, line)) if prefetch else 0
                 gemv_kernel[(blocks, c.split_k)](
                     *operands, cols, k, BLOCK_N=block_n, BLOCK_K=c.block_k, SCALED=kind == "fp8",
-                    SPLIT_K=c.split_k, SILU_MUL=silu_mul, num_warps=c.num_warps, num_stages=c.num_stages)
+                    SPLIT_K=c.split_k, SILU_MUL=silu_mul, PDL=dependent_launch, PREFETCH_LINES=lines, LINE=line,
+                    num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=dependent_launch)
             else:
                 kernel[(blocks, c.split_k)](
                     *operands, m, n, k, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=c.block_n,
@@ -226,6 +239,7 @@ class SmallBatchLinear(nn.Linear):
     nn.Linear's: `use_for_projections` turns a built model's projections into these in place."""
 
     tuned_one_row_only = False
+    dependent_launch = False  # one-row products as programmatic dependent launches (SM 90+; see small_m_gemm)
 
     def one_row_kernel(self, device: torch.device) -> bool:
         """Whether this GPU's table gives the one-row kernel for this layer's shape (SmallMConfig.gemv)."""
@@ -250,14 +264,14 @@ class SmallBatchLinear(nn.Linear):
         run = small_m_gemm()
         if run is None or not takes_silu_mul(config, "bf16", 1, self.out_features):
             return None
-        out = run(x2.contiguous(), self.weight, config=config, silu_mul=True)
+        out = run(x2.contiguous(), self.weight, config=config, silu_mul=True, dependent_launch=self.dependent_launch)
         return None if out is None else out.reshape(*x.shape[:-1], self.out_features // 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if self.takes_kernel(x2):
             run = small_m_gemm()
-            out = run(x2.contiguous(), self.weight) if run is not None else None
+            out = run(x2.contiguous(), self.weight, dependent_launch=self.dependent_launch) if run is not None else None
             if out is not None:
                 if self.bias is not None:
                     out = out + self.bias
@@ -265,9 +279,11 @@ class SmallBatchLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def use_for_projections(model: nn.Module, names: Tuple[str, ...], tuned_one_row_only: bool = False) -> int:
+def use_for_projections(model: nn.Module, names: Tuple[str, ...], tuned_one_row_only: bool = False,
+                        dependent_launch: bool = False) -> int:
     """Make the model's nn.Linear children called `names` SmallBatchLinear (same parameters, new forward), taking
-    the kernel for every decode batch, or with `tuned_one_row_only` for the single rows this GPU's table tunes.
+    the kernel for every decode batch, or with `tuned_one_row_only` for the single rows this GPU's table tunes;
+    `dependent_launch`: their one-row products start while the kernel before them ends (`supports_dependent_launch`).
     Returns how many changed."""
     count = 0
     for module in model.modules():
@@ -276,5 +292,6 @@ def use_for_projections(model: nn.Module, names: Tuple[str, ...], tuned_one_row_
             if type(child) is nn.Linear:
                 child.__class__ = SmallBatchLinear
                 child.tuned_one_row_only = tuned_one_row_only
+                child.dependent_launch = dependent_launch
                 count += 1
     return count

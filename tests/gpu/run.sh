@@ -9,7 +9,7 @@
 #           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv bench-fp8kv-xqa decode-fp8w-fa
 #           gemm-e2e llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
 #           attn attn-small gemm-fp8 gemm-fp8-wide gemm-fp8-split gemm-bf16 gemm-bf16-tp2 gemv tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
-#           llama8b-fp8-xqa decode-fp8w-xqa decode-gemm llama8b-triton gemv-silu argmax half-decode half-profile
+#           llama8b-fp8-xqa decode-fp8w-xqa decode-gemm llama8b-triton gemv-silu argmax half-decode half-profile gemv-chain pdl-decode
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -176,6 +176,17 @@ for phase in "${@:-smoke}"; do
               --write-configs; done
           step gemm-tests 200 python3 -m pytest -q -rs tests/gpu/test_fp8_weights.py -k "one_row or table or small_batch"
           cp minisrv/models/small_m_configs/*.json "$OUT/" 2>/dev/null ;;
+    # a layer's projections in a row at m = 1: cuBLAS, the one-row kernel, and as programmatic dependent launches
+    gemv-chain) BW=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8e12 || echo 3.35e12)
+          for tp in 2 1; do step gemv-chain-tp$tp 200 python3 scripts/bench_small_m_gemm.py --chain --tp $tp \
+            --bandwidth $BW; done ;;
+    # decode steps (auto) with the one-row products as dependent launches and without (MINISRV_NO_PDL=1), one tp 2
+    # rank's share and the whole model on one GPU
+    pdl-decode) need_llama8b; need_llama8b_half
+          for model in llama8b-half llama8b; do for pdl in 1 0; do
+            step "decode-$model-auto-nopdl$pdl" 300 env MINISRV_NO_PDL=$pdl python3 scripts/bench_decode.py \
+              --model /tmp/$model --attention-backend auto --batch-sizes 1 --graphs on --steps 32 --decode-gemm auto \
+              --json "$OUT/decode.jsonl"; done; done ;;
     argmax) step argmax 200 python3 scripts/bench_argmax.py
             step argmax-test 200 python3 -m pytest -q tests/gpu/test_sampling.py ;;
     # decode steps of one tp 2 rank's share on one GPU (need_llama8b_half), cuBLAS and auto (GEMMS: which)

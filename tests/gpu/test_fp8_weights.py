@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from minisrv import LLM, SamplingParams
 from minisrv.models.fp8 import FP8, LINEAR_NAMES, Fp8Linear, _triton_quant, quantize_rows
 from minisrv.models import small_m_gemm as small_m_gemm_module
-from minisrv.models.small_m_gemm import TUNED_M, SmallMConfig, config_for, small_m_gemm, tuned_configs, tuned_key
+from minisrv.models.small_m_gemm import (TUNED_M, SmallMConfig, config_for, small_m_gemm, supports_dependent_launch,
+                                         tuned_configs, tuned_key)
 
 from .common import (CKPT, assert_near_hf_greedy, decode_kernel, free_cuda, hf_model, mixed_prompts, requires_ckpt,
                      skip_unless_runs)
@@ -216,13 +217,17 @@ def test_split_k_matches_cublas_product_after_product(split_k, kind):
             assert err < 1e-2, f"{kind} split {split_k} m={m}, product {i}: {err:.2e} from cuBLAS"
 
 
+@pytest.mark.parametrize("dependent_launch", [False, True], ids=["launch", "pdl"])
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("config", [SmallMConfig(8, 512, 4, 3, gemv=True), SmallMConfig(4, 1024, 8, 3, gemv=True),
                                     SmallMConfig(16, 256, 4, 3, split_k=2, gemv=True)])
-def test_one_row_kernel_matches_cublas_eager_and_in_a_graph(config, kind):
+def test_one_row_kernel_matches_cublas_eager_and_in_a_graph(config, kind, dependent_launch):
     """The one-row kernel (m = 1, SmallMConfig.gemv) computes the product of its operands (float64 on the same
     values: cuBLAS's FP8 GEMM wants widths that are multiples of 16), on an output width that is not a multiple of
-    its column block, product after product, eager and replayed in a CUDA graph (split K included)."""
+    its column block, product after product, eager and replayed in a CUDA graph (split K included); also as
+    programmatic dependent launches (weights prefetched before the wait for the previous kernel)."""
+    if dependent_launch and not supports_dependent_launch(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs SM 90+")
     g = torch.Generator(device="cuda").manual_seed(config.block_n)
     n, k = 4100, 7168
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
@@ -232,10 +237,11 @@ def test_one_row_kernel_matches_cublas_eager_and_in_a_graph(config, kind):
         wq, ws = quantize_rows(w)
         ws = ws.reshape(1, -1).contiguous()
         xq, xs = quantize_rows(x)
-        product = lambda: run(xq, wq, xs=xs, ws=ws, config=config, raise_errors=True)  # noqa: E731
+        product = lambda: run(xq, wq, xs=xs, ws=ws, config=config, raise_errors=True,  # noqa: E731
+                              dependent_launch=dependent_launch)
         ref = (xq.double() * xs.double()) @ (wq.double() * ws.double().t()).t()
     else:
-        product = lambda: run(x, w, config=config, raise_errors=True)  # noqa: E731
+        product = lambda: run(x, w, config=config, raise_errors=True, dependent_launch=dependent_launch)  # noqa: E731
         ref = x.double() @ w.double().t()
     for i, out in enumerate(_eager_and_graph_products(product, eager=20, captured=5, replays=4)):
         err = _relative_error(out, ref)
@@ -259,6 +265,40 @@ def test_one_row_kernel_with_silu_and_mul_matches_cublas_then_the_activation(con
         assert out.shape == (1, inter)
         err = _relative_error(out, ref)
         assert err < 1e-2, f"{tuple(config)}, product {i}: {err:.2e} from cuBLAS then the activation"
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_dependent_launches_read_the_output_of_the_product_before(prefetch):
+    """One-row products as programmatic dependent launches, each reading the previous one's output (a long product
+    first, so that a program reading x before the previous kernel ended would read the last replay's values): in a
+    CUDA graph replayed with a new input each time, every stage is the product of what the stage before it wrote."""
+    if not supports_dependent_launch(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs SM 90+")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    widths = [14336, 4096, 2048, 4096]  # x's width, then each stage's output width
+    ws = [(torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16() for k, n in zip(widths, widths[1:])]
+    config = SmallMConfig(8, 512, 4, 3, gemv=True)
+    run = small_m_gemm()
+    x = torch.randn(1, widths[0], device="cuda", generator=g).bfloat16()
+
+    def chain():
+        outs, h = [], x
+        for w in ws:
+            h = run(h, w, config=config, raise_errors=True, dependent_launch=True, prefetch=prefetch)
+            outs.append(h)
+        return outs
+    chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain()
+    for replay in range(8):
+        x.copy_(torch.randn(1, widths[0], device="cuda", generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        inputs = [x] + outs[:-1]
+        for stage, (h, w, out) in enumerate(zip(inputs, ws, outs)):
+            err = _relative_error(out, h.double() @ w.double().t())
+            assert err < 1e-2, f"replay {replay}, stage {stage}: {err:.2e} from the product of its input"
 
 
 def test_this_gpus_table_of_launch_parameters_matches_cublas():
