@@ -19,8 +19,8 @@ up projections (gate_up, or --shapes) as the model runs them at m = 1: the one-r
 
 --chain times a layer's four projections at m = 1 one after another, as a decode step runs them (the in-use
 configurations, gate_up ending in SiLU-and-mul where it can), cycling weight copies past L2: cuBLAS (and the
-activation), the one-row kernel, and the one-row kernel as programmatic dependent launches without and with its
-weights prefetched into L2 while the previous product ends (SM 90+).
+activation), the one-row kernel, and the one-row kernel as programmatic dependent launches (SM 90+): every
+product, or only the down projection after a one-row gate_up (as the layers launch them).
 
 --write-configs records each shape and batch size's best configuration in this GPU model's table
 (minisrv/models/small_m_configs/, read by `small_m_gemm.config_for`) where it beats the configuration in use by
@@ -87,7 +87,7 @@ def cycling(product, weights):
 
 
 def time_chain(a, run, gpu: str) -> None:
-    """--chain: a layer's projections in a row, cuBLAS against the one-row kernel launched four ways."""
+    """--chain: a layer's projections in a row, cuBLAS against the one-row kernel launched three ways."""
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in (a.shapes or llama_8b_shapes(a.tp)).split(",")]
     act = silu_and_mul_kernel()
     steps = []  # (n, k, config, silu_mul, weight copies, x)
@@ -108,14 +108,15 @@ def time_chain(a, run, gpu: str) -> None:
                 if i == 2:
                     act(y)
             else:
-                run(x, w, config=config, raise_errors=True, silu_mul=gated,
-                    dependent_launch=mode != "gemv", prefetch=mode == "pdl+prefetch")
+                # "pdl": every product a dependent launch, "pdl-down": only the one after a one-row product
+                pdl = mode == "pdl" or (mode == "pdl-down" and i == 3 and steps[2][2].gemv)
+                run(x, w, config=config, raise_errors=True, silu_mul=gated, gdc=mode != "gemv", dependent_launch=pdl)
                 if i == 2 and not gated:
                     act(F.linear(x, w))
     floor = sum(n * k * 2 for n, k in shapes) / a.bandwidth * 1e6
     print(f"chain {' '.join(f'{n}x{k}' for n, k in shapes)} (floor {floor:.1f} us); configs "
           + ", ".join(f"{tuple(s[2])}{' silu' if s[3] else ''}" for s in steps))
-    for mode in ("cublas", "gemv", "pdl", "pdl+prefetch"):
+    for mode in ("cublas", "gemv", "pdl", "pdl-down"):
         us = graph_us(lambda: chain(mode), a.iters, a.repeat)
         print(f"  {mode:>12}: {us:6.1f} us ({100 * floor / us:3.0f}% of the floor)", flush=True)
 

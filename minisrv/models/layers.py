@@ -210,7 +210,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = self.gate_up_proj.silu_mul_forward(x) if isinstance(self.gate_up_proj, SmallBatchLinear) else None
         if act is not None:  # SiLU-and-mul done by the gate and up projection's kernel (one-row decode)
-            out = self.down_proj(act)
+            out = self.down_proj(act, after_one_row=True)
         elif isinstance(self.down_proj, Fp8Linear):  # its input quantised as it is computed
             out = self.down_proj.forward_silu_mul(self.gate_up_proj(x))
         elif self.fused is not None:

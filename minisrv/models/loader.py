@@ -621,7 +621,7 @@ def empty_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, max_p
             quantize_linear_layers(model)
         elif triton_gemm:
             use_for_projections(model, LINEAR_NAMES, tuned_one_row_only=decode_gemm == "auto",
-                                dependent_launch=supports_dependent_launch(device))
+                                gdc=supports_dependent_launch(device))
     if decode_gemm == "triton" and not triton_gemm:
         logging.getLogger("minisrv").warning(
             "--decode-gemm triton is for bf16 weights: %s take their own GEMMs",

@@ -56,16 +56,9 @@ def kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, arrivals_ptr, m, n, k,
     tl.store(y_ptr + rows[:, None] * n + cols[None, :], acc.to(tl.bfloat16), mask=out_ok)
 
 @triton.jit
-def prefetch_to_l2(ptrs):
-    """Ask for the 128-byte lines at `ptrs` to be brought into L2 (no registers filled, nothing waited for)."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, arrivals_ptr, n, k, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, SCALED: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr = False,
-                PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64):
+                GDC: tl.constexpr = False):
     """One row (m = 1): program (pid, split) multiplies its BLOCK_N columns' slice of W by x element-wise in
     float32 registers, BLOCK_K at a time, and sums each column's products once at the end. No tensor cores
     and no padding of the row to 16: each thread streams its share of W with wide loads.
@@ -75,10 +68,9 @@ def gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, arrivals_ptr, n, 
     Each sum is rounded to bf16 before the activation, as the two products stored apart would be, so the result
     is the separate product followed by SiLU-and-mul, one kernel and one launch fewer.
 
-    PDL (launched as a programmatic dependent launch, SM 90+): the program lets the next kernel be scheduled at
-    once, asks for its own slice of W to be brought into L2 (PREFETCH_LINES 128-byte lines of LINE elements a row,
-    a power of two covering the slice; 0: none), and only then waits for the kernel before it, whose output x may
-    be: the weights, which no kernel writes, stream in while the previous kernel finishes."""
+    GDC (grid dependency control, SM 90+): the program lets a next kernel launched as a programmatic dependent
+    launch be scheduled at once, and waits for the kernel before it (whose output x may be) to end, in case this
+    one was launched so: such a kernel's launch then overlaps this one's programs instead of following them."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     k_slice = k // SPLIT_K
@@ -88,15 +80,8 @@ def gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, arrivals_ptr, n, 
     x_ptrs = x_ptr + ks
     w_ptrs = w_ptr + cols[:, None] * k + ks[None, :]
     up_ptrs = w_ptrs + n * k  # SILU_MUL: the up rows of the same columns
-    if PDL:
+    if GDC:
         tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH_LINES > 0:
-            line = tl.arange(0, PREFETCH_LINES) * LINE
-            line = tl.where(line < k_slice, line, 0)
-            rows = tl.where(col_ok, cols, 0)
-            prefetch_to_l2(w_ptr + rows[:, None] * k + split * k_slice + line[None, :])
-            if SILU_MUL:
-                prefetch_to_l2(w_ptr + (rows[:, None] + n) * k + line[None, :])
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)

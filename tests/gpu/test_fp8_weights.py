@@ -225,7 +225,7 @@ def test_one_row_kernel_matches_cublas_eager_and_in_a_graph(config, kind, depend
     """The one-row kernel (m = 1, SmallMConfig.gemv) computes the product of its operands (float64 on the same
     values: cuBLAS's FP8 GEMM wants widths that are multiples of 16), on an output width that is not a multiple of
     its column block, product after product, eager and replayed in a CUDA graph (split K included); also as
-    programmatic dependent launches (weights prefetched before the wait for the previous kernel)."""
+    programmatic dependent launches."""
     if dependent_launch and not supports_dependent_launch(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs SM 90+")
     g = torch.Generator(device="cuda").manual_seed(config.block_n)
@@ -238,10 +238,11 @@ def test_one_row_kernel_matches_cublas_eager_and_in_a_graph(config, kind, depend
         ws = ws.reshape(1, -1).contiguous()
         xq, xs = quantize_rows(x)
         product = lambda: run(xq, wq, xs=xs, ws=ws, config=config, raise_errors=True,  # noqa: E731
-                              dependent_launch=dependent_launch)
+                              gdc=dependent_launch, dependent_launch=dependent_launch)
         ref = (xq.double() * xs.double()) @ (wq.double() * ws.double().t()).t()
     else:
-        product = lambda: run(x, w, config=config, raise_errors=True, dependent_launch=dependent_launch)  # noqa: E731
+        product = lambda: run(x, w, config=config, raise_errors=True, gdc=dependent_launch,  # noqa: E731
+                              dependent_launch=dependent_launch)
         ref = x.double() @ w.double().t()
     for i, out in enumerate(_eager_and_graph_products(product, eager=20, captured=5, replays=4)):
         err = _relative_error(out, ref)
@@ -267,8 +268,7 @@ def test_one_row_kernel_with_silu_and_mul_matches_cublas_then_the_activation(con
         assert err < 1e-2, f"{tuple(config)}, product {i}: {err:.2e} from cuBLAS then the activation"
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_dependent_launches_read_the_output_of_the_product_before(prefetch):
+def test_dependent_launches_read_the_output_of_the_product_before():
     """One-row products as programmatic dependent launches, each reading the previous one's output (a long product
     first, so that a program reading x before the previous kernel ended would read the last replay's values): in a
     CUDA graph replayed with a new input each time, every stage is the product of what the stage before it wrote."""
@@ -284,7 +284,7 @@ def test_dependent_launches_read_the_output_of_the_product_before(prefetch):
     def chain():
         outs, h = [], x
         for w in ws:
-            h = run(h, w, config=config, raise_errors=True, dependent_launch=True, prefetch=prefetch)
+            h = run(h, w, config=config, raise_errors=True, gdc=True, dependent_launch=True)
             outs.append(h)
         return outs
     chain()
