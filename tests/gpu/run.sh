@@ -10,6 +10,7 @@
 #           gemm-e2e llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
 #           attn attn-small gemm-fp8 gemm-fp8-wide gemm-fp8-split gemm-bf16 gemm-bf16-tp2 gemv tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 #           llama8b-fp8-xqa decode-fp8w-xqa decode-gemm llama8b-triton gemv-silu argmax half-decode half-profile gemv-chain pdl-decode
+#           allreduce-fused tp-profile-fused
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -219,6 +220,13 @@ for phase in "${@:-smoke}"; do
             step tp2-64-fp8 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
               --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
     allreduce) step allreduce 200 python3 scripts/bench_allreduce.py --tp-size 2 ;;
+    # the fused all-reduce + add + norm per call and its options, against NCCL then the norm (waits for comm-build)
+    allreduce-fused) wait_comm; step allreduce-fused 300 python3 scripts/bench_allreduce.py --tp-size 2 --fused ;;
+    # tp-profile with the all-reduce fusion: its kernel's time a call inside the decode step
+    tp-profile-fused) need_llama8b; wait_comm
+              step tp-profile-fused 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+                  --batch-sizes 1,64 --graphs on --steps 16 --tp-size 2 --torch-profile \
+                  --enable-flashinfer-allreduce-fusion $GEMM ;;
     tp-offline) need_llama8b
               for tp in ${TP_SIZES:-1 2}; do [ "$tp" -gt 1 ] && wait_comm
                 step tp$tp-64$G 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size $tp $GEMM \
