@@ -216,7 +216,7 @@ def small_m_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
                 gemv_kernel[(blocks, c.split_k)](
                     *operands, cols, k, BLOCK_N=block_n, BLOCK_K=c.block_k, SCALED=kind == "fp8",
                     SPLIT_K=c.split_k, SILU_MUL=silu_mul, GDC=gdc, num_warps=c.num_warps,
-                    num_stages=c.num_stages, launch_pdl=dependent_launch)
+                    num_stages=c.num_stages, **({"launch_pdl": True} if dependent_launch else {}))
             else:
                 kernel[(blocks, c.split_k)](
                     *operands, m, n, k, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=c.block_n,
