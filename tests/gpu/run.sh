@@ -10,7 +10,7 @@
 #           gemm-e2e llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
 #           attn attn-small gemm-fp8 gemm-fp8-wide gemm-fp8-split gemm-bf16 gemm-bf16-tp2 gemv tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 #           llama8b-fp8-xqa decode-fp8w-xqa decode-gemm llama8b-triton gemv-silu argmax half-decode half-profile gemv-chain pdl-decode
-#           allreduce-fused tp-profile-fused
+#           allreduce-fused tp-profile-fused half-offline
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -196,6 +196,12 @@ for phase in "${@:-smoke}"; do
                    step "decode-8b-half-$g" 300 python3 scripts/bench_decode.py --model /tmp/llama8b-half \
                      --attention-backend auto --batch-sizes 1,64 --graphs on --steps 32 --decode-gemm $g \
                      --json "$OUT/decode.jsonl"; done ;;
+    # the 256-request workload on one tp 2 rank's share and on the whole model, one GPU: tp 2's ceiling without
+    # all-reduces or a second host process
+    half-offline) need_llama8b; need_llama8b_half
+                 for model in llama8b-half llama8b; do
+                   step "offline-256-$model" 250 python3 scripts/bench_offline.py --model /tmp/$model $GEMM \
+                     --json "$OUT/bench.jsonl"; done ;;
     half-profile) need_llama8b_half
               step half-profile$G 300 python3 scripts/bench_decode.py --model /tmp/llama8b-half --attention-backend auto \
                   --batch-sizes 1 --graphs on --steps 16 --torch-profile $GEMM ;;
