@@ -2,7 +2,9 @@
 that never synchronise."""
 from __future__ import annotations
 
+import importlib
 from array import array
+from typing import Any, Optional
 
 import torch
 
@@ -61,3 +63,15 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return values.to(device, non_blocking=True)
     host = torch.empty(values.shape, dtype=dtype, pin_memory=True).copy_(values)
     return host.to(device, non_blocking=True)
+
+
+def cuda_import(device: torch.device, module: str, name: Optional[str] = None) -> Optional[Any]:
+    """`module.name` (or the module) for work on `device` when it is a CUDA device and the import succeeds, else
+    None: the optional GPU kernels (FlashInfer's, Triton's) whose absence means the torch path."""
+    if device.type != "cuda":
+        return None
+    try:
+        found = importlib.import_module(module)
+        return found if name is None else getattr(found, name)
+    except Exception:  # noqa: BLE001 - any import failure means "not present"
+        return None

@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from minisrv.utils import host_tensor, to_device
+from minisrv.utils import cuda_import, host_tensor, to_device
 
 from .grammar import apply_bitmask, fill_bitmask
 from .request import Request
@@ -164,25 +164,15 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 def _fused_sampling(device: torch.device):
     """FlashInfer's sampling_from_logits (softmax sampling in one kernel) on CUDA when importable, else None.
     MINISRV_TORCH_SAMPLING=1 keeps the torch kernels."""
-    if device.type != "cuda" or os.environ.get("MINISRV_TORCH_SAMPLING") == "1":
+    if os.environ.get("MINISRV_TORCH_SAMPLING") == "1":
         return None
-    try:
-        from flashinfer.sampling import sampling_from_logits
-    except Exception:  # noqa: BLE001 - any import failure means "not present"
-        return None
-    return sampling_from_logits
+    return cuda_import(device, "flashinfer.sampling", "sampling_from_logits")
 
 
 @functools.lru_cache(maxsize=None)
 def _argmax_kernel(device: torch.device):
     """The two-kernel row argmax of argmax_kernel.py on CUDA where Triton is importable, else None (torch's)."""
-    if device.type != "cuda":
-        return None
-    try:
-        from .argmax_kernel import row_argmax
-    except Exception:  # noqa: BLE001 - any import failure means "not present"
-        return None
-    return row_argmax
+    return cuda_import(device, "minisrv.engine.argmax_kernel", "row_argmax")
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:

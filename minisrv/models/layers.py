@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisrv.distributed import TensorParallel
+from minisrv.utils import cuda_import
 
 from .fp8 import Fp8Linear, fused_quantisers
 from .small_m_gemm import SmallBatchLinear
@@ -25,13 +26,7 @@ from .small_m_gemm import SmallBatchLinear
 def fused_ops_for(device: torch.device) -> Optional[Any]:
     """FlashInfer's module, whose fused norm/activation/rotary kernels the layers use, when on CUDA and importable;
     None otherwise (plain torch). Chosen once, when a model is built, and handed to each layer."""
-    if device.type != "cuda":
-        return None
-    try:
-        import flashinfer
-    except Exception:  # noqa: BLE001 - any import failure means "not present"
-        return None
-    return flashinfer
+    return cuda_import(device, "flashinfer")
 
 
 @dataclass
