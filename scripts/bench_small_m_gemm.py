@@ -42,6 +42,7 @@ import torch.nn.functional as F  # noqa: E402
 from graph_timing import add_timing_args, graph_us  # noqa: E402 (beside this script)
 
 from minisrv.models.fp8 import quantize_rows  # noqa: E402
+from minisrv.models.layers import fused_ops_for  # noqa: E402
 from minisrv.models.small_m_gemm import (TUNED_M, SmallMConfig, config_file, config_for, small_m_gemm,  # noqa: E402
                                          takes_silu_mul, tuned_key)
 
@@ -52,15 +53,16 @@ def llama_8b_shapes(tp: int) -> str:
 
 
 def silu_and_mul_kernel():
-    """The activation the layers run after a separate gate and up product: FlashInfer's where installed."""
-    try:
-        from flashinfer.activation import silu_and_mul
-        return silu_and_mul
-    except Exception:  # noqa: BLE001 - any import failure means "not present"
-        def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
-            g, u = gu.chunk(2, dim=-1)
-            return F.silu(g) * u
-        return silu_and_mul
+    """The activation the layers run after a separate gate and up product: their fused ops' (FlashInfer's) where
+    installed, else torch's."""
+    fused = fused_ops_for(torch.device("cuda"))
+    if fused is not None:
+        return fused.silu_and_mul
+
+    def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
+        g, u = gu.chunk(2, dim=-1)
+        return F.silu(g) * u
+    return silu_and_mul
 
 
 def record(gpu: str, key: str, config: SmallMConfig) -> None:

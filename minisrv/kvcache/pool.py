@@ -14,6 +14,8 @@ from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
+from minisrv.utils import cuda_import
+
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 
 # a step's rotary embedding as the attention layers hand it to the store: (positions [T], rope), rope(positions, q,
@@ -117,9 +119,9 @@ class KVPool:
         place and k/v stored by one kernel (rope_store_kernel.py); elsewhere the rope's own call, then store."""
         if rotary is not None:
             positions, rope = rotary
-            if self._fusable(q, k, v, rope):
-                from .rope_store_kernel import rope_and_store
-                rope_and_store(q, k, v, self.kv[layer_id], positions, loc, rope.cos_sin)
+            fused = _rope_and_store(q.device) if self._fusable(q, k, v, rope) else None
+            if fused is not None:
+                fused(q, k, v, self.kv[layer_id], positions, loc, rope.cos_sin)
                 return q
             q, k = rope(positions, q, k)
         self.store(layer_id, loc, k, v)
@@ -130,7 +132,7 @@ class KVPool:
         return (q.is_cuda and not self.quantized and q.dtype == k.dtype == v.dtype == self.dtype and q.shape[0] > 0
                 and getattr(rope, "cos_sin", None) is not None and rope.cos_sin.shape[-1] == d
                 and d >= 32 and d & (d - 1) == 0 and k.shape[1:] == v.shape[1:] == (self.num_kv_heads, d)
-                and q.stride()[1:] == k.stride()[1:] == v.stride()[1:] == (d, 1) and _has_triton())
+                and q.stride()[1:] == k.stride()[1:] == v.stride()[1:] == (d, 1))
 
     def load(self, layer_id: int, slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """K and V at `slots` (any shape S) in the model's dtype, [*S, Hkv, D] each: an FP8 pool's bytes times
@@ -154,9 +156,6 @@ class KVPool:
 
 
 @functools.lru_cache(maxsize=None)
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not present"
-        return False
-    return True
+def _rope_and_store(device: torch.device):
+    """The rotary + store kernel (rope_store_kernel.py) on CUDA where Triton is importable, else None."""
+    return cuda_import(device, "minisrv.kvcache.rope_store_kernel", "rope_and_store")
