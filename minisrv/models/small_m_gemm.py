@@ -244,17 +244,18 @@ class SmallBatchLinear(nn.Linear):
     tuned_one_row_only = False
     gdc = False  # one-row products with grid dependency control (SM 90+; see small_m_gemm)
 
-    def one_row_kernel(self, device: torch.device) -> bool:
-        """Whether this GPU's table gives the one-row kernel for this layer's shape (SmallMConfig.gemv)."""
-        return config_for("bf16", self.out_features, self.in_features, 1, device_name(device)).gemv
-
-    def takes_kernel(self, x2: torch.Tensor) -> bool:
-        """Whether an input (x2: its 2-D view, one row a token) goes to the small-batch kernel."""
+    def kernel_config(self, x2: torch.Tensor) -> Optional[SmallMConfig]:
+        """The launch parameters the small-batch kernel runs an input with (x2: its 2-D view, one row a token), or
+        None where F.linear takes it. With `tuned_one_row_only`: a single row whose configuration in this GPU's
+        table is the one-row kernel's (SmallMConfig.gemv)."""
         rows = x2.shape[0]
         if not (x2.is_cuda and x2.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16
                 and 0 < rows <= SMALL_M_BF16 and fits(self.in_features)):
-            return False
-        return rows == 1 and self.one_row_kernel(x2.device) if self.tuned_one_row_only else True
+            return None
+        if self.tuned_one_row_only and rows != 1:
+            return None
+        config = config_for("bf16", self.out_features, self.in_features, rows, device_name(x2.device))
+        return None if self.tuned_one_row_only and not config.gemv else config
 
     def silu_mul_forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """For a gated MLP's stacked gate and up projection: silu(gate) * up of x in one kernel with the product,
@@ -262,11 +263,9 @@ class SmallBatchLinear(nn.Linear):
         for a single bf16 row whose shape has this GPU's one-row configuration without split K. With `gdc` its
         programs let the down projection after it (forward(after_one_row=True)) be launched at once."""
         x2 = x.reshape(-1, x.shape[-1])
-        if self.bias is not None or x2.shape[0] != 1 or not self.takes_kernel(x2):
-            return None
-        config = config_for("bf16", self.out_features, self.in_features, 1, device_name(x2.device))
+        config = self.kernel_config(x2) if self.bias is None and x2.shape[0] == 1 else None
         run = small_m_gemm()
-        if run is None or not takes_silu_mul(config, "bf16", 1, self.out_features):
+        if config is None or run is None or not takes_silu_mul(config, "bf16", 1, self.out_features):
             return None
         out = run(x2.contiguous(), self.weight, config=config, silu_mul=True, gdc=self.gdc)
         return None if out is None else out.reshape(*x.shape[:-1], self.out_features // 2)
@@ -277,10 +276,11 @@ class SmallBatchLinear(nn.Linear):
         grid dependency control is on (`gdc`). Other products leave it off: after the norm and attention kernels it
         did not pay."""
         x2 = x.reshape(-1, x.shape[-1])
-        if self.takes_kernel(x2):
-            run = small_m_gemm()
+        config = self.kernel_config(x2)
+        run = small_m_gemm() if config is not None else None
+        if run is not None:
             pdl = self.gdc and after_one_row
-            out = run(x2.contiguous(), self.weight, gdc=pdl, dependent_launch=pdl) if run is not None else None
+            out = run(x2.contiguous(), self.weight, config=config, gdc=pdl, dependent_launch=pdl)
             if out is not None:
                 if self.bias is not None:
                     out = out + self.bias
