@@ -58,6 +58,20 @@ def new_rendezvous(address: str) -> Rendezvous:
     return Rendezvous(address, _group_counter() or 0)
 
 
+class SymmetricMemoryUse:
+    """Whether this process has joined a symmetric-memory rendezvous (the one-shot or the fused all-reduce's
+    buffers), which only the first tensor-parallel engine of a process may do.
+
+    Why it is kept per process: torch numbers the store exchanges of its symmetric-memory rendezvous with one
+    counter per process that never goes back (the sequence number of CUDASymmetricMemory's StoreExchange), and the
+    store keys the ranks meet on carry that number. Ranks 1.. are new processes for every engine and count from 0;
+    rank 0 of a second engine in the same process would count on from the first engine's, and each side would wait
+    for keys the other never writes (2 x H200: the second fused engine's set-up hung). torch keeps that counter
+    where it cannot be read or reset, so this records the one fact that predicts it."""
+
+    joined = False
+
+
 def _group_counter() -> Optional[int]:
     """torch.distributed's next process-group number in this process (None where torch keeps no such counter)."""
     from torch.distributed import distributed_c10d as c10d
@@ -257,14 +271,30 @@ def init_tensor_parallel(rank: int, size: int, rendezvous: Rendezvous, device: t
     tp = TensorParallel(rank, size, dist.group.WORLD, control)
     tp.all_reduce(torch.zeros(1, device=device))  # NCCL sets up its communicator here, not inside a graph capture
     tp.channel = _open_step_channel(tp)
+    wants_symmetric_memory = device.type == "cuda" and (fused_norm is not None or one_shot_dtype is not None)
+    # every rank but rank 0 is a new process: rank 0's record decides (see SymmetricMemoryUse)
+    symmetric_memory_free = wants_symmetric_memory and bool(tp.min_over_ranks(int(not SymmetricMemoryUse.joined)))
+    if symmetric_memory_free:
+        SymmetricMemoryUse.joined = True  # from the first exchange on, whether or not the set-up succeeds
     if device.type == "cuda" and fused_norm is not None:
+        if not symmetric_memory_free:
+            raise RuntimeError("--enable-flashinfer-allreduce-fusion: an earlier tensor-parallel engine of this "
+                               "process set up torch's symmetric memory, which torch allows once a process (its "
+                               "rendezvous would wait forever); start this engine in a new process, or leave the "
+                               "fusion off on one of them")
         tp.fused_norm = _open_fused_norm(tp, device, *fused_norm)
     if device.type == "cuda" and one_shot_dtype is not None:
-        try:
-            one_shot = OneShotAllReduce(tp.group, device, one_shot_dtype, ONE_SHOT_MAX_BYTES)
-        except Exception as e:  # noqa: BLE001 - no peer access, or a torch without symmetric memory
-            one_shot = None
-            logger.warning("one-shot all-reduce unavailable (%s: %s); NCCL does every all-reduce", type(e).__name__, e)
+        one_shot = None
+        if not symmetric_memory_free:
+            logger.warning("one-shot all-reduce unavailable: an earlier tensor-parallel engine of this process set "
+                           "up torch's symmetric memory, which torch allows once a process; NCCL does every "
+                           "all-reduce")
+        else:
+            try:
+                one_shot = OneShotAllReduce(tp.group, device, one_shot_dtype, ONE_SHOT_MAX_BYTES)
+            except Exception as e:  # noqa: BLE001 - no peer access, or a torch without symmetric memory
+                logger.warning("one-shot all-reduce unavailable (%s: %s); NCCL does every all-reduce",
+                               type(e).__name__, e)
         # every rank must take the same path for the same message: agree on it
         tp.one_shot = one_shot if tp.min_over_ranks(int(one_shot is not None)) else None
         if tp.one_shot is not None:

@@ -211,7 +211,7 @@ for phase in "${@:-smoke}"; do
                     cp minisrv/models/small_m_configs/*.json "$OUT/" 2>/dev/null ;;
     gemm-bf16) step gemm-bf16 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 1
                step gemm-bf16-tp2 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 2 ;;
-    tp) wait_comm; step tp 400 python3 -X faulthandler -m pytest -q -s -o faulthandler_timeout=150 tests/gpu/test_tensor_parallel.py ;;
+    tp) wait_comm; step tp 500 python3 -X faulthandler -m pytest -q -s -o faulthandler_timeout=150 tests/gpu/test_tensor_parallel.py ;;
     # tensor parallelism's benchmark on a Llama-3-8B-shaped checkpoint: tp 1 against tp 2, in one lease
     tp-decode) need_llama8b
               for tp in ${TP_SIZES:-1 2}; do [ "$tp" -gt 1 ] && wait_comm
