@@ -42,6 +42,8 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t=$SECONDS
 save_cache() { ls -S "$FI_CACHE"/*/*.so 2>/dev/null | while read -r f; do
     [ -e ".fi-cache/$(basename "$f")" ] || echo "$f"; done | head -5 | while read -r f; do cp -u "$f" "$OUT/"; done; }
 # FlashInfer's communication kernels (--enable-flashinfer-allreduce-fusion): a JIT build of minutes. comm-build starts it in the background so that other phases run meanwhile; the tp phases wait for it
+# (FlashInfer 0.6.13's flashinfer.comm imports cuda.tile: the fi bundle needs the cuda_tile wheel for cp312, e.g.
+# pip download --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 cuda_tile)
 COMM_PID=
 wait_comm() { [ -n "$COMM_PID" ] && wait "$COMM_PID"; COMM_PID=; tail -n 1 /tmp/comm-build.log 2>/dev/null; }
 # DECODE_GEMM=triton: the tp phases' runs with --decode-gemm triton (their step names say so)
