@@ -29,6 +29,7 @@ more than --min-gain (the table's entry, else `default_config`'s).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -42,7 +43,7 @@ import torch.nn.functional as F  # noqa: E402
 from graph_timing import add_timing_args, graph_us  # noqa: E402 (beside this script)
 
 from minisrv.models.fp8 import quantize_rows  # noqa: E402
-from minisrv.models.layers import fused_ops_for  # noqa: E402
+from minisrv.models.layers import fused_ops_for, silu_and_mul  # noqa: E402
 from minisrv.models.small_m_gemm import (TUNED_M, SmallMConfig, config_file, config_for, small_m_gemm,  # noqa: E402
                                          takes_silu_mul, tuned_key)
 
@@ -53,16 +54,9 @@ def llama_8b_shapes(tp: int) -> str:
 
 
 def silu_and_mul_kernel():
-    """The activation the layers run after a separate gate and up product: their fused ops' (FlashInfer's) where
-    installed, else torch's."""
-    fused = fused_ops_for(torch.device("cuda"))
-    if fused is not None:
-        return fused.silu_and_mul
-
-    def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
-        g, u = gu.chunk(2, dim=-1)
-        return F.silu(g) * u
-    return silu_and_mul
+    """The activation the layers run after a separate gate and up product (layers.silu_and_mul with their fused
+    ops: FlashInfer's where installed, else torch's)."""
+    return functools.partial(silu_and_mul, fused=fused_ops_for(torch.device("cuda")))
 
 
 def record(gpu: str, key: str, config: SmallMConfig) -> None:

@@ -189,6 +189,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def silu_and_mul(gu: torch.Tensor, fused: Optional[Any]) -> torch.Tensor:
+    """silu(gate) * up of a gated MLP's stacked output gu = [gate | up]: the fused ops' kernel where the layers
+    have them (fused_ops_for), else torch's."""
+    if fused is not None:
+        return fused.silu_and_mul(gu)
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul. `inter`: this rank's share of the
     width; the down projection's partial sums are all-reduced."""
@@ -208,11 +217,8 @@ class GatedMLP(nn.Module):
             out = self.down_proj(act, after_one_row=True)
         elif isinstance(self.down_proj, Fp8Linear):  # its input quantised as it is computed
             out = self.down_proj.forward_silu_mul(self.gate_up_proj(x))
-        elif self.fused is not None:
-            out = self.down_proj(self.fused.silu_and_mul(self.gate_up_proj(x)))
         else:
-            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
-            out = self.down_proj(F.silu(g) * u)
+            out = self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
         return out if self.defer_reduce else self.tp.all_reduce(out)
 
 
