@@ -128,6 +128,8 @@ class EngineConfig:
                             "one FlashInfer kernel (peer-to-peer buffers) instead of NCCL and a separate norm (an "
                             "error if FlashInfer's communication kernels cannot be set up)")
         p.add_argument("--log-level", default=d.log_level)
+        for flag in REMOVED_FLAGS:
+            p.add_argument(flag, nargs="?", action=RemovedFlag, help=argparse.SUPPRESS)
         p.add_argument("--debug-fail-on-token", dest="fail_on_token", type=int, default=None,
                        help=argparse.SUPPRESS)  # tests: how the engine survives a request that breaks its step
 
@@ -135,6 +137,17 @@ class EngineConfig:
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+class RemovedFlag(argparse.Action):
+    """A flag that no longer exists: the parser stops with a message naming what replaced it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was removed: {REMOVED_FLAGS[option_string]}")
+
+
+# removed flag -> what to use instead (kept so that old command lines fail with a clear message)
+REMOVED_FLAGS: dict = {}
 
 
 # CPU pool size when --max-total-tokens is not given: enough for a few dozen requests of a few hundred tokens.
