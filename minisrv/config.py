@@ -10,7 +10,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model's dtype
 FP8_DECODE_KERNELS = ("auto", "xqa", "flashinfer")
 QUANTIZATIONS = ("fp8",)  # weight quantisation at load (models/fp8.py)
-DECODE_GEMMS = ("auto", "cublas", "triton")  # bf16 projections' decode batches (models/small_m_gemm.py)
 
 
 @dataclass
@@ -24,7 +23,6 @@ class EngineConfig:
     # faster attention; attention/xqa.py), flashinfer (its wrappers: K/V converted exactly), auto (xqa where it runs)
     fp8_decode_kernel: str = "auto"
     quantization: Optional[str] = None  # fp8: projection weights in float8_e4m3fn, per-channel scales (FP8 checkpoints: always)
-    decode_gemm: str = "auto"  # bf16 weights, decode batches: cuBLAS, the small-batch Triton kernel, or auto
     device: Optional[str] = None  # None: cuda if available else cpu
     page_size: Optional[int] = None  # tokens per KV page; None: 16 on CUDA (smaller page tables), 1 on CPU
     context_length: Optional[int] = None  # None: the model's max_position_embeddings
@@ -47,6 +45,14 @@ class EngineConfig:
     enable_flashinfer_allreduce_fusion: bool = False
     log_level: str = "info"
 
+    def __new__(cls, *args, **kwargs):
+        """A removed setting passed by keyword (LLM(decode_gemm=...)) fails naming what replaced it, as its flag
+        does."""
+        removed = [flag for flag in REMOVED_FLAGS if flag.lstrip("-").replace("-", "_") in kwargs]
+        if removed:
+            raise TypeError(f"{removed[0].lstrip('-').replace('-', '_')} was removed: {REMOVED_FLAGS[removed[0]]}")
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -56,8 +62,6 @@ class EngineConfig:
             raise ValueError(f"fp8_decode_kernel must be one of {FP8_DECODE_KERNELS}, got {self.fp8_decode_kernel!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.decode_gemm not in DECODE_GEMMS:
-            raise ValueError(f"decode_gemm must be one of {DECODE_GEMMS}, got {self.decode_gemm!r}")
         if self.page_size is not None and self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:
@@ -92,11 +96,6 @@ class EngineConfig:
         p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                        help="fp8: quantise the projection weights to float8_e4m3fn at load (per output channel; "
                             "activations per token); FP8 checkpoints are detected without it")
-        p.add_argument("--decode-gemm", default=d.decode_gemm, choices=DECODE_GEMMS,
-                       help="bf16 weights, decode batches (<= 16 tokens): cuBLAS, or a Triton kernel with narrow "
-                            "output tiles that spreads small projections over every SM (triton); auto: the Triton "
-                            "one-row kernel for batches of one token where this GPU's table of swept launch "
-                            "parameters has it for the shape (H100, H200), cuBLAS for the rest")
         p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
         p.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: 16 on CUDA, 1 on CPU)")
         p.add_argument("--context-length", type=int, default=None)
@@ -147,7 +146,10 @@ class RemovedFlag(argparse.Action):
 
 
 # removed flag -> what to use instead (kept so that old command lines fail with a clear message)
-REMOVED_FLAGS: dict = {}
+REMOVED_FLAGS: dict = {
+    "--decode-gemm": "bf16 projections use cuBLAS (F.linear) at every batch size; FP8 weights (--quantization fp8) "
+                     "take the small-batch FP8 kernel for decode batches without a flag",
+}
 
 
 # CPU pool size when --max-total-tokens is not given: enough for a few dozen requests of a few hundred tokens.

@@ -267,34 +267,59 @@ def test_default_model_with_fp8_weights_and_kv_knows_paris():
     assert "Paris" in out.text, out.text
 
 
+def _write_dequantized_copy(fp8_dir: str, dst: str, block: List[int]) -> None:
+    """The FP8 checkpoint at `fp8_dir` (block scales) written out again in float32, each weight its e4m3 values
+    times their block's scale, and without its quantization_config: an unquantised checkpoint of the same values."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(fp8_dir, dst)
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    bh, bw = block
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("weight_scale_inv"):
+            continue
+        scales = tensors.get(name[:-len("weight")] + "weight_scale_inv")
+        if scales is not None:
+            r, c = t.shape
+            t = t.float() * scales.repeat_interleave(bh, 0).repeat_interleave(bw, 1)[:r, :c]
+        out[name] = t
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    del cfg["quantization_config"]
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
 @pytest.mark.parametrize("name", ["qwen2", "llama"])
 def test_quantised_while_loading_equals_quantised_after(tiny_model, tmp_path, name):
-    """The loader quantises each checkpoint tensor as it reads it (the model never exists in full precision): the
-    bytes equal those of loading it unquantised and converting every projection afterwards, for a bf16/float32
-    checkpoint and for an FP8 one."""
-    from minisrv.models.fp8 import quantize_linear_layers
+    """The loader quantises each checkpoint tensor as it reads it (the model never exists in full precision): each
+    FP8 layer holds the bytes of the spec's per-row rounding (_round_rows) of the unquantised model's weight, in the
+    model's dtype, and every other tensor is the unquantised model's; for a bf16/float32 checkpoint and for an FP8
+    one (whose unquantised model is its values dequantised and written out here)."""
     from minisrv.models.loader import load_model, load_model_args
     src = tiny_model(name)
-    fp8_dir = str(tmp_path / "fp8")
+    fp8_dir, plain_dir = str(tmp_path / "fp8"), str(tmp_path / "dequantized")
     _write_fp8_checkpoint(src, fp8_dir, [16, 16], kv_scales=False)
-    for path, quantization in ((src, "fp8"), (fp8_dir, None)):
-        args = load_model_args(path)
+    _write_dequantized_copy(fp8_dir, plain_dir, [16, 16])
+    for path, quantization, unquantised in ((src, "fp8", src), (fp8_dir, None, plain_dir)):
+        args, plain_args = load_model_args(path), load_model_args(unquantised)
         for dtype in (torch.float32, torch.bfloat16):
             loaded = load_model(path, args, dtype, torch.device("cpu"), 256, quantization=quantization)
-            plain_args = load_model_args(path)
-            plain_args.quantization_config = None  # the same tensors, read without converting the layers ...
-            if path == fp8_dir:
-                from minisrv.models import loader
-                source = loader._dequantized_fp8(loader._iter_safetensors(path), (16, 16),
-                                                 loader._CheckpointKVScales(args.num_layers))
-                after = loader.empty_model(plain_args, dtype, torch.device("cpu"), 256)
-                loader.load_weights(after, source, plain_args, after.plan)
-            else:
-                after = load_model(path, plain_args, dtype, torch.device("cpu"), 256)
-            assert quantize_linear_layers(after) == 4 * args.num_layers  # ... then converted
-            a, b = loaded.state_dict(), after.state_dict()
-            assert a.keys() == b.keys()
-            for k in a:
-                same = torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) if a[k].dtype == FP8 else \
-                    torch.equal(a[k], b[k])
+            plain = load_model(unquantised, plain_args, dtype, torch.device("cpu"), 256)
+            fp8_layers = {n: m for n, m in loaded.named_modules() if isinstance(m, Fp8Linear)}
+            assert len(fp8_layers) == 4 * args.num_layers
+            expected = {}
+            for key, value in plain.state_dict().items():
+                owner, _, leaf = key.rpartition(".")
+                if owner in fp8_layers and leaf == "weight":
+                    q, scale = _round_rows(value)
+                    expected[key], expected[owner + ".weight_scale"] = q, scale.reshape(1, -1)
+                else:
+                    expected[key] = value
+            got = loaded.state_dict()
+            assert got.keys() == expected.keys()
+            for k in got:
+                same = torch.equal(got[k].view(torch.uint8), expected[k].view(torch.uint8)) \
+                    if got[k].dtype == FP8 else torch.equal(got[k], expected[k])
                 assert same, f"{path} {dtype}: {k} differs"

@@ -153,8 +153,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
                               dtype if cfg.enable_one_shot_all_reduce else None,
                               (args.hidden_size, dtype) if cfg.enable_flashinfer_allreduce_fusion else None
                               ) if cfg.tp_size > 1 else TensorParallel.single()
-    model = load_model(model_path, args, dtype, device, context_length, fused, tp, cfg.quantization,
-                       cfg.decode_gemm)
+    model = load_model(model_path, args, dtype, device, context_length, fused, tp, cfg.quantization)
     t_load = time.perf_counter() - t0
 
     a, plan = args, model.plan

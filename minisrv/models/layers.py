@@ -19,8 +19,19 @@ from torch import nn
 from minisrv.distributed import TensorParallel
 from minisrv.utils import cuda_import
 
-from .fp8 import Fp8Linear, fused_quantisers
-from .small_m_gemm import SmallBatchLinear
+from minisrv.kernels.fp8_quant import fused_quantisers
+
+from .fp8 import Fp8Linear
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, quantization: Optional[str] = None) -> nn.Module:
+    """A projection layer: nn.Linear (F.linear, cuBLAS on CUDA), or with quantization "fp8" an Fp8Linear (weights
+    in float8_e4m3fn, quantised by the loader as it reads them; see fp8.py)."""
+    if quantization == "fp8":
+        return Fp8Linear(in_features, out_features, bias)
+    if quantization is not None:
+        raise ValueError(f"unsupported quantization {quantization!r}")
+    return nn.Linear(in_features, out_features, bias=bias)
 
 
 def fused_ops_for(device: torch.device) -> Optional[Any]:
@@ -102,12 +113,13 @@ class ModelArgs:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, fused: Optional[Any] = None) -> None:
+    def __init__(self, dim: int, eps: float, fused: Optional[Any] = None, quantize_out: bool = False) -> None:
+        """quantize_out: an FP8 projection takes the output, so on CUDA the norm hands it over quantised."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.fused = fused
-        self.quantize_out = False  # True when FP8 projections take the output (fp8.quantize_linear_layers)
+        self.quantize_out = quantize_out
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual), the add fused on GPU.
@@ -200,26 +212,25 @@ def silu_and_mul(gu: torch.Tensor, fused: Optional[Any]) -> torch.Tensor:
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul. `inter`: this rank's share of the
-    width; the down projection's partial sums are all-reduced."""
+    width; the down projection's partial sums are all-reduced unless `reduce_output` is False (the norm after it
+    then all-reduces them: see reduce_add_norm)."""
 
-    def __init__(self, hidden: int, inter: int, fused: Optional[Any] = None, tp: Optional[TensorParallel] = None
-                 ) -> None:
+    def __init__(self, hidden: int, inter: int, fused: Optional[Any] = None, tp: Optional[TensorParallel] = None,
+                 quantization: Optional[str] = None, reduce_output: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_proj = make_linear(hidden, 2 * inter, False, quantization)
+        self.down_proj = make_linear(inter, hidden, False, quantization)
         self.fused = fused
         self.tp = tp or TensorParallel.single()
-        self.defer_reduce = False  # True: return this rank's partial sum; the next norm all-reduces it (see there)
+        self.reduce_output = reduce_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = self.gate_up_proj.silu_mul_forward(x) if isinstance(self.gate_up_proj, SmallBatchLinear) else None
-        if act is not None:  # SiLU-and-mul done by the gate and up projection's kernel (one-row decode)
-            out = self.down_proj(act, after_one_row=True)
-        elif isinstance(self.down_proj, Fp8Linear):  # its input quantised as it is computed
-            out = self.down_proj.forward_silu_mul(self.gate_up_proj(x))
+        gu = self.gate_up_proj(x)
+        if isinstance(self.down_proj, Fp8Linear):  # its input quantised as it is computed
+            out = self.down_proj.forward_silu_mul(gu)
         else:
-            out = self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
-        return out if self.defer_reduce else self.tp.all_reduce(out)
+            out = self.down_proj(silu_and_mul(gu, self.fused))
+        return self.tp.all_reduce(out) if self.reduce_output else out
 
 
 class VocabEmbedding(nn.Module):
@@ -246,20 +257,24 @@ class Attention(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding, fused: Optional[Any] = None,
                  num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
-                 tp: Optional[TensorParallel] = None) -> None:
-        """num_heads / num_kv_heads: this rank's heads (default: all); o_proj's partial sums are all-reduced."""
+                 tp: Optional[TensorParallel] = None, quantization: Optional[str] = None,
+                 reduce_output: bool = True) -> None:
+        """num_heads / num_kv_heads: this rank's heads (default: all); o_proj's partial sums are all-reduced unless
+        `reduce_output` is False (the norm after it then all-reduces them: see reduce_add_norm). quantization: the
+        projections' (make_linear)."""
         super().__init__()
         self.fused = fused
         self.layer_id = layer_id
         self.tp = tp or TensorParallel.single()
         self.hq, self.hkv, self.d = num_heads or args.num_heads, num_kv_heads or args.num_kv_heads, args.head_dim
         self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.qkv_proj = make_linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.attention_bias,
+                                    quantization)
+        self.o_proj = make_linear(self.q_size, args.hidden_size, False, quantization)
         self.q_norm = RMSNorm(self.d, args.rms_norm_eps, fused) if args.qk_norm else None
         self.k_norm = RMSNorm(self.d, args.rms_norm_eps, fused) if args.qk_norm else None
         self.rotary = rotary
-        self.defer_reduce = False  # True: return this rank's partial sum; the next norm all-reduces it (see there)
+        self.reduce_output = reduce_output
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Callable) -> torch.Tensor:
         """attn: the step's attention (an attention.AttentionStep), called as attn(q, k, v, layer_id, rotary)."""
@@ -278,7 +293,7 @@ class Attention(nn.Module):
         # the rotary is applied as k/v are stored (KVPool.store_rotated: one kernel with the store on CUDA)
         o = attn(q, k, v, self.layer_id, (positions, self.rotary))
         out = self.o_proj(o.reshape(t, self.q_size))
-        return out if self.defer_reduce else self.tp.all_reduce(out)
+        return self.tp.all_reduce(out) if self.reduce_output else out
 
 
 def reduce_add_norm(tp: TensorParallel, norm: "RMSNorm", x: torch.Tensor, residual: torch.Tensor,

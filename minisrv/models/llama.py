@@ -15,16 +15,19 @@ from .sharding import ShardPlan
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding, fused: Optional[Any],
-                 plan: ShardPlan, tp: TensorParallel) -> None:
+                 plan: ShardPlan, tp: TensorParallel, quantization: Optional[str] = None) -> None:
         super().__init__()
-        self.self_attn = Attention(args, layer_id, rotary, fused, plan.num_heads, plan.num_kv_heads, tp)
-        self.mlp = GatedMLP(args.hidden_size, plan.intermediate, fused, tp)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused)
-        self.tp = tp
         # with a fused all-reduce + add + norm, o and down return partial sums and the norm after each reduces them
         self.partial = tp.fused_norm is not None
-        self.self_attn.defer_reduce = self.mlp.defer_reduce = self.partial
+        self.self_attn = Attention(args, layer_id, rotary, fused, plan.num_heads, plan.num_kv_heads, tp,
+                                   quantization, reduce_output=not self.partial)
+        self.mlp = GatedMLP(args.hidden_size, plan.intermediate, fused, tp, quantization,
+                            reduce_output=not self.partial)
+        # the norms before qkv and gate_up hand FP8 projections their input quantised
+        fp8 = quantization == "fp8"
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused, quantize_out=fp8)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused, quantize_out=fp8)
+        self.tp = tp
 
     def forward(self, x, residual, positions, attn):
         """x: the previous layer's output (a partial sum when `partial`, except for the first layer's input,
@@ -41,11 +44,12 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, max_positions: int, fused: Optional[Any], plan: ShardPlan,
-                 tp: TensorParallel) -> None:
+                 tp: TensorParallel, quantization: Optional[str] = None) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(plan.vocab_per_rank, args.hidden_size, plan.vocab_start, tp)
         rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, fused)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, rotary, fused, plan, tp) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i, rotary, fused, plan, tp, quantization)
+                                    for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused)
         self.tp = tp
 
@@ -60,14 +64,16 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, args: ModelArgs, max_positions: int, fused_ops: Optional[Any] = None,
-                 tp: Optional[TensorParallel] = None) -> None:
+                 tp: Optional[TensorParallel] = None, quantization: Optional[str] = None) -> None:
         """fused_ops: the fused-kernel module every layer uses (layers.fused_ops_for), or None for plain torch.
-        tp: this rank's place in a tensor-parallel group; the model holds that rank's shard (sharding.py)."""
+        tp: this rank's place in a tensor-parallel group; the model holds that rank's shard (sharding.py).
+        quantization: "fp8" for FP8 projections (qkv, o, gate_up, down; see fp8.py), None for the model's dtype;
+        the embedding, norms and lm_head stay in the model's dtype either way."""
         super().__init__()
         self.args = args
         self.tp = tp or TensorParallel.single()
         self.plan = ShardPlan.of(args, self.tp.rank, self.tp.size)
-        self.model = LlamaModel(args, max_positions, fused_ops, self.plan, self.tp)
+        self.model = LlamaModel(args, max_positions, fused_ops, self.plan, self.tp, quantization)
         if args.tie_word_embeddings:
             self.lm_head = None
         else:

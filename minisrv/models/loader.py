@@ -22,8 +22,7 @@ from torch import nn
 
 from minisrv.distributed import TensorParallel
 
-from .fp8 import FP8, LINEAR_NAMES, Fp8Linear, dequantize, fp8_checkpoint_format, quantize_linear_layers
-from .small_m_gemm import supports_dependent_launch, use_for_projections
+from .fp8 import FP8, Fp8Linear, dequantize, fp8_checkpoint_format
 from .layers import ModelArgs
 from .registry import model_class
 from .sharding import ShardPlan, Slice
@@ -607,25 +606,19 @@ def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, StoredTensor]], 
 
 
 def empty_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
-                fused_ops: Optional[Any] = None, tp: Optional[TensorParallel] = None, fp8: bool = False,
-                decode_gemm: str = "auto") -> nn.Module:
-    """The model with its parameters allocated but not filled (no weight init is run: built on the meta device),
-    its projections FP8 layers when `fp8` (filled by the loader, which quantises each tensor as it reads it), else
-    SmallBatchLinear ones when decode_gemm is "triton" (every decode batch of up to 16 rows) or "auto" (on CUDA:
-    single rows where this GPU's table of launch parameters gives the one-row kernel)."""
-    triton_gemm = (decode_gemm == "triton" or (decode_gemm == "auto" and device.type == "cuda")) \
-        and not fp8 and dtype == torch.bfloat16
-    with torch.device("meta"):
-        model = model_class(args.architecture)(args, max_positions, fused_ops, tp).to(dtype)
-        if fp8:
-            quantize_linear_layers(model)
-        elif triton_gemm:
-            use_for_projections(model, LINEAR_NAMES, tuned_one_row_only=decode_gemm == "auto",
-                                gdc=supports_dependent_launch(device))
-    if decode_gemm == "triton" and not triton_gemm:
-        logging.getLogger("minisrv").warning(
-            "--decode-gemm triton is for bf16 weights: %s take their own GEMMs",
-            "FP8 weights" if fp8 else f"{str(dtype).replace('torch.', '')} weights")
+                fused_ops: Optional[Any] = None, tp: Optional[TensorParallel] = None,
+                quantization: Optional[str] = None) -> nn.Module:
+    """The model with its parameters allocated but not filled: built on the meta device (no weight init is run),
+    with `dtype` as torch's default meanwhile so that every layer is made in the model's dtype as it is built (FP8
+    layers keep their float8 weights and float32 scales: a cast afterwards would widen them). Its projections are
+    FP8 layers with quantization "fp8" (filled by the loader, which quantises each tensor as it reads it)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = model_class(args.architecture)(args, max_positions, fused_ops, tp, quantization=quantization)
+    finally:
+        torch.set_default_dtype(previous)
     model = model.to_empty(device=device)
     for m in model.modules():  # buffers (rotary cos/sin) were lost on the meta device
         if hasattr(m, "reset_buffers"):
@@ -635,18 +628,16 @@ def empty_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, max_p
 
 def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
                fused_ops: Optional[Any] = None, tp: Optional[TensorParallel] = None,
-               quantization: Optional[str] = None, decode_gemm: str = "auto") -> nn.Module:
+               quantization: Optional[str] = None) -> nn.Module:
     """Build the model without running any weight init (meta device), then fill it from the checkpoint.
     `fused_ops`: the fused-kernel module its layers use (see layers.fused_ops_for), or None for plain torch.
     `tp`: this rank's place in a tensor-parallel group; only its shard is read and held.
     `quantization`: "fp8" makes the projection layers FP8 (see fp8.py), each checkpoint tensor quantised as it is
     read; an FP8 checkpoint always loads that way (dequantised, rounded to the model's dtype, requantised per row).
-    `decode_gemm`: bf16 decode batches' GEMM, "auto", "cublas" or "triton" (EngineConfig.decode_gemm).
     The model's `kv_scales` holds the checkpoint's per-layer K/V scales, or None."""
     fp8_format = fp8_checkpoint_format(args.quantization_config)
     model = empty_model(args, dtype, device, max_positions, fused_ops, tp,
-                        fp8=quantization == "fp8" or fp8_format is not None,
-                        decode_gemm=decode_gemm)
+                        "fp8" if quantization == "fp8" or fp8_format is not None else None)
     if is_gguf(path):  # quantised blocks are dequantised whole, one tensor at a time, then sliced
         source = ((name, StoredTensor.in_memory(w)) for name, w in _iter_gguf(path, args))
     else:

@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from minisrv import LLM, SamplingParams
-from minisrv.models.fp8 import FP8, LINEAR_NAMES, Fp8Linear, _triton_quant, quantize_rows
-from minisrv.models import small_m_gemm as small_m_gemm_module
-from minisrv.models.small_m_gemm import (TUNED_M, SmallMConfig, config_for, small_m_gemm, supports_dependent_launch,
-                                         tuned_configs, tuned_key)
+from minisrv.kernels.fp8_gemm import config_for, small_m_fp8_gemm
+from minisrv.kernels.fp8_quant import triton_quantisers
+from minisrv.models.fp8 import FP8, Fp8Linear, quantize_rows
 
 from .common import (CKPT, assert_near_hf_greedy, decode_kernel, free_cuda, hf_model, mixed_prompts, requires_ckpt,
                      skip_unless_runs)
@@ -57,7 +55,7 @@ def test_layer_matches_float64(m, k, n):
 
 @pytest.mark.parametrize("shape", [(1, 1024), (37, 4096), (256, 14336)])
 def test_triton_quantiser_matches_torch(shape):
-    fused = _triton_quant()
+    fused = triton_quantisers()
     assert fused is not None, "Triton is missing: activations are quantised by five torch kernels"
     x = (torch.randn(*shape, device="cuda") * torch.logspace(-3, 2, shape[0], device="cuda")[:, None]).bfloat16()
     x[0, :7] = 0  # zeros stay zero
@@ -81,7 +79,7 @@ def _within_e4m3(q: torch.Tensor, scale: torch.Tensor, ref: torch.Tensor) -> boo
 def test_fused_quantisers_match_the_unfused_path(t, h):
     """The decoder's add + RMSNorm and the MLP's SiLU-and-mul, each computed and quantised in one kernel, against
     the same computed by torch in HF's order and quantised separately."""
-    fused = _triton_quant()
+    fused = triton_quantisers()
     g = torch.Generator(device="cuda").manual_seed(t)
     x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
     res = torch.randn(t, h, device="cuda", generator=g).bfloat16()
@@ -146,204 +144,46 @@ def test_greedy_matches_hf_with_fp8_weights_and_kv(backend, kv, kernel, prompts,
     assert_near_hf_greedy(hf, prompts, outs, N_NEW, BF16_GAP, f"{what}, against HF on the bf16 weights")
 
 
-def _small_m_product(kind: str, w: torch.Tensor, x: torch.Tensor):
-    """(product, ref): the small-batch kernel's x W^T as a function of its launch parameters (`product(config=None,
-    raise_errors=False)`, run's), and cuBLAS's on the same operands (row-wise FP8 GEMM for fp8, F.linear for bf16)."""
-    run = small_m_gemm()
-    if kind == "fp8":
-        wq, ws = quantize_rows(w)
-        ws = ws.reshape(1, -1).contiguous()
-        xq, xs = quantize_rows(x)
-        return (lambda **kw: run(xq, wq, xs=xs, ws=ws, **kw),
-                torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16))
-    return lambda **kw: run(x, w, **kw), torch.nn.functional.linear(x, w)
+def _small_m_product(w: torch.Tensor, x: torch.Tensor):
+    """(product, ref): the small-batch FP8 kernel's x W^T on x and W quantised per row, as a function of its launch
+    parameters (`product(config=None, raise_errors=False)`, run's), and torch._scaled_mm's on the same operands."""
+    run = small_m_fp8_gemm()
+    wq, ws = quantize_rows(w)
+    ws = ws.reshape(1, -1).contiguous()
+    xq, xs = quantize_rows(x)
+    return (lambda **kw: run(xq, xs, wq, ws, **kw),
+            torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16))
 
 
 def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-@pytest.mark.parametrize("kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("m", [1, 16, 33, 64])
-def test_small_batch_kernel_runs_and_matches_cublas(m, kind):
+def test_small_batch_kernel_runs_and_matches_scaled_mm(m):
     """Decode batches take the narrow-tile Triton kernel (it must compile and run here, not fall back), and it
-    computes what cuBLAS computes on the same operands (row-wise FP8 GEMM for fp8, F.linear for bf16)."""
+    computes what torch._scaled_mm's row-wise FP8 GEMM computes on the same operands."""
     g = torch.Generator(device="cuda").manual_seed(m)
     n, k = 4096, 14336
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-    product, ref = _small_m_product(kind, w, x)
+    product, ref = _small_m_product(w, x)
     got = product()
-    config = config_for(kind, n, k, m, torch.cuda.get_device_name())
-    assert got is not None, f"the small-batch {kind} kernel fell back to cuBLAS ({config})"
+    assert got is not None, f"the small-batch FP8 kernel fell back to torch._scaled_mm ({config_for(n, k, m)})"
     err = _relative_error(got, ref)
-    assert err < 1e-2, f"m={m} {kind}: {err:.2e} from the reference"
+    assert err < 1e-2, f"m={m}: {err:.2e} from the reference"
 
 
-def _eager_and_graph_products(product, eager: int, captured: int, replays: int):
-    """`eager` products in a row, then `captured` products captured in one CUDA graph and replayed `replays` times:
-    every output, in order (a kernel that leaves state behind for the next product would show in one of them)."""
-    outs = [product() for _ in range(eager)]
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        product()
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        in_graph = [product() for _ in range(captured)]
-    for _ in range(replays):
-        graph.replay()
-        outs += [c.clone() for c in in_graph]
-    torch.cuda.synchronize()
-    return outs
-
-
-@pytest.mark.parametrize("kind", ["fp8", "bf16"])
-@pytest.mark.parametrize("split_k", [2, 4])
-def test_split_k_matches_cublas_product_after_product(split_k, kind):
-    """K split over programs: the last of a column block's programs adds the others' partial sums (an arrival
-    counter per block, set back to 0 for the next product). Many products in a row, eager and in a CUDA graph,
-    must each equal cuBLAS's: a partial read before it is written, or a counter left behind, would show."""
-    g = torch.Generator(device="cuda").manual_seed(split_k)
-    n, k = 4096, 7168
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (3072, 4096),
+                                 (4096, 2048), (14336, 4096), (4096, 7168)])
+def test_every_launch_rule_on_llama_shapes_matches_scaled_mm(n, k):
+    """Each configuration the launch rules give Llama-3-8B's projections (tp 1 and a tp 2 rank's) compiles and
+    computes torch._scaled_mm's product, at the smallest and largest batch of each rule's range of rows."""
+    g = torch.Generator(device="cuda").manual_seed(n + k)
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
-    config = SmallMConfig(32, 128, 4, 3, split_k=split_k)
-    for m in (1, 16):
+    for m in (1, 16, 17, 32, 33, 64):
         x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-        run, ref = _small_m_product(kind, w, x)
-        product = lambda: run(config=config, raise_errors=True)  # noqa: E731
-        for i, out in enumerate(_eager_and_graph_products(product, eager=50, captured=10, replays=5)):
-            err = _relative_error(out, ref)
-            assert err < 1e-2, f"{kind} split {split_k} m={m}, product {i}: {err:.2e} from cuBLAS"
-
-
-@pytest.mark.parametrize("dependent_launch", [False, True], ids=["launch", "pdl"])
-@pytest.mark.parametrize("kind", ["fp8", "bf16"])
-@pytest.mark.parametrize("config", [SmallMConfig(8, 512, 4, 3, gemv=True), SmallMConfig(4, 1024, 8, 3, gemv=True),
-                                    SmallMConfig(16, 256, 4, 3, split_k=2, gemv=True)])
-def test_one_row_kernel_matches_cublas_eager_and_in_a_graph(config, kind, dependent_launch):
-    """The one-row kernel (m = 1, SmallMConfig.gemv) computes the product of its operands (float64 on the same
-    values: cuBLAS's FP8 GEMM wants widths that are multiples of 16), on an output width that is not a multiple of
-    its column block, product after product, eager and replayed in a CUDA graph (split K included); also as
-    programmatic dependent launches."""
-    if dependent_launch and not supports_dependent_launch(torch.device("cuda")):
-        pytest.skip("programmatic dependent launch needs SM 90+")
-    g = torch.Generator(device="cuda").manual_seed(config.block_n)
-    n, k = 4100, 7168
-    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
-    x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
-    run = small_m_gemm()
-    if kind == "fp8":
-        wq, ws = quantize_rows(w)
-        ws = ws.reshape(1, -1).contiguous()
-        xq, xs = quantize_rows(x)
-        product = lambda: run(xq, wq, xs=xs, ws=ws, config=config, raise_errors=True,  # noqa: E731
-                              gdc=dependent_launch, dependent_launch=dependent_launch)
-        ref = (xq.double() * xs.double()) @ (wq.double() * ws.double().t()).t()
-    else:
-        product = lambda: run(x, w, config=config, raise_errors=True, gdc=dependent_launch,  # noqa: E731
-                              dependent_launch=dependent_launch)
-        ref = x.double() @ w.double().t()
-    for i, out in enumerate(_eager_and_graph_products(product, eager=20, captured=5, replays=4)):
-        err = _relative_error(out, ref)
-        assert err < 1e-2, f"{kind} {tuple(config)}, product {i}: {err:.2e} from float64"
-
-
-@pytest.mark.parametrize("config", [SmallMConfig(16, 256, 4, 3, gemv=True), SmallMConfig(8, 1024, 8, 3, gemv=True)])
-def test_one_row_kernel_with_silu_and_mul_matches_cublas_then_the_activation(config):
-    """The one-row kernel ending in SiLU-and-mul (a gated MLP's stacked gate and up weight) gives silu(gate) * up
-    of cuBLAS's bf16 product (float64 from there), on an output width that is not a multiple of its columns,
-    product after product, eager and replayed in a CUDA graph."""
-    g = torch.Generator(device="cuda").manual_seed(config.block_k)
-    inter, k = 4100, 4096
-    w = (torch.randn(2 * inter, k, device="cuda", generator=g) * 0.02).bfloat16()
-    x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
-    gate, up = F.linear(x, w).double().chunk(2, dim=-1)
-    ref = gate * torch.sigmoid(gate) * up
-    run = small_m_gemm()
-    product = lambda: run(x, w, config=config, raise_errors=True, silu_mul=True)  # noqa: E731
-    for i, out in enumerate(_eager_and_graph_products(product, eager=20, captured=5, replays=4)):
-        assert out.shape == (1, inter)
-        err = _relative_error(out, ref)
-        assert err < 1e-2, f"{tuple(config)}, product {i}: {err:.2e} from cuBLAS then the activation"
-
-
-def test_dependent_launches_read_the_output_of_the_product_before():
-    """One-row products as programmatic dependent launches, each reading the previous one's output (a long product
-    first, so that a program reading x before the previous kernel ended would read the last replay's values): in a
-    CUDA graph replayed with a new input each time, every stage is the product of what the stage before it wrote."""
-    if not supports_dependent_launch(torch.device("cuda")):
-        pytest.skip("programmatic dependent launch needs SM 90+")
-    g = torch.Generator(device="cuda").manual_seed(7)
-    widths = [14336, 4096, 2048, 4096]  # x's width, then each stage's output width
-    ws = [(torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16() for k, n in zip(widths, widths[1:])]
-    config = SmallMConfig(8, 512, 4, 3, gemv=True)
-    run = small_m_gemm()
-    x = torch.randn(1, widths[0], device="cuda", generator=g).bfloat16()
-
-    def chain():
-        outs, h = [], x
-        for w in ws:
-            h = run(h, w, config=config, raise_errors=True, gdc=True, dependent_launch=True)
-            outs.append(h)
-        return outs
-    chain()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = chain()
-    for replay in range(8):
-        x.copy_(torch.randn(1, widths[0], device="cuda", generator=g).bfloat16())
-        graph.replay()
-        torch.cuda.synchronize()
-        inputs = [x] + outs[:-1]
-        for stage, (h, w, out) in enumerate(zip(inputs, ws, outs)):
-            err = _relative_error(out, h.double() @ w.double().t())
-            assert err < 1e-2, f"replay {replay}, stage {stage}: {err:.2e} from the product of its input"
-
-
-def test_this_gpus_table_of_launch_parameters_matches_cublas():
-    """Every entry of this GPU model's table (small_m_configs/) computes what cuBLAS computes, at the batch size
-    it was tuned for and at the smallest one it covers."""
-    table = tuned_configs(torch.cuda.get_device_name())
-    if not table:
-        pytest.skip(f"no table of launch parameters for {torch.cuda.get_device_name()}")
-    for key, config in table.items():
-        kind, shape, tuned_m = key.split()
-        n, k = (int(v) for v in shape.split("x"))
-        smaller = [t for t in TUNED_M if t < int(tuned_m)]
-        for m in {int(tuned_m), smaller[-1] + 1 if smaller else 1}:
-            assert tuned_key(kind, n, k, m) == key
-            g = torch.Generator(device="cuda").manual_seed(m)
-            w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
-            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-            product, ref = _small_m_product(kind, w, x)
-            err = _relative_error(product(config=config, raise_errors=True), ref)
-            assert err < 1e-2, f"{key} {tuple(config)} at m={m}: {err:.2e} from cuBLAS"
-
-
-@requires_ckpt
-@pytest.mark.parametrize("gemm", ["triton", "auto"])
-def test_decode_gemm_triton_matches_hf_end_to_end(prompts, hf, gemm, monkeypatch):
-    """--decode-gemm triton (bf16 projections through the small-batch kernel) and auto (the one-row kernel where this
-    GPU's table has it: here made to have it for every shape of the checkpoint, whose shapes no table holds, and the prompts run one at a time so that every decode step
-    is one row): greedy tokens HF's argmax up to bf16 near-ties, as with cuBLAS (tests/gpu/test_e2e.py)."""
-    if gemm == "auto":
-        def one_row_everywhere(kind, n, k, m, device_name=None):
-            return SmallMConfig(8, 256, 4, 3, gemv=True) if m == 1 else small_m_gemm_module.default_config(
-                kind, n, k, m)
-        monkeypatch.setattr(small_m_gemm_module, "config_for", one_row_everywhere)
-    llm = LLM(model=CKPT, attention_backend="auto", dtype="bfloat16", decode_gemm=gemm, max_total_tokens=65536,
-              cuda_graph_max_bs=64, log_level="warning")
-    params = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
-    try:
-        kinds = {type(getattr(mod, n)).__name__ for mod in llm.engine.runner.model.modules() for n in LINEAR_NAMES
-                 if hasattr(mod, n)}
-        assert kinds == {"SmallBatchLinear"}
-        if gemm == "auto":
-            outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
-        else:
-            outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        del llm
-        free_cuda()
-    assert_near_hf_greedy(hf, prompts, outs, N_NEW, 0.1, f"bf16 with --decode-gemm {gemm}")
+        product, ref = _small_m_product(w, x)
+        config = config_for(n, k, m)
+        err = _relative_error(product(config=config, raise_errors=True), ref)
+        assert err < 1e-2, f"{n}x{k} {tuple(config)} at m={m}: {err:.2e} from torch._scaled_mm"
