@@ -36,15 +36,14 @@ def fits(k: int) -> bool:
 
 def config_for(n: int, k: int, m: int) -> GemmConfig:
     """Launch parameters for an [m, k] x [n, k]^T product, from H100 sweeps of Llama-3-8B's projections ([N, K]:
-    qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096, down 4096 x 14336) at m = 1, 16, 32, 64 (in us, this rule
-    against the sweep's first single setting, or against the rule it refines).
+    qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096, down 4096 x 14336) at m = 1, 16, 32, 64 (in us).
 
-    Few rows (m <= 16): 16-column programs, K steps of 256, two warps, deeper pipelines for long reductions: down
-    35.8 -> 24.7, o 9.8 -> 7.3, qkv 12.5 -> 9.2 at m = 1. More rows: 32 columns and four warps, with where the
-    sweep found better: 17-32 rows, qkv 16 columns (13.2 -> 12.2), o 8 warps (10.2 -> 9.3), down 16 columns and 4
-    stages (31.8 -> 29.1); 33-64 rows, qkv 64 columns (8.9 -> 7.5). Wide outputs (> 8192 columns) have programs
-    enough: 32 columns and K steps of 128, and from 33 rows, where 128-column programs are still 128 or more, 128
-    columns and 8 warps (gate_up 52.5 -> 45.6; cuBLAS 49.5).
+    Few rows (m <= 16): 16-column programs, K steps of 256, two warps, deeper pipelines for long reductions (down
+    35.8 -> 24.7, o 9.8 -> 7.3, qkv 12.5 -> 9.2 at m = 1 against the first single setting). More rows: 32 columns
+    and four warps, except 17-32 rows of outputs wider than 4096 or of long reductions, which keep 16 columns
+    (qkv 14.3 -> 13.4, down 31.5 -> 28.7 at m = 32). Wide outputs (> 8192 columns) have programs enough: 32 columns
+    and K steps of 128, and from 33 rows, where 128-column programs are still 128 or more, 128 columns and 8 warps
+    (gate_up 52.4 -> 45.3 at m = 64; torch._scaled_mm 51.4).
     """
     wide = n > 8192
     if wide or k % 256:
@@ -54,13 +53,9 @@ def config_for(n: int, k: int, m: int) -> GemmConfig:
     long_k = k > 8192
     if m <= 16:
         return GemmConfig(16, 256, 2, 5 if long_k else 3)
-    if m <= 32:
-        if long_k:
-            return GemmConfig(16, 256, 4, 4)
-        return GemmConfig(16, 256, 4, 3) if n > 4096 else GemmConfig(32, 256, 8, 3)
-    if long_k:
-        return GemmConfig(32, 256, 4, 5)
-    return GemmConfig(64, 256, 4, 4) if n > 4096 else GemmConfig(32, 256, 4, 4)
+    if m <= 32 and (long_k or n > 4096):
+        return GemmConfig(16, 256, 4, 4 if long_k else 3)
+    return GemmConfig(32, 256, 4, 5 if long_k else 4)
 
 
 def dequantized_matmul(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,

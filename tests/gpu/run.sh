@@ -8,8 +8,8 @@
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
 #           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv bench-fp8kv-xqa decode-fp8w-fa
 #           gemm-e2e llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
-#           attn attn-small gemm-fp8 gemm-fp8-wide gemm-fp8-split gemm-bf16 gemm-bf16-tp2 gemv tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
-#           llama8b-fp8-xqa decode-fp8w-xqa decode-gemm llama8b-triton gemv-silu argmax half-decode half-profile gemv-chain pdl-decode
+#           attn attn-small gemm-fp8 tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
+#           llama8b-fp8-xqa decode-fp8w-xqa argmax half-profile
 #           allreduce-fused tp-profile-fused half-offline
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
@@ -46,8 +46,6 @@ save_cache() { ls -S "$FI_CACHE"/*/*.so 2>/dev/null | while read -r f; do
 # pip download --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 cuda_tile)
 COMM_PID=
 wait_comm() { [ -n "$COMM_PID" ] && wait "$COMM_PID"; COMM_PID=; tail -n 1 /tmp/comm-build.log 2>/dev/null; }
-# DECODE_GEMM=triton: the tp phases' runs with --decode-gemm triton (their step names say so)
-GEMM=${DECODE_GEMM:+--decode-gemm $DECODE_GEMM}; G=${DECODE_GEMM:+-$DECODE_GEMM}
 BENCH="python3 scripts/bench_offline.py --model $MINISRV_GPU_CKPT --json $OUT/bench.jsonl"
 # bench_serving against a server on the checkpoint, started in the background and stopped (SIGTERM) after it;
 # 256 requests of 256-512 prompt and 128-256 output tokens at 64 req/s. Its results and the server's log stay in
@@ -92,8 +90,8 @@ for phase in "${@:-smoke}"; do
               echo "warm $c: $(tail -n 1 /tmp/warm-fp8-$c.log)") & done; wait
            step fp8kv 500 python3 -m pytest -q -s -rs tests/gpu/test_fp8_kv.py ;;
     fp8w) step fp8w 400 python3 -m pytest -q -s -rs tests/gpu/test_fp8_weights.py ;;
-    # the small-batch GEMM's tests alone: kernels against cuBLAS and float64, this GPU's table, end to end against HF
-    gemm-e2e) step gemm-e2e 300 python3 -m pytest -q -s -rs tests/gpu/test_fp8_weights.py -k "one_row or table or small_batch or split_k or decode_gemm" ;;
+    # the small-batch FP8 GEMM's tests alone: the kernel and every launch rule on Llama-3-8B's shapes against _scaled_mm
+    gemm-e2e) step gemm-e2e 300 python3 -m pytest -q -s -rs tests/gpu/test_fp8_weights.py -k "small_batch or launch_rule" ;;
     sampling) step sampling 300 python3 -m pytest -q tests/gpu/test_sampling.py ;;
     grammar) step grammar 300 python3 -m pytest -q -s tests/gpu/test_grammar.py ;;
     overlap) step overlap 400 python3 -m pytest -q -s tests/gpu/test_overlap.py ;;
@@ -148,82 +146,32 @@ for phase in "${@:-smoke}"; do
     # small decode batches (latency, not bandwidth), a tp 1 and a tp 2 rank's heads of Llama-3-8B
     attn-small) step attn-small 300 python3 scripts/bench_attention.py --heads "32,8;16,4" --batch-sizes 1,2,4,8,16,32 \
                   --kv-dtypes bf16 --kernels fi,fi-tc,fa3 ;;
-    # the small-batch GEMM's launch-parameter sweeps: FP8 weights, and bf16 weights on one rank's shapes of tp 1
-    # and tp 2 (--bandwidth: an H100's; pass 4.8e12 on an H200)
-    gemm-fp8) step gemm-fp8 500 python3 scripts/bench_small_m_gemm.py --kinds fp8 ;;
-    # the FP8 kernel's wider tiles and more warps, at the batch sizes where rows are many (16, 64)
-    gemm-fp8-wide) step gemm-fp8-wide 500 python3 scripts/bench_small_m_gemm.py --kinds fp8 --ms 16,32,64 \
-                     --block-n 16,32,64,128 --block-k 128,256 --num-warps 4,8 --num-stages 3,4 --write-configs
-                   cp minisrv/models/small_m_configs/*.json "$OUT/" 2>/dev/null ;;
-    # bf16 at one tp 2 rank's shapes on this GPU, recording winners in its table (the H200's: 4.8 TB/s)
-    gemm-bf16-tp2) step gemm-bf16-tp2 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 2 --ms 1,16 \
-                     --block-n 16,32,64 --block-k 128,256 --num-warps 4 --num-stages 3,4,5 --split-k 1,2,4 \
-                     --bandwidth $(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8e12 || echo 3.35e12) \
-                     --write-configs
-                   cp minisrv/models/small_m_configs/*.json "$OUT/" 2>/dev/null ;;
-    # one row (batch-1 decode): the one-row kernel (gemv) against the dot kernel in use and cuBLAS, bf16 at one tp 2 rank's
-    # shapes and at tp 1's, recording winners in this GPU's table (SWEEP_TP: which)
-    gemv) BW=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8e12 || echo 3.35e12)
-          for tp in ${SWEEP_TP:-2 1}; do
-            step gemv-bf16-tp$tp 280 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp $tp --ms 1 \
-              --block-n "" --num-warps 4,8 --num-stages 3 --split-k 1,2 \
-              --gemv-block-n 4,8,16 --gemv-block-k 256,512,1024 --bandwidth $BW --write-configs; done
-          step gemm-tests 200 python3 -m pytest -q -rs tests/gpu/test_fp8_weights.py -k "one_row or table or small_batch"
-          cp minisrv/models/small_m_configs/*.json "$OUT/" 2>/dev/null ;;
-    # the gate and up projections ending in SiLU-and-mul (one row) against cuBLAS then the activation, at tp 1's and
-    # a tp 2 rank's gate_up shape, recording winners in this GPU's table; then the GEMM tests
-    gemv-silu) BW=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8e12 || echo 3.35e12)
-          for tp in ${SWEEP_TP:-2 1}; do
-            step gemv-silu-tp$tp 280 python3 scripts/bench_small_m_gemm.py --tp $tp --silu-mul \
-              --num-warps 4,8 --num-stages 3,4 --gemv-block-n 8,16,32 --gemv-block-k 256,512,1024 --bandwidth $BW \
-              --write-configs; done
-          step gemm-tests 200 python3 -m pytest -q -rs tests/gpu/test_fp8_weights.py -k "one_row or table or small_batch"
-          cp minisrv/models/small_m_configs/*.json "$OUT/" 2>/dev/null ;;
-    # a layer's projections in a row at m = 1: cuBLAS, the one-row kernel, and as programmatic dependent launches
-    gemv-chain) BW=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8e12 || echo 3.35e12)
-          for tp in 2 1; do step gemv-chain-tp$tp 200 python3 scripts/bench_small_m_gemm.py --chain --tp $tp \
-            --bandwidth $BW; done ;;
-    # decode steps (auto) with the one-row products as dependent launches and without (MINISRV_NO_PDL=1), one tp 2
-    # rank's share and the whole model on one GPU
-    pdl-decode) need_llama8b; need_llama8b_half
-          for model in llama8b-half llama8b; do for pdl in 1 0; do
-            step "decode-$model-auto-nopdl$pdl" 300 env MINISRV_NO_PDL=$pdl python3 scripts/bench_decode.py \
-              --model /tmp/$model --attention-backend auto --batch-sizes 1 --graphs on --steps 32 --decode-gemm auto \
-              --json "$OUT/decode.jsonl"; done; done ;;
+    # the small-batch FP8 GEMM (the launch rules' configurations) against torch._scaled_mm, tp 1's and a tp 2 rank's
+    # shapes (--bandwidth: an H100's; pass 4.8e12 on an H200)
+    gemm-fp8) step gemm-fp8 300 python3 scripts/bench_small_m_gemm.py
+              step gemm-fp8-tp2 300 python3 scripts/bench_small_m_gemm.py --tp 2 ;;
     argmax) step argmax 200 python3 scripts/bench_argmax.py
             step argmax-test 200 python3 -m pytest -q tests/gpu/test_sampling.py ;;
-    # decode steps of one tp 2 rank's share on one GPU (need_llama8b_half), cuBLAS and auto (GEMMS: which)
-    half-decode) need_llama8b_half
-                 for g in ${GEMMS:-cublas auto}; do
-                   step "decode-8b-half-$g" 300 python3 scripts/bench_decode.py --model /tmp/llama8b-half \
-                     --attention-backend auto --batch-sizes 1,64 --graphs on --steps 32 --decode-gemm $g \
-                     --json "$OUT/decode.jsonl"; done ;;
     # the 256-request workload on one tp 2 rank's share and on the whole model, one GPU: tp 2's ceiling without
     # all-reduces or a second host process
     half-offline) need_llama8b; need_llama8b_half
                  for model in llama8b-half llama8b; do
-                   step "offline-256-$model" 250 python3 scripts/bench_offline.py --model /tmp/$model $GEMM \
+                   step "offline-256-$model" 250 python3 scripts/bench_offline.py --model /tmp/$model \
                      --json "$OUT/bench.jsonl"; done ;;
     half-profile) need_llama8b_half
-              step half-profile$G 300 python3 scripts/bench_decode.py --model /tmp/llama8b-half --attention-backend auto \
-                  --batch-sizes 1 --graphs on --steps 16 --torch-profile $GEMM ;;
-    # the FP8 kernel with K split over 2 or 4 programs per column block, at the batch sizes of few rows
-    gemm-fp8-split) step gemm-fp8-split 500 python3 scripts/bench_small_m_gemm.py --kinds fp8 --ms 1,16 \
-                      --block-n 16,32 --block-k 128,256 --num-warps 2,4 --num-stages 3,4,5 --split-k 1,2,4 --write-configs
-                    cp minisrv/models/small_m_configs/*.json "$OUT/" 2>/dev/null ;;
-    gemm-bf16) step gemm-bf16 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 1
-               step gemm-bf16-tp2 500 python3 scripts/bench_small_m_gemm.py --kinds bf16 --tp 2 ;;
+              step half-profile 300 python3 scripts/bench_decode.py --model /tmp/llama8b-half --attention-backend auto \
+                  --batch-sizes 1 --graphs on --steps 16 --torch-profile ;;
     tp) wait_comm; step tp 500 python3 -X faulthandler -m pytest -q -s -o faulthandler_timeout=150 tests/gpu/test_tensor_parallel.py ;;
     # tensor parallelism's benchmark on a Llama-3-8B-shaped checkpoint: tp 1 against tp 2, in one lease
     tp-decode) need_llama8b
               for tp in ${TP_SIZES:-1 2}; do [ "$tp" -gt 1 ] && wait_comm
-                step "tp$tp-decode$G" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
-                  --batch-sizes 1,64 --graphs on --steps 32 --tp-size $tp $GEMM --json "$OUT/decode.jsonl"; done ;;
+                step "tp$tp-decode" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+                  --batch-sizes 1,64 --graphs on --steps 32 --tp-size $tp --json "$OUT/decode.jsonl"; done ;;
     # tp 1 and tp 2 (fused all-reduce) decode steps with FA3 decoding instead of FlashInfer's
     tp-decode-fa) need_llama8b; wait_comm
               for tp in 1 2; do F=; [ "$tp" -gt 1 ] && F=--enable-flashinfer-allreduce-fusion
-                step "tp$tp-decode-fa$G" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend fa \
-                  --batch-sizes 1,64 --graphs on --steps 32 --tp-size $tp $F $GEMM --json "$OUT/decode.jsonl"; done ;;
+                step "tp$tp-decode-fa" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend fa \
+                  --batch-sizes 1,64 --graphs on --steps 32 --tp-size $tp $F --json "$OUT/decode.jsonl"; done ;;
     tp-fp8) need_llama8b; wait_comm
             step tp2-64-fp8 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
               --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
@@ -234,36 +182,36 @@ for phase in "${@:-smoke}"; do
     tp-profile-fused) need_llama8b; wait_comm
               step tp-profile-fused 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                   --batch-sizes 1,64 --graphs on --steps 16 --tp-size 2 --torch-profile \
-                  --enable-flashinfer-allreduce-fusion $GEMM ;;
+                  --enable-flashinfer-allreduce-fusion ;;
     tp-offline) need_llama8b
               for tp in ${TP_SIZES:-1 2}; do [ "$tp" -gt 1 ] && wait_comm
-                step tp$tp-64$G 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size $tp $GEMM \
+                step tp$tp-64 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size $tp \
                   --json "$OUT/bench.jsonl"
-                step tp$tp-256$G 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size $tp $GEMM --json "$OUT/bench.jsonl"
+                step tp$tp-256 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size $tp --json "$OUT/bench.jsonl"
               done ;;
     comm-build) (t=$SECONDS; python3 -c "from flashinfer.comm.trtllm_ar import get_trtllm_comm_module as g; g()" \
                    > /tmp/comm-build.log 2>&1; echo "comm build rc $? in $((SECONDS - t))s" >> /tmp/comm-build.log) &
                 echo "comm-build started in the background (pid $!)"; COMM_PID=$! ;;
     # tp 2 with the all-reduce fusion: decode steps, then (unless DECODE_ONLY) the 64- and 256-request workloads
     tp-fused) need_llama8b; wait_comm
-              step tp2-decode-fused$G 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
-                  --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --enable-flashinfer-allreduce-fusion $GEMM \
+              step tp2-decode-fused 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+                  --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --enable-flashinfer-allreduce-fusion \
                   --log-level info --json "$OUT/decode.jsonl"
               [ -n "${DECODE_ONLY:-}" ] && continue
-              step tp2-64-fused$G 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
-                  --enable-flashinfer-allreduce-fusion $GEMM --json "$OUT/bench.jsonl"
-              step tp2-256-fused$G 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size 2 \
-                  --enable-flashinfer-allreduce-fusion $GEMM --json "$OUT/bench.jsonl" ;;
+              step tp2-64-fused 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
+                  --enable-flashinfer-allreduce-fusion --json "$OUT/bench.jsonl"
+              step tp2-256-fused 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size 2 \
+                  --enable-flashinfer-allreduce-fusion --json "$OUT/bench.jsonl" ;;
     tp-cprofile) need_llama8b; wait_comm
               step tp-cprofile 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                   --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --cprofile ;;
     # one GPU's decode step on the Llama-3-8B shape, kernel by kernel (the tp 1 side of tp-profile)
     decode-profile) need_llama8b
-              step decode-profile$G 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
-                  --batch-sizes 1,64 --graphs on --steps 16 --torch-profile $GEMM ;;
+              step decode-profile 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+                  --batch-sizes 1,64 --graphs on --steps 16 --torch-profile ;;
     tp-profile) need_llama8b; wait_comm
               step tp-profile 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
-                  --batch-sizes 1,64 --graphs on --steps 16 --tp-size 2 --torch-profile $GEMM ;;
+                  --batch-sizes 1,64 --graphs on --steps 16 --tp-size 2 --torch-profile ;;
     llama8b) need_llama8b
              step llama8b 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --json "$OUT/bench.jsonl" ;;
     # FP8: Llama-3-8B-shaped, 64 requests, FP8 weights and KV; decode steps in bf16, FP8 KV, FP8 weights + KV
@@ -274,14 +222,6 @@ for phase in "${@:-smoke}"; do
              for mode in "" "--kv-cache-dtype fp8_e4m3" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do
                step "decode-8b $mode" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                  --batch-sizes 1,64,256 --graphs on --steps 32 $mode --json "$OUT/decode.jsonl"; done ;;
-    # bf16 decode GEMMs: cuBLAS, auto (the one-row kernel where tuned) and the small-batch Triton kernel for every
-    # decode batch of up to 16 rows (GEMMS: which), decode steps
-    decode-gemm) need_llama8b
-                 for g in ${GEMMS:-cublas auto triton}; do
-                   step "decode-8b-$g" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
-                     --batch-sizes 1,64 --graphs on --steps 32 --decode-gemm $g --json "$OUT/decode.jsonl"; done ;;
-    llama8b-triton) need_llama8b; step llama8b-triton 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
-               --decode-gemm triton --json "$OUT/bench.jsonl" ;;
     decode-fp8w) need_llama8b; step decode-8b-fp8w 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                  --batch-sizes 1,64,256 --graphs on --steps 32 --quantization fp8 --kv-cache-dtype fp8_e4m3 \
                  --json "$OUT/decode.jsonl" ;;
