@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs minisrv with its test dependencies and the default model (SmolLM2-135M-Instruct GGUF).
-# torch comes first, pinned to the CPU build that lies on the CPU machines, so that nothing later pulls the
-# multi-gigabyte CUDA build; on a GPU machine, install a CUDA torch yourself first: it is kept.
+# torch comes first, so that nothing later pulls another build. A torch already installed is kept: on a GPU machine,
+# install your CUDA torch first. Otherwise torch==2.13.0 comes from pip's configured index: the CPU build where that
+# index (or a wheel directory, as on this project's CI machines) offers one; on plain PyPI it is the multi-gigabyte
+# CUDA build on Linux, so for the CPU build there run first:
+#   pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python -m pip install -q --disable-pip-version-check"
