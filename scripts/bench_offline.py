@@ -97,7 +97,8 @@ def cpu_workload(n: int, in_range, out_len: int, seed: int = 0):
 def hf_model(llm):
     """HF transformers' model on the same weights and dtype (a GGUF is dequantised by our loader)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from minisrv.models.loader import _iter_gguf, is_gguf, load_hf_config
+    from minisrv.models.gguf_file import iter_gguf
+    from minisrv.models.loader import is_gguf, load_hf_config
     eng = llm.engine
     if not is_gguf(eng.model_path):
         return AutoModelForCausalLM.from_pretrained(eng.model_path, dtype=eng.dtype).to(eng.device).eval()
@@ -106,7 +107,7 @@ def hf_model(llm):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=eng.dtype)
     model = model.to_empty(device=eng.device)
-    state = dict(_iter_gguf(eng.model_path, eng.args))
+    state = dict(iter_gguf(eng.model_path, eng.args))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)

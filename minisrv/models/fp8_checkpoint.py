@@ -1,0 +1,85 @@
+"""An FP8 checkpoint's tensors read as float values: each float8 weight dequantised with its scale (per tensor,
+per row, or in blocks), to the slice a rank reads; the per-layer K/V scales collected on the side.
+
+The loader then treats them like any other checkpoint's tensors (rounded to the model's dtype and requantised per
+row by the FP8 layers), so one loading path serves FP8 and full-precision checkpoints alike."""
+from __future__ import annotations
+
+import re
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from .checkpoint import StoredTensor, WeightLoadError
+from .fp8 import FP8, dequantize
+from .sharding import Slice
+
+SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # block scales (a multiplier despite "inv"), per tensor/row
+KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
+
+
+class CheckpointKVScales:
+    """Per-layer K/V scales an FP8 checkpoint carries (`self_attn.k_scale` / `v_scale`, vLLM's names)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.k: Dict[int, float] = {}
+        self.v: Dict[int, float] = {}
+        self.num_layers = num_layers
+
+    def add(self, layer: int, which: str, value: float) -> None:
+        (self.k if which == "k" else self.v)[layer] = value
+
+    def complete(self) -> Optional[Tuple[List[float], List[float]]]:
+        """(K scales, V scales) by layer when every layer has both, else None (partial sets are not used)."""
+        layers = range(self.num_layers)
+        if all(i in self.k and i in self.v for i in layers):
+            return [self.k[i] for i in layers], [self.v[i] for i in layers]
+        return None
+
+
+def dequantized_fp8(tensors: Iterator[Tuple[str, StoredTensor]], block: Optional[Tuple[int, int]],
+                    kv_scales: CheckpointKVScales) -> Iterator[Tuple[str, StoredTensor]]:
+    """The checkpoint's tensors with every float8 weight read as float32 values (its scale applied, to the slice a
+    rank reads); scales are consumed, static activation scales dropped (activations are quantised per token at run
+    time), K/V scales handed to `kv_scales`."""
+    held = dict(tensors)  # lazy readers: nothing is read yet
+    scales: Dict[str, StoredTensor] = {}
+    for name in list(held):
+        if name.endswith(SCALE_SUFFIXES):
+            suffix = next(x for x in SCALE_SUFFIXES if name.endswith(x))
+            scales[name[:-len(suffix)] + ".weight"] = held.pop(name)
+        elif name.endswith(".input_scale"):
+            held.pop(name)
+        elif KV_SCALE.match(name):
+            m = KV_SCALE.match(name)
+            kv_scales.add(int(m.group(1)), m.group(2), float(held.pop(name).read(None).float().reshape(-1)[0]))
+    for name, stored in held.items():
+        scale = scales.pop(name, None)
+        if scale is None:
+            yield name, stored
+            continue
+        yield name, StoredTensor(stored.shape, lambda piece, w=stored, s=scale, n=name: _dequantize_piece(
+            n, w, s, piece, block))
+    if scales:
+        raise WeightLoadError(f"scale(s) without a weight in the checkpoint: {', '.join(sorted(scales)[:5])}")
+
+
+def _dequantize_piece(name: str, weight: StoredTensor, scale: StoredTensor, piece: Optional[Slice],
+                      block: Optional[Tuple[int, int]]) -> torch.Tensor:
+    q = weight.read(piece)
+    s = scale.read(None)
+    if q.dtype != FP8:
+        raise WeightLoadError(f"tensor {name!r} has a scale but is {q.dtype}, not float8_e4m3fn")
+    rows = (piece.start, piece.length) if piece is not None and piece.dim == 0 else None
+    cols = (piece.start, piece.length) if piece is not None and piece.dim == 1 else None
+    full = weight.shape
+    if block is not None and s.numel() > 1:
+        want = tuple(-(-n // b) for n, b in zip(full, block))
+        if tuple(s.shape) != want:
+            raise WeightLoadError(f"{name!r}: block scales of shape {tuple(s.shape)}, expected {want} for "
+                                  f"{full} in blocks of {block}")
+        return dequantize(q, s, block, rows, cols)
+    if s.numel() not in (1, full[0]):
+        raise WeightLoadError(f"{name!r}: scale of shape {tuple(s.shape)} is neither per tensor nor per row "
+                              f"of {full}")
+    return dequantize(q, s, None, rows, cols)

@@ -1,0 +1,186 @@
+"""A GGUF file (llama.cpp's format) as (HF name, dequantised tensor) pairs, its header checked first.
+
+gguf's own GGUFReader walks the header and the tensor table. Two things are added to it: every read of the header
+is bounds-checked against the file's size, and every tensor's bytes are checked against it before any tensor is
+touched, so a truncated or damaged file is a WeightLoadError that says where it is cut (GGUFReader alone fails on
+one with an IndexError from numpy, or loops on a damaged array length). Array values in the metadata (the
+tokenizer's vocabulary and merges) are skipped, not read: transformers reads them itself for the tokenizer, and
+GGUFReader's walk of them element by element is most of its time (about 8 s of the default model's 8.1 s)."""
+from __future__ import annotations
+
+import math
+import os
+import re
+import struct
+from typing import Any, Iterator, List, Tuple
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueType
+
+from .checkpoint import Unreadable, WeightLoadError, check_tensor_spans, damaged
+from .layers import ModelArgs
+
+MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp refuses tensors of more dimensions
+MAX_NESTING = 8  # arrays of arrays: deeper than this is garbage, not a model
+
+
+class _CheckedReader(GGUFReader):
+    """GGUFReader whose header reads stop at the end of the file with the place they were in, which skips the
+    values of metadata arrays, and which checks each tensor's byte span before mapping the tensors.
+    `spans`: (tensor name, first byte, end byte) of every tensor at absolute file offsets."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.size = os.path.getsize(path)
+        self.spans: List[Tuple[str, int, int]] = []
+        self._infos_read = 0
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":  # also an empty file, which numpy cannot map
+            raise Unreadable(f"no GGUF magic: the file starts with {magic!r}")
+        super().__init__(path)
+
+    def _where(self) -> str:
+        fields = getattr(self, "fields", None)
+        if not fields or "GGUF.kv_count" not in fields:
+            return "the fixed header"
+        n_kv, n_tensors = (int(fields[k].parts[0][0]) for k in ("GGUF.kv_count", "GGUF.tensor_count"))
+        if len(fields) - 3 < n_kv:
+            return f"metadata entry {len(fields) - 2} of {n_kv}"
+        return f"tensor info {self._infos_read} of {n_tensors}"
+
+    def _past_end(self) -> Unreadable:
+        return Unreadable(f"the file ends at byte {self.size}, inside {self._where()}")
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        if int(offset) + np.dtype(dtype).itemsize * int(count) > self.size:
+            raise self._past_end()
+        return super()._get(offset, dtype, count, override_order)
+
+    def _unpack(self, fmt: str, offset: int) -> int:
+        if offset + struct.calcsize(fmt) > self.size:
+            raise self._past_end()
+        order = ">" if self.endianess == GGUFEndian.BIG else "<"
+        return struct.unpack_from(order + fmt, self.data, offset)[0]
+
+    def _skip_array(self, offset: int, depth: int) -> int:
+        """Where the array at `offset` ends. Each element takes at least one byte, a string or an array at least 8:
+        the walk is bounded by the file's size whatever the stored counts say."""
+        item, count = self._unpack("I", offset), self._unpack("Q", offset + 4)
+        offset += 12
+        scalar = self.gguf_scalar_to_np.get(item)
+        if scalar is not None:
+            offset += count * np.dtype(scalar).itemsize
+        elif item == GGUFValueType.STRING:
+            for _ in range(count):
+                offset += 8 + self._unpack("Q", offset)
+        elif item == GGUFValueType.ARRAY:
+            if depth >= MAX_NESTING:
+                raise Unreadable(f"arrays nested deeper than {MAX_NESTING} (in {self._where()})")
+            for _ in range(count):
+                offset = self._skip_array(offset, depth + 1)
+        else:
+            raise Unreadable(f"unknown array element type {item} (in {self._where()})")
+        if offset > self.size:
+            raise self._past_end()
+        return offset
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type != GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        end = self._skip_array(orig_offs, 0)
+        parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
+        return end - orig_offs, parts, [], [GGUFValueType.ARRAY]
+
+    def _get_tensor_info_field(self, orig_offs: int):
+        self._infos_read += 1
+        return super()._get_tensor_info_field(orig_offs)
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        for field in fields:
+            _, name_data, n_dims, dims, raw_type, offset = field.parts
+            name = bytes(name_data).decode("utf-8")  # GGUFReader decoded it already
+            if int(n_dims[0]) > MAX_DIMS:
+                raise Unreadable(f"tensor {name} has {int(n_dims[0])} dimensions (at most {MAX_DIMS})")
+            try:
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+            except (ValueError, KeyError):
+                raise Unreadable(f"tensor {name} has unknown type {int(raw_type[0])}") from None
+            n_elems = math.prod(int(d) for d in dims)
+            if n_elems % block:
+                raise Unreadable(f"tensor {name} has {n_elems} elements, not a multiple of its type's block "
+                                 f"of {block}")
+            begin = start_offs + int(offset[0])
+            self.spans.append((name, begin, begin + n_elems // block * type_size))
+        check_tensor_spans(self.path, self.spans, self.size)
+        super()._build_tensors(start_offs, fields)
+
+
+def read_gguf(path: str) -> GGUFReader:
+    """The file's header and tensor table (tensors memory-mapped, not read), or a WeightLoadError naming the file
+    and where it is truncated or damaged."""
+    try:
+        return _CheckedReader(path)
+    except Unreadable as e:
+        raise damaged(path, f"cannot read its GGUF header/tensor table ({e})") from None
+    except WeightLoadError:
+        raise
+    except (OSError, ValueError, KeyError, IndexError, OverflowError, RecursionError, struct.error) as e:
+        raise damaged(path, f"cannot read its GGUF header/tensor table ({type(e).__name__}: {e})") from e
+    except Exception as e:  # noqa: BLE001 - whatever else gguf raises on a file it cannot read
+        raise WeightLoadError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def has_tensor(reader: GGUFReader, name: str) -> bool:
+    return any(t.name == name for t in reader.tensors)
+
+
+NAMES = [  # llama.cpp's tensor names -> HF's
+    (r"^token_embd\.weight$", "model.embed_tokens.weight"),
+    (r"^output_norm\.weight$", "model.norm.weight"),
+    (r"^output\.weight$", "lm_head.weight"),
+    (r"^blk\.(\d+)\.attn_norm\.weight$", r"model.layers.\1.input_layernorm.weight"),
+    (r"^blk\.(\d+)\.ffn_norm\.weight$", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"^blk\.(\d+)\.attn_q\.(weight|bias)$", r"model.layers.\1.self_attn.q_proj.\2"),
+    (r"^blk\.(\d+)\.attn_k\.(weight|bias)$", r"model.layers.\1.self_attn.k_proj.\2"),
+    (r"^blk\.(\d+)\.attn_v\.(weight|bias)$", r"model.layers.\1.self_attn.v_proj.\2"),
+    (r"^blk\.(\d+)\.attn_output\.weight$", r"model.layers.\1.self_attn.o_proj.weight"),
+    (r"^blk\.(\d+)\.attn_q_norm\.weight$", r"model.layers.\1.self_attn.q_norm.weight"),
+    (r"^blk\.(\d+)\.attn_k_norm\.weight$", r"model.layers.\1.self_attn.k_norm.weight"),
+    (r"^blk\.(\d+)\.ffn_gate\.weight$", r"model.layers.\1.mlp.gate_proj.weight"),
+    (r"^blk\.(\d+)\.ffn_up\.weight$", r"model.layers.\1.mlp.up_proj.weight"),
+    (r"^blk\.(\d+)\.ffn_down\.weight$", r"model.layers.\1.mlp.down_proj.weight"),
+]
+
+
+def _hf_name(gguf_name: str) -> str:
+    for pat, rep in NAMES:
+        if re.match(pat, gguf_name):
+            return re.sub(pat, rep, gguf_name)
+    return ""
+
+
+def iter_gguf(path: str, args: ModelArgs) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Dequantised tensors under HF names, one at a time. llama.cpp stores Llama's q/k rows interleaved for its
+    rotary; that is undone so that our neox-style rotary (HF's) applies."""
+    from gguf.quants import dequantize as dequantize_blocks
+    reader = read_gguf(path)
+    permuted = args.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if not name:
+            if t.name == "rope_freqs.weight":  # llama3 frequencies: recomputed from the config instead
+                continue
+            raise WeightLoadError(f"unexpected tensor {t.name!r} in {path}")
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        try:
+            arr = dequantize_blocks(t.data, t.tensor_type).reshape(shape)
+        except Exception as e:
+            raise WeightLoadError(f"cannot dequantize tensor {t.name!r} in {path}: {e}") from e
+        w = torch.from_numpy(arr.copy())
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = args.num_heads if "q_proj" in name else args.num_kv_heads
+            w = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+        yield name, w
