@@ -543,3 +543,70 @@ def test_damaged_safetensors_header(tiny_model, tmp_path):
     assert "truncated or damaged" in _raises_load_error(make_llm, path)
     shutil.copyfile(good, f)
     _still_serves(tiny_model)
+
+
+def _gguf_with_arrays(out: str) -> None:
+    """A GGUF whose metadata holds what a real model's does around its tensor table: arrays of strings (a
+    vocabulary), of integers, of arrays, and scalars after them; tensors in float32, float16 and Q8_0 blocks."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+    rng = np.random.default_rng(3)
+    w = GGUFWriter(out, "llama")
+    w.add_token_list([f"tok{i}" * (1 + i % 5) for i in range(300)])
+    w.add_token_types([i % 6 for i in range(300)])
+    w.add_array("test.nested", [[1, 2, 3], [4], ["x", "yz"]])
+    w.add_uint32("test.after_arrays", 1234567)
+    w.add_string("test.last", "the end")
+    w.add_tensor("a.weight", rng.standard_normal((7, 5)).astype(np.float32))
+    w.add_tensor("b.weight", rng.standard_normal((3, 64)).astype(np.float16))
+    q8 = quantize(rng.standard_normal((4, 64)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    w.add_tensor("c.weight", q8, raw_dtype=GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_table_matches_gguf_reader(tmp_path):
+    """The checked read of a GGUF gives the tensor table gguf's own GGUFReader gives (names, types, shapes, byte
+    spans, data) and the scalars written after the metadata arrays whose values it skips."""
+    import numpy as np
+    from gguf import GGUFReader
+    from minisrv.models.gguf_file import read_gguf
+    path = str(tmp_path / "arrays.gguf")
+    _gguf_with_arrays(path)
+    ref, ours = GGUFReader(path), read_gguf(path)
+    assert ours.data_offset == ref.data_offset and len(ours.tensors) == len(ref.tensors) == 3
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert (a.name, a.tensor_type, a.shape.tolist(), a.data_offset, a.n_bytes) == \
+            (b.name, b.tensor_type, b.shape.tolist(), b.data_offset, b.n_bytes)
+        assert np.array_equal(a.data, b.data), a.name
+    assert list(ours.fields) == list(ref.fields)
+    for key in ("test.after_arrays", "test.last", "general.architecture"):
+        assert ours.fields[key].contents() == ref.fields[key].contents(), key
+    assert ours.fields["test.after_arrays"].contents() == 1234567
+
+
+def test_damaged_gguf_array_length_is_a_clear_error(tmp_path):
+    """A metadata array whose stored length is garbage fails at once, naming the entry (gguf's own reader walks
+    2**60 elements of a short array)."""
+    import time
+    from gguf import GGUFReader
+    from minisrv.models.gguf_file import read_gguf
+    good = str(tmp_path / "arrays.gguf")
+    _gguf_with_arrays(good)
+    fields = GGUFReader(good).fields
+    keys = [k for k in fields if not k.startswith("GGUF.")]
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "test.nested"):
+        field = fields[key]
+        count_at = field.offset + sum(int(p.nbytes) for p in field.parts[:4])  # key length, key, type, item type
+        path = _patch(good, str(tmp_path / "count.gguf"), count_at, (2 ** 60).to_bytes(8, "little"))
+        start = time.monotonic()
+        msg = _raises_load_error(read_gguf, path)
+        assert time.monotonic() - start < 10
+        entry = f"metadata entry {keys.index(key) + 1} of {len(keys)}"
+        assert msg.startswith(f"{path} is truncated or damaged: cannot read its GGUF header/tensor table (") and \
+            entry in msg, msg
+        if key != "test.nested":  # (whose walk may first meet the bytes of the next entry as an element type)
+            assert msg.endswith(f"(the file ends at byte {os.path.getsize(good)}, inside {entry})"), msg
