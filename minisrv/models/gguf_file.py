@@ -12,12 +12,13 @@ import math
 import os
 import re
 import struct
+import sys
 from typing import Any, Iterator, List, Tuple
 
 import numpy as np
 import torch
 from gguf import GGUFReader
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .checkpoint import Unreadable, WeightLoadError, check_tensor_spans, damaged
 from .layers import ModelArgs
@@ -28,7 +29,9 @@ MAX_NESTING = 8  # arrays of arrays: deeper than this is garbage, not a model
 
 class _CheckedReader(GGUFReader):
     """GGUFReader whose header reads stop at the end of the file with the place they were in, which skips the
-    values of metadata arrays, and which checks each tensor's byte span before mapping the tensors.
+    values of metadata arrays, and which checks each tensor's byte span before mapping the tensors. It hooks
+    GGUFReader's own steps (`_get`, `_get_field_parts`, `_get_tensor_info_field`, `_build_tensors`), so
+    tests/test_loader.py compares its table with GGUFReader's.
     `spans`: (tensor name, first byte, end byte) of every tensor at absolute file offsets."""
 
     def __init__(self, path: str) -> None:
@@ -62,7 +65,8 @@ class _CheckedReader(GGUFReader):
     def _unpack(self, fmt: str, offset: int) -> int:
         if offset + struct.calcsize(fmt) > self.size:
             raise self._past_end()
-        order = ">" if self.endianess == GGUFEndian.BIG else "<"
+        host_little = sys.byteorder == "little"
+        order = "<" if host_little != (self.byte_order == "S") else ">"  # "S": the file's order is not the host's
         return struct.unpack_from(order + fmt, self.data, offset)[0]
 
     def _skip_array(self, offset: int, depth: int) -> int:
