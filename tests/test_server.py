@@ -21,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from .server_process import Server, free_port as _free_port, running  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts server processes
+
 CHAT_Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 

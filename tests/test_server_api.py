@@ -17,6 +17,8 @@ from minisrv import LLM, SamplingParams  # noqa: E402
 
 from .server_process import Server, running  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts server processes
+
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the served name of the default model
 ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
 

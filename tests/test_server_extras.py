@@ -18,6 +18,8 @@ import pytest
 from .server_process import Server, running
 from prometheus_client.parser import text_string_to_metric_families
 
+pytestmark = pytest.mark.slow  # starts server processes
+
 POOL_TOKENS = 2048  # --max-total-tokens: the enforced max_model_len
 MAX_BYTES = 256 * 1024  # --max-request-bytes
 API_KEY = "sk-extras"

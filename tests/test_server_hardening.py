@@ -23,6 +23,8 @@ import pytest
 
 from .server_process import Server, children as _children, gone as _gone
 
+pytestmark = pytest.mark.slow  # starts server processes
+
 READ_TIMEOUT_S = 2  # the module server's --request-read-timeout
 POOL_TOKENS = 2048  # the module server's --max-total-tokens: requests are limited to this, not to the context
 HEALTH_MAX_S = 0.100  # /health must answer within this under every load below

@@ -15,6 +15,8 @@ from .conftest import build_tiny_model, make_llm
 from .server_process import Server
 from .test_text import write_spaced_tokenizer
 
+pytestmark = pytest.mark.slow  # starts server processes
+
 
 @pytest.fixture(scope="module")
 def spaced_model(tmp_path_factory):

@@ -25,6 +25,8 @@ from minisrv.server.tools import parser_for  # noqa: E402
 from .server_process import Server, running  # noqa: E402
 from .tiny_qwen2 import CHAT_TEMPLATE  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts server processes
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},

@@ -23,6 +23,8 @@ from .conftest import (assert_greedy_matches, build_tiny_model, greedy, hf_greed
                        vocab_of)
 from .server_process import Server, children, gone
 
+pytestmark = pytest.mark.slow  # spawns tensor-parallel ranks and server processes
+
 VARIANTS = {  # name -> (base architecture, config overrides)
     "llama-1kv": ("llama", dict(num_key_value_heads=1)),  # 1 K/V head, 2 ranks: each rank holds it
     "qwen2-oddvocab": ("qwen2", dict(vocab_size=321)),  # 161 + 160 rows, the last rank padded
