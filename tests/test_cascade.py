@@ -249,6 +249,7 @@ def _shared_prompts(vocab: int, seed: int = 3):
     return prompts + [[rng.randrange(3, vocab) for _ in range(30)]]
 
 
+@pytest.mark.slow  # whole engines against HF, about 25 s on 2 cores
 @pytest.mark.parametrize("hybrid", [False, True], ids=["fi", "torch,fi"])
 def test_engine_on_fi_cascade_matches_hf_and_plain_decode(tiny_model, fake_fi, hybrid):
     """The whole engine (prefix cache on, so requests share pages) on the fi backend over the stand-in kernels (or

