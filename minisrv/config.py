@@ -40,7 +40,6 @@ class EngineConfig:
     fail_on_token: Optional[int] = None  # testing only: a step whose batch holds a prompt with this id raises
     seed: Optional[int] = None  # seeds torch's generator, which unseeded requests draw from
     tp_size: int = 1  # tensor parallelism: one process per GPU (per CPU process with gloo), rank 0 schedules
-    enable_one_shot_all_reduce: bool = False  # tensor parallel on CUDA: small all-reduces through symmetric memory
     # tensor parallel on CUDA: decode batches' all-reduce + add + RMSNorm in one kernel (FlashInfer's)
     enable_flashinfer_allreduce_fusion: bool = False
     log_level: str = "info"
@@ -119,9 +118,6 @@ class EngineConfig:
                        help="seed for requests that give none (reproducible runs of one engine)")
         p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=d.tp_size,
                        help="tensor parallelism: split the model over this many GPUs (one process each)")
-        p.add_argument("--enable-one-shot-all-reduce", action="store_true",
-                       help="tensor parallel: all-reduces up to 1 MiB in one kernel through torch's symmetric memory "
-                            "instead of NCCL (measured no faster on 2 H200s: off by default)")
         p.add_argument("--enable-flashinfer-allreduce-fusion", action="store_true",
                        help="tensor parallel on CUDA: decode batches all-reduce, add the residual and RMS-normalise in "
                             "one FlashInfer kernel (peer-to-peer buffers) instead of NCCL and a separate norm (an "
@@ -149,6 +145,8 @@ class RemovedFlag(argparse.Action):
 REMOVED_FLAGS: dict = {
     "--decode-gemm": "bf16 projections use cuBLAS (F.linear) at every batch size; FP8 weights (--quantization fp8) "
                      "take the small-batch FP8 kernel for decode batches without a flag",
+    "--enable-one-shot-all-reduce": "tensor-parallel all-reduces go through NCCL; "
+                                    "--enable-flashinfer-allreduce-fusion is the fused option for decode batches",
 }
 
 

@@ -1,15 +1,10 @@
-"""All-reduce time by message size on N GPUs: NCCL against the one-shot path (minisrv.distributed.OneShotAllReduce),
-each as a CUDA graph of 20 back-to-back all-reduces (as a decode step replays them), median of 20 replays.
-
-    python scripts/bench_allreduce.py [--tp-size 2] [--sizes-kib 8,32,128,512,1024,4096]
-    python scripts/bench_allreduce.py --fused [--hidden 4096] [--rows 1,16,64]
-
-Used to choose ONE_SHOT_MAX_BYTES: the one-shot path should win every size below it.
-
---fused times what follows a row-parallel projection at decode, [rows, hidden] bf16: NCCL's all-reduce then
+"""What follows a row-parallel projection at decode on N GPUs, [rows, hidden] bf16: NCCL's all-reduce then
 FlashInfer's residual add + RMSNorm (two kernels), against the fused all-reduce + add + norm
 (--enable-flashinfer-allreduce-fusion: FlashInfer's allreduce_fusion as minisrv calls it, then forced one-shot,
-forced two-shot, and with float32 accumulation), each checked against the two-kernel result.
+forced two-shot, and with float32 accumulation), each checked against the two-kernel result. Each is timed as a
+CUDA graph of 20 back-to-back calls (as a decode step replays them), median of 20 replays.
+
+    python scripts/bench_allreduce.py [--tp-size 2] [--hidden 4096] [--rows 1,16,64]
 """
 from __future__ import annotations
 
@@ -23,8 +18,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from minisrv.distributed import (NO_MULTICAST_ENV, OneShotAllReduce, Rendezvous, TensorParallel,  # noqa: E402
-                                 init_tensor_parallel)
+from minisrv.distributed import NO_MULTICAST_ENV, Rendezvous, TensorParallel, init_tensor_parallel  # noqa: E402
 from minisrv.engine.tp_workers import free_tcp_address  # noqa: E402
 
 CALLS = 20
@@ -97,71 +91,44 @@ def fused_rows(tp: TensorParallel, nccl: TensorParallel, device: torch.device, h
     return out
 
 
-def worker(rank: int, size: int, addr: str, sizes_kib, queue, fused_args=None) -> None:
+def worker(rank: int, size: int, addr: str, queue, hidden: int, rows_list) -> None:
     os.environ.update(NO_MULTICAST_ENV)
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    tp = init_tensor_parallel(rank, size, Rendezvous(addr, 0), device, torch.bfloat16,  # fresh processes
-                              fused_norm=(fused_args[0], torch.bfloat16) if fused_args else None)
-    nccl = TensorParallel(tp.rank, tp.size, tp.group, tp.control)  # the same group, NCCL for every size
-    if fused_args:
-        result = fused_rows(tp, nccl, device, *fused_args)
-        if rank == 0:
-            queue.put(result)
-        import torch.distributed as dist
-        dist.barrier(group=tp.control)
-        tp.fused_norm.close()
-        dist.destroy_process_group()
-        return
-    rows = []
-    for kib in sizes_kib:
-        n = kib * 1024 // 2
-        x = torch.randn(n, device=device, dtype=torch.bfloat16) / 64
-        one = OneShotAllReduce(tp.group, device, torch.bfloat16, n * 2) if tp.one_shot is not None else None
-        t_nccl = _time_graph(nccl.all_reduce, x.clone())
-        t_one = _time_graph(one, x.clone()) if one is not None else float("nan")
-        ref = nccl.all_reduce(x.clone())
-        same = one is None or torch.allclose(one(x.clone()).float(), ref.float(), rtol=1e-2, atol=1e-2)
-        rows.append((kib, t_nccl, t_one, same))
+    tp = init_tensor_parallel(rank, size, Rendezvous(addr, 0), device,  # fresh processes
+                              fused_norm=(hidden, torch.bfloat16))
+    nccl = TensorParallel(tp.rank, tp.size, tp.group, tp.control)  # the same group, NCCL and a separate norm
+    result = fused_rows(tp, nccl, device, hidden, rows_list)
     if rank == 0:
-        queue.put(rows)
+        queue.put(result)
     import torch.distributed as dist
     dist.barrier(group=tp.control)
+    tp.fused_norm.close()
     dist.destroy_process_group()
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tp-size", type=int, default=2)
-    p.add_argument("--sizes-kib", default="8,32,128,256,512,1024,2048,4096")
-    p.add_argument("--fused", action="store_true", help="the fused all-reduce + add + RMSNorm (see above)")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--rows", default="1,16,64")
     a = p.parse_args()
-    sizes = [int(s) for s in a.sizes_kib.split(",")]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     addr = free_tcp_address()
-    fused_args = (a.hidden, [int(r) for r in a.rows.split(",")]) if a.fused else None
-    procs = [ctx.Process(target=worker, args=(r, a.tp_size, addr, sizes, queue, fused_args))
+    procs = [ctx.Process(target=worker, args=(r, a.tp_size, addr, queue, a.hidden, [int(x) for x in a.rows.split(",")]))
              for r in range(a.tp_size)]
     for pr in procs:
         pr.start()
     rows = queue.get(timeout=300)
     for pr in procs:
         pr.join(60)
-    if a.fused:
-        print(f"all-reduce + residual add + RMSNorm of [rows, {a.hidden}] bf16 on {a.tp_size} GPUs "
-              f"({torch.cuda.get_device_name(0)}), us per call in a CUDA graph")
-        for n, times, same in rows:
-            print(f"{n:4d} rows: " + "; ".join(
-                f"{name} {times[name] * 1e3:.1f}" + ("" if same[name] is True else f" ({same[name] or 'DIFFERS'})")
-                for name in times))
-        return
-    print(f"all-reduce of bf16 on {a.tp_size} GPUs ({torch.cuda.get_device_name(0)}), ms per call in a CUDA graph")
-    for kib, t_nccl, t_one, same in rows:
-        print(f"{kib:6d} KiB: NCCL {t_nccl * 1e3:7.1f} us, one-shot {t_one * 1e3:7.1f} us "
-              f"({t_nccl / t_one:.2f}x){'' if same else '  RESULTS DIFFER'}")
+    print(f"all-reduce + residual add + RMSNorm of [rows, {a.hidden}] bf16 on {a.tp_size} GPUs "
+          f"({torch.cuda.get_device_name(0)}), us per call in a CUDA graph")
+    for n, times, same in rows:
+        print(f"{n:4d} rows: " + "; ".join(
+            f"{name} {times[name] * 1e3:.1f}" + ("" if same[name] is True else f" ({same[name] or 'DIFFERS'})")
+            for name in times))
 
 
 if __name__ == "__main__":

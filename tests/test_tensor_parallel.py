@@ -198,9 +198,33 @@ class _ReferenceFusedNorm:
         return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(s.dtype), s
 
 
+UNGUARDED_SCRIPT = """
+import sys
+from minisrv import LLM
+llm = LLM(model=sys.argv[1], tp_size=2, max_total_tokens=256, log_level="warning")  # no __main__ guard
+print("generated", llm.generate([[1, 2, 3]], use_tqdm=False))
+"""
+
+
+def test_a_rank_that_dies_before_joining_fails_the_engine_fast_with_the_fix(tiny_model, tmp_path):
+    """A script that builds a tensor-parallel engine at module level makes each spawned rank fail as it imports the
+    script again: rank 0 says which rank died and the usual fix within 30 s, instead of waiting for the group."""
+    import subprocess
+    import sys
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script), tiny_model("llama")], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0 and "generated" not in proc.stdout
+    assert took < 30, f"took {took:.1f} s"
+    assert "rank 1" in proc.stderr and 'if __name__ == "__main__":' in proc.stderr, proc.stderr[-2000:]
+
+
 def test_closing_the_group_releases_the_all_reduce_buffers_first():
-    """destroy_tensor_parallel lets go of the fused all-reduce's and the one-shot all-reduce's peer buffers before the
-    group is torn down, so that a later engine in the process starts without them."""
+    """destroy_tensor_parallel lets go of the fused all-reduce's peer buffers before the group is torn down, so that a
+    later engine in the process starts without them."""
     from minisrv.distributed import destroy_tensor_parallel
     closed = []
 
@@ -210,9 +234,8 @@ def test_closing_the_group_releases_the_all_reduce_buffers_first():
 
     tp = TensorParallel(0, 2)
     fused = tp.fused_norm = FusedNorm()
-    tp.one_shot = object()
     destroy_tensor_parallel(tp)
-    assert closed == [fused] and tp.fused_norm is None and tp.one_shot is None
+    assert closed == [fused] and tp.fused_norm is None
 
 
 def _causal_attention(q, k, v, layer_id, rotary):

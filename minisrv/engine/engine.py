@@ -24,7 +24,8 @@ from .request import (Request, RequestLimits, RequestOutput, SamplingParams, che
                       prompt_logprob_list)
 from .scheduler import Scheduler
 from .setup import build_engine_parts, setup_logging
-from .tp_workers import STOP_AND_TEAR_DOWN, STOP_NOW
+from .tp_rank import STOP_AND_TEAR_DOWN, STOP_NOW
+from .tp_workers import build_tensor_parallel_parts
 from .text import TextStream
 
 logger = logging.getLogger("minisrv")
@@ -48,7 +49,7 @@ class Engine:
         cfg = config or EngineConfig(**kwargs)
         self.config = cfg
         setup_logging(cfg.log_level)
-        parts = build_engine_parts(cfg)
+        parts = build_tensor_parallel_parts(cfg) if cfg.tp_size > 1 else build_engine_parts(cfg)
         self.device, self.model_path, self.args = parts.device, parts.model_path, parts.args
         self.tokenizer, self.eos_ids, self.dtype = parts.tokenizer, parts.eos_ids, parts.dtype
         self.context_length, self.backend_name = parts.context_length, parts.backend_name

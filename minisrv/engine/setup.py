@@ -13,7 +13,7 @@ from minisrv.attention import ForwardMode, create_backend, resolve_backend
 from minisrv.attention.cascade import CascadePolicy
 from minisrv.config import DEFAULT_CPU_POOL_TOKENS, EngineConfig
 from minisrv.kvcache import KVPool, PageAllocator, ReqToTokenTable, slots_for
-from minisrv.distributed import Rendezvous, TensorParallel, init_tensor_parallel, new_rendezvous
+from minisrv.distributed import Rendezvous, TensorParallel, init_tensor_parallel
 from minisrv.models.layers import ModelArgs, fused_ops_for
 from minisrv.models.sharding import check_divisible
 from minisrv.models.fp8 import Fp8Linear
@@ -23,7 +23,6 @@ from minisrv.utils import ceil_div
 from .model_runner import ModelRunner
 from .request import Request, SamplingParams
 from .scheduler import ScheduledBatch
-from .tp_workers import TPWorkers, free_tcp_address
 
 logger = logging.getLogger("minisrv")
 
@@ -91,7 +90,7 @@ class EngineParts:
     pad_page: Optional[int]  # the page their dummy K/V go to, when graphs are on
     runner: ModelRunner
     max_request_len: int  # prompt + output tokens one request may have
-    workers: Optional[TPWorkers] = None  # rank 0 of a tensor-parallel engine: the other ranks' processes
+    workers: Optional[Any] = None  # rank 0 of a tensor-parallel engine: the other ranks' processes (TPWorkers)
 
 
 def tp_device(device: torch.device, rank: int, size: int) -> torch.device:
@@ -104,10 +103,20 @@ def tp_device(device: torch.device, rank: int, size: int) -> torch.device:
     return torch.device("cuda", rank)
 
 
+def check_tensor_parallel(cfg: EngineConfig) -> None:
+    """What can be refused before any rank's process is started: the model's heads must divide over the ranks, the
+    GPUs must be there, the fused all-reduce needs CUDA."""
+    device = resolve_device(cfg)
+    check_divisible(load_model_args(resolve_model_path(cfg.model)), cfg.tp_size)
+    if cfg.enable_flashinfer_allreduce_fusion and device.type != "cuda":
+        raise ValueError("--enable-flashinfer-allreduce-fusion needs CUDA devices")
+    tp_device(device, 0, cfg.tp_size)
+
+
 def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional[Rendezvous] = None) -> EngineParts:
-    """Rank 0 (the engine) builds everything; under tensor parallelism it first spawns ranks 1..N-1, which call this
-    with their rank and rank 0's rendezvous (address and first process-group number) and build the same parts for
-    their shard (no tokenizer)."""
+    """One rank's parts. With one rank, everything; under tensor parallelism every rank calls this with its rank
+    and rank 0's rendezvous (address and first process-group number) and builds the same parts for its shard
+    (rank 0 alone has a tokenizer). Rank 0's ranks 1..N-1 are started first (tp_workers.build_tensor_parallel_parts)."""
     t0 = time.perf_counter()
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)  # unseeded requests draw from torch's generator
@@ -115,28 +124,15 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
     model_path = resolve_model_path(cfg.model)
     args = load_model_args(model_path)
     backend_name = resolve_backend(cfg.attention_backend, device)  # fail before loading weights
-    workers = None
     if cfg.tp_size > 1:
-        check_divisible(args, cfg.tp_size)  # before any process is started
-        if cfg.enable_flashinfer_allreduce_fusion and device.type != "cuda":
-            raise ValueError("--enable-flashinfer-allreduce-fusion needs CUDA devices")
         device = tp_device(device, tp_rank, cfg.tp_size)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        if tp_rank == 0:
-            rendezvous = new_rendezvous(free_tcp_address())
-            workers = TPWorkers(cfg, rendezvous, device.type == "cuda")
-    try:
-        return _build_parts(cfg, tp_rank, rendezvous, device, model_path, args, backend_name, workers, t0)
-    except BaseException:
-        if workers is not None:
-            workers.stop(lambda: None, lambda: None)
-        raise
+    return _build_parts(cfg, tp_rank, rendezvous, device, model_path, args, backend_name, t0)
 
 
 def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvous], device: torch.device,
-                 model_path: str, args: ModelArgs, backend_name: str, workers: Optional[TPWorkers],
-                 t0: float) -> EngineParts:
+                 model_path: str, args: ModelArgs, backend_name: str, t0: float) -> EngineParts:
     tokenizer = load_tokenizer(model_path, cfg.tokenizer) if tp_rank == 0 else None
     eos = set(args.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -150,7 +146,6 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
                          f"{cfg.kv_cache_dtype} and the attention backend {backend_name}")
     fused = fused_ops_for(device)
     tp = init_tensor_parallel(tp_rank, cfg.tp_size, rendezvous, device,
-                              dtype if cfg.enable_one_shot_all_reduce else None,
                               (args.hidden_size, dtype) if cfg.enable_flashinfer_allreduce_fusion else None
                               ) if cfg.tp_size > 1 else TensorParallel.single()
     model = load_model(model_path, args, dtype, device, context_length, fused, tp, cfg.quantization)
@@ -201,13 +196,11 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
     runner = ModelRunner(model, backend, pool, table, device, graph_runner, tp, cascade)
     if tp.enabled and tp_rank == 0:
         table.journal = []  # from here on, the other ranks replay rank 0's table writes
-        tp.health_check = workers.check  # a step message waiting for a lost rank raises instead of waiting
     fp8_weights = any(isinstance(m, Fp8Linear) for m in model.modules())
     logger.info("model %s (%s, %s%s) on %s loaded in %.1fs%s%s", model_path, a.architecture,
                 str(dtype).replace("torch.", ""), ", fp8 weights" if fp8_weights else "", device, t_load,
                 "; fused ops on" if fused is not None else "",
-                f"; tensor parallel over {tp.size} ranks" + (", one-shot small all-reduces" if tp.one_shot else "")
-                + (", fused all-reduce + RMSNorm" if tp.fused_norm else "")
+                f"; tensor parallel over {tp.size} ranks" + (", fused all-reduce + RMSNorm" if tp.fused_norm else "")
                 if tp.enabled else "")
     logger.info("KV pool: %d tokens (%d pages of %d), %.2f GiB; context length %d; attention backend %s",
                 pool.num_slots, num_pages, ps, pool.nbytes / GiB, context_length, backend_name)
@@ -216,7 +209,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
                     pool.num_slots, dtype.itemsize // kv_dtype.itemsize, str(dtype).replace("torch.", ""),
                     "from the checkpoint" if model.kv_scales is not None else "1.0")
     return EngineParts(device, model_path, args, tokenizer, sorted(eos), dtype, context_length, ps, backend_name,
-                       pool, allocator, table, pad_row, pad_page, runner, max_request_len, workers)
+                       pool, allocator, table, pad_row, pad_page, runner, max_request_len)
 
 
 def _gpu_pool_tokens(cfg: EngineConfig, model: torch.nn.Module, backend_name: str, args: ModelArgs,

@@ -1,9 +1,13 @@
-"""Tensor parallelism's other ranks: processes 1..N-1, spawned and reaped by rank 0's engine.
+"""Tensor parallelism's other ranks as processes: ranks 1..N-1, spawned, watched and reaped by rank 0's engine
+(what each of them runs is tp_rank.py).
 
 Rank 0 runs the engine (scheduler, sampling, text) and its shard of the model. Each other rank builds the same
-parts for its own shard and then only follows: it receives each step's `StepInputs` from rank 0, runs the same
-forward (the collectives inside meet rank 0's), and receives the sampled ids so that it reads the same pending
-decode inputs. `None` in place of a step ends it.
+parts for its own shard and then only follows rank 0's steps.
+
+A rank that fails before it has started (a script that builds an engine at module level without an
+`if __name__ == "__main__":` guard makes every spawned rank fail as it imports that script again) is noticed before
+rank 0 waits for the group: rank 0 raises at once with the reason and the fix, instead of waiting for a rank that
+will never join.
 
 A rank that dies is noticed by its exit, not by a timeout: rank 0's watcher names it, stops the others, and ends
 the engine with an error (on the CPU the next collective fails at once; on CUDA a collective waiting for a dead peer
@@ -12,31 +16,28 @@ killed by the kernel (PR_SET_PDEATHSIG), so no rank outlives its engine.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import signal
 import socket
 import threading
 import time
-import traceback
 from typing import Callable, Optional
 
 from minisrv.config import EngineConfig
-from minisrv.distributed import NO_MULTICAST_ENV, Rendezvous, TensorParallelError
+from minisrv.distributed import NO_MULTICAST_ENV, Rendezvous, TensorParallelError, new_rendezvous
+
+from .setup import EngineParts, build_engine_parts, check_tensor_parallel, resolve_device
+from .tp_rank import rank_main
 
 logger = logging.getLogger("minisrv")
 
 STOP_TIMEOUT_S = 10.0  # a rank that has not exited this long after being told to stop is killed
 HUNG_RANK0_GRACE_S = 15.0  # CUDA: after a rank died, rank 0 stuck this long in a collective ends its process
-
-
-def free_tcp_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+START_TIMEOUT_S = 600.0  # a rank that has neither started (imports done) nor died this long after its spawn is lost
+GUARD_HINT = ("ranks are spawned processes that import the launching script again: if it builds the engine (LLM(...), "
+              "Engine(...)) at module level, guard its entry point with `if __name__ == \"__main__\":`")
 
 
 class TPWorkers:
@@ -46,14 +47,16 @@ class TPWorkers:
         for k, v in NO_MULTICAST_ENV.items():  # spawned children inherit the environment
             os.environ.setdefault(k, v)
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=worker_main, args=(cfg, rank, rendezvous, os.getpid()),
+        self.started = [ctx.Event() for _ in range(1, cfg.tp_size)]  # set by each rank once its imports are done
+        self.procs = [ctx.Process(target=rank_main, args=(cfg, rank, rendezvous, os.getpid(), started),
                                   name=f"minisrv-tp{rank}", daemon=False)
-                      for rank in range(1, cfg.tp_size)]
+                      for rank, started in zip(range(1, cfg.tp_size), self.started)]
         for p in self.procs:
             p.start()
         self.cuda = cuda
         self.lost: Optional[str] = None  # why the group is broken, once a rank died
         self.acknowledged = threading.Event()  # rank 0 raised the loss (it is not stuck in a collective)
+        self.joined = threading.Event()  # rank 0's parts are built: the group has formed
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="minisrv-tp-watch", daemon=True)
         self._watcher.start()
@@ -72,10 +75,29 @@ class TPWorkers:
             self.lost = f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
             logger.error("%s: the engine stops", self.lost)
             self._kill_all()
-            if self.cuda and not self.acknowledged.wait(HUNG_RANK0_GRACE_S):
-                logger.error("rank 0 is stuck in a collective with the lost rank; ending the engine process")
+            # a CUDA collective never returns without its peer; before the group has formed, neither does the
+            # rendezvous on any device
+            if (self.cuda or not self.joined.is_set()) and not self.acknowledged.wait(HUNG_RANK0_GRACE_S):
+                logger.error("rank 0 is stuck waiting for the lost rank; ending the engine process")
                 os._exit(1)
             return
+
+    def wait_started(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Wait until every rank has started (its process imported what it runs); raise TensorParallelError naming
+        a rank that exited first, with the usual cause."""
+        deadline = time.monotonic() + timeout_s
+        for rank, (proc, started) in enumerate(zip(self.procs, self.started), start=1):
+            while not started.wait(0.1):
+                if not proc.is_alive():
+                    proc.join(1.0)
+                    self.lost = (f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} "
+                                 f"before it started (its error is printed above); {GUARD_HINT}")
+                    self.acknowledged.set()
+                    raise TensorParallelError(self.lost)
+                if time.monotonic() > deadline:
+                    self.lost = f"tensor-parallel rank {rank} (pid {proc.pid}) did not start within {timeout_s:.0f} s"
+                    self.acknowledged.set()
+                    raise TensorParallelError(self.lost)
 
     def check(self) -> None:
         """Raise TensorParallelError if a rank is gone (a step failure may be its echo)."""
@@ -103,6 +125,7 @@ class TPWorkers:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        self.acknowledged.set()  # rank 0 is here, not stuck in a collective
         if self.lost is None and all(p.is_alive() for p in self.procs):
             try:
                 send_stop()
@@ -115,42 +138,24 @@ class TPWorkers:
         self._kill_all()
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this process when its parent (rank 0) dies, however it dies."""
+def free_tcp_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def build_tensor_parallel_parts(cfg: EngineConfig) -> EngineParts:
+    """Rank 0 of a tensor-parallel engine: refuse what can be refused, spawn ranks 1..N-1, wait until they have
+    started, then build rank 0's parts (joining the group with them). The ranks are stopped if anything fails."""
+    check_tensor_parallel(cfg)
+    rendezvous = new_rendezvous(free_tcp_address())
+    workers = TPWorkers(cfg, rendezvous, resolve_device(cfg).type == "cuda")
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-# what rank 0 sends the other ranks instead of a step: stop, tearing the process group down together (an engine
-# closed in a process that goes on), or stop at once (the process is exiting)
-STOP_AND_TEAR_DOWN = "stop-and-tear-down"
-STOP_NOW = "stop-now"
-
-
-def worker_main(cfg: EngineConfig, rank: int, rendezvous: Rendezvous, parent_pid: int) -> None:
-    """Entry point of rank `rank` (spawned): build this rank's parts, then follow rank 0's steps until told to stop."""
-    _die_with_parent()
-    if os.getppid() != parent_pid:  # the parent died before the line above took effect
-        os._exit(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; rank 0 decides
-    from .setup import build_engine_parts, setup_logging
-    setup_logging("warning" if cfg.log_level.lower() == "info" else cfg.log_level)
-    try:
-        parts = build_engine_parts(cfg, tp_rank=rank, rendezvous=rendezvous)
-        runner = parts.runner
-        while True:
-            inp = runner.tp.recv_object()
-            if inp in (STOP_AND_TEAR_DOWN, STOP_NOW):
-                break
-            runner.run_remote_step(inp)
-    except BaseException:  # noqa: BLE001 - any failure ends this rank; rank 0 notices the exit
-        logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
-        os._exit(1)
-    if inp == STOP_AND_TEAR_DOWN:
-        from minisrv.distributed import destroy_tensor_parallel
-        runner.release_graphs()
-        destroy_tensor_parallel(runner.tp)  # at the same time as rank 0's (see Engine.close)
-    os._exit(0)
+        workers.wait_started()
+        parts = build_engine_parts(cfg, 0, rendezvous)
+        workers.joined.set()
+    except BaseException:
+        workers.stop(lambda: None, lambda: None)
+        raise
+    parts.workers = workers
+    return parts

@@ -8,7 +8,7 @@
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
 #           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv bench-fp8kv-xqa decode-fp8w-fa
 #           gemm-e2e llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
-#           attn attn-small gemm-fp8 tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 allreduce fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
+#           attn attn-small gemm-fp8 tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 #           llama8b-fp8-xqa decode-fp8w-xqa argmax half-profile
 #           allreduce-fused tp-profile-fused half-offline
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
@@ -175,9 +175,8 @@ for phase in "${@:-smoke}"; do
     tp-fp8) need_llama8b; wait_comm
             step tp2-64-fp8 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
               --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
-    allreduce) step allreduce 200 python3 scripts/bench_allreduce.py --tp-size 2 ;;
     # the fused all-reduce + add + norm per call and its options, against NCCL then the norm (waits for comm-build)
-    allreduce-fused) wait_comm; step allreduce-fused 300 python3 scripts/bench_allreduce.py --tp-size 2 --fused ;;
+    allreduce-fused) wait_comm; step allreduce-fused 300 python3 scripts/bench_allreduce.py --tp-size 2 ;;
     # tp-profile with the all-reduce fusion: its kernel's time a call inside the decode step
     tp-profile-fused) need_llama8b; wait_comm
               step tp-profile-fused 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
