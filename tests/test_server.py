@@ -328,6 +328,21 @@ def test_metrics(server: Server) -> None:
     assert m["minisrv_kv_cache_pages_total"] > 0
 
 
+def test_tokenize_routes_are_counted_under_their_own_endpoint(server: Server) -> None:
+    """/tokenize and /v1/tokenize (and detokenize) are one endpoint each in the metrics, not "other"."""
+    before = _metrics(server.url)
+    for path in ("/tokenize", "/v1/tokenize"):
+        assert httpx.post(server.url + path, json={"prompt": "hello"}).status_code == 200
+    assert httpx.post(server.url + "/v1/detokenize", json={"tokens": [1, 2]}).status_code == 200
+    after = _metrics(server.url)
+
+    def grew(key: str) -> float:
+        return after.get(key, 0) - before.get(key, 0)
+    assert grew("minisrv_requests_total{endpoint=/v1/tokenize,status=200}") == 2
+    assert grew("minisrv_requests_total{endpoint=/v1/detokenize,status=200}") == 1
+    assert grew("minisrv_requests_total{endpoint=other,status=200}") == 0
+
+
 # ---------------------------------------------------------------------------------------------- in-process
 class _IdleEngine:
     """Stands in for the engine process: the API-key gate never lets a request reach it."""
@@ -340,7 +355,8 @@ class _IdleEngine:
 
 def test_api_key(tokenizer) -> None:
     from minisrv.server.messages import EngineInfo
-    from minisrv.server.routes import ServerState, create_app
+    from minisrv.server.routes import create_app
+    from minisrv.server.state import ServerState
 
     info = EngineInfo("m.gguf", "torch", "cpu", 8192, 8192, 49152)
     app = create_app(ServerState(client=_IdleEngine(), tokenizer=tokenizer, info=info, served_model_name="m",

@@ -450,7 +450,7 @@ def test_sigterm_ends_open_streams_and_exits_cleanly() -> None:
 
 # ---------------------------------------------------------------------------------------------- in-process
 def test_host_and_origin_policy() -> None:
-    from minisrv.server.gate import HTTPPolicy
+    from minisrv.server.http_policy import HTTPPolicy
 
     loop = HTTPPolicy.for_bind("127.0.0.1")
     assert loop.check_host
@@ -528,3 +528,21 @@ def test_large_bodies_parse_in_pieces_like_json_loads(monkeypatch) -> None:
     with pytest.raises(APIError, match="arrays/objects"):
         jsonbody.decode_json(b"[" + b",".join([b"{}"] * 11) + b"]")
     assert jsonbody.decode_json(b'["[[[[", "{{{{", ' + b",".join([b"{}"] * 9) + b"]")[:2] == ["[[[[", "{{{{"]
+
+
+def test_the_concurrency_limit_answers_in_the_error_shape_with_a_request_id() -> None:
+    """--limit-concurrency's 503 (uvicorn's rule: as many connections open as the limit) is an OpenAI-style error
+    carrying x-request-id like every other response; the server serves again once a connection closes."""
+    from .server_process import running
+    with running("--limit-concurrency", "2") as s:
+        held = socket.create_connection(("127.0.0.1", s.port))  # one more open connection: two with the next
+        try:
+            time.sleep(0.3)
+            r = httpx.get(s.url + "/v1/models", headers={"X-Request-Id": "busy-check-1"})
+            assert r.status_code == 503, r.text
+            assert r.headers["x-request-id"] == "busy-check-1"
+            assert r.json()["error"]["code"] == "server_busy"
+        finally:
+            held.close()
+        time.sleep(0.3)
+        assert httpx.get(s.url + "/v1/models").status_code == 200

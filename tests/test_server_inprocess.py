@@ -22,7 +22,8 @@ from minisrv.server.engine_proc import EngineDead
 from minisrv.server.generation import Choice
 from minisrv.server.messages import (AbortRequest, AddRequest, EngineInfo, EngineStats, Rejected, Shutdown,
                                      StatsQuery, StepOutputs)
-from minisrv.server.routes import ServerState, create_app
+from minisrv.server.routes import create_app
+from minisrv.server.state import ServerState
 
 VOCAB = 49152
 CONTEXT = 8192

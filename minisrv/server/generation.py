@@ -31,7 +31,7 @@ from .protocol import PromptTokensDetails, UsageInfo
 from .streaming import EventStream, sse, sse_stream, unless_disconnected
 
 if TYPE_CHECKING:
-    from .routes import ServerState
+    from .state import ServerState
 
 
 STOP = object()  # the tag of the item ServerState.stop puts in a sink

@@ -38,27 +38,33 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: a pair i
 _BOM = b"\xef\xbb\xbf"
 T = TypeVar("T")
 
-_gc_lock = threading.Lock()
-_gc_pausers = 0
-_gc_was_enabled = False
+class GCPause:
+    """No automatic cyclic GC while any thread is inside `paused()`. The GC switch is process-wide, so the count of
+    threads inside is too: one instance serves the process (GC_PAUSE)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._was_enabled = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        with self._lock:
+            if self._inside == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inside -= 1
+                if self._inside == 0 and self._was_enabled:
+                    gc.enable()
 
 
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """No automatic cyclic GC while any thread is inside (the GC switch is process-wide, hence the count)."""
-    global _gc_pausers, _gc_was_enabled
-    with _gc_lock:
-        if _gc_pausers == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_pausers += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_pausers -= 1
-            if _gc_pausers == 0 and _gc_was_enabled:
-                gc.enable()
+GC_PAUSE = GCPause()
+gc_paused = GC_PAUSE.paused
 
 
 class _NotFinite(ValueError):

@@ -26,7 +26,7 @@ from typing import List, NoReturn, Optional
 from minisrv.config import EngineConfig
 from minisrv.server.tools import PARSERS
 
-from .gate import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S, HTTPPolicy, split_list
+from .http_policy import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S, HTTPPolicy, split_list
 
 logger = logging.getLogger("minisrv.server")
 
@@ -155,7 +155,8 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
     from minisrv.models.loader import load_tokenizer
 
     from .engine_proc import EngineClient
-    from .routes import ServerState, create_app
+    from .routes import create_app
+    from .state import ServerState
     from .transport import GracefulServer, deadline_protocol
 
     # uvicorn handles SIGINT/SIGTERM while it runs, restores the handlers it found when it stops, then re-raises the

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
 from minisrv.engine.request import TokenLogprob
 
 from .protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
@@ -18,15 +20,7 @@ PositionedLogprob = Tuple[TokenLogprob, int]  # a token's logprobs, with the off
 
 def _byte_decoder() -> Dict[str, int]:
     """Inverse of the GPT-2 byte-level alphabet (each byte 0..255 is shown as one printable character)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 class TokenText:

@@ -21,10 +21,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5,
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")  # label values; other /v1 paths: "other"
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/tokenize", "/v1/detokenize")  # labels
+UNVERSIONED = {"/tokenize": "/v1/tokenize", "/detokenize": "/v1/detokenize"}  # the same routes without /v1
 
 
 def endpoint_label(path: str) -> str:
+    """The endpoint label of a counted path: its route, or "other" (an unknown /v1 path)."""
+    path = UNVERSIONED.get(path, path)
     if path in ENDPOINTS:
         return path
     return "/v1/models" if path.startswith("/v1/models") else "other"
@@ -44,7 +47,7 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("minisrv_requests", "HTTP requests to /v1 routes, by endpoint and status code",
+        self.requests = Counter("minisrv_requests", "HTTP requests to /v1 routes (and /tokenize, /detokenize), by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
         self.finished = Counter("minisrv_request_finish", "Engine requests (one per choice) by finish reason",
                                 ["reason"], registry=r)
@@ -68,7 +71,7 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
 
     def count_http(self, path: str, status: int) -> None:
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") or path in UNVERSIONED:
             self.requests.labels(endpoint=endpoint_label(path), status=str(status)).inc()
 
     def submitted(self, num_prompt_tokens: int) -> None:

@@ -11,11 +11,11 @@
   GET  /get_model_info              model_path, served_model_name, tokenizer_path, max_model_len, is_generation, ...
   POST /flush_cache                 empty the radix prefix cache: 200 {"flushed": true}, or 400 while requests run
 
-The chat form is templated exactly as /v1/chat/completions templates its messages (routes._template_messages), so
+The chat form is templated exactly as /v1/chat/completions templates its messages (prompts.template_messages), so
 its count is the prompt length a chat request would have. `max_model_len` is the limit requests are held to (the
 context length, or less when the KV pool is smaller), as in /v1/models. A text longer than that is tokenized all
 the same (lm-eval tokenizes long contexts and truncates them itself). Bodies are read and checked as the other
-routes' are (routes._parse_body: strict JSON, a 400 naming the field); large ones, and long texts or token lists,
+routes' are (prompts.parse_body: strict JSON, a 400 naming the field); large ones, and long texts or token lists,
 are handled in a worker thread so that the event loop keeps serving.
 
 /flush_cache is POST only: a GET that changes state could be sent by any web page (an image's URL carries no
@@ -23,8 +23,7 @@ Origin), and like every POST it must be application/json (its body may be empty 
 """
 from __future__ import annotations
 
-import asyncio
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -33,11 +32,11 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, mo
 from .engine_proc import EngineDead
 from .errors import APIError, engine_unavailable
 from .protocol import ChatMessage
-from .routes import ASYNC_ENCODE_CHARS, _parse_body, _template_messages
+from .prompts import ASYNC_ENCODE_CHARS, off_loop, parse_body, template_messages
 from .tools import template_messages_with_tool_calls
 
 if TYPE_CHECKING:
-    from .routes import ServerState
+    from .state import ServerState
 
 INLINE_DECODE_TOKENS = 4096  # longer token lists are checked and decoded in a worker thread
 
@@ -83,10 +82,6 @@ class FlushCacheRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-async def _maybe_off_loop(offload: bool, fn: Callable[[], Any]) -> Any:
-    return await asyncio.to_thread(fn) if offload else fn()
-
-
 def _tokenizer(state: "ServerState") -> Any:
     """The tokenizer, or a 503 (the Gate answers so before a route while the engine loads; this covers a route
     that was already running)."""
@@ -121,7 +116,7 @@ async def _tokenize(state: "ServerState", body: TokenizeRequest, large: bool) ->
             raise APIError(400, "tools are not supported by /tokenize", param="tools")
         if chat_template_text(tok) is None:
             raise APIError(400, "this model's tokenizer has no chat template", param="messages")
-        msgs = template_messages_with_tool_calls(_template_messages(body))
+        msgs = template_messages_with_tool_calls(template_messages(body))
 
         def template() -> str:
             try:
@@ -130,7 +125,7 @@ async def _tokenize(state: "ServerState", body: TokenizeRequest, large: bool) ->
             except Exception as e:  # noqa: BLE001 - template errors (raise_exception, bad roles) are the client's
                 raise APIError(400, f"chat template failed: {e}", param="messages") from None
 
-        text = await _maybe_off_loop(large, template)
+        text = await off_loop(large, template)
         add_special = bool(body.add_special_tokens)
 
     def encode() -> Dict[str, Any]:
@@ -140,7 +135,7 @@ async def _tokenize(state: "ServerState", body: TokenizeRequest, large: bool) ->
             out["token_strs"] = tok.convert_ids_to_tokens(ids)
         return out
 
-    return await _maybe_off_loop(large or len(text) > ASYNC_ENCODE_CHARS, encode)
+    return await off_loop(large or len(text) > ASYNC_ENCODE_CHARS, encode)
 
 
 def add_tokenizer_routes(app: FastAPI, state: "ServerState") -> None:
@@ -149,14 +144,14 @@ def add_tokenizer_routes(app: FastAPI, state: "ServerState") -> None:
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
-        body, large = await _parse_body(request, TokenizeRequest)
+        body, large = await parse_body(request, TokenizeRequest)
         state.check_model(body.model)
         return JSONResponse(await _tokenize(state, body, large))
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
-        body, large = await _parse_body(request, DetokenizeRequest)
+        body, large = await parse_body(request, DetokenizeRequest)
         state.check_model(body.model)
         tok = _tokenizer(state)
         ids = body.tokens
@@ -169,7 +164,7 @@ def add_tokenizer_routes(app: FastAPI, state: "ServerState") -> None:
                                         f"{size - 1})", param="tokens", code="invalid_token_id")
             return tok.decode(ids)
 
-        return JSONResponse({"prompt": await _maybe_off_loop(large or len(ids) > INLINE_DECODE_TOKENS, decode)})
+        return JSONResponse({"prompt": await off_loop(large or len(ids) > INLINE_DECODE_TOKENS, decode)})
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> JSONResponse:
@@ -207,7 +202,7 @@ def add_tokenizer_routes(app: FastAPI, state: "ServerState") -> None:
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> JSONResponse:
         if await request.body():
-            await _parse_body(request, FlushCacheRequest)
+            await parse_body(request, FlushCacheRequest)
         try:
             flushed = await state.client.flush_cache()
         except EngineDead as e:

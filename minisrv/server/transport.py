@@ -6,7 +6,7 @@ head, or one byte now and then, holds its connection (and, with --limit-concurre
 how large a request head may grow (uvicorn's `h11_max_incomplete_event_size`, 16 KiB by default), not how long
 it may take. `deadline_protocol` arms a timer when a connection opens and after each response; if no route is at
 work when it fires (none started, or the last one has answered), the connection is closed. While a route runs it
-times its own body reads (gate.GuardedBody, a 408).
+times its own body reads (guarded_body.GuardedBody, a 408).
 
 Graceful shutdown. On SIGTERM/SIGINT uvicorn stops accepting, closes idle connections and waits for the running
 requests; after its `timeout_graceful_shutdown` it cancels them, which cuts streams off with no last event and
@@ -23,8 +23,12 @@ from typing import TYPE_CHECKING, Any, List, Optional
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .errors import SERVER, APIError
+from .http_policy import REQUEST_ID
+from .request_headers import request_id, with_headers
+
 if TYPE_CHECKING:
-    from .routes import ServerState
+    from .state import ServerState
 
 END_S = 5.0  # after the stop: how long the ended requests have to deliver their last words
 
@@ -34,6 +38,27 @@ def deadline_protocol(read_timeout: float) -> type:
 
     class DeadlineH11Protocol(H11Protocol):
         _deadline: Optional[asyncio.TimerHandle] = None
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # --limit-concurrency: refused here rather than by uvicorn, so the 503 has the server's error shape and
+            # an x-request-id like every other response (uvicorn's own is plain text without one)
+            self._limit, self.limit_concurrency = self.limit_concurrency, None
+            if self._limit is not None:
+                self.app = self._limited(self.app)
+
+        def _limited(self, app: Any) -> Any:
+            async def limited(scope: Any, receive: Any, send: Any) -> None:
+                # uvicorn's rule, counted as it counts: this connection is in `connections`, and by the time the
+                # app runs, this request's task is in `tasks` too
+                if len(self.connections) >= self._limit or len(self.tasks) - 1 >= self._limit:
+                    self.logger.warning("Exceeded concurrency limit.")
+                    refusal = APIError(503, "the server is at its concurrency limit (--limit-concurrency); retry "
+                                            "later", SERVER, code="server_busy", close=True)
+                    send = with_headers(send, [(REQUEST_ID, request_id(scope).encode("ascii"))])
+                    return await refusal.response()(scope, receive, send)
+                return await app(scope, receive, send)
+            return limited
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
