@@ -11,8 +11,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from minisrv.attention.base import ForwardBatch, ForwardMode
-from minisrv.attention.cascade import PrefixGroups, find_prefix_groups
+from minisrv.attention.cascade import find_prefix_groups
+from minisrv.batch import ForwardBatch, ForwardMode, PrefixGroups
 from minisrv.kvcache import KVPool, PageAllocator, slots_for
 from minisrv.utils import ceil_div
 

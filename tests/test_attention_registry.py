@@ -184,7 +184,8 @@ def test_hybrid_routes_extend_to_prefill_half_and_decode_to_decode_half():
     """A P,D hybrid: prefill/extend steps plan and run on P, decode steps (and CUDA-graph hooks) on D; the result
     equals the torch backend's either way (both halves are torch backends here, told apart by a spy)."""
     import torch
-    from minisrv.attention.base import ForwardBatch, ForwardMode, HybridBackend
+    from minisrv.attention.base import HybridBackend
+    from minisrv.batch import ForwardBatch, ForwardMode
     from minisrv.attention.torch_native import TorchNativeBackend
     from minisrv.kvcache import KVPool
 
@@ -199,9 +200,9 @@ def test_hybrid_routes_extend_to_prefill_half_and_decode_to_decode_half():
             calls.append((self.name, "prepare", b.mode.value))
             return super().prepare(b)
 
-        def forward(self, q, k, v, layer_id, meta, rotary=None):
+        def forward(self, q, k, v, layer_id, meta):
             calls.append((self.name, "forward"))
-            return super().forward(q, k, v, layer_id, meta, rotary)
+            return super().forward(q, k, v, layer_id, meta)
 
         def init_graph_state(self, max_bs, max_seq_len):
             calls.append((self.name, "init_graph_state"))

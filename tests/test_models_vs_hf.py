@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minisrv.attention.base import ForwardMode
+from minisrv.batch import ForwardMode
 from minisrv.engine.scheduler import MIN_NEW_TOKEN_RATIO
 
 from .conftest import (ARCHS, EngineWatch, assert_greedy_matches, assert_pool_free, build_tiny_model, greedy,

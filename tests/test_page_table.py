@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from minisrv.attention.base import ForwardBatch, ForwardMode
+from minisrv.batch import ForwardBatch, ForwardMode
 from minisrv.attention.page_table import StaticPageTable, page_table, require
 
 MAX_CONTEXT = 96

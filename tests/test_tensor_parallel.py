@@ -238,9 +238,7 @@ def test_closing_the_group_releases_the_all_reduce_buffers_first():
     assert closed == [fused] and tp.fused_norm is None
 
 
-def _causal_attention(q, k, v, layer_id, rotary):
-    positions, rope = rotary
-    q, k = rope(positions, q, k)
+def _causal_attention(q, k, v, layer_id):
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),

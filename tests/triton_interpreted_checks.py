@@ -49,64 +49,6 @@ def check_small_m_fp8_gemm() -> None:
             print(f"small-M FP8 GEMM {n}x{k} m={m} {tuple(config)}: max error {err:.1e} of the largest output")
 
 
-def check_row_argmax() -> None:
-    """Greedy decoding's two-kernel argmax (engine/argmax_kernel.py) against torch's: several rows, widths that are
-    and are not multiples of its block (one block, many), float32 / bf16 / float16, rows that are views with a
-    longer stride, a maximum tied within a block and across blocks (the lowest index wins, as torch's), a row of
-    -inf (index 0, as torch's)."""
-    from minisrv.engine.argmax_kernel import BLOCK, row_argmax
-    torch.manual_seed(4)
-    for rows, vocab in [(1, 100), (3, 3 * BLOCK), (2, 2 * BLOCK + 7)]:
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            wide = torch.randn(rows, vocab + 5).to(dtype)
-            logits = wide[:, :vocab]  # rows not contiguous with each other
-            top = logits.max()
-            logits[0, vocab - 1] = top + 1  # row 0: the maximum in the last, partial block, then tied earlier
-            logits[0, vocab // 3] = top + 1
-            if rows > 1:
-                logits[1] = float("-inf")
-            if rows > 2:
-                logits[2, BLOCK + 3] = logits[2, BLOCK + 9] = top + 2  # tied within one block
-            got = row_argmax(logits)
-            assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1)), (
-                f"{rows}x{vocab} {dtype}: {got.tolist()} against torch's {logits.argmax(dim=-1).tolist()}")
-            print(f"row argmax {rows}x{vocab} {dtype}: as torch's")
-
-
-def check_rope_and_store() -> None:
-    """The fused rotary + K/V store (kvcache/rope_store_kernel.py) against the model's torch rotary then the pool's
-    store: q and k rotated in place (strided views of one qkv row, as the model passes them), k and v at their
-    slots of the layer, nothing else of the pool touched; float32 and float16, GQA and MQA, head_dim 64 and 128,
-    positions far into the cos/sin table."""
-    from minisrv.kvcache.pool import KVPool
-    from minisrv.kvcache.rope_store_kernel import rope_and_store
-    from minisrv.models.layers import RotaryEmbedding
-    torch.manual_seed(3)
-    for dtype, (hq, hkv, d), t in [(torch.float32, (8, 2, 64), 5), (torch.float16, (4, 1, 128), 3),
-                                   (torch.float32, (6, 6, 64), 1)]:
-        rope = RotaryEmbedding(d, 4096, 500000.0, None)
-        pools = [KVPool(2, 8, 4, hkv, d, dtype, torch.device("cpu")) for _ in range(2)]
-        for kv, same in zip(pools[0].kv, pools[1].kv):
-            kv.copy_(torch.randn(kv.shape))
-            same.copy_(kv)
-        qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
-        views = lambda x: x.split([hq * d, hkv * d, hkv * d], dim=-1)  # noqa: E731
-        positions = torch.randint(0, 4096, (t,))
-        loc = torch.randperm(32)[:t]
-        mine = qkv.clone()
-        q, k, v = (x.view(t, -1, d) for x in views(mine))
-        rope_and_store(q, k, v, pools[0].kv[1], positions, loc, rope.cos_sin)
-        ref = qkv.clone()
-        rq, rk, rv = (x.view(t, -1, d) for x in views(ref))
-        rq, rk = rope(positions, rq, rk)
-        pools[1].store(1, loc, rk, rv)
-        torch.testing.assert_close(q, rq, rtol=0, atol=1e-6)
-        torch.testing.assert_close(k, rk, rtol=0, atol=1e-6)
-        torch.testing.assert_close(pools[0].kv[1], pools[1].kv[1], rtol=0, atol=1e-6)
-        assert torch.equal(pools[0].kv[0], pools[1].kv[0]), "another layer was written"
-        print(f"rope and store {dtype} {hq}/{hkv} heads of {d}, {t} tokens: as the torch rotary then the store")
-
-
 def check_fused_quantisers() -> None:
     """The three quantisers (kernels/fp8_quant.py: plain; SiLU(gate) * up; residual add + RMSNorm, the residual
     written back through its own row stride) against their torch references, for float16 and float32: the
@@ -141,7 +83,5 @@ def check_fused_quantisers() -> None:
 
 if __name__ == "__main__":
     check_small_m_fp8_gemm()
-    check_row_argmax()
-    check_rope_and_store()
     check_fused_quantisers()
     print("ok")

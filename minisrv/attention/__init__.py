@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
-from .base import AttentionBackend, AttentionStep, ForwardBatch, ForwardMode, HybridBackend
+from .base import AttentionBackend, AttentionStep, HybridBackend
 
 if TYPE_CHECKING:
     from minisrv.kvcache import KVPool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AttentionBackend", "AttentionStep", "ForwardBatch", "ForwardMode", "HybridBackend", "BACKENDS", "resolve_backend",
-           "create_backend", "BackendUnavailable"]
+__all__ = ["AttentionBackend", "AttentionStep", "HybridBackend", "BACKENDS", "resolve_backend", "create_backend",
+           "BackendUnavailable"]
 
 
 class BackendUnavailable(RuntimeError):

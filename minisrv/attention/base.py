@@ -5,62 +5,16 @@ want (padded index tables, page tables, FlashInfer plans) exactly once, and ever
 """
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minisrv.kvcache.pool import Rotary
-
-from .cascade import PrefixGroups
+from minisrv.batch import ForwardBatch
 
 if TYPE_CHECKING:
     from minisrv.kvcache import KVPool
-
-
-class ForwardMode(enum.Enum):
-    EXTEND = "extend"  # prefill, possibly on top of a cached prefix (chunked prefill, retraction, prefix cache)
-    DECODE = "decode"  # exactly one new token per request
-
-
-@dataclass
-class ForwardBatch:
-    """The model worker's view of one step: tensors on the device plus the few host-side numbers kernels plan with.
-
-    Token-major tensors have T = sum(extend_lens) rows; request-major ones have B rows.
-    """
-
-    mode: ForwardMode
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64, absolute position of each token
-    out_cache_loc: torch.Tensor  # [T] int64, pool slot each token's k/v is written to
-    req_rows: torch.Tensor  # [B] int64, rows of the request->token table
-    seq_lens: torch.Tensor  # [B] int32, KV length of each request after this step
-    cu_seqlens_q: torch.Tensor  # [B+1] int32, prefix sums of extend_lens
-    last_indices: torch.Tensor  # [B] int64, row in T of each request's last token (where logits are taken)
-    seq_lens_cpu: List[int]
-    extend_lens_cpu: List[int]
-    max_seq_len: int
-    # a decode step to run as cascade attention (only ever set for a backend with supports_cascade); it runs eagerly
-    prefix_groups: Optional[PrefixGroups] = None
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.seq_lens_cpu)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def is_decode(self) -> bool:
-        return self.mode is ForwardMode.DECODE
-
-    @property
-    def prefix_lens_cpu(self) -> List[int]:
-        return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu)]
 
 
 class AttentionBackend(ABC):
@@ -85,10 +39,9 @@ class AttentionBackend(ABC):
         """This step's metadata, built once per step before the model runs."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: Any,
-                rotary: Optional[Rotary] = None) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D]. Rotates q and k by `rotary` (if given) as it stores k/v at the step's
-        slots (KVPool.store_rotated: one kernel on CUDA), returns attention output [T, Hq, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: Any) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] (rotated already). Stores k/v at the step's slots, returns the attention
+        output [T, Hq, D]."""
 
     def step(self, batch: ForwardBatch) -> "AttentionStep":
         return AttentionStep(self, self.prepare(batch))
@@ -122,9 +75,8 @@ class AttentionStep:
     backend: AttentionBackend
     meta: Any
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                 rotary: Optional[Rotary] = None) -> torch.Tensor:
-        return self.backend.forward(q, k, v, layer_id, self.meta, rotary)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        return self.backend.forward(q, k, v, layer_id, self.meta)
 
 
 class HybridBackend(AttentionBackend):
@@ -142,8 +94,8 @@ class HybridBackend(AttentionBackend):
         half = self.decode_backend if batch.is_decode else self.prefill_backend
         return half.step(batch)
 
-    def forward(self, q, k, v, layer_id: int, meta: AttentionStep, rotary: Optional[Rotary] = None) -> torch.Tensor:
-        return meta(q, k, v, layer_id, rotary)
+    def forward(self, q, k, v, layer_id: int, meta: AttentionStep) -> torch.Tensor:
+        return meta(q, k, v, layer_id)
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
         self.decode_backend.init_graph_state(max_bs, max_seq_len)

@@ -18,8 +18,9 @@ member that computed an equal prefix itself, before it was cached, reads an equa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
+from minisrv.batch import PrefixGroups
 from minisrv.utils import ceil_div
 
 # A group needs this many requests: one request alone reads its prefix once anyway.
@@ -35,49 +36,6 @@ MIN_SAVED_TOKENS = 262144
 # ... or this many when the step runs eagerly anyway (CUDA graphs off, or a batch larger than the largest graph):
 # then the only cost is the shared level's kernel and the merge.
 MIN_SAVED_TOKENS_EAGER = 32768
-
-
-@dataclass(frozen=True)
-class PrefixGroups:
-    """One decode step's cascade plan, in batch indices (positions in the step's batch).
-
-    `order` lists every batch index once: the members of group 0, then those of group 1, and so on, then every
-    request in no group. A group's first member is its leader: the shared level reads the leader's first
-    `shared_pages[g]` pages for all its members. The requests in no group (and every request's pages past its
-    group's shared ones, which always include the page this step's token is written to) are read per request.
-    """
-
-    order: Tuple[int, ...]
-    sizes: Tuple[int, ...]  # members of each group, at least MIN_GROUP (or the policy's min_group)
-    shared_pages: Tuple[int, ...]  # pages each group shares
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.sizes)
-
-    @property
-    def num_grouped(self) -> int:
-        """Requests in some group: the first num_grouped entries of `order`."""
-        return sum(self.sizes)
-
-    def leaders(self) -> List[int]:
-        """Batch index of each group's leader."""
-        out, start = [], 0
-        for s in self.sizes:
-            out.append(self.order[start])
-            start += s
-        return out
-
-    def shared_pages_in_order(self) -> List[int]:
-        """Shared pages of each entry of `order` (0 for the requests in no group)."""
-        out: List[int] = []
-        for s, n in zip(self.sizes, self.shared_pages):
-            out.extend([n] * s)
-        return out + [0] * (len(self.order) - len(out))
-
-    def saved_tokens(self, page_size: int) -> int:
-        """Token reads of KV a step saves against reading every request's prefix itself."""
-        return sum((s - 1) * n for s, n in zip(self.sizes, self.shared_pages)) * page_size
 
 
 def find_prefix_groups(pages: Sequence[Sequence[int]], seq_lens: Sequence[int], page_size: int,

@@ -24,7 +24,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .base import AttentionBackend, ForwardBatch, Rotary
+from minisrv.batch import ForwardBatch
+
+from .base import AttentionBackend
 from .page_table import StaticPageTable, int32_lens, page_table, require
 
 
@@ -84,8 +86,8 @@ class FlashAttentionBackend(AttentionBackend):
         return FAMeta(b.out_cache_loc, table, seqlens, cu, max(b.extend_lens_cpu))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                meta: FAMeta, rotary: Optional[Rotary] = None) -> torch.Tensor:
-        q = self.pool.store_rotated(layer_id, meta.loc, q, k, v, rotary)
+                meta: FAMeta) -> torch.Tensor:
+        self.pool.store(layer_id, meta.loc, k, v)
         k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
         out_dtype = q.dtype
         fp8 = {}

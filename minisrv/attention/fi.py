@@ -39,8 +39,9 @@ import torch
 
 from minisrv.utils import ceil_div, to_device
 
-from .base import AttentionBackend, ForwardBatch, Rotary
-from .cascade import PrefixGroups
+from minisrv.batch import ForwardBatch, PrefixGroups
+
+from .base import AttentionBackend
 from .xqa import PAGE_SIZES as XQA_PAGE_SIZES
 from .xqa import XQADecode
 
@@ -271,9 +272,8 @@ class FlashInferBackend(AttentionBackend):
         s = torch.zeros((1, self.num_q_heads), dtype=torch.float32, device=self.device)
         self._fi.merge_state_in_place(v, s, v.clone(), s.clone())
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: Any,
-                rotary: Optional[Rotary] = None) -> torch.Tensor:
-        q = self.pool.store_rotated(layer_id, meta.loc, q, k, v, rotary)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: Any) -> torch.Tensor:
+        self.pool.store(layer_id, meta.loc, k, v)
         kv = (self.pool.k[layer_id], self.pool.v[layer_id])
         if not self.pool.quantized:
             return meta.run(q, kv)

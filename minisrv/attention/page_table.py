@@ -9,7 +9,7 @@ import torch
 
 from minisrv.utils import ceil_div
 
-from .base import ForwardBatch
+from minisrv.batch import ForwardBatch
 
 
 def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, max_seq_len: int, page_size: int) -> torch.Tensor:

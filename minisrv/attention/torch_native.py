@@ -13,7 +13,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionBackend, ForwardBatch, Rotary
+from minisrv.batch import ForwardBatch
+
+from .base import AttentionBackend
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,8 @@ class TorchNativeBackend(AttentionBackend):
         return TorchMeta(b.out_cache_loc, kv_idx, mask, max_q, q_gather, out_rows)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                meta: TorchMeta, rotary: Optional[Rotary] = None) -> torch.Tensor:
-        q = self.pool.store_rotated(layer_id, meta.loc, q, k, v, rotary)
+                meta: TorchMeta) -> torch.Tensor:
+        self.pool.store(layer_id, meta.loc, k, v)
         bsz, max_q = meta.kv_idx.shape[0], meta.max_q
         hkv, d = self.num_kv_heads, self.head_dim
         g = self.num_q_heads // hkv

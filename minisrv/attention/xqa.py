@@ -27,7 +27,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .base import ForwardBatch
+from minisrv.batch import ForwardBatch
 from .page_table import StaticPageTable, int32_lens, page_table, require
 
 PAGE_SIZES = (16, 32, 64, 128)

@@ -14,7 +14,8 @@ from typing import Any, Dict, List
 
 import torch
 
-from minisrv.attention.base import AttentionBackend, AttentionStep, ForwardBatch, ForwardMode
+from minisrv.attention.base import AttentionBackend, AttentionStep
+from minisrv.batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 

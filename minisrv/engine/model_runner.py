@@ -15,8 +15,9 @@ from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from minisrv.attention.base import AttentionBackend, ForwardBatch, ForwardMode
-from minisrv.attention.cascade import CascadePolicy, PrefixGroups
+from minisrv.attention.base import AttentionBackend
+from minisrv.attention.cascade import CascadePolicy
+from minisrv.batch import ForwardBatch, ForwardMode, PrefixGroups
 from minisrv.distributed import TensorParallel, TensorParallelError
 from minisrv.kvcache import KVPool, ReqToTokenTable
 from minisrv.utils import host_tensor, to_device

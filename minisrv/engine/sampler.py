@@ -169,16 +169,9 @@ def _fused_sampling(device: torch.device):
     return cuda_import(device, "flashinfer.sampling", "sampling_from_logits")
 
 
-@functools.lru_cache(maxsize=None)
-def _argmax_kernel(device: torch.device):
-    """The two-kernel row argmax of argmax_kernel.py on CUDA where Triton is importable, else None (torch's)."""
-    return cuda_import(device, "minisrv.engine.argmax_kernel", "row_argmax")
-
-
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the lowest index among equal maxima)."""
-    kernel = _argmax_kernel(logits.device)
-    return kernel(logits) if kernel is not None else logits.argmax(dim=-1)
+    return logits.argmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> Tuple[torch.Tensor, Optional[torch.Tensor],

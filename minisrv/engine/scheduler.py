@@ -15,7 +15,7 @@ from typing import Deque, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from minisrv.attention.base import ForwardMode
+from minisrv.batch import ForwardMode
 from minisrv.kvcache import PageAllocator, ReqToTokenTable, slots_for
 from minisrv.kvcache.radix import PrefixMatch, RadixCache
 from minisrv.utils import ceil_div, host_tensor

@@ -9,7 +9,8 @@ from typing import Any, List, Optional
 
 import torch
 
-from minisrv.attention import ForwardMode, create_backend, resolve_backend
+from minisrv.attention import create_backend, resolve_backend
+from minisrv.batch import ForwardMode
 from minisrv.attention.cascade import CascadePolicy
 from minisrv.config import DEFAULT_CPU_POOL_TOKENS, EngineConfig
 from minisrv.kvcache import KVPool, PageAllocator, ReqToTokenTable, slots_for

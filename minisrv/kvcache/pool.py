@@ -9,18 +9,12 @@ layer; whoever reads multiplies back. The scales are 1.0 unless a checkpoint's c
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Optional, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import torch
 
-from minisrv.utils import cuda_import
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
-
-# a step's rotary embedding as the attention layers hand it to the store: (positions [T], rope), rope(positions, q,
-# k) returning q and k rotated; a rope with `cos_sin` (float32 [positions, head_dim], cos | sin) can be fused
-Rotary = Tuple[torch.Tensor, Any]
 
 
 class KVPool:
@@ -111,29 +105,6 @@ class KVPool:
         kv[0][loc] = k
         kv[1][loc] = v
 
-    def store_rotated(self, layer_id: int, loc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      rotary: Optional[Rotary]) -> torch.Tensor:
-        """store(layer_id, loc, k, v) after rotating q and k by `rotary` = (positions, rope), where rope(positions,
-        q, k) returns them rotated (None: no rotation), and return q as rotated. On CUDA, for a pool in the model's
-        dtype and a full-width Neox rotary (`rope.cos_sin`, float32 [positions, head_dim]), q and k are rotated in
-        place and k/v stored by one kernel (rope_store_kernel.py); elsewhere the rope's own call, then store."""
-        if rotary is not None:
-            positions, rope = rotary
-            fused = _rope_and_store(q.device) if self._fusable(q, k, v, rope) else None
-            if fused is not None:
-                fused(q, k, v, self.kv[layer_id], positions, loc, rope.cos_sin)
-                return q
-            q, k = rope(positions, q, k)
-        self.store(layer_id, loc, k, v)
-        return q
-
-    def _fusable(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any) -> bool:
-        d = self.head_dim
-        return (q.is_cuda and not self.quantized and q.dtype == k.dtype == v.dtype == self.dtype and q.shape[0] > 0
-                and getattr(rope, "cos_sin", None) is not None and rope.cos_sin.shape[-1] == d
-                and d >= 32 and d & (d - 1) == 0 and k.shape[1:] == v.shape[1:] == (self.num_kv_heads, d)
-                and q.stride()[1:] == k.stride()[1:] == v.stride()[1:] == (d, 1))
-
     def load(self, layer_id: int, slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """K and V at `slots` (any shape S) in the model's dtype, [*S, Hkv, D] each: an FP8 pool's bytes times
         the layer's scales (skipped where a scale is exactly 1.0, the usual case)."""
@@ -154,8 +125,3 @@ class KVPool:
     def flat_v(self, layer_id: int) -> torch.Tensor:
         return self.v[layer_id].view(-1, self.num_kv_heads, self.head_dim)
 
-
-@functools.lru_cache(maxsize=None)
-def _rope_and_store(device: torch.device):
-    """The rotary + store kernel (rope_store_kernel.py) on CUDA where Triton is importable, else None."""
-    return cuda_import(device, "minisrv.kvcache.rope_store_kernel", "rope_and_store")

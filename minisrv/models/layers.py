@@ -277,7 +277,7 @@ class Attention(nn.Module):
         self.reduce_output = reduce_output
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Callable) -> torch.Tensor:
-        """attn: the step's attention (an attention.AttentionStep), called as attn(q, k, v, layer_id, rotary)."""
+        """attn: the step's attention (an attention.AttentionStep), called as attn(q, k, v, layer_id)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.hq, self.d)
@@ -290,8 +290,9 @@ class Attention(nn.Module):
             else:
                 q = self.q_norm(q.reshape(-1, self.d)).view(t, self.hq, self.d)
                 k = self.k_norm(k.reshape(-1, self.d)).view(t, self.hkv, self.d)
-        # the rotary is applied as k/v are stored (KVPool.store_rotated: one kernel with the store on CUDA)
-        o = attn(q, k, v, self.layer_id, (positions, self.rotary))
+        # with the fused ops, rotated in place: k and v stay side by side in the qkv output (one scatter stores both)
+        q, k = self.rotary(positions, q, k)
+        o = attn(q, k, v, self.layer_id)
         out = self.o_proj(o.reshape(t, self.q_size))
         return self.tp.all_reduce(out) if self.reduce_output else out
 

@@ -3,13 +3,13 @@
 # in .gpu-wheels/ (fa3, fi, srv, tools: FlashAttention-3, FlashInfer, server packages, install and checkpoint
 # scripts) and makes a random-weight Qwen3-0.6B-shaped checkpoint at $MINISRV_GPU_CKPT (default /tmp/qwen3).
 #   bash tests/gpu/run.sh [phase ...]
-#   phases: smoke e2e graph rope-store overlap sampling grammar backends cascade fp8kv bench bench-steps bench-profile bench-p1
+#   phases: smoke e2e graph overlap sampling grammar backends cascade fp8kv bench bench-steps bench-profile bench-p1
 #           bench-fi bench-fa bench-fp8kv bench-nocache bench-prefix bench-prefix-off bench-prefix-cascade
 #           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
 #           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv bench-fp8kv-xqa decode-fp8w-fa
 #           gemm-e2e llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
 #           attn attn-small gemm-fp8 tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
-#           llama8b-fp8-xqa decode-fp8w-xqa argmax half-profile
+#           llama8b-fp8-xqa decode-fp8w-xqa half-profile
 #           allreduce-fused tp-profile-fused half-offline
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
@@ -76,7 +76,6 @@ for phase in "${@:-smoke}"; do
              --max-tokens 8 --log-level info "w1 w2 w3" "w5 w6" ;;
     e2e) step e2e 500 python3 -m pytest -q -s tests/gpu/test_e2e.py ;;
     graph) step graph 400 python3 -m pytest -q -s tests/gpu/test_cuda_graph.py ;;
-    rope-store) step rope-store 200 python3 -m pytest -q tests/gpu/test_backends.py -k rope_and_store ;;
     # FlashInfer compiles one kernel set per (dtype, head_dim, decode kind), minutes each: build them in parallel,
     # one pytest per head configuration, then run the whole file once more for the report
     backends) for c in 32-8-128-bf16 32-8-128-fp16 16-8-128-bf16 8-1-64-bf16 16-2-64-fp16; do
@@ -150,8 +149,6 @@ for phase in "${@:-smoke}"; do
     # shapes (--bandwidth: an H100's; pass 4.8e12 on an H200)
     gemm-fp8) step gemm-fp8 300 python3 scripts/bench_small_m_gemm.py
               step gemm-fp8-tp2 300 python3 scripts/bench_small_m_gemm.py --tp 2 ;;
-    argmax) step argmax 200 python3 scripts/bench_argmax.py
-            step argmax-test 200 python3 -m pytest -q tests/gpu/test_sampling.py ;;
     # the 256-request workload on one tp 2 rank's share and on the whole model, one GPU: tp 2's ceiling without
     # all-reduces or a second host process
     half-offline) need_llama8b; need_llama8b_half

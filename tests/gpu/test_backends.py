@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minisrv.attention import create_backend
-from minisrv.attention.base import ForwardBatch, ForwardMode
+from minisrv.batch import ForwardBatch, ForwardMode
 from minisrv.attention.torch_native import TorchNativeBackend
 from minisrv.kvcache import KVPool, PageAllocator, slots_for
 
@@ -281,49 +281,3 @@ def check_cuda_graph_decode(name: str, page_size: int, hq: int, hkv: int, d: int
             assert torch.equal(_written(sc.pool, layer, loc), _written(ref_pool, layer, loc))
 
 
-@pytest.mark.parametrize("heads", [(32, 8, 128), (16, 2, 64)])
-def test_rope_and_store_in_one_kernel_matches_the_rotary_then_the_store(heads):
-    """On CUDA a pool in the model's dtype rotates q/k and stores k/v in one Triton kernel (KVPool.store_rotated):
-    the same q, k and pool contents as the torch rotary followed by the pool's store, in bf16, for q/k/v as the
-    strided views of one qkv row the model hands over, eager and replayed in a CUDA graph."""
-    from minisrv.models.layers import RotaryEmbedding
-    hq, hkv, d = heads
-    dev = torch.device("cuda")
-    rope = RotaryEmbedding(d, 8192, 500000.0, None).to(dev)
-    rope.reset_buffers(dev)
-    pools = [KVPool(2, 64, 16, hkv, d, torch.bfloat16, dev) for _ in range(2)]
-    g = torch.Generator(device=dev).manual_seed(hq)
-    t = 37
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=dev, generator=g).bfloat16()
-    positions = torch.randint(0, 8192, (t,), device=dev, generator=g)
-    loc = torch.randperm(64 * 16, device=dev, generator=g)[:t]
-
-    def views(x):
-        return [y.view(t, -1, d) for y in x.split([hq * d, hkv * d, hkv * d], dim=-1)]
-
-    mine = qkv.clone()
-    q, k, v = views(mine)
-    out = pools[0].store_rotated(1, loc, q, k, v, (positions, rope))
-    assert out.data_ptr() == q.data_ptr()  # rotated in place: the fused path ran
-    rq, rk, rv = views(qkv.clone())
-    rope.fused = None  # the torch rotary
-    rq, rk = rope(positions, rq, rk)
-    pools[1].store(1, loc, rk, rv)
-    # the same float32 arithmetic; a fused multiply-add may move a value across a bf16 rounding boundary (1 ulp)
-    close = dict(rtol=2 ** -7, atol=1e-6)
-    torch.testing.assert_close(q, rq, **close)
-    torch.testing.assert_close(k, rk, **close)
-    torch.testing.assert_close(pools[0].kv[1], pools[1].kv[1], **close)
-    assert not pools[0].kv[0].any()  # the other layer untouched
-    # in a CUDA graph: the captured inputs refilled and replayed give exactly the eager kernel's results
-    eager_q, eager_kv = q.clone(), pools[0].kv[1].clone()
-    captured = qkv.clone()
-    cq, ck, cv = views(captured)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        pools[0].store_rotated(1, loc, cq, ck, cv, (positions, rope))
-    captured.copy_(qkv)
-    pools[0].kv[1].zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(cq, eager_q) and torch.equal(pools[0].kv[1], eager_kv)

@@ -20,7 +20,7 @@ import torch
 
 from minisrv import LLM, SamplingParams
 from minisrv.attention import create_backend
-from minisrv.attention.base import ForwardMode
+from minisrv.batch import ForwardMode
 from minisrv.attention.xqa import PAGE_SIZES as XQA_PAGE_SIZES
 
 from .common import (CKPT, assert_near_hf_greedy, decode_kernel, free_cuda, mixed_prompts, requires_ckpt,
