@@ -26,7 +26,7 @@ from .scheduler import Scheduler
 from .setup import build_engine_parts, setup_logging
 from .tp_rank import STOP_AND_TEAR_DOWN, STOP_NOW
 from .tp_workers import build_tensor_parallel_parts
-from .text import TextStream
+from .text import TextStream, decode_cleans_up
 
 logger = logging.getLogger("minisrv")
 
@@ -72,6 +72,7 @@ class Engine:
         self.timings: Optional[Dict[str, float]] = None  # phase -> seconds, when profiling
         # structured outputs: grammars compile off the loop; requests wait in the queue until theirs is done
         self.grammar = GrammarBackend(self.tokenizer, self.args.vocab_size, self.eos_ids)
+        self.clean_up = decode_cleans_up(self.tokenizer)  # as the tokenizer's own decode does (see text.py)
         self._compiling: List[Request] = []
 
     # ------------------------------------------------------------------ requests
@@ -87,7 +88,7 @@ class Engine:
     def add(self, req: Request) -> Request:
         """Queue a request built by make_request."""
         p = req.params
-        req.text = TextStream(self.tokenizer, req.prompt_ids, p.stop, p.skip_special_tokens)
+        req.text = TextStream(self.tokenizer, req.prompt_ids, p.stop, p.skip_special_tokens, self.clean_up)
         req.grammar = self.grammar.submit(p)  # never waits for the compile (see _grammars_done)
         self.scheduler.add(req)
         if req.grammar is not None:
@@ -100,7 +101,7 @@ class Engine:
             return None
         if req.grammar is not None:
             self._compiling = [r for r in self._compiling if r is not req]
-        return RequestOutput(req.rid, [], "", [], [], True, "abort", None, len(req.prompt_ids), len(req.output_ids))
+        return RequestOutput.ended(req, "abort")
 
     def has_work(self) -> bool:
         return self.runner.num_inflight > 0 or self.scheduler.has_work()
@@ -194,8 +195,7 @@ class Engine:
             if error is not None:
                 logger.info("request %s: %s", r.rid, error)
                 self.scheduler.finish(r, "error")
-                outputs.append(RequestOutput(r.rid, [], "", [], [], True, "error", None, len(r.prompt_ids), 0,
-                                             error=error))
+                outputs.append(RequestOutput.ended(r, "error", error=error))
             elif not r.grammar.ready:
                 still.append(r)
         self._compiling = still
@@ -225,14 +225,14 @@ class Engine:
         req.solo = False  # it ran a step to the end
         p, text = req.params, req.text
         num_out = len(req.output_ids)
-        offset = len(text.text)
+        offset = text.length
         reason = None
         if tok is None:  # max_tokens 0: the prompt is scored, nothing is generated
             text.finish()
             self.scheduler.finish(req, "length")
             self.num_cached_prompt_tokens += req.num_cached_tokens
-            return RequestOutput(req.rid, [], "", [], [], True, "length", None, len(req.prompt_ids), 0,
-                                 req.num_cached_tokens, prompt_logprobs=self._prompt_logprobs(req))
+            return RequestOutput.ended(req, "length", num_cached_tokens=req.num_cached_tokens,
+                                       prompt_logprobs=self._prompt_logprobs(req))
         ended = req.grammar is not None and req.grammar.advance(tok)  # raises if its grammar rejects tok
         if ended or tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_ids):
             reason = "stop"  # the token that ends it has no text (a grammar ends on accepting a stop token)
@@ -245,9 +245,8 @@ class Engine:
         if reason is not None:
             text.finish()
             self.scheduler.finish(req, reason)
-        return RequestOutput(req.rid, [tok], text.take(), [s.logprob] if s.logprob is not None else [], [offset],
-                             reason is not None, reason, text.stop_str, len(req.prompt_ids), num_out,
-                             req.num_cached_tokens, prompt_logprobs=self._prompt_logprobs(req) if num_out == 1 else None)
+        return RequestOutput.token(req, tok, text.take(), s.logprob, offset, reason,
+                                   self._prompt_logprobs(req) if num_out == 1 else None)
 
     @staticmethod
     def _prompt_logprobs(req: Request):
@@ -274,8 +273,7 @@ class Engine:
         outs = []
         for r in reqs:
             self.scheduler.finish(r, "error")
-            outs.append(RequestOutput(r.rid, [], "", [], [], True, "error", None, len(r.prompt_ids),
-                                      len(r.output_ids), error=f"{type(e).__name__}: {e}"))
+            outs.append(RequestOutput.ended(r, "error", error=f"{type(e).__name__}: {e}"))
         return outs
 
     def flush_cache(self) -> bool:

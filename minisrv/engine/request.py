@@ -180,7 +180,8 @@ class TokenLogprob:
     top: Dict[int, float]  # token id -> logprob of the top-n (empty when n = 0)
 
 
-_ids = itertools.count()
+_request_ids = itertools.count()  # default request ids (req-0, req-1, ...)
+_arrivals = itertools.count()  # arrival order, for the scheduler's first-come-first-served
 
 
 @dataclass(eq=False)
@@ -191,9 +192,9 @@ class Request:
     prompt_ids: List[int]
     params: SamplingParams
     max_new_tokens: int  # resolved against the context length at admission
-    rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    rid: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
     eos_ids: Sequence[int] = ()
-    arrival: int = field(default_factory=lambda: next(_ids))
+    arrival: int = field(default_factory=lambda: next(_arrivals))
     text: Optional["TextStream"] = None  # the output's text, made by the engine as tokens arrive
 
     # engine state
@@ -248,7 +249,8 @@ class RequestLimits:
 
 def check_request(prompt_ids: Sequence[int], params: SamplingParams, limits: RequestLimits,
                   prompt_param: str = "prompt") -> int:
-    """Validate a request against the model; returns its output budget (max_new_tokens). Raises RequestError."""
+    """Validate a request against the model; returns its output budget (max_new_tokens). Raises RequestError.
+    `params` is validated again here: its fields may have been set after it was made."""
     params.validate()
     vocab = limits.vocab_size
     if not prompt_ids:
@@ -294,6 +296,26 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: Optional[str] = None  # with finish_reason "error": what went wrong
     prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None  # with the first output, when asked for
+
+    @classmethod
+    def ended(cls, req: Request, reason: str, *, error: Optional[str] = None, num_cached_tokens: int = 0,
+              prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None) -> "RequestOutput":
+        """A request that ends without a new token: aborted, failed, or done scoring its prompt."""
+        return cls(rid=req.rid, new_token_ids=[], new_text="", new_logprobs=[], text_offsets=[], finished=True,
+                   finish_reason=reason, num_prompt_tokens=len(req.prompt_ids),
+                   num_output_tokens=len(req.output_ids), num_cached_tokens=num_cached_tokens, error=error,
+                   prompt_logprobs=prompt_logprobs)
+
+    @classmethod
+    def token(cls, req: Request, token_id: int, text: str, logprob: Optional[TokenLogprob], offset: int,
+              reason: Optional[str], prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None
+              ) -> "RequestOutput":
+        """A request's newest token and the text it makes showable; `reason` when it ended the request."""
+        return cls(rid=req.rid, new_token_ids=[token_id], new_text=text,
+                   new_logprobs=[logprob] if logprob is not None else [], text_offsets=[offset],
+                   finished=reason is not None, finish_reason=reason, stop_str=req.text.stop_str,
+                   num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
+                   num_cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt_logprobs)
 
 
 @dataclass

@@ -6,8 +6,13 @@ first stop string, and `take()` holds back a tail that may still become a stop s
 
 Decoding uses the tokenizer's own streaming decoder (`tokenizers.decoders.DecodeStream`, about 1.5 us a token),
 primed with the last prompt tokens so a word-initial space comes out right; a tokenizer without one falls back to
-decoding a sliding window of ids. Tokenizers that clean up spaces (`clean_up_tokenization_spaces`, " ." -> ".")
-get the same clean-up applied to the stream, with a short tail held back where a pattern could still complete.
+decoding a sliding window of ids. Where the installed tokenizer's own `decode` cleans up spaces
+(`clean_up_tokenization_spaces`, " ." -> "."; transformers 5 no longer does, whatever the flag says), the same
+clean-up is applied to the stream, with a short tail held back where a pattern could still complete: the text is
+always what `tokenizer.decode(ids, skip_special_tokens=True)` gives.
+
+The text is kept as a list of pieces (appending is O(1)); only the tail a stop string can reach is joined as tokens
+arrive, and `take()` joins only what it hands out, so a long output costs linear time.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ PROMPT_CONTEXT = 5  # prompt tokens decoded alongside the output, so word-initia
 _CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 _CLEANUP_HOLD = max(len(a) for a, _ in _CLEANUP) - 1  # a pattern can straddle at most this many trailing chars
+_CLEANUP_PROBE = "a . b , c ! d ? e n't f 's"  # text whose decode shows whether a tokenizer cleans up spaces
 
 
 def _cleanup(text: str) -> str:
@@ -73,24 +79,49 @@ def _has_decode_stream() -> bool:
 _DECODE_STREAM = _has_decode_stream()
 
 
+def decode_cleans_up(tokenizer: Any) -> bool:
+    """Whether the tokenizer's own decode applies the space clean-up (asked of its decode, not of its config flag,
+    which transformers 5 no longer honours in decode)."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    try:
+        ids = tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False)
+        return tokenizer.decode(ids, skip_special_tokens=True) != tokenizer.decode(
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    except Exception:  # noqa: BLE001 - a tokenizer without these arguments: it does not clean up
+        return False
+
+
 class TextStream:
-    """One request's output text. Feed it every sampled token that is part of the text (`add`), then `finish()`."""
+    """One request's output text. Feed it every sampled token that is part of the text (`add`), then `finish()`.
+    `clean_up`: whether the tokenizer's decode cleans up spaces (decode_cleans_up; asked here when None)."""
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, clean_up: Optional[bool] = None) -> None:
         context = list(prompt_ids[-PROMPT_CONTEXT:])
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None and _DECODE_STREAM:
             self._decoder: Any = _StreamDecoder(backend, context, skip_special_tokens)
         else:
             self._decoder = _WindowDecoder(tokenizer, context, skip_special_tokens)
-        self._cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self._cleanup = decode_cleans_up(tokenizer) if clean_up is None else clean_up
         self._raw_tail = ""  # decoded but not yet cleaned up (a clean-up pattern may still complete)
         self.stops = list(stop)
-        self.text = ""  # the text so far (cut before the stop string once one is found)
+        self._reach = max((len(x) for x in self.stops), default=1) - 1  # trailing chars a stop string can span
+        self._pieces: List[str] = []  # the text so far, in pieces (cut before the stop string once one is found)
+        self._tail = ""  # its last `_reach` characters
+        self.length = 0  # characters of text
         self.stop_str: Optional[str] = None  # the stop string that ended the text
         self.finished = False
         self._sent = 0  # characters of text already handed out by take()
+        self._unsent: List[str] = []  # pieces (or parts) after the first `_sent` characters
+
+    @property
+    def text(self) -> str:
+        """The whole text so far."""
+        joined = "".join(self._pieces)
+        self._pieces = [joined] if joined else []
+        return joined
 
     def add(self, token_id: int) -> Optional[str]:
         """Append one token's text; returns the stop string if this token completed one (the text is cut there)."""
@@ -116,14 +147,31 @@ class TextStream:
         return _cleanup(raw[:len(raw) - keep])
 
     def _append(self, piece: str) -> Optional[str]:
-        start = len(self.text)
-        self.text += piece
         if self.stops:
-            hit = find_stop(self.text, start, self.stops)
+            window = self._tail + piece  # every stop string that ends in `piece` starts inside this window
+            hit = find_stop(window, len(self._tail), self.stops)
             if hit is not None:
-                self.text = self.text[:hit[0]]
+                cut = hit[0] - len(self._tail)  # where the text ends, relative to the piece (maybe before it)
                 self.stop_str = hit[1]
+                if cut < 0:
+                    self._truncate(self.length + cut)
+                    return self.stop_str
+                piece = piece[:cut]
+        if piece:
+            self._pieces.append(piece)
+            self._unsent.append(piece)
+            self.length += len(piece)
+            if self._reach:
+                self._tail = (self._tail + piece)[-self._reach:]
         return self.stop_str
+
+    def _truncate(self, length: int) -> None:
+        """Cut the text to `length` characters (a stop string that began in earlier pieces); never below what
+        take() has handed out, which never includes a possible stop string's start."""
+        text = self.text[:length]
+        self._pieces, self.length = [text], length
+        self._tail = text[len(text) - self._reach:] if self._reach else ""
+        self._unsent = [text[self._sent:]] if length > self._sent else []
 
     def finish(self) -> None:
         """The request ended: release what was held back for a clean-up pattern."""
@@ -135,12 +183,14 @@ class TextStream:
     def take(self) -> str:
         """Text not handed out before that can be shown now: until the end, a tail that is the start of a stop
         string is held back."""
-        end = len(self.text)
+        end = self.length
         if not self.finished and self.stops:
-            end -= partial_stop_len(self.text, self.stops)
+            end -= partial_stop_len(self._tail, self.stops)
         if end <= self._sent:
             return ""
-        out = self.text[self._sent:end]
+        unsent = "".join(self._unsent)
+        out, rest = unsent[:end - self._sent], unsent[end - self._sent:]
+        self._unsent = [rest] if rest else []
         self._sent = end
         return out
 
