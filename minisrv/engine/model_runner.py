@@ -26,7 +26,6 @@ from .request import Request, TokenLogprob
 from .sampler import SamplingBatch, sample
 from .scheduler import ScheduledBatch
 
-
 PROMPT_LOGPROB_ROWS = 1024  # prompt positions scored at once: never a [T, vocab] tensor for a long prompt
 
 
