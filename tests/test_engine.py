@@ -13,8 +13,8 @@ from minisrv import SamplingParams
 from minisrv.engine.request import RequestStatus
 from minisrv.engine.scheduler import MIN_NEW_TOKEN_RATIO
 
-from .conftest import (EngineWatch, assert_greedy_matches, assert_pool_free, greedy, hf_greedy, make_llm,
-                       make_prompts, vocab_of)
+from .helpers import (EngineWatch, assert_greedy_matches, assert_pool_free, greedy, hf_greedy, make_llm,
+                      make_prompts, vocab_of)
 
 
 @pytest.fixture(scope="module")

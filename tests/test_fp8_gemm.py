@@ -1,14 +1,14 @@
 """FP8 projections where the CPU can check them: the small-batch FP8 kernel's launch rules keep its contract on the
 shapes of the models people serve, and reproduce the H100 sweep's winners; layers are built whole (the projection
 class and the norms that quantise their output chosen when the model is built); the removed --decode-gemm fails
-with a message naming what replaced it. (The kernel itself: tests/triton_interpreted_checks.py on the CPU,
+with a message naming what replaced it. (The kernel itself: helpers/triton_interpreted_checks.py on the CPU,
 tests/gpu/test_fp8_weights.py against torch._scaled_mm.)"""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from .conftest import make_llm
+from .helpers import make_llm
 
 # [N, K] of each projection (qkv, o, gate_up, down) on one rank
 SHAPES = {

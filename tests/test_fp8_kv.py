@@ -25,8 +25,8 @@ import torch
 from minisrv.config import EngineConfig
 from minisrv.kvcache import KVPool
 
-from .conftest import (ARCHS, EngineWatch, assert_pool_free, greedy, hf_logits, hf_model, make_llm, make_prompts,
-                       rel_err, vocab_of)
+from .helpers import (ARCHS, EngineWatch, assert_pool_free, greedy, hf_logits, hf_model, make_llm, make_prompts,
+                      rel_err, vocab_of)
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0

@@ -28,7 +28,7 @@ from minisrv import LLM, SamplingParams
 from minisrv.models.fp8 import Fp8Linear, quantize_rows
 from minisrv.models.loader import WeightLoadError
 
-from .conftest import EngineWatch, greedy, make_llm, make_prompts, rel_err, vocab_of
+from .helpers import EngineWatch, greedy, make_llm, make_prompts, rel_err, vocab_of
 
 FP8 = torch.float8_e4m3fn
 U = 2.0 ** -4  # e4m3's unit roundoff (3 mantissa bits)

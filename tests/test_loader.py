@@ -15,8 +15,8 @@ from minisrv.models.layers import ModelArgs, rope_inv_freq
 from minisrv.models.loader import WeightLoadError, load_model_args
 from minisrv.models.registry import UnsupportedArchitecture
 
-from .conftest import (ARCHS, LLAMA3_ROPE, assert_greedy_matches, assert_pool_free, build_tiny_model, greedy,
-                       hf_greedy, hf_logits, hf_model, make_config, make_llm, make_prompts, rel_err, vocab_of)
+from .helpers import (ARCHS, LLAMA3_ROPE, assert_greedy_matches, assert_pool_free, build_tiny_model, greedy,
+                      hf_greedy, hf_logits, hf_model, make_config, make_llm, make_prompts, rel_err, vocab_of)
 
 SUPPORTED = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 

@@ -13,8 +13,8 @@ import torch
 from minisrv.batch import ForwardMode
 from minisrv.engine.scheduler import MIN_NEW_TOKEN_RATIO
 
-from .conftest import (ARCHS, EngineWatch, assert_greedy_matches, assert_pool_free, build_tiny_model, greedy,
-                       hf_greedy, hf_logits, make_llm, make_prompts, rel_err, vocab_of)
+from .helpers import (ARCHS, EngineWatch, assert_greedy_matches, assert_pool_free, build_tiny_model, greedy,
+                      hf_greedy, hf_logits, make_llm, make_prompts, rel_err, vocab_of)
 
 MAX_TOKENS = 12
 

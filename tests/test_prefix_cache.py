@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from .conftest import (EngineWatch, assert_greedy_matches, assert_pool_free, greedy, hf_greedy, make_llm,
-                       tree_pages, vocab_of)
+from .helpers import (EngineWatch, assert_greedy_matches, assert_pool_free, greedy, hf_greedy, make_llm,
+                      tree_pages, vocab_of)
 
 MAX_TOKENS = 6
 

@@ -10,7 +10,7 @@ import minisrv.engine.model_runner as model_runner
 from minisrv import SamplingParams
 from minisrv.engine.request import RequestError
 
-from .conftest import assert_pool_free, hf_logits, make_llm, make_prompts, vocab_of
+from .helpers import assert_pool_free, hf_logits, make_llm, make_prompts, vocab_of
 
 MODES = {
     "plain": dict(page_size=1),

@@ -18,8 +18,8 @@ from minisrv.engine.request import Request
 from minisrv.engine.sampler import SamplingBatch, apply_penalties, filter_mask, hashed_uniform, sample
 from minisrv.engine.scheduler import MIN_NEW_TOKEN_RATIO
 
-from .conftest import (EngineWatch, assert_greedy_matches, assert_pool_free, greedy, hf_greedy, hf_logits, make_llm,
-                       make_prompts, vocab_of)
+from .helpers import (EngineWatch, assert_greedy_matches, assert_pool_free, greedy, hf_greedy, hf_logits, make_llm,
+                      make_prompts, vocab_of)
 
 # chi-square critical values at p = 1e-6 (deterministic hashes make these tests deterministic; the margin is for
 # changes of hash constants, not for flakiness)

@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from .server_process import Server, free_port as _free_port, running  # noqa: E402
+from .helpers.server_process import Server, free_port as _free_port, running  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starts server processes
 

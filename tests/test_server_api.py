@@ -15,7 +15,7 @@ pydantic = pytest.importorskip("pydantic")
 
 from minisrv import LLM, SamplingParams  # noqa: E402
 
-from .server_process import Server, running  # noqa: E402
+from .helpers.server_process import Server, running  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starts server processes
 

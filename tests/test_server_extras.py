@@ -15,7 +15,7 @@ from typing import Dict, Iterator, Optional
 import httpx
 import pytest
 
-from .server_process import Server, running
+from .helpers.server_process import Server, running
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow  # starts server processes

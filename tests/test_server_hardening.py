@@ -21,7 +21,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import httpx
 import pytest
 
-from .server_process import Server, children as _children, gone as _gone
+from .helpers.server_process import Server, children as _children, gone as _gone
 
 pytestmark = pytest.mark.slow  # starts server processes
 
@@ -533,7 +533,7 @@ def test_large_bodies_parse_in_pieces_like_json_loads(monkeypatch) -> None:
 def test_the_concurrency_limit_answers_in_the_error_shape_with_a_request_id() -> None:
     """--limit-concurrency's 503 (uvicorn's rule: as many connections open as the limit) is an OpenAI-style error
     carrying x-request-id like every other response; the server serves again once a connection closes."""
-    from .server_process import running
+    from .helpers.server_process import running
     with running("--limit-concurrency", "2") as s:
         held = socket.create_connection(("127.0.0.1", s.port))  # one more open connection: two with the next
         try:

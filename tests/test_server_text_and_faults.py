@@ -11,8 +11,8 @@ import pytest
 
 from minisrv import SamplingParams
 
-from .conftest import build_tiny_model, make_llm
-from .server_process import Server
+from .helpers import build_tiny_model, make_llm
+from .helpers.server_process import Server
 from .test_text import write_spaced_tokenizer
 
 pytestmark = pytest.mark.slow  # starts server processes

@@ -1,5 +1,5 @@
 """Tool calling through a real server with the official openai client, on a tiny random-weight Qwen2 whose chat
-template is Qwen2.5's tool format (tests/tiny_qwen2.py): the tools reach the template and so do earlier calls and
+template is Qwen2.5's tool format (helpers/tiny_qwen2.py): the tools reach the template and so do earlier calls and
 their results; tool_choice "required" and a named function give calls whose arguments validate against the
 function's schema (jsonschema is the judge), plain and streamed alike; "auto" reads a Hermes call out of the text;
 a call cut off by max_tokens says "length"; bad tools and tool_choices are 400s in OpenAI's error shape and the
@@ -22,8 +22,8 @@ import jsonschema  # noqa: E402 - a test dependency (pyproject: test extra)
 
 from minisrv.server.tools import parser_for  # noqa: E402
 
-from .server_process import Server, running  # noqa: E402
-from .tiny_qwen2 import CHAT_TEMPLATE  # noqa: E402
+from .helpers.server_process import Server, running  # noqa: E402
+from .helpers.tiny_qwen2 import CHAT_TEMPLATE  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starts server processes
 

@@ -19,9 +19,9 @@ from minisrv import SamplingParams
 from minisrv.distributed import TensorParallel, TensorParallelError
 from minisrv.models.sharding import ShardingError
 
-from .conftest import (assert_greedy_matches, build_tiny_model, greedy, hf_greedy, make_llm, make_prompts,
-                       vocab_of)
-from .server_process import Server, children, gone
+from .helpers import (assert_greedy_matches, build_tiny_model, greedy, hf_greedy, make_llm, make_prompts,
+                      vocab_of)
+from .helpers.server_process import Server, children, gone
 
 pytestmark = pytest.mark.slow  # spawns tensor-parallel ranks and server processes
 

@@ -8,7 +8,7 @@ import pytest
 from minisrv import SamplingParams
 from minisrv.engine.text import TextStream, find_stop, partial_stop_len
 
-from .conftest import build_tiny_model, make_llm
+from .helpers import build_tiny_model, make_llm
 
 PUNCT = [".", ",", "!", "?", "'s", "n't", "'m", "'ve", "'re", "'"]
 

@@ -1,5 +1,5 @@
 """The Triton kernels (minisrv/kernels/: the small-batch FP8 GEMM, the FP8 quantisers) under Triton's interpreter on the CPU:
-their indexing, masking, K tiling, strides and scaling against torch (tests/triton_interpreted_checks.py, run in a
+their indexing, masking, K tiling, strides and scaling against torch (helpers/triton_interpreted_checks.py, run in a
 fresh process because the interpreter must be switched on before Triton is imported). On the GPU the same kernels
 are checked against torch._scaled_mm and torch's quantisers in tests/gpu/test_fp8_weights.py."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_interpreted_checks.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "triton_interpreted_checks.py")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")

@@ -1,6 +1,6 @@
 """Cascade decode attention with the real FlashInfer, on a CUDA GPU.
 
-One step over a batch whose requests share prefixes of several lengths (tests/cascade_scene.py, which the CPU suite
+One step over a batch whose requests share prefixes of several lengths (helpers/cascade_scene.py, which the CPU suite
 runs through a stand-in FlashInfer) equals plain fi decode and the torch backend, and writes the same pool; the same
 at the offline benchmark's shape (8 prefixes of 4,096 tokens, 32 requests on each), where the attention time of
 both ways is printed. End to end, on the random-weight checkpoint: greedy tokens with cascade on equal those with it
@@ -17,7 +17,7 @@ from minisrv import LLM, SamplingParams
 from minisrv.attention import create_backend
 from minisrv.attention.torch_native import TorchNativeBackend
 
-from .. import cascade_scene as cs
+from ..helpers import cascade_scene as cs
 from .common import (CKPT, assert_same_up_to_ties, free_cuda, requires_ckpt, skip_unless_runs, start_decoding,
                      stream_syncs)
 

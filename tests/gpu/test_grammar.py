@@ -14,7 +14,7 @@ import torch
 from minisrv import SamplingParams
 from minisrv.engine.grammar import apply_bitmask
 
-from ..conftest import EOS_ID, build_tiny_model, make_llm, make_prompts
+from ..helpers import EOS_ID, build_tiny_model, make_llm, make_prompts
 from .common import stream_syncs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("xgrammar") is None,

@@ -16,7 +16,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from minisrv.kernels.fp8_gemm import GemmConfig, dequantized_matmul, small_m_fp8_gemm  # noqa: E402
 from minisrv.kernels.fp8_quant import (FP8, add_norm_reference, quantize_rows, silu_mul_reference,  # noqa: E402

@@ -1,0 +1,114 @@
+"""Tiny random-weight HF checkpoints of the four architectures, with a word-level tokenizer, and the engine and
+sampling settings the CPU tests run them with."""
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from minisrv import LLM, SamplingParams
+
+NUM_SPECIAL = 3  # <pad>=0, <bos>=1, <eos>=2; every other id i is the word "t{i}"
+EOS_ID = 2
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+
+# name -> (transformers config class name, config kwargs). Shapes: hidden 64, 4 heads / 2 kv heads, head_dim 16.
+TINY_SPECS: Dict[str, Tuple[str, dict]] = {
+    # llama3 rope scaling, untied lm_head
+    "llama": ("LlamaConfig", dict(vocab_size=384, num_hidden_layers=2, max_position_embeddings=512,
+                                  rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=False)),
+    # qkv bias (Qwen2's default), tied embeddings
+    "qwen2": ("Qwen2Config", dict(vocab_size=320, num_hidden_layers=2, max_position_embeddings=256,
+                                  tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+                                                                             "rope_theta": 1000000.0})),
+    # q/k RMSNorm, tied embeddings, 3 layers
+    "qwen3": ("Qwen3Config", dict(vocab_size=448, num_hidden_layers=3, max_position_embeddings=256,
+                                  tie_word_embeddings=True)),
+    # Mistral (its default sliding window, 4096, is wider than the context), untied
+    "mistral": ("MistralConfig", dict(vocab_size=256, num_hidden_layers=2, max_position_embeddings=256,
+                                      tie_word_embeddings=False)),
+}
+ARCHS = list(TINY_SPECS)
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0)
+
+
+def make_config(name: str, **overrides):
+    import transformers
+    cls_name, kw = TINY_SPECS[name]
+    kw = {**COMMON, **kw, **overrides}
+    return getattr(transformers, cls_name)(**kw)
+
+
+def init_weights(model: torch.nn.Module, seed: int, std: float = 0.15) -> None:
+    """Weights large enough that greedy choices are rarely near-ties; norms and biases randomised too, so the
+    tests notice if one of them is dropped or applied to the wrong tensor."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * (torch.rand(p.shape, generator=g) - 0.5))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+
+
+def write_tokenizer(path: str, vocab_size: int) -> None:
+    """A word-level tokenizer: ids 0-2 are <pad>/<bos>/<eos>, id i >= 3 is the word "t{i}". Decoding concatenates
+    the words ("t12t7"), so a decoded text is exactly the concatenation of its tokens' strings."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
+    vocab.update({f"t{i}": i for i in range(NUM_SPECIAL, vocab_size)})
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    fast.save_pretrained(path)
+
+
+def build_tiny_model(path: str, name: str, seed: int = 0, **config_overrides) -> str:
+    """Save a random-weight HF checkpoint (config.json + model.safetensors + tokenizer) into `path`."""
+    import transformers
+    cfg = make_config(name, **config_overrides)
+    torch.manual_seed(seed)
+    model = getattr(transformers, type(cfg).__name__.replace("Config", "ForCausalLM"))(cfg)
+    init_weights(model, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path, cfg.vocab_size)
+    return path
+
+
+
+
+def vocab_of(path: str) -> int:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+PROMPT_LENS = [5, 40, 3, 23, 12, 31]
+
+
+def make_prompts(vocab: int, lens: Sequence[int] = PROMPT_LENS, seed: int = 1234) -> List[List[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(NUM_SPECIAL, vocab) for _ in range(n)] for n in lens]
+
+
+def make_llm(path: Optional[str], **kw) -> LLM:
+    """A CPU engine on the torch backend; the prefix cache is off unless asked for (tests/test_prefix_cache.py
+    runs the same checks with it on), so page accounting stays that of the requests alone."""
+    opts = dict(attention_backend="torch", dtype="float32", log_level="warning", max_total_tokens=4096,
+                disable_radix_cache=True)
+    opts.update(kw)
+    return LLM(model=path, **opts)
+
+
+def greedy(max_tokens: int = 12, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
