@@ -176,6 +176,27 @@ def test_n_choices_get_consecutive_seeds(tokenizer, words) -> None:
     assert r.json()["usage"]["prompt_tokens"] == sum(len(a.prompt_ids) for a in engine.submitted[::2])
 
 
+def test_more_choices_do_not_validate_again(tokenizer, words, monkeypatch) -> None:
+    """The request's values are checked once whatever n is: a choice's own seed does not re-run the checks."""
+    checks: List[int] = []
+    validate = SamplingParams.validate
+
+    def counted(self: SamplingParams) -> None:
+        checks.append(1)
+        validate(self)
+
+    monkeypatch.setattr(SamplingParams, "validate", counted)
+    engine = ScriptedEngine(hello_world(words))
+    _, app = make_app(tokenizer, engine)
+    per_n = {}
+    for n in (1, 4):
+        checks.clear()
+        r = call(app, "/v1/completions", {"prompt": "a", "n": n, "seed": 3})
+        assert r.status_code == 200 and len(r.json()["choices"]) == n
+        per_n[n] = len(checks)
+    assert per_n[4] == per_n[1] > 0
+
+
 # ---------------------------------------------------------------------------------------------- engine failures
 def test_engine_failure_non_streaming_is_500(tokenizer, words) -> None:
     engine = ScriptedEngine(hello_world(words, fail="RuntimeError: boom"))

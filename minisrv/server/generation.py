@@ -13,7 +13,7 @@ cut, a possible stop string held back) and its tokens' logprobs at their text of
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Protocol, Sequence, Tuple
@@ -159,13 +159,19 @@ def make_jobs(prefix: str, gen: Generation) -> List[Job]:
     params, n = gen.params, gen.n
     for p, ids in enumerate(gen.prompts):
         for j in range(n):
-            # with a seed and n > 1, choice j samples with seed + j (wrapping in 64 bits): choices differ yet are
-            # reproducible
-            pj = dataclasses.replace(params, seed=(params.seed + j + 2 ** 63) % 2 ** 64 - 2 ** 63) \
-                if params.seed is not None and j else params
+            pj = choice_params(params, j) if params.seed is not None and j else params
             index = p * n + j
             jobs.append(Job(index, f"{prefix}-{index}", ids, pj))
     return jobs
+
+
+def choice_params(params: SamplingParams, j: int) -> SamplingParams:
+    """With a seed and n > 1, choice j samples with seed + j (wrapping in 64 bits): choices differ yet are
+    reproducible. A shallow copy with the seed set, not dataclasses.replace: replace runs __post_init__, which
+    would validate the request's checked values once more per choice (the seed stays a signed 64-bit integer)."""
+    pj = copy.copy(params)
+    pj.seed = (params.seed + j + 2 ** 63) % 2 ** 64 - 2 ** 63
+    return pj
 
 
 async def run_jobs(state: "ServerState", jobs: List[Job]) -> AsyncIterator[List[Tuple[int, RequestOutput]]]:
