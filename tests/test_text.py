@@ -99,3 +99,59 @@ def test_find_stop_and_partial_stop_len():
     assert find_stop("abc", 0, ["x"]) is None
     assert partial_stop_len("abcE", ["END"]) == 1 and partial_stop_len("abcEN", ["END", "N!"]) == 2
     assert partial_stop_len("abc", ["END"]) == 0
+
+
+class _FlagOnlyTokenizer:
+    """A tokenizer whose config says clean_up_tokenization_spaces but whose decode does not clean up (as some
+    transformers 5 tokenizers do): the flag alone must not change the text."""
+
+    clean_up_tokenization_spaces = True
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def encode(self, text, add_special_tokens=True):
+        return self.inner.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("flag_only", [False, True])
+def test_text_is_the_installed_tokenizers_decode(spaced_model, flag_only):
+    """Streamed token by token, the text equals tokenizer.decode(ids, skip_special_tokens=True), whether that
+    decode cleans up spaces (the flag honoured) or not (the flag set, decode ignoring it)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(spaced_model)
+    if flag_only:
+        tok = _FlagOnlyTokenizer(tok)
+    ids = tok.encode("w13 w14 . w15 , w13 ! w14 n't w15 's w13 ?", add_special_tokens=False)
+    stream = TextStream(tok, [], ())
+    shown = []
+    for t in ids:
+        stream.add(t)
+        shown.append(stream.take())
+    stream.finish()
+    shown.append(stream.take())
+    want = tok.decode(ids, skip_special_tokens=True)
+    assert stream.text == "".join(shown) == want
+    assert (" ." in want) == flag_only
+
+
+def test_a_long_output_streams_in_linear_time_with_the_right_text():
+    """200,000 tokens through a stream with stop strings: the text and what take() hands out are the whole input
+    (no stop string occurs), in well under the time a copy of the text per token would take."""
+    import time
+    text = "".join(chr(0x61 + (i * 7) % 26) for i in range(200_000))
+    stream = TextStream(_Chars(), [], ["zzzz", "#"])
+    t0 = time.perf_counter()
+    shown = _feed(stream, text)
+    took = time.perf_counter() - t0
+    assert stream.stop_str is None and stream.text == text and "".join(shown) == text
+    assert took < 5.0, f"{took:.1f} s"
+
+
+def test_a_stop_string_that_began_in_earlier_tokens_cuts_the_text_there():
+    stream = TextStream(_Chars(), [], ["cdef"])
+    shown = _feed(stream, "abcdefgh")
+    assert stream.stop_str == "cdef" and stream.text == "ab" and "".join(shown) == "ab"
