@@ -206,6 +206,18 @@ def test_bad_json_is_a_400_and_the_connection_stays_usable(server: Server) -> No
                 assert good.status_code == 200 and local_port(good) == port
 
 
+@pytest.mark.parametrize("head", [b"NOT HTTP AT ALL\r\n\r\n", b"GET /health HTTP/1.1\r\nHost 127.0.0.1\r\n\r\n",
+                                  b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: x\r\n\r\n"],
+                         ids=["request-line", "header-without-colon", "content-length-not-a-number"])
+def test_unparsable_requests_are_a_400_in_the_error_shape(server: Server, head: bytes) -> None:
+    """A request the HTTP parser rejects is answered like every other error: OpenAI's shape, an x-request-id."""
+    status, resp_head, body = raw_request(server.port, head)
+    assert status == 400, (resp_head, body)
+    assert_openai_error(body)
+    headers = dict(line.split(b": ", 1) for line in resp_head.split(b"\r\n")[1:])
+    assert len(headers[b"x-request-id"]) == 32 and headers[b"content-type"] == b"application/json", resp_head
+
+
 # ---------------------------------------------------------------------------------------------- 2. stalls
 def _many_prompts_body() -> bytes:
     body = json.dumps({"prompt": ["hello there"] * 50000, "max_tokens": 1}).encode()

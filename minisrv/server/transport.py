@@ -1,4 +1,6 @@
-"""What minisrv adds to uvicorn: a deadline for a request to arrive, and a shutdown that ends what it cuts off.
+"""What minisrv adds to uvicorn: a deadline for a request to arrive, a shutdown that ends what it cuts off, and
+the server's error shape with an x-request-id for what the protocol itself refuses (--limit-concurrency's 503, an
+unparsable request's 400), where uvicorn answers plain text without one.
 
 Read deadline. uvicorn (0.5x, h11) closes a keep-alive connection that stays idle for `timeout_keep_alive`, but
 any byte that arrives cancels that timer, and a fresh connection has none: a client that sends half a request
@@ -18,8 +20,10 @@ error event and `data: [DONE]`) and every body still being read with a 503. uvic
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import TYPE_CHECKING, Any, List, Optional
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -59,6 +63,18 @@ def deadline_protocol(read_timeout: float) -> type:
                     return await refusal.response()(scope, receive, send)
                 return await app(scope, receive, send)
             return limited
+
+        def send_400_response(self, msg: str) -> None:
+            """A request h11 cannot parse (a malformed head, one over the head size limit): answered in the
+            server's error shape with a fresh x-request-id, like every other response, where uvicorn answers plain
+            text without one; the connection is closed after it, as uvicorn closes it."""
+            body = APIError(400, msg).body().model_dump_json().encode("utf-8")
+            head = h11.Response(status_code=400, reason=b"Bad Request", headers=[
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode("ascii")),
+                (b"connection", b"close"), (REQUEST_ID, uuid.uuid4().hex.encode("ascii"))])
+            for event in (head, h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
