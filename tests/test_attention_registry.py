@@ -230,3 +230,114 @@ def test_hybrid_routes_extend_to_prefill_half_and_decode_to_decode_half():
     scores = scores.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), float("-inf"))
     ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fi's decode over an FP8 pool: the xqa backend, through the stand-in FlashInfer and a float64 stand-in for XQA
+
+def _stand_in_xqa(q, kv, workspace, page_table, seq_lens, max_seq_len, bmm1_scale, bmm2_scale, kv_layout="NHD"):
+    """XQA's semantics in float64: request b's keys are the first seq_lens[b] slots of its pages in table order; the
+    softmax of q.k * bmm1_scale weights V, times bmm2_scale (K and V read as stored, in e4m3 units)."""
+    assert kv_layout == "NHD" and q.is_contiguous() and seq_lens.dtype == torch.uint32
+    k_cache, v_cache = kv
+    ps, hkv, d = k_cache.shape[1:]
+    assert max_seq_len == page_table.shape[1] * ps  # the table's width in tokens
+    out = torch.empty_like(q)
+    for b, n in enumerate(seq_lens.view(torch.int32).tolist()):
+        pages = page_table[b, :(n + ps - 1) // ps].long()
+        k = k_cache[pages].reshape(-1, hkv, d)[:n].double().repeat_interleave(q.shape[1] // hkv, dim=1)
+        v = v_cache[pages].reshape(-1, hkv, d)[:n].double().repeat_interleave(q.shape[1] // hkv, dim=1)
+        p = (torch.einsum("hd,khd->hk", q[b].double(), k) * bmm1_scale).softmax(-1)
+        out[b] = (torch.einsum("hk,khd->hd", p, v) * bmm2_scale).to(q.dtype)
+    return out
+
+
+@pytest.fixture
+def fp8_fi(monkeypatch):
+    """The stand-in FlashInfer (tests/helpers/fake_flashinfer.py), with XQA's decode function where `xqa` is true,
+    and an FP8 pool of pages of 16 on the CPU with per-layer scales other than 1.0."""
+    import types
+    from minisrv.kvcache import KVPool
+    from tests.helpers import fake_flashinfer
+
+    def apply(xqa: bool):
+        decode = types.ModuleType("flashinfer.decode")
+        if xqa:
+            decode.xqa_batch_decode_with_kv_cache = _stand_in_xqa
+        monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer)
+        monkeypatch.setitem(sys.modules, "flashinfer.decode", decode)
+        from minisrv.attention import fi, xqa as xqa_module
+        monkeypatch.setattr(fi, "WORKSPACE_BYTES", 1024)
+        monkeypatch.setattr(xqa_module, "SEMAPHORE_BYTES", 64)
+        monkeypatch.setattr(xqa_module, "SCRATCH_BYTES", 64)
+        # XQA runs on Hopper only: here the device checks are what is pretended, and there is no stream to wait on
+        monkeypatch.setattr(xqa_module.XQADecodeBackend, "usable",
+                            staticmethod(lambda pool, device: xqa and pool.quantized and pool.page_size == 16))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        pool = KVPool(2, 8, 16, 2, 8, torch.float32, CPU, torch.float8_e4m3fn)
+        pool.set_scales([0.75, 1.5], [1.25, 0.625])
+        return pool, torch.arange(128, dtype=torch.int32).view(2, 64)
+
+    return apply
+
+
+def test_fi_over_an_fp8_pool_decodes_on_xqa_and_matches_torch(fp8_fi):
+    """`auto` and `xqa` give fi's decode steps to the xqa backend (its extend steps stay on fi), whose output over
+    the FP8 pool, scales included, is the torch backend's; `flashinfer` keeps fi whole."""
+    from minisrv.attention import create_backend
+    from minisrv.attention.fi import FlashInferBackend
+    from minisrv.attention.torch_native import TorchNativeBackend
+    from minisrv.attention.xqa import XQADecodeBackend
+    from minisrv.batch import ForwardBatch, ForwardMode
+
+    pool, table = fp8_fi(xqa=True)
+    assert isinstance(create_backend("fi", pool, table, 4, "flashinfer"), FlashInferBackend)
+    for kernel in ("auto", "xqa"):
+        backend = create_backend("fi", pool, table, 4, kernel)
+        assert isinstance(backend.prefill_backend, FlashInferBackend)
+        assert isinstance(backend.decode_backend, XQADecodeBackend) and backend.supports_cuda_graph
+    torch.manual_seed(0)
+    lens = [20, 37]  # request 0 on row 0 (pages 0-1), request 1 on row 1 (pages 4-6), each counting its new token
+    for layer in range(2):
+        pool.store(layer, torch.cat([torch.arange(19), 64 + torch.arange(36)]), torch.randn(55, 2, 8),
+                   torch.randn(55, 2, 8))
+    loc = torch.tensor([19, 64 + 36])
+    dec = ForwardBatch(ForwardMode.DECODE, torch.zeros(2, dtype=torch.int64), torch.tensor(lens) - 1, loc,
+                       torch.tensor([0, 1]), torch.tensor(lens, dtype=torch.int32),
+                       torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 1]), lens, [1, 1], max(lens))
+    q, k, v = torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    ref_pool = copy_pool(pool)
+    out = [backend.step(dec)(q, k, v, layer) for layer in range(2)]
+    ref = [TorchNativeBackend(ref_pool, table, 4).step(dec)(q, k, v, layer) for layer in range(2)]
+    for layer in range(2):
+        assert torch.allclose(out[layer], ref[layer], atol=1e-5), f"layer {layer}"
+        assert torch.equal(pool.kv[layer].view(torch.uint8), ref_pool.kv[layer].view(torch.uint8))
+
+
+def copy_pool(pool):
+    from minisrv.kvcache import KVPool
+    other = KVPool(pool.num_layers, pool.num_pages, pool.page_size, pool.num_kv_heads, pool.head_dim, pool.dtype,
+                   pool.device, pool.kv_dtype)
+    other.set_scales(pool.k_scale_host, pool.v_scale_host)
+    for mine, theirs in zip(other.kv, pool.kv):
+        mine.view(torch.uint8).copy_(theirs.view(torch.uint8))
+    return other
+
+
+def test_fi_over_an_fp8_pool_where_xqa_cannot_run(fp8_fi, caplog):
+    """Where XQA cannot run, `xqa` is a clear error and `auto` keeps FlashInfer's wrappers; where it fails to load,
+    `xqa` raises that failure and `auto` logs it and keeps the wrappers."""
+    from minisrv.attention import create_backend
+    from minisrv.attention.fi import FlashInferBackend
+
+    pool, table = fp8_fi(xqa=False)
+    with pytest.raises(ValueError, match="xqa FP8 decode kernel needs an SM 9.x GPU"):
+        create_backend("fi", pool, table, 4, "xqa")
+    assert isinstance(create_backend("fi", pool, table, 4, "auto"), FlashInferBackend)
+    pool, table = fp8_fi(xqa=True)
+    del sys.modules["flashinfer.decode"].xqa_batch_decode_with_kv_cache
+    with pytest.raises(ImportError):
+        create_backend("fi", pool, table, 4, "xqa")
+    with caplog.at_level(logging.WARNING, logger="minisrv.attention.xqa"):
+        assert isinstance(create_backend("fi", pool, table, 4, "auto"), FlashInferBackend)
+    assert "XQA decode kernel unavailable (ImportError" in caplog.text

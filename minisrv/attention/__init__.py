@@ -4,6 +4,8 @@ Names: `torch`, `fa`, `fi`, and any hybrid `P,D` (prefill/extend on P, decode on
 A backend's module is imported only when it is chosen, so `import minisrv` needs no GPU library.
 `auto` resolves by the GPU's SM version: SM100+ -> fi, SM90 -> fa,fi, other CUDA GPUs -> fi, no CUDA -> torch;
 if what auto picked cannot load it falls back (fa,fi -> fi -> torch) and logs why.
+Where fi decodes an FP8 pool, `create_backend` gives decode steps to the xqa backend (xqa.py) as
+`--fp8-decode-kernel` says: `fi` becomes the hybrid fi + xqa, `fa,fi` the hybrid fa + xqa.
 """
 from __future__ import annotations
 
@@ -67,19 +69,19 @@ def _torch_missing(sm: Optional[int]) -> Optional[str]:
     return None
 
 
-def _create_torch(pool, req_to_token, num_q_heads, fp8_decode_kernel: str) -> AttentionBackend:
+def _create_torch(pool, req_to_token, num_q_heads) -> AttentionBackend:
     from .torch_native import TorchNativeBackend
     return TorchNativeBackend(pool, req_to_token, num_q_heads)
 
 
-def _create_fa(pool, req_to_token, num_q_heads, fp8_decode_kernel: str) -> AttentionBackend:
+def _create_fa(pool, req_to_token, num_q_heads) -> AttentionBackend:
     from .fa import FlashAttentionBackend
     return FlashAttentionBackend(pool, req_to_token, num_q_heads)
 
 
-def _create_fi(pool, req_to_token, num_q_heads, fp8_decode_kernel: str) -> AttentionBackend:
+def _create_fi(pool, req_to_token, num_q_heads) -> AttentionBackend:
     from .fi import FlashInferBackend
-    return FlashInferBackend(pool, req_to_token, num_q_heads, fp8_decode_kernel)
+    return FlashInferBackend(pool, req_to_token, num_q_heads)
 
 
 # name -> (what it lacks on this machine, lazily importing creator)
@@ -145,11 +147,16 @@ def resolve_backend(name: str, device: torch.device) -> str:
 def create_backend(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int,
                    fp8_decode_kernel: str = "auto") -> AttentionBackend:
     """Create a resolved backend (see resolve_backend); a hybrid shares the pool between its two halves.
-    fp8_decode_kernel: the fi backend's decode kernel over an FP8 pool (EngineConfig.fp8_decode_kernel)."""
+    fp8_decode_kernel: what decodes an FP8 pool where fi would (EngineConfig.fp8_decode_kernel): "auto" and "xqa"
+    pick the xqa backend (xqa.fp8_decode says where it can run), "flashinfer" keeps fi's wrappers."""
     parts = _parts(name)
-    if len(parts) == 1 or parts[0] == parts[1]:
-        return BACKENDS[parts[0]][1](pool, req_to_token, num_q_heads, fp8_decode_kernel)
-    # the prefill half never decodes: no decode kernel of its own to load
-    prefill = BACKENDS[parts[0]][1](pool, req_to_token, num_q_heads, "flashinfer")
-    decode = BACKENDS[parts[1]][1](pool, req_to_token, num_q_heads, fp8_decode_kernel)
+    prefill = BACKENDS[parts[0]][1](pool, req_to_token, num_q_heads)
+    decode = None
+    if parts[-1] == "fi":
+        from .xqa import fp8_decode
+        decode = fp8_decode(pool, req_to_token, num_q_heads, fp8_decode_kernel)
+    if decode is None:
+        if len(parts) == 1 or parts[0] == parts[1]:
+            return prefill
+        decode = BACKENDS[parts[1]][1](pool, req_to_token, num_q_heads)
     return HybridBackend(prefill, decode)

@@ -21,8 +21,8 @@ With an FP8 pool the wrappers are planned with `kv_data_type=float8_e4m3fn` and 
 FA2-style kernels convert K/V to q's dtype as they load them; its FA3-style Hopper kernels need an FP8 q, so with a
 bf16 q FlashInfer picks the former by itself), and each run gets the layer's K and V scales as the floats
 `k_scale` (folded into the softmax scale) and `v_scale` (multiplied into the output unless it is 1.0). On Hopper
-decode steps over an FP8 pool run XQA instead (`xqa.py`: these kernels reach about half the bandwidth over FP8
-pages, XQA 74-84%), unless `fp8_decode_kernel` is "flashinfer"; its metadata and CUDA-graph buffers are its own.
+the registry gives decode steps over an FP8 pool to the xqa backend instead (`xqa.py`: these kernels reach about
+half the bandwidth over FP8 pages, XQA 74-84%), unless `--fp8-decode-kernel` is "flashinfer".
 
 CUDA graphs: a FlashInfer decode wrapper in CUDA-graph mode is bound to one batch size (its indptr buffer has
 B+1 entries), so one wrapper is made per captured batch size, all sharing fixed index buffers and the workspace.
@@ -31,7 +31,6 @@ B+1 entries), so one wrapper is made per captured batch size, all sharing fixed 
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -42,10 +41,6 @@ from minisrv.utils import ceil_div, to_device
 from minisrv.batch import ForwardBatch, PrefixGroups
 
 from .base import AttentionBackend
-from .xqa import PAGE_SIZES as XQA_PAGE_SIZES
-from .xqa import XQADecode
-
-logger = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -88,9 +83,9 @@ class FlashInferBackend(AttentionBackend):
     name = "fi"
     supports_cuda_graph = True
     supports_cascade = True
+    decode_kernel = "flashinfer"  # the kernel its decode steps run (XQADecodeBackend's is "xqa")
 
-    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int,
-                 fp8_decode_kernel: str = "auto") -> None:
+    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int) -> None:
         super().__init__(pool, req_to_token, num_q_heads)
         import flashinfer
 
@@ -111,35 +106,6 @@ class FlashInferBackend(AttentionBackend):
         # plan() fills pinned host buffers and queues copies from them; with overlap scheduling the next plan
         # can come before the device has run those copies, so each plan first waits for the previous one's
         self._plan_done: Optional[torch.cuda.Event] = None
-        # decode over an FP8 pool on Hopper (attention/xqa.py)
-        self.xqa = self._load_xqa(pool, num_q_heads, fp8_decode_kernel) if pool.quantized else None
-
-    def _load_xqa(self, pool, num_q_heads: int, choice: str) -> Optional[XQADecode]:
-        """XQA for choice "xqa" (raises if it cannot run here) and "auto" (where it can), else None."""
-        if choice == "flashinfer":
-            return None
-        if not XQADecode.usable(pool, self.device):
-            if choice == "xqa":
-                raise ValueError("the xqa FP8 decode kernel needs an SM 9.x GPU, an FP8 e4m3 KV cache, pages of "
-                                 f"{'/'.join(map(str, XQA_PAGE_SIZES))} tokens and FlashInfer's XQA; here the page "
-                                 f"size is {self.page_size}")
-            return None
-        try:
-            xqa = XQADecode(self.req_to_token, self.page_size, self.scale)
-            xqa.load(pool, num_q_heads, self.dtype)
-        except Exception as e:  # noqa: BLE001 - e.g. no CUDA compiler for FlashInfer's JIT
-            if choice == "xqa":
-                raise
-            logger.warning("XQA decode kernel unavailable (%s: %s); FP8 decode uses FlashInfer's wrappers",
-                           type(e).__name__, e)
-            return None
-        logger.info("FP8 KV cache: decode runs XQA's Hopper FP8 kernel")
-        return xqa
-
-    @property
-    def decode_kernel(self) -> str:
-        """Which kernel runs this backend's plain decode steps: "xqa" or "flashinfer"."""
-        return "xqa" if self.xqa is not None else "flashinfer"
 
     def _before_plan(self) -> None:
         if self._plan_done is not None:
@@ -200,8 +166,6 @@ class FlashInferBackend(AttentionBackend):
     def prepare(self, b: ForwardBatch) -> Any:
         if b.is_decode and b.prefix_groups is not None:
             return self._prepare_cascade(b, b.prefix_groups)
-        if b.is_decode and self.xqa is not None:
-            return self.xqa.prepare(b)
         kv_indptr, kv_last, total = self._host_kv_meta(b.seq_lens_cpu)
         kv_indices = self._page_ids(b.req_rows, b.seq_lens, total)
         if b.is_decode:
@@ -282,8 +246,6 @@ class FlashInferBackend(AttentionBackend):
     # -- CUDA graphs (decode) -------------------------------------------------------------------------------
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
-        if self.xqa is not None:
-            return self.xqa.init_graph_state(max_bs, max_seq_len)
         self.g_max_bs = max_bs
         self.g_max_pages = ceil_div(max_seq_len, self.page_size)
         self.g_kv_indptr = torch.zeros((max_bs + 1,), dtype=torch.int32, device=self.device)
@@ -326,14 +288,10 @@ class FlashInferBackend(AttentionBackend):
         """Plan the batch-size-`bs` graph wrapper; call before capture begins (FlashInfer plans on the host)."""
         if not b.is_decode:
             raise ValueError("CUDA graphs capture decode batches only")
-        if self.xqa is not None:
-            return self.xqa.prepare_for_capture(b)
         wrapper = self._graph_wrapper(b.batch_size)
         return FIMeta(b.out_cache_loc, wrapper, self._plan_graph(b, wrapper, b.batch_size))
 
     def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: Any) -> None:
-        if self.xqa is not None:
-            return self.xqa.prepare_for_replay(b, padded_bs, meta)
         # the plan copies the page ids into the wrapper's fixed buffer (stream-ordered), which the graph reads
         self._plan_graph(b, meta.wrapper, padded_bs)
 

@@ -16,19 +16,30 @@ full-width static buffer (the kernel only splits a sequence across CTAs when the
 and then by the lengths it reads at run time). K's scale is folded into q's (`bmm1_scale`), V's multiplies the
 output (`bmm2_scale`).
 
-It needs an FP8 e4m3 pool, an SM 9.x GPU and pages of 16, 32, 64 or 128 tokens (`XQADecode.usable`); with
-`--fp8-decode-kernel auto` (the default) the FlashInfer backend uses it wherever it can. FlashInfer compiles the
-kernel on first use; `XQADecode.load` runs it once at start-up.
+It is a decode-only backend: the registry makes it the decode half (beside the prefill/extend half the user chose)
+where fi would decode an FP8 pool (`fp8_decode`). It needs an FP8 e4m3 pool, an SM 9.x GPU and pages of 16, 32, 64
+or 128 tokens (`XQADecodeBackend.usable`); with `--fp8-decode-kernel auto` (the default) it is used wherever it can
+run, FlashInfer's wrappers elsewhere; `xqa` makes a machine where it cannot run an error. FlashInfer compiles the
+kernel on first use; `XQADecodeBackend.load` runs it once at start-up, so a failure shows there rather than in the
+first step.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Optional, Tuple
 
 import torch
 
 from minisrv.batch import ForwardBatch
+
+from .base import AttentionBackend
 from .page_table import StaticPageTable, int32_lens, page_table, require
+
+if TYPE_CHECKING:
+    from minisrv.kvcache import KVPool
+
+logger = logging.getLogger(__name__)
 
 PAGE_SIZES = (16, 32, 64, 128)
 SEMAPHORE_BYTES = 8 << 20  # the kernel's layout: semaphores first (zero before first use), then scratch
@@ -53,21 +64,24 @@ class XQAMeta:
                            bmm2_scale=v_scale, kv_layout="NHD")
 
 
-class XQADecode:
-    """The decode half of the FlashInfer backend over an FP8 pool on Hopper (see the module docstring)."""
+class XQADecodeBackend(AttentionBackend):
+    """Decode steps over an FP8 pool on Hopper (see the module docstring); extend steps belong to the other half."""
 
-    def __init__(self, req_to_token: torch.Tensor, page_size: int, scale: float) -> None:
+    name = "xqa"
+    decode_kernel = "xqa"  # the kernel its decode steps run, as FlashInferBackend.decode_kernel says for fi
+    supports_cuda_graph = True
+
+    def __init__(self, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int) -> None:
+        super().__init__(pool, req_to_token, num_q_heads)
         from flashinfer.decode import xqa_batch_decode_with_kv_cache
         self.kernel = xqa_batch_decode_with_kv_cache
-        self.req_to_token = req_to_token
-        self.page_size = page_size
-        self.scale = scale
+        self.page_size = pool.page_size
         self.device = req_to_token.device
         self.workspace = torch.zeros(SEMAPHORE_BYTES + SCRATCH_BYTES, dtype=torch.uint8, device=self.device)
         self.static: Optional[StaticPageTable] = None  # what captured graphs read (init_graph_state)
 
     @staticmethod
-    def usable(pool, device: torch.device) -> bool:
+    def usable(pool: "KVPool", device: torch.device) -> bool:
         if pool.kv_dtype != torch.float8_e4m3fn or device.type != "cuda" or pool.page_size not in PAGE_SIZES:
             return False
         if torch.cuda.get_device_capability(device)[0] != 9 or not hasattr(torch, "uint32"):
@@ -78,21 +92,30 @@ class XQADecode:
             return False
         return hasattr(flashinfer.decode, "xqa_batch_decode_with_kv_cache")
 
-    def load(self, pool, num_q_heads: int, dtype: torch.dtype) -> None:
+    def load(self) -> None:
         """Compile (FlashInfer's JIT, cached on disk) and run the kernel once on a one-token batch; raises if it
-        cannot, so the backend can keep its wrappers."""
-        q = torch.zeros((1, num_q_heads, pool.head_dim), dtype=dtype, device=self.device)
+        cannot."""
+        q = torch.zeros((1, self.num_q_heads, self.head_dim), dtype=self.pool.dtype, device=self.device)
         table = torch.zeros((1, 1), dtype=torch.int32, device=self.device)
         seq_lens = torch.ones((1,), dtype=torch.int32, device=self.device)
-        self._meta(table, table, seq_lens).run(q, (pool.k[0], pool.v[0]))
+        self._meta(table, table, seq_lens).run(q, (self.pool.k[0], self.pool.v[0]))
         torch.cuda.synchronize(self.device)
 
     def _meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> XQAMeta:
         return XQAMeta(loc, table, seq_lens.view(torch.uint32), self.kernel, self.workspace, self.scale)
 
     def prepare(self, b: ForwardBatch) -> XQAMeta:
+        if not b.is_decode:
+            raise ValueError("the xqa backend runs decode steps only")
         return self._meta(b.out_cache_loc, page_table(self.req_to_token, b.req_rows, b.max_seq_len, self.page_size),
                           int32_lens(b))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                meta: XQAMeta) -> torch.Tensor:
+        pool = self.pool
+        pool.store(layer_id, meta.loc, k, v)
+        return meta.run(q, (pool.k[layer_id], pool.v[layer_id]), k_scale=pool.k_scale_host[layer_id],
+                        v_scale=pool.v_scale_host[layer_id])
 
     # -- CUDA graphs --------------------------------------------------------------------------------------------
 
@@ -100,9 +123,36 @@ class XQADecode:
         self.static = StaticPageTable(max_bs, max_seq_len, self.page_size, self.device)
 
     def prepare_for_capture(self, b: ForwardBatch) -> XQAMeta:
+        if not b.is_decode:
+            raise ValueError("CUDA graphs capture decode batches only")
         static = require(self.static)
         static.fill(self.req_to_token, b, b.batch_size)
         return self._meta(b.out_cache_loc, *static.rows(b.batch_size))
 
     def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: XQAMeta) -> None:
         require(self.static).fill(self.req_to_token, b, padded_bs)
+
+
+def fp8_decode(pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int,
+               choice: str) -> Optional[XQADecodeBackend]:
+    """The decode backend for fi decoding over `pool` under `--fp8-decode-kernel choice`: XQA for "xqa" (raises if
+    it cannot run here) and for "auto" where it can run; None (FlashInfer's wrappers) otherwise."""
+    if choice == "flashinfer" or not pool.quantized:
+        return None
+    if not XQADecodeBackend.usable(pool, req_to_token.device):
+        if choice == "xqa":
+            raise ValueError("the xqa FP8 decode kernel needs an SM 9.x GPU, an FP8 e4m3 KV cache, pages of "
+                             f"{'/'.join(map(str, PAGE_SIZES))} tokens and FlashInfer's XQA; here the page "
+                             f"size is {pool.page_size}")
+        return None
+    try:
+        xqa = XQADecodeBackend(pool, req_to_token, num_q_heads)
+        xqa.load()
+    except Exception as e:  # noqa: BLE001 - e.g. no CUDA compiler for FlashInfer's JIT
+        if choice == "xqa":
+            raise
+        logger.warning("XQA decode kernel unavailable (%s: %s); FP8 decode uses FlashInfer's wrappers",
+                       type(e).__name__, e)
+        return None
+    logger.info("FP8 KV cache: decode runs XQA's Hopper FP8 kernel")
+    return xqa

@@ -6,8 +6,8 @@ decode steps, page sizes 1 and 16, and CUDA-graph decode replays. FlashInfer's w
 bf16 and convert K/V exactly, so they must agree as closely as on a bf16 pool (1e-2). FlashAttention-3's FP8 mode
 also rounds q and the softmax probabilities to e4m3 (3 mantissa bits: up to 2^-4 of each value), which on these
 random inputs moves the output by about 3.5% (a float64 simulation of those two roundings); its bound is 8e-2. So
-does XQA, which the FlashInfer backend decodes an FP8 pool with on Hopper (`--fp8-decode-kernel auto|xqa`,
-attention/xqa.py): the same bound.
+does XQA, the decode backend that takes fi's decode steps over an FP8 pool on Hopper (`--fp8-decode-kernel
+auto|xqa`, attention/xqa.py): the same bound.
 
 End to end: a random-weight Qwen3-0.6B-shaped checkpoint with an FP8 pool against HF transformers in bf16 (which
 keeps K/V in bf16): every generated token is HF's argmax or within 0.25 logit of it, with CUDA graphs and overlap
@@ -65,9 +65,9 @@ def test_fi_decode_kernel_choice(kernel, page_size):
             create_backend("fi", sc.pool, sc.table, 16, kernel)
         return
     want = "xqa" if kernel == "xqa" or (kernel == "auto" and runs) else "flashinfer"
-    assert create_backend("fi", sc.pool, sc.table, 16, kernel).decode_kernel == want
+    assert decode_kernel(create_backend("fi", sc.pool, sc.table, 16, kernel)) == want
     bf16 = Scene(page_size, torch.bfloat16, 8, 128)
-    assert create_backend("fi", bf16.pool, bf16.table, 16, "auto").decode_kernel == "flashinfer"
+    assert decode_kernel(create_backend("fi", bf16.pool, bf16.table, 16, "auto")) == "flashinfer"
 
 
 @pytest.mark.parametrize("hq,hkv,d,dtype", CONFIGS, ids=CONFIG_IDS)
