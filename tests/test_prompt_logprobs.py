@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import minisrv.engine.model_runner as model_runner
+import minisrv.engine.prompt_scores as prompt_scores
 from minisrv import SamplingParams
 from minisrv.engine.request import RequestError
 
@@ -39,7 +39,7 @@ def test_prompt_logprobs_match_hf(tiny_model, monkeypatch, mode):
     path = tiny_model("qwen2")
     kw = dict(MODES[mode])
     if "rows" in kw:
-        monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_ROWS", kw.pop("rows"))
+        monkeypatch.setattr(prompt_scores, "PROMPT_LOGPROB_ROWS", kw.pop("rows"))
     llm = make_llm(path, **kw)
     prompts = make_prompts(vocab_of(path), [23, 40, 9], seed=21)
     if mode == "cache":  # half of the first prompt is in the tree: it must still be scored from position 0

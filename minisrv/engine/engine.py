@@ -119,47 +119,43 @@ class Engine:
         With overlap (CUDA), the step launched here runs on the device while the previous step's results are
         processed on the host, so the GPU never waits for the scheduler: the news returned is the previous step's.
         """
-        runner = self.runner
-        outputs: List[RequestOutput] = []
-        if self._compiling:
-            outputs += self._grammars_done()
-        # penalties count the previous tokens and a grammar mask needs them accepted: with such a request live, the
-        # previous step is collected before this one samples; with overlap, while this one's forward runs
-        needs_tokens = bool(self.scheduler.num_penalized or self.scheduler.num_constrained)
-        if runner.num_inflight and needs_tokens and not self.overlap:
-            outputs += self._collect()
-        defer = needs_tokens and self.overlap and runner.num_inflight > 0
-        launched = False
-        t0 = time.perf_counter()
-        batch = None
+        outputs = self._grammars_done() if self._compiling else []
+        batch, launched = None, False
         try:
-            batch = self.scheduler.schedule()
+            batch = self._schedule()
             if batch is not None:
-                if self.timings is not None:
-                    self.timings["schedule"] += time.perf_counter() - t0
-                self.peak_pages_used = max(self.peak_pages_used,
-                                           self.num_free_pages_when_idle - self.allocator.num_free)
-                if self.config.fail_on_token is not None:
-                    self._injected_fault(batch)
-                runner.launch(batch, defer_sampling=defer)
+                self._launch(batch)
                 self.scheduler.commit(batch)
                 launched = True
         except Exception as e:  # noqa: BLE001 - one bad step must not end the engine
             self._check_fatal(e)
             outputs += self._step_failed(batch.reqs if batch is not None else [], e)
-        if runner.has_deferred:
-            while runner.num_inflight:
-                outputs += self._collect()
-            try:
-                runner.finish_launch()
-            except Exception as e:  # noqa: BLE001
-                self._check_fatal(e)
-                outputs += self._step_failed(batch.reqs, e)
-        while runner.num_inflight > (1 if self.overlap and launched else 0):
-            outputs += self._collect()
-        if batch is None and self._compiling and not runner.num_inflight:
-            cf.wait([r.grammar.future for r in self._compiling], COMPILE_IDLE_WAIT_S, cf.FIRST_COMPLETED)
+        outputs += self._collect(keep=1 if self.overlap and launched else 0)
+        if batch is None:
+            self._wait_for_a_compile()
         return outputs
+
+    def _schedule(self):
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch is not None:
+            if self.timings is not None:
+                self.timings["schedule"] += time.perf_counter() - t0
+            self.peak_pages_used = max(self.peak_pages_used, self.num_free_pages_when_idle - self.allocator.num_free)
+        return batch
+
+    def _launch(self, batch) -> None:
+        """Queue the step on the device. Penalties count the previous tokens and a grammar's mask needs them
+        accepted: with such a request live, the runner reads the steps in flight back before this one samples."""
+        if self.config.fail_on_token is not None:
+            self._injected_fault(batch)
+        needs_tokens = bool(self.scheduler.num_penalized or self.scheduler.num_constrained)
+        self.runner.launch(batch, needs_previous_tokens=needs_tokens)
+
+    def _wait_for_a_compile(self) -> None:
+        """Nothing ran but grammars are compiling: wait a moment for one rather than spin."""
+        if self._compiling and not self.runner.num_inflight:
+            cf.wait([r.grammar.future for r in self._compiling], COMPILE_IDLE_WAIT_S, cf.FIRST_COMPLETED)
 
     def _check_fatal(self, e: Exception) -> None:
         """Re-raise a failure the engine cannot survive; a lost tensor-parallel rank is named (TensorParallelError)."""
@@ -201,22 +197,26 @@ class Engine:
         self._compiling = still
         return outputs
 
-    def _collect(self) -> List[RequestOutput]:
-        reqs = self.runner.oldest_requests()
-        try:
-            sampled = self.runner.collect()
-        except Exception as e:  # noqa: BLE001
-            self._check_fatal(e)
-            return self._step_failed(reqs, e)
-        t0 = time.perf_counter()
-        outputs = []
-        for s in sampled:
-            try:
-                outputs.append(self._news(s))
-            except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode the token
-                outputs += self._fail([s.req], e)
-        if self.timings is not None:
-            self.timings["postprocess"] += time.perf_counter() - t0
+    def _collect(self, keep: int) -> List[RequestOutput]:
+        """News of the launched steps, oldest first, until `keep` remain in flight."""
+        outputs: List[RequestOutput] = []
+        while self.runner.num_inflight > keep:
+            step = self.runner.collect()
+            if step.error is not None:
+                self._check_fatal(step.error)
+                outputs += self._step_failed(step.reqs, step.error)
+                continue
+            t0 = time.perf_counter()
+            for s in step.tokens:
+                try:
+                    if s.error is not None:  # its grammar rejected the token
+                        outputs += self._fail([s.req], s.error)
+                    else:
+                        outputs.append(self._news(s))
+                except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode the token
+                    outputs += self._fail([s.req], e)
+            if self.timings is not None:
+                self.timings["postprocess"] += time.perf_counter() - t0
         return outputs
 
     def _news(self, s: SampledToken) -> RequestOutput:
@@ -233,8 +233,7 @@ class Engine:
             self.num_cached_prompt_tokens += req.num_cached_tokens
             return RequestOutput.ended(req, "length", num_cached_tokens=req.num_cached_tokens,
                                        prompt_logprobs=self._prompt_logprobs(req))
-        ended = req.grammar is not None and req.grammar.advance(tok)  # raises if its grammar rejects tok
-        if ended or tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_ids):
+        if s.grammar_ended or tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_ids):
             reason = "stop"  # the token that ends it has no text (a grammar ends on accepting a stop token)
         elif text.add(tok) is not None:
             reason = "stop"
@@ -245,8 +244,8 @@ class Engine:
         if reason is not None:
             text.finish()
             self.scheduler.finish(req, reason)
-        return RequestOutput.token(req, tok, text.take(), s.logprob, offset, reason,
-                                   self._prompt_logprobs(req) if num_out == 1 else None)
+        return RequestOutput.token(req, token_id=tok, text=text.take(), logprob=s.logprob, offset=offset,
+                                   reason=reason, prompt_logprobs=self._prompt_logprobs(req) if num_out == 1 else None)
 
     @staticmethod
     def _prompt_logprobs(req: Request):

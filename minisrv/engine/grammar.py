@@ -16,16 +16,17 @@ Where the pieces run, and why:
   (`apply_bitmask`, called by sampler.sample). Rows without a grammar pay nothing, a step without a grammar row
   does no grammar work, and CUDA graphs are untouched: the mask is applied to the logits the graph produced.
   Log-probabilities stay the model's raw distribution, as for penalties.
-- Every sampled token is fed to its request's matcher in the engine (`Engine._news`) before the finish checks.
-  Once the matcher has accepted a stop token (only allowed where the grammar is complete) it is terminated and the
-  request ends with "stop"; a token it rejects (impossible through the mask) ends it with "error".
+- Every sampled token is fed to its request's matcher as it is read back from the device (`ModelRunner`), before
+  the engine's finish checks. Once the matcher has accepted a stop token (only allowed where the grammar is
+  complete) it is terminated and the request ends with "stop"; a token it rejects (impossible through the mask)
+  ends it with "error".
 - Overlap scheduling: the mask of step N+1 needs step N's token accepted by the matcher, which needs its value on
-  the host. So while any live request has a grammar (`Scheduler.num_constrained`), the engine splits step N+1:
-  it queues N+1's forward (whose inputs are read from N's sampled ids on the device), then collects N (the
-  matchers accept its tokens), then fills N+1's masks and queues its sampling (`ModelRunner.launch(...,
-  defer_sampling=True)`, `finish_launch`). The device runs N+1's forward while the host does all of that; it
-  waits only when the host takes longer than a forward. Penalties (which count the previous tokens) take the
-  same path.
+  the host. So while any live request has a grammar (`Scheduler.num_constrained`), the runner launches step N+1
+  in two halves: it queues N+1's forward (whose inputs are read from N's sampled ids on the device), then reads
+  N back (the matchers accept its tokens), then fills N+1's masks and queues its sampling
+  (`ModelRunner.launch(..., needs_previous_tokens=True)`). The device runs N+1's forward while the host does all
+  of that; it waits only when the host takes longer than a forward. Penalties (which count the previous tokens)
+  take the same path.
 
 Special tokens other than the stop tokens are never allowed inside a grammar: they are shown to xgrammar as empty
 strings, which it treats as special, since their text would be dropped from the output (skip_special_tokens) and
@@ -136,6 +137,7 @@ class GrammarState:
         self.batch_filler = batch_filler  # the engine's xgrammar.BatchGrammarMatcher (fills many rows in one call)
         self.matcher: Any = None
         self.ready = False  # compiled and matched: the request may be admitted
+        self.done = False  # it ended (accepted a stop token) or rejected a token: it makes no more masks
 
     def poll(self) -> Optional[str]:
         """Once the compile is done, make the matcher; returns the error message of a failed compile, else None
@@ -154,8 +156,10 @@ class GrammarState:
     def advance(self, token_id: int) -> bool:
         """Feed a sampled token; True when the grammar has ended (it accepted a stop token). Raises if rejected."""
         if not self.matcher.accept_token(token_id):
+            self.done = True
             raise RuntimeError(f"the {self.key[0]} grammar rejected token {token_id}")
-        return token_id in self.stop_ids and self.matcher.is_terminated()
+        self.done = token_id in self.stop_ids and self.matcher.is_terminated()
+        return self.done
 
 
 class GrammarBackend:
@@ -285,9 +289,9 @@ def fill_bitmask(reqs: List["Request"], device: torch.device) -> Tuple[torch.Ten
 
 def fill_host_bitmask(reqs: List["Request"], rows: List[int], pinned: bool = False) -> torch.Tensor:
     """The masks of reqs[rows] (each with a grammar) in host memory (page-locked if `pinned`), int32
-    [len(rows), ceil(V/32)]. A row whose request has already finished (its sampling was deferred past the collect
-    that ended it) allows every token: its token is discarded, and its matcher may be terminated, which xgrammar
-    refuses to fill. xgrammar is handed a NumPy view of the memory: through DLPack a pinned torch tensor says
+    [len(rows), ceil(V/32)]. A row whose request has finished, or whose grammar is done (the read-back that ended
+    it came after this step's forward was queued), allows every token: its token is discarded, and its matcher may
+    be terminated, which xgrammar refuses to fill. xgrammar is handed a NumPy view of the memory: through DLPack a pinned torch tensor says
     "CUDA host", which xgrammar may refuse; the same bytes as a NumPy array say "CPU"."""
     first = reqs[rows[0]].grammar
     words = ceil_div(first.vocab_size, 32)
@@ -295,7 +299,7 @@ def fill_host_bitmask(reqs: List["Request"], rows: List[int], pinned: bool = Fal
     view = host.numpy()
     assert not any(reqs[i].num_pending for i in rows), \
         "a grammar row's previous token must be accepted before its mask is made"
-    live = [k for k, i in enumerate(rows) if not reqs[i].finished]
+    live = [k for k, i in enumerate(rows) if not reqs[i].finished and not reqs[i].grammar.done]
     if len(live) < len(rows):
         host.fill_(-1)
     if len(live) >= BATCH_FILL_MIN and first.batch_filler is not None:

@@ -1,10 +1,15 @@
 """One forward step: scheduled batch -> step tensors -> attention plan -> model -> last-position logits -> sampler.
 
 The overlap protocol lives here and nowhere else. `launch` queues a step on the device and returns at once;
-`collect` waits for the oldest launched step and writes its sampled tokens into the requests. Between the two, a
-request's sampled token is only counted (`Request.num_pending`), and when the next step is launched before the
+`collect` hands over the oldest launched step's results, its sampled tokens written into the requests. Between the
+two, a request's sampled token is only counted (`Request.num_pending`), and when the next step is launched before the
 previous one is collected (overlap scheduling on CUDA), a decode input whose token is still pending is read on the
 device from the previous step's sampled ids: the host never waits for the device to build a step.
+
+A step whose sampling needs the previous tokens on the host (penalties count them, a grammar's mask needs them
+accepted) is launched in two halves: its forward is queued, then the steps still in flight are read back (and their
+tokens fed to the grammars) while the device runs that forward, then its sampling is queued. The steps read back
+early wait in order for `collect` like any other.
 """
 from __future__ import annotations
 
@@ -22,31 +27,30 @@ from minisrv.distributed import TensorParallel, TensorParallelError
 from minisrv.kvcache import KVPool, ReqToTokenTable
 from minisrv.utils import host_tensor, to_device
 
+from .prompt_scores import PromptScores, plan_prompt_scores, score_prompt_rows, store_prompt_scores
 from .request import Request, TokenLogprob
 from .sampler import SamplingBatch, sample
 from .scheduler import ScheduledBatch
 
-PROMPT_LOGPROB_ROWS = 1024  # prompt positions scored at once: never a [T, vocab] tensor for a long prompt
-
-
 @dataclass
 class SampledToken:
-    """A token that reached the host, already appended to its request's output_ids (token_id None: a request
-    that only scores its prompt, max_tokens 0, reached the end of its prefill)."""
+    """A token that reached the host, already appended to its request's output_ids and fed to its grammar (token_id
+    None: a request that only scores its prompt, max_tokens 0, reached the end of its prefill)."""
 
     req: Request
     token_id: Optional[int]
     logprob: Optional[TokenLogprob]
+    grammar_ended: bool = False  # its grammar accepted a stop token: the request is complete
+    error: Optional[Exception] = None  # its grammar rejected the token: the request fails
 
 
 @dataclass
-class PromptScores:
-    """Logprobs of some prompt tokens computed in a step (host copies, maybe pending): for owner k, the tokens at
-    prompt positions positions[k]."""
+class CollectedStep:
+    """A launched step's results on the host: its tokens, or the error that lost them (for all of `reqs`)."""
 
-    owners: List[Request]
-    positions: List[List[int]]
-    host: List[Optional[torch.Tensor]]  # chosen logprobs [R], top values [R, n], top ids [R, n]
+    reqs: List[Request]
+    tokens: List[SampledToken]
+    error: Optional[Exception] = None
 
 
 @dataclass
@@ -108,9 +112,9 @@ class ModelRunner:
         self.num_cascade_steps = 0
         self.timings: Optional[Dict[str, float]] = None  # phase -> seconds, when profiling
         self.wait_s = 0.0  # host time spent waiting for the device's results (the GPU-bound share of a run)
-        self._inflight: Deque[LaunchedStep] = deque()  # launched and not yet collected, oldest first
+        self._inflight: Deque[LaunchedStep] = deque()  # launched and not yet read back, oldest first
+        self._read_back: Deque[CollectedStep] = deque()  # read back early by a launch, not yet collected, oldest first
         self._newest_ids: Optional[torch.Tensor] = None  # sampled ids of the newest launched step, on the device
-        self._deferred: Optional[tuple] = None  # a step whose forward is queued and sampling is not (see launch)
 
     def enable_profiling(self, timings: Dict[str, float]) -> None:
         """Charge each phase's time to `timings` (it synchronises the device after every phase)."""
@@ -206,46 +210,14 @@ class ModelRunner:
         hidden = self.model(fb.input_ids, fb.positions, self.backend.step(fb))
         return self.model.compute_logits(hidden[fb.last_indices])
 
-    @staticmethod
-    def _plan_prompt_scores(sb: ScheduledBatch, inp: StepInputs) -> Optional[Tuple[List[Request], List[List[int]]]]:
-        """For an extend step with requests asking for prompt logprobs: the token rows whose next prompt token is
-        scored this step (position p's logits score token p + 1) go into `inp`; returns their owners and positions."""
-        rows, targets, owners, positions = [], [], [], []
-        start = 0
-        for r, n in zip(sb.reqs, sb.extend_lens):
-            if r.params.prompt_logprobs is not None:
-                plen = len(r.prompt_ids)
-                pos = [p + 1 for p in range(r.num_cached, r.num_cached + n) if p + 1 < plen]
-                if pos:
-                    owners.append(r)
-                    positions.append(pos)
-                    rows.extend(start + p - 1 - r.num_cached for p in pos)
-                    targets.extend(r.prompt_ids[p] for p in pos)
-            start += n
-        if not rows:
-            return None
-        inp.score_rows, inp.score_targets = rows, targets
-        inp.score_top_n = max(r.params.prompt_logprobs for r in owners)
-        return owners, positions
-
     def _run(self, inp: StepInputs, fb: ForwardBatch) -> Tuple[torch.Tensor, Optional[List[Optional[torch.Tensor]]]]:
         """The forward every tensor-parallel rank runs: logits [B, V] at each request's last token and, when `inp`
-        asks, the logprob (and top-n) of each scored prompt token, PROMPT_LOGPROB_ROWS rows at a time."""
+        asks, the logprob (and top-n) of each scored prompt token (prompt_scores.py)."""
         if inp.score_rows is None:
             return self.forward_logits(fb), None
         hidden = self.model(fb.input_ids, fb.positions, self.backend.step(fb))
         logits = self.model.compute_logits(hidden[fb.last_indices])
-        rows, top_n = inp.score_rows, inp.score_top_n
-        idx = to_device([rows, inp.score_targets], torch.int64, hidden.device)
-        chosen, top_v, top_i = [], [], []
-        for c in range(0, len(rows), PROMPT_LOGPROB_ROWS):
-            lp = torch.log_softmax(self.model.compute_logits(hidden[idx[0, c:c + PROMPT_LOGPROB_ROWS]]), dim=-1)
-            chosen.append(lp.gather(1, idx[1, c:c + PROMPT_LOGPROB_ROWS, None]).squeeze(1))
-            if top_n:
-                t = lp.topk(top_n, dim=-1)
-                top_v.append(t.values)
-                top_i.append(t.indices)
-        return logits, [torch.cat(chosen), torch.cat(top_v) if top_n else None, torch.cat(top_i) if top_n else None]
+        return logits, score_prompt_rows(self.model, hidden, inp)
 
     def _to_host(self, x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """A non-blocking copy into pinned memory on CUDA (complete when the step's event is)."""
@@ -265,23 +237,22 @@ class ModelRunner:
 
     @property
     def num_inflight(self) -> int:
-        return len(self._inflight)
+        """Launched steps whose results `collect` has not handed over yet."""
+        return len(self._inflight) + len(self._read_back)
 
     @torch.inference_mode()
-    def launch(self, sb: ScheduledBatch, defer_sampling: bool = False) -> None:
+    def launch(self, sb: ScheduledBatch, needs_previous_tokens: bool = False) -> None:
         """Queue forward and sampling; copy results to the host without waiting for them. Under tensor
         parallelism the step's inputs go to the other ranks first, and the sampled ids after sampling.
 
-        defer_sampling: queue only the forward; `finish_launch` queues the sampling. In between, the caller
-        collects the previous step, whose tokens this step's sampling needs on the host (grammar masks,
-        penalties), while the device runs this step's forward."""
-        assert self._deferred is None, "finish_launch the deferred step first"
+        needs_previous_tokens: this step's sampling reads the tokens of the steps still in flight on the host
+        (penalties, grammar masks). They are read back after the forward is queued, while the device runs it."""
         prof = self.timings is not None
         t = time.perf_counter() if prof else 0.0
         inp = self.step_inputs(sb)
-        scoring = None
+        scores = None
         if inp.mode is not ForwardMode.DECODE and any(r.params.prompt_logprobs is not None for r in sb.reqs):
-            scoring = self._plan_prompt_scores(sb, inp)
+            scores = plan_prompt_scores(sb.reqs, sb.extend_lens, inp)
         if self.tp.enabled:
             self.tp.send_object(inp)
         try:
@@ -294,24 +265,18 @@ class ModelRunner:
                 raise TensorParallelError(f"a step failed on rank 0 after the other ranks began it: "
                                           f"{type(e).__name__}: {e}") from e
             raise
-        scores = None
-        if scoring is not None:
-            scores = PromptScores(scoring[0], scoring[1], [self._to_host(x) for x in score_outs])
+        if scores is not None:
+            scores.host = [self._to_host(x) for x in score_outs]
         if prof:
             self._tick("forward_decode" if fb.is_decode else "forward_extend", t)
-        self._deferred = (sb, inp, logits, scores)
-        if not defer_sampling:
-            self.finish_launch()
+        if needs_previous_tokens:
+            while self._inflight:
+                self._read_back.append(self._read_oldest())
+        self._queue_sampling(sb, inp, logits, scores)
 
-    @property
-    def has_deferred(self) -> bool:
-        return self._deferred is not None
-
-    @torch.inference_mode()
-    def finish_launch(self) -> None:
-        """Queue the sampling of the step whose forward `launch` queued, and count it as in flight."""
-        sb, inp, logits, scores = self._deferred
-        self._deferred = None
+    def _queue_sampling(self, sb: ScheduledBatch, inp: StepInputs, logits: torch.Tensor,
+                        scores: Optional[PromptScores]) -> None:
+        """Queue the sampling of a step whose forward is queued, and count the step as in flight."""
         prof = self.timings is not None
         t = time.perf_counter() if prof else 0.0
         sampling = [r for r, s in zip(sb.reqs, sb.samples) if s]
@@ -356,20 +321,25 @@ class ModelRunner:
         else:
             self._newest_ids = None
 
-    def oldest_requests(self) -> List[Request]:
-        return list(self._inflight[0].batch.reqs) if self._inflight else []
+    def collect(self) -> CollectedStep:
+        """The oldest launched step's results (waiting for the device if they are not read back yet)."""
+        return self._read_back.popleft() if self._read_back else self._read_oldest()
 
-    def collect(self) -> List[SampledToken]:
-        """Wait for the oldest launched step; append its tokens to their requests (in batch order). A request that
-        finished while its token was on the device gets nothing."""
+    def _read_oldest(self) -> CollectedStep:
+        """Wait for the oldest step in flight; append its tokens to their requests (in batch order) and feed them to
+        their grammars. A request that finished while its token was on the device gets nothing."""
         step = self._inflight.popleft()
         for req in step.sampling:
             req.num_pending -= 1  # whatever happens below, this step's tokens are no longer on their way
         t0 = time.perf_counter()
-        token_ids, lps, top = step.wait()
-        self.wait_s += time.perf_counter() - t0
-        if step.prompt_scores is not None:
-            _store_prompt_scores(step.prompt_scores)
+        try:
+            token_ids, lps, top = step.wait()
+            if step.prompt_scores is not None:
+                store_prompt_scores(step.prompt_scores)
+        except Exception as e:  # noqa: BLE001 - the caller decides whether the engine survives it
+            return CollectedStep(list(step.batch.reqs), [], e)
+        finally:
+            self.wait_s += time.perf_counter() - t0
         out: List[SampledToken] = []
         for i, req in enumerate(step.sampling):
             if req.finished:
@@ -385,16 +355,15 @@ class ModelRunner:
                 tops = dict(zip(top[1][i][:n_top], top[0][i][:n_top])) if n_top > 0 and top is not None else {}
                 lp = TokenLogprob(tok, lps[i], tops)
                 req.logprobs.append(lp)
-            out.append(SampledToken(req, tok, lp))
-        return out
+            out.append(_accepted(SampledToken(req, tok, lp)))
+        return CollectedStep(list(step.batch.reqs), out)
 
 
-def _store_prompt_scores(scores: PromptScores) -> None:
-    chosen, top_v, top_i = (None if x is None else x.tolist() for x in scores.host)
-    k = 0
-    for req, positions in zip(scores.owners, scores.positions):
-        n_top = req.params.prompt_logprobs
-        for p in positions:
-            tops = dict(zip(top_i[k][:n_top], top_v[k][:n_top])) if n_top else {}
-            req.prompt_logprobs[p] = TokenLogprob(req.prompt_ids[p], chosen[k], tops)
-            k += 1
+def _accepted(s: SampledToken) -> SampledToken:
+    """Feed the token to its request's grammar (the next step's mask is made from the grammar's state)."""
+    if s.req.grammar is not None:
+        try:
+            s.grammar_ended = s.req.grammar.advance(s.token_id)
+        except Exception as e:  # noqa: BLE001 - fails this request alone
+            s.error = e
+    return s
