@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import minisrv.engine.prompt_scores as prompt_scores
+import minisrv.engine.scheduler as scheduler
 from minisrv import SamplingParams
 from minisrv.engine.request import RequestError
 
-from .helpers import assert_pool_free, hf_logits, make_llm, make_prompts, vocab_of
+from .helpers import assert_pool_free, greedy, hf_logits, make_llm, make_prompts, vocab_of
 
 MODES = {
     "plain": dict(page_size=1),
@@ -64,3 +65,29 @@ def test_max_tokens_zero_scores_the_prompt_only(tiny_model):
     assert_pool_free(llm.engine)
     with pytest.raises(RequestError, match="max_tokens 0"):
         SamplingParams(max_tokens=0)
+
+
+def test_a_long_prompt_being_scored_lets_a_short_request_run_between_its_chunks(tiny_model, monkeypatch):
+    """A long prompt scored (max_tokens 0) and a 2-token request queued with it: the scoring goes SCORING_CHUNK
+    tokens a step with decode steps between, so the short request finishes while the long one is still being
+    scored, with the tokens it gets alone; the long prompt's logprobs are HF's."""
+    monkeypatch.setattr(scheduler, "SCORING_CHUNK", 64)
+    path = tiny_model("llama")
+    long_p, short_p = make_prompts(vocab_of(path), [400, 8], seed=23)
+    alone = make_llm(path).generate(short_p, greedy(2), use_tqdm=False)[0].token_ids
+    eng = make_llm(path).engine  # the default chunked prefill size (8192): only a scoring request is chunked
+    long_r = eng.add_request(long_p, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    short_r = eng.add_request(short_p, greedy(2))
+    steps, scored, outs = 0, [], {}
+    while eng.has_work():
+        before = long_r.num_cached
+        outs.update((o.rid, o) for o in eng.step())
+        steps += 1
+        scored.append(long_r.num_cached - before)
+        if short_r.finished and "short" not in outs:
+            outs["short"] = (steps, long_r.finished)
+    assert outs["short"] == (2, False)  # prefill beside the first chunk, then one decode step between chunks
+    assert short_r.output_ids == alone
+    assert max(scored) <= 64 and long_r.finished
+    _check(path, long_p, outs[long_r.rid].prompt_logprobs, 1)
+    assert_pool_free(eng)

@@ -36,6 +36,10 @@ LPM_MIN_QUEUE = 8  # lpm orders the queue by cached prefix only when this many w
 # not cached yet, waits one step: the prefix is then in the tree (inserted when that batch is queued) instead of
 # being computed twice in one batch
 IN_BATCH_PREFIX = 32
+# a request that scores its prompt (prompt logprobs) computes logits at every prompt position, which makes its
+# prefill several times dearer than a plain one: it is extended by at most this many tokens a step, and requests
+# that decode take a turn between its chunks, so that a long prompt being scored does not stall the others
+SCORING_CHUNK = 512
 
 
 @dataclass
@@ -72,6 +76,7 @@ class Scheduler:
         self.num_retractions = 0
         self.num_penalized = 0  # live requests using penalties (their sampling needs the real previous tokens)
         self.num_constrained = 0  # live requests with a grammar (their mask needs the previous token accepted)
+        self.decode_turn = False  # the last step was a chunk of a prompt still being scored: decoding goes next
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
@@ -190,7 +195,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ policy
     def schedule(self) -> Optional[ScheduledBatch]:
-        batch = self._schedule_prefill()
+        """Prefill before decode, except that after a chunk of a prompt being scored the requests that decode take
+        a turn (see SCORING_CHUNK)."""
+        batch = None
+        if self.decode_turn:
+            self.decode_turn = False
+            batch = self._schedule_decode()
+        if batch is None:
+            batch = self._schedule_prefill()
+            self.decode_turn = batch is not None and any(
+                r.params.prompt_logprobs is not None and not sampled for r, sampled in zip(batch.reqs, batch.samples))
         if batch is None:
             batch = self._schedule_decode()
         return batch
@@ -235,7 +249,8 @@ class Scheduler:
             start = match.num_tokens if match is not None else req.num_cached
             held = len(match.pages) if match is not None else len(req.pages)
             remaining = req.total_len - start
-            n = min(remaining, self.chunk, budget)
+            chunk = self.chunk if req.params.prompt_logprobs is None else min(self.chunk, SCORING_CHUNK)
+            n = min(remaining, chunk, budget)
             if n < remaining:
                 if chunked:
                     break  # one chunked request at a time
