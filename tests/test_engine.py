@@ -311,6 +311,30 @@ def test_bad_sampling_params(small_ctx, model, params, match):
     _serves(small_ctx, model)
 
 
+def test_sampling_params_are_validated_once_per_process(small_ctx, model, monkeypatch):
+    """Offline: made and run, a request's values are validated once (at construction), not again when the request
+    is checked against the model; a field set afterwards, or a copy that crossed a process boundary (pickled), is
+    validated once more when the request is made."""
+    import pickle
+    calls = []
+    validate = SamplingParams.validate
+    monkeypatch.setattr(SamplingParams, "validate", lambda self: calls.append(1) or validate(self))
+    sp = greedy(3)
+    assert len(calls) == 1
+    out = small_ctx.generate([5, 6, 7], sp, use_tqdm=False)[0]
+    assert len(calls) == 1 and len(out.token_ids) == 3
+    sp.max_tokens = 2
+    small_ctx.engine.make_request([5, 6, 7], sp)
+    small_ctx.engine.make_request([5, 6, 7], sp)
+    assert len(calls) == 2
+    received = pickle.loads(pickle.dumps(sp))
+    assert received == sp
+    small_ctx.engine.make_request([5, 6, 7], received)
+    small_ctx.engine.make_request([5, 6, 7], received)
+    assert len(calls) == 3
+    _serves(small_ctx, model)
+
+
 def test_duplicate_request_id(small_ctx, model):
     eng = small_ctx.engine
     eng.add_request([5, 6, 7], greedy(3), rid="same")

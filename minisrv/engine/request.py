@@ -80,6 +80,27 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
+    def __setattr__(self, name: str, value: object) -> None:
+        """A field set after construction makes the values unchecked again, so that `check_request` validates
+        them; otherwise the validation at construction is the only one in this process."""
+        object.__setattr__(self, name, value)
+        object.__setattr__(self, "_validated", False)
+
+    def __getstate__(self) -> Dict[str, object]:
+        """Pickled (to the engine process) without the mark: the process that receives it validates it once."""
+        state = dict(self.__dict__)
+        state.pop("_validated", None)
+        return state
+
+    def __setstate__(self, state: Dict[str, object]) -> None:
+        self.__dict__.update(state)
+        object.__setattr__(self, "_validated", False)
+
+    def validate_once(self) -> None:
+        """validate() unless these values were validated in this process and not set since."""
+        if not self._validated:
+            self.validate()
+
     def validate(self) -> None:
         """Types, ranges and counts that need no model; raises RequestError."""
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -132,6 +153,7 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOPS or not all(_is_int(t) for t in self.stop_token_ids):
             raise RequestError(f"stop_token_ids must be at most {MAX_STOPS} integers", "stop_token_ids")
         self._validate_constraint()
+        object.__setattr__(self, "_validated", True)
 
     def _validate_constraint(self) -> None:
         """Structured outputs: types, at most one, and a schema that is JSON; the grammar itself is checked when
@@ -250,8 +272,8 @@ class RequestLimits:
 def check_request(prompt_ids: Sequence[int], params: SamplingParams, limits: RequestLimits,
                   prompt_param: str = "prompt") -> int:
     """Validate a request against the model; returns its output budget (max_new_tokens). Raises RequestError.
-    `params` is validated again here: its fields may have been set after it was made."""
-    params.validate()
+    `params` itself is validated here only if it was not in this process, or a field was set since."""
+    params.validate_once()
     vocab = limits.vocab_size
     if not prompt_ids:
         raise RequestError("the prompt is empty", prompt_param)
