@@ -142,6 +142,46 @@ def test_lpm_admits_cached_prefixes_first(tiny_model):
     assert_pool_free(eng)
 
 
+def test_lpm_measures_the_queue_again_only_when_the_tree_changed(tiny_model):
+    """A long queue held back by max_running: at every step lpm's order equals the order by prefix lengths measured
+    on the tree now (stable: FCFS among equals), yet the queue is matched against the tree only in steps after the
+    tree gained or lost pages, not in every step."""
+    path = tiny_model("qwen3")
+    llm = make_llm(path, disable_radix_cache=False, page_size=2, schedule_policy="lpm", max_running_requests=2)
+    eng, sched = llm.engine, llm.engine.scheduler
+    vocab = vocab_of(path)
+    rng = random.Random(11)
+    hot = [[rng.randrange(3, vocab) for _ in range(n)] for n in (12, 20)]
+    for h in hot:
+        llm.generate(h + [5], greedy(1), use_tqdm=False)
+    prompts = [rng.choice(hot + [[]]) + [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 9))]
+               for _ in range(14)]
+    for p in prompts:
+        eng.add_request(p, greedy(5))
+    measure = eng.cache.match_prefix
+    calls = []
+    eng.cache.match_prefix = lambda ids: calls.append(1) or measure(ids)
+    ordered_steps = quiet_steps = 0
+    seen_changes = None
+    while eng.has_work():
+        waiting = list(sched.waiting)
+        if len(waiting) >= 8:
+            now = [measure(r.all_ids[:r.total_len - 1]).num_tokens for r in waiting]
+            expected = [r.rid for _, r in sorted(zip(now, waiting), key=lambda x: -x[0])]
+            changes, before = sched.tree_changes, len(calls)
+            assert [r.rid for r in sched._waiting_order()] == expected
+            ordered_steps += 1
+            if changes == seen_changes:
+                assert len(calls) == before, "the tree did not change: nothing to measure again"
+                quiet_steps += 1
+            seen_changes = changes
+        else:
+            seen_changes = None
+        eng.step()
+    assert ordered_steps > 5 and quiet_steps > 2
+    assert_pool_free(eng)
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_prefix_lengths_at_page_edges_give_the_same_tokens_as_cache_off(tiny_model, page_size):
     """Shared prefixes of exactly a page, one token short of a page, one over, and a whole earlier prompt, with

@@ -279,7 +279,7 @@ class Engine:
         """Empty the prefix cache; only while no request is queued or running (returns whether it did)."""
         if self.has_work():
             return False
-        return self.cache is None or self.cache.reset()
+        return self.scheduler.flush_cache()
 
     def stats(self) -> Dict[str, Any]:
         """kv_pages_used counts pages requests hold; pages only the prefix cache holds are free for the taking."""

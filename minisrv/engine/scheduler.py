@@ -17,7 +17,7 @@ import torch
 
 from minisrv.batch import ForwardMode
 from minisrv.kvcache import PageAllocator, ReqToTokenTable, slots_for
-from minisrv.kvcache.radix import PrefixMatch, RadixCache
+from minisrv.kvcache.radix import PrefixMatch, RadixCache, RadixNode
 from minisrv.utils import ceil_div, host_tensor
 
 from .request import Request, RequestError, RequestStatus
@@ -76,6 +76,10 @@ class Scheduler:
         self.num_retractions = 0
         self.num_penalized = 0  # live requests using penalties (their sampling needs the real previous tokens)
         self.num_constrained = 0  # live requests with a grammar (their mask needs the previous token accepted)
+        # lpm's cached-prefix length of each waiting request, valid while the tree's contents and the request's
+        # length are those it was measured at: rid -> (request, tree_changes, total_len, cached tokens)
+        self.tree_changes = 0  # bumped whenever pages enter or leave the prefix tree
+        self._lpm_hits: Dict[str, Tuple[Request, int, int, int]] = {}
         self.decode_turn = False  # the last step was a chunk of a prompt still being scored: decoding goes next
 
     # ------------------------------------------------------------------ queue
@@ -138,8 +142,8 @@ class Scheduler:
 
     def _alloc(self, n: int) -> List[int]:
         short = n - self.alloc.num_free
-        if short > 0 and self.cache is not None:
-            self.cache.evict(short)
+        if short > 0 and self.cache is not None and self.cache.evict(short):
+            self.tree_changes += 1
         return self.alloc.alloc(n)
 
     def _release(self, req: Request, keep_kv: bool = True) -> None:
@@ -148,7 +152,7 @@ class Scheduler:
         if self.cache is not None:
             full = min(req.num_cached, len(req.prompt_ids) + len(req.output_ids)) // self.page_size
             if keep_kv and full:
-                self.cache.insert(req.all_ids[:full * self.page_size], req.pages[:full])
+                self._insert(req.all_ids[:full * self.page_size], req.pages[:full])
             if req.cache_node is not None:
                 self.cache.unlock(req.cache_node)
                 req.cache_node = None
@@ -165,12 +169,28 @@ class Scheduler:
         full = req.num_cached // self.page_size
         if not full:
             return
-        _, node = self.cache.insert(req.all_ids[:full * self.page_size], req.pages[:full])
+        node = self._insert(req.all_ids[:full * self.page_size], req.pages[:full])
         if node is not req.cache_node:
             self.cache.lock(node)
             if req.cache_node is not None:
                 self.cache.unlock(req.cache_node)
             req.cache_node = node
+
+    def _insert(self, token_ids: List[int], pages: List[int]) -> RadixNode:
+        """Put pages in the tree, counting it as a change only when the tree adopted new ones."""
+        before = self.cache.num_pages
+        _, node = self.cache.insert(token_ids, pages)
+        self.tree_changes += self.cache.num_pages != before
+        return node
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix tree (refused, False, while a request holds part of it)."""
+        if self.cache is None:
+            return True
+        if not self.cache.reset():
+            return False
+        self.tree_changes += 1
+        return True
 
     def _match(self, req: Request) -> Optional[PrefixMatch]:
         """The cached prefix a waiting request can start from (its last token is always computed)."""
@@ -214,8 +234,15 @@ class Scheduler:
         share a prefix run together while it is in the cache."""
         if self.policy != "lpm" or self.cache is None or len(self.waiting) < LPM_MIN_QUEUE:
             return list(self.waiting)
-        hit = {r.rid: self.cache.match_prefix(r.all_ids[:r.total_len - 1]).num_tokens for r in self.waiting}
-        return sorted(self.waiting, key=lambda r: -hit[r.rid])
+        hits: Dict[str, Tuple[Request, int, int, int]] = {}
+        for r in self.waiting:
+            known = self._lpm_hits.get(r.rid)
+            if known is None or known[0] is not r or known[1:3] != (self.tree_changes, r.total_len):
+                num = self.cache.match_prefix(r.all_ids[:r.total_len - 1]).num_tokens
+                known = (r, self.tree_changes, r.total_len, num)
+            hits[r.rid] = known
+        self._lpm_hits = hits  # requests no longer waiting drop out
+        return sorted(self.waiting, key=lambda r: -hits[r.rid][3])
 
     def _schedule_prefill(self) -> Optional[ScheduledBatch]:
         budget = self.max_prefill_tokens
