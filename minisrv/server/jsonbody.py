@@ -38,6 +38,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: a pair i
 _BOM = b"\xef\xbb\xbf"
 T = TypeVar("T")
 
+
 class GCPause:
     """No automatic cyclic GC while any thread is inside `paused()`. The GC switch is process-wide, so the count of
     threads inside is too: one instance serves the process (GC_PAUSE)."""

@@ -34,7 +34,7 @@ if [ -d .fi-cache ]; then
 fi
 [ -f "$MINISRV_GPU_CKPT/config.json" ] || python3 .gpu-wheels/tools/make_checkpoint.py "$MINISRV_GPU_CKPT" qwen3-0.6b >/dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t=$SECONDS
+step() { local name=$1$TAG limit=$2; shift 2; echo "=== $name"; local t=$SECONDS
   timeout "$limit" "$@" 2>&1 | tee -a "$OUT/run.log" | grep -v -E "Warning|warn\(" | tail -n 40
   echo "=== $name done in $((SECONDS - t))s (rc ${PIPESTATUS[0]})"; save_cache; }
 # carry newly compiled FlashInfer kernels back after every step (at most 8 files come back from a call: 3 logs
@@ -46,7 +46,6 @@ save_cache() { ls -S "$FI_CACHE"/*/*.so 2>/dev/null | while read -r f; do
 # pip download --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 cuda_tile)
 COMM_PID=
 wait_comm() { [ -n "$COMM_PID" ] && wait "$COMM_PID"; COMM_PID=; tail -n 1 /tmp/comm-build.log 2>/dev/null; }
-BENCH="python3 scripts/bench_offline.py --model $MINISRV_GPU_CKPT --json $OUT/bench.jsonl"
 # bench_serving against a server on the checkpoint, started in the background and stopped (SIGTERM) after it;
 # 256 requests of 256-512 prompt and 128-256 output tokens at 64 req/s. Its results and the server's log stay in
 # /tmp (the table is in run.log), so that no more files come back than the call allows.
@@ -66,11 +65,16 @@ serving() { local name=$1; shift; local port=30123 log=/tmp/$name-server.log pid
   pid=$!
   for _ in $(seq 300); do python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" 2>/dev/null && break
     kill -0 $pid 2>/dev/null || break; sleep 1; done
-  step "$name" 240 python3 scripts/bench_serving.py --base-url http://127.0.0.1:$port --num-prompts 256 \
+  step "$name" 240 python3 $S/bench_serving.py --base-url http://127.0.0.1:$port --num-prompts 256 \
     --request-rate 64 --random-input-len 512 --random-output-len 256 --random-range-ratio 0.5 \
     --output /tmp/$name.json "$@"
   kill $pid 2>/dev/null; wait $pid; echo "server exited rc $? (log: $log)"; tail -n 3 "$log"; }
+# PHASE@base runs PHASE's benchmark scripts from .baseline/ (an earlier tree of the project, carried beside this one),
+# so that a change and what it replaced are measured in one lease
 for phase in "${@:-smoke}"; do
+  S=scripts TAG=
+  case $phase in *@base) S=.baseline/scripts TAG=@base phase=${phase%@base} ;; esac
+  BENCH="python3 $S/bench_offline.py --model $MINISRV_GPU_CKPT --json $OUT/bench.jsonl"
   case $phase in
     smoke) step smoke 300 python3 scripts/generate.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
              --max-tokens 8 --log-level info "w1 w2 w3" "w5 w6" ;;
@@ -121,108 +125,108 @@ for phase in "${@:-smoke}"; do
     bench-fp8kv-xqa) step bench-fp8kv-xqa 300 $BENCH --attention-backend auto --workload nano --kv-cache-dtype fp8_e4m3 \
                        --fp8-decode-kernel xqa ;;
     llama8b-fp8-xqa) need_llama8b
-             step llama8b-fp8-xqa 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
+             step llama8b-fp8-xqa 400 python3 $S/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
                --quantization fp8 --kv-cache-dtype fp8_e4m3 --fp8-decode-kernel xqa --json "$OUT/bench.jsonl" ;;
-    decode-fp8w-xqa) need_llama8b; step decode-8b-fp8w-xqa 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+    decode-fp8w-xqa) need_llama8b; step decode-8b-fp8w-xqa 300 python3 $S/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                  --batch-sizes 1,64,256 --graphs on --steps 32 --quantization fp8 --kv-cache-dtype fp8_e4m3 \
                  --fp8-decode-kernel xqa --json "$OUT/decode.jsonl" ;;
     bench-fa-fp8kv) step bench-fa-fp8kv 300 $BENCH --attention-backend fa --workload nano --kv-cache-dtype fp8_e4m3 ;;
-    decode-fp8w-fa) need_llama8b; step decode-8b-fp8w-fa 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend fa \
+    decode-fp8w-fa) need_llama8b; step decode-8b-fp8w-fa 300 python3 $S/bench_decode.py --model /tmp/llama8b --attention-backend fa \
                  --batch-sizes 1,64,256 --graphs on --steps 32 --quantization fp8 --kv-cache-dtype fp8_e4m3 \
                  --json "$OUT/decode.jsonl" ;;
-    llama8b-fp8-fa) need_llama8b; step llama8b-fp8-fa 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
+    llama8b-fp8-fa) need_llama8b; step llama8b-fp8-fa 400 python3 $S/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
                --attention-backend fa --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
     serving) serving serving ;;
     serving-grammar) json_tokenizer; SERVER_ARGS="--tokenizer $JTOK" serving serving-grammar --constrained-fraction 0.5 ;;
-    profile) step profile 200 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
+    profile) step profile 200 python3 $S/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
                --batch-sizes 1,64,256 --graphs on --steps 16 --torch-profile ;;
-    cprofile) step cprofile 200 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
+    cprofile) step cprofile 200 python3 $S/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
                --batch-sizes 1,64 --graphs on --steps 32 --cprofile ;;
     bench-steps) step bench-steps 300 $BENCH --attention-backend auto --steps ;;
-    decode) step decode 300 python3 scripts/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
+    decode) step decode 300 python3 $S/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
               --batch-sizes 1,64,256 --json "$OUT/decode.jsonl" ;;
-    attn) step attn 500 python3 scripts/bench_attention.py ;;
+    attn) step attn 500 python3 $S/bench_attention.py ;;
     # small decode batches (latency, not bandwidth), a tp 1 and a tp 2 rank's heads of Llama-3-8B
-    attn-small) step attn-small 300 python3 scripts/bench_attention.py --heads "32,8;16,4" --batch-sizes 1,2,4,8,16,32 \
+    attn-small) step attn-small 300 python3 $S/bench_attention.py --heads "32,8;16,4" --batch-sizes 1,2,4,8,16,32 \
                   --kv-dtypes bf16 --kernels fi,fi-tc,fa3 ;;
     # the small-batch FP8 GEMM (the launch rules' configurations) against torch._scaled_mm, tp 1's and a tp 2 rank's
     # shapes (--bandwidth: an H100's; pass 4.8e12 on an H200)
-    gemm-fp8) step gemm-fp8 300 python3 scripts/bench_small_m_gemm.py
-              step gemm-fp8-tp2 300 python3 scripts/bench_small_m_gemm.py --tp 2 ;;
+    gemm-fp8) step gemm-fp8 300 python3 $S/bench_small_m_gemm.py
+              step gemm-fp8-tp2 300 python3 $S/bench_small_m_gemm.py --tp 2 ;;
     # the 256-request workload on one tp 2 rank's share and on the whole model, one GPU: tp 2's ceiling without
     # all-reduces or a second host process
     half-offline) need_llama8b; need_llama8b_half
                  for model in llama8b-half llama8b; do
-                   step "offline-256-$model" 250 python3 scripts/bench_offline.py --model /tmp/$model \
+                   step "offline-256-$model" 250 python3 $S/bench_offline.py --model /tmp/$model \
                      --json "$OUT/bench.jsonl"; done ;;
     half-profile) need_llama8b_half
-              step half-profile 300 python3 scripts/bench_decode.py --model /tmp/llama8b-half --attention-backend auto \
+              step half-profile 300 python3 $S/bench_decode.py --model /tmp/llama8b-half --attention-backend auto \
                   --batch-sizes 1 --graphs on --steps 16 --torch-profile ;;
     tp) wait_comm; step tp 500 python3 -X faulthandler -m pytest -q -s -o faulthandler_timeout=150 tests/gpu/test_tensor_parallel.py ;;
     # tensor parallelism's benchmark on a Llama-3-8B-shaped checkpoint: tp 1 against tp 2, in one lease
     tp-decode) need_llama8b
               for tp in ${TP_SIZES:-1 2}; do [ "$tp" -gt 1 ] && wait_comm
-                step "tp$tp-decode" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+                step "tp$tp-decode" 300 python3 $S/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                   --batch-sizes 1,64 --graphs on --steps 32 --tp-size $tp --json "$OUT/decode.jsonl"; done ;;
     # tp 1 and tp 2 (fused all-reduce) decode steps with FA3 decoding instead of FlashInfer's
     tp-decode-fa) need_llama8b; wait_comm
               for tp in 1 2; do F=; [ "$tp" -gt 1 ] && F=--enable-flashinfer-allreduce-fusion
-                step "tp$tp-decode-fa" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend fa \
+                step "tp$tp-decode-fa" 300 python3 $S/bench_decode.py --model /tmp/llama8b --attention-backend fa \
                   --batch-sizes 1,64 --graphs on --steps 32 --tp-size $tp $F --json "$OUT/decode.jsonl"; done ;;
     tp-fp8) need_llama8b; wait_comm
-            step tp2-64-fp8 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
+            step tp2-64-fp8 200 python3 $S/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
               --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
     # the fused all-reduce + add + norm per call and its options, against NCCL then the norm (waits for comm-build)
-    allreduce-fused) wait_comm; step allreduce-fused 300 python3 scripts/bench_allreduce.py --tp-size 2 ;;
+    allreduce-fused) wait_comm; step allreduce-fused 300 python3 $S/bench_allreduce.py --tp-size 2 ;;
     # tp-profile with the all-reduce fusion: its kernel's time a call inside the decode step
     tp-profile-fused) need_llama8b; wait_comm
-              step tp-profile-fused 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+              step tp-profile-fused 300 python3 $S/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                   --batch-sizes 1,64 --graphs on --steps 16 --tp-size 2 --torch-profile \
                   --enable-flashinfer-allreduce-fusion ;;
     tp-offline) need_llama8b
               for tp in ${TP_SIZES:-1 2}; do [ "$tp" -gt 1 ] && wait_comm
-                step tp$tp-64 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size $tp \
+                step tp$tp-64 200 python3 $S/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size $tp \
                   --json "$OUT/bench.jsonl"
-                step tp$tp-256 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size $tp --json "$OUT/bench.jsonl"
+                step tp$tp-256 250 python3 $S/bench_offline.py --model /tmp/llama8b --tp-size $tp --json "$OUT/bench.jsonl"
               done ;;
     comm-build) (t=$SECONDS; python3 -c "from flashinfer.comm.trtllm_ar import get_trtllm_comm_module as g; g()" \
                    > /tmp/comm-build.log 2>&1; echo "comm build rc $? in $((SECONDS - t))s" >> /tmp/comm-build.log) &
                 echo "comm-build started in the background (pid $!)"; COMM_PID=$! ;;
     # tp 2 with the all-reduce fusion: decode steps, then (unless DECODE_ONLY) the 64- and 256-request workloads
     tp-fused) need_llama8b; wait_comm
-              step tp2-decode-fused 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+              step tp2-decode-fused 300 python3 $S/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                   --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --enable-flashinfer-allreduce-fusion \
                   --log-level info --json "$OUT/decode.jsonl"
               [ -n "${DECODE_ONLY:-}" ] && continue
-              step tp2-64-fused 200 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
+              step tp2-64-fused 200 python3 $S/bench_offline.py --model /tmp/llama8b --num-prompts 64 --tp-size 2 \
                   --enable-flashinfer-allreduce-fusion --json "$OUT/bench.jsonl"
-              step tp2-256-fused 250 python3 scripts/bench_offline.py --model /tmp/llama8b --tp-size 2 \
+              step tp2-256-fused 250 python3 $S/bench_offline.py --model /tmp/llama8b --tp-size 2 \
                   --enable-flashinfer-allreduce-fusion --json "$OUT/bench.jsonl" ;;
     tp-cprofile) need_llama8b; wait_comm
-              step tp-cprofile 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+              step tp-cprofile 300 python3 $S/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                   --batch-sizes 1,64 --graphs on --steps 32 --tp-size 2 --cprofile ;;
     # one GPU's decode step on the Llama-3-8B shape, kernel by kernel (the tp 1 side of tp-profile)
     decode-profile) need_llama8b
-              step decode-profile 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+              step decode-profile 300 python3 $S/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                   --batch-sizes 1,64 --graphs on --steps 16 --torch-profile ;;
     tp-profile) need_llama8b; wait_comm
-              step tp-profile 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+              step tp-profile 300 python3 $S/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                   --batch-sizes 1,64 --graphs on --steps 16 --tp-size 2 --torch-profile ;;
     llama8b) need_llama8b
-             step llama8b 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 --json "$OUT/bench.jsonl" ;;
+             step llama8b 400 python3 $S/bench_offline.py --model /tmp/llama8b --num-prompts 64 --json "$OUT/bench.jsonl" ;;
     # FP8: Llama-3-8B-shaped, 64 requests, FP8 weights and KV; decode steps in bf16, FP8 KV, FP8 weights + KV
     llama8b-fp8) need_llama8b
-             step llama8b-fp8 400 python3 scripts/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
+             step llama8b-fp8 400 python3 $S/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
                --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
     decode-fp8) need_llama8b
              for mode in "" "--kv-cache-dtype fp8_e4m3" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do
-               step "decode-8b $mode" 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+               step "decode-8b $mode" 300 python3 $S/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                  --batch-sizes 1,64,256 --graphs on --steps 32 $mode --json "$OUT/decode.jsonl"; done ;;
-    decode-fp8w) need_llama8b; step decode-8b-fp8w 300 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+    decode-fp8w) need_llama8b; step decode-8b-fp8w 300 python3 $S/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                  --batch-sizes 1,64,256 --graphs on --steps 32 --quantization fp8 --kv-cache-dtype fp8_e4m3 \
                  --json "$OUT/decode.jsonl" ;;
     profile-fp8) need_llama8b
-             step profile-fp8 200 python3 scripts/bench_decode.py --model /tmp/llama8b --attention-backend auto \
+             step profile-fp8 200 python3 $S/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                --batch-sizes 1,64 --graphs on --steps 16 --quantization fp8 --kv-cache-dtype fp8_e4m3 --torch-profile ;;
     *) echo "unknown phase $phase" ;;
   esac
