@@ -1,0 +1,152 @@
+"""Mixture-of-experts MLPs (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE): the router's top-k (`route`) and the experts'
+computation, out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])) with e = ids[t, j].
+
+`experts_reference` is the torch computation: a loop over the experts hit (it reads the hit experts on the host, so
+it syncs and is not captured in CUDA graphs). It is the CPU path and the fused path's reference. `fused_experts` is
+the CUDA path in four launches at decode (six with FP8) and no host sync: the pairs aligned by expert
+(kernels/moe_align.py; three launches and a memset past 256 tokens of top-8), the grouped gate/up GEMM with
+SiLU-and-mul in its epilogue, the grouped down GEMM scaled by the routing weights (kernels/moe_gemm.py), and the
+sum over k; with FP8 weights each GEMM's input is quantised per token first (kernels/fp8_quant.py), as Fp8Linear
+does.
+
+Why fused: at decode a MoE layer reads the weights of the experts hit (top-8 of 128 at batch 1: 8 experts), and
+looping over experts in torch costs a host sync and ~6 launches per expert; the grouped GEMM reads each hit expert's
+weights once for all of its tokens, in two launches.
+
+Weights as the model holds them: w13 [E, 2I, H] (each expert's gate rows, then its up rows), w2 [E, H, I]; for FP8,
+float8_e4m3fn with float32 scales per output row, w13_scale [E, 2I] and w2_scale [E, H] ([E, N, 1] is taken too).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from minisrv.kernels.fp8_gemm import dequantized_matmul
+from minisrv.kernels.fp8_quant import FP8, quantize_tokens
+from minisrv.kernels.moe_align import triton_align
+from minisrv.kernels.moe_gemm import MoeConfig, config_for, moe_gemm
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] (any float dtype) -> (weights float32 [T, top_k], ids int32 [T, top_k]), largest first:
+    softmax over the E experts in float32, the top k, and with `renormalize` the k weights divided by their sum
+    (Qwen3-MoE with norm_topk_prob, Mixtral; Qwen2-MoE and OLMoE do not renormalise).
+
+    Torch ops on the device, no host sync. Renormalised, the weights are computed as the softmax of the k largest
+    logits, which equals softmax -> top-k -> divide by the sum (softmax is monotonic, and the common normaliser
+    cancels) in three launches instead of five."""
+    if renormalize:
+        logits, ids = torch.topk(router_logits, top_k, dim=-1)
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        weights, ids = torch.topk(torch.softmax(router_logits, dim=-1, dtype=torch.float32), top_k, dim=-1)
+    return weights, ids.to(torch.int32)
+
+
+def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor]) -> None:
+    t, h = x.shape
+    e, two_i, h13 = w13.shape
+    if h13 != h or two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2) or topk_ids.shape != topk_weights.shape \
+            or topk_ids.dim() != 2 or topk_ids.shape[0] != t or (w13_scale is None) != (w2_scale is None):
+        raise ValueError(f"experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, topk "
+                         f"{tuple(topk_weights.shape)} / {tuple(topk_ids.shape)}, scales "
+                         f"{w13_scale is not None} / {w2_scale is not None}")
+    if w13_scale is not None and (w13.dtype != FP8 or w2.dtype != FP8 or w13_scale.numel() != e * two_i
+                                  or w2_scale.numel() != e * h):
+        raise ValueError(f"FP8 experts: w13 {w13.dtype}, w2 {w2.dtype} (float8_e4m3fn), scales "
+                         f"{tuple(w13_scale.shape)} / {tuple(w2_scale.shape)} (per output row: [E, 2I] / [E, H])")
+
+
+def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
+                      w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The experts in torch: for each expert that received a pair, its tokens' rows, the gate/up product, silu(gate)
+    * up, the down product, scaled by the routing weights and summed into a float32 accumulator (float64 for
+    float64 x); x.dtype out. Products and SiLU-and-mul round to x.dtype as the dense MLP does off CUDA. FP8: each
+    product's input quantised per token (quantize_tokens) and the product dequantised in float32 (float64 for
+    float64 x: dequantized_matmul), Fp8Linear's path off CUDA. Syncs with the host (which experts are hit)."""
+    _check_shapes(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    t, h = x.shape
+    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
+    fp8 = w13_scale is not None
+    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if fp8:
+        xq, xs = quantize_tokens(x)
+        w13_scale, w2_scale = w13_scale.reshape(num_experts, -1), w2_scale.reshape(num_experts, -1)
+    flat = topk_ids.reshape(-1).long()
+    weights = topk_weights.reshape(-1).to(acc_dtype)
+    order = torch.argsort(flat, stable=True)
+    out = torch.zeros(t, h, dtype=acc_dtype, device=x.device)
+    start = 0
+    for e, count in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+        if not count:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // top_k
+        if fp8:
+            gu = dequantized_matmul(xq[tokens], xs[tokens], w13[e], w13_scale[e], acc_dtype).to(x.dtype)
+        else:
+            gu = x.index_select(0, tokens) @ w13[e].t()
+        gate, up = gu.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        if fp8:
+            y = dequantized_matmul(*quantize_tokens(act), w2[e], w2_scale[e], acc_dtype).to(x.dtype)
+        else:
+            y = act @ w2[e].t()
+        out.index_add_(0, tokens, y.to(acc_dtype) * weights[pairs, None])
+    return out.to(x.dtype)
+
+
+def triton_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
+                   w2_scale: Optional[torch.Tensor] = None, config: Optional[MoeConfig] = None) -> torch.Tensor:
+    """The fused path on x's device, whatever it is (under TRITON_INTERPRET=1, the CPU too): x bf16 or fp16 with
+    unit column stride; w13 and w2 of x's dtype (or FP8, with scales); config: the launch rule's (config_for)
+    unless given. Raises RuntimeError where Triton is missing."""
+    _check_shapes(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    gemm, align = moe_gemm(), triton_align()
+    if gemm is None or align is None:
+        raise RuntimeError("the fused experts need Triton")
+    t, h = x.shape
+    num_experts, inter, top_k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
+    fp8 = w13_scale is not None
+    n_pairs = t * top_k
+    if n_pairs == 0:
+        return x.new_zeros(t, h)
+    c = config or config_for(n_pairs, num_experts, fp8)
+    aligned = align(topk_ids, num_experts, c.block_m)
+    a, a_scale = quantize_tokens(x) if fp8 else (x, None)
+    act = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
+    gemm(a, a_scale, w13, w13_scale, act, None, aligned, top_k, True, c)
+    a, a_scale = quantize_tokens(act) if fp8 else (act, None)
+    out = torch.empty(t, top_k, h, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    gemm(a, a_scale, w2, w2_scale, out.view(n_pairs, h), weights, aligned, 1, False, c)
+    return out.view(t, h) if top_k == 1 else out.sum(dim=1)
+
+
+def fused_runs(x: torch.Tensor, w13: torch.Tensor, fp8: bool) -> bool:
+    """Whether fused_experts takes the fused path for these operands: CUDA, bf16/fp16 activations with unit column
+    stride, weights of x's dtype or FP8 on a GPU with FP8 dots (SM 8.9+), and Triton present."""
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1):
+        return False
+    if fp8 and torch.cuda.get_device_capability(x.device) < (8, 9):
+        return False
+    if not fp8 and w13.dtype != x.dtype:
+        return False
+    return moe_gemm() is not None and triton_align() is not None
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
+                  w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """experts_reference's result, computed by the Triton kernels where they run (see fused_runs: CUDA with
+    bf16/fp16 x; no host sync, so decode steps capture it in CUDA graphs), else by experts_reference (the CPU,
+    float32 models, no Triton)."""
+    if fused_runs(x, w13, w13_scale is not None):
+        return triton_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    return experts_reference(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)

@@ -1,0 +1,140 @@
+"""The experts' grouped GEMM: for pairs aligned by expert (kernels/moe_align.py), each program multiplies BLOCK_M
+rows of one expert's pairs by a BLOCK_N-column tile of that expert's weight. The two products of the experts' MLP
+are two launches of it:
+- gate/up: A = the tokens' rows of x (pair // top_k), B = w13[e] [2I, H]; each program accumulates a gate tile and
+  the matching up tile (columns n and I + n) and writes silu(gate) * up, so [T*k, 2I] never goes to memory;
+- down: A = those rows [T*k, I], B = w2[e] [H, I]; the output row of pair p is scaled by its routing weight and
+  written to row p of [T*k, H] (summed over k by the caller).
+FP8 (W8A8): A and B in float8_e4m3fn, the dot accumulating in float32, the tile scaled by a_scale[row] *
+b_scale[e, col] (a scale per token and per output row of the weight, as Fp8Linear's), before SiLU and the routing
+weight.
+
+Programs whose block lies past the padded total (the grid is sized for the most blocks T, k and E can take) exit
+after one load, so the grid is fixed by the shapes and the launch is captured in CUDA graphs.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from minisrv.kernels.moe_align import Aligned
+
+
+class MoeConfig(NamedTuple):
+    """Launch parameters of both products."""
+
+    block_m: int  # rows (pairs of one expert) a program owns; the alignment pads groups to it
+    block_n: int  # output columns a program owns (gate/up: this many gate and as many up columns)
+    block_k: int  # the reduction's step
+    num_warps: int
+    num_stages: int
+
+
+def config_for(n_pairs: int, num_experts: int, fp8: bool) -> MoeConfig:
+    """Launch parameters for n_pairs = T * top_k pairs over num_experts experts, by the pairs per expert hit
+    (T * k / min(E, T * k)). From H100 sweeps of Qwen3-30B-A3B's layer (scripts/bench_fused_moe.py: H 2048, I 768,
+    top-8 of 128 experts, T = 1 to 8192).
+
+    Up to 16 a expert (decode, up to 256 tokens of top-8 over 128 experts) each product is a weight read: 16-row
+    blocks (the tensor-core minimum, little padding) and 64-column tiles with K steps of 256 bytes, so the programs
+    of the few experts hit spread over the SMs with bytes in flight: 81-88% of the HBM floor from 8 tokens to 256
+    (38 us against 22.5 at one token, where the launches' latency dominates); the other tiles and steps tried
+    (32-128 columns, K steps of 64-256 elements, 3 stages) were within 3% or slower. More pairs make it a matrix
+    product: 64-row blocks and 128-column tiles read each weight tile once for 64 rows (512 tokens: 474 us, floor
+    361); from 128 a expert (2,048 tokens) 128-row blocks with 8 warps (the whole call, bf16, against 64-row
+    blocks: 2,048 tokens 683 us against 705, 8,192 tokens 1,921 against 2,161; FP8 1,354 against 1,456 at 8,192).
+    K steps are counted in bytes: FP8 takes twice the elements of bf16 a step.
+    """
+    per_expert = n_pairs / max(1, min(num_experts, n_pairs))
+    if per_expert <= 16:
+        return MoeConfig(16, 64, 256 if fp8 else 128, 4, 4)
+    if per_expert < 128:
+        return MoeConfig(64, 128, 128 if fp8 else 64, 4 if fp8 else 8, 4)
+    return MoeConfig(128, 128, 128 if fp8 else 64, 8, 4)
+
+
+@functools.lru_cache(maxsize=None)
+def moe_gemm() -> Optional[Callable[..., None]]:
+    """The launcher `run(a, a_scale, b, b_scale, out, weights, aligned, top_k, silu, config)` (see `run`), or None
+    where Triton is missing."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # noqa: BLE001 - any import failure means "not present"
+        return None
+
+    @triton.jit
+    def kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, weights_ptr, sorted_ptr, expert_ids_ptr,
+               num_padded_ptr, n_pairs, n, k, stride_am, stride_be, stride_bn, stride_bk, stride_se, stride_cm,
+               TOP_K: tl.constexpr, SILU: tl.constexpr, FP8: tl.constexpr, WEIGHTED: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program pid: block pid // tiles of the aligned pairs, output columns (pid % tiles) * BLOCK_N onwards.
+        A's row of pair p is p // TOP_K (gate/up: the token; down: TOP_K = 1, the pair's own row). SILU: columns
+        [0, n) are gate, [n, 2n) up, and the output is n wide."""
+        pid = tl.program_id(0)
+        tiles = tl.cdiv(n, BLOCK_N)
+        block = pid // tiles
+        if block * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        expert = tl.load(expert_ids_ptr + block).to(tl.int64)
+        pairs = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = pairs < n_pairs
+        a_rows = (pairs // TOP_K).to(tl.int64)
+        cols = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
+        b_ptrs = b_ptr + expert * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            k_ok = ks < k - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+            if SILU:
+                b_up = tl.load(b_ptrs + n * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                up = tl.dot(a, b_up, up)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_bk
+        if FP8:
+            a_scale = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)[:, None]
+            scale_ptrs = b_scale_ptr + expert * stride_se + cols
+            acc = acc * a_scale * tl.load(scale_ptrs, mask=col_ok, other=0.0)[None, :]
+            if SILU:
+                up = up * a_scale * tl.load(scale_ptrs + n, mask=col_ok, other=0.0)[None, :]
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc)) * up
+        if WEIGHTED:
+            acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
+        out_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+        tl.store(out_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    def run(a: torch.Tensor, a_scale: Optional[torch.Tensor], b: torch.Tensor, b_scale: Optional[torch.Tensor],
+            out: torch.Tensor, weights: Optional[torch.Tensor], aligned: Aligned, top_k: int, silu: bool,
+            config: MoeConfig) -> None:
+        """out[p] = (silu(gate) * up if silu else the product) of A's row p // top_k and expert e(p)'s B, times
+        weights[p] if weights is given, for every aligned pair p. a [rows, K] with unit column stride; b [E, N, K]
+        (N = 2 * out's width if silu); a_scale float32 [rows] or [rows, 1] and b_scale float32 [E, N] for FP8
+        operands; out [T*k, n] with unit column stride; weights float32, contiguous [T*k]."""
+        n = out.shape[1]
+        k = a.shape[1]
+        if a.stride(1) != 1 or out.stride(1) != 1 or b.shape[1] != (2 * n if silu else n) or b.shape[2] != k:
+            raise ValueError(f"grouped GEMM operands: a {tuple(a.shape)} (column stride {a.stride(1)}), b "
+                             f"{tuple(b.shape)}, out {tuple(out.shape)} (column stride {out.stride(1)}), silu {silu}")
+        fp8 = b_scale is not None
+        if fp8:
+            b_scale = b_scale.reshape(b.shape[0], -1)
+            if b_scale.stride(1) != 1:
+                b_scale = b_scale.contiguous()
+        grid = (aligned.expert_ids.numel() * triton.cdiv(n, config.block_n),)
+        kernel[grid](a, a_scale if fp8 else a, b, b_scale if fp8 else a, out, weights if weights is not None else a,
+                     aligned.sorted_pairs, aligned.expert_ids, aligned.num_padded, out.shape[0], n, k, a.stride(0),
+                     b.stride(0), b.stride(1), b.stride(2), b_scale.stride(0) if fp8 else 0, out.stride(0),
+                     TOP_K=top_k, SILU=silu, FP8=fp8, WEIGHTED=weights is not None, BLOCK_M=config.block_m,
+                     BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+                     num_stages=config.num_stages)
+
+    return run

@@ -1,0 +1,103 @@
+#!/usr/bin/env python
+"""The fused experts (minisrv/kernels/fused_moe.py) on a GPU, at a model's MoE shape (default Qwen3-30B-A3B's layer:
+hidden 2048, moe_intermediate 768, 128 experts, top-8), against the time their weight bytes take to read.
+
+For each token count: the fused path's time per call (route excluded; CUDA events, median of --repeat replays of a
+CUDA graph holding --iters calls, each call with its own routing so that the experts hit change as between layers),
+the alignment kernel's share, the expert weight bytes a call touches (distinct experts hit x an expert's bytes,
+averaged over the calls) and the share of --bandwidth that reaches, and experts_reference's time (eager: it syncs
+with the host). --configs times other launch configurations beside the rule's (block_m,block_n,block_k,num_warps,
+num_stages;...), to check or refine config_for.
+
+  python scripts/bench_fused_moe.py [--tokens 1,64,256,2048] [--experts 128 --top-k 8 --hidden 2048 --inter 768]
+                                    [--fp8] [--configs 16,32,128,4,4]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from graph_timing import add_timing_args, graph_us  # noqa: E402 (beside this script)
+
+from minisrv.kernels.fp8_quant import quantize_rows  # noqa: E402
+from minisrv.kernels.fused_moe import experts_reference, route, triton_experts  # noqa: E402
+from minisrv.kernels.moe_align import align_reference, triton_align  # noqa: E402
+from minisrv.kernels.moe_gemm import MoeConfig, config_for  # noqa: E402
+
+
+def eager_us(fn, repeat: int) -> float:
+    """Median microseconds of `fn` run eagerly (after one warm-up), each call timed by CUDA events."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="1,64,256,2048", help="token counts, comma-separated")
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=768, help="each expert's intermediate width")
+    p.add_argument("--fp8", action="store_true", help="FP8 (W8A8) expert weights")
+    p.add_argument("--configs", default="", help="more launch configurations to time, ';'-separated")
+    p.add_argument("--routings", type=int, default=8, help="distinct routings cycled through")
+    p.add_argument("--no-reference", action="store_true", help="skip timing experts_reference")
+    add_timing_args(p, repeat=20)
+    a = p.parse_args()
+    e, k, h, inter = a.experts, a.top_k, a.hidden, a.inter
+    torch.manual_seed(0)
+    w13 = (torch.randn(e, 2 * inter, h, device="cuda") * h ** -0.5).bfloat16()
+    w2 = (torch.randn(e, h, inter, device="cuda") * inter ** -0.5).bfloat16()
+    s13 = s2 = None
+    if a.fp8:
+        q13, s13 = quantize_rows(w13.reshape(-1, h))
+        q2, s2 = quantize_rows(w2.reshape(-1, inter))
+        w13, w2, s13, s2 = q13.view(e, 2 * inter, h), q2.view(e, h, inter), s13.view(e, -1), s2.view(e, -1)
+    expert_bytes = 3 * h * inter * w13.element_size()
+    extra = [MoeConfig(*(int(v) for v in c.split(","))) for c in a.configs.split(";") if c]
+    align = triton_align()
+    print(f"{torch.cuda.get_device_name()}; E={e} top-{k} H={h} I={inter} {'FP8' if a.fp8 else 'bf16'}; us per "
+          f"call (median of {a.repeat} x {a.iters}), % of {a.bandwidth / 1e12:.2f} TB/s over the expert bytes hit")
+    for t in (int(v) for v in a.tokens.split(",")):
+        x = torch.randn(t, h, device="cuda").bfloat16()
+        routings = [route(torch.randn(t, e, device="cuda"), k, True) for _ in range(a.routings)]
+        hit = sum(int(ids.unique().numel()) for _, ids in routings) / len(routings)
+        floor = hit * expert_bytes / a.bandwidth * 1e6
+        rule = config_for(t * k, e, a.fp8)
+        line = f"T={t:5d}: {hit:5.1f} experts hit, {hit * expert_bytes / 1e6:7.1f} MB, floor {floor:7.1f} us"
+        for c in [rule] + [c for c in extra if c != rule]:
+            calls = itertools.count()
+
+            def fused(c=c):
+                w, ids = routings[next(calls) % len(routings)]
+                return triton_experts(x, w13, w2, w, ids, s13, s2, config=c)
+            us = graph_us(fused, a.iters, a.repeat)
+            line += f"; {'rule ' if c == rule else ''}{tuple(c)} {us:7.1f} us ({100 * floor / us:3.0f}%)"
+        ids = routings[0][1]
+        line += f"; align {graph_us(lambda: align(ids, e, rule.block_m), a.iters, a.repeat):5.1f} us"
+        line += f" (torch {graph_us(lambda: align_reference(ids, e, rule.block_m), a.iters, a.repeat):5.1f})"
+        if not a.no_reference:
+            w, ids = routings[0]
+            ref = eager_us(lambda: experts_reference(x, w13, w2, w, ids, s13, s2), max(3, a.repeat // 4))
+            line += f"; experts_reference {ref:8.1f} us"
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

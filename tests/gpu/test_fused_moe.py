@@ -1,0 +1,131 @@
+"""The fused experts (minisrv/kernels/fused_moe.py's fused_experts: the Triton alignment and grouped GEMMs) on a
+CUDA GPU, against experts_reference on the same GPU and operands.
+
+Tolerances: bf16, BF16_BOUND of the largest output: both round the products to bf16 (2^-9 of each value), the
+reference also gate/up before SiLU-and-mul and the down product before the routing weight, and they sum in
+different orders. FP8, FP8_NORM_BOUND of the output's norm: the kernel computes SiLU-and-mul from float32 and
+rounds once, the reference from gate/up rounded to bf16 (Fp8Linear's path), so some activations are rounded to
+the neighbouring e4m3 value (2^-4 to 2^-3 apart) before the down product.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from minisrv.kernels.fp8_quant import quantize_rows
+from minisrv.kernels.fused_moe import experts_reference, fused_experts, fused_runs, route
+from minisrv.kernels.moe_align import align_reference, triton_align
+
+
+def _load_checks():
+    """helpers/moe_interpreted_checks.py (the alignment's invariants), loaded by path: the helpers package's
+    __init__ imports the CPU suite's dependencies (transformers, gguf), which a GPU machine need not have."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers",
+                        "moe_interpreted_checks.py")
+    spec = importlib.util.spec_from_file_location("moe_interpreted_checks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+check_alignment = _load_checks().check_alignment
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+BF16_BOUND = 2e-2
+FP8_NORM_BOUND = 4e-2
+
+
+@functools.lru_cache(maxsize=4)
+def _experts(num_experts: int, hidden: int, inter: int, fp8: bool):
+    """(w13, w2, w13_scale, w2_scale) on the GPU: bf16 weights (rows of random scale), or their per-row FP8."""
+    g = torch.Generator(device="cuda").manual_seed(num_experts + hidden)
+
+    def rows(*shape):
+        spread = 4 ** (2 * torch.rand(*shape[:-1], 1, device="cuda", generator=g) - 1)
+        return (torch.randn(*shape, device="cuda", generator=g) * shape[-1] ** -0.5 * spread).bfloat16()
+    w13, w2 = rows(num_experts, 2 * inter, hidden), rows(num_experts, hidden, inter)
+    if not fp8:
+        return w13, w2, None, None
+    q13, s13 = quantize_rows(w13.reshape(-1, hidden))
+    q2, s2 = quantize_rows(w2.reshape(-1, inter))
+    return (q13.view(num_experts, 2 * inter, hidden), q2.view(num_experts, hidden, inter),
+            s13.view(num_experts, 2 * inter), s2.view(num_experts, hidden))
+
+
+def _inputs(t: int, num_experts: int, top_k: int, hidden: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(t, hidden, device="cuda", generator=g).bfloat16()
+    logits = torch.randn(t, num_experts, device="cuda", generator=g).bfloat16()
+    return x, logits
+
+
+def _errors(got: torch.Tensor, ref: torch.Tensor):
+    d, r = got.double() - ref.double(), ref.double()
+    return (d.abs().max() / r.abs().max()).item(), (d.norm() / r.norm()).item()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("hidden,inter", [(512, 256), (1024, 768)])
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (128, 8), (128, 2), (8, 8)])
+@pytest.mark.parametrize("t", [1, 2, 7, 16, 64, 128, 512])
+def test_fused_matches_reference(t, num_experts, top_k, hidden, inter, fp8):
+    w13, w2, s13, s2 = _experts(num_experts, hidden, inter, fp8)
+    x, logits = _inputs(t, num_experts, top_k, hidden, seed=t)
+    weights, ids = route(logits, top_k, renormalize=True)
+    assert fused_runs(x, w13, fp8), "the fused path does not run here"
+    got = fused_experts(x, w13, w2, weights, ids, s13, s2)
+    ref = experts_reference(x, w13, w2, weights, ids, s13, s2)
+    assert got.dtype == torch.bfloat16 and got.shape == (t, hidden)
+    worst, norm = _errors(got, ref)
+    if fp8:
+        assert norm <= FP8_NORM_BOUND, f"{norm:.2e} of the norm (max {worst:.2e})"
+    else:
+        assert worst <= BF16_BOUND, f"{worst:.2e} of the largest output (norm {norm:.2e})"
+
+
+@pytest.mark.parametrize("n_pairs,num_experts", [(1, 8), (8, 128), (512, 128), (2048, 128), (5000, 8),
+                                                 (65536, 128)])
+@pytest.mark.parametrize("block_m", [16, 64, 128])
+@pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "three-launches"])
+def test_align_kernel_invariants(n_pairs, num_experts, block_m, one_program):
+    """The alignment with the GPU's atomics, in one program and in three launches, up to 8,192 tokens of top-8
+    (many CHUNK steps); its padded total as the torch alignment's."""
+    ids = torch.randint(0, num_experts - 1, (n_pairs, 1), device="cuda", dtype=torch.int32)
+    aligned = triton_align()(ids, num_experts, block_m, one_program)
+    total = check_alignment(aligned, ids, num_experts, block_m)
+    assert total == int(align_reference(ids, num_experts, block_m).num_padded)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("t", [1, 16, 64])
+def test_cuda_graph_replay(t, fp8):
+    """route + fused_experts captured once, replayed on new inputs copied into the static buffers."""
+    num_experts, top_k, hidden, inter = 128, 8, 1024, 768
+    w13, w2, s13, s2 = _experts(num_experts, hidden, inter, fp8)
+    x, logits = _inputs(t, num_experts, top_k, hidden, seed=100 + t)
+
+    def step():
+        weights, ids = route(logits, top_k, renormalize=True)
+        return fused_experts(x, w13, w2, weights, ids, s13, s2)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles the kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in (1, 2, 3):
+        new_x, new_logits = _inputs(t, num_experts, top_k, hidden, seed=200 + seed)
+        x.copy_(new_x)
+        logits.copy_(new_logits)
+        graph.replay()
+        weights, ids = route(new_logits, top_k, renormalize=True)
+        ref = experts_reference(new_x, w13, w2, weights, ids, s13, s2)
+        worst, norm = _errors(out, ref)
+        assert (norm <= FP8_NORM_BOUND) if fp8 else (worst <= BF16_BOUND), f"replay {seed}: {worst:.2e}, {norm:.2e}"
