@@ -11,10 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from minisrv.models.layers import ModelArgs, rope_inv_freq
+from minisrv.models.args import ModelArgs
+from minisrv.models.layers import rope_inv_freq
 from minisrv.models.loader import WeightLoadError, load_model_args
 from minisrv.models.registry import UnsupportedArchitecture
 
+from .helpers.gguf_writer import write_gguf
 from .helpers import (ARCHS, LLAMA3_ROPE, assert_greedy_matches, assert_pool_free, build_tiny_model, greedy,
                       hf_greedy, hf_logits, hf_model, make_config, make_llm, make_prompts, rel_err, vocab_of)
 
@@ -292,59 +294,6 @@ def test_float32_logits_of_a_loaded_checkpoint_match_hf_float32(tiny_model):
 # GGUF: a tiny checkpoint written the way llama.cpp's converter writes one (float32 tensors, llama.cpp names, Llama
 # q/k rows permuted for its rotary), loaded through the GGUF path and compared with HF on the original weights
 
-_GGUF_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
-}
-
-
-def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """convert_hf_to_gguf.py's LlamaModel.permute: interleave the two rotary halves of each head's rows."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _write_gguf(hf_dir: str, out: str, arch: str) -> None:
-    import numpy as np
-    from gguf import GGUFWriter
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        cfg = json.load(f)
-    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
-    w = GGUFWriter(out, arch)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    for name, t in tensors.items():
-        if name in top:
-            gname = top[name]
-        else:
-            parts = name.split(".")
-            rest = ".".join(parts[3:])
-            gname = f"blk.{parts[2]}.{_GGUF_LAYER_NAMES[rest]}"
-            if arch == "llama" and rest == "self_attn.q_proj.weight":
-                t = _llama_cpp_permute(t, cfg["num_attention_heads"])
-            elif arch == "llama" and rest == "self_attn.k_proj.weight":
-                t = _llama_cpp_permute(t, cfg["num_key_value_heads"])
-        w.add_tensor(gname, np.ascontiguousarray(t.numpy()))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 @pytest.mark.parametrize("name,arch,overrides", [
     ("llama", "llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                             max_position_embeddings=256)),
@@ -353,7 +302,7 @@ def _write_gguf(hf_dir: str, out: str, arch: str) -> None:
 def test_gguf_checkpoint_matches_hf(tmp_path, name, arch, overrides):
     hf_dir = build_tiny_model(str(tmp_path / "hf"), name, seed=9, **overrides)
     gguf_file = str(tmp_path / "tiny.gguf")
-    _write_gguf(hf_dir, gguf_file, arch)
+    write_gguf(hf_dir, gguf_file, arch)
     llm = make_llm(gguf_file, tokenizer=hf_dir)
     args = llm.engine.args
     ref_args = load_model_args(hf_dir)
@@ -418,7 +367,7 @@ def _tiny_gguf(tiny_model, tmp_path):
     from gguf import GGUFReader
     hf_dir = tiny_model("qwen2")
     good = str(tmp_path / "good.gguf")
-    _write_gguf(hf_dir, good, "qwen2")
+    write_gguf(hf_dir, good, "qwen2")
     return hf_dir, good, GGUFReader(good)
 
 

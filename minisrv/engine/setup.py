@@ -15,7 +15,8 @@ from minisrv.attention.cascade import CascadePolicy
 from minisrv.config import DEFAULT_CPU_POOL_TOKENS, EngineConfig
 from minisrv.kvcache import KVPool, PageAllocator, ReqToTokenTable, slots_for
 from minisrv.distributed import Rendezvous, TensorParallel, init_tensor_parallel
-from minisrv.models.layers import ModelArgs, fused_ops_for
+from minisrv.models.args import ModelArgs
+from minisrv.models.layers import fused_ops_for
 from minisrv.models.sharding import check_divisible
 from minisrv.models.fp8 import Fp8Linear
 from minisrv.models.loader import load_model, load_model_args, load_tokenizer, resolve_model_path

@@ -13,7 +13,7 @@ import os
 import re
 import struct
 import sys
-from typing import Any, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .checkpoint import Unreadable, WeightLoadError, check_tensor_spans, damaged
-from .layers import ModelArgs
+from .args import ModelArgs
 
 MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp refuses tensors of more dimensions
 MAX_NESTING = 8  # arrays of arrays: deeper than this is garbage, not a model
@@ -156,7 +156,13 @@ NAMES = [  # llama.cpp's tensor names -> HF's
     (r"^blk\.(\d+)\.ffn_gate\.weight$", r"model.layers.\1.mlp.gate_proj.weight"),
     (r"^blk\.(\d+)\.ffn_up\.weight$", r"model.layers.\1.mlp.up_proj.weight"),
     (r"^blk\.(\d+)\.ffn_down\.weight$", r"model.layers.\1.mlp.down_proj.weight"),
+    (r"^blk\.(\d+)\.ffn_gate_inp\.weight$", r"model.layers.\1.mlp.gate.weight"),  # a MoE layer's router
+    (r"^blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight$", r"model.layers.\1.mlp.shared_expert.\2_proj.weight"),
+    (r"^blk\.(\d+)\.ffn_gate_inp_shexp\.weight$", r"model.layers.\1.mlp.shared_expert_gate.weight"),
 ]
+# a layer's experts stacked in one 3-D tensor [E, rows, cols]: read as each expert's HF tensor
+EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+PERMUTED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")  # llama.cpp's "llama" architecture
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -171,10 +177,11 @@ def iter_gguf(path: str, args: ModelArgs) -> Iterator[Tuple[str, torch.Tensor]]:
     rotary; that is undone so that our neox-style rotary (HF's) applies."""
     from gguf.quants import dequantize as dequantize_blocks
     reader = read_gguf(path)
-    permuted = args.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    permuted = args.architecture in PERMUTED
     for t in reader.tensors:
         name = _hf_name(t.name)
-        if not name:
+        experts = EXPERTS.match(t.name)
+        if not name and not experts:
             if t.name == "rope_freqs.weight":  # llama3 frequencies: recomputed from the config instead
                 continue
             raise WeightLoadError(f"unexpected tensor {t.name!r} in {path}")
@@ -184,7 +191,38 @@ def iter_gguf(path: str, args: ModelArgs) -> Iterator[Tuple[str, torch.Tensor]]:
         except Exception as e:
             raise WeightLoadError(f"cannot dequantize tensor {t.name!r} in {path}: {e}") from e
         w = torch.from_numpy(arr.copy())
+        if experts:
+            layer, kind = experts.groups()
+            for e in range(w.shape[0]):
+                yield f"model.layers.{layer}.mlp.experts.{e}.{kind}_proj.weight", w[e]
+            continue
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = args.num_heads if "q_proj" in name else args.num_kv_heads
             w = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
         yield name, w
+
+
+def moe_config(reader: GGUFReader, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """A GGUF MoE model's config completed from its tensor table, where transformers' GGUF config reading leaves it
+    short: each expert's width (the experts' gate tensor, not a default), the dense layers (those without a router),
+    and llama.cpp's Mixtral, which it writes as a "llama" with experts."""
+    widths = {int(m.group(1)): int(t.shape[1]) for t in reader.tensors
+              if (m := EXPERTS.match(t.name)) and m.group(2) == "gate"}
+    if not widths:
+        return cfg
+    cfg = dict(cfg)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    experts = reader.fields.get(f"{arch}.expert_count")
+    used = reader.fields.get(f"{arch}.expert_used_count")
+    if experts is None or used is None:
+        raise WeightLoadError(f"{reader.path}: expert tensors but no {arch}.expert_count / expert_used_count")
+    if cfg.get("model_type") == "llama":
+        cfg["model_type"], cfg["architectures"] = "mixtral", ["MixtralForCausalLM"]
+        cfg["num_local_experts"] = int(experts.parts[-1][0])
+    else:
+        cfg["num_experts"] = int(experts.parts[-1][0])
+    cfg["num_experts_per_tok"] = int(used.parts[-1][0])
+    cfg["moe_intermediate_size"] = next(iter(widths.values()))
+    cfg["mlp_only_layers"] = [i for i in range(cfg["num_hidden_layers"]) if i not in widths]
+    cfg["decoder_sparse_step"] = 1
+    return cfg

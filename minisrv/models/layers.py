@@ -9,8 +9,7 @@ one a layer uses is fixed when it is built (`fused`: the kernel module, or None)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +20,7 @@ from minisrv.utils import cuda_import
 
 from minisrv.kernels.fp8_quant import fused_quantisers
 
+from .args import ModelArgs
 from .fp8 import Fp8Linear
 
 
@@ -38,78 +38,6 @@ def fused_ops_for(device: torch.device) -> Optional[Any]:
     """FlashInfer's module, whose fused norm/activation/rotary kernels the layers use, when on CUDA and importable;
     None otherwise (plain torch). Chosen once, when a model is built, and handed to each layer."""
     return cuda_import(device, "flashinfer")
-
-
-@dataclass
-class ModelArgs:
-    """The shape of a decoder model, read from a HF config (or a GGUF's metadata through transformers)."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: Optional[Dict[str, Any]]
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool = False
-    qk_norm: bool = False
-    torch_dtype: Optional[str] = None
-    eos_token_ids: List[int] = field(default_factory=list)
-    bos_token_id: Optional[int] = None
-    sliding_window: Optional[int] = None  # attention window of (some) layers; None: full attention everywhere
-    quantization_config: Optional[Dict[str, Any]] = None  # a quantised checkpoint's (see fp8.py)
-
-    @classmethod
-    def from_hf_config(cls, cfg: Dict[str, Any]) -> "ModelArgs":
-        archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                       "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}.get(
-            cfg.get("model_type", ""), cfg.get("model_type", "<none>"))
-        heads = cfg["num_attention_heads"]
-        rope = dict(cfg.get("rope_scaling") or {})
-        params = cfg.get("rope_parameters") or {}  # transformers >= 5 moves rope settings here
-        theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-        if not rope and params.get("rope_type", "default") != "default":
-            rope = {k: v for k, v in params.items() if k != "rope_theta"}
-        if rope.get("rope_type", rope.get("type", "default")) == "default":
-            rope = {}
-        eos = cfg.get("eos_token_id")
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        dtype = cfg.get("torch_dtype") or cfg.get("dtype")
-        window = cfg.get("sliding_window")
-        if cfg.get("layer_types"):  # transformers >= 5 lists each layer's attention
-            if "sliding_attention" not in cfg["layer_types"]:
-                window = None
-        elif arch != "MistralForCausalLM" and not cfg.get("use_sliding_window", False):
-            window = None  # Qwen2/Qwen3 configs carry a sliding_window that is off unless use_sliding_window
-        return cls(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=rope or None,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            torch_dtype=str(dtype).replace("torch.", "") if dtype else None,
-            eos_token_ids=eos_ids,
-            bos_token_id=cfg.get("bos_token_id"),
-            sliding_window=int(window) if window else None,
-            quantization_config=cfg.get("quantization_config") or None,
-        )
 
 
 class RMSNorm(nn.Module):

@@ -1,5 +1,6 @@
-"""The Llama decoder, which Qwen2 (qkv bias), Qwen3 (q/k norm) and Mistral share: the differences are flags
-in ModelArgs, read from config.json."""
+"""The Llama decoder, which Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral and the mixtures of experts (Qwen3-MoE,
+Mixtral, Qwen2-MoE) share: the differences are fields of ModelArgs, read from config.json. A layer's MLP is dense
+or sparse (moe.SparseMoE) as the config says for that layer."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -9,7 +10,9 @@ from torch import nn
 
 from minisrv.distributed import TensorParallel
 
-from .layers import Attention, GatedMLP, ModelArgs, RMSNorm, RotaryEmbedding, VocabEmbedding, reduce_add_norm
+from .args import ModelArgs
+from .layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, VocabEmbedding, reduce_add_norm
+from .moe import SparseMoE
 from .sharding import ShardPlan
 
 
@@ -21,12 +24,19 @@ class DecoderLayer(nn.Module):
         self.partial = tp.fused_norm is not None
         self.self_attn = Attention(args, layer_id, rotary, fused, plan.num_heads, plan.num_kv_heads, tp,
                                    quantization, reduce_output=not self.partial)
-        self.mlp = GatedMLP(args.hidden_size, plan.intermediate, fused, tp, quantization,
-                            reduce_output=not self.partial)
-        # the norms before qkv and gate_up hand FP8 projections their input quantised
+        sparse = args.is_moe_layer(layer_id)
+        if sparse:
+            self.mlp = SparseMoE(args, plan.moe_intermediate, plan.shared_intermediate, fused, tp, quantization,
+                                 reduce_output=not self.partial)
+        else:
+            self.mlp = GatedMLP(args.hidden_size, plan.intermediate, fused, tp, quantization,
+                                reduce_output=not self.partial)
+        # the norms before qkv and a dense gate_up hand FP8 projections their input quantised (a router takes it
+        # unquantised: the fused experts quantise it themselves)
         fp8 = quantization == "fp8"
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused, quantize_out=fp8)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused, quantize_out=fp8)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused,
+                                                quantize_out=fp8 and not sparse)
         self.tp = tp
 
     def forward(self, x, residual, positions, attn):
@@ -102,4 +112,16 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2MoeForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
     pass

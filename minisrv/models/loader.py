@@ -17,7 +17,7 @@ from .checkpoint import StoredTensor, WeightLoadError
 from .fp8 import fp8_checkpoint_format
 from .fp8_checkpoint import CheckpointKVScales, dequantized_fp8
 from .gguf_file import iter_gguf
-from .layers import ModelArgs
+from .args import ModelArgs
 from .model_files import (default_model_path, is_gguf, load_hf_config, load_model_args, load_tokenizer,
                           resolve_model_path)
 from .registry import model_class

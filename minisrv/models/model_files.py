@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Optional
 
 from .checkpoint import WeightLoadError
 from .fp8 import fp8_checkpoint_format
-from .gguf_file import has_tensor, read_gguf
-from .layers import ModelArgs
+from .gguf_file import has_tensor, moe_config, read_gguf
+from .args import ModelArgs
 from .registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def load_hf_config(path: str) -> Dict[str, Any]:
         from transformers import AutoConfig
         cfg = AutoConfig.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path)).to_dict()
         cfg["tie_word_embeddings"] = not has_tensor(reader, "output.weight")
-        return cfg
+        return moe_config(reader, cfg)
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"{path} has no config.json (expected a HF model directory or a .gguf file)")

@@ -2,6 +2,8 @@
 
 - q, k, v and gate, up are split by output rows (column-parallel): rank r holds its heads / its slice of the MLP.
 - o and down are split by input columns (row-parallel): each rank's product is a partial sum, all-reduced.
+- Mixture-of-experts layers: every expert (and the shared expert) split as a dense MLP is, by its own width; the
+  router and the shared expert's gate are replicated.
 - The embedding and lm_head are split by vocabulary rows, padded to a multiple of the rank count.
 - K/V heads are split across ranks, or replicated when there are fewer K/V heads than ranks (each rank then holds
   the one K/V head its query heads read).
@@ -14,7 +16,7 @@ from typing import Optional
 
 from minisrv.utils import ceil_div
 
-from .layers import ModelArgs
+from .args import ModelArgs
 
 
 class ShardingError(ValueError):
@@ -40,6 +42,10 @@ class ShardPlan:
     kv_head_start: int
     intermediate: int  # MLP width on this rank
     intermediate_start: int
+    moe_intermediate: int  # each expert's width on this rank (0: a dense model)
+    moe_intermediate_start: int
+    shared_intermediate: int  # the shared expert's width on this rank (0: none)
+    shared_intermediate_start: int
     vocab_per_rank: int  # rows of the embedding / lm_head on this rank (padded)
     vocab_start: int
     vocab_size: int  # the whole vocabulary
@@ -51,9 +57,10 @@ class ShardPlan:
         hq, hkv = args.num_heads // size, max(1, args.num_kv_heads // size)
         kv_start = rank * args.num_kv_heads // size  # with fewer K/V heads than ranks: the head rank r's queries read
         inter = args.intermediate_size // size
+        moe, shared = args.moe_intermediate_size // size, args.shared_expert_intermediate_size // size
         vocab = ceil_div(args.vocab_size, size)
-        return cls(rank, size, hq, rank * hq, hkv, kv_start, inter, rank * inter, vocab, rank * vocab,
-                   args.vocab_size, args.head_dim)
+        return cls(rank, size, hq, rank * hq, hkv, kv_start, inter, rank * inter, moe, rank * moe, shared,
+                   rank * shared, vocab, rank * vocab, args.vocab_size, args.head_dim)
 
     @property
     def vocab_rows(self) -> int:
@@ -70,15 +77,25 @@ class ShardPlan:
             return Slice(0, self.head_start * d, self.num_heads * d)
         if last in ("k_proj", "v_proj"):
             return Slice(0, self.kv_head_start * d, self.num_kv_heads * d)
+        start, width = self.mlp_share(hf_name)
         if last in ("gate_proj", "up_proj"):
-            return Slice(0, self.intermediate_start, self.intermediate)
+            return Slice(0, start, width)
         if last == "o_proj":
             return Slice(1, self.head_start * d, self.num_heads * d)
         if last == "down_proj":
-            return Slice(1, self.intermediate_start, self.intermediate)
+            return Slice(1, start, width)
         if last in ("embed_tokens", "lm_head"):
             return Slice(0, self.vocab_start, self.vocab_rows)
         return None
+
+    def mlp_share(self, hf_name: str):
+        """(start, width) of this rank's slice of the MLP that `hf_name` belongs to: an expert's, the shared
+        expert's, or the dense MLP's."""
+        if ".experts." in hf_name:
+            return self.moe_intermediate_start, self.moe_intermediate
+        if ".shared_expert." in hf_name:
+            return self.shared_intermediate_start, self.shared_intermediate
+        return self.intermediate_start, self.intermediate
 
 
 def check_divisible(args: ModelArgs, size: int) -> None:
@@ -94,6 +111,10 @@ def check_divisible(args: ModelArgs, size: int) -> None:
         problems.append(f"its {args.num_kv_heads} key/value heads (nor does it divide {size})")
     if args.intermediate_size % size:
         problems.append(f"its MLP width {args.intermediate_size}")
+    if args.moe_intermediate_size % size:
+        problems.append(f"its experts' width {args.moe_intermediate_size}")
+    if args.shared_expert_intermediate_size % size:
+        problems.append(f"its shared expert's width {args.shared_expert_intermediate_size}")
     if problems:
         raise ShardingError(f"tp size {size} does not divide {' and '.join(problems)}; choose a tp size that "
                             f"divides {args.num_heads} (the attention heads)")

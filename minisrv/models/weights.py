@@ -1,20 +1,24 @@
 """Checkpoint tensors (under HF names) into our parameters: which tensor goes where, and the checks that every
 expected tensor comes exactly once, with the shape the config implies.
 
-Our model fuses q/k/v and gate/up into one projection each, pads the vocabulary for tensor parallelism and holds
-one rank's shard: the expected-tensor map says, for each HF name, which rows of which parameter it fills and which
-slice of it this rank reads. A missing, extra, repeated or mis-shaped tensor is an error that names it."""
+Our model fuses q/k/v and gate/up into one projection each, stacks a layer's experts into two tensors, pads the
+vocabulary for tensor parallelism and holds one rank's shard: the expected-tensor map says, for each HF name, which
+rows of which parameter it fills and which slice of it this rank reads. Mixtral's names (block_sparse_moe, w1/w3/w2)
+are read as the Qwen-MoE names they stand for. A missing, extra, repeated or mis-shaped tensor is an error that
+names it."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
 
+from .args import ModelArgs
 from .checkpoint import StoredTensor, WeightLoadError
 from .fp8 import Fp8Linear
-from .layers import ModelArgs
+from .moe import ExpertRows, Experts
 from .sharding import ShardPlan, Slice
 
 FUSED = {
@@ -24,32 +28,49 @@ FUSED = {
 
 VOCAB_SPLIT = ("model.embed_tokens.weight", "lm_head.weight")  # split by vocabulary rows, padded
 
+ALIASES = [  # Mixtral's tensor names -> the names our expected map uses
+    (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+    (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
+    (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."),
+    (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj."),
+]
+
+
+def canonical_name(name: str) -> str:
+    for pattern, replacement in ALIASES:
+        name = pattern.sub(replacement, name)
+    return name
+
 
 @dataclass
 class Target:
     """Where a checkpoint tensor goes: rows [row, row + piece's length) of `param` (a fused projection holds
-    several), taken from `piece` of a tensor of shape `full`; through `fp8` (quantised as it is written) when the
-    param is an FP8 layer's weight."""
+    several), taken from `piece` of a tensor of shape `full`; through `rows`' load_rows(row, w) instead when the
+    param is an FP8 layer's weight (quantised as it is written) or one expert's share of a layer's experts."""
 
-    param: torch.Tensor
+    param: Optional[torch.Tensor]
     row: int
     full: Tuple[int, ...]
     piece: Optional[Slice]
-    fp8: Optional[Fp8Linear] = None
+    rows: Optional[Any] = None
 
 
 def expected_tensors(model: nn.Module, args: ModelArgs, plan: ShardPlan) -> Dict[str, Target]:
     """HF name -> where its (slice of the) checkpoint tensor goes in our parameters."""
     q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv,
-            "gate_proj": args.intermediate_size, "up_proj": args.intermediate_size}
     out: Dict[str, Target] = {}
     for name, p in model.named_parameters():
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner)
+        if isinstance(module, Experts):
+            if leaf in ("w13", "w2"):  # (their scales are written with their rows)
+                out.update(_expert_targets(owner, module, leaf, args, plan))
+            continue
         fp8 = module if isinstance(module, Fp8Linear) and leaf == "weight" else None
         if isinstance(module, Fp8Linear) and leaf == "weight_scale":
             continue  # written with its weight's rows
+        width = _mlp_width(name, args)
+        rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": width, "up_proj": width}
         parts = name.split(".")
         fused = next((f for f in FUSED if f in parts), None)
         if fused is None:
@@ -67,12 +88,37 @@ def expected_tensors(model: nn.Module, args: ModelArgs, plan: ShardPlan) -> Dict
     return out
 
 
+def _expert_targets(owner: str, experts: Experts, which: str, args: ModelArgs,
+                    plan: ShardPlan) -> Dict[str, Target]:
+    """The per-expert checkpoint tensors of a layer's stacked `which` (w13: gate then up rows; w2: down)."""
+    h, width = args.hidden_size, args.moe_intermediate_size
+    out: Dict[str, Target] = {}
+    for e in range(args.num_experts):
+        rows = ExpertRows(experts, which, e)
+        if which == "w2":
+            hf = f"{owner}.{e}.down_proj.weight"
+            out[hf] = Target(None, 0, (h, width), plan.slice_for(hf), rows)
+            continue
+        row = 0
+        for sub in ("gate_proj", "up_proj"):
+            hf = f"{owner}.{e}.{sub}.weight"
+            piece = plan.slice_for(hf)
+            out[hf] = Target(None, row, (width, h), piece, rows)
+            row += piece.length if piece is not None else width
+    return out
+
+
+def _mlp_width(name: str, args: ModelArgs) -> int:
+    """The whole width of the MLP a parameter belongs to: the shared expert's or the dense MLP's."""
+    return args.shared_expert_intermediate_size if ".shared_expert." in name else args.intermediate_size
+
+
 def _unsharded_shape(name: str, shape: Tuple[int, ...], args: ModelArgs) -> Tuple[int, ...]:
     """The checkpoint shape of a parameter that is not fused (row-parallel ones are split by columns)."""
     if name.endswith("o_proj.weight"):
         return (shape[0], args.num_heads * args.head_dim)
     if name.endswith("down_proj.weight"):
-        return (shape[0], args.intermediate_size)
+        return (shape[0], _mlp_width(name, args))
     return shape
 
 
@@ -83,6 +129,7 @@ def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, StoredTensor]], 
     expected = expected_tensors(model, args, plan)
     seen = set()
     for name, stored in tensors:
+        name = canonical_name(name)
         if "rotary_emb.inv_freq" in name:
             continue
         if name == "lm_head.weight" and args.tie_word_embeddings:
@@ -97,8 +144,8 @@ def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, StoredTensor]], 
             raise WeightLoadError(f"tensor {name!r} appears twice in the checkpoint")
         w = stored.read(t.piece)
         with torch.no_grad():
-            if t.fp8 is not None:
-                t.fp8.load_rows(t.row, w)
+            if t.rows is not None:
+                t.rows.load_rows(t.row, w)
                 seen.add(name)
                 continue
             t.param.data[t.row:t.row + w.shape[0]].copy_(w.to(t.param.dtype))

@@ -11,7 +11,9 @@ import torch
 @lru_cache(maxsize=None)
 def hf_model(path: str, dtype: torch.dtype = torch.float64):
     from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    # eager experts: transformers' default grouped_mm for mixtures of experts takes no float64
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager",
+                                             experts_implementation="eager")
     return m.eval()
 
 

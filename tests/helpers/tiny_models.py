@@ -1,4 +1,4 @@
-"""Tiny random-weight HF checkpoints of the four architectures, with a word-level tokenizer, and the engine and
+"""Tiny random-weight HF checkpoints of the four dense architectures and the mixtures of experts, with a word-level tokenizer, and the engine and
 sampling settings the CPU tests run them with."""
 from __future__ import annotations
 
@@ -35,13 +35,34 @@ TINY_SPECS: Dict[str, Tuple[str, dict]] = {
 }
 ARCHS = list(TINY_SPECS)
 
+# mixtures of experts, same attention shapes. Qwen3-MoE: 8 experts of width 32, top-2, layer 1 dense
+# (mlp_only_layers); "qwen3_moe_top4": 4 experts, top-4 without renormalising, every second layer sparse
+# (decoder_sparse_step); Mixtral: 4 experts of width 48, top-2; Qwen2-MoE: a shared expert with its sigmoid gate.
+MOE_SPECS: Dict[str, Tuple[str, dict]] = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(vocab_size=384, num_hidden_layers=3, max_position_embeddings=256,
+                                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False)),
+    "qwen3_moe_top4": ("Qwen3MoeConfig", dict(vocab_size=320, num_hidden_layers=2, max_position_embeddings=256,
+                                              num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32,
+                                              norm_topk_prob=False, decoder_sparse_step=2,
+                                              tie_word_embeddings=True)),
+    "mixtral": ("MixtralConfig", dict(vocab_size=256, num_hidden_layers=2, max_position_embeddings=256,
+                                      intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=None, tie_word_embeddings=False)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(vocab_size=320, num_hidden_layers=2, max_position_embeddings=256,
+                                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                         tie_word_embeddings=False)),
+}
+MOE_ARCHS = list(MOE_SPECS)
+
 COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0)
 
 
 def make_config(name: str, **overrides):
     import transformers
-    cls_name, kw = TINY_SPECS[name]
+    cls_name, kw = {**TINY_SPECS, **MOE_SPECS}[name]
     kw = {**COMMON, **kw, **overrides}
     return getattr(transformers, cls_name)(**kw)
 

@@ -1,0 +1,119 @@
+"""ModelArgs: the shape of a decoder model, read from a HF config (or a GGUF's metadata through transformers).
+
+One decoder serves every architecture; what differs between them is read here: qkv bias (Qwen2), per-head q/k
+norms (Qwen3), sliding windows (Mistral), and for mixtures of experts which layers are sparse, how many experts,
+how many a token takes, and whether their weights are renormalised (Qwen3-MoE, Mixtral, Qwen2-MoE's shared expert)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+ARCHITECTURE_OF_MODEL_TYPE = {  # config.json's model_type (what a GGUF's config carries) -> architecture
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+ALWAYS_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")  # their sliding_window applies when set
+
+
+@dataclass
+class ModelArgs:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # the dense MLP's width (dense models, and a MoE model's dense layers)
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[Dict[str, Any]]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    torch_dtype: Optional[str] = None
+    eos_token_ids: List[int] = field(default_factory=list)
+    bos_token_id: Optional[int] = None
+    sliding_window: Optional[int] = None  # attention window of (some) layers; None: full attention everywhere
+    quantization_config: Optional[Dict[str, Any]] = None  # a quantised checkpoint's (see fp8.py)
+    # mixture of experts (num_experts 0: a dense model)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = True  # the k routing weights renormalised to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none), scaled by a sigmoid gate
+    moe_layers: Tuple[int, ...] = ()  # the sparse layers; the others have a dense MLP
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id in self.moe_layers
+
+    @classmethod
+    def from_hf_config(cls, cfg: Dict[str, Any]) -> "ModelArgs":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else ARCHITECTURE_OF_MODEL_TYPE.get(cfg.get("model_type", ""),
+                                                                      cfg.get("model_type", "<none>"))
+        heads = cfg["num_attention_heads"]
+        rope = dict(cfg.get("rope_scaling") or {})
+        params = cfg.get("rope_parameters") or {}  # transformers >= 5 moves rope settings here
+        theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+        if not rope and params.get("rope_type", "default") != "default":
+            rope = {k: v for k, v in params.items() if k != "rope_theta"}
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = {}
+        eos = cfg.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+        window = cfg.get("sliding_window")
+        if cfg.get("layer_types"):  # transformers >= 5 lists each layer's attention
+            if "sliding_attention" not in cfg["layer_types"]:
+                window = None
+        elif arch not in ALWAYS_WINDOWED and not cfg.get("use_sliding_window", False):
+            window = None  # Qwen2/Qwen3 configs carry a sliding_window that is off unless use_sliding_window
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope or None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in QKV_BIAS))),
+            qk_norm=arch in QK_NORM,
+            torch_dtype=str(dtype).replace("torch.", "") if dtype else None,
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            sliding_window=int(window) if window else None,
+            quantization_config=cfg.get("quantization_config") or None,
+            **_experts(arch, cfg),
+        )
+
+
+def _experts(arch: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """The mixture-of-experts fields of a config (none for a dense one). Mixtral: every layer sparse, experts as wide
+    as intermediate_size, weights renormalised. Qwen2/3-MoE: layer i is sparse unless it is in mlp_only_layers or
+    (i + 1) is not a multiple of decoder_sparse_step; renormalised when norm_topk_prob."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    layers = cfg["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=experts, experts_per_token=int(cfg.get("num_experts_per_tok", 2)),
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+                    moe_layers=tuple(range(layers)))
+    dense = set(cfg.get("mlp_only_layers") or [])
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    return dict(num_experts=experts, experts_per_token=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0))

@@ -1,0 +1,104 @@
+"""The sparse MLP of a mixture-of-experts layer (Qwen3-MoE, Mixtral, Qwen2-MoE): a router picks each token's top-k
+experts, each a gated SiLU MLP, and their outputs are summed by the routing weights; Qwen2-MoE adds a shared expert
+that every token takes, scaled by a sigmoid gate.
+
+The experts are held stacked per layer, w13 [E, 2I, H] (each expert's gate rows, then its up rows) and w2 [E, H, I],
+as the fused kernel takes them (kernels/fused_moe.py: Triton on CUDA, a loop over the experts hit elsewhere). The
+loader fills them from the checkpoint's per-expert tensors one at a time (`ExpertRows`), so no second copy of the
+experts is ever held. Under tensor parallelism each rank holds every expert's slice of the intermediate width (as
+the dense MLP is split): its output is a partial sum, all-reduced like the dense MLP's. With quantization "fp8" the
+experts are float8_e4m3fn with a float32 scale per output row, quantised as they are loaded (as Fp8Linear's rows).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisrv.distributed import TensorParallel
+from minisrv.kernels.fp8_quant import FP8, quantize_rows
+from minisrv.kernels.fused_moe import fused_experts, route
+
+from .args import ModelArgs
+from .layers import GatedMLP
+
+
+class Experts(nn.Module):
+    """E experts' weights, stacked: w13 [E, 2I, H] and w2 [E, H, I] in the model's dtype, or in float8_e4m3fn with
+    w13_scale [E, 2I] and w2_scale [E, H] (a float32 scale per output row) for quantization "fp8"."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, quantization: Optional[str] = None) -> None:
+        super().__init__()
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"unsupported quantization {quantization!r}")
+        self.fp8 = quantization == "fp8"
+        self.source_dtype = torch.get_default_dtype()  # the model's dtype: rows are rounded to it before quantising
+        dtype = FP8 if self.fp8 else None
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False)
+        if self.fp8:
+            self.w13_scale = nn.Parameter(torch.ones(num_experts, 2 * inter, dtype=torch.float32),
+                                          requires_grad=False)
+            self.w2_scale = nn.Parameter(torch.ones(num_experts, hidden, dtype=torch.float32), requires_grad=False)
+        else:
+            self.w13_scale = self.w2_scale = None
+
+    @torch.no_grad()
+    def load_rows(self, which: str, expert: int, row: int, w: torch.Tensor) -> None:
+        """Checkpoint rows w [n, K] of one expert's `which` ("w13" or "w2") into its rows [row, row + n),
+        quantised per row for FP8."""
+        param = getattr(self, which)
+        if not self.fp8:
+            param[expert, row:row + w.shape[0]] = w.to(param.device, param.dtype)
+            return
+        q, scale = quantize_rows(w.to(param.device, self.source_dtype))
+        param[expert, row:row + w.shape[0]] = q
+        getattr(self, which + "_scale")[expert, row:row + w.shape[0]] = scale.reshape(-1)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_scale, self.w2_scale)
+
+    def extra_repr(self) -> str:
+        e, two_i, h = self.w13.shape
+        return f"experts={e}, hidden={h}, inter={two_i // 2}" + (", float8_e4m3fn per-row scales" if self.fp8 else "")
+
+
+class ExpertRows:
+    """One expert's w13 or w2 as a target the loader writes rows into (weights.Target's `rows`)."""
+
+    def __init__(self, experts: Experts, which: str, expert: int) -> None:
+        self.experts, self.which, self.expert = experts, which, expert
+
+    def load_rows(self, row: int, w: torch.Tensor) -> None:
+        self.experts.load_rows(self.which, self.expert, row, w)
+
+
+class SparseMoE(nn.Module):
+    """router -> top-k -> experts (-> + sigmoid(shared gate) * shared expert); the partial sums of this rank's
+    share of each expert are all-reduced unless `reduce_output` is False (the norm after it reduces them)."""
+
+    def __init__(self, args: ModelArgs, inter: int, shared_inter: int, fused: Optional[Any] = None,
+                 tp: Optional[TensorParallel] = None, quantization: Optional[str] = None,
+                 reduce_output: bool = True) -> None:
+        """inter / shared_inter: this rank's share of each expert's width / of the shared expert's (0: none)."""
+        super().__init__()
+        self.top_k, self.renormalize = args.experts_per_token, args.norm_topk_prob
+        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)  # the router, in the model's dtype
+        self.experts = Experts(args.num_experts, args.hidden_size, inter, quantization)
+        if shared_inter:
+            self.shared_expert = GatedMLP(args.hidden_size, shared_inter, fused, tp, quantization,
+                                          reduce_output=False)
+            self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+        self.tp = tp or TensorParallel.single()
+        self.reduce_output = reduce_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.tp.all_reduce(out) if self.reduce_output else out

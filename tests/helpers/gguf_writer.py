@@ -1,0 +1,84 @@
+"""A tiny HF checkpoint written as a GGUF file the way llama.cpp's converter writes one: float32 tensors under
+llama.cpp's names, Llama-architecture q/k rows permuted for its rotary, and a MoE layer's experts stacked into one
+3-D tensor each (ffn_gate_exps / ffn_up_exps / ffn_down_exps, router ffn_gate_inp, expert_count metadata). Mixtral is
+written as llama.cpp writes it: architecture "llama" with experts."""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+}
+EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+EXPERT_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's LlamaModel.permute: interleave the two rotary halves of each head's rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf_dir: str, out: str, arch: str) -> None:
+    """arch: llama.cpp's architecture name ("llama", "qwen2", "qwen3", "qwen3moe"; "llama" for Mixtral)."""
+    import numpy as np
+    from gguf import GGUFWriter
+    from safetensors.torch import load_file
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    w = GGUFWriter(out, arch)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    stacked = {}  # (layer, kind) -> {expert: tensor}
+    for name, t in tensors.items():
+        if name in top:
+            w.add_tensor(top[name], np.ascontiguousarray(t.numpy()))
+            continue
+        parts = name.split(".")
+        rest = ".".join(parts[3:])
+        expert = EXPERT.match(rest)
+        if expert:
+            stacked.setdefault((parts[2], EXPERT_KIND[expert.group(2)]), {})[int(expert.group(1))] = t
+            continue
+        if arch == "llama" and rest == "self_attn.q_proj.weight":
+            t = llama_cpp_permute(t, cfg["num_attention_heads"])
+        elif arch == "llama" and rest == "self_attn.k_proj.weight":
+            t = llama_cpp_permute(t, cfg["num_key_value_heads"])
+        w.add_tensor(f"blk.{parts[2]}.{LAYER_NAMES[rest]}", np.ascontiguousarray(t.numpy()))
+    for (layer, kind), by_expert in sorted(stacked.items()):
+        t = torch.stack([by_expert[e] for e in range(len(by_expert))])
+        w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", np.ascontiguousarray(t.numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
