@@ -59,6 +59,8 @@ need_llama8b_half() { [ -f /tmp/llama8b-half/config.json ] || { sed -e 's/interm
     -e 's/num_attention_heads=32, num_key_value_heads=8,/num_attention_heads=16, num_key_value_heads=4,/' \
     .gpu-wheels/tools/make_checkpoint.py > /tmp/make_half_checkpoint.py
   python3 /tmp/make_half_checkpoint.py /tmp/llama8b-half llama3-8b >/dev/null 2>&1; }; }
+# Qwen3-30B-A3B's shape with 24 of its 48 layers (30 GB, about 65 s to write), made once per machine
+need_moe() { [ -f /tmp/moe/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/moe qwen3-30b-a3b-half >/dev/null 2>&1; }
 json_tokenizer() { [ -f $JTOK/tokenizer.json ] || python3 tests/gpu/json_tokenizer.py $JTOK "$MINISRV_GPU_CKPT" >/dev/null; }
 serving() { local name=$1; shift; local port=30123 log=/tmp/$name-server.log pid
   python3 -m minisrv.launch_server --model "$MINISRV_GPU_CKPT" --attention-backend auto --port $port ${SERVER_ARGS:-} >"$log" 2>&1 &
@@ -228,6 +230,16 @@ for phase in "${@:-smoke}"; do
     profile-fp8) need_llama8b
              step profile-fp8 200 python3 $S/bench_decode.py --model /tmp/llama8b --attention-backend auto \
                --batch-sizes 1,64 --graphs on --steps 16 --quantization fp8 --kv-cache-dtype fp8_e4m3 --torch-profile ;;
+    # mixtures of experts: the fused kernel against the torch path, a random Qwen3-MoE end to end against HF
+    moe) step moe 500 python3 -m pytest -q -s -rs tests/gpu/test_fused_moe.py tests/gpu/test_moe.py ;;
+    moe-kernel) step moe-kernel 200 python3 $S/bench_fused_moe.py
+                step moe-kernel-fp8 200 python3 $S/bench_fused_moe.py --fp8 ;;
+    # the Qwen3-30B-A3B-shaped checkpoint: the 256-request workload and decode steps, bf16 then FP8 experts
+    moe-bench) need_moe
+               for q in "" "--quantization fp8"; do
+                 step "moe-offline $q" 400 python3 $S/bench_offline.py --model /tmp/moe $q --json "$OUT/bench.jsonl"
+                 step "moe-decode $q" 300 python3 $S/bench_decode.py --model /tmp/moe --attention-backend auto \
+                   --batch-sizes 1,64,256 --graphs on --steps 32 $q --json "$OUT/decode.jsonl"; done ;;
     *) echo "unknown phase $phase" ;;
   esac
 done
