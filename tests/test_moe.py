@@ -174,3 +174,24 @@ def test_config_parsing_and_sharding_errors():
     with pytest.raises(ShardingError, match="experts' width 25"):
         check_divisible(ModelArgs.from_hf_config({**base, "moe_intermediate_size": 25}), 2)
     check_divisible(args, 2)
+
+
+def test_fp8_checkpoint_experts_load_within_two_roundings(tiny_model, tmp_path):
+    """A block-scaled FP8 checkpoint (as Qwen3-30B-A3B-FP8's experts are stored): each expert is dequantised as it
+    is read and requantised per row, within two e4m3 roundings of the checkpoint's own values."""
+    from .test_fp8_weights import HALF_SUBNORMAL, U, _write_fp8_checkpoint
+    dst = str(tmp_path / "fp8")
+    originals = _write_fp8_checkpoint(tiny_model("qwen3_moe"), dst, [16, 16], kv_scales=False)
+    llm = make_llm(dst)
+    experts = llm.engine.runner.model.model.layers[2].mlp.experts
+    assert experts.w13.dtype == FP8
+    inter = experts.w2.shape[2]
+    for e in range(experts.w13.shape[0]):
+        for rows, name in ((slice(0, inter), "gate_proj"), (slice(inter, 2 * inter), "up_proj")):
+            w = originals[f"model.layers.2.mlp.experts.{e}.{name}.weight"]
+            scale = experts.w13_scale[e, rows, None]
+            got = experts.w13[e, rows].float() * scale
+            bound = (2 * U + U * U) * w.abs() + HALF_SUBNORMAL * (w.abs().amax() / 448.0 * 2 + scale) + 1e-12
+            assert ((got - w).abs() <= bound).all(), f"expert {e} {name}"
+    outs = llm.generate(make_prompts(vocab_of(dst), [6, 20]), greedy(6), use_tqdm=False)
+    assert all(len(o.token_ids) == 6 for o in outs)
