@@ -4,7 +4,8 @@
 Each request gets a prompt of --context tokens; after the prefill, --steps consecutive decode steps are timed
 together, up to the end of the last one's device work (with overlap scheduling a step returns before its own work
 ends), and the mean step time is reported. The floor is the bytes a step must read (weights once, plus every
-request's KV) over --bandwidth.
+request's KV) over --bandwidth; of a mixture-of-experts layer's experts, only those the batch is expected to hit
+(E * (1 - (1 - 1/E)^(batch * k)) of E, for routing spread evenly).
 
   python scripts/bench_decode.py --model /tmp/qwen3 --attention-backend fa,fi --batch-sizes 1,64,256
 """
@@ -53,6 +54,8 @@ def main() -> int:
         eng = llm.engine
         ar = eng.args
         weights = sum(q.numel() * q.element_size() for q in eng.runner.model.parameters())
+        expert_bytes = sum(q.numel() * q.element_size() for n, q in eng.runner.model.named_parameters()
+                           if ".experts." in n)
         # one rank's bytes: its shard of the weights and its K/V heads (with tensor parallelism)
         kv_tok = KVPool.bytes_per_token(ar.num_layers, eng.pool.num_kv_heads, ar.head_dim, eng.pool.kv_dtype)
         for bs in sizes:
@@ -104,7 +107,9 @@ def main() -> int:
             for r in reqs:
                 eng.abort(r.rid)
             med = statistics.median(times)
-            floor = (weights + bs * (a.context + a.steps // 2) * kv_tok) / a.bandwidth
+            hit = 1.0 if not ar.num_experts else 1 - (1 - 1 / ar.num_experts) ** (bs * ar.experts_per_token)
+            read = weights - expert_bytes * (1 - hit)
+            floor = (read + bs * (a.context + a.steps // 2) * kv_tok) / a.bandwidth
             row = {"backend": eng.backend_name, "graphs": mode, "batch": bs, "context": a.context,
                    "step_ms": round(med * 1e3, 3), "floor_ms": round(floor * 1e3, 3),
                    "of_floor": round(floor / med, 2), "ready_s": round(ready, 1),
