@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""Start-up time: from `python -m minisrv.launch_server` to the first chat answer, in a fresh process, and where the
+time went.
+
+Each run starts a server process, polls /health until it answers 200 (ready), then sends one chat completion
+(max_tokens 1) and times its answer (first answer). The server's log (--log-level info, with timestamps) splits the
+time: imports, config and tokenizer (launch to the first log line), weights ("loaded in"), memory sizing and graph capture (up to the
+ready line), and the first request. --fresh-caches points Triton's and FlashInfer's caches at empty directories, as
+on a fresh machine (kernels FlashInfer ships prebuilt in its package are still found there).
+
+  python scripts/bench_startup.py [--runs 3] [--fresh-caches] -- [server flags, e.g. --model /tmp/qwen3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from datetime import datetime
+from typing import Dict, List, Optional
+
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, body: Optional[dict] = None, timeout: float = 600) -> int:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+def _log_times(log: str) -> Dict[str, float]:
+    """Wall-clock seconds (epoch) of the log's landmarks."""
+    marks: Dict[str, float] = {}
+    for line in log.splitlines():
+        m = STAMP.match(line)
+        if not m:
+            continue
+        t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        marks.setdefault("first_log", t)
+        if " loaded in " in line:
+            marks["weights_done"] = t
+        if "graph" in line.lower() and "captur" in line.lower():
+            marks["graphs_done"] = t
+    return marks
+
+
+def run_once(server_args: List[str], fresh_caches: bool, timeout: float) -> Dict[str, float]:
+    port = free_port()
+    env = dict(os.environ)
+    tmp = tempfile.TemporaryDirectory(prefix="minisrv-startup-")
+    if fresh_caches:
+        env["TRITON_CACHE_DIR"] = os.path.join(tmp.name, "triton")
+        env["FLASHINFER_WORKSPACE_BASE"] = tmp.name
+    log_path = os.path.join(tmp.name, "server.log")
+    cmd = [sys.executable, "-m", "minisrv.launch_server", "--port", str(port), "--log-level", "info", *server_args]
+    t0 = time.time()
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        while _get(base + "/health", timeout=5) != 200:
+            if proc.poll() is not None or time.time() - t0 > timeout:
+                raise RuntimeError(f"the server did not become ready:\n{open(log_path).read()[-3000:]}")
+            time.sleep(0.05)
+        ready = time.time()
+        status = _get(base + "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                      "max_tokens": 1, "temperature": 0})
+        answered = time.time()
+        if status != 200:
+            raise RuntimeError(f"the first request answered {status}:\n{open(log_path).read()[-3000:]}")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    marks = _log_times(open(log_path).read())
+    tmp.cleanup()
+    first_log = marks.get("first_log", t0)
+    weights = marks.get("weights_done", first_log)
+    return {"to_first_log": first_log - t0, "weights": weights - first_log, "sizing_and_graphs": ready - weights,
+            "ready": ready - t0, "first_request": answered - ready, "first_answer": answered - t0}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--fresh-caches", action="store_true", help="empty Triton/FlashInfer caches for every run")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--json", help="append the medians as a JSON line here")
+    p.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: the server's flags")
+    a = p.parse_args()
+    server_args = a.server_args[1:] if a.server_args[:1] == ["--"] else a.server_args
+    runs = [run_once(server_args, a.fresh_caches, a.timeout) for _ in range(a.runs)]
+    keys = list(runs[0])
+    print(f"{'phase':<18} " + " ".join(f"run {i + 1:>2}" for i in range(len(runs))) + "   median")
+    for k in keys:
+        vals = [r[k] for r in runs]
+        print(f"{k:<18} " + " ".join(f"{v:6.2f}" for v in vals) + f"   {statistics.median(vals):6.2f} s")
+    if a.json:
+        with open(a.json, "a") as f:
+            f.write(json.dumps({"args": server_args, "fresh_caches": a.fresh_caches,
+                                **{k: round(statistics.median(r[k] for r in runs), 3) for k in keys}}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
