@@ -42,6 +42,9 @@ class EngineConfig:
     tp_size: int = 1  # tensor parallelism: one process per GPU (per CPU process with gloo), rank 0 schedules
     # tensor parallel on CUDA: decode batches' all-reduce + add + RMSNorm in one kernel (FlashInfer's)
     enable_flashinfer_allreduce_fusion: bool = False
+    # an embedding model: requests are embedded (prefill, pooled hidden states), not generated; also detected from
+    # the checkpoint (models/pooling_config.py)
+    is_embedding: bool = False
     log_level: str = "info"
 
     def __new__(cls, *args, **kwargs):
@@ -122,6 +125,10 @@ class EngineConfig:
                        help="tensor parallel on CUDA: decode batches all-reduce, add the residual and RMS-normalise in "
                             "one FlashInfer kernel (peer-to-peer buffers) instead of NCCL and a separate norm (an "
                             "error if FlashInfer's communication kernels cannot be set up)")
+        p.add_argument("--is-embedding", action="store_true",
+                       help="serve the model as an embedding model (/v1/embeddings; no completions): last-token "
+                            "pooling, normalised, unless its sentence-transformers files say otherwise (detected "
+                            "without the flag from those files or a bare-decoder architecture such as Qwen3Model)")
         p.add_argument("--log-level", default=d.log_level)
         for flag in REMOVED_FLAGS:
             p.add_argument(flag, nargs="?", action=RemovedFlag, help=argparse.SUPPRESS)

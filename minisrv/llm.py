@@ -1,11 +1,15 @@
-"""The offline API: `LLM().generate(prompts, SamplingParams(...))` and `LLM().chat(messages)` over an Engine."""
+"""The offline API: `LLM().generate(prompts, SamplingParams(...))`, `LLM().chat(messages)` and, on an embedding
+model, `LLM().embed(texts)`, over an Engine."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+import torch
+
 from minisrv.config import EngineConfig
 from minisrv.engine.engine import Engine
-from minisrv.engine.request import CompletionOutput, SamplingParams, prompt_logprob_list
+from minisrv.engine.pooling import PoolingParams
+from minisrv.engine.request import CompletionOutput, Request, SamplingParams, prompt_logprob_list
 
 PromptType = Union[str, List[int]]
 
@@ -51,13 +55,39 @@ class LLM:
         reqs = [eng.make_request(self._encode(x), p) for x, p in zip(prompts, params)]  # all checked before any runs
         for p in {id(p): p for p in params}.values():
             eng.grammar.check(p)  # an invalid schema, regex or grammar raises here (compiled once, then cached)
+        self._run(reqs, use_tqdm, "generate")
+        return [CompletionOutput(
+            prompt=p if isinstance(p, str) else None,
+            prompt_token_ids=r.prompt_ids,
+            text=r.text.text,
+            token_ids=list(r.output_ids),
+            finish_reason=r.finish_reason,
+            logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+            prompt_logprobs=prompt_logprob_list(r) if r.params.prompt_logprobs is not None else None,
+        ) for p, r in zip(prompts, reqs)]
+
+    def embed(self, inputs: Union[PromptType, Sequence[PromptType]], dimensions: Optional[int] = None,
+              use_tqdm: bool = True) -> List[torch.Tensor]:
+        """An embedding model's vectors, one per input (a text, tokenized with the tokenizer's special tokens, or
+        a list of token ids): 1-D float32 CPU tensors, normalised as the model's pooling says; `dimensions` keeps
+        the first n entries (normalised again). A generation model raises RequestError."""
+        if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        params = PoolingParams(dimensions)
+        reqs = [self.engine.make_request(self._encode(x), params) for x in inputs]  # all checked before any runs
+        self._run(reqs, use_tqdm, "embed")
+        return [torch.from_numpy(r.embedding.vector) for r in reqs]
+
+    def _run(self, reqs: List[Request], use_tqdm: bool, desc: str) -> None:
+        """Queue every request and step the engine until all have finished (a failed one raises)."""
+        eng = self.engine
         for r in reqs:
             eng.add(r)
         live = {r.rid for r in reqs}
         bar = None
         if use_tqdm and len(reqs) > 1:
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(reqs), desc="generate", unit="req")
+            bar = tqdm(total=len(reqs), desc=desc, unit="req")
         try:
             while live:
                 for out in eng.step():
@@ -76,15 +106,6 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [CompletionOutput(
-            prompt=p if isinstance(p, str) else None,
-            prompt_token_ids=r.prompt_ids,
-            text=r.text.text,
-            token_ids=list(r.output_ids),
-            finish_reason=r.finish_reason,
-            logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
-            prompt_logprobs=prompt_logprob_list(r) if r.params.prompt_logprobs is not None else None,
-        ) for p, r in zip(prompts, reqs)]
 
     def chat(self, messages: Union[List[Dict[str, str]], List[List[Dict[str, str]]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,

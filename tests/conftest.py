@@ -38,3 +38,10 @@ def tiny_qwen2_tools(tmp_path_factory) -> str:
     """Directory of a tiny random-weight Qwen2 with a Qwen2.5-style tool-calling chat template."""
     from .helpers.tiny_qwen2 import build_tiny_qwen2
     return build_tiny_qwen2(str(tmp_path_factory.mktemp("tiny-qwen2-tools")))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_thinking(tmp_path_factory) -> str:
+    """Directory of a tiny random-weight Qwen3 whose tokenizer has <think> and </think> and a Qwen3-style template."""
+    from .helpers.tiny_qwen3_thinking import build_tiny_qwen3_thinking
+    return build_tiny_qwen3_thinking(str(tmp_path_factory.mktemp("tiny-qwen3-thinking")))

@@ -20,6 +20,7 @@ from minisrv.kvcache.radix import RadixCache
 
 from .grammar import GrammarBackend
 from .model_runner import SampledToken
+from .pooling import PoolingParams, embedding_request
 from .request import (Request, RequestLimits, RequestOutput, SamplingParams, check_request,
                       prompt_logprob_list)
 from .scheduler import Scheduler
@@ -56,6 +57,7 @@ class Engine:
         self.pool, self.allocator, self.table = parts.pool, parts.allocator, parts.table
         self.pad_row, self.pad_page = parts.pad_row, parts.pad_page
         self.runner = parts.runner
+        self.pooling = parts.pooling  # an embedding model's pooling (models/pooling_config.py); None: generation
         self.workers = parts.workers  # tensor parallelism: ranks 1..N-1 (None with one rank)
         if self.workers is not None:
             atexit.register(self._close_at_exit)  # the ranks are not daemons: they must be told to stop
@@ -77,7 +79,10 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None) -> Request:
-        """Validate and build a request without changing any engine state (raises RequestError)."""
+        """Validate and build a request without changing any engine state (raises RequestError). PoolingParams
+        make an embedding request, the only kind an embedding model takes (engine/pooling.py)."""
+        if isinstance(params, PoolingParams) or self.pooling is not None:
+            return embedding_request(prompt_ids, params, self.pooling, self.limits, self.eos_ids, rid)
         max_new = check_request(prompt_ids, params, self.limits)
         kw = {"rid": rid} if rid is not None else {}
         return Request(list(prompt_ids), params, max_new, eos_ids=self.eos_ids, **kw)
@@ -227,12 +232,14 @@ class Engine:
         num_out = len(req.output_ids)
         offset = text.length
         reason = None
-        if tok is None:  # max_tokens 0: the prompt is scored, nothing is generated
+        if tok is None:  # max_tokens 0: the prompt is scored, or embedded (its vector is ready); nothing generated
             text.finish()
-            self.scheduler.finish(req, "length")
+            reason = "length" if req.embedding is None else "stop"
+            self.scheduler.finish(req, reason)
             self.num_cached_prompt_tokens += req.num_cached_tokens
-            return RequestOutput.ended(req, "length", num_cached_tokens=req.num_cached_tokens,
-                                       prompt_logprobs=self._prompt_logprobs(req))
+            return RequestOutput.ended(req, reason, num_cached_tokens=req.num_cached_tokens,
+                                       prompt_logprobs=self._prompt_logprobs(req),
+                                       embedding=req.embedding.vector if req.embedding is not None else None)
         if s.grammar_ended or tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_ids):
             reason = "stop"  # the token that ends it has no text (a grammar ends on accepting a stop token)
         elif text.add(tok) is not None:

@@ -19,7 +19,8 @@ Where the pieces run, and why:
 - Every sampled token is fed to its request's matcher as it is read back from the device (`ModelRunner`), before
   the engine's finish checks. Once the matcher has accepted a stop token (only allowed where the grammar is
   complete) it is terminated and the request ends with "stop"; a token it rejects (impossible through the mask)
-  ends it with "error".
+  ends it with "error". A thinking model's request (engine/thinking.py) feeds it only the answer's tokens: its
+  thinking is free text, masked only against the stop tokens.
 - Overlap scheduling: the mask of step N+1 needs step N's token accepted by the matcher, which needs its value on
   the host. So while any live request has a grammar (`Scheduler.num_constrained`), the runner launches step N+1
   in two halves: it queues N+1's forward (whose inputs are read from N's sampled ids on the device), then reads
@@ -300,6 +301,10 @@ def fill_host_bitmask(reqs: List["Request"], rows: List[int], pinned: bool = Fal
     assert not any(reqs[i].num_pending for i in rows), \
         "a grammar row's previous token must be accepted before its mask is made"
     live = [k for k, i in enumerate(rows) if not reqs[i].finished and not reqs[i].grammar.done]
+    thinking = [k for k in live if reqs[rows[k]].thinking is not None and not reqs[rows[k]].thinking.answering]
+    if thinking:  # their grammars have not started (engine/thinking.py); the matchers fill the other rows
+        skip = set(thinking)
+        live = [k for k in live if k not in skip]
     if len(live) < len(rows):
         host.fill_(-1)
     if len(live) >= BATCH_FILL_MIN and first.batch_filler is not None:
@@ -308,7 +313,25 @@ def fill_host_bitmask(reqs: List["Request"], rows: List[int], pinned: bool = Fal
     else:
         for k in live:
             reqs[rows[k]].grammar.matcher.fill_next_token_bitmask(view, k)
+    if thinking:
+        _thinking_rows(reqs, rows, thinking, view)
     return host
+
+
+def _thinking_rows(reqs: List["Request"], rows: List[int], thinking: List[int], view: Any) -> None:
+    """The masks of rows whose answer has not begun. Inside the thinking, free text: every token but the stop
+    tokens (the model may not end before its answer). Before it (a model that may or may not think), the answer's
+    first tokens as the grammar allows them, and the start of a thinking."""
+    bits = view.view("uint32")
+    for k in thinking:
+        state = reqs[rows[k]].thinking
+        if state.thinking:
+            for t in reqs[rows[k]].grammar.stop_ids:
+                bits[k, t >> 5] &= ~(1 << (t & 31)) & 0xFFFFFFFF
+        else:
+            reqs[rows[k]].grammar.matcher.fill_next_token_bitmask(view, k)
+            t = state.rule.start_id
+            bits[k, t >> 5] |= 1 << (t & 31)
 
 
 @functools.lru_cache(maxsize=None)

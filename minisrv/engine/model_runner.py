@@ -27,6 +27,7 @@ from minisrv.distributed import TensorParallel, TensorParallelError
 from minisrv.kvcache import KVPool, ReqToTokenTable
 from minisrv.utils import host_tensor, to_device
 
+from .pooling import PooledStep, Pooler
 from .prompt_scores import PromptScores, plan_prompt_scores, score_prompt_rows, store_prompt_scores
 from .request import Request, TokenLogprob
 from .sampler import SamplingBatch, sample
@@ -86,6 +87,7 @@ class LaunchedStep:
     event: Optional[torch.cuda.Event]
     index: Dict[str, int] = field(default_factory=dict)  # rid -> row in `ids`
     prompt_scores: Optional[PromptScores] = None
+    pooled: Optional[PooledStep] = None  # an embedding model's step: the vectors it finished
 
     def wait(self) -> Tuple[List[int], Optional[List[float]], Optional[Tuple[List[List[float]], List[List[int]]]]]:
         if self.event is not None:
@@ -100,8 +102,9 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, pool: KVPool, table: ReqToTokenTable,
                  device: torch.device, graph_runner=None, tp: Optional[TensorParallel] = None,
-                 cascade: Optional[CascadePolicy] = None) -> None:
+                 cascade: Optional[CascadePolicy] = None, pooler: Optional[Pooler] = None) -> None:
         self.model = model
+        self.pooler = pooler  # an embedding model's: its steps pool the hidden states, nothing is sampled
         self.tp = tp or TensorParallel.single()
         self.backend = backend
         self.pool = pool
@@ -212,7 +215,10 @@ class ModelRunner:
 
     def _run(self, inp: StepInputs, fb: ForwardBatch) -> Tuple[torch.Tensor, Optional[List[Optional[torch.Tensor]]]]:
         """The forward every tensor-parallel rank runs: logits [B, V] at each request's last token and, when `inp`
-        asks, the logprob (and top-n) of each scored prompt token (prompt_scores.py)."""
+        asks, the logprob (and top-n) of each scored prompt token (prompt_scores.py). An embedding model's: the
+        hidden states [T, hidden] in place of logits (pooling.py)."""
+        if self.pooler is not None:
+            return self.model(fb.input_ids, fb.positions, self.backend.step(fb)), None
         if inp.score_rows is None:
             return self.forward_logits(fb), None
         hidden = self.model(fb.input_ids, fb.positions, self.backend.step(fb))
@@ -269,10 +275,23 @@ class ModelRunner:
             scores.host = [self._to_host(x) for x in score_outs]
         if prof:
             self._tick("forward_decode" if fb.is_decode else "forward_extend", t)
+        if self.pooler is not None:
+            self._queue_pooling(sb, logits)
+            return
         if needs_previous_tokens:
             while self._inflight:
                 self._read_back.append(self._read_oldest())
         self._queue_sampling(sb, inp, logits, scores)
+
+    def _queue_pooling(self, sb: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """An embedding model's step: pool its hidden states instead of sampling, and count it as in flight."""
+        pooled = self.pooler.pool(sb.reqs, sb.extend_lens, hidden, self._to_host)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._newest_ids = None
+        self._inflight.append(LaunchedStep(sb, [], None, [None] * 4, event, pooled=pooled))
 
     def _queue_sampling(self, sb: ScheduledBatch, inp: StepInputs, logits: torch.Tensor,
                         scores: Optional[PromptScores]) -> None:
@@ -316,7 +335,7 @@ class ModelRunner:
         if inp.table_writes:
             self.table.replay(inp.table_writes)
         self._run(inp, self.forward_batch(inp))
-        if inp.num_sampled:
+        if inp.num_sampled and self.pooler is None:
             self._newest_ids = self.tp.broadcast(torch.empty(inp.num_sampled, dtype=torch.int64, device=self.device))
         else:
             self._newest_ids = None
@@ -336,11 +355,12 @@ class ModelRunner:
             token_ids, lps, top = step.wait()
             if step.prompt_scores is not None:
                 store_prompt_scores(step.prompt_scores)
+            embedded = step.pooled.store() if step.pooled is not None else []
         except Exception as e:  # noqa: BLE001 - the caller decides whether the engine survives it
             return CollectedStep(list(step.batch.reqs), [], e)
         finally:
             self.wait_s += time.perf_counter() - t0
-        out: List[SampledToken] = []
+        out: List[SampledToken] = [SampledToken(r, None, None) for r in embedded if not r.finished]
         for i, req in enumerate(step.sampling):
             if req.finished:
                 continue
@@ -360,8 +380,10 @@ class ModelRunner:
 
 
 def _accepted(s: SampledToken) -> SampledToken:
-    """Feed the token to its request's grammar (the next step's mask is made from the grammar's state)."""
-    if s.req.grammar is not None:
+    """Feed the token to its request's grammar (the next step's mask is made from the grammar's state); with a
+    thinking model's rule, only the answer's tokens reach the grammar (engine/thinking.py)."""
+    answer = s.req.thinking is None or s.req.thinking.advance(s.token_id)
+    if s.req.grammar is not None and answer:
         try:
             s.grammar_ended = s.req.grammar.advance(s.token_id)
         except Exception as e:  # noqa: BLE001 - fails this request alone

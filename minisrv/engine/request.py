@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Union
 
+from .thinking import ThinkingRule, ThinkingState
+
 if TYPE_CHECKING:
     from .text import TextStream
 
@@ -72,6 +74,8 @@ class SamplingParams:
     json_object: bool = False  # any JSON object
     regex: Optional[str] = None
     ebnf: Optional[str] = None  # an EBNF grammar (xgrammar's, GBNF-like) whose start rule is named root
+    # a thinking model's tags and budget (engine/thinking.py): a grammar then constrains only the answer
+    thinking: Optional[ThinkingRule] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -153,6 +157,10 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOPS or not all(_is_int(t) for t in self.stop_token_ids):
             raise RequestError(f"stop_token_ids must be at most {MAX_STOPS} integers", "stop_token_ids")
         self._validate_constraint()
+        if self.thinking is not None:
+            why = self.thinking.problem() if isinstance(self.thinking, ThinkingRule) else "it is not a ThinkingRule"
+            if why is not None:
+                raise RequestError(f"thinking: {why}", "thinking_budget" if "budget" in why else "thinking")
         object.__setattr__(self, "_validated", True)
 
     def _validate_constraint(self) -> None:
@@ -234,10 +242,14 @@ class Request:
     cache_node: Optional[object] = None  # the prefix-cache node it holds locked (kvcache.radix), if any
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at admission
     grammar: Optional[object] = None  # its structured-output state (engine/grammar.py GrammarState), if any
+    embedding: Optional[object] = None  # an embedding request's pooling (engine/pooling.py EmbeddingState)
+    thinking: Optional[ThinkingState] = None  # where its output is, with params.thinking (engine/thinking.py)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:  # only seeded rows use it (see sampler)
             self.sampling_seed = self.params.seed
+        if self.params.thinking is not None:
+            self.thinking = ThinkingState(self.params.thinking)
 
     @property
     def all_ids(self) -> List[int]:
@@ -259,6 +271,12 @@ class Request:
     @property
     def has_penalties(self) -> bool:
         return self.params.has_penalties
+
+    @property
+    def needs_accepted_tokens(self) -> bool:
+        """Whether its sampling needs its previous token accepted on the host: a grammar's mask, and a thinking
+        budget's forced end, are made from the tokens so far."""
+        return self.grammar is not None or (self.thinking is not None and self.params.thinking.budget is not None)
 
 
 @dataclass(frozen=True)
@@ -283,6 +301,8 @@ def check_request(prompt_ids: Sequence[int], params: SamplingParams, limits: Req
         raise RequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
     if params.logit_bias and any(t < 0 or t >= vocab for t in params.logit_bias):
         raise RequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+    if params.thinking is not None and any(t >= vocab for t in params.thinking.ids()):
+        raise RequestError(f"thinking token ids must be in [0, {vocab})", "thinking")
     if params.top_k > vocab:
         raise RequestError(f"top_k must be at most the vocabulary size {vocab} (or -1), got {params.top_k}", "top_k")
     limit = limits.max_request_len
@@ -318,15 +338,17 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: Optional[str] = None  # with finish_reason "error": what went wrong
     prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None  # with the first output, when asked for
+    embedding: Optional[object] = None  # an embedding request's vector (float32 numpy array), when it ends
 
     @classmethod
     def ended(cls, req: Request, reason: str, *, error: Optional[str] = None, num_cached_tokens: int = 0,
-              prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None) -> "RequestOutput":
-        """A request that ends without a new token: aborted, failed, or done scoring its prompt."""
+              prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None,
+              embedding: Optional[object] = None) -> "RequestOutput":
+        """A request that ends without a new token: aborted, failed, done scoring its prompt, or embedded."""
         return cls(rid=req.rid, new_token_ids=[], new_text="", new_logprobs=[], text_offsets=[], finished=True,
                    finish_reason=reason, num_prompt_tokens=len(req.prompt_ids),
                    num_output_tokens=len(req.output_ids), num_cached_tokens=num_cached_tokens, error=error,
-                   prompt_logprobs=prompt_logprobs)
+                   prompt_logprobs=prompt_logprobs, embedding=embedding)
 
     @classmethod
     def token(cls, req: Request, token_id: int, text: str, logprob: Optional[TokenLogprob], offset: int,

@@ -91,6 +91,8 @@ class SamplingBatch:
     grammar_rows: Optional[torch.Tensor] = None  # [G] those rows (None: every row); see engine/grammar.py
     bias_index: Optional[torch.Tensor] = None  # [2, N] (row, token) of every logit_bias entry of the step
     bias_values: Optional[torch.Tensor] = None  # [N] their biases
+    forced_rows: Optional[torch.Tensor] = None  # [F] rows whose token is decided (a thinking budget's end) ...
+    forced_ids: Optional[torch.Tensor] = None  # [F] ... and those tokens
 
     @classmethod
     def build(cls, reqs: List[Request], device: torch.device) -> "SamplingBatch":
@@ -129,6 +131,11 @@ class SamplingBatch:
                     vals.append(v)
             sb.bias_index = to_device([rows, ids], torch.int64, device)
             sb.bias_values = to_device(vals, torch.float32, device)
+        forced = [(i, r.thinking.forced()) for i, r in enumerate(reqs) if r.thinking is not None]
+        forced = [(i, t) for i, t in forced if t is not None]
+        if forced:
+            both = to_device([i for i, _ in forced] + [t for _, t in forced], torch.int64, device)
+            sb.forced_rows, sb.forced_ids = both[:len(forced)], both[len(forced):]
         return sb
 
 
@@ -211,6 +218,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> Tuple[torch.Tensor, Optio
         if fused is None:
             sampled = greedy_ids(scaled.sub_(e.log_()))
         ids = torch.where(sb.temperature > 0, sampled, greedy_ids(logits)) if sb.any_greedy else sampled
+    if sb.forced_rows is not None:  # decided whatever the logits say (engine/thinking.py); logprobs stay the model's
+        ids = ids.index_put((sb.forced_rows,), sb.forced_ids)
     chosen_lp = top = None
     if sb.max_logprobs >= 0:
         lp = torch.log_softmax(raw, dim=-1)

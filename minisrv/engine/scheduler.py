@@ -75,7 +75,7 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
         self.num_penalized = 0  # live requests using penalties (their sampling needs the real previous tokens)
-        self.num_constrained = 0  # live requests with a grammar (their mask needs the previous token accepted)
+        self.num_constrained = 0  # live requests with a grammar or thinking budget (need the previous token)
         # lpm's cached-prefix length of each waiting request, valid while the tree's contents and the request's
         # length are those it was measured at: rid -> (request, tree_changes, total_len, cached tokens)
         self.tree_changes = 0  # bumped whenever pages enter or leave the prefix tree
@@ -89,7 +89,7 @@ class Scheduler:
         self.waiting.append(req)
         self.by_id[req.rid] = req
         self.num_penalized += req.has_penalties
-        self.num_constrained += req.grammar is not None
+        self.num_constrained += req.needs_accepted_tokens
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -130,7 +130,7 @@ class Scheduler:
         req.finish_reason = reason
         self.by_id.pop(req.rid, None)
         self.num_penalized -= req.has_penalties
-        self.num_constrained -= req.grammar is not None
+        self.num_constrained -= req.needs_accepted_tokens
 
     # ------------------------------------------------------------------ memory
     def _pages_for(self, num_tokens: int) -> int:
@@ -194,8 +194,9 @@ class Scheduler:
 
     def _match(self, req: Request) -> Optional[PrefixMatch]:
         """The cached prefix a waiting request can start from (its last token is always computed)."""
-        if self.cache is None or req.solo or req.params.prompt_logprobs is not None:
-            return None  # prompt logprobs need every prompt position computed
+        if self.cache is None or req.solo or req.params.prompt_logprobs is not None or \
+                (req.embedding is not None and req.embedding.mean):
+            return None  # prompt logprobs and mean pooling need every prompt position computed
         m = self.cache.match_prefix(req.all_ids[:req.total_len - 1])
         return m if m.num_tokens else None
 
@@ -278,6 +279,8 @@ class Scheduler:
             remaining = req.total_len - start
             chunk = self.chunk if req.params.prompt_logprobs is None else min(self.chunk, SCORING_CHUNK)
             n = min(remaining, chunk, budget)
+            if remaining - n == 1 and not req.max_new_tokens:  # its last token would be left to a decode step,
+                n = n - 1 if n > 1 else remaining  # which a request that samples nothing never gets
             if n < remaining:
                 if chunked:
                     break  # one chunked request at a time

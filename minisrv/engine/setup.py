@@ -20,9 +20,11 @@ from minisrv.models.layers import fused_ops_for
 from minisrv.models.sharding import check_divisible
 from minisrv.models.fp8 import Fp8Linear
 from minisrv.models.loader import load_model, load_model_args, load_tokenizer, resolve_model_path
+from minisrv.models.pooling_config import PoolingConfig, resolve_pooling
 from minisrv.utils import ceil_div
 
 from .model_runner import ModelRunner
+from .pooling import Pooler
 from .request import Request, SamplingParams
 from .scheduler import ScheduledBatch
 
@@ -93,6 +95,7 @@ class EngineParts:
     runner: ModelRunner
     max_request_len: int  # prompt + output tokens one request may have
     workers: Optional[Any] = None  # rank 0 of a tensor-parallel engine: the other ranks' processes (TPWorkers)
+    pooling: Optional[PoolingConfig] = None  # an embedding model's pooling (None: a generation model)
 
 
 def tp_device(device: torch.device, rank: int, size: int) -> torch.device:
@@ -150,7 +153,9 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
     tp = init_tensor_parallel(tp_rank, cfg.tp_size, rendezvous, device,
                               (args.hidden_size, dtype) if cfg.enable_flashinfer_allreduce_fusion else None
                               ) if cfg.tp_size > 1 else TensorParallel.single()
-    model = load_model(model_path, args, dtype, device, context_length, fused, tp, cfg.quantization)
+    pooling = resolve_pooling(model_path, args, cfg.is_embedding)
+    model = load_model(model_path, args, dtype, device, context_length, fused, tp, cfg.quantization,
+                       embedding=pooling is not None)
     t_load = time.perf_counter() - t0
 
     a, plan = args, model.plan
@@ -176,7 +181,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
     max_request_len = min(context_length, pool.num_slots)
     backend = create_backend(backend_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel)
     graph_runner = None
-    if device.type == "cuda" and not cfg.disable_cuda_graph and backend.supports_cuda_graph:
+    if device.type == "cuda" and not cfg.disable_cuda_graph and backend.supports_cuda_graph and pooling is None:
         # CUDA-graph padding rows write their dummy K/V into a page of their own
         pad_page = allocator.alloc(1)[0]
         table.write(pad_row, 0, slots_for([pad_page], ps, 0, ps))
@@ -195,7 +200,8 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
         else:
             logger.warning("--enable-cascade-attention ignored: the %s backend has no cascade decode (fi has)",
                            backend_name)
-    runner = ModelRunner(model, backend, pool, table, device, graph_runner, tp, cascade)
+    runner = ModelRunner(model, backend, pool, table, device, graph_runner, tp, cascade,
+                         Pooler(pooling) if pooling is not None else None)
     if tp.enabled and tp_rank == 0:
         table.journal = []  # from here on, the other ranks replay rank 0's table writes
     fp8_weights = any(isinstance(m, Fp8Linear) for m in model.modules())
@@ -206,12 +212,14 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
                 if tp.enabled else "")
     logger.info("KV pool: %d tokens (%d pages of %d), %.2f GiB; context length %d; attention backend %s",
                 pool.num_slots, num_pages, ps, pool.nbytes / GiB, context_length, backend_name)
+    if pooling is not None:
+        logger.info("embedding model: %s", pooling.describe())
     if pool.quantized:
         logger.info("KV cache %s: %d tokens (%dx %s in the same memory; K/V scales %s)", cfg.kv_cache_dtype,
                     pool.num_slots, dtype.itemsize // kv_dtype.itemsize, str(dtype).replace("torch.", ""),
                     "from the checkpoint" if model.kv_scales is not None else "1.0")
     return EngineParts(device, model_path, args, tokenizer, sorted(eos), dtype, context_length, ps, backend_name,
-                       pool, allocator, table, pad_row, pad_page, runner, max_request_len)
+                       pool, allocator, table, pad_row, pad_page, runner, max_request_len, pooling=pooling)
 
 
 def _gpu_pool_tokens(cfg: EngineConfig, model: torch.nn.Module, backend_name: str, args: ModelArgs,

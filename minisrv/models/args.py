@@ -16,6 +16,10 @@ ARCHITECTURE_OF_MODEL_TYPE = {  # config.json's model_type (what a GGUF's config
 QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 ALWAYS_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")  # their sliding_window applies when set
+# a bare decoder without an LM head (what embedding checkpoints such as gte-Qwen name) -> its causal LM's name, so
+# that the rest of the config is read as that model's; ModelArgs.base_model remembers it
+BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
+               "MistralModel": "MistralForCausalLM"}
 
 
 @dataclass
@@ -47,6 +51,7 @@ class ModelArgs:
     norm_topk_prob: bool = True  # the k routing weights renormalised to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none), scaled by a sigmoid gate
     moe_layers: Tuple[int, ...] = ()  # the sparse layers; the others have a dense MLP
+    base_model: bool = False  # the config names a bare decoder (Qwen3Model, ...): an embedding model, no LM head
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id in self.moe_layers
@@ -56,6 +61,8 @@ class ModelArgs:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else ARCHITECTURE_OF_MODEL_TYPE.get(cfg.get("model_type", ""),
                                                                       cfg.get("model_type", "<none>"))
+        base_model = arch in BASE_MODELS
+        arch = BASE_MODELS.get(arch, arch)
         heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_scaling") or {})
         params = cfg.get("rope_parameters") or {}  # transformers >= 5 moves rope settings here
@@ -94,6 +101,7 @@ class ModelArgs:
             bos_token_id=cfg.get("bos_token_id"),
             sliding_window=int(window) if window else None,
             quantization_config=cfg.get("quantization_config") or None,
+            base_model=base_model,
             **_experts(arch, cfg),
         )
 

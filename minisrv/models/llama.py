@@ -125,3 +125,14 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     pass
+
+
+class LlamaForEmbedding(LlamaForCausalLM):
+    """Any of the decoders above without its LM head, for an embedding model: the final norm's hidden states are
+    pooled (engine/pooling.py), so no head is built or loaded. compute_logits, which only the GPU's activation
+    probe calls for it, multiplies by the embedding matrix as a tied head would."""
+
+    def __init__(self, args: ModelArgs, max_positions: int, fused_ops: Optional[Any] = None,
+                 tp: Optional[TensorParallel] = None, quantization: Optional[str] = None) -> None:
+        super().__init__(args, max_positions, fused_ops, tp, quantization)
+        self.lm_head = None

@@ -30,16 +30,18 @@ __all__ = ["WeightLoadError", "StoredTensor", "default_model_path", "resolve_mod
 
 def empty_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
                 fused_ops: Optional[Any] = None, tp: Optional[TensorParallel] = None,
-                quantization: Optional[str] = None) -> nn.Module:
+                quantization: Optional[str] = None, embedding: bool = False) -> nn.Module:
     """The model with its parameters allocated but not filled: built on the meta device (no weight init is run),
     with `dtype` as torch's default meanwhile so that every layer is made in the model's dtype as it is built (FP8
     layers keep their float8 weights and float32 scales: a cast afterwards would widen them). Its projections are
-    FP8 layers with quantization "fp8" (filled by the loader, which quantises each tensor as it reads it)."""
+    FP8 layers with quantization "fp8" (filled by the loader, which quantises each tensor as it reads it).
+    `embedding`: the decoder without its LM head (an embedding model's)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = model_class(args.architecture)(args, max_positions, fused_ops, tp, quantization=quantization)
+            model = model_class(args.architecture, embedding)(args, max_positions, fused_ops, tp,
+                                                              quantization=quantization)
     finally:
         torch.set_default_dtype(previous)
     model = model.to_empty(device=device)
@@ -51,16 +53,17 @@ def empty_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, max_p
 
 def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
                fused_ops: Optional[Any] = None, tp: Optional[TensorParallel] = None,
-               quantization: Optional[str] = None) -> nn.Module:
+               quantization: Optional[str] = None, embedding: bool = False) -> nn.Module:
     """Build the model without running any weight init (meta device), then fill it from the checkpoint.
     `fused_ops`: the fused-kernel module its layers use (see layers.fused_ops_for), or None for plain torch.
     `tp`: this rank's place in a tensor-parallel group; only its shard is read and held.
     `quantization`: "fp8" makes the projection layers FP8 (see fp8.py), each checkpoint tensor quantised as it is
     read; an FP8 checkpoint always loads that way (dequantised, rounded to the model's dtype, requantised per row).
+    `embedding`: an embedding model, without an LM head (a checkpoint's lm_head is then skipped).
     The model's `kv_scales` holds the checkpoint's per-layer K/V scales, or None."""
     fp8_format = fp8_checkpoint_format(args.quantization_config)
     model = empty_model(args, dtype, device, max_positions, fused_ops, tp,
-                        "fp8" if quantization == "fp8" or fp8_format is not None else None)
+                        "fp8" if quantization == "fp8" or fp8_format is not None else None, embedding)
     if is_gguf(path):  # quantised blocks are dequantised whole, one tensor at a time, then sliced
         source = ((name, StoredTensor.in_memory(w)) for name, w in iter_gguf(path, args))
     else:

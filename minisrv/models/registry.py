@@ -5,8 +5,8 @@ from typing import Dict, Type
 
 from torch import nn
 
-from .llama import (LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM,
-                    Qwen3ForCausalLM, Qwen3MoeForCausalLM)
+from .llama import (LlamaForCausalLM, LlamaForEmbedding, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM,
+                    Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 
 MODEL_REGISTRY: Dict[str, Type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -23,9 +23,11 @@ class UnsupportedArchitecture(ValueError):
     pass
 
 
-def model_class(architecture: str) -> Type[nn.Module]:
+def model_class(architecture: str, embedding: bool = False) -> Type[nn.Module]:
+    """embedding: the architecture's decoder without its LM head (every one shares LlamaForCausalLM's)."""
     try:
-        return MODEL_REGISTRY[architecture]
+        cls = MODEL_REGISTRY[architecture]
+        return LlamaForEmbedding if embedding else cls
     except KeyError:
         raise UnsupportedArchitecture(
             f"architecture {architecture!r} is not supported; supported: {', '.join(sorted(MODEL_REGISTRY))}"

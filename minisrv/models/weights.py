@@ -132,8 +132,10 @@ def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, StoredTensor]], 
         name = canonical_name(name)
         if "rotary_emb.inv_freq" in name:
             continue
-        if name == "lm_head.weight" and args.tie_word_embeddings:
-            continue  # some checkpoints store the tied head too
+        if name == "lm_head.weight" and "lm_head.weight" not in expected:
+            continue  # some checkpoints store the tied head too; an embedding model has none
+        if not name.startswith("model.") and "model." + name in expected:
+            name = "model." + name  # a bare decoder's checkpoint (Qwen3Model, ...) names its tensors without it
         shape = tuple(stored.shape)
         if name not in expected:
             raise WeightLoadError(f"unexpected tensor {name!r} (shape {shape}) in the checkpoint")

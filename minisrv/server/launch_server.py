@@ -24,6 +24,7 @@ import sys
 from typing import List, NoReturn, Optional
 
 from minisrv.config import EngineConfig
+from minisrv.server.reasoning_plan import PARSERS as REASONING_PARSERS
 from minisrv.server.tools import PARSERS
 
 from .http_policy import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S, HTTPPolicy, split_list
@@ -53,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="auto", choices=PARSERS,
                    help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3), "
                         "llama3_json (Llama 3.x), or auto (read from the chat template)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split a thinking model's <think>...</think> into reasoning_content: qwen3 (the model "
+                        "opens it), deepseek_r1 (the prompt opens it: DeepSeek-R1 and its distills), or auto (read "
+                        "from the chat template); enables thinking_budget (default: off, the thinking stays in "
+                        "content)")
     p.add_argument("--allowed-origins", default=None, metavar="O1,O2",
                    help="browser origins (scheme://host[:port]) whose requests are served, with CORS headers (and "
                         "preflights answered without the API key); '*' allows any. By default a request that "
@@ -167,7 +173,8 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
 
     client = EngineClient(cfg)
     state = ServerState(client=client, served_model_name=served, model_aliases=aliases, api_key=args.api_key,
-                        http=policy, tool_call_parser=args.tool_call_parser)
+                        http=policy, tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser)
     debug = args.log_level.lower() == "debug"
     config = uvicorn.Config(create_app(state), log_level="debug" if debug else "warning", access_log=debug,
                             lifespan="off", http=deadline_protocol(args.request_read_timeout),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
+from minisrv.engine.pooling import PoolingParams
 from minisrv.engine.request import RequestLimits, RequestOutput, SamplingParams
 
 
@@ -26,11 +27,13 @@ class EngineInfo:
     vocab_size: int
     eos_ids: List[int] = field(default_factory=list)
     kv_tokens: int = 0
+    embedding_dim: int = 0  # an embedding model's vector size (it serves /v1/embeddings only); 0: a generation model
 
     @classmethod
     def from_engine(cls, engine: Any) -> "EngineInfo":
         return cls(str(engine.model_path), engine.backend_name, str(engine.device), engine.context_length,
-                   engine.max_request_len, engine.args.vocab_size, list(engine.eos_ids), engine.pool.num_slots)
+                   engine.max_request_len, engine.args.vocab_size, list(engine.eos_ids), engine.pool.num_slots,
+                   engine.pooling.dim if engine.pooling is not None else 0)
 
     @property
     def limits(self) -> RequestLimits:
@@ -40,11 +43,12 @@ class EngineInfo:
 # ---------------------------------------------------------------------------------------------- HTTP -> engine
 @dataclass(frozen=True)
 class AddRequest:
-    """Queue a request (already validated on the HTTP side; the engine checks it again)."""
+    """Queue a request (already validated on the HTTP side; the engine checks it again). PoolingParams in place
+    of SamplingParams: an embedding request (engine/pooling.py)."""
 
     rid: str
     prompt_ids: List[int]
-    params: SamplingParams
+    params: Union[SamplingParams, PoolingParams]
 
 
 @dataclass(frozen=True)

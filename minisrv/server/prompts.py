@@ -9,6 +9,7 @@ whose length in characters already proves it longer than the model's limit is re
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -21,6 +22,8 @@ from .errors import APIError, validation_message
 from .jsonbody import parse as parse_json
 from .state import ServerState
 
+# names a client's chat_template_kwargs may not use: the template's own inputs, set by the server
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "chat_template", "tools", "documents"})
 INLINE_BODY_BYTES = 16384  # larger bodies are parsed, templated and tokenized in a worker thread
 ASYNC_ENCODE_CHARS = 16384  # so are longer texts (a chat template can make a long text of a short body)
 
@@ -78,3 +81,17 @@ def template_messages(body: Any) -> List[Dict[str, Any]]:
             d["role"] = "system"
         msgs.append(d)
     return msgs
+
+
+def template_kwargs(tokenizer: Any, kwargs: Any) -> Dict[str, Any]:
+    """A request's chat_template_kwargs (extra variables for the chat template, e.g. Qwen3's enable_thinking), as
+    apply_chat_template takes them. Names of apply_chat_template's own arguments, and of what the server sets
+    (messages, tools, a template of the client's own), are refused: they would change how the prompt is made, not
+    what the template says. A 400 (APIError) otherwise."""
+    if not kwargs:
+        return {}
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) | RESERVED_TEMPLATE_KWARGS
+    for key in kwargs:
+        if not key.isidentifier() or key in own:
+            raise APIError(400, f"chat_template_kwargs may not set {key!r}", param="chat_template_kwargs")
+    return dict(kwargs)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_serializer
 
 from minisrv.engine.request import MAX_LOGPROBS
 
@@ -115,6 +115,11 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     functions: Optional[List[Any]] = None  # the legacy form of tools / tool_choice, mapped onto them
     function_call: Optional[Any] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None  # extra template variables ({"enable_thinking": false})
+    # thinking models (server/reasoning_plan.py): the thinking apart from content, and its budget in tokens
+    separate_reasoning: StrictBool = True
+    thinking_budget: Optional[StrictInt] = None
+    custom_params: Optional[Dict[str, Any]] = None  # SGLang's; only its thinking_budget is read
 
 
 # ---------------------------------------------------------------------------------------------- responses
@@ -171,7 +176,24 @@ class ChatLogprobs(BaseModel):
     content: Optional[List[ChatTokenLogprob]] = None
 
 
-class ChatResponseMessage(BaseModel):
+class _WithReasoning(BaseModel):
+    """A message or delta that may carry a thinking model's reasoning, under SGLang's and vLLM's name and under
+    vLLM's newer one; the two keys are left out where there is none, so that other responses keep their shape."""
+
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_reasoning(self, handler: Any) -> Dict[str, Any]:
+        d = handler(self)
+        for key in ("reasoning_content", "reasoning"):  # after the message's own fields, where there is some
+            value = d.pop(key, None)
+            if value is not None:
+                d[key] = value
+        return d
+
+
+class ChatResponseMessage(_WithReasoning):
     role: str = "assistant"
     content: Optional[str] = None
     tool_calls: Optional[List[Dict[str, Any]]] = None
@@ -194,7 +216,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: Optional[str] = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_WithReasoning):
     role: Optional[str] = None
     content: Optional[str] = None
     tool_calls: Optional[List[Dict[str, Any]]] = None

@@ -8,10 +8,12 @@ then content deltas, then a delta-less chunk with the finish reason.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .generation import Choice
 from .logprobs import PositionedLogprob, TokenText, chat_logprobs, completion_logprobs
+from .reasoning import ReasoningStream
+from .reasoning_plan import ReasoningPlan
 from .tools import ToolPlan, content_prefix_len, parse_tool_calls
 from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatResponseMessage,
                        ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse,
@@ -98,7 +100,9 @@ class CompletionRenderer:
 class ChatRenderer:
     """With tools, a choice's text is read back into tool_calls (server/tools.py). Streamed, the text that may be a
     tool call is held back; at the end each call is sent as OpenAI streams it: a delta with its id and name, then
-    one with its arguments."""
+    one with its arguments. With a reasoning parser, the thinking is split off first (server/reasoning.py): it
+    goes to reasoning_content (or stays in content, with separate_reasoning false), and only the answer after it
+    is content and read for tool calls."""
 
     id: str
     model: str
@@ -108,6 +112,8 @@ class ChatRenderer:
     tools: Optional[ToolPlan] = None
     fingerprint: Optional[str] = None
     created: int = field(default_factory=now)
+    reasoning: Optional[ReasoningPlan] = None
+    _streams: Dict[int, ReasoningStream] = field(default_factory=dict)  # per choice, while streaming
 
     def _chunk(self, index: int, delta: DeltaMessage, lps: Sequence[PositionedLogprob],
                finish: Optional[str]) -> Any:
@@ -125,28 +131,42 @@ class ChatRenderer:
 
     def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
                finish_reason: Optional[str]) -> List[Any]:
+        out, answer = [], choice.text
+        if self.reasoning is not None:  # the thinking first; `text` and `answer` become the answer's
+            split = self._streams.setdefault(choice.index, self.reasoning.stream())
+            piece = split.feed(text, final=finish_reason is not None)
+            if self.reasoning.separate and piece.reasoning:
+                delta = DeltaMessage(reasoning_content=piece.reasoning, reasoning=piece.reasoning)
+            elif not self.reasoning.separate and piece.raw:
+                delta = DeltaMessage(content=piece.raw)
+            else:
+                delta = None
+            if delta is not None:
+                out.append(self._chunk(choice.index, delta, logprobs, None))
+                logprobs = []
+            text, answer = piece.answer, split.answer
         if self._tools_on():
-            return self._tool_chunks(choice, logprobs, finish_reason)
-        out = []
+            return out + self._tool_chunks(choice, answer, logprobs, finish_reason)
         if text or logprobs:
             out.append(self._chunk(choice.index, DeltaMessage(content=text), logprobs, None))
         if finish_reason:
             out.append(self._chunk(choice.index, DeltaMessage(), [], finish_reason))
         return out
 
-    def _tool_chunks(self, choice: Choice, logprobs: List[PositionedLogprob],
+    def _tool_chunks(self, choice: Choice, answer: str, logprobs: List[PositionedLogprob],
                      finish_reason: Optional[str]) -> List[Any]:
+        """`answer`: the choice's text so far, after any thinking; choice.sent counts what of it was shown."""
         plan, out = self.tools, []
         if not finish_reason:
-            sure = content_prefix_len(choice.text, plan) if plan.mode == "auto" else 0
+            sure = content_prefix_len(answer, plan) if plan.mode == "auto" else 0
             if sure > choice.sent or logprobs:
-                out.append(self._chunk(choice.index, DeltaMessage(content=choice.text[choice.sent:sure]), logprobs,
+                out.append(self._chunk(choice.index, DeltaMessage(content=answer[choice.sent:sure]), logprobs,
                                        None))
                 choice.sent = max(choice.sent, sure)
             return out
-        content, calls = parse_tool_calls(choice.text, plan)
+        content, calls = parse_tool_calls(answer, plan)
         if not calls:
-            rest = choice.text[choice.sent:]
+            rest = answer[choice.sent:]
             if rest or logprobs:
                 out.append(self._chunk(choice.index, DeltaMessage(content=rest), logprobs, None))
             out.append(self._chunk(choice.index, DeltaMessage(), [], finish_reason))
@@ -167,13 +187,26 @@ class ChatRenderer:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage,
                                    system_fingerprint=self.fingerprint)
 
-    def _message(self, ch: Choice) -> Any:
+    def _message(self, ch: Choice) -> Tuple[Any, Optional[str]]:
+        answer, head, reasoning = ch.text, "", None
+        if self.reasoning is not None:
+            split = self.reasoning.split(ch.text)
+            answer = split.answer
+            if self.reasoning.separate:
+                reasoning = split.reasoning or None
+            else:
+                head = split.raw  # the thinking stays in content, before the answer
+        content: Optional[str] = answer
+        calls: list = []
         if self._tools_on():
-            content, calls = parse_tool_calls(ch.text, self.tools)
-            if calls:
-                return ChatResponseMessage(content=content, tool_calls=[c.to_openai() for c in calls]), \
-                    _call_finish(ch.finish_reason)
-        return ChatResponseMessage(content=ch.text), ch.finish_reason
+            content, calls = parse_tool_calls(answer, self.tools)
+        if head:
+            content = head + (content or "")
+        elif reasoning is not None and not content:
+            content = None  # it only thought (cut off by max_tokens, or an answer of tool calls)
+        message = ChatResponseMessage(content=content, tool_calls=[c.to_openai() for c in calls] or None,
+                                      reasoning_content=reasoning, reasoning=reasoning)
+        return message, _call_finish(ch.finish_reason) if calls else ch.finish_reason
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any:
         out = []

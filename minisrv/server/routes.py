@@ -33,11 +33,13 @@ from fastapi.responses import JSONResponse, Response
 from minisrv.engine.grammar import check_grammar
 from minisrv.engine.request import RequestError, SamplingParams, check_request
 
+from .embedding_routes import add_embedding_routes, refuse_generation
 from .errors import ENGINE_UNAVAILABLE, SERVER, APIError, error_response, install_error_handlers
 from .gate import Gate
 from .generation import Generation, serve
-from .prompts import ASYNC_ENCODE_CHARS, encode, off_loop, parse_body, template_messages
+from .prompts import ASYNC_ENCODE_CHARS, encode, off_loop, parse_body, template_kwargs, template_messages
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .reasoning_plan import plan_reasoning, thinking_budget
 from .render import ChatRenderer, CompletionRenderer
 from .state import ServerState
 from .tokenizer_routes import add_tokenizer_routes
@@ -88,11 +90,13 @@ def create_app(state: ServerState) -> FastAPI:
         return await _chat(state, body, request, large)
 
     add_tokenizer_routes(app, state)
+    add_embedding_routes(app, state)
     return app
 
 
 def _check_common(state: ServerState, body: Any) -> None:
     state.check_model(body.model)
+    refuse_generation(state)
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise APIError(400, "best_of other than n is not supported", param="best_of")
     if body.stream_options is not None and not body.stream:
@@ -219,6 +223,8 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     with _fields_named(names):
         params = _sampling_params(body, max_tokens=max_tokens, logprobs=top_n if want_lp else None, **grammar)
     tools_kw = {"tools": plan.template_tools} if plan.template_tools is not None else {}
+    tools_kw.update(template_kwargs(tok, body.chat_template_kwargs))
+    budget = thinking_budget(body.thinking_budget, body.custom_params)
 
     def template() -> str:
         try:
@@ -229,6 +235,10 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception, bad roles) are the client's
             raise APIError(400, f"chat template failed: {e}", param="messages") from None
 
+    text = await off_loop(large, template)
+    # a thinking model: the text's split, and the engine's rule (the budget; a grammar only after the thinking)
+    reasoning, params.thinking = plan_reasoning(state.reasoning, text, body.separate_reasoning, budget)
+
     def prepare(text: str) -> List[int]:
         ids = encode(state, text, False, "messages")
         with _fields_named(names):
@@ -236,9 +246,8 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         check_grammar(params)
         return ids
 
-    text = await off_loop(large, template)
     ids = await off_loop(large or len(text) > ASYNC_ENCODE_CHARS, lambda: prepare(text))
     renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", state.served_model_name, state.token_text, want_lp,
-                            top_n, plan, state.fingerprint)
+                            top_n, plan, state.fingerprint, reasoning=reasoning)
     return await serve(state, request, Generation([ids], params, body.n or 1), renderer, bool(body.stream),
                        _stream_usage(body))

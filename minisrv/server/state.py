@@ -15,6 +15,7 @@ from .logprobs import TokenText
 from .messages import EngineInfo
 from .metrics import ServerMetrics
 from .protocol import ModelCard, now
+from .reasoning_plan import ReasoningFormat, resolve_reasoning
 
 
 @dataclass
@@ -33,6 +34,8 @@ class ServerState:
     token_text: Optional[TokenText] = None
     max_token_chars: Optional[int] = None  # see max_token_chars(); None: unknown, no early length check
     tool_call_parser: str = "auto"  # hermes | llama3_json | auto (from the chat template); see tools.py
+    reasoning_parser: Optional[str] = None  # qwen3 | deepseek_r1 | auto | None; resolved by attach (reasoning_plan.py)
+    reasoning: Optional[ReasoningFormat] = None
     stopping: bool = False  # the shutdown's grace period is over: what still runs is ended (see stop)
     on_stop: Set[Callable[[], None]] = field(default_factory=set)  # what stop() tells
 
@@ -42,6 +45,7 @@ class ServerState:
 
     def attach(self, tokenizer: Any, info: EngineInfo) -> None:
         """The engine is up: from now on requests are served."""
+        self.reasoning = resolve_reasoning(self.reasoning_parser, tokenizer)  # ValueError: it cannot serve this one
         self.tokenizer, self.info = tokenizer, info
         self.token_text = TokenText(tokenizer)
         self.max_token_chars = max_token_chars(tokenizer)

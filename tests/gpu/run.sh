@@ -98,7 +98,7 @@ for phase in "${@:-smoke}"; do
     # the small-batch FP8 GEMM's tests alone: the kernel and every launch rule on Llama-3-8B's shapes against _scaled_mm
     gemm-e2e) step gemm-e2e 300 python3 -m pytest -q -s -rs tests/gpu/test_fp8_weights.py -k "small_batch or launch_rule" ;;
     sampling) step sampling 300 python3 -m pytest -q tests/gpu/test_sampling.py ;;
-    grammar) step grammar 300 python3 -m pytest -q -s tests/gpu/test_grammar.py ;;
+    grammar) step grammar 300 python3 -m pytest -q -s tests/gpu/test_grammar.py tests/gpu/test_thinking.py ;;
     overlap) step overlap 400 python3 -m pytest -q -s tests/gpu/test_overlap.py ;;
     cascade) step cascade 500 python3 -m pytest -q -s -rs tests/gpu/test_cascade.py ;;
     bench) step bench 300 $BENCH --attention-backend auto ;;

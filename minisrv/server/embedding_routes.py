@@ -1,0 +1,119 @@
+"""POST /v1/embeddings, OpenAI's shape, on an embedding model (engine/pooling.py); and the refusal of generation
+requests on such a model.
+
+A server is either an embedding server or a generation server (EngineInfo.embedding_dim says which): asking one for
+what only the other serves is a 400 naming the endpoint to use, never a half-served request. The body's inputs (a
+string, a list of strings, a list of token ids, or a list of token-id lists) are each tokenized (with the
+tokenizer's special tokens, as sentence-transformers does) and checked here with the engine's own check
+(`check_embedding_input`), so an empty, out-of-vocabulary or too-long input is a 400 before anything is queued.
+Each input is one engine request, all submitted at once so that the engine batches their prefills; they travel the
+generation endpoints' path (generation.run_jobs: the engine's refusal, failure or death, the server's stop, and a
+client that leaves are handled there once). `dimensions` truncates the vectors in the engine (then normalises them
+again when the model's are unit length); `encoding_format` "base64" sends each as the base64 of its little-endian
+float32 bytes, as OpenAI does.
+"""
+from __future__ import annotations
+
+import base64
+import uuid
+from typing import Any, List, Literal, Optional, Union
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from minisrv.engine.pooling import PoolingParams, check_embedding_input
+from .errors import APIError
+from .generation import Job, run_jobs
+from .prompts import ASYNC_ENCODE_CHARS, encode, off_loop, parse_body
+from .state import ServerState
+from .streaming import unless_disconnected
+
+MAX_INPUTS = 2048  # inputs per request (OpenAI's limit)
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    input: Any  # str | list[str] | list[int] | list[list[int]], checked below
+    model: Optional[str] = None
+    dimensions: Optional[int] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    user: Optional[str] = None
+
+    @field_validator("input")
+    @classmethod
+    def _input_shape(cls, v: Any) -> Union[str, List[str], List[int], List[List[int]]]:
+        def is_ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if v == "" or v == [] or (isinstance(v, list) and any(x == "" or x == [] for x in v)):
+            raise ValueError("input must not be empty, nor hold an empty string or an empty token list")
+        if isinstance(v, str) or (isinstance(v, list) and (all(isinstance(p, str) for p in v) or is_ids(v)
+                                                           or all(is_ids(p) for p in v))):
+            return v
+        raise ValueError("input must be a string, a list of strings, a list of token ids or a list of token-id "
+                         "lists")
+
+
+def refuse_generation(state: ServerState) -> None:
+    """Completions and chat on an embedding model: a 400 naming the endpoint it serves."""
+    if state.info.embedding_dim:
+        raise APIError(400, "this model is an embedding model: it serves /v1/embeddings, not completions or chat",
+                       param="model", code="model_is_embedding")
+
+
+def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body, large = await parse_body(request, EmbeddingRequest)
+        return await _embeddings(state, body, request, large)
+
+
+async def _embeddings(state: ServerState, body: EmbeddingRequest, request: Request, large: bool) -> Response:
+    state.check_model(body.model)
+    info = state.info
+    params = PoolingParams(body.dimensions)
+    raw = body.input
+    if isinstance(raw, str) or isinstance(raw[0], int):
+        raw = [raw]
+    if len(raw) > MAX_INPUTS:
+        raise APIError(400, f"a request may embed at most {MAX_INPUTS} inputs, got {len(raw)}", param="input")
+    if not info.embedding_dim:
+        raise APIError(400, "this model generates text and serves no embeddings: /v1/embeddings needs an embedding "
+                            "model (one with sentence-transformers pooling files or no LM head, or one served with "
+                            "--is-embedding)", param="model", code="model_not_embedding")
+
+    def prepare() -> List[List[int]]:
+        inputs = []
+        for x in raw:
+            ids = encode(state, x, True, "input") if isinstance(x, str) else list(x)
+            check_embedding_input(ids, info.embedding_dim, params, info.limits)
+            inputs.append(ids)
+        return inputs
+
+    size = sum(len(x) for x in raw)  # characters or token ids
+    inputs = await off_loop(large or size > ASYNC_ENCODE_CHARS, prepare)
+    rid = f"embd-{uuid.uuid4().hex}"
+    jobs = [Job(i, f"{rid}-{i}", ids, params) for i, ids in enumerate(inputs)]
+    vectors: List[Optional[np.ndarray]] = [None] * len(jobs)
+
+    async def collect() -> None:
+        async for step in run_jobs(state, jobs):
+            for index, out in step:
+                if out.finished:
+                    vectors[index] = out.embedding
+
+    await unless_disconnected(request, collect())
+    n = sum(len(ids) for ids in inputs)
+    data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
+            for i, v in enumerate(vectors)]
+    return JSONResponse({"object": "list", "data": data, "model": state.served_model_name,
+                         "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+
+def _encoded(v: np.ndarray, encoding_format: str) -> Union[List[float], str]:
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
+    return np.asarray(v, dtype=np.float32).tolist()

@@ -1,0 +1,150 @@
+"""Which reasoning parser the server uses (`--reasoning-parser`), and what it means for one chat request.
+
+At startup, `resolve_reasoning` turns the flag into a `ReasoningFormat`: the style (qwen3 or deepseek_r1) and the
+token ids of `<think>` and `</think>`. `auto` reads the chat template, as SGLang's and vLLM's users otherwise must:
+a template whose generation prompt already ends with `<think>` makes the model start inside its thinking
+(DeepSeek-R1 and its distills, Qwen3-Thinking-2507: deepseek_r1); one that otherwise mentions the tags or
+`enable_thinking` lets the model open it (Qwen3: qwen3); any other template means a model that does not think (no
+parser, nothing changes). The tags must be single tokens whose text survives decoding (not special tokens, which
+skip_special_tokens drops): the engine finds the end of the thinking by token id, to force it (a thinking budget)
+and to start a grammar after it. An explicit parser whose tokenizer lacks them fails the startup; `auto` then
+falls back to no parser, with a warning.
+
+Per request, `plan_reasoning` reads the templated prompt: a prompt that ends with `</think>` closed the thinking
+(Qwen3 with enable_thinking false): the output is all answer, and the engine gets no rule; one that ends with
+`<think>` opened it; otherwise the parser's style decides (deepseek_r1: inside, qwen3: the model's choice). The
+engine's part is a ThinkingRule on the request's SamplingParams (engine/thinking.py); the text's part is the
+renderer's `ReasoningPlan` (server/reasoning.py splits the text).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+from minisrv.engine.request import RequestError
+from minisrv.engine.thinking import ThinkingRule
+
+from .reasoning import END, INSIDE, NONE, OPTIONAL, START, ReasoningStream, Split, split_reasoning
+
+logger = logging.getLogger("minisrv.server")
+
+PARSERS = ("qwen3", "deepseek_r1", "auto")
+STARTS_INSIDE = {"qwen3": False, "deepseek_r1": True}  # a style's default, when the prompt says nothing
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """The server's reasoning parser, resolved against its tokenizer."""
+
+    name: str  # qwen3 | deepseek_r1
+    start_id: int
+    end_id: int
+    start: str = START
+    end: str = END
+
+
+@dataclass(frozen=True)
+class ReasoningPlan:
+    """How one chat request's output text is split (the renderer's part)."""
+
+    mode: str  # reasoning.INSIDE | OPTIONAL | NONE
+    separate: bool = True  # separate_reasoning: false leaves the thinking in content
+    start: str = START
+    end: str = END
+
+    def split(self, text: str) -> Split:
+        return split_reasoning(text, self.mode, self.start, self.end)
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self.mode, self.start, self.end)
+
+
+def _template_text(tokenizer: Any) -> Optional[str]:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    return template if isinstance(template, str) and template else None
+
+
+def detect_parser(tokenizer: Any) -> Optional[str]:
+    """The parser a chat template calls for (see the module docstring), or None for a model that does not think."""
+    template = _template_text(tokenizer)
+    if template is None:
+        return None
+    try:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                               tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that needs more (a system turn, tools): judged by its text alone
+        prompt = ""
+    if isinstance(prompt, str) and prompt.rstrip().endswith(START):
+        return "deepseek_r1"
+    if START in template or END in template or "enable_thinking" in template:
+        return "qwen3"
+    return None
+
+
+def _single_token(tokenizer: Any, tag: str) -> Optional[int]:
+    """The id of the one token that is `tag` and decodes back to it (skipping special tokens), else None."""
+    try:
+        ids = tokenizer(tag, add_special_tokens=False).input_ids
+        if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == tag:
+            return ids[0]
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot say: no such token
+        pass
+    return None
+
+
+def resolve_reasoning(setting: Optional[str], tokenizer: Any) -> Optional[ReasoningFormat]:
+    """The flag, against the tokenizer; None: no parser. Raises ValueError for a parser this tokenizer cannot
+    serve (an explicit one; `auto` falls back to none)."""
+    if setting is None:
+        return None
+    if setting not in PARSERS:
+        raise ValueError(f"--reasoning-parser must be one of {', '.join(PARSERS)}, got {setting!r}")
+    name = detect_parser(tokenizer) if setting == "auto" else setting
+    if name is None:
+        logger.info("--reasoning-parser auto: the chat template does not think; no reasoning parser")
+        return None
+    start_id, end_id = _single_token(tokenizer, START), _single_token(tokenizer, END)
+    if start_id is None or end_id is None:
+        why = (f"--reasoning-parser {name}: the tokenizer has no single, non-special token for "
+               f"{START if start_id is None else END}")
+        if setting == "auto":
+            logger.warning("%s; no reasoning parser", why)
+            return None
+        raise ValueError(why)
+    logger.info("reasoning parser: %s", name)
+    return ReasoningFormat(name, start_id, end_id)
+
+
+def thinking_budget(budget: Any, custom_params: Any) -> Optional[int]:
+    """The request's thinking budget: `thinking_budget`, or SGLang's `custom_params: {"thinking_budget": N}`
+    (its custom logit processor itself is never run: the budget is built in). Raises RequestError."""
+    alt = custom_params.get("thinking_budget") if isinstance(custom_params, dict) else None
+    for value, param in ((budget, "thinking_budget"), (alt, "custom_params")):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise RequestError(f"thinking_budget must be a non-negative integer, got {value!r}", param)
+    if budget is not None and alt is not None and budget != alt:
+        raise RequestError("thinking_budget and custom_params.thinking_budget differ", "thinking_budget")
+    return budget if budget is not None else alt
+
+
+def plan_reasoning(fmt: Optional[ReasoningFormat], prompt: str, separate: bool,
+                   budget: Optional[int]) -> Tuple[Optional[ReasoningPlan], Optional[ThinkingRule]]:
+    """A chat request's split (None: no parser) and its engine rule (None: no thinking to follow)."""
+    if fmt is None:
+        if budget is not None:
+            raise RequestError("thinking_budget needs a server started with --reasoning-parser", "thinking_budget")
+        return None, None
+    tail = prompt.rstrip()
+    if tail.endswith(fmt.end):
+        mode = NONE
+    elif tail.endswith(fmt.start) or STARTS_INSIDE[fmt.name]:
+        mode = INSIDE
+    else:
+        mode = OPTIONAL
+    plan = ReasoningPlan(mode, separate, fmt.start, fmt.end)
+    if mode == NONE:
+        return plan, None
+    return plan, ThinkingRule(fmt.end_id, fmt.start_id, mode == INSIDE, budget)
