@@ -8,11 +8,9 @@ tests/test_server.py covers the same paths end to end with the real engine.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import httpx
 import pytest
 import zmq
 
@@ -24,6 +22,8 @@ from minisrv.server.messages import (AbortRequest, AddRequest, EngineInfo, Engin
                                      StatsQuery, StepOutputs)
 from minisrv.server.routes import create_app
 from minisrv.server.state import ServerState
+
+from .helpers.local_engine import call, events
 
 VOCAB = 49152
 CONTEXT = 8192
@@ -102,20 +102,6 @@ def make_app(tokenizer, engine: ScriptedEngine):
     return state, create_app(state)
 
 
-def call(app, path: str, body: Dict[str, Any]) -> httpx.Response:
-    async def run() -> httpx.Response:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
-            return await h.post(path, json=body, timeout=30)
-    return asyncio.run(run())
-
-
-def events(r: httpx.Response) -> List[Any]:
-    out = []
-    for line in r.text.split("\n\n"):
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 def finished(state: ServerState, reason: str) -> float:

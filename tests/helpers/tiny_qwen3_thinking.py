@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from .tiny_models import init_weights
+
 SEED = 31
 THINK, END_THINK = "<think>", "</think>"
 
@@ -53,13 +55,7 @@ def build_tiny_qwen3_thinking(path: str) -> str:
         pad_token_id=tok.pad_token_id)
     torch.manual_seed(SEED)
     model = transformers.Qwen3ForCausalLM(cfg)
-    g = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * (torch.rand(p.shape, generator=g) - 0.5))
-            else:
-                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+    init_weights(model, SEED)  # (no biases in Qwen3: the draws of tiny_qwen2's loop, in the same order)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     with open(os.path.join(path, "config.json")) as f:
