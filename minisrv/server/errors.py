@@ -16,11 +16,15 @@ the openai package dispatch on the status and read `param`/`code`; each failure 
   503 server_error           the engine is loading, stopped or gone (code engine_unavailable), or the server is
                              shutting down and its grace period is over (code server_shutdown; a stream ends
                              with that error event and [DONE])
+
+Under ANTHROPIC_PATH (/v1/messages, Anthropic's Messages API) the same failures, with the same statuses, take
+Anthropic's shape instead: `{"type": "error", "error": {"type": ..., "message": ...}}` (`anthropic_body`); the
+path alone decides, so the gate's refusals and the handlers below answer there in that shape too.
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,6 +43,10 @@ INVALID = "invalid_request_error"
 SERVER = "server_error"
 ENGINE_UNAVAILABLE = "engine_unavailable"
 SERVER_SHUTDOWN = "server_shutdown"
+ANTHROPIC_PATH = "/v1/messages"
+# an HTTP status -> Anthropic's error type (any other 4xx: invalid_request_error; any other 5xx: api_error)
+ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                   413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 class APIError(Exception):
@@ -55,9 +63,18 @@ class APIError(Exception):
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status,
-                            headers={"Connection": "close"} if self.close else None)
+    def anthropic_body(self) -> Dict[str, Any]:
+        kind = ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The answer, in the shape of the API that `path` belongs to (see the module docstring)."""
+        body = self.anthropic_body() if is_anthropic(path) else self.body().model_dump()
+        return JSONResponse(body, status_code=self.status, headers={"Connection": "close"} if self.close else None)
+
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
 class ClientGone(Exception):
@@ -65,8 +82,8 @@ class ClientGone(Exception):
 
 
 def error_response(status: int, message: str, type: str = INVALID, param: Optional[str] = None,
-                   code: Optional[str] = None) -> JSONResponse:
-    return APIError(status, message, type, param, code).response()
+                   code: Optional[str] = None, path: str = "") -> JSONResponse:
+    return APIError(status, message, type, param, code).response(path)
 
 
 def from_request_error(e: RequestError) -> APIError:
@@ -107,24 +124,25 @@ def validation_message(exc: Union[RequestValidationError, ValidationError]) -> T
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer every exception that leaves a route in OpenAI's shape."""
+    """Answer every exception that leaves a route in OpenAI's shape (Anthropic's under ANTHROPIC_PATH)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return e.response()
+        return e.response(request.url.path)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, e: RequestError) -> JSONResponse:
-        return from_request_error(e).response()
+        return from_request_error(e).response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         msg, param = validation_message(e)
-        return error_response(400, msg, param=param)
+        return error_response(400, msg, param=param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(e.status_code, str(e.detail), INVALID if e.status_code < 500 else SERVER)
+        return error_response(e.status_code, str(e.detail), INVALID if e.status_code < 500 else SERVER,
+                              path=request.url.path)
 
     @app.exception_handler(ClientGone)
     @app.exception_handler(ClientDisconnect)  # gone while its body was being read
@@ -134,4 +152,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
-        return error_response(500, f"internal server error: {type(e).__name__}: {e}", SERVER)
+        return error_response(500, f"internal server error: {type(e).__name__}: {e}", SERVER, path=request.url.path)

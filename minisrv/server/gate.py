@@ -5,7 +5,7 @@ In order: the `Host` check (403), the `Origin` check (403), a CORS preflight (an
 guarded `receive`: the body may not exceed the size limit (413, also for a chunked body without Content-Length)
 and must arrive within the read deadline (408); a shutdown that cuts the server's grace period short answers a body still being read with a 503.
 Every request is counted by endpoint and status code, and an exception no handler took is answered with a 500 in
-OpenAI's shape without dropping the keep-alive connection.
+OpenAI's shape (Anthropic's under /v1/messages, see errors.py) without dropping the keep-alive connection.
 
 Why plain ASGI rather than a FastAPI dependency or BaseHTTPMiddleware: it must cover every route, the 404s of
 routes that do not exist included, count the status a streaming response actually started with (or 499 when the
@@ -68,7 +68,8 @@ class Gate:
         path = scope.get("path", "")
         key = self.state.api_key
         if key and path not in OPEN_PATHS and not authorized(scope, key):
-            return APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+            return APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' "
+                                 "(or 'x-api-key: <key>').",
                             code="invalid_api_key")
         if not self.state.ready and (path.startswith("/v1/") or path in ENGINE_PATHS):
             return APIError(503, "the engine is not ready (still loading, or stopped)", SERVER,
@@ -102,7 +103,7 @@ class Gate:
         if refused is not None:
             if has_body(scope):
                 refused.close = True  # the body is not read: the connection cannot be reused
-            await refused.response()(scope, receive, send)
+            await refused.response(path)(scope, receive, send)
             metrics.count_http(path, refused.status)
             return
         status = {"code": 499}  # until a response starts: the client left first
@@ -125,7 +126,7 @@ class Gate:
             if status["code"] != 499:
                 raise  # the response has begun: nothing else can be said on it
             status["code"] = 500
-            await error_response(500, "internal server error", SERVER)(scope, receive, send)
+            await error_response(500, "internal server error", SERVER, path=path)(scope, receive, send)
         finally:
             metrics.count_http(path, status["code"])
 

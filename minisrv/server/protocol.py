@@ -65,6 +65,8 @@ class _SamplingFields(BaseModel):
     response_format: Optional[Dict[str, Any]] = None  # text | json_object | json_schema
     regex: Optional[str] = None  # SGLang's extra constraints
     ebnf: Optional[str] = None
+    guided_choice: Optional[List[Any]] = None  # the answer is one of these strings (vLLM's name)
+    choices: Optional[List[Any]] = None  # the same (SGLang's name)
     best_of: Optional[int] = None  # accepted only so that best_of != n gets a clear "not supported"
 
 
@@ -178,15 +180,17 @@ class ChatLogprobs(BaseModel):
 
 class _WithReasoning(BaseModel):
     """A message or delta that may carry a thinking model's reasoning, under SGLang's and vLLM's name and under
-    vLLM's newer one; the two keys are left out where there is none, so that other responses keep their shape."""
+    vLLM's newer one, or a legacy `functions` request's function_call; these keys are left out where there is none,
+    so that other responses keep their shape."""
 
     reasoning_content: Optional[str] = None
     reasoning: Optional[str] = None
+    function_call: Optional[Dict[str, Any]] = None
 
     @model_serializer(mode="wrap")
     def _drop_empty_reasoning(self, handler: Any) -> Dict[str, Any]:
         d = handler(self)
-        for key in ("reasoning_content", "reasoning"):  # after the message's own fields, where there is some
+        for key in ("function_call", "reasoning_content", "reasoning"):  # after the message's own fields
             value = d.pop(key, None)
             if value is not None:
                 d[key] = value

@@ -174,6 +174,13 @@ class ChatRenderer:
         head = (content or "")[choice.sent:]
         if head or logprobs:
             out.append(self._chunk(choice.index, DeltaMessage(content=head), logprobs, None))
+        if plan.legacy:  # one call, as message.function_call: its name, then its arguments
+            call = calls[0]
+            out.append(self._chunk(choice.index, DeltaMessage(function_call={"name": call.name, "arguments": ""}),
+                                   [], None))
+            out.append(self._chunk(choice.index, DeltaMessage(function_call={"arguments": call.arguments}), [], None))
+            out.append(self._chunk(choice.index, DeltaMessage(), [], _call_finish(finish_reason, legacy=True)))
+            return out
         for i, call in enumerate(calls):
             opening = call.to_openai(i)
             opening["function"] = {"name": call.name, "arguments": ""}
@@ -204,9 +211,12 @@ class ChatRenderer:
             content = head + (content or "")
         elif reasoning is not None and not content:
             content = None  # it only thought (cut off by max_tokens, or an answer of tool calls)
-        message = ChatResponseMessage(content=content, tool_calls=[c.to_openai() for c in calls] or None,
-                                      reasoning_content=reasoning, reasoning=reasoning)
-        return message, _call_finish(ch.finish_reason) if calls else ch.finish_reason
+        legacy = bool(calls) and self.tools.legacy
+        message = ChatResponseMessage(content=content, tool_calls=None if legacy else
+                                      [c.to_openai() for c in calls] or None,
+                                      function_call={"name": calls[0].name, "arguments": calls[0].arguments}
+                                      if legacy else None, reasoning_content=reasoning, reasoning=reasoning)
+        return message, _call_finish(ch.finish_reason, legacy) if calls else ch.finish_reason
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any:
         out = []
@@ -219,8 +229,10 @@ class ChatRenderer:
                                       system_fingerprint=self.fingerprint, choices=out)
 
 
-def _call_finish(engine_reason: Optional[str]) -> Optional[str]:
-    """The finish_reason of a choice that made tool calls: "tool_calls" when the model ended its output, but
-    "length" (or whatever else ended it) when it was cut off, since then the last call's arguments may be cut off
-    too and the client must be able to tell."""
-    return "tool_calls" if engine_reason == "stop" else engine_reason
+def _call_finish(engine_reason: Optional[str], legacy: bool = False) -> Optional[str]:
+    """The finish_reason of a choice that made tool calls: "tool_calls" ("function_call" for a legacy functions
+    request) when the model ended its output, but "length" (or whatever else ended it) when it was cut off, since
+    then the last call's arguments may be cut off too and the client must be able to tell."""
+    if engine_reason != "stop":
+        return engine_reason
+    return "function_call" if legacy else "tool_calls"

@@ -78,9 +78,11 @@ def with_headers(send: Callable, extra: Headers) -> Callable:
 
 
 def authorized(scope: Any, key: str) -> bool:
-    """`Authorization: Bearer <key>`, compared in constant time."""
+    """`Authorization: Bearer <key>`, or `x-api-key: <key>` (Anthropic's clients), compared in constant time."""
     value = header(scope, b"authorization")
-    if value is None:
-        return False
-    scheme, _, token = value.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    if value is not None:
+        scheme, _, token = value.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+            return True
+    value = header(scope, b"x-api-key")
+    return value is not None and hmac.compare_digest(value.strip().encode(), key.encode())

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from minisrv.engine.grammar import check_grammar
 from minisrv.engine.request import RequestError, SamplingParams, check_request
 
+from .anthropic_routes import add_anthropic_routes
 from .embedding_routes import add_embedding_routes, refuse_generation
 from .errors import ENGINE_UNAVAILABLE, SERVER, APIError, error_response, install_error_handlers
 from .gate import Gate
@@ -40,9 +41,11 @@ from .generation import Generation, serve
 from .prompts import ASYNC_ENCODE_CHARS, encode, off_loop, parse_body, template_kwargs, template_messages
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .reasoning_plan import plan_reasoning, thinking_budget
+from .responses_routes import add_responses_routes
 from .render import ChatRenderer, CompletionRenderer
 from .state import ServerState
 from .tokenizer_routes import add_tokenizer_routes
+from .tool_prompt import with_tool_prompt
 from .tools import parser_for, plan_tools, template_messages_with_tool_calls
 
 
@@ -91,6 +94,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     add_tokenizer_routes(app, state)
     add_embedding_routes(app, state)
+    add_anthropic_routes(app, state)  # /v1/messages (Anthropic's API), served by the chat path
+    add_responses_routes(app, state, _chat)  # /v1/responses, served by the chat path
     return app
 
 
@@ -140,7 +145,25 @@ def _constraint(body: Any) -> Dict[str, Any]:
         kw["regex"] = body.regex
     if body.ebnf is not None:
         kw["ebnf"] = body.ebnf
+    choice = choice_grammar(body.guided_choice, body.choices)
+    if choice is not None:
+        if "ebnf" in kw:
+            raise RequestError("give choices or ebnf, not both", "ebnf")
+        kw["ebnf"] = choice
     return kw
+
+
+def choice_grammar(guided_choice: Any, choices: Any) -> Any:
+    """vLLM's guided_choice / SGLang's choices as an EBNF grammar whose only sentences are the given strings (each
+    a JSON-escaped literal, which xgrammar's EBNF reads), or None when neither is given."""
+    if guided_choice is not None and choices is not None:
+        raise RequestError("give guided_choice or choices, not both", "choices")
+    given, name = (guided_choice, "guided_choice") if guided_choice is not None else (choices, "choices")
+    if given is None:
+        return None
+    if not given or not all(isinstance(c, str) and c for c in given):
+        raise RequestError(f"{name} must be a non-empty list of non-empty strings", name)
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(given))
 
 
 @contextlib.contextmanager
@@ -211,6 +234,8 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         names["max_tokens"] = "max_completion_tokens"
     # without max_tokens a chat answer may use the rest of the context
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if body.parallel_tool_calls is not None and not body.tools and not body.functions:
+        raise RequestError("parallel_tool_calls is only allowed when tools are given", "parallel_tool_calls")
     plan = plan_tools(body.tools, body.tool_choice, body.functions, body.function_call,
                       parser_for(getattr(tok, "chat_template", None), state.tool_call_parser))
     grammar: Dict[str, Any] = {}
@@ -222,14 +247,17 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         grammar["json_schema"] = plan.json_schema
     with _fields_named(names):
         params = _sampling_params(body, max_tokens=max_tokens, logprobs=top_n if want_lp else None, **grammar)
-    tools_kw = {"tools": plan.template_tools} if plan.template_tools is not None else {}
+    prompt_tools = plan.template_tools is not None and not state.tools_in_template  # (tool_prompt.py)
+    tools_kw = {"tools": plan.template_tools} if plan.template_tools is not None and not prompt_tools else {}
     tools_kw.update(template_kwargs(tok, body.chat_template_kwargs))
     budget = thinking_budget(body.thinking_budget, body.custom_params)
 
     def template() -> str:
         try:
-            return tok.apply_chat_template(template_messages_with_tool_calls(template_messages(body)),
-                                           add_generation_prompt=True, tokenize=False, **tools_kw)
+            messages = template_messages_with_tool_calls(template_messages(body))
+            if prompt_tools:
+                messages = with_tool_prompt(messages, plan.template_tools)
+            return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **tools_kw)
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception, bad roles) are the client's

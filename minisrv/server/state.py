@@ -3,6 +3,7 @@ server's stop. tokenizer and info are None while the engine loads (every /v1 rou
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Set
 
@@ -16,6 +17,9 @@ from .messages import EngineInfo
 from .metrics import ServerMetrics
 from .protocol import ModelCard, now
 from .reasoning_plan import ReasoningFormat, resolve_reasoning
+from .tool_prompt import template_reads_tools
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +40,7 @@ class ServerState:
     tool_call_parser: str = "auto"  # hermes | llama3_json | auto (from the chat template); see tools.py
     reasoning_parser: Optional[str] = None  # qwen3 | deepseek_r1 | auto | None; resolved by attach (reasoning_plan.py)
     reasoning: Optional[ReasoningFormat] = None
+    tools_in_template: bool = True  # False: the chat template ignores tools; they go in a system prompt (tool_prompt.py)
     stopping: bool = False  # the shutdown's grace period is over: what still runs is ended (see stop)
     on_stop: Set[Callable[[], None]] = field(default_factory=set)  # what stop() tells
 
@@ -49,6 +54,9 @@ class ServerState:
         self.tokenizer, self.info = tokenizer, info
         self.token_text = TokenText(tokenizer)
         self.max_token_chars = max_token_chars(tokenizer)
+        self.tools_in_template = template_reads_tools(tokenizer)
+        logger.info("tools reach the model %s", "through its chat template" if self.tools_in_template else
+                    "in a system prompt (its chat template ignores them)")
 
     @property
     def fingerprint(self) -> str:

@@ -10,6 +10,8 @@ are enforced with a JSON-schema grammar (as vLLM does): a named function's outpu
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 import uuid
@@ -54,6 +56,7 @@ class ToolPlan:
     json_schema: Optional[str] = None  # the grammar for required / named
     named: Optional[str] = None
     parser: str = "hermes"
+    legacy: bool = False  # asked with the legacy functions: the call is answered as message.function_call
 
     @property
     def active(self) -> bool:
@@ -82,6 +85,12 @@ def _function_of(tool: Any, i: int) -> Dict[str, Any]:
 def plan_tools(tools: Optional[List[Any]], tool_choice: Any, functions: Optional[List[Any]] = None,
                function_call: Any = None, parser: str = "hermes") -> ToolPlan:
     """Validate tools and tool_choice (legacy functions / function_call map onto them); raises RequestError."""
+    plan = _plan_tools(tools, tool_choice, functions, function_call, parser)
+    return dataclasses.replace(plan, legacy=True) if functions is not None else plan
+
+
+def _plan_tools(tools: Optional[List[Any]], tool_choice: Any, functions: Optional[List[Any]],
+                function_call: Any, parser: str) -> ToolPlan:
     if functions is not None:
         if tools is not None:
             raise RequestError("give tools or the legacy functions, not both", "functions")
@@ -92,8 +101,8 @@ def plan_tools(tools: Optional[List[Any]], tool_choice: Any, functions: Optional
     elif function_call is not None:
         raise RequestError("function_call needs functions", "function_call")
     if not tools:
-        if tool_choice not in (None, "none", "auto"):
-            raise RequestError("tool_choice needs tools", "tool_choice")
+        if tool_choice is not None:  # as OpenAI answers, "none" and "auto" included
+            raise RequestError("tool_choice is only allowed when tools are given", "tool_choice")
         return ToolPlan(None, "off", [], parser=parser)
     if not isinstance(tools, list):
         raise RequestError("tools must be a list", "tools")

@@ -60,7 +60,7 @@ def deadline_protocol(read_timeout: float) -> type:
                     refusal = APIError(503, "the server is at its concurrency limit (--limit-concurrency); retry "
                                             "later", SERVER, code="server_busy", close=True)
                     send = with_headers(send, [(REQUEST_ID, request_id(scope).encode("ascii"))])
-                    return await refusal.response()(scope, receive, send)
+                    return await refusal.response(scope.get("path", ""))(scope, receive, send)
                 return await app(scope, receive, send)
             return limited
 

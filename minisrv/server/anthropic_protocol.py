@@ -1,0 +1,249 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`): its request schema, and a request
+turned into what the chat path takes (OpenAI-style chat messages, function tools, a tool_choice, the thinking
+settings), so that templating, tool planning and parsing, the reasoning split and generation are chat's own.
+
+The conversion, as SGLang's and vLLM's Anthropic endpoints do it:
+  system (a string or text blocks)     -> a first system message
+  user text blocks                     -> a user message (consecutive text blocks joined)
+  user tool_result blocks              -> tool messages {tool_call_id, content}, in their place; is_error
+                                          prefixes the content with "Error: "
+  assistant text / tool_use blocks     -> one assistant message: content, and tool_calls with JSON arguments
+  assistant thinking blocks            -> its reasoning_content (redacted_thinking is dropped)
+  tools [{name, description, input_schema}] -> [{"type": "function", "function": {name, description, parameters}}]
+  tool_choice auto | any | tool | none -> "auto" | "required" | {"type": "function", ...} | "none"
+  thinking enabled {budget_tokens}     -> the thinking budget and enable_thinking true (adaptive: no budget);
+                                          disabled -> enable_thinking false; both only where the server has a
+                                          reasoning parser (otherwise the model does not think: "enabled" is
+                                          ignored)
+Any other block type, a role other than user / assistant, or a block in the wrong role is a 400.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from .errors import APIError
+
+# the stop_reason of an engine finish_reason (a "stop" that matched a stop string is "stop_sequence")
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["user", "assistant"]
+    content: Union[str, List[Dict[str, Any]]]
+
+
+class CountTokensRequest(BaseModel):
+    """The fields of a request that shape its prompt (all that count_tokens reads)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Optional[str] = None  # Anthropic requires it; minisrv serves one model and accepts its absence
+    messages: List[AnthropicMessage] = Field(..., min_length=1)
+    system: Optional[Union[str, List[Dict[str, Any]]]] = None
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Optional[Dict[str, Any]] = None
+    thinking: Optional[Dict[str, Any]] = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: StrictInt
+    stop_sequences: Optional[List[str]] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    stream: Optional[bool] = False
+    metadata: Optional[Dict[str, Any]] = None  # ignored
+
+
+@dataclass
+class ChatInputs:
+    """An Anthropic request in chat's terms."""
+
+    messages: List[Dict[str, Any]]
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Any = None
+    template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    thinking_budget: Optional[int] = None
+
+
+def _bad(message: str, param: str = "messages") -> APIError:
+    return APIError(400, message, param=param)
+
+
+def _block_type(block: Any, where: str) -> str:
+    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        raise _bad(f"{where}: a content block must be an object with a type")
+    return block["type"]
+
+
+def _text_of(block: Dict[str, Any], where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise _bad(f"{where}: a text block needs a string text")
+    return text
+
+
+def text_blocks(content: Any, where: str) -> str:
+    """A string, or a list of text blocks joined (system prompts, tool results)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where}: must be a string or a list of text blocks")
+    parts = []
+    for j, block in enumerate(content):
+        kind = _block_type(block, f"{where}[{j}]")
+        if kind != "text":
+            raise _bad(f"{where}[{j}]: only text blocks are supported here, got {kind!r}")
+        parts.append(_text_of(block, f"{where}[{j}]"))
+    return "\n".join(parts)
+
+
+def _user_messages(content: Any, where: str) -> List[Dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    out: List[Dict[str, Any]] = []
+    texts: List[str] = []
+
+    def flush() -> None:
+        if texts:
+            out.append({"role": "user", "content": "\n".join(texts)})
+            texts.clear()
+
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = _block_type(block, at)
+        if kind == "text":
+            texts.append(_text_of(block, at))
+        elif kind == "tool_result":
+            flush()
+            call_id = block.get("tool_use_id")
+            if not isinstance(call_id, str):
+                raise _bad(f"{at}: a tool_result block needs a string tool_use_id")
+            result = text_blocks(block.get("content", ""), f"{at}.content")
+            if block.get("is_error"):
+                result = "Error: " + result
+            out.append({"role": "tool", "tool_call_id": call_id, "content": result})
+        elif kind in ("tool_use", "thinking", "redacted_thinking"):
+            raise _bad(f"{at}: a {kind} block belongs in an assistant message")
+        else:
+            raise _bad(f"{at}: unsupported content block type {kind!r}")
+    flush()
+    return out
+
+
+def _assistant_message(content: Any, where: str) -> Dict[str, Any]:
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    texts: List[str] = []
+    thinking: List[str] = []
+    calls: List[Dict[str, Any]] = []
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = _block_type(block, at)
+        if kind == "text":
+            texts.append(_text_of(block, at))
+        elif kind == "tool_use":
+            name, call_id, args = block.get("name"), block.get("id"), block.get("input", {})
+            if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(args, dict):
+                raise _bad(f"{at}: a tool_use block needs a string id and name and an object input")
+            calls.append({"id": call_id, "type": "function",
+                          "function": {"name": name, "arguments": json.dumps(args)}})
+        elif kind == "thinking":
+            if isinstance(block.get("thinking"), str):
+                thinking.append(block["thinking"])
+        elif kind == "redacted_thinking":
+            continue
+        elif kind == "tool_result":
+            raise _bad(f"{at}: a tool_result block belongs in a user message")
+        else:
+            raise _bad(f"{at}: unsupported content block type {kind!r}")
+    msg: Dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if calls:
+        msg["tool_calls"] = calls
+    if thinking:
+        msg["reasoning_content"] = "\n".join(thinking)
+    return msg
+
+
+def _tools(tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[str, Any]]]:
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type", "custom") not in ("custom", None):
+            raise _bad(f"tools[{i}]: server tools ({tool.get('type')!r}) are not supported; give "
+                       "{name, description, input_schema}", "tools")
+        if not isinstance(tool.get("name"), str):
+            raise _bad(f"tools[{i}]: a tool needs a string name", "tools")
+        fn = {"name": tool["name"], "description": tool.get("description") or "",
+              "parameters": tool.get("input_schema", {"type": "object", "properties": {}})}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice: Optional[Dict[str, Any]]) -> Any:
+    if choice is None:
+        return None
+    kind = choice.get("type")
+    if kind == "auto":
+        return "auto"
+    if kind == "any":
+        return "required"
+    if kind == "none":
+        return "none"
+    if kind == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise _bad("tool_choice of type tool needs a name", "tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise _bad(f"tool_choice type must be auto, any, tool or none, got {kind!r}", "tool_choice")
+
+
+def _thinking(thinking: Optional[Dict[str, Any]], inputs: ChatInputs, reasoning_parser: bool) -> None:
+    if thinking is None:
+        return
+    kind = thinking.get("type")
+    if kind == "adaptive":  # the model decides how long to think: thinking on, no budget
+        kind = "enabled"
+        thinking = {"type": kind}
+    if kind not in ("enabled", "disabled"):
+        raise _bad(f"thinking type must be enabled, adaptive or disabled, got {kind!r}", "thinking")
+    budget = thinking.get("budget_tokens")
+    if kind == "enabled" and budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
+                                                     or budget < 0):
+        raise _bad("thinking.budget_tokens must be a non-negative integer", "thinking")
+    if not reasoning_parser:
+        return  # a model that does not think: nothing to switch
+    inputs.template_kwargs["enable_thinking"] = kind == "enabled"
+    if kind == "enabled":
+        inputs.thinking_budget = budget
+
+
+def to_chat(body: CountTokensRequest, reasoning_parser: bool) -> ChatInputs:
+    """The request in chat's terms; raises APIError (a 400) for what it cannot say there."""
+    messages: List[Dict[str, Any]] = []
+    if body.system is not None:
+        system = text_blocks(body.system, "system")
+        if system:
+            messages.append({"role": "system", "content": system})
+    for i, msg in enumerate(body.messages):
+        where = f"messages[{i}]"
+        if msg.role == "user":
+            messages += _user_messages(msg.content, where)
+        else:
+            messages.append(_assistant_message(msg.content, where))
+    inputs = ChatInputs(messages, _tools(body.tools), _tool_choice(body.tool_choice))
+    _thinking(body.thinking, inputs, reasoning_parser)
+    return inputs
+
+
+def stop_reason(finish_reason: Optional[str], stop_str: Optional[str], tool_calls: bool) -> str:
+    """Anthropic's stop_reason of an engine finish."""
+    if finish_reason == "stop" and tool_calls:
+        return "tool_use"
+    if finish_reason == "stop" and stop_str is not None:
+        return "stop_sequence"
+    return STOP_REASONS.get(finish_reason or "stop", "end_turn")

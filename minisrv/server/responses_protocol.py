@@ -1,0 +1,208 @@
+"""OpenAI's Responses API (`POST /v1/responses`) on the way in: its request schema, and the request turned into the
+chat completion request that minisrv already serves (the route is responses_routes.py, the output's shapes
+responses_render.py).
+
+Stateless, as far as the client can tell: `store: false` is honoured, `store: true` is accepted but nothing is
+stored (SGLang and vLLM keep responses; minisrv keeps nothing), so whatever needs a stored response or conversation
+(`previous_response_id`, `conversation`, `background`) is a 400. The conversion:
+
+  instructions                       a system message, first
+  input: a string                    one user message
+  input: message items               messages (role user, system, developer or assistant; content a string or text
+                                     parts: input_text, output_text)
+  function_call items                an assistant message's tool_calls (joined to the assistant message before them)
+  function_call_output items         tool messages (tool_call_id: the call_id)
+  reasoning items                    dropped (the model's earlier thinking is not templated back, as chat does)
+  tools (function tools)             chat's function tools; tool_choice {type: function, name} its named form
+  text.format                        response_format (text, json_object, json_schema)
+  max_output_tokens                  max_completion_tokens
+
+Anything else in `input` (images, files, other tools' items) is a 400 naming the item.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, StrictBool
+
+from .errors import APIError
+
+# a chat request's field, as the Responses request names it (in a 400's param)
+CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+               "response_format": "text"}
+TEXT_PARTS = ("input_text", "output_text", "text")
+MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+
+
+class ResponsesRequest(BaseModel):
+    """The fields minisrv reads; others are ignored, as its chat endpoint ignores unknown ones."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    input: Union[str, List[Any]]
+    instructions: Optional[str] = None
+    tools: Optional[List[Any]] = None
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    text: Optional[Dict[str, Any]] = None
+    stream: Optional[StrictBool] = False
+    store: Optional[bool] = None
+    reasoning: Optional[Dict[str, Any]] = None  # {effort, summary}: accepted, not used
+    metadata: Optional[Dict[str, Any]] = None
+    user: Optional[str] = None
+    previous_response_id: Optional[str] = None
+    conversation: Optional[Any] = None
+    background: Optional[bool] = None
+
+
+def chat_body(req: ResponsesRequest) -> Dict[str, Any]:
+    """The chat completion request's body (a dict for ChatCompletionRequest) for a Responses request; raises a 400
+    (APIError) for what cannot be served."""
+    if req.previous_response_id is not None:
+        raise APIError(400, "previous_response_id needs a stored response, and this server stores none: send the "
+                            "whole conversation in input", param="previous_response_id")
+    if req.conversation is not None:
+        raise APIError(400, "conversation needs stored conversations, and this server stores none: send the whole "
+                            "conversation in input", param="conversation")
+    if req.background:
+        raise APIError(400, "background responses need stored responses, and this server stores none",
+                       param="background")
+    messages: List[Dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    messages += input_messages(req.input)
+    if not any(m["role"] != "system" for m in messages):
+        raise APIError(400, "input must hold at least one message or item", param="input")
+    body: Dict[str, Any] = {"messages": messages, "model": req.model, "temperature": req.temperature,
+                            "top_p": req.top_p, "max_completion_tokens": req.max_output_tokens, "user": req.user}
+    if req.tools:
+        body["tools"] = [chat_tool(t, i) for i, t in enumerate(req.tools)]
+    if req.tool_choice is not None:
+        body["tool_choice"] = chat_tool_choice(req.tool_choice)
+    if req.parallel_tool_calls is not None:
+        body["parallel_tool_calls"] = req.parallel_tool_calls
+    fmt = response_format(req.text)
+    if fmt is not None:
+        body["response_format"] = fmt
+    if req.stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}  # the usage ends the stream: response.completed's
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def input_messages(items: Union[str, List[Any]]) -> List[Dict[str, Any]]:
+    if isinstance(items, str):
+        if not items:
+            raise APIError(400, "input must not be empty", param="input")
+        return [{"role": "user", "content": items}]
+    if not items:
+        raise APIError(400, "input must not be empty", param="input")
+    out: List[Dict[str, Any]] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise APIError(400, f"input[{i}] must be an object", param="input")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            out.append(_message(item, i))
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", i), "type": "function",
+                    "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)  # the calls of one assistant turn stay together
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _text_of(output, i) if isinstance(output, list) else None
+            if text is None:
+                raise APIError(400, f"input[{i}].output must be a string or a list of text parts", param="input")
+            out.append({"role": "tool", "tool_call_id": _string(item, "call_id", i), "content": text})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise APIError(400, f"input[{i}]: item type {kind!r} is not supported (message, function_call, "
+                                f"function_call_output and reasoning are)", param="input")
+    return out
+
+
+def _string(item: Dict[str, Any], key: str, i: int) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise APIError(400, f"input[{i}].{key} must be a string", param="input")
+    return value
+
+
+def _message(item: Dict[str, Any], i: int) -> Dict[str, Any]:
+    role = item.get("role")
+    if role not in MESSAGE_ROLES:
+        raise APIError(400, f"input[{i}].role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}", param="input")
+    content = item.get("content")
+    if isinstance(content, list):
+        content = _text_of(content, i)
+    if not isinstance(content, str):
+        raise APIError(400, f"input[{i}].content must be a string or a list of text parts", param="input")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _text_of(parts: List[Any], i: int) -> str:
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise APIError(400, f"input[{i}]: only text content parts ({', '.join(TEXT_PARTS[:2])}) are supported, "
+                                f"got {kind!r}", param="input")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def chat_tool(tool: Any, i: int) -> Dict[str, Any]:
+    """A Responses function tool ({type, name, description, parameters, strict}) as chat's."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise APIError(400, f"tools[{i}]: only function tools are supported, got {kind!r}", param="tools")
+    if isinstance(tool.get("function"), dict):  # chat's shape, sent here anyway
+        return {"type": "function", "function": tool["function"]}
+    fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+    return {"type": "function", "function": fn}
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise APIError(400, "tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\": "
+                        "...}", param="tool_choice")
+
+
+def response_format(text: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """text.format as chat's response_format (None: plain text)."""
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise APIError(400, "text.format json_schema needs a schema object", param="text")
+        spec = {"name": fmt.get("name") or "response", "schema": fmt["schema"], "strict": fmt.get("strict")}
+        return {"type": "json_schema", "json_schema": spec}
+    raise APIError(400, f"text.format type must be text, json_object or json_schema, got {kind!r}", param="text")
+
+
+def echo_fields(req: ResponsesRequest) -> Dict[str, Any]:
+    """What a response repeats of its request."""
+    return {"instructions": req.instructions, "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
+            "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
+            "text": req.text or {"format": {"type": "text"}},
+            "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+            "store": False, "metadata": req.metadata, "user": req.user, "reasoning": req.reasoning,
+            "previous_response_id": None, "truncation": "disabled"}

@@ -1,0 +1,215 @@
+"""OpenAI's Responses API on the way out: a chat completion's answer in the Responses shapes, whole or streamed.
+
+The chat path (routes.py, generation.py, render.py) has already split the thinking (reasoning.py) and read the
+tool calls (tools.py); this only re-shapes what it made. A response's `output` is, in order: a reasoning item
+(when a reasoning parser split off thinking; its text in `content` as reasoning_text, `summary` empty), a message
+item (the answer as one output_text part), and a function_call item per tool call (`call_id` the chat call's id).
+A response cut off by max_output_tokens is `status: "incomplete"` with `incomplete_details.reason:
+"max_output_tokens"`.
+
+Streamed, `ResponseEvents` turns the chat stream's chunks into the Responses events: response.created and
+response.in_progress; per output item output_item.added, then for text content_part.added, the deltas
+(response.reasoning_text.delta / response.output_text.delta) and their .done, content_part.done, or for a call
+function_call_arguments.delta and .done; output_item.done; at the end response.completed with the whole response
+(sent for an incomplete response too, its status saying so: the openai client's stream helper expects it). Each
+event carries `type` and a `sequence_number` counting from 0, and is sent as `event: <type>` + `data: <json>`.
+A failure after the stream began is an `error` event (OpenAI's error body), and the stream ends.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Callable, Dict, List, Optional
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def event_text(event: Dict[str, Any]) -> str:
+    """One server-sent event, named by its type."""
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+def usage_of(chat_usage: Optional[Dict[str, Any]], reasoning_tokens: int) -> Dict[str, Any]:
+    """Chat's usage in the Responses shape. reasoning_tokens: the reasoning text's tokens counted anew (the engine
+    counts no split), at most the output's."""
+    u = chat_usage or {}
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": u.get("prompt_tokens", 0), "output_tokens": u.get("completion_tokens", 0),
+            "total_tokens": u.get("total_tokens", 0),
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, u.get("completion_tokens", 0))}}
+
+
+def status_of(finish_reason: Optional[str]) -> Dict[str, Any]:
+    if finish_reason == "length":
+        return {"status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}}
+    return {"status": "completed", "incomplete_details": None}
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> Dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if text or status != "in_progress" else []}
+
+
+def text_part(text: str) -> Dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_item(item_id: str, text: str, status: str) -> Dict[str, Any]:
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+            "content": [text_part(text)] if status != "in_progress" else []}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> Dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+class ResponseShape:
+    """The response object's frame: id, time, model, the request's echoed fields."""
+
+    def __init__(self, model: str, echo: Dict[str, Any], count_tokens: Callable[[str], int]) -> None:
+        self.id = new_id("resp")
+        self.created_at = int(time.time())
+        self.model, self.echo, self.count_tokens = model, echo, count_tokens
+
+    def frame(self, output: List[Dict[str, Any]], status: str, incomplete: Optional[Dict[str, Any]] = None,
+              usage: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "model": self.model,
+                "status": status, "incomplete_details": incomplete, "error": None, "output": output,
+                "usage": usage, **self.echo}
+
+    def whole(self, chat: Dict[str, Any]) -> Dict[str, Any]:
+        """A (non-streamed) chat completion response as a Responses response."""
+        choice = chat["choices"][0]
+        msg = choice["message"]
+        reasoning = msg.get("reasoning_content")
+        content, calls = msg.get("content"), msg.get("tool_calls") or []
+        ended = status_of(choice.get("finish_reason"))
+        item_status = "incomplete" if ended["status"] == "incomplete" else "completed"
+        output = []
+        if reasoning:
+            output.append(reasoning_item(new_id("rs"), reasoning, item_status))
+        if content or not (output or calls):
+            output.append(message_item(new_id("msg"), content or "", item_status))
+        for c in calls:
+            fn = c["function"]
+            output.append(call_item(new_id("fc"), c["id"], fn["name"], fn["arguments"], item_status))
+        usage = usage_of(chat.get("usage"), self.count_tokens(reasoning) if reasoning else 0)
+        return self.frame(output, ended["status"], ended["incomplete_details"], usage)
+
+
+class ResponseEvents:
+    """The chat stream's chunks (as dicts) in, the Responses stream's events (as dicts) out."""
+
+    def __init__(self, shape: ResponseShape) -> None:
+        self.shape = shape
+        self.seq = 0
+        self.output: List[Dict[str, Any]] = []  # finished items
+        self.open: Optional[Dict[str, Any]] = None  # the item being streamed: its kind, id and text so far
+        self.finish: Optional[str] = None
+        self.usage: Optional[Dict[str, Any]] = None
+        self.reasoning = ""
+
+    def _event(self, kind: str, **fields: Any) -> Dict[str, Any]:
+        e = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return e
+
+    def start(self) -> List[Dict[str, Any]]:
+        r = self.shape.frame([], "in_progress")
+        return [self._event("response.created", response=r), self._event("response.in_progress", response=r)]
+
+    def _index(self) -> int:
+        return len(self.output)
+
+    def _open(self, kind: str, item: Dict[str, Any], part: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        self.open = {"kind": kind, "id": item["id"], "text": "", "item": item}
+        out = [self._event("response.output_item.added", output_index=self._index(), item=item)]
+        if part is not None:
+            out.append(self._event("response.content_part.added", output_index=self._index(), item_id=item["id"],
+                                   content_index=0, part=part))
+        return out
+
+    def _close(self, status: str = "completed") -> List[Dict[str, Any]]:
+        o, out = self.open, []
+        if o is None:
+            return out
+        at = dict(output_index=self._index(), item_id=o["id"])
+        if o["kind"] == "reasoning":
+            item = reasoning_item(o["id"], o["text"], status)
+            part = {"type": "reasoning_text", "text": o["text"]}
+            out.append(self._event("response.reasoning_text.done", content_index=0, text=o["text"], **at))
+            out.append(self._event("response.content_part.done", content_index=0, part=part, **at))
+        elif o["kind"] == "message":
+            item = message_item(o["id"], o["text"], status)
+            out.append(self._event("response.output_text.done", content_index=0, text=o["text"], logprobs=[], **at))
+            out.append(self._event("response.content_part.done", content_index=0, part=text_part(o["text"]), **at))
+        else:
+            item = call_item(o["id"], o["item"]["call_id"], o["item"]["name"], o["text"], status)
+            out.append(self._event("response.function_call_arguments.done", arguments=o["text"], **at))
+        out.append(self._event("response.output_item.done", output_index=self._index(), item=item))
+        self.output.append(item)
+        self.open = None
+        return out
+
+    def _text(self, kind: str, delta: str) -> List[Dict[str, Any]]:
+        out: List[Dict[str, Any]] = []
+        if self.open is None or self.open["kind"] != kind:
+            out += self._close()
+            if kind == "reasoning":
+                out += self._open(kind, reasoning_item(new_id("rs"), "", "in_progress"),
+                                  {"type": "reasoning_text", "text": ""})
+            else:
+                out += self._open(kind, message_item(new_id("msg"), "", "in_progress"), text_part(""))
+        self.open["text"] += delta
+        at = dict(output_index=self._index(), item_id=self.open["id"], content_index=0, delta=delta)
+        if kind == "reasoning":
+            self.reasoning += delta
+            return out + [self._event("response.reasoning_text.delta", **at)]
+        return out + [self._event("response.output_text.delta", logprobs=[], **at)]
+
+    def chunk(self, chunk: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """One chat completion chunk's events."""
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        out: List[Dict[str, Any]] = []
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                out += self._text("reasoning", delta["reasoning_content"])
+            if delta.get("content"):
+                out += self._text("message", delta["content"])
+            for call in delta.get("tool_calls") or []:
+                fn = call.get("function") or {}
+                if call.get("id"):  # a call opens: its id and name (its arguments follow)
+                    out += self._close()
+                    out += self._open("call", call_item(new_id("fc"), call["id"], fn.get("name", ""), "",
+                                                        "in_progress"), None)
+                if fn.get("arguments") and self.open is not None and self.open["kind"] == "call":
+                    self.open["text"] += fn["arguments"]
+                    out.append(self._event("response.function_call_arguments.delta", output_index=self._index(),
+                                           item_id=self.open["id"], delta=fn["arguments"]))
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+        return out
+
+    def end(self) -> List[Dict[str, Any]]:
+        """The stream's end: what is open closed, then response.completed with the whole response."""
+        ended = status_of(self.finish)
+        out = self._close("incomplete" if ended["status"] == "incomplete" else "completed")
+        if not self.output:  # nothing was said at all: an empty message, as the whole response has
+            out += self._open("message", message_item(new_id("msg"), "", "in_progress"), text_part(""))
+            out += self._close()
+        count = self.shape.count_tokens(self.reasoning) if self.reasoning else 0
+        r = self.shape.frame(self.output, ended["status"], ended["incomplete_details"], usage_of(self.usage, count))
+        return out + [self._event("response.completed", response=r)]
+
+    def error(self, body: Dict[str, Any]) -> Dict[str, Any]:
+        """A failure after the stream began (OpenAI's error body {"error": {...}})."""
+        err = body.get("error") or {}
+        return self._event("error", code=err.get("code"), message=err.get("message", ""), param=err.get("param"),
+                           error=err)

@@ -1,0 +1,124 @@
+"""Choice constraints (vLLM's guided_choice, SGLang's choices) and the tool fields OpenAI refuses without tools, on a
+tiny random Qwen2 behind the real HTTP app and a real engine in this process (helpers/local_engine.py).
+
+The model's tokens are noise, so a free answer is almost never one of the choices: that the answer always is one
+(greedy and sampled, chat and completions, choices that share prefixes) shows the grammar decides it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from minisrv.server.messages import EngineInfo
+from minisrv.server.routes import choice_grammar, create_app
+from minisrv.server.state import ServerState
+
+from .helpers.local_engine import LocalEngine, call, events
+
+CHOICES = ["yes", "no", "not sure", "yes, but only on Mondays"]
+
+
+@pytest.fixture(scope="module")
+def app(tiny_qwen2_tools):
+    from minisrv.engine.engine import Engine
+    engine = Engine(model=tiny_qwen2_tools, attention_backend="torch", dtype="float32", log_level="warning",
+                    max_total_tokens=4096)
+    return create_app(ServerState(client=LocalEngine(engine), tokenizer=engine.tokenizer, served_model_name="m",
+                                  info=EngineInfo.from_engine(engine)))
+
+
+@pytest.mark.parametrize("field", ["guided_choice", "choices"])
+def test_the_answer_is_one_of_the_choices(app, field):
+    for seed in range(4):
+        chat = call(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Is it Monday?"}],
+                                                  field: CHOICES, "temperature": 1.0, "seed": seed,
+                                                  "max_tokens": 30})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["choices"][0]["message"]["content"] in CHOICES
+        assert chat.json()["choices"][0]["finish_reason"] == "stop"
+    text = call(app, "/v1/completions", {"prompt": "Answer:", field: CHOICES, "temperature": 0, "max_tokens": 30})
+    assert text.status_code == 200 and text.json()["choices"][0]["text"] in CHOICES
+
+
+def test_choice_grammar_escapes_and_dedups():
+    assert choice_grammar(None, None) is None
+    assert choice_grammar(['say "hi"', "a\\b", "say \"hi\""], None) == 'root ::= "say \\"hi\\"" | "a\\\\b"'
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"choices": []}, "choices"),
+    ({"choices": ["a", ""]}, "choices"),
+    ({"guided_choice": ["a", 3]}, "guided_choice"),
+    ({"choices": ["a"], "guided_choice": ["b"]}, "choices"),
+    ({"choices": ["a"], "ebnf": 'root ::= "x"'}, "ebnf"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "none"}, "tool_choice"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+])
+def test_bad_fields_are_400s_and_the_server_keeps_serving(app, body, param):
+    r = call(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    ok = call(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def test_legacy_functions_are_answered_in_function_call(app):
+    """A request with the legacy `functions` gets its call in message.function_call (finish_reason
+    "function_call"), plain and streamed, not in tool_calls; the same request with tools still gets tool_calls."""
+    base = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 200, "temperature": 0}
+    r = call(app, "/v1/chat/completions", {**base, "functions": [WEATHER], "function_call": {"name": "get_weather"}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert "tool_calls" not in choice["message"] or choice["message"]["tool_calls"] is None
+    call_ = choice["message"]["function_call"]
+    assert call_["name"] == "get_weather"
+    if choice["finish_reason"] != "length":  # (a random model's string may run past max_tokens)
+        assert choice["finish_reason"] == "function_call" and isinstance(json.loads(call_["arguments"])["city"], str)
+    s = call(app, "/v1/chat/completions", {**base, "functions": [WEATHER], "function_call": {"name": "get_weather"},
+                                           "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in events(s) if e != "[DONE]" and e["choices"]]
+    streamed = [d["function_call"] for d in deltas if d.get("function_call")]
+    assert streamed[0]["name"] == "get_weather" and "".join(d["arguments"] for d in streamed) == call_["arguments"]
+    assert not any(d.get("tool_calls") for d in deltas)
+    tools = call(app, "/v1/chat/completions", {**base, "tools": [{"type": "function", "function": WEATHER}],
+                                               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    message = tools.json()["choices"][0]["message"]
+    assert message["tool_calls"][0]["function"]["arguments"] == call_["arguments"] and "function_call" not in message
+
+
+PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_tools_reach_a_model_whose_template_ignores_them(tiny_qwen2_tools):
+    """A template that ignores `tools` gets them in a system prompt (the names, the parameters and the hermes
+    call format the parser reads); a template that reads them gets them as before, and no such prompt."""
+    import copy
+
+    from minisrv.engine.engine import Engine
+    from minisrv.server.tool_prompt import template_reads_tools
+    engine = Engine(model=tiny_qwen2_tools, attention_backend="torch", dtype="float32", log_level="warning",
+                    max_total_tokens=4096)
+    plain = copy.deepcopy(engine.tokenizer)
+    plain.chat_template = PLAIN_TEMPLATE
+    assert template_reads_tools(engine.tokenizer) and not template_reads_tools(plain)
+    body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}],
+            "tools": [{"type": "function", "function": WEATHER}], "max_tokens": 2}
+    for tok, own in ((plain, False), (engine.tokenizer, True)):
+        client = LocalEngine(engine)
+        prompts = []
+        submit = client.submit
+        client.submit = lambda rid, ids, *a: (prompts.append(ids), submit(rid, ids, *a))
+        app = create_app(ServerState(client=client, tokenizer=tok, served_model_name="m",
+                                     info=EngineInfo.from_engine(engine)))
+        assert call(app, "/v1/chat/completions", body).status_code == 200
+        text = tok.decode(prompts[0])
+        assert "get_weather" in text and "The weather in a city" in text
+        assert ("<tool_call>" in text and "one block per call" in text) != own
+        if not own:
+            assert text.index("Be brief.") < text.index("get_weather") < text.index("Weather?")
