@@ -4,7 +4,7 @@ hidden 2048, moe_intermediate 768, 128 experts, top-8), against the time their w
 
 For each token count: the fused path's time per call (route excluded; CUDA events, median of --repeat replays of a
 CUDA graph holding --iters calls, each call with its own routing so that the experts hit change as between layers),
-the alignment kernel's share, the expert weight bytes a call touches (distinct experts hit x an expert's bytes,
+the router top-k's and the alignment kernel's times (and their torch ops'), the expert weight bytes a call touches (distinct experts hit x an expert's bytes,
 averaged over the calls) and the share of --bandwidth that reaches, and experts_reference's time (eager: it syncs
 with the host). --configs times other launch configurations beside the rule's (block_m,block_n,block_k,num_warps,
 num_stages;...), to check or refine config_for.
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from graph_timing import add_timing_args, graph_us  # noqa: E402 (beside this script)
 
 from minisrv.kernels.fp8_quant import quantize_rows  # noqa: E402
-from minisrv.kernels.fused_moe import experts_reference, route, triton_experts  # noqa: E402
+from minisrv.kernels.fused_moe import experts_reference, route, route_reference, triton_experts  # noqa: E402
 from minisrv.kernels.moe_align import align_reference, triton_align  # noqa: E402
 from minisrv.kernels.moe_gemm import MoeConfig, config_for  # noqa: E402
 
@@ -88,6 +88,9 @@ def main() -> int:
                 return triton_experts(x, w13, w2, w, ids, s13, s2, config=c)
             us = graph_us(fused, a.iters, a.repeat)
             line += f"; {'rule ' if c == rule else ''}{tuple(c)} {us:7.1f} us ({100 * floor / us:3.0f}%)"
+        logits = torch.randn(t, e, device="cuda").bfloat16()
+        line += f"; route {graph_us(lambda: route(logits, k, True), a.iters, a.repeat):5.1f} us"
+        line += f" (torch {graph_us(lambda: route_reference(logits, k, True), a.iters, a.repeat):5.1f})"
         ids = routings[0][1]
         line += f"; align {graph_us(lambda: align(ids, e, rule.block_m), a.iters, a.repeat):5.1f} us"
         line += f" (torch {graph_us(lambda: align_reference(ids, e, rule.block_m), a.iters, a.repeat):5.1f})"

@@ -168,7 +168,8 @@ def test_bad_shapes_are_refused():
 
 
 def test_importing_the_kernels_imports_no_triton():
-    code = ("import sys; import minisrv.kernels.fused_moe, minisrv.kernels.moe_align, minisrv.kernels.moe_gemm; "
+    code = ("import sys; import minisrv.kernels.fused_moe, minisrv.kernels.moe_align, minisrv.kernels.moe_gemm, "
+            "minisrv.kernels.moe_route; "
             "sys.exit('triton' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
@@ -177,5 +178,5 @@ def test_importing_the_kernels_imports_no_triton():
 def test_moe_triton_kernels_under_the_interpreter():
     done = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.rstrip().endswith("ok"), done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("moe align") == 14, done.stdout
+    assert done.stdout.count("moe align") == 14 and done.stdout.count("moe route") == 11, done.stdout
     assert done.stdout.count("moe grouped GEMMs") == 40 and done.stdout.count("moe experts") == 40, done.stdout

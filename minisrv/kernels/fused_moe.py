@@ -3,8 +3,8 @@ computation, out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])) wi
 
 `experts_reference` is the torch computation: a loop over the experts hit (it reads the hit experts on the host, so
 it syncs and is not captured in CUDA graphs). It is the CPU path and the fused path's reference. `fused_experts` is
-the CUDA path in four launches at decode (six with FP8) and no host sync: the pairs aligned by expert
-(kernels/moe_align.py; three launches and a memset past 256 tokens of top-8), the grouped gate/up GEMM with
+the CUDA path in four launches at decode (six with FP8), after the router's one (kernels/moe_route.py), and no host
+sync: the pairs aligned by expert (kernels/moe_align.py; three launches and a memset past 256 tokens of top-8), the grouped gate/up GEMM with
 SiLU-and-mul in its epilogue, the grouped down GEMM scaled by the routing weights (kernels/moe_gemm.py), and the
 sum over k; with FP8 weights each GEMM's input is quantised per token first (kernels/fp8_quant.py), as Fp8Linear
 does.
@@ -27,16 +27,23 @@ from minisrv.kernels.fp8_gemm import dequantized_matmul
 from minisrv.kernels.fp8_quant import FP8, quantize_tokens
 from minisrv.kernels.moe_align import triton_align
 from minisrv.kernels.moe_gemm import MoeConfig, config_for, moe_gemm
+from minisrv.kernels.moe_route import triton_route
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] (any float dtype) -> (weights float32 [T, top_k], ids int32 [T, top_k]), largest first:
     softmax over the E experts in float32, the top k, and with `renormalize` the k weights divided by their sum
-    (Qwen3-MoE with norm_topk_prob, Mixtral; Qwen2-MoE and OLMoE do not renormalise).
+    (Qwen3-MoE with norm_topk_prob, Mixtral; Qwen2-MoE and OLMoE do not renormalise). No host sync: on CUDA one
+    Triton launch (kernels/moe_route.py), elsewhere route_reference."""
+    fused = triton_route() if router_logits.is_cuda else None
+    if fused is not None:
+        return fused(router_logits, top_k, renormalize)
+    return route_reference(router_logits, top_k, renormalize)
 
-    Torch ops on the device, no host sync. Renormalised, the weights are computed as the softmax of the k largest
-    logits, which equals softmax -> top-k -> divide by the sum (softmax is monotonic, and the common normaliser
-    cancels) in three launches instead of five."""
+
+def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """route in torch ops. Renormalised, the weights are computed as the softmax of the k largest logits, which
+    equals softmax -> top-k -> divide by the sum (softmax is monotonic, and the common normaliser cancels)."""
     if renormalize:
         logits, ids = torch.topk(router_logits, top_k, dim=-1)
         weights = torch.softmax(logits, dim=-1, dtype=torch.float32)

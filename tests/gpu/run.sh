@@ -240,6 +240,13 @@ for phase in "${@:-smoke}"; do
                  step "moe-offline $q" 400 python3 $S/bench_offline.py --model /tmp/moe $q --json "$OUT/bench.jsonl"
                  step "moe-decode $q" 300 python3 $S/bench_decode.py --model /tmp/moe --attention-backend auto \
                    --batch-sizes 1,64,256 --graphs on --steps 32 $q --json "$OUT/decode.jsonl"; done ;;
+    # decode steps at a short context (128 tokens: the KV a step reads is small beside the weights) and where the
+    # time of a step goes, batch 1 and 256
+    moe-decode) need_moe; step moe-decode 300 python3 $S/bench_decode.py --model /tmp/moe --attention-backend auto \
+                  --batch-sizes 1,64,256 --graphs on --steps 32 --context 128 --json "$OUT/decode.jsonl" ;;
+    moe-profile) need_moe; step moe-profile 300 python3 $S/bench_decode.py --model /tmp/moe --attention-backend auto \
+                   --batch-sizes 1,256 --graphs on --steps 8 --context 128 --torch-profile ;;
+    moe-offline) need_moe; step moe-offline 400 python3 $S/bench_offline.py --model /tmp/moe --json "$OUT/bench.jsonl" ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

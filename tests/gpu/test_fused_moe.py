@@ -129,3 +129,17 @@ def test_cuda_graph_replay(t, fp8):
         ref = experts_reference(new_x, w13, w2, weights, ids, s13, s2)
         worst, norm = _errors(out, ref)
         assert (norm <= FP8_NORM_BOUND) if fp8 else (worst <= BF16_BOUND), f"replay {seed}: {worst:.2e}, {norm:.2e}"
+
+
+@pytest.mark.parametrize("t", [1, 7, 64, 512])
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (60, 4), (128, 8)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_kernel_matches_torch_on_the_cpu(t, num_experts, top_k, renormalize):
+    """route on CUDA (the one-launch Triton top-k) against route on the CPU (torch's topk and softmax) for the same
+    bf16 logits, made distinct (a permutation in steps of 1/16, exact in bf16) so the top-k has one answer."""
+    g = torch.Generator().manual_seed(t + num_experts)
+    logits = torch.stack([torch.randperm(num_experts, generator=g) / 16.0 - 2 for _ in range(t)]).bfloat16()
+    weights, ids = route(logits.cuda(), top_k, renormalize)
+    ref_w, ref_ids = route(logits, top_k, renormalize)
+    assert torch.equal(ids.cpu(), ref_ids)
+    assert torch.allclose(weights.cpu(), ref_w, rtol=1e-5, atol=1e-7)

@@ -188,10 +188,43 @@ def check_fused_experts() -> None:
                 print(f"moe experts {what} {tuple(c)}: error {err:.1e} of the {of}")
 
 
+def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool):
+    """The routing in float64: softmax over the experts, the k largest, divided by their sum if renormalize."""
+    p = torch.softmax(logits.double(), dim=-1)
+    weights, ids = torch.topk(p, top_k, dim=-1)
+    return (weights / weights.sum(-1, keepdim=True) if renormalize else weights), ids
+
+
+def check_route_kernel() -> None:
+    """The one-launch router top-k (kernels/moe_route.py) against float64: token counts across its BLOCK_T rows
+    (1 to 40), expert counts that are and are not powers of two, k from 1 to 8, with and without renormalisation;
+    distinct logits (a random permutation in steps of 1/8, exact in float16), so the top-k has one answer. Then a
+    row with NaN and -inf logits: every id stays in range."""
+    from minisrv.kernels.moe_route import triton_route
+    run = triton_route()
+    g = torch.Generator().manual_seed(11)
+    for t, num_experts, top_k in ((1, 8, 2), (5, 60, 6), (17, 128, 8), (40, 128, 8), (3, 4, 1)):
+        logits = torch.stack([torch.randperm(num_experts, generator=g) / 8.0 - 4 for _ in range(t)])
+        for renormalize in (True, False):
+            weights, ids = run(logits.half(), top_k, renormalize)
+            ref_w, ref_ids = route_reference(logits, top_k, renormalize)
+            assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (t, top_k)
+            assert torch.equal(ids.long(), ref_ids), (t, num_experts, top_k, renormalize)
+            err = (weights.double() - ref_w).abs().max().item()
+            assert err <= 1e-6, f"weights off by {err:.1e}"
+            print(f"moe route T={t} E={num_experts} k={top_k} renormalize={renormalize}: weights within {err:.0e}")
+    bad = torch.tensor([[float("nan"), 1.0, float("-inf"), 2.0], [float("-inf")] * 4])
+    weights, ids = run(bad, 3, True)
+    assert ids[0].tolist() == [3, 1, 0] or ids[0].tolist()[:2] == [3, 1], ids
+    assert bool(((ids >= 0) & (ids < 4)).all()), ids
+    print("moe route NaN and -inf rows: ids in range")
+
+
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' factories import Triton
     start = time.time()
     check_align_kernel()
+    check_route_kernel()
     check_grouped_gemms()
     check_fused_experts()
     print(f"({time.time() - start:.0f} s)")
