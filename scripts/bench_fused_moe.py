@@ -26,10 +26,10 @@ import torch  # noqa: E402
 
 from graph_timing import add_timing_args, graph_us  # noqa: E402 (beside this script)
 
-from minisrv.kernels.fp8_quant import quantize_rows  # noqa: E402
+from minisrv.kernels.fp8_quant import quantize_rows, quantize_tokens  # noqa: E402
 from minisrv.kernels.fused_moe import experts_reference, route, route_reference, triton_experts  # noqa: E402
 from minisrv.kernels.moe_align import align_reference, triton_align  # noqa: E402
-from minisrv.kernels.moe_gemm import MoeConfig, config_for  # noqa: E402
+from minisrv.kernels.moe_gemm import MoeConfig, config_for, moe_gemm  # noqa: E402
 
 
 def eager_us(fn, repeat: int) -> float:
@@ -46,6 +46,23 @@ def eager_us(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
+def products_us(x, w13, w2, s13, s2, routing, c: MoeConfig, a) -> tuple:
+    """Microseconds of the gate/up product and of the down product alone (one routing, operands ready), with
+    launch configuration c: to choose each product's configuration (their shares of the floor: 2/3 and 1/3)."""
+    weights, ids = routing
+    t, k = ids.shape
+    aligned = triton_align()(ids, w13.shape[0], c.block_m)
+    gemm = moe_gemm()
+    a1, a1s = quantize_tokens(x) if s13 is not None else (x, None)
+    act = torch.empty(t * k, w2.shape[2], dtype=x.dtype, device=x.device)
+    gemm(a1, a1s, w13, s13, act, None, aligned, k, True, c)
+    a2, a2s = quantize_tokens(act) if s13 is not None else (act, None)
+    out = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
+    flat = weights.reshape(-1).contiguous()
+    return (graph_us(lambda: gemm(a1, a1s, w13, s13, act, None, aligned, k, True, c), a.iters, a.repeat),
+            graph_us(lambda: gemm(a2, a2s, w2, s2, out, flat, aligned, 1, False, c), a.iters, a.repeat))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1,64,256,2048", help="token counts, comma-separated")
@@ -57,6 +74,8 @@ def main() -> int:
     p.add_argument("--configs", default="", help="more launch configurations to time, ';'-separated")
     p.add_argument("--routings", type=int, default=8, help="distinct routings cycled through")
     p.add_argument("--no-reference", action="store_true", help="skip timing experts_reference")
+    p.add_argument("--products", action="store_true",
+                   help="time the gate/up and the down product alone for each configuration, not the whole call")
     add_timing_args(p, repeat=20)
     a = p.parse_args()
     e, k, h, inter = a.experts, a.top_k, a.hidden, a.inter
@@ -80,6 +99,13 @@ def main() -> int:
         floor = hit * expert_bytes / a.bandwidth * 1e6
         rule = config_for(t * k, e, a.fp8)
         line = f"T={t:5d}: {hit:5.1f} experts hit, {hit * expert_bytes / 1e6:7.1f} MB, floor {floor:7.1f} us"
+        if a.products:
+            for c in [rule] + [c for c in extra if c != rule]:
+                gate_up, down = products_us(x, w13, w2, s13, s2, routings[0], c, a)
+                print(f"T={t:5d} {'rule ' if c == rule else '     '}{tuple(c)}: gate/up {gate_up:7.1f} us "
+                      f"({100 * floor * 2 / 3 / gate_up:3.0f}%), down {down:7.1f} us ({100 * floor / 3 / down:3.0f}%)",
+                      flush=True)
+            continue
         for c in [rule] + [c for c in extra if c != rule]:
             calls = itertools.count()
 

@@ -246,6 +246,11 @@ for phase in "${@:-smoke}"; do
                   --batch-sizes 1,64,256 --graphs on --steps 32 --context 128 --json "$OUT/decode.jsonl" ;;
     moe-profile) need_moe; step moe-profile 300 python3 $S/bench_decode.py --model /tmp/moe --attention-backend auto \
                    --batch-sizes 1,256 --graphs on --steps 8 --context 128 --torch-profile ;;
+    # each product alone under other launch configurations (to choose config_for's)
+    moe-sweep) C="32,64,128,4,4;32,64,64,4,4;32,128,64,4,4;32,64,128,4,3;16,64,128,4,3;16,64,128,4,5;16,32,128,4,4;16,128,128,4,4;16,64,256,4,3;16,64,64,4,6;32,32,128,4,4;64,64,64,4,4;16,64,128,8,4;16,32,256,4,4;64,128,64,8,4;64,128,64,4,4"
+               step moe-sweep 280 python3 $S/bench_fused_moe.py --products --tokens 16,32,64,128,256,384 --configs "$C"
+               C8=$(echo "$C" | awk -F';' '{for(i=1;i<=NF;i++){split($i,a,",");printf "%s%s,%s,%s,%s,%s",(i>1?";":""),a[1],a[2],a[3]*2,a[4],a[5]}}')
+               step moe-sweep-fp8 280 python3 $S/bench_fused_moe.py --products --fp8 --tokens 16,32,64,128,256,384 --configs "$C8" ;;
     moe-offline) need_moe; step moe-offline 400 python3 $S/bench_offline.py --model /tmp/moe --json "$OUT/bench.jsonl" ;;
     *) echo "unknown phase $phase" ;;
   esac
