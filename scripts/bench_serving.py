@@ -158,7 +158,8 @@ async def send(http: httpx.AsyncClient, args: argparse.Namespace, model: str, it
                     res.output_tokens = msg["usage"].get("completion_tokens", 0)
                 got = False
                 for c in msg.get("choices") or []:
-                    piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                    delta = c.get("delta") or {}
+                    piece = c["text"] if "text" in c else delta.get("content") or delta.get("reasoning_content")
                     got = got or bool(piece)
                 if got:
                     now = time.perf_counter()

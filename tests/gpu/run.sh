@@ -71,6 +71,17 @@ serving() { local name=$1; shift; local port=30123 log=/tmp/$name-server.log pid
     --request-rate 64 --random-input-len 512 --random-output-len 256 --random-range-ratio 0.5 \
     --output /tmp/$name.json "$@"
   kill $pid 2>/dev/null; wait $pid; echo "server exited rc $? (log: $log)"; tail -n 3 "$log"; }
+# the nano workload's lengths through a server's chat endpoint (the reasoning-parser cost)
+serving_nano() { local name=$1; local port=30124 log=/tmp/$1-server.log pid
+  python3 -m minisrv.launch_server --model "$MINISRV_GPU_CKPT" --attention-backend auto --port $port ${SERVER_ARGS:-} >"$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 300); do python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" 2>/dev/null && break
+    kill -0 $pid 2>/dev/null || break; sleep 1; done
+  grep -i "reasoning" "$log" | tail -n 1
+  step "$name" 240 python3 $S/bench_serving.py --base-url http://127.0.0.1:$port --endpoint chat --num-prompts 256 \
+    --random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.0977 --temperature 0.6 \
+    --output /tmp/$name.json
+  kill $pid 2>/dev/null; wait $pid; }
 # PHASE@base runs PHASE's benchmark scripts from .baseline/ (an earlier tree of the project, carried beside this one),
 # so that a change and what it replaced are measured in one lease
 for phase in "${@:-smoke}"; do
@@ -139,6 +150,12 @@ for phase in "${@:-smoke}"; do
     llama8b-fp8-fa) need_llama8b; step llama8b-fp8-fa 400 python3 $S/bench_offline.py --model /tmp/llama8b --num-prompts 64 \
                --attention-backend fa --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
     serving) serving serving ;;
+    # the reasoning parser's cost: the nano workload's lengths (100-1,024 prompt and output tokens) through the chat
+    # endpoint, 256 requests at once, parser off / on / off / on (deepseek_r1: every output is thinking until a
+    # `</think>`, so each streamed piece goes through the split)
+    serving-think) [ -f /tmp/think-tok/tokenizer.json ] || python3 tests/gpu/think_tokenizer.py /tmp/think-tok "$MINISRV_GPU_CKPT"
+                   for parser in "" "--reasoning-parser deepseek_r1" "" "--reasoning-parser deepseek_r1"; do
+                     SERVER_ARGS="--tokenizer /tmp/think-tok $parser" serving_nano "serving-think${parser:+-on}"; done ;;
     serving-grammar) json_tokenizer; SERVER_ARGS="--tokenizer $JTOK" serving serving-grammar --constrained-fraction 0.5 ;;
     profile) step profile 200 python3 $S/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
                --batch-sizes 1,64,256 --graphs on --steps 16 --torch-profile ;;
@@ -232,8 +249,8 @@ for phase in "${@:-smoke}"; do
                --batch-sizes 1,64 --graphs on --steps 16 --quantization fp8 --kv-cache-dtype fp8_e4m3 --torch-profile ;;
     # mixtures of experts: the fused kernel against the torch path, a random Qwen3-MoE end to end against HF
     moe) step moe 500 python3 -m pytest -q -s -rs tests/gpu/test_fused_moe.py tests/gpu/test_moe.py ;;
-    moe-kernel) step moe-kernel 200 python3 $S/bench_fused_moe.py
-                step moe-kernel-fp8 200 python3 $S/bench_fused_moe.py --fp8 ;;
+    moe-kernel) step moe-kernel 200 python3 $S/bench_fused_moe.py --tokens 1,2,4,8,64,256,2048
+                step moe-kernel-fp8 200 python3 $S/bench_fused_moe.py --fp8 --tokens 1,2,4,8,64,256,2048 ;;
     # the Qwen3-30B-A3B-shaped checkpoint: the 256-request workload and decode steps, bf16 then FP8 experts
     moe-bench) need_moe
                for q in "" "--quantization fp8"; do
