@@ -4,7 +4,7 @@ hidden 2048, moe_intermediate 768, 128 experts, top-8), against the time their w
 
 For each token count: the fused path's time per call (route excluded; CUDA events, median of --repeat replays of a
 CUDA graph holding --iters calls, each call with its own routing so that the experts hit change as between layers),
-up to 8 tokens the matrix-vector path's time (--gemv-tiles), the router top-k's and the alignment kernel's times (and their torch ops'), the expert weight bytes a call touches (distinct experts hit x an expert's bytes,
+the router top-k's and the alignment kernel's times (and their torch ops'), the expert weight bytes a call touches (distinct experts hit x an expert's bytes,
 averaged over the calls) and the share of --bandwidth that reaches, and experts_reference's time (eager: it syncs
 with the host). --configs times other launch configurations beside the rule's (block_m,block_n,block_k,num_warps,
 num_stages;...), to check or refine config_for.
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from graph_timing import add_timing_args, graph_us  # noqa: E402 (beside this script)
 
 from minisrv.kernels.fp8_quant import quantize_rows, quantize_tokens  # noqa: E402
-from minisrv.kernels.fused_moe import experts_reference, gemv_experts, route, route_reference, triton_experts  # noqa: E402
+from minisrv.kernels.fused_moe import experts_reference, route, route_reference, triton_experts  # noqa: E402
 from minisrv.kernels.moe_align import align_reference, triton_align  # noqa: E402
 from minisrv.kernels.moe_gemm import MoeConfig, config_for, moe_gemm  # noqa: E402
 
@@ -74,8 +74,6 @@ def main() -> int:
     p.add_argument("--configs", default="", help="more launch configurations to time, ';'-separated")
     p.add_argument("--routings", type=int, default=8, help="distinct routings cycled through")
     p.add_argument("--no-reference", action="store_true", help="skip timing experts_reference")
-    p.add_argument("--gemv-tiles", default="16,256;32,128;8,256;16,128;32,256",
-                   help="matrix-vector path tiles (columns,K step;...) timed up to 8 tokens")
     p.add_argument("--products", action="store_true",
                    help="time the gate/up and the down product alone for each configuration, not the whole call")
     add_timing_args(p, repeat=20)
@@ -116,14 +114,6 @@ def main() -> int:
                 return triton_experts(x, w13, w2, w, ids, s13, s2, config=c)
             us = graph_us(fused, a.iters, a.repeat)
             line += f"; {'rule ' if c == rule else ''}{tuple(c)} {us:7.1f} us ({100 * floor / us:3.0f}%)"
-        for tile in ([tuple(int(v) for v in c.split(",")) for c in a.gemv_tiles.split(";") if c] if t <= 8 else []):
-            calls = itertools.count()
-
-            def gemv(tile=tile):
-                w, ids = routings[next(calls) % len(routings)]
-                return gemv_experts(x, w13, w2, w, ids, s13, s2, tile=tile)
-            us = graph_us(gemv, a.iters, a.repeat)
-            line += f"; gemv {tile} {us:7.1f} us ({100 * floor / us:3.0f}%)"
         logits = torch.randn(t, e, device="cuda").bfloat16()
         line += f"; route {graph_us(lambda: route(logits, k, True), a.iters, a.repeat):5.1f} us"
         line += f" (torch {graph_us(lambda: route_reference(logits, k, True), a.iters, a.repeat):5.1f})"

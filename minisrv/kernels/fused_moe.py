@@ -27,7 +27,6 @@ from minisrv.kernels.fp8_gemm import dequantized_matmul
 from minisrv.kernels.fp8_quant import FP8, quantize_tokens
 from minisrv.kernels.moe_align import triton_align
 from minisrv.kernels.moe_gemm import MoeConfig, config_for, moe_gemm
-from minisrv.kernels.moe_gemv import moe_gemv
 from minisrv.kernels.moe_route import triton_route
 
 
@@ -109,40 +108,12 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     return out.to(x.dtype)
 
 
-GEMV_TOKENS = 2  # up to this many tokens, the matrix-vector path (kernels/moe_gemv.py)
-GEMV_TILE = (16, 256)  # its (output columns, K step) a program
-
-
-def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                 topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
-                 w2_scale: Optional[torch.Tensor] = None, tile: Tuple[int, int] = GEMV_TILE) -> torch.Tensor:
-    """triton_experts' result for a few tokens in two launches (three and four with FP8: the quantisers), no
-    alignment and no separate sum over k (kernels/moe_gemv.py)."""
-    _check_shapes(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-    gemv = moe_gemv()
-    if gemv is None:
-        raise RuntimeError("the fused experts need Triton")
-    t, h = x.shape
-    fp8 = w13_scale is not None
-    ids = topk_ids.to(torch.int32).contiguous()
-    act = torch.empty(ids.numel(), w2.shape[2], dtype=x.dtype, device=x.device)
-    a, a_scale = quantize_tokens(x) if fp8 else (x, None)
-    gemv(a, a_scale, w13, w13_scale, act, ids, None, True, *tile)
-    a, a_scale = quantize_tokens(act) if fp8 else (act, None)
-    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    gemv(a, a_scale, w2, w2_scale, out, ids, topk_weights.reshape(-1).float().contiguous(), False, *tile)
-    return out
-
-
 def triton_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
                    w2_scale: Optional[torch.Tensor] = None, config: Optional[MoeConfig] = None) -> torch.Tensor:
     """The fused path on x's device, whatever it is (under TRITON_INTERPRET=1, the CPU too): x bf16 or fp16 with
     unit column stride; w13 and w2 of x's dtype (or FP8, with scales); config: the launch rule's (config_for)
-    unless given; without one, up to GEMV_TOKENS tokens take gemv_experts. Raises RuntimeError where Triton is
-    missing."""
-    if config is None and 0 < x.shape[0] <= GEMV_TOKENS:
-        return gemv_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    unless given. Raises RuntimeError where Triton is missing."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     gemm, align = moe_gemm(), triton_align()
     if gemm is None or align is None:

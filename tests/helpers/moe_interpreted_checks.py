@@ -188,28 +188,6 @@ def check_fused_experts() -> None:
                 print(f"moe experts {what} {tuple(c)}: error {err:.1e} of the {of}")
 
 
-def check_gemv_experts() -> None:
-    """The matrix-vector path (kernels/moe_gemv.py, driven by fused_moe.gemv_experts) against experts_reference,
-    as check_fused_experts: T = 1, 2, 3 over CASES' shapes (H 96: a partial K step and column tile under the
-    (32, 64) tile), float16 and FP8, the default tile and a small one (several K steps and column tiles)."""
-    from minisrv.kernels.fused_moe import GEMV_TILE, experts_reference, gemv_experts
-    for fp8 in (False, True):
-        for (h, inter, num_experts, top_k), _ in CASES[:3]:
-            for t in (1, 2, 3):
-                args = experts_inputs(t, h, inter, num_experts, top_k, torch.float16, fp8, seed=t + h + 1)
-                ref = experts_reference(*args).double()
-                for tile in (GEMV_TILE, (32, 64)):
-                    got = gemv_experts(*args, tile=tile)
-                    assert got.dtype == torch.float16 and got.shape == (t, h)
-                    what = f"{'FP8' if fp8 else 'fp16'} H={h} I={inter} E={num_experts} k={top_k} T={t} tile {tile}"
-                    if fp8:
-                        err, bound, of = ((got.double() - ref).norm() / ref.norm()).item(), FP8_NORM_BOUND, "norm"
-                    else:
-                        err, bound, of = _relative(got, ref), FP16_BOUND, "largest output"
-                    assert err <= bound, f"{what}: {err:.2e} > {bound}"
-                    print(f"moe gemv {what}: error {err:.1e} of the {of}")
-
-
 def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool):
     """The routing in float64: softmax over the experts, the k largest, divided by their sum if renormalize."""
     p = torch.softmax(logits.double(), dim=-1)
@@ -247,7 +225,6 @@ if __name__ == "__main__":
     start = time.time()
     check_align_kernel()
     check_route_kernel()
-    check_gemv_experts()
     check_grouped_gemms()
     check_fused_experts()
     print(f"({time.time() - start:.0f} s)")
