@@ -66,9 +66,11 @@ class Piece:
 
 def _partial(text: str, tag: str) -> int:
     """The length of the longest proper prefix of `tag` that `text` ends with (a tag that may be arriving)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
+    at = text.find(tag[0], max(0, len(text) - len(tag) + 1))  # per streamed piece: one scan, no tag usually
+    while at >= 0:
+        if tag.startswith(text[at:]):
+            return len(text) - at
+        at = text.find(tag[0], at + 1)
     return 0
 
 

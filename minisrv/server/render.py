@@ -133,7 +133,9 @@ class ChatRenderer:
                finish_reason: Optional[str]) -> List[Any]:
         out, answer = [], choice.text
         if self.reasoning is not None:  # the thinking first; `text` and `answer` become the answer's
-            split = self._streams.setdefault(choice.index, self.reasoning.stream())
+            split = self._streams.get(choice.index)
+            if split is None:
+                split = self._streams[choice.index] = self.reasoning.stream()
             piece = split.feed(text, final=finish_reason is not None)
             if self.reasoning.separate and piece.reasoning:
                 delta = DeltaMessage(reasoning_content=piece.reasoning, reasoning=piece.reasoning)

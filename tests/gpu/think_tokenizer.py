@@ -13,7 +13,7 @@ import sys
 def main() -> None:
     out, ckpt = sys.argv[1], sys.argv[2]
     os.makedirs(out, exist_ok=True)
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if os.path.exists(os.path.join(ckpt, name)):
             shutil.copy(os.path.join(ckpt, name), out)
     with open(os.path.join(ckpt, "tokenizer.json")) as f:
