@@ -89,9 +89,18 @@ class ReasoningStream:
         self._answer_lead = False  # whitespace at the answer's start is dropped (after `</think>`)
 
     def feed(self, text: str, final: bool = False) -> Piece:
+        if not self._buf and not final and self.phase != _BEFORE and self.end[0] not in text:
+            # the usual piece: nothing held back, and no tag can start in it (the general loop below gives the same)
+            if self.phase == _THINKING:
+                reasoning: List[str] = []
+                self._think(text, reasoning, closing=False)
+                return Piece(reasoning="".join(reasoning), raw=text)
+            if not self._answer_lead:
+                self.answer += text
+                return Piece(answer=text)
         self._buf += text
         out = Piece()
-        reasoning: List[str] = []
+        reasoning = []
         raw: List[str] = []
         while True:
             buf = self._buf
