@@ -131,7 +131,8 @@ class SamplingBatch:
                     vals.append(v)
             sb.bias_index = to_device([rows, ids], torch.int64, device)
             sb.bias_values = to_device(vals, torch.float32, device)
-        forced = [(i, r.thinking.forced()) for i, r in enumerate(reqs) if r.thinking is not None]
+        forced = [(i, r.thinking.forced()) for i, r in enumerate(reqs)
+                  if r.thinking is not None and r.thinking.rule.budget is not None]  # only a budget forces
         forced = [(i, t) for i, t in forced if t is not None]
         if forced:
             both = to_device([i for i, _ in forced] + [t for _, t in forced], torch.int64, device)
