@@ -151,10 +151,10 @@ for phase in "${@:-smoke}"; do
                --attention-backend fa --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
     serving) serving serving ;;
     # the reasoning parser's cost: the nano workload's lengths (100-1,024 prompt and output tokens) through the chat
-    # endpoint, 256 requests at once, parser off / on / off / on (deepseek_r1: every output is thinking until a
+    # endpoint, 256 requests at once, parser off / on three times (deepseek_r1: every output is thinking until a
     # `</think>`, so each streamed piece goes through the split)
     serving-think) [ -f /tmp/think-tok/tokenizer.json ] || python3 tests/gpu/think_tokenizer.py /tmp/think-tok "$MINISRV_GPU_CKPT"
-                   for parser in "" "--reasoning-parser deepseek_r1" "" "--reasoning-parser deepseek_r1"; do
+                   for parser in "" "--reasoning-parser deepseek_r1" "" "--reasoning-parser deepseek_r1" "" "--reasoning-parser deepseek_r1"; do
                      SERVER_ARGS="--tokenizer /tmp/think-tok $parser" serving_nano "serving-think${parser:+-on}"; done ;;
     serving-grammar) json_tokenizer; SERVER_ARGS="--tokenizer $JTOK" serving serving-grammar --constrained-fraction 0.5 ;;
     profile) step profile 200 python3 $S/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
@@ -260,6 +260,8 @@ for phase in "${@:-smoke}"; do
     # decode steps at a short context (128 tokens: the KV a step reads is small beside the weights) and where the
     # time of a step goes, batch 1 and 256
     moe-decode) need_moe; step moe-decode 300 python3 $S/bench_decode.py --model /tmp/moe --attention-backend auto \
+                  --batch-sizes 1,64,256 --graphs on --steps 32 --context 128 --json "$OUT/decode.jsonl" ;;
+    moe-decode-fa) need_moe; step moe-decode-fa 300 python3 $S/bench_decode.py --model /tmp/moe --attention-backend fa \
                   --batch-sizes 1,64,256 --graphs on --steps 32 --context 128 --json "$OUT/decode.jsonl" ;;
     moe-profile) need_moe; step moe-profile 300 python3 $S/bench_decode.py --model /tmp/moe --attention-backend auto \
                    --batch-sizes 1,256 --graphs on --steps 8 --context 128 --torch-profile ;;
