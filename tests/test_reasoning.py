@@ -306,6 +306,12 @@ def test_enable_thinking_false_closes_the_thinking_in_the_prompt(qwen3, engine) 
     block = engine.tokenizer("<think>\n\n</think>\n\n", add_special_tokens=False).input_ids
     assert r.json()["usage"]["prompt_tokens"] == on.json()["usage"]["prompt_tokens"] + len(block)
     assert streamed(qwen3, **off)["content"] == "<think>" * 4
+    # /tokenize of the same chat counts the same prompt, with and without the switch; a reserved name is a 400
+    for kwargs, chat in (({"enable_thinking": False}, r), (None, on)):
+        t = call(qwen3, "/tokenize", {"messages": ASK, "chat_template_kwargs": kwargs})
+        assert t.status_code == 200 and t.json()["count"] == chat.json()["usage"]["prompt_tokens"], t.text
+    bad = call(qwen3, "/tokenize", {"messages": ASK, "chat_template_kwargs": {"tokenize": True}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
 
 
 @pytest.mark.parametrize("style", ["r1", "qwen3"])

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, mo
 from .engine_proc import EngineDead
 from .errors import APIError, engine_unavailable
 from .protocol import ChatMessage
-from .prompts import ASYNC_ENCODE_CHARS, off_loop, parse_body, template_messages
+from .prompts import ASYNC_ENCODE_CHARS, off_loop, parse_body, template_kwargs, template_messages
 from .tools import template_messages_with_tool_calls
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ class TokenizeRequest(BaseModel):
     continue_final_message: StrictBool = False
     return_token_strs: StrictBool = False
     tools: Optional[Any] = None  # refused when given (the count would not match a chat request with tools)
+    chat_template_kwargs: Optional[Dict[str, Any]] = None  # as chat's ({"enable_thinking": false}): the same prompt
 
     @model_validator(mode="after")
     def _one_form(self) -> "TokenizeRequest":
@@ -117,11 +118,13 @@ async def _tokenize(state: "ServerState", body: TokenizeRequest, large: bool) ->
         if chat_template_text(tok) is None:
             raise APIError(400, "this model's tokenizer has no chat template", param="messages")
         msgs = template_messages_with_tool_calls(template_messages(body))
+        extra = template_kwargs(tok, body.chat_template_kwargs)
 
         def template() -> str:
             try:
                 return tok.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt,
-                                               continue_final_message=body.continue_final_message, tokenize=False)
+                                               continue_final_message=body.continue_final_message, tokenize=False,
+                                               **extra)
             except Exception as e:  # noqa: BLE001 - template errors (raise_exception, bad roles) are the client's
                 raise APIError(400, f"chat template failed: {e}", param="messages") from None
 
