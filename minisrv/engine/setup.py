@@ -112,7 +112,7 @@ def check_tensor_parallel(cfg: EngineConfig) -> None:
     """What can be refused before any rank's process is started: the model's heads must divide over the ranks, the
     GPUs must be there, the fused all-reduce needs CUDA."""
     device = resolve_device(cfg)
-    check_divisible(load_model_args(resolve_model_path(cfg.model)), cfg.tp_size)
+    check_divisible(load_model_args(resolve_model_path(cfg.model), cfg.cache_dir), cfg.tp_size)
     if cfg.enable_flashinfer_allreduce_fusion and device.type != "cuda":
         raise ValueError("--enable-flashinfer-allreduce-fusion needs CUDA devices")
     tp_device(device, 0, cfg.tp_size)
@@ -127,7 +127,7 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
         torch.manual_seed(cfg.seed)  # unseeded requests draw from torch's generator
     device = resolve_device(cfg)
     model_path = resolve_model_path(cfg.model)
-    args = load_model_args(model_path)
+    args = load_model_args(model_path, cfg.cache_dir)
     backend_name = resolve_backend(cfg.attention_backend, device)  # fail before loading weights
     if cfg.tp_size > 1:
         device = tp_device(device, tp_rank, cfg.tp_size)
@@ -138,7 +138,7 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
 
 def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvous], device: torch.device,
                  model_path: str, args: ModelArgs, backend_name: str, t0: float) -> EngineParts:
-    tokenizer = load_tokenizer(model_path, cfg.tokenizer) if tp_rank == 0 else None
+    tokenizer = load_tokenizer(model_path, cfg.tokenizer, cfg.cache_dir) if tp_rank == 0 else None
     eos = set(args.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
@@ -155,7 +155,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
                               ) if cfg.tp_size > 1 else TensorParallel.single()
     pooling = resolve_pooling(model_path, args, cfg.is_embedding)
     model = load_model(model_path, args, dtype, device, context_length, fused, tp, cfg.quantization,
-                       embedding=pooling is not None)
+                       embedding=pooling is not None, cache_dir=cfg.cache_dir)
     t_load = time.perf_counter() - t0
 
     a, plan = args, model.plan

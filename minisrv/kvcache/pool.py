@@ -6,9 +6,15 @@ twice as many tokens as bf16 in the same memory. An FP8 pool stores K / k_scale 
 finite range (+-448, so an outlier is clipped rather than turned into NaN), with one K scale and one V scale per
 layer; whoever reads multiplies back. The scales are 1.0 unless a checkpoint's calibrated ones are given to
 `set_scales` (which must happen before CUDA graphs are captured: FlashInfer bakes them into its launch arguments).
+
+On the CPU the pool is anonymous memory mapped from the operating system, which hands it out zeroed and takes
+physical pages only as they are first written: a pool sized for 65,536 tokens costs nothing at start-up (zeroing
+it with torch.zeros took seconds) and holds, resident, only the pages requests have used (the page allocator hands
+out low pages first).
 """
 from __future__ import annotations
 
+import mmap
 from typing import Sequence, Tuple
 
 import torch
@@ -42,7 +48,7 @@ class KVPool:
         self.kv_dtype = kv_dtype
         self.device = device
         shape = (2, num_pages, page_size, num_kv_heads, head_dim)
-        self.kv = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(num_layers)]
+        self.kv = [_zeros(shape, kv_dtype, device) for _ in range(num_layers)]
         self.k = [kv[0] for kv in self.kv]
         self.v = [kv[1] for kv in self.kv]
         self.kv_scale = torch.ones((num_layers, 2), dtype=torch.float32, device=device)
@@ -125,3 +131,15 @@ class KVPool:
     def flat_v(self, layer_id: int) -> torch.Tensor:
         return self.v[layer_id].view(-1, self.num_kv_heads, self.head_dim)
 
+
+
+def _zeros(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, except on the CPU: zero pages from the operating system, made resident only when written."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)

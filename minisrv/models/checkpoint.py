@@ -6,11 +6,12 @@ file is caught from its header alone, before any tensor is read: a memory-mapped
 confusing error, or even returns a short array."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
-import torch
+if TYPE_CHECKING:  # annotations only: the HTTP process reads model files through this package without torch
+    import torch
 
-from .sharding import Slice
+    from .sharding import Slice
 
 
 class WeightLoadError(ValueError):

@@ -13,7 +13,7 @@ import os
 import re
 import struct
 import sys
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -172,11 +172,12 @@ def _hf_name(gguf_name: str) -> str:
     return ""
 
 
-def iter_gguf(path: str, args: ModelArgs) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_gguf(path: str, args: ModelArgs, reader: Optional[GGUFReader] = None) -> Iterator[Tuple[str, torch.Tensor]]:
     """Dequantised tensors under HF names, one at a time. llama.cpp stores Llama's q/k rows interleaved for its
-    rotary; that is undone so that our neox-style rotary (HF's) applies."""
-    from gguf.quants import dequantize as dequantize_blocks
-    reader = read_gguf(path)
+    rotary; that is undone so that our neox-style rotary (HF's) applies. `reader`: the file's read_gguf, if the
+    caller has it."""
+    from .gguf_dequant import dequantize
+    reader = reader or read_gguf(path)
     permuted = args.architecture in PERMUTED
     for t in reader.tensors:
         name = _hf_name(t.name)
@@ -187,10 +188,9 @@ def iter_gguf(path: str, args: ModelArgs) -> Iterator[Tuple[str, torch.Tensor]]:
             raise WeightLoadError(f"unexpected tensor {t.name!r} in {path}")
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         try:
-            arr = dequantize_blocks(t.data, t.tensor_type).reshape(shape)
+            w = dequantize(t.data, t.tensor_type).reshape(shape)
         except Exception as e:
             raise WeightLoadError(f"cannot dequantize tensor {t.name!r} in {path}: {e}") from e
-        w = torch.from_numpy(arr.copy())
         if experts:
             layer, kind = experts.groups()
             for e in range(w.shape[0]):

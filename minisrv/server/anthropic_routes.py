@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, List, Optional, Tuple
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from minisrv.engine.grammar import check_grammar
+from minisrv.engine.grammar_check import check_grammar
 from minisrv.engine.request import SamplingParams, check_request
 
 from .anthropic_protocol import CountTokensRequest, MessagesRequest, to_chat

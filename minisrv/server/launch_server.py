@@ -127,7 +127,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     except ValueError as e:
         _fail(str(e), 2)
     _check_server_args(args)
-    from minisrv.models.loader import resolve_model_path
+    from minisrv.models.model_files import resolve_model_path
     try:
         model_path = resolve_model_path(cfg.model)
     except FileNotFoundError as e:
@@ -156,14 +156,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, sock: socket.socket,
                  served: str, aliases: List[str], policy: HTTPPolicy) -> int:
-    import uvicorn
-
-    from minisrv.models.loader import load_tokenizer
-
     from .engine_proc import EngineClient
-    from .routes import create_app
-    from .state import ServerState
-    from .transport import GracefulServer, deadline_protocol
 
     # uvicorn handles SIGINT/SIGTERM while it runs, restores the handlers it found when it stops, then re-raises the
     # signal; with these no-op handlers underneath, that re-raise (or a second Ctrl-C) cannot cut the engine
@@ -171,7 +164,19 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda _s, _f: None)
 
+    # the engine process is spawned first, so that it loads while this process imports the HTTP side and loads the
+    # tokenizer (on a small CPU model, both take about as long as the engine's start)
     client = EngineClient(cfg)
+    engine_start = asyncio.create_task(client.start())
+    await asyncio.sleep(0)  # start() runs up to the spawn
+    import uvicorn
+
+    from minisrv.models.model_files import load_tokenizer
+
+    from .routes import create_app
+    from .state import ServerState
+    from .transport import GracefulServer, deadline_protocol
+
     state = ServerState(client=client, served_model_name=served, model_aliases=aliases, api_key=args.api_key,
                         http=policy, tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser)
@@ -184,9 +189,9 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
 
     async def start() -> None:
         # the engine loads in its process while this one loads the tokenizer; /health is 503 until both are done
-        tok = asyncio.create_task(asyncio.to_thread(load_tokenizer, model_path, cfg.tokenizer))
+        tok = asyncio.create_task(asyncio.to_thread(load_tokenizer, model_path, cfg.tokenizer, cfg.cache_dir))
         try:
-            info = await client.start()
+            info = await engine_start
         except BaseException:
             tok.cancel()
             raise

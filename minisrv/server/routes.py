@@ -30,7 +30,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from minisrv.engine.grammar import check_grammar
+from minisrv.engine.grammar_check import check_grammar
 from minisrv.engine.request import RequestError, SamplingParams, check_request
 
 from .anthropic_routes import add_anthropic_routes

