@@ -4,6 +4,10 @@ It is the reference the fast backends are tested against, and the CPU serving pa
 request's K/V into a padded [B, max_len] table (once per layer, from indices planned once per step) and runs one
 batched SDPA with a mask that is causal with respect to each request's cached prefix. An FP8 pool's K/V are
 dequantised as they are gathered (the pool's `load`), so attention itself runs in the model's dtype on any device.
+
+On the CPU, the paths of cpu_paged.py replace that one where they can: decode reads K/V in place in the pool through
+a compiled kernel, and prompts run packed, a sequence at a time, without padding. The padded path stays for FP8
+pools, for decode where the kernel could not be built, and on CUDA, where it is the reference.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import torch.nn.functional as F
 from minisrv.batch import ForwardBatch
 
 from .base import AttentionBackend
+from .cpu_paged import CpuPagedAttention, DecodeMeta, PackedMeta
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,20 @@ class TorchMeta:
 class TorchNativeBackend(AttentionBackend):
     name = "torch"
 
-    def prepare(self, b: ForwardBatch) -> TorchMeta:
+    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int) -> None:
+        super().__init__(pool, req_to_token, num_q_heads)
+        self.cpu = None
+        if pool.device.type == "cpu":
+            self.cpu = CpuPagedAttention.create(pool, req_to_token, num_q_heads, self.scale)
+
+    def prepare(self, b: ForwardBatch):
+        if self.cpu is not None:
+            meta = self.cpu.prepare(b)
+            if meta is not None:
+                return meta
+        return self.prepare_padded(b)
+
+    def prepare_padded(self, b: ForwardBatch) -> TorchMeta:
         dev = b.input_ids.device
         bsz = b.batch_size
         max_k = b.max_seq_len
@@ -57,7 +75,9 @@ class TorchNativeBackend(AttentionBackend):
         return TorchMeta(b.out_cache_loc, kv_idx, mask, max_q, q_gather, out_rows)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                meta: TorchMeta) -> torch.Tensor:
+                meta) -> torch.Tensor:
+        if isinstance(meta, (DecodeMeta, PackedMeta)):
+            return self.cpu.forward(q, k, v, layer_id, meta)
         self.pool.store(layer_id, meta.loc, k, v)
         bsz, max_q = meta.kv_idx.shape[0], meta.max_q
         hkv, d = self.num_kv_heads, self.head_dim

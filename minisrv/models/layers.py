@@ -3,11 +3,13 @@ vocabulary embedding. Under tensor parallelism (`tp`, see minisrv.distributed) e
 sharding.py) and combines partial results with one all-reduce; with one rank they call no collective.
 
 On CUDA with FlashInfer installed, RMSNorm (with fused residual add), SiLU-and-mul and rotary use its fused
-kernels; everywhere else, plain torch. Both compute the same thing (tests compare against HF transformers). Which
-one a layer uses is fixed when it is built (`fused`: the kernel module, or None).
+kernels; on the CPU, the same ops compiled for the machine (kernels/cpu_ops.py) where a C compiler is present;
+everywhere else, plain torch. All compute the same thing (tests compare against HF transformers). Which one a layer
+uses is fixed when it is built (`fused`: the kernel module, or None).
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -18,11 +20,13 @@ from torch import nn
 from minisrv.distributed import TensorParallel
 from minisrv.utils import cuda_import
 
+from minisrv.kernels.cpu_ops import CpuFusedOps
 from minisrv.kernels.fp8_quant import fused_quantisers
 
 from .args import ModelArgs
 from .fp8 import Fp8Linear
 
+logger = logging.getLogger(__name__)
 
 def make_linear(in_features: int, out_features: int, bias: bool, quantization: Optional[str] = None) -> nn.Module:
     """A projection layer: nn.Linear (F.linear, cuBLAS on CUDA), or with quantization "fp8" an Fp8Linear (weights
@@ -36,8 +40,14 @@ def make_linear(in_features: int, out_features: int, bias: bool, quantization: O
 
 def fused_ops_for(device: torch.device) -> Optional[Any]:
     """FlashInfer's module, whose fused norm/activation/rotary kernels the layers use, when on CUDA and importable;
-    None otherwise (plain torch). Chosen once, when a model is built, and handed to each layer."""
-    return cuda_import(device, "flashinfer")
+    on the CPU the compiled CPU ops (CpuFusedOps) where they build; None otherwise (plain torch). Chosen once, when
+    a model is built, and handed to each layer."""
+    if device.type != "cpu":
+        return cuda_import(device, "flashinfer")
+    ops, how = CpuFusedOps.load()
+    logger.info("CPU layer ops: %s; %d threads, CPU capability %s", how if ops is not None else
+                f"plain torch ({how})", torch.get_num_threads(), torch.backends.cpu.get_cpu_capability())
+    return ops
 
 
 class RMSNorm(nn.Module):

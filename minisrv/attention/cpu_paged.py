@@ -1,0 +1,115 @@
+"""The torch backend's CPU paths: decode that reads K/V in place in the paged pool, prompts packed without padding.
+
+Decode: one query per request; the C kernel (kernels/cpu_attention.py) follows each request's row of the
+request->token table inside the attention, so no request's KV is copied out of the pool and nothing is padded.
+Extend (prompts, chunks, prompts on a cached prefix): each sequence on its own through torch's SDPA, which on the
+CPU runs its flash kernel; a sequence with no cached prefix attends to the step's own K/V (no pool read at all),
+one with a prefix to its K/V gathered from the pool under a causal mask aligned to its last position. The GQA
+group is a stride-0 view of K/V (SDPA's `enable_gqa` takes its slower math path on the CPU).
+
+These paths serve float32/bfloat16/float16 pools; an FP8 pool, or a decode without the compiled kernel, keeps the
+padded path of torch_native.py.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from minisrv.batch import ForwardBatch
+from minisrv.kernels.cpu_attention import PagedDecodeKernel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeMeta:
+    loc: torch.Tensor  # [B] slots this step's k/v go to
+    rows: torch.Tensor  # [B] int64 rows of the request->token table
+    kv_lens: torch.Tensor  # [B] int32 keys of each request, this step's included
+
+
+@dataclass(frozen=True)
+class PackedSeq:
+    start: int  # first row of the sequence in the step's tokens
+    length: int  # its query tokens
+    slots: Optional[torch.Tensor]  # [kv_len] its keys' slots when it extends a cached prefix; None without one
+    mask: Optional[torch.Tensor]  # [length, kv_len] bool, True where a query sees a key (with a prefix only)
+
+
+@dataclass(frozen=True)
+class PackedMeta:
+    loc: torch.Tensor  # [T] slots this step's k/v go to
+    seqs: Tuple[PackedSeq, ...]
+
+
+class CpuPagedAttention:
+    """Plans and runs the CPU paths for one backend's pool; `prepare` returns None for a step they do not serve."""
+
+    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, scale: float,
+                 kernel: Optional[PagedDecodeKernel]) -> None:
+        self.pool = pool
+        self.req_to_token = req_to_token
+        self.num_q_heads = num_q_heads
+        self.scale = scale
+        self.kernel = kernel
+
+    @staticmethod
+    def create(pool, req_to_token: torch.Tensor, num_q_heads: int, scale: float) -> Optional["CpuPagedAttention"]:
+        """The CPU paths over this pool, or None where the pool is FP8 (the padded path dequantises as it reads)."""
+        if pool.quantized:
+            return None
+        kernel = None
+        if PagedDecodeKernel.supports(pool.dtype, pool.kv_dtype, num_q_heads, pool.num_kv_heads):
+            kernel, how = PagedDecodeKernel.load()
+            if kernel is None:
+                logger.warning("CPU decode attention: the paged kernel could not be built (%s); using the padded "
+                               "torch path", how)
+            else:
+                logger.info("CPU decode attention: paged kernel in place (%s)", how)
+        else:
+            logger.info("CPU decode attention: padded torch path (the paged kernel takes float32 pools; this one "
+                        "is %s)", pool.kv_dtype)
+        return CpuPagedAttention(pool, req_to_token, num_q_heads, scale, kernel)
+
+    def prepare(self, b: ForwardBatch):
+        if b.is_decode:
+            if self.kernel is None or b.prefix_groups is not None:
+                return None
+            return DecodeMeta(b.out_cache_loc, b.req_rows.long(), b.seq_lens.to(torch.int32))
+        seqs, start = [], 0
+        for row, ext, seq_len in zip(b.req_rows.tolist(), b.extend_lens_cpu, b.seq_lens_cpu):
+            slots = mask = None
+            if seq_len > ext:  # on a cached prefix: its keys come from the pool
+                slots = self.req_to_token[row, :seq_len].long()
+                q_pos = torch.arange(seq_len - ext, seq_len)
+                mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]
+            seqs.append(PackedSeq(start, ext, slots, mask))
+            start += ext
+        return PackedMeta(b.out_cache_loc, tuple(seqs))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta) -> torch.Tensor:
+        self.pool.store(layer_id, meta.loc, k, v)
+        if isinstance(meta, DecodeMeta):
+            return self.kernel(q, self.pool.flat_k(layer_id), self.pool.flat_v(layer_id), self.req_to_token,
+                               meta.rows, meta.kv_lens, self.scale)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        hkv = self.pool.num_kv_heads
+        g = self.num_q_heads // hkv
+        for s in meta.seqs:
+            end = s.start + s.length
+            if s.slots is None:
+                kk, vv = k[s.start:end], v[s.start:end]
+            else:
+                kk, vv = self.pool.load(layer_id, s.slots)
+            # [Hkv, G, n, D] queries over [Hkv, G (stride 0), L, D] keys: the group shares its KV head's rows
+            qs = q[s.start:end].transpose(0, 1).unflatten(0, (hkv, g))
+            ks = kk.transpose(0, 1)[:, None].expand(hkv, g, kk.shape[0], kk.shape[2])
+            vs = vv.transpose(0, 1)[:, None].expand(hkv, g, vv.shape[0], vv.shape[2])
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, is_causal=s.mask is None,
+                                               scale=self.scale)
+            out[s.start:end] = o.flatten(0, 1).transpose(0, 1)
+        return out

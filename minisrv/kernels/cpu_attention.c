@@ -1,0 +1,78 @@
+/* Decode attention over the paged KV pool, read in place (minisrv/kernels/cpu_attention.py builds and calls it).
+
+   One query token per request. Request b's keys are at slots req_to_token[rows[b] * r2t_stride + t] for
+   t < kv_len[b]; K and V are float32 rows [slot][kv_head][head_dim] with `kv_stride` floats between slots. Each
+   (request, KV head) pair is one task: its G = Hq / Hkv query heads share every K and V row it reads, so K and V
+   are read exactly once per step and never copied out of the pool. Scores are kept whole per task (two passes:
+   scores, then softmax and the weighted sum of V), accumulated in float32. Threads: OpenMP, whose runtime is the
+   one torch has already loaded (the same pool of threads). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float dot(const float *restrict a, const float *restrict b, int d) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int i = 0; i < d; ++i) acc += a[i] * b[i];
+    return acc;
+}
+
+static inline void axpy(float *restrict y, float a, const float *restrict x, int d) {
+#pragma omp simd
+    for (int i = 0; i < d; ++i) y[i] += a * x[i];
+}
+
+/* q: [batch] rows of hq * d floats, `q_stride_t` apart; out: [batch, hq, d] contiguous.
+   Returns 0, or -1 when a task could not get its scratch memory (out is then incomplete). */
+int paged_decode_f32(const float *q, int64_t q_stride_t, float *out, const float *k, const float *v,
+                     int64_t kv_stride, const int32_t *req_to_token, int64_t r2t_stride, const int64_t *rows,
+                     const int32_t *kv_len, int batch, int hq, int hkv, int d, float scale) {
+    const int g = hq / hkv;
+    int max_len = 0;
+    for (int b = 0; b < batch; ++b) max_len = kv_len[b] > max_len ? kv_len[b] : max_len;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
+    for (int task = 0; task < batch * hkv; ++task) {
+        const int b = task / hkv, h = task % hkv, len = kv_len[b];
+        const int32_t *slots = req_to_token + rows[b] * r2t_stride;
+        float *scores = (float *)malloc(sizeof(float) * (size_t)g * (size_t)(max_len > 0 ? max_len : 1));
+        float *acc = (float *)malloc(sizeof(float) * (size_t)g * (size_t)d);
+        if (scores == NULL || acc == NULL) {
+            free(scores);
+            free(acc);
+            failed = 1;
+            continue;
+        }
+        const float *qh = q + (int64_t)b * q_stride_t + (int64_t)h * g * d;
+        for (int t = 0; t < len; ++t) {
+            const float *kr = k + (int64_t)slots[t] * kv_stride + (int64_t)h * d;
+            for (int j = 0; j < g; ++j) scores[(int64_t)j * len + t] = dot(qh + j * d, kr, d) * scale;
+        }
+        float denom[64];  /* g <= 64 is checked by the caller */
+        for (int j = 0; j < g; ++j) {
+            float *s = scores + (int64_t)j * len;
+            float m = -INFINITY;
+            for (int t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
+            float sum = 0.0f;
+            for (int t = 0; t < len; ++t) {
+                s[t] = expf(s[t] - m);
+                sum += s[t];
+            }
+            denom[j] = sum;
+        }
+        memset(acc, 0, sizeof(float) * (size_t)g * (size_t)d);
+        for (int t = 0; t < len; ++t) {
+            const float *vr = v + (int64_t)slots[t] * kv_stride + (int64_t)h * d;
+            for (int j = 0; j < g; ++j) axpy(acc + j * d, scores[(int64_t)j * len + t], vr, d);
+        }
+        float *o = out + (int64_t)b * hq * d + (int64_t)h * g * d;
+        for (int j = 0; j < g; ++j) {
+            const float inv = len > 0 ? 1.0f / denom[j] : 0.0f;
+            for (int i = 0; i < d; ++i) o[j * d + i] = acc[j * d + i] * inv;
+        }
+        free(scores);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,80 @@
+"""Decode attention on the CPU that reads K and V in place in the paged pool (cpu_attention.c), beside the torch
+computation it is tested against.
+
+The torch way, gathering each request's keys into a padded [B, max_len] table for every layer and masking the
+padding, copies the whole batch's KV once per layer and computes the padded scores; the kernel follows the page
+table inside the attention instead: each K/V row is read once, nothing is copied, nothing is padded.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from .cpu_build import load_cpu_library
+
+MAX_GROUP = 64  # query heads per KV head the kernel takes (its per-task buffer)
+
+_c_i64, _c_int, _c_float, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+class PagedDecodeKernel:
+    """The compiled kernel, for float32 pools; `PagedDecodeKernel.load()` is None where it cannot be built."""
+
+    def __init__(self, lib: ctypes.CDLL, how: str) -> None:
+        self.fn = lib.paged_decode_f32
+        self.fn.restype = _c_int
+        self.fn.argtypes = [_p, _c_i64, _p, _p, _p, _c_i64, _p, _c_i64, _p, _p, _c_int, _c_int, _c_int, _c_int,
+                            _c_float]
+        self.how = how
+
+    @staticmethod
+    def load() -> "tuple[Optional[PagedDecodeKernel], str]":
+        lib, how = load_cpu_library("cpu_attention")
+        return (PagedDecodeKernel(lib, how) if lib is not None else None), how
+
+    @staticmethod
+    def supports(pool_dtype: torch.dtype, kv_dtype: torch.dtype, num_q_heads: int, num_kv_heads: int) -> bool:
+        return (pool_dtype == kv_dtype == torch.float32 and num_q_heads % num_kv_heads == 0
+                and num_q_heads // num_kv_heads <= MAX_GROUP)
+
+    def __call__(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, req_to_token: torch.Tensor,
+                 rows: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [B, Hq, D] float32 (rows may be strided, heads and dims contiguous); k_flat / v_flat: the layer's pool
+        [slots, Hkv, D] (rows `stride(0)` apart); req_to_token [rows, ctx] int32; rows [B] int64; kv_lens [B] int32
+        (each request's keys are positions 0 .. kv_len - 1, this step's included). Returns [B, Hq, D]."""
+        bsz, hq, d = q.shape
+        hkv = k_flat.shape[1]
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
+        if k_flat.stride()[1:] != (d, 1) or v_flat.stride() != k_flat.stride():
+            raise ValueError("K and V must be [slots, Hkv, D] rows with the same strides")
+        if not (req_to_token.dtype == kv_lens.dtype == torch.int32 and rows.dtype == torch.int64):
+            raise ValueError("req_to_token and kv_lens int32, rows int64")
+        if req_to_token.stride(1) != 1:
+            raise ValueError("req_to_token rows must be contiguous")
+        rows, kv_lens = rows.contiguous(), kv_lens.contiguous()
+        out = torch.empty((bsz, hq, d), dtype=torch.float32)
+        rc = self.fn(q.data_ptr(), q.stride(0), out.data_ptr(), k_flat.data_ptr(), v_flat.data_ptr(),
+                     k_flat.stride(0), req_to_token.data_ptr(), req_to_token.stride(0), rows.data_ptr(),
+                     kv_lens.data_ptr(), bsz, hq, hkv, d, scale)
+        if rc != 0:
+            raise MemoryError("paged decode attention could not allocate its scratch memory")
+        return out
+
+
+def paged_decode_reference(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                           req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """The same in float64, a request at a time: what the kernel is tested against."""
+    bsz, hq, d = q.shape
+    g = hq // k_flat.shape[1]
+    out = torch.empty((bsz, hq, d), dtype=torch.float64)
+    for b in range(bsz):
+        slots = req_to_token[rows[b], :int(kv_lens[b])].long()
+        kk = k_flat[slots].double().repeat_interleave(g, dim=1)  # [L, Hq, D]
+        vv = v_flat[slots].double().repeat_interleave(g, dim=1)
+        s = torch.einsum("hd,lhd->hl", q[b].double(), kk) * scale
+        out[b] = torch.einsum("hl,lhd->hd", s.softmax(-1), vv)
+    return out

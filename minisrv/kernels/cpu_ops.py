@@ -1,0 +1,102 @@
+"""The layers' fused elementwise ops on the CPU (cpu_ops.c), under the names and signatures of FlashInfer's that the
+layers call on CUDA (models/layers.py: `fused`), so a layer runs the same code on both.
+
+Each op takes float32 tensors whose rows have contiguous elements; anything else (another dtype, an odd layout)
+goes through the plain torch computation the layers use without fused ops, so the result is always theirs.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .cpu_build import load_cpu_library
+
+_i64, _int, _f, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.stride(-1) == 1 and not x.requires_grad
+
+
+def _torch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class CpuFusedOps:
+    """What `fused` is on the CPU when the kernels build (`CpuFusedOps.load()`; None where they cannot)."""
+
+    def __init__(self, lib: ctypes.CDLL, how: str) -> None:
+        self.how = how
+        self._norm = lib.rmsnorm_f32
+        self._norm.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _int, _f]
+        self._add_norm = lib.add_rmsnorm_f32
+        self._add_norm.argtypes = [_p, _i64, _p, _i64, _p, _i64, _int, _f]
+        self._silu_mul = lib.silu_mul_f32
+        self._silu_mul.argtypes = [_p, _i64, _p, _i64, _int]
+        self._rope = lib.rope_neox_f32
+        self._rope.argtypes = [_p, _p, _i64, _int, _p, _i64, _int, _int, _p, _i64]
+        for fn in (self._norm, self._add_norm, self._silu_mul, self._rope):
+            fn.restype = None
+
+    @staticmethod
+    def load() -> "tuple[Optional[CpuFusedOps], str]":
+        lib, how = load_cpu_library("cpu_ops")
+        return (CpuFusedOps(lib, how) if lib is not None else None), how
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """norm(x) * weight over the last dim of a 2-D [rows, dim] or 3-D [T, H, dim] x; into `out` if given."""
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype)
+        if not (x.dim() in (2, 3) and _rows_ok(x) and _rows_ok(out) and weight.dtype == torch.float32
+                and weight.is_contiguous()):
+            out.copy_(_torch_rmsnorm(x, weight, eps))
+            return out
+        outer, inner = (x.shape[0], 1) if x.dim() == 2 else (x.shape[0], x.shape[1])
+        x_si = 0 if x.dim() == 2 else x.stride(1)
+        o_si = 0 if x.dim() == 2 else out.stride(1)
+        self._norm(x.data_ptr(), out.data_ptr(), outer, inner, x.stride(0), x_si, out.stride(0), o_si,
+                   weight.data_ptr(), x.shape[-1], eps)
+        return out
+
+    def fused_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """In place: residual += x, then x = norm(residual) * weight."""
+        if not (x.dim() == 2 and _rows_ok(x) and _rows_ok(residual) and x.shape == residual.shape
+                and weight.dtype == torch.float32 and weight.is_contiguous()):
+            residual.add_(x)
+            x.copy_(_torch_rmsnorm(residual, weight, eps))
+            return
+        self._add_norm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
+                       x.shape[0], x.shape[1], eps)
+
+    def silu_and_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        inter = gu.shape[-1] // 2
+        if not (gu.dim() == 2 and _rows_ok(gu)):
+            g, u = gu.chunk(2, dim=-1)
+            return F.silu(g) * u
+        out = torch.empty((gu.shape[0], inter), dtype=gu.dtype)
+        self._silu_mul(gu.data_ptr(), gu.stride(0), out.data_ptr(), gu.shape[0], inter)
+        return out
+
+    def apply_rope_with_cos_sin_cache_inplace(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                              head_size: int, cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+        """q [T, Hq * D], k [T, Hkv * D] rotated in place at `positions`; cos_sin_cache [P, D] float32."""
+        if not is_neox:
+            raise ValueError("only neox-style rotary")
+        t = q.shape[0]
+        if (_rows_ok(q) and _rows_ok(k) and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()
+                and positions.dtype == torch.int64 and positions.is_contiguous()):
+            self._rope(positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1] // head_size, k.data_ptr(),
+                       k.stride(0), k.shape[1] // head_size, head_size, cos_sin_cache.data_ptr(), t)
+            return
+        half = head_size // 2
+        cos = cos_sin_cache[positions, :half].unsqueeze(1)
+        sin = cos_sin_cache[positions, half:].unsqueeze(1)
+        for x in (q, k):
+            xv = x.view(t, -1, head_size)
+            x1, x2 = xv.float().chunk(2, dim=-1)
+            xv.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
