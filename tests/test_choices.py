@@ -1,4 +1,4 @@
-"""Choice constraints (vLLM's guided_choice, SGLang's choices) and the tool fields OpenAI refuses without tools, on a
+"""Choice constraints (vLLM's guided_choice and structured_outputs.choice, SGLang's choices) and the tool fields OpenAI refuses without tools, on a
 tiny random Qwen2 behind the real HTTP app and a real engine in this process (helpers/local_engine.py).
 
 The model's tokens are noise, so a free answer is almost never one of the choices: that the answer always is one
@@ -27,16 +27,17 @@ def app(tiny_qwen2_tools):
                                   info=EngineInfo.from_engine(engine)))
 
 
-@pytest.mark.parametrize("field", ["guided_choice", "choices"])
+@pytest.mark.parametrize("field", ["guided_choice", "choices", "structured_outputs"])
 def test_the_answer_is_one_of_the_choices(app, field):
+    given = {"choice": CHOICES} if field == "structured_outputs" else CHOICES
     for seed in range(4):
         chat = call(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Is it Monday?"}],
-                                                  field: CHOICES, "temperature": 1.0, "seed": seed,
+                                                  field: given, "temperature": 1.0, "seed": seed,
                                                   "max_tokens": 30})
         assert chat.status_code == 200, chat.text
         assert chat.json()["choices"][0]["message"]["content"] in CHOICES
         assert chat.json()["choices"][0]["finish_reason"] == "stop"
-    text = call(app, "/v1/completions", {"prompt": "Answer:", field: CHOICES, "temperature": 0, "max_tokens": 30})
+    text = call(app, "/v1/completions", {"prompt": "Answer:", field: given, "temperature": 0, "max_tokens": 30})
     assert text.status_code == 200 and text.json()["choices"][0]["text"] in CHOICES
 
 
@@ -51,6 +52,11 @@ def test_choice_grammar_escapes_and_dedups():
     ({"guided_choice": ["a", 3]}, "guided_choice"),
     ({"choices": ["a"], "guided_choice": ["b"]}, "choices"),
     ({"choices": ["a"], "ebnf": 'root ::= "x"'}, "ebnf"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar_spec": "x"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a"}, "guided_choice": ["b"]}, "structured_outputs"),
+    ({"structured_outputs": {"json": 3}}, "structured_outputs"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"tool_choice": "none"}, "tool_choice"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls"),
@@ -65,6 +71,19 @@ def test_bad_fields_are_400s_and_the_server_keeps_serving(app, body, param):
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def test_vllm_structured_outputs_regex_and_json(app):
+    """structured_outputs' regex and json constrain as the request's own regex and response_format do."""
+    r = call(app, "/v1/completions", {"prompt": "Code:", "structured_outputs": {"regex": "[0-9]{4}"},
+                                      "temperature": 1.0, "seed": 1, "max_tokens": 10})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) == 4 and r.json()["choices"][0]["text"].isdigit()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    r = call(app, "/v1/completions", {"prompt": "JSON:", "structured_outputs": {"json": schema}, "temperature": 0,
+                                      "max_tokens": 40})
+    assert r.status_code == 200, r.text
+    if r.json()["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(r.json()["choices"][0]["text"])["n"], int)
 
 
 def test_legacy_functions_are_answered_in_function_call(app):

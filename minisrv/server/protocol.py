@@ -66,7 +66,8 @@ class _SamplingFields(BaseModel):
     regex: Optional[str] = None  # SGLang's extra constraints
     ebnf: Optional[str] = None
     guided_choice: Optional[List[Any]] = None  # the answer is one of these strings (vLLM's name)
-    choices: Optional[List[Any]] = None  # the same (SGLang's name)
+    choices: Optional[List[Any]] = None  # the same (the name SGLang's frontend language gives it)
+    structured_outputs: Optional[Dict[str, Any]] = None  # vLLM's current form: choice, regex, json, grammar
     best_of: Optional[int] = None  # accepted only so that best_of != n gets a clear "not supported"
 
 

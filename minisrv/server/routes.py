@@ -145,12 +145,39 @@ def _constraint(body: Any) -> Dict[str, Any]:
         kw["regex"] = body.regex
     if body.ebnf is not None:
         kw["ebnf"] = body.ebnf
-    choice = choice_grammar(body.guided_choice, body.choices)
+    guided_choice = body.guided_choice
+    if body.structured_outputs is not None:
+        guided_choice = _vllm_structured_outputs(body.structured_outputs, kw, guided_choice)
+    choice = choice_grammar(guided_choice, body.choices)
     if choice is not None:
         if "ebnf" in kw:
             raise RequestError("give choices or ebnf, not both", "ebnf")
         kw["ebnf"] = choice
     return kw
+
+
+def _vllm_structured_outputs(spec: Dict[str, Any], kw: Dict[str, Any], guided_choice: Any) -> Any:
+    """vLLM's `structured_outputs` ({"choice": [...]} or "regex", "json", "grammar") into kw as the fields above
+    would set it; returns the choice list. One constraint in all, whichever way it is given (a 400 otherwise)."""
+    known = {"choice", "regex", "json", "grammar"}
+    given = [k for k in spec if spec[k] is not None]
+    if len(given) != 1 or given[0] not in known:
+        raise RequestError(f"structured_outputs takes one of {', '.join(sorted(known))}", "structured_outputs")
+    key, value = given[0], spec[given[0]]
+    if kw or guided_choice is not None:
+        raise RequestError("give structured_outputs or another constraint, not both", "structured_outputs")
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise RequestError("structured_outputs.choice must be a non-empty list of non-empty strings",
+                               "structured_outputs")
+        return value
+    if key == "json":
+        if not isinstance(value, (dict, str)):
+            raise RequestError("structured_outputs.json must be a JSON schema", "structured_outputs")
+        kw["json_schema"] = value if isinstance(value, str) else json.dumps(value)
+    else:
+        kw["regex" if key == "regex" else "ebnf"] = value
+    return guided_choice
 
 
 def choice_grammar(guided_choice: Any, choices: Any) -> Any:
