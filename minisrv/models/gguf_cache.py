@@ -19,6 +19,8 @@ Every file is written under a temporary name and renamed into place (a tokenizer
 starting beside another never reads a half-written entry; an entry that cannot be read is rebuilt."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -26,7 +28,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 logger = logging.getLogger("minisrv")
 
@@ -110,6 +112,23 @@ class GGUFCache:
         if older:
             return "the GGUF file changed since it was cached (size, modification time or contents differ)"
         return "first use of this file"
+
+    @contextlib.contextmanager
+    def building(self, what: str) -> Iterator[None]:
+        """Held while `what` is built: a process that needs it too waits, then reads what the first one wrote,
+        instead of converting the same file beside it (the HTTP and engine processes both want the tokenizer;
+        two servers may start at once). Without a writable folder, nothing is held."""
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            fd = os.open(os.path.join(self.folder, f".lock-{what}"), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # (releases the lock)
 
     def read_config(self) -> Optional[Dict[str, Any]]:
         try:

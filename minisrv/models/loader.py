@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -113,21 +113,39 @@ def _load_gguf(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.dev
     dequantised from the GGUF (one tensor at a time, then sliced for a rank) and written to the cache."""
     t0 = time.perf_counter()
     build = (args, dtype, device, max_positions, fused_ops, tp, quantization, embedding)
+    if cache is None:
+        return _dequantised_model(path, build, None, None, "the cache is off", t0)
     options = "-".join([str(dtype).replace("torch.", ""), quantization or "noquant",
                         f"tp{tp.rank}of{tp.size}" if tp is not None and tp.enabled else "tp1",
                         "embed" if embedding else "lm"])
-    file = cache.model_file(options) if cache is not None else None
-    why = "the cache is off"
-    if cache is not None and file is not None:
-        why = cache.why_missing("model file for these options") if not os.path.isfile(file) else ""
-    if file is not None and not why:
-        try:
-            model = _mapped_model(file, build)
-            logger.info("GGUF cache: parameters mapped from %s in %.2fs", file, time.perf_counter() - t0)
-            return model
-        except BadFile as e:
-            logger.warning("GGUF cache: %s cannot be used (%s): rebuilding it", file, e)
-            why = "the cached file was unreadable"
+    file = cache.model_file(options)
+    model, why = _cached_model(file, build, cache, t0)
+    if model is not None:
+        return model
+    with cache.building(f"model-{options}"):  # another process building it: wait, then map its file
+        if os.path.isfile(file) and why != "the cached file was unreadable":
+            model, why = _cached_model(file, build, cache, t0)
+            if model is not None:
+                return model
+        return _dequantised_model(path, build, cache, file, why, t0)
+
+
+def _cached_model(file: str, build: tuple, cache: GGUFCache, t0: float) -> Tuple[Optional[nn.Module], str]:
+    """(the model mapped from the cache file, "") or (None, why it could not be)."""
+    if not os.path.isfile(file):
+        return None, cache.why_missing("model file for these options")
+    try:
+        model = _mapped_model(file, build)
+    except BadFile as e:
+        logger.warning("GGUF cache: %s cannot be used (%s): rebuilding it", file, e)
+        return None, "the cached file was unreadable"
+    logger.info("GGUF cache: parameters mapped from %s in %.2fs", file, time.perf_counter() - t0)
+    return model, ""
+
+
+def _dequantised_model(path: str, build: tuple, cache: Optional[GGUFCache], file: Optional[str], why: str,
+                       t0: float) -> nn.Module:
+    args = build[0]
     from .gguf_file import iter_gguf, read_gguf
     reader = read_gguf(path)  # a truncated or damaged file is refused here, before any tensor is read
     model = empty_model(*build)

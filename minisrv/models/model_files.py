@@ -73,10 +73,15 @@ def load_hf_config(path: str, cache_dir: Optional[str] = None) -> Dict[str, Any]
 
 
 def _gguf_hf_config(path: str) -> Dict[str, Any]:
+    from .gguf_config import gguf_hf_config
     from .gguf_file import has_tensor, moe_config, read_gguf
     reader = read_gguf(path)  # a damaged file fails here with a clear message, not deep inside transformers
-    from transformers import AutoConfig
-    cfg = AutoConfig.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path)).to_dict()
+    folder = os.path.dirname(path) or "."
+    cfg = gguf_hf_config(path)  # transformers' result without its slow parse, for the architectures served here
+    if cfg is None:
+        from transformers import AutoConfig
+        cfg = AutoConfig.from_pretrained(folder, gguf_file=os.path.basename(path)).to_dict()
+    cfg["_name_or_path"] = folder  # (as AutoConfig sets it)
     cfg["tie_word_embeddings"] = not has_tensor(reader, "output.weight")
     # as JSON has it (id2label's keys become strings), as a directory's config.json reads and as the cache keeps it
     return json.loads(json.dumps(moe_config(reader, cfg)))
@@ -125,24 +130,41 @@ def load_tokenizer(path: str, tokenizer: Optional[str] = None, cache_dir: Option
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(src)
     cache = GGUFCache.open(src, cache_dir)
-    if cache is not None and os.path.isfile(os.path.join(cache.tokenizer_dir, "tokenizer_config.json")):
-        try:
-            tok = _saved_tokenizer(cache.tokenizer_dir)
-            logger.info("GGUF cache: tokenizer read from %s", cache.tokenizer_dir)
+    if cache is None:
+        return _converted_tokenizer(src)
+    tok = _cached_tokenizer(cache)
+    if tok is not None:
+        return tok
+    with cache.building("tokenizer"):  # another process converting it: wait, then read its result
+        tok = _cached_tokenizer(cache)
+        if tok is not None:
             return tok
-        except Exception as e:  # noqa: BLE001 - a broken cache is rebuilt below
-            logger.warning("GGUF cache: tokenizer %s unreadable (%s): rebuilding it", cache.tokenizer_dir, e)
-    from transformers import AutoTokenizer
-
-    from .gguf_file import read_gguf
-    read_gguf(src)  # a damaged file fails with a clear message, not deep inside transformers
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(src) or ".", gguf_file=os.path.basename(src))
-    if cache is not None:
         why = cache.why_missing("tokenizer")
+        tok = _converted_tokenizer(src)
         if cache.publish_dir(cache.tokenizer_dir, tok.save_pretrained):
             logger.info("GGUF cache: tokenizer built from the GGUF file (%s); cached in %s", why, cache.tokenizer_dir)
     return tok
 
+
+def _cached_tokenizer(cache: GGUFCache):
+    if not os.path.isfile(os.path.join(cache.tokenizer_dir, "tokenizer_config.json")):
+        return None
+    try:
+        tok = _saved_tokenizer(cache.tokenizer_dir)
+    except Exception as e:  # noqa: BLE001 - a broken cache is rebuilt
+        logger.warning("GGUF cache: tokenizer %s unreadable (%s): rebuilding it", cache.tokenizer_dir, e)
+        return None
+    logger.info("GGUF cache: tokenizer read from %s", cache.tokenizer_dir)
+    return tok
+
+
+def _converted_tokenizer(src: str):
+    """transformers' tokenizer of a GGUF file, from its vocabulary (seconds)."""
+    from transformers import AutoTokenizer
+
+    from .gguf_file import read_gguf
+    read_gguf(src)  # a damaged file fails with a clear message, not deep inside transformers
+    return AutoTokenizer.from_pretrained(os.path.dirname(src) or ".", gguf_file=os.path.basename(src))
 
 FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
