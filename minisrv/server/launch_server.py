@@ -189,7 +189,12 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
 
     async def start() -> None:
         # the engine loads in its process while this one loads the tokenizer; /health is 503 until both are done
-        tok = asyncio.create_task(asyncio.to_thread(load_tokenizer, model_path, cfg.tokenizer, cfg.cache_dir))
+        def tokenizer() -> object:
+            loaded = load_tokenizer(model_path, cfg.tokenizer, cfg.cache_dir)
+            state.use_tokenizer(loaded)  # (requests are still refused: no engine info yet)
+            return loaded
+
+        tok = asyncio.create_task(asyncio.to_thread(tokenizer))
         try:
             info = await engine_start
         except BaseException:

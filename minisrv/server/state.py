@@ -43,6 +43,7 @@ class ServerState:
     tools_in_template: bool = True  # False: the chat template ignores tools; they go in a system prompt (tool_prompt.py)
     stopping: bool = False  # the shutdown's grace period is over: what still runs is ended (see stop)
     on_stop: Set[Callable[[], None]] = field(default_factory=set)  # what stop() tells
+    prepared_for: Any = None  # the tokenizer use_tokenizer last derived the fields above from
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None and self.info is not None:
@@ -50,8 +51,15 @@ class ServerState:
 
     def attach(self, tokenizer: Any, info: EngineInfo) -> None:
         """The engine is up: from now on requests are served."""
+        if self.prepared_for is not tokenizer:
+            self.use_tokenizer(tokenizer)
+        self.info = info
+
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """What the routes derive from the tokenizer; the server calls it while the engine still loads (the longest
+        token's length alone takes 0.2 s over a 49k vocabulary)."""
         self.reasoning = resolve_reasoning(self.reasoning_parser, tokenizer)  # ValueError: it cannot serve this one
-        self.tokenizer, self.info = tokenizer, info
+        self.tokenizer, self.prepared_for = tokenizer, tokenizer
         self.token_text = TokenText(tokenizer)
         self.max_token_chars = max_token_chars(tokenizer)
         self.tools_in_template = template_reads_tools(tokenizer)
