@@ -82,7 +82,7 @@ def _resident_mib(pid: int) -> float:
 
 
 def run_once(server_args: List[str], fresh_caches: bool, timeout: float,
-             empty_gguf_cache: bool = False) -> Dict[str, float]:
+             empty_gguf_cache: bool = False, print_log: bool = False) -> Dict[str, float]:
     port = free_port()
     env = dict(os.environ)
     tmp = tempfile.TemporaryDirectory(prefix="minisrv-startup-")
@@ -116,7 +116,10 @@ def run_once(server_args: List[str], fresh_caches: bool, timeout: float,
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    marks = _log_times(open(log_path).read())
+    log = open(log_path).read()
+    marks = _log_times(log)
+    if print_log:
+        print("\n".join(line for line in log.splitlines() if STAMP.match(line))[-12000:], flush=True)
     tmp.cleanup()
     first_log = marks.get("first_log", t0)
     weights = marks.get("weights_done", first_log)
@@ -131,11 +134,12 @@ def main() -> int:
     p.add_argument("--fresh-caches", action="store_true", help="empty Triton/FlashInfer caches for every run")
     p.add_argument("--empty-gguf-cache", action="store_true", help="an empty GGUF cache (--cache-dir) every run")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--print-log", action="store_true", help="print each run's timestamped server log lines")
     p.add_argument("--json", help="append the medians as a JSON line here")
     p.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: the server's flags")
     a = p.parse_args()
     server_args = a.server_args[1:] if a.server_args[:1] == ["--"] else a.server_args
-    runs = [run_once(server_args, a.fresh_caches, a.timeout, a.empty_gguf_cache) for _ in range(a.runs)]
+    runs = [run_once(server_args, a.fresh_caches, a.timeout, a.empty_gguf_cache, a.print_log) for _ in range(a.runs)]
     keys = list(runs[0])
     print(f"{'phase':<18} " + " ".join(f"run {i + 1:>2}" for i in range(len(runs))) + "   median")
     for k in keys:

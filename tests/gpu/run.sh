@@ -270,6 +270,11 @@ for phase in "${@:-smoke}"; do
                step moe-sweep 280 python3 $S/bench_fused_moe.py --products --tokens 16,32,64,128,256,384 --configs "$C"
                C8=$(echo "$C" | awk -F';' '{for(i=1;i<=NF;i++){split($i,a,",");printf "%s%s,%s,%s,%s,%s",(i>1?";":""),a[1],a[2],a[3]*2,a[4],a[5]}}')
                step moe-sweep-fp8 280 python3 $S/bench_fused_moe.py --products --fp8 --tokens 16,32,64,128,256,384 --configs "$C8" ;;
+    # start-up, launch to the first chat answer (bench_startup.py): on a new machine the first run of `startup` finds
+    # Triton's and FlashInfer's caches empty, the later ones warm; startup-fresh empties them for its run
+    startup) step startup 580 python3 $S/bench_startup.py --runs 3 --print-log -- --model "$MINISRV_GPU_CKPT" ;;
+    startup-fresh) step startup-fresh 580 python3 $S/bench_startup.py --runs 1 --fresh-caches --print-log -- --model "$MINISRV_GPU_CKPT" ;;
+    startup-8b) need_llama8b; step startup-8b 400 python3 $S/bench_startup.py --runs 2 -- --model /tmp/llama8b ;;
     moe-offline) need_moe; step moe-offline 400 python3 $S/bench_offline.py --model /tmp/moe --json "$OUT/bench.jsonl" ;;
     *) echo "unknown phase $phase" ;;
   esac
