@@ -10,6 +10,7 @@ from minisrv.config import EngineConfig
 from minisrv.engine.engine import Engine
 from minisrv.engine.pooling import PoolingParams
 from minisrv.engine.request import CompletionOutput, Request, SamplingParams, prompt_logprob_list
+from minisrv.models.engine_tokenizer import transformers_tokenizer
 
 PromptType = Union[str, List[int]]
 
@@ -19,7 +20,11 @@ class LLM:
 
     def __init__(self, model: Optional[str] = None, attention_backend: str = "auto", **kwargs: Any) -> None:
         self.engine = Engine(EngineConfig(model=model, attention_backend=attention_backend, **kwargs))
-        self.tokenizer = self.engine.tokenizer
+
+    @property
+    def tokenizer(self) -> Any:
+        """transformers' tokenizer of the model (built on first use: the engine streams text without it)."""
+        return transformers_tokenizer(self.engine.tokenizer)
 
     def close(self) -> None:
         """Stop the engine's tensor-parallel processes (also done at interpreter exit)."""

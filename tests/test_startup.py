@@ -6,6 +6,7 @@ file that changed or was cut is never served from the cache; a damaged cache fil
 its first answer is in tests/test_startup_server.py (slow)."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -271,12 +272,19 @@ def _default_model_or_skip() -> str:
 
 @pytest.mark.slow  # transformers' own GGUF conversion of the default model's vocabulary: about 10 s
 def test_cached_tokenizer_equals_transformers_conversion(tmp_path):
-    """The default model's tokenizer read from the cache (its fast class loaded directly) against transformers'
-    conversion of the GGUF file: same class, ids, special tokens and chat template."""
+    """The default model's tokenizer, converted without AutoTokenizer's config parse and then read from the cache
+    (its fast class loaded directly), against AutoTokenizer's conversion of the GGUF file: same class, Rust
+    tokenizer, init arguments, ids, special tokens and chat template."""
+    from transformers import AutoTokenizer
+
     from minisrv.models.model_files import load_tokenizer
     gguf = _default_model_or_skip()
     cache = str(tmp_path / "cache")
-    ref = load_tokenizer(gguf, None, OFF)
+    ref = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    converted = load_tokenizer(gguf, None, OFF)
+    assert type(converted) is type(ref)
+    assert json.loads(converted.backend_tokenizer.to_str()) == json.loads(ref.backend_tokenizer.to_str())
+    assert converted.init_kwargs == ref.init_kwargs and converted.chat_template == ref.chat_template
     load_tokenizer(gguf, None, cache)
     tok = load_tokenizer(gguf, None, cache)
     assert type(tok) is type(ref)

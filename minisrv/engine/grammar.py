@@ -46,6 +46,7 @@ from typing import Callable, TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from minisrv.models.engine_tokenizer import transformers_tokenizer
 from minisrv.utils import ceil_div, to_device
 
 from .grammar_check import (CACHE_ENTRIES, MAX_JSON_WHITESPACE, PARAM, check_grammar, constraint_of,  # noqa: F401
@@ -145,7 +146,7 @@ class GrammarBackend:
 
     def _build_compiler(self) -> Any:
         import xgrammar as xgr
-        tok = self.tokenizer
+        tok = transformers_tokenizer(self.tokenizer)
         stop = self.stop_token_ids or None
         info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size, stop_token_ids=stop)
         special = _special_ids(tok) - set(self.stop_token_ids)

@@ -19,7 +19,8 @@ from minisrv.models.args import ModelArgs
 from minisrv.models.layers import fused_ops_for
 from minisrv.models.sharding import check_divisible
 from minisrv.models.fp8 import Fp8Linear
-from minisrv.models.loader import load_model, load_model_args, load_tokenizer, resolve_model_path
+from minisrv.models.loader import load_model, load_model_args, resolve_model_path
+from minisrv.models.model_files import load_engine_tokenizer
 from minisrv.models.pooling_config import PoolingConfig, resolve_pooling
 from minisrv.utils import ceil_div
 
@@ -138,10 +139,6 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
 
 def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvous], device: torch.device,
                  model_path: str, args: ModelArgs, backend_name: str, t0: float) -> EngineParts:
-    tokenizer = load_tokenizer(model_path, cfg.tokenizer, cfg.cache_dir) if tp_rank == 0 else None
-    eos = set(args.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
     context_length = resolve_context_length(cfg, args)
     dtype = resolve_dtype(cfg.dtype, args.torch_dtype, device)
     ps = cfg.page_size or (16 if device.type == "cuda" else 1)
@@ -218,6 +215,12 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
         logger.info("KV cache %s: %d tokens (%dx %s in the same memory; K/V scales %s)", cfg.kv_cache_dtype,
                     pool.num_slots, dtype.itemsize // kv_dtype.itemsize, str(dtype).replace("torch.", ""),
                     "from the checkpoint" if model.kv_scales is not None else "1.0")
+    # after the weights: on a GGUF file's first start the HTTP process converts the tokenizer meanwhile (one process
+    # converts, the other waits for its result), and this one dequantises the weights
+    tokenizer = load_engine_tokenizer(model_path, cfg.tokenizer, cfg.cache_dir) if tp_rank == 0 else None
+    eos = set(args.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
     return EngineParts(device, model_path, args, tokenizer, sorted(eos), dtype, context_length, ps, backend_name,
                        pool, allocator, table, pad_row, pad_page, runner, max_request_len, pooling=pooling)
 

@@ -13,15 +13,17 @@ import os
 import re
 import struct
 import sys
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
-import torch
 from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .checkpoint import Unreadable, WeightLoadError, check_tensor_spans, damaged
 from .args import ModelArgs
+
+if TYPE_CHECKING:  # (torch is not imported here: the HTTP process checks a GGUF file without it)
+    import torch
 
 MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp refuses tensors of more dimensions
 MAX_NESTING = 8  # arrays of arrays: deeper than this is garbage, not a model
@@ -135,6 +137,14 @@ def read_gguf(path: str) -> GGUFReader:
         raise damaged(path, f"cannot read its GGUF header/tensor table ({type(e).__name__}: {e})") from e
     except Exception as e:  # noqa: BLE001 - whatever else gguf raises on a file it cannot read
         raise WeightLoadError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def metadata_string(reader: GGUFReader, key: str) -> Optional[str]:
+    """A string value of the file's metadata (None where the key is missing or not a string)."""
+    field = reader.fields.get(key)
+    if field is None or not field.types or field.types[0] != GGUFValueType.STRING:
+        return None
+    return bytes(field.parts[-1]).decode("utf-8", errors="replace")
 
 
 def has_tensor(reader: GGUFReader, name: str) -> bool:

@@ -59,9 +59,15 @@ def load_hf_config(path: str, cache_dir: Optional[str] = None) -> Dict[str, Any]
         if cfg is not None:
             logger.info("GGUF cache: config read from %s", cache.config_file)
             return cfg
-        cfg = _gguf_hf_config(path)
-        if cache is not None:
-            why = cache.why_missing("config")
+        if cache is None:
+            return _gguf_hf_config(path)
+        why = cache.why_missing("config")  # (before building() makes the entry's folder)
+        with cache.building("config"):  # one process builds it (two servers may start at once), the other reads it
+            cfg = cache.read_config()
+            if cfg is not None:
+                logger.info("GGUF cache: config read from %s", cache.config_file)
+                return cfg
+            cfg = _gguf_hf_config(path)
             if cache.publish_file(cache.config_file, lambda tmp: _write_json(tmp, cfg)):
                 logger.info("GGUF cache: config built from the GGUF file (%s); cached in %s", why, cache.config_file)
         return cfg
@@ -146,6 +152,27 @@ def load_tokenizer(path: str, tokenizer: Optional[str] = None, cache_dir: Option
     return tok
 
 
+def load_engine_tokenizer(path: str, tokenizer: Optional[str] = None, cache_dir: Optional[str] = None):
+    """The tokenizer the engine process holds: load_tokenizer's, but where the folder allows it (see
+    engine_tokenizer.py) an EngineTokenizer that builds transformers' tokenizer only when something beyond streaming
+    decode and the eos id is asked of it."""
+    from .engine_tokenizer import engine_tokenizer_from_folder
+    src = tokenizer or path
+    folder = None
+    if is_gguf(src):
+        cache = GGUFCache.open(src, cache_dir)
+        if cache is not None and os.path.isfile(os.path.join(cache.tokenizer_dir, "tokenizer_config.json")):
+            folder = cache.tokenizer_dir
+    elif os.path.isdir(src):
+        folder = src
+    if folder is not None:
+        tok = engine_tokenizer_from_folder(folder, lambda: _saved_tokenizer(folder))
+        if tok is not None:
+            logger.info("tokenizer read from %s (the Rust tokenizer; transformers' on first use)", folder)
+            return tok
+    return load_tokenizer(path, tokenizer, cache_dir)
+
+
 def _cached_tokenizer(cache: GGUFCache):
     if not os.path.isfile(os.path.join(cache.tokenizer_dir, "tokenizer_config.json")):
         return None
@@ -160,11 +187,35 @@ def _cached_tokenizer(cache: GGUFCache):
 
 def _converted_tokenizer(src: str):
     """transformers' tokenizer of a GGUF file, from its vocabulary (seconds)."""
-    from transformers import AutoTokenizer
-
     from .gguf_file import read_gguf
-    read_gguf(src)  # a damaged file fails with a clear message, not deep inside transformers
-    return AutoTokenizer.from_pretrained(os.path.dirname(src) or ".", gguf_file=os.path.basename(src))
+    reader = read_gguf(src)  # a damaged file fails with a clear message, not deep inside transformers
+    folder, name = os.path.dirname(src) or ".", os.path.basename(src)
+    direct = _generic_gguf_tokenizer_class(reader, folder)
+    if direct is not None:
+        return direct.from_pretrained(folder, gguf_file=name)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def _generic_gguf_tokenizer_class(reader: Any, folder: str):
+    """The class AutoTokenizer gives a Llama-architecture GGUF file alone in its folder under transformers 5
+    (TokenizersBackend: transformers 5 maps model type llama to no tokenizer class of its own), or None where
+    AutoTokenizer must decide. Why: to choose, AutoTokenizer first builds the file's config with gguf's reader,
+    which parses every metadata array (4-5 s for the default model); the class then builds the tokenizer with
+    transformers' fast reader. tests/test_startup.py checks the result equals AutoTokenizer's."""
+    if any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer_config.json", "config.json")):
+        return None  # AutoTokenizer reads these to choose
+    try:  # (not AutoTokenizer's tables: importing them imports transformers' config machinery and torch)
+        from transformers import TokenizersBackend
+    except ImportError:  # transformers 4: AutoTokenizer decides
+        return None
+    from .gguf_file import metadata_string
+    # transformers' config of the file has model type llama for llama.cpp's "llama" unless it is named "mistral"
+    llama = metadata_string(reader, "general.architecture") == "llama" and \
+        metadata_string(reader, "general.name") != "mistral"
+    if not llama:
+        return None
+    return TokenizersBackend
 
 FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
