@@ -1,15 +1,16 @@
 """A fresh server process on the default model, from launch to its first chat answer: once with an empty GGUF
 cache (the start that converts the GGUF file and fills the cache) and once more (a restart, which reads it).
 
-These are tests of behaviour, not benchmarks. The restart's bound (15 s) is about three times what a restart took on
-this 2-core machine with one core's worth of other load (4.4-5.7 s; docs/benchmarks.md), and above what it took
-under a load average of 6 (8.7-13 s), so that a busy machine does not fail it; it fails a restart that converts
-the GGUF file again (the start before the cache: 16.7 s at that light load, 42 s under load). The smaller
-regressions have direct tests in tests/test_startup.py, which a time bound this loose would miss: the KV pool made
-resident up front (4-5 s), torch imported in the HTTP process (2 s), the model built through torch's meta-device
-references (3 s). The first start converts the GGUF file (16 s at light load); its bound only catches a start that
-no longer finishes. The engine's idle resident memory is bounded too: 0.5 GiB of it is the float32 weights (830 MiB
-measured).
+These are tests of behaviour, not benchmarks. The restart's bound (15 s) is over five times what a restart takes on
+this 2-core machine at light load (2.7 s; docs/benchmarks.md) and above what restarts took under a load average of
+6 (8.7-13 s, before the engine stopped loading transformers' tokenizer), so that a busy CI machine does not fail
+it; it fails a start that no longer uses the cache at all as the first servers did (16.7 s at light load, 42 s
+under load). A restart that converts again is caught by the log lines checked below, and the smaller regressions
+by direct tests, which a time bound this loose would miss: tests/test_startup.py (the KV pool made resident up
+front, torch imported in the HTTP process, the model built through torch's meta-device references) and
+tests/test_engine_tokenizer.py (transformers' tokenizer built by the engine). The first start converts the GGUF
+file (6.2 s at light load); its bound only catches a start that no longer finishes. The engine's idle resident
+memory is bounded too: 0.5 GiB of it is the float32 weights (about 970 MiB measured for both processes).
 """
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ def test_first_answer_on_a_first_start_and_a_restart(tmp_path):
     again, log, resident = _first_answer(cache)
     print(f"first answer: first start {first:.2f} s, restart {again:.2f} s; engine resident "
           f"{resident / 2**20:.0f} MiB")
-    for line in ("config read from", "tokenizer read from", "parameters mapped from"):
+    for line in ("config read from", "tokenizer read from", "parameters mapped from",
+                 "(the Rust tokenizer; transformers' on first use)"):
         assert line in log, log
     assert again <= RESTART_BOUND_S, f"restart answered after {again:.2f} s:\n{log}"
     assert 0 < resident <= IDLE_RESIDENT_BOUND, f"engine process resident: {resident / 2**20:.0f} MiB"
