@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_build import load_cpu_library
+from .cpu_gemv import SmallBatchLinear
 
 _i64, _int, _f, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
@@ -29,8 +30,9 @@ def _torch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 class CpuFusedOps:
     """What `fused` is on the CPU when the kernels build (`CpuFusedOps.load()`; None where they cannot)."""
 
-    def __init__(self, lib: ctypes.CDLL, how: str) -> None:
+    def __init__(self, lib: ctypes.CDLL, how: str, small_batch_linear: Optional[SmallBatchLinear] = None) -> None:
         self.how = how
+        self.small_batch_linear = small_batch_linear  # the projections' kernel at a few rows (cpu_gemv.py)
         self._norm = lib.rmsnorm_f32
         self._norm.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _int, _f]
         self._add_norm = lib.add_rmsnorm_f32
@@ -45,7 +47,10 @@ class CpuFusedOps:
     @staticmethod
     def load() -> "tuple[Optional[CpuFusedOps], str]":
         lib, how = load_cpu_library("cpu_ops")
-        return (CpuFusedOps(lib, how) if lib is not None else None), how
+        if lib is None:
+            return None, how
+        small, _ = SmallBatchLinear.load()
+        return CpuFusedOps(lib, how, small), how + ("" if small is not None else "; no small-batch projections")
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -20,6 +20,7 @@ from torch import nn
 from minisrv.distributed import TensorParallel
 from minisrv.utils import cuda_import
 
+from minisrv.kernels.cpu_gemv import linear
 from minisrv.kernels.cpu_ops import CpuFusedOps
 from minisrv.kernels.fp8_quant import fused_quantisers
 
@@ -28,14 +29,31 @@ from .fp8 import Fp8Linear
 
 logger = logging.getLogger(__name__)
 
-def make_linear(in_features: int, out_features: int, bias: bool, quantization: Optional[str] = None) -> nn.Module:
+def make_linear(in_features: int, out_features: int, bias: bool, quantization: Optional[str] = None,
+                fused: Optional[Any] = None) -> nn.Module:
     """A projection layer: nn.Linear (F.linear, cuBLAS on CUDA), or with quantization "fp8" an Fp8Linear (weights
-    in float8_e4m3fn, quantised by the loader as it reads them; see fp8.py)."""
+    in float8_e4m3fn, quantised by the loader as it reads them; see fp8.py). On the CPU with the compiled ops
+    (`fused` from fused_ops_for), a CpuLinear."""
     if quantization == "fp8":
         return Fp8Linear(in_features, out_features, bias)
     if quantization is not None:
         raise ValueError(f"unsupported quantization {quantization!r}")
+    small = getattr(fused, "small_batch_linear", None)
+    if small is not None:
+        return CpuLinear(in_features, out_features, bias, small)
     return nn.Linear(in_features, out_features, bias=bias)
+
+
+class CpuLinear(nn.Linear):
+    """nn.Linear whose projections of a few rows (decode steps) go through the CPU's small-batch kernel
+    (kernels/cpu_gemv.py); the same parameters, so it loads and shards as nn.Linear does."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, small: Any) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.small = small
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.small)
 
 
 def fused_ops_for(device: torch.device) -> Optional[Any]:
@@ -161,8 +179,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, fused: Optional[Any] = None, tp: Optional[TensorParallel] = None,
                  quantization: Optional[str] = None, reduce_output: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = make_linear(hidden, 2 * inter, False, quantization)
-        self.down_proj = make_linear(inter, hidden, False, quantization)
+        self.gate_up_proj = make_linear(hidden, 2 * inter, False, quantization, fused)
+        self.down_proj = make_linear(inter, hidden, False, quantization, fused)
         self.fused = fused
         self.tp = tp or TensorParallel.single()
         self.reduce_output = reduce_output
@@ -212,8 +230,8 @@ class Attention(nn.Module):
         self.hq, self.hkv, self.d = num_heads or args.num_heads, num_kv_heads or args.num_kv_heads, args.head_dim
         self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
         self.qkv_proj = make_linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.attention_bias,
-                                    quantization)
-        self.o_proj = make_linear(self.q_size, args.hidden_size, False, quantization)
+                                    quantization, fused)
+        self.o_proj = make_linear(self.q_size, args.hidden_size, False, quantization, fused)
         self.q_norm = RMSNorm(self.d, args.rms_norm_eps, fused) if args.qk_norm else None
         self.k_norm = RMSNorm(self.d, args.rms_norm_eps, fused) if args.qk_norm else None
         self.rotary = rotary

@@ -84,6 +84,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp or TensorParallel.single()
         self.plan = ShardPlan.of(args, self.tp.rank, self.tp.size)
         self.model = LlamaModel(args, max_positions, fused_ops, self.plan, self.tp, quantization)
+        self.small_batch_linear = getattr(fused_ops, "small_batch_linear", None)  # the CPU's, for decode logits
         if args.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -97,7 +98,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] float32 on every rank (each rank's vocabulary rows, gathered)."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.matmul(hidden, w.t())
+        small = self.small_batch_linear
+        logits = small(hidden, w) if small is not None and small.takes(hidden, w) else torch.matmul(hidden, w.t())
         if self.tp.enabled:
             logits = self.tp.all_gather_last(logits)[:, :self.plan.vocab_size]
         return logits.float()

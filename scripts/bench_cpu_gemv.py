@@ -1,0 +1,67 @@
+#!/usr/bin/env python
+"""The CPU's small-batch projection kernel (minisrv/kernels/cpu_gemv.c) against torch's matmul, on a model's
+projection shapes: the time of one decode step's projections (every layer's qkv, o, gate_up and down, and the LM
+head), weights cold in memory as in a step, for each row count. It sets kernels/cpu_gemv.py's MAX_ROWS.
+
+  python scripts/bench_cpu_gemv.py [--rows 1,2,4,8,16,32,48,64] [--layers 30]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# SmolLM2-135M (the default model): hidden 576, 9 + 2 x 3 heads of 64, MLP 1536, vocabulary 49,152
+DEFAULT_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+DEFAULT_HEAD = (49152, 576)
+
+
+def step_time(project, weights: List[List[torch.Tensor]], xs: dict, reps: int) -> float:
+    """Median ms of one pass over every weight (each layer's own tensors, so they come from memory)."""
+    def one() -> None:
+        for group in weights:
+            for w in group:
+                project(xs[w.shape[1]], w)
+    one()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        one()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2] * 1000
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="1,2,4,8,16,32,48,64")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--reps", type=int, default=7)
+    a = p.parse_args()
+    from minisrv.kernels.cpu_gemv import SmallBatchLinear
+    small, how = SmallBatchLinear.load()
+    if small is None:
+        print(f"the kernel does not build here: {how}")
+        return 1
+    torch.manual_seed(0)
+    shapes: List[Tuple[int, int]] = DEFAULT_SHAPES
+    weights = [[torch.randn(*s) for _ in range(a.layers)] for s in shapes] + [[torch.randn(*DEFAULT_HEAD)]]
+    print(f"{how}; {torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print("| rows | torch matmul ms | kernel ms | kernel / torch |\n| ---: | ---: | ---: | ---: |")
+    with torch.no_grad():
+        for m in (int(r) for r in a.rows.split(",")):
+            xs = {k: torch.randn(m, k) for k in {s[1] for s in shapes} | {DEFAULT_HEAD[1]}}
+            t_torch = step_time(lambda x, w: F.linear(x, w), weights, xs, a.reps)
+            t_kernel = step_time(lambda x, w: small(x, w), weights, xs, a.reps)
+            print(f"| {m} | {t_torch:.1f} | {t_kernel:.1f} | {t_kernel / t_torch:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
