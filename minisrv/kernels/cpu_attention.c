@@ -56,8 +56,9 @@ int paged_decode_f32(const float *q, int64_t q_stride_t, float *out, const float
         const float *qh = q + (int64_t)b * q_stride_t + (int64_t)h * g * d;
         const int64_t head_off = (int64_t)h * d;
         for (int t = 0; t < len; ++t) {
-            if (t + PREFETCH_AHEAD < len) prefetch_row(k + slots[t + PREFETCH_AHEAD] * kv_stride + head_off, d);
-            const float *kr = k + (int64_t)slots[t] * kv_stride + (int64_t)h * d;
+            if (t + PREFETCH_AHEAD < len)
+                prefetch_row(k + (int64_t)slots[t + PREFETCH_AHEAD] * kv_stride + head_off, d);
+            const float *kr = k + (int64_t)slots[t] * kv_stride + head_off;
             for (int j = 0; j < g; ++j) scores[(int64_t)j * len + t] = dot(qh + j * d, kr, d) * scale;
         }
         float denom[64];  /* g <= 64 is checked by the caller */
@@ -74,8 +75,9 @@ int paged_decode_f32(const float *q, int64_t q_stride_t, float *out, const float
         }
         memset(acc, 0, sizeof(float) * (size_t)g * (size_t)d);
         for (int t = 0; t < len; ++t) {
-            if (t + PREFETCH_AHEAD < len) prefetch_row(v + slots[t + PREFETCH_AHEAD] * kv_stride + head_off, d);
-            const float *vr = v + (int64_t)slots[t] * kv_stride + (int64_t)h * d;
+            if (t + PREFETCH_AHEAD < len)
+                prefetch_row(v + (int64_t)slots[t + PREFETCH_AHEAD] * kv_stride + head_off, d);
+            const float *vr = v + (int64_t)slots[t] * kv_stride + head_off;
             for (int j = 0; j < g; ++j) axpy(acc + j * d, scores[(int64_t)j * len + t], vr, d);
         }
         float *o = out + (int64_t)b * hq * d + (int64_t)h * g * d;

@@ -111,7 +111,7 @@ def engine_tokenizer_from_folder(folder: str, load_hf: Callable[[], Any]) -> Opt
         backend = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         if not _same_added_tokens(config.get("added_tokens_decoder") or {}, backend):
             return None
-    except (OSError, ValueError, Exception):  # noqa: BLE001 - any failure: transformers' loading decides
+    except Exception:  # noqa: BLE001 - any failure (unreadable, not JSON, a bad tokenizer.json): transformers decides
         return None
     eos = backend.token_to_id(eos_text)
     if eos is None:

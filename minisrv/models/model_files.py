@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 
 from .args import ModelArgs
 from .checkpoint import WeightLoadError
+from .engine_tokenizer import FAST_TOKENIZER_CLASSES, engine_tokenizer_from_folder
 from .gguf_cache import GGUFCache
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,6 @@ def load_engine_tokenizer(path: str, tokenizer: Optional[str] = None, cache_dir:
     """The tokenizer the engine process holds: load_tokenizer's, but where the folder allows it (see
     engine_tokenizer.py) an EngineTokenizer that builds transformers' tokenizer only when something beyond streaming
     decode and the eos id is asked of it."""
-    from .engine_tokenizer import engine_tokenizer_from_folder
     src = tokenizer or path
     folder = None
     if is_gguf(src):
@@ -217,7 +217,6 @@ def _generic_gguf_tokenizer_class(reader: Any, folder: str):
         return None
     return TokenizersBackend
 
-FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def _saved_tokenizer(folder: str):
