@@ -221,7 +221,7 @@ def moe_config(reader: GGUFReader, cfg: Dict[str, Any]) -> Dict[str, Any]:
     if not widths:
         return cfg
     cfg = dict(cfg)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    arch = metadata_string(reader, "general.architecture")
     experts = reader.fields.get(f"{arch}.expert_count")
     used = reader.fields.get(f"{arch}.expert_used_count")
     if experts is None or used is None:

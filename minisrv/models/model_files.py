@@ -218,7 +218,6 @@ def _generic_gguf_tokenizer_class(reader: Any, folder: str):
     return TokenizersBackend
 
 
-
 def _saved_tokenizer(folder: str):
     """A tokenizer saved by save_pretrained. When its class is transformers' plain fast tokenizer (what a GGUF
     file's becomes), that class is loaded directly: AutoTokenizer would load the same class, but only after
