@@ -277,6 +277,8 @@ class FakeSocket:
 class RefusingEngine:
     """Refuses rid 'dup' as the real engine refuses a duplicate id; anything else can be aborted."""
 
+    staged_kernels = None  # every kernel it asked for serves
+
     def has_work(self) -> bool:
         return False
 

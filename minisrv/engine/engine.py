@@ -46,17 +46,22 @@ def is_device_fault(e: BaseException) -> bool:
 class Engine:
     """Continuous batching over one model. Not thread-safe: one caller drives `step()`."""
 
-    def __init__(self, config: Optional[EngineConfig] = None, **kwargs: Any) -> None:
+    def __init__(self, config: Optional[EngineConfig] = None, *, staged_kernels: bool = False,
+                 **kwargs: Any) -> None:
+        """staged_kernels: start serving before FlashInfer's kernels are compiled, on kernels that need no compiling,
+        and switch to them between two steps once they are (a server's engine: kernel_builds.py). Otherwise the
+        engine waits for them, built side by side."""
         cfg = config or EngineConfig(**kwargs)
         self.config = cfg
         setup_logging(cfg.log_level)
-        parts = build_tensor_parallel_parts(cfg) if cfg.tp_size > 1 else build_engine_parts(cfg)
+        parts = build_tensor_parallel_parts(cfg) if cfg.tp_size > 1 else build_engine_parts(cfg, staged=staged_kernels)
         self.device, self.model_path, self.args = parts.device, parts.model_path, parts.args
         self.tokenizer, self.eos_ids, self.dtype = parts.tokenizer, parts.eos_ids, parts.dtype
         self.context_length, self.backend_name = parts.context_length, parts.backend_name
         self.pool, self.allocator, self.table = parts.pool, parts.allocator, parts.table
         self.pad_row, self.pad_page = parts.pad_row, parts.pad_page
         self.runner = parts.runner
+        self.staged_kernels = parts.staged_kernels  # None once every kernel asked for serves
         self.pooling = parts.pooling  # an embedding model's pooling (models/pooling_config.py); None: generation
         self.workers = parts.workers  # tensor parallelism: ranks 1..N-1 (None with one rank)
         if self.workers is not None:
@@ -125,6 +130,8 @@ class Engine:
         processed on the host, so the GPU never waits for the scheduler: the news returned is the previous step's.
         """
         outputs = self._grammars_done() if self._compiling else []
+        if self.staged_kernels is not None:
+            outputs += self.switch_kernels()
         batch, launched = None, False
         try:
             batch = self._schedule()
@@ -138,6 +145,18 @@ class Engine:
         outputs += self._collect(keep=1 if self.overlap and launched else 0)
         if batch is None:
             self._wait_for_a_compile()
+        return outputs
+
+    def switch_kernels(self) -> List[RequestOutput]:
+        """Switch to the kernels built since the start, once they are (kernel_builds.StagedKernels): the steps in
+        flight are collected first (their news is returned), so that no step runs across the switch."""
+        staged = self.staged_kernels
+        if staged is None or not (staged.sampling_ready() or staged.layers_ready()):
+            return []
+        outputs = self._collect(keep=0)
+        staged.upgrade(self.runner)
+        if staged.finished:
+            self.staged_kernels = None
         return outputs
 
     def _schedule(self):

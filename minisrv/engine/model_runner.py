@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -111,6 +111,8 @@ class ModelRunner:
         self.table = table
         self.device = device
         self.graph_runner = graph_runner  # CUDA-graph decode, when enabled
+        # FlashInfer's one-kernel draw (sampler.fused_sampling_kernel), or None: torch's; set by whoever builds it
+        self.sampling_kernel: Optional[Callable] = None
         self.cascade = cascade  # when decode steps run as cascade attention (None: never)
         self.num_cascade_steps = 0
         self.timings: Optional[Dict[str, float]] = None  # phase -> seconds, when profiling
@@ -310,7 +312,7 @@ class ModelRunner:
         if inp.sample_rows is not None:
             logits = logits[to_device(inp.sample_rows, torch.int64, logits.device)]
         try:
-            ids, lp, top = sample(logits, SamplingBatch.build(sampling, logits.device))
+            ids, lp, top = sample(logits, SamplingBatch.build(sampling, logits.device), self.sampling_kernel)
         except Exception:
             if self.tp.enabled:  # the other ranks wait for this step's ids: send them something, then fail
                 self.tp.broadcast(torch.zeros(len(sampling), dtype=torch.int64, device=self.device))

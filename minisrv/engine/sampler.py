@@ -10,10 +10,9 @@ has a seed or a top-k/top-p/min-p filter, FlashInfer's sampling kernel makes the
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -168,10 +167,9 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return logits - sb.frequency[:, None] * counts - sb.presence[:, None] * (counts > 0).float()
 
 
-@functools.lru_cache(maxsize=None)
-def _fused_sampling(device: torch.device):
+def fused_sampling_kernel(device: torch.device) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     """FlashInfer's sampling_from_logits (softmax sampling in one kernel) on CUDA when importable, else None.
-    MINISRV_TORCH_SAMPLING=1 keeps the torch kernels."""
+    MINISRV_TORCH_SAMPLING=1 keeps the torch kernels. The model runner holds the one its steps use."""
     if os.environ.get("MINISRV_TORCH_SAMPLING") == "1":
         return None
     return cuda_import(device, "flashinfer.sampling", "sampling_from_logits")
@@ -182,9 +180,10 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch) -> Tuple[torch.Tensor, Optional[torch.Tensor],
-                                                              Optional[Tuple[torch.Tensor, torch.Tensor]]]:
+def sample(logits: torch.Tensor, sb: SamplingBatch, fused_sampling: Optional[Callable] = None
+           ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[Tuple[torch.Tensor, torch.Tensor]]]:
     """logits [B, V] float32 -> (token ids [B], logprob of each chosen token [B], (top values, top ids) [B, n]).
+    fused_sampling: a one-kernel draw for unseeded, unfiltered rows (fused_sampling_kernel), else torch's.
 
     Log-probabilities are the model's own distribution (before penalties, grammar masks, temperature and filtering).
     """
@@ -205,7 +204,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> Tuple[torch.Tensor, Optio
                                         float("-inf"))
         # Gumbel-max: argmax(scaled + G) with G = -log(E), E ~ Exp(1). Unseeded rows draw E from torch's
         # generator (one fused kernel); seeded rows from the counter-based hash (reproducible per request).
-        fused = _fused_sampling(scaled.device) if sb.seeded_rows is None and not sb.need_filter else None
+        fused = fused_sampling if sb.seeded_rows is None and not sb.need_filter else None
         if fused is not None:  # the same draw in one pass over the logits (FlashInfer, on CUDA)
             sampled = fused(scaled).to(torch.int64)
         elif sb.seeded_rows is None:

@@ -9,14 +9,14 @@ from typing import Any, List, Optional
 
 import torch
 
-from minisrv.attention import create_backend, resolve_backend
+from minisrv.attention import canonical, create_backend, device_sm, missing, resolve_backend
 from minisrv.batch import ForwardMode
 from minisrv.attention.cascade import CascadePolicy
 from minisrv.config import DEFAULT_CPU_POOL_TOKENS, EngineConfig
 from minisrv.kvcache import KVPool, PageAllocator, ReqToTokenTable, slots_for
 from minisrv.distributed import Rendezvous, TensorParallel, init_tensor_parallel
 from minisrv.models.args import ModelArgs
-from minisrv.models.layers import fused_ops_for
+from minisrv.models.layers import fused_ops_for, set_fused_ops
 from minisrv.models.sharding import check_divisible
 from minisrv.models.fp8 import Fp8Linear
 from minisrv.models.loader import load_model, load_model_args, resolve_model_path
@@ -24,14 +24,19 @@ from minisrv.models.model_files import load_engine_tokenizer
 from minisrv.models.pooling_config import PoolingConfig, resolve_pooling
 from minisrv.utils import ceil_div
 
+from .kernel_builds import KernelBuilds, StagedKernels, flashinfer_jobs
 from .model_runner import ModelRunner
 from .pooling import Pooler
 from .request import Request, SamplingParams
+from .sampler import fused_sampling_kernel
 from .scheduler import ScheduledBatch
 
 logger = logging.getLogger("minisrv")
 
 GiB = 1 << 30
+# a server's engine waits this long past its weights for FlashInfer modules that are only being loaded from the cache
+# (a fraction of a second each) before it starts without them (StagedKernels)
+STAGED_GRACE_S = 2.0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
 
@@ -97,6 +102,7 @@ class EngineParts:
     max_request_len: int  # prompt + output tokens one request may have
     workers: Optional[Any] = None  # rank 0 of a tensor-parallel engine: the other ranks' processes (TPWorkers)
     pooling: Optional[PoolingConfig] = None  # an embedding model's pooling (None: a generation model)
+    staged_kernels: Optional[StagedKernels] = None  # kernels still building, to switch to between steps
 
 
 def tp_device(device: torch.device, rank: int, size: int) -> torch.device:
@@ -119,8 +125,10 @@ def check_tensor_parallel(cfg: EngineConfig) -> None:
     tp_device(device, 0, cfg.tp_size)
 
 
-def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional[Rendezvous] = None) -> EngineParts:
-    """One rank's parts. With one rank, everything; under tensor parallelism every rank calls this with its rank
+def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional[Rendezvous] = None,
+                       staged: bool = False) -> EngineParts:
+    """One rank's parts. staged: start before FlashInfer's kernels are compiled, if they are not (a server's engine,
+    one rank; see kernel_builds.py). With one rank, everything; under tensor parallelism every rank calls this with its rank
     and rank 0's rendezvous (address and first process-group number) and builds the same parts for its shard
     (rank 0 alone has a tokenizer). Rank 0's ranks 1..N-1 are started first (tp_workers.build_tensor_parallel_parts)."""
     t0 = time.perf_counter()
@@ -134,11 +142,11 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
         device = tp_device(device, tp_rank, cfg.tp_size)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-    return _build_parts(cfg, tp_rank, rendezvous, device, model_path, args, backend_name, t0)
+    return _build_parts(cfg, tp_rank, rendezvous, device, model_path, args, backend_name, t0, staged)
 
 
 def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvous], device: torch.device,
-                 model_path: str, args: ModelArgs, backend_name: str, t0: float) -> EngineParts:
+                 model_path: str, args: ModelArgs, backend_name: str, t0: float, staged: bool) -> EngineParts:
     context_length = resolve_context_length(cfg, args)
     dtype = resolve_dtype(cfg.dtype, args.torch_dtype, device)
     ps = cfg.page_size or (16 if device.type == "cuda" else 1)
@@ -147,6 +155,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
                          f"--kv-cache-dtype fp8_e4m3 and fi decoding (fi or PREFILL,fi); here the KV cache is "
                          f"{cfg.kv_cache_dtype} and the attention backend {backend_name}")
     fused = fused_ops_for(device)
+    builds = _start_kernel_builds(cfg, args, backend_name, dtype, device, fused)
     tp = init_tensor_parallel(tp_rank, cfg.tp_size, rendezvous, device,
                               (args.hidden_size, dtype) if cfg.enable_flashinfer_allreduce_fusion else None
                               ) if cfg.tp_size > 1 else TensorParallel.single()
@@ -154,6 +163,17 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
     model = load_model(model_path, args, dtype, device, context_length, fused, tp, cfg.quantization,
                        embedding=pooling is not None, cache_dir=cfg.cache_dir)
     t_load = time.perf_counter() - t0
+    # a server's engine does not wait for kernels still compiling (the others do: they are built side by side)
+    serving_name = backend_name
+    layers_pending = sampling_pending = False
+    if builds is not None:
+        can_stage = staged and not tp.enabled and pooling is None
+        builds.wait(timeout=STAGED_GRACE_S if can_stage else None)
+        layers_pending = bool(set(builds.pending()) - {"sampling"})
+        sampling_pending = "sampling" in builds.pending()
+        if layers_pending:
+            set_fused_ops(model, None)  # torch's norm, activation and rotary until FlashInfer's are built
+            serving_name = staged_backend(backend_name, device)
 
     a, plan = args, model.plan
     kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, dtype)
@@ -161,7 +181,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
     tokens = cfg.max_total_tokens
     if tokens is None:
         tokens = DEFAULT_CPU_POOL_TOKENS if device.type != "cuda" else \
-            _gpu_pool_tokens(cfg, model, backend_name, args, dtype, kv_dtype, ps, context_length, per_token, device)
+            _gpu_pool_tokens(cfg, model, serving_name, args, dtype, kv_dtype, ps, context_length, per_token, device)
     tokens = tp.min_over_ranks(tokens)  # every rank holds the same pages (for its own heads)
     num_pages = max(1, tokens // ps)
     pool = KVPool(a.num_layers, num_pages, ps, plan.num_kv_heads, a.head_dim, dtype, device, kv_dtype)
@@ -176,29 +196,36 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
     pad_row = table.alloc_row()  # one spare row: CUDA-graph padding rows point at it
     pad_page = None
     max_request_len = min(context_length, pool.num_slots)
-    backend = create_backend(backend_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel)
-    graph_runner = None
-    if device.type == "cuda" and not cfg.disable_cuda_graph and backend.supports_cuda_graph and pooling is None:
-        # CUDA-graph padding rows write their dummy K/V into a page of their own
+    graphs = device.type == "cuda" and not cfg.disable_cuda_graph and pooling is None
+    if graphs:  # CUDA-graph padding rows write their dummy K/V into a page of their own
         pad_page = allocator.alloc(1)[0]
         table.write(pad_row, 0, slots_for([pad_page], ps, 0, ps))
         max_request_len = min(context_length, pool.num_slots - ps)
-        from .cuda_graph import CudaGraphRunner, default_max_bs
-        max_bs = min(cfg.cuda_graph_max_bs or default_max_bs(device), cfg.max_running_requests)
-        graph_runner = CudaGraphRunner(model, backend, pad_row, pad_page * ps, max_bs, context_length, device)
-    cascade = None
-    if cfg.enable_cascade_attention:
-        if pool.quantized:
-            logger.warning("--enable-cascade-attention ignored: cascade decode reads a bfloat16/float16 pool, "
-                           "not an FP8 one")
-        elif backend.supports_cascade:
-            backend.init_cascade_state()
-            cascade = CascadePolicy(ps)
-        else:
-            logger.warning("--enable-cascade-attention ignored: the %s backend has no cascade decode (fi has)",
-                           backend_name)
-    runner = ModelRunner(model, backend, pool, table, device, graph_runner, tp, cascade,
-                         Pooler(pooling) if pooling is not None else None)
+
+    def attach_attention(runner: ModelRunner, backend: Optional[Any] = None) -> str:
+        """Give the runner the attention backend asked for (made here unless given), its CUDA graphs and cascade
+        decode."""
+        if backend is None:
+            backend = create_backend(backend_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel)
+        runner.backend = backend
+        runner.graph_runner = _graph_runner(cfg, model, backend, pad_row, pad_page * ps, context_length, device) \
+            if graphs and backend.supports_cuda_graph else None
+        runner.cascade = _cascade_policy(cfg, backend, backend_name, pool, ps)
+        n = len(runner.graph_runner.graphs) if runner.graph_runner is not None else 0
+        return f"attention {backend_name}, {n} decode CUDA graphs"
+
+    runner = ModelRunner(model, create_backend(serving_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel),
+                         pool, table, device, None, tp, None, Pooler(pooling) if pooling is not None else None)
+    staged_kernels = None
+    if layers_pending or sampling_pending:
+        staged_kernels = StagedKernels(builds, fused, attach_attention, lambda: fused_sampling_kernel(device),
+                                       f"attention {serving_name}, torch's norm, activation and rotary, no CUDA graphs"
+                                       if layers_pending else f"attention {backend_name} with CUDA graphs",
+                                       layers_pending=layers_pending)
+    if not layers_pending:
+        attach_attention(runner, runner.backend)
+    if not sampling_pending:
+        runner.sampling_kernel = fused_sampling_kernel(device)
     if tp.enabled and tp_rank == 0:
         table.journal = []  # from here on, the other ranks replay rank 0's table writes
     fp8_weights = any(isinstance(m, Fp8Linear) for m in model.modules())
@@ -222,7 +249,49 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     return EngineParts(device, model_path, args, tokenizer, sorted(eos), dtype, context_length, ps, backend_name,
-                       pool, allocator, table, pad_row, pad_page, runner, max_request_len, pooling=pooling)
+                       pool, allocator, table, pad_row, pad_page, runner, max_request_len, pooling=pooling,
+                       staged_kernels=staged_kernels)
+
+
+def _start_kernel_builds(cfg: EngineConfig, args: ModelArgs, backend_name: str, dtype: torch.dtype,
+                         device: torch.device, fused: Optional[Any]) -> Optional[KernelBuilds]:
+    """On CUDA with FlashInfer's ops: build every FlashInfer module this engine will call, side by side, while the
+    weights load (engine/kernel_builds.py)."""
+    if device.type != "cuda" or fused is None:
+        return None
+    hq, hkv = args.num_heads // cfg.tp_size, max(1, args.num_kv_heads // cfg.tp_size)  # one rank's (sharding.py)
+    return KernelBuilds(flashinfer_jobs(dtype, resolve_kv_dtype(cfg.kv_cache_dtype, dtype), args.head_dim, hq, hkv,
+                                        decode_on_fi=backend_name.split(",")[-1] == "fi"))
+
+
+def staged_backend(name: str, device: torch.device) -> str:
+    """What serves attention while FlashInfer's kernels compile: `name` with fi replaced by fa (FA3's precompiled
+    kernels) where fa runs here, else by torch."""
+    stand_in = "fa" if missing("fa", device_sm(device)) is None else "torch"
+    return canonical(",".join(stand_in if p == "fi" else p for p in name.split(",")))
+
+
+def _graph_runner(cfg: EngineConfig, model: torch.nn.Module, backend: Any, pad_row: int, pad_slot: int,
+                  context_length: int, device: torch.device) -> Any:
+    from .cuda_graph import CudaGraphRunner, default_max_bs
+    max_bs = min(cfg.cuda_graph_max_bs or default_max_bs(device), cfg.max_running_requests)
+    return CudaGraphRunner(model, backend, pad_row, pad_slot, max_bs, context_length, device)
+
+
+def _cascade_policy(cfg: EngineConfig, backend: Any, backend_name: str, pool: KVPool,
+                    page_size: int) -> Optional[CascadePolicy]:
+    if not cfg.enable_cascade_attention:
+        return None
+    if pool.quantized:
+        logger.warning("--enable-cascade-attention ignored: cascade decode reads a bfloat16/float16 pool, "
+                       "not an FP8 one")
+    elif backend.supports_cascade:
+        backend.init_cascade_state()
+        return CascadePolicy(page_size)
+    else:
+        logger.warning("--enable-cascade-attention ignored: the %s backend has no cascade decode (fi has)",
+                       backend_name)
+    return None
 
 
 def _gpu_pool_tokens(cfg: EngineConfig, model: torch.nn.Module, backend_name: str, args: ModelArgs,

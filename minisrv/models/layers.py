@@ -68,6 +68,15 @@ def fused_ops_for(device: torch.device) -> Optional[Any]:
     return ops
 
 
+def set_fused_ops(model: nn.Module, ops: Optional[Any]) -> None:
+    """Give every layer of a built model another fused-op module (None: plain torch): a server that started before
+    FlashInfer's kernels were compiled switches to them here (engine/kernel_builds.py). The CPU's small-batch
+    projections (CpuLinear) are not fused ops and stay as they are."""
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, RotaryEmbedding, GatedMLP, Attention)):
+            m.fused = ops
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, fused: Optional[Any] = None, quantize_out: bool = False) -> None:
         """quantize_out: an FP8 projection takes the output, so on CUDA the norm hands it over quantised."""

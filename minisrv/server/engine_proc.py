@@ -64,7 +64,7 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
     send = _pipe(ctx, zmq.PUSH, out_addr)
     try:
         from minisrv.engine.engine import Engine
-        engine = Engine(cfg)
+        engine = Engine(cfg, staged_kernels=True)
     except BaseException as e:  # noqa: BLE001 - every startup failure must reach the launcher
         logger.debug("engine startup failed", exc_info=True)
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
@@ -125,6 +125,8 @@ def _loop(engine: Any, recv: zmq.Socket, send: zmq.Socket, parent_pid: int) -> N
                     logger.error("engine: unknown message %r ignored", msg)
         if engine.has_work():
             outputs.extend(engine.step())
+        elif engine.staged_kernels is not None:  # idle: switch to kernels built meanwhile now, not at the next request
+            outputs.extend(engine.switch_kernels())
         if outputs:
             send.send_pyobj(StepOutputs(outputs))
         stats = engine.stats()

@@ -1,0 +1,155 @@
+"""FlashInfer's kernels built in the background, and the switch to them once they are.
+
+FlashInfer compiles each kernel module with nvcc the first time a process asks for it (seconds for the norm, minutes
+for sampling and prefill) and keeps the result in its cache. Asked for one by one, as a forward pass meets them, a
+new machine's first start spent over three minutes compiling before its first answer. Here every module the engine
+will use is asked for at once, each in a thread of its own (the compilers run side by side; the threads only wait),
+as soon as the model's shapes are known.
+
+Where the modules are already in the cache, the builds are loads that finish while the weights load, and the engine
+starts on them as before. Where they are not, a server does not wait (`StagedKernels`): it serves at once with
+kernels that need no compilation (FA3's precompiled attention on Hopper, torch's norm, activation, rotary and
+sampling, no CUDA graphs), and between two steps, once everything is built, switches the layers to FlashInfer's
+ops, the attention to the backend that was asked for, and captures its CUDA graphs. Sampling switches on its own,
+as soon as its module is there. The log says which kernels serve.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import torch
+
+logger = logging.getLogger("minisrv")
+
+# the modules the model's layers call (models/layers.py), switched together
+LAYER_MODULES = ("norm", "activation", "rotary")
+
+
+def flashinfer_jobs(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, num_q_heads: int,
+                    num_kv_heads: int, decode_on_fi: bool) -> Dict[str, Callable[[], Any]]:
+    """What builds (or loads) each FlashInfer module this engine will call, by name: the layers' fused ops, the
+    sampling kernel and, where FlashInfer decodes a bf16/fp16 pool, the decode kernels (the module its decode wrapper
+    plans with: FlashInfer's prefill kernels in tensor-core mode, used where 4 or more query heads share a KV head,
+    as attention/fi.py chooses)."""
+    from flashinfer.activation import get_act_and_mul_module
+    from flashinfer.norm import get_norm_module
+    from flashinfer.rope import get_rope_module
+    from flashinfer.sampling import get_sampling_module
+
+    jobs: Dict[str, Callable[[], Any]] = {
+        "norm": get_norm_module,
+        "activation": lambda: get_act_and_mul_module("silu"),
+        "rotary": get_rope_module,
+        "sampling": get_sampling_module,
+    }
+    if decode_on_fi and kv_dtype == dtype:
+        if num_q_heads // num_kv_heads >= 4:
+            from flashinfer.prefill import get_batch_prefill_module
+            jobs["decode"] = lambda: get_batch_prefill_module(
+                "fa2", dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False, False)
+        else:
+            from flashinfer.decode import get_batch_decode_module
+            jobs["decode"] = lambda: get_batch_decode_module(
+                dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False)
+    return jobs
+
+
+class KernelBuilds:
+    """Named build jobs, each run once in a thread of its own from construction on. A job that fails is logged
+    and counts as done: what needs its module then builds it on first use, as without this class."""
+
+    def __init__(self, jobs: Dict[str, Callable[[], Any]]) -> None:
+        self.started = time.perf_counter()
+        self.names = list(jobs)
+        self.seconds: Dict[str, float] = {}
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="kernel-build")
+        self._futures: Dict[str, Future] = {name: self._pool.submit(self._run, name, job) for name, job in jobs.items()}
+        self._pool.shutdown(wait=False)
+
+    def _run(self, name: str, job: Callable[[], Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            job()
+        except Exception as e:  # noqa: BLE001 - a module that cannot be built here is built (or fails) on use
+            logger.warning("building FlashInfer's %s kernels in the background failed (%s: %s); they are built "
+                           "on first use instead", name, type(e).__name__, e)
+        self.seconds[name] = time.perf_counter() - t0
+
+    def done(self, names: Optional[Iterable[str]] = None) -> bool:
+        return all(self._futures[n].done() for n in (self.names if names is None else names) if n in self._futures)
+
+    def wait(self, names: Optional[Iterable[str]] = None, timeout: Optional[float] = None) -> bool:
+        """Wait for the named jobs (all by default), at most `timeout` seconds; whether they are done."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        for n in (self.names if names is None else names):
+            f = self._futures.get(n)
+            if f is None:
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            try:
+                f.result(left)
+            except Exception:  # noqa: BLE001 - timeouts; job errors are caught and logged in _run
+                return False
+        return True
+
+    def pending(self) -> List[str]:
+        return [n for n in self.names if not self._futures[n].done()]
+
+    def report(self) -> str:
+        return ", ".join(f"{n} {self.seconds[n]:.1f}s" for n in self.names if n in self.seconds)
+
+
+class StagedKernels:
+    """A server's engine that started before its FlashInfer kernels were built: what it serves with until they are,
+    and the switch (`upgrade`), run by the engine between two steps with nothing in flight.
+
+    final_ops: the layers' fused-op module once built (FlashInfer's); switch_attention(runner): gives the runner the
+    attention backend that was asked for and its CUDA graphs, returns a line for the log; sampling_kernel(): the
+    fused sampling function, called once its module is built."""
+
+    def __init__(self, builds: KernelBuilds, final_ops: Any, switch_attention: Callable[[Any], str],
+                 sampling_kernel: Callable[[], Any], serving: str, layers_pending: bool = True) -> None:
+        self.builds = builds
+        self.final_ops = final_ops
+        self.switch_attention = switch_attention
+        self.sampling_kernel = sampling_kernel
+        self.sampling_switched = "sampling" not in builds.names
+        self.layers_switched = not layers_pending
+        self._lock = threading.Lock()
+        logger.info("FlashInfer's kernels are not built yet (%s: compiling in the background); serving meanwhile "
+                    "with %s", ", ".join(builds.pending()) or "none", serving)
+
+    @property
+    def finished(self) -> bool:
+        return self.layers_switched and self.sampling_switched
+
+    def sampling_ready(self) -> bool:
+        return not self.sampling_switched and self.builds.done(["sampling"])
+
+    def layers_ready(self) -> bool:
+        return not self.layers_switched and self.builds.done([n for n in self.builds.names if n != "sampling"])
+
+    def upgrade(self, runner: Any) -> None:
+        """Switch what is built: sampling alone as soon as it is, the layers and attention together (CUDA graphs
+        captured for them). The runner must have no step in flight."""
+        from minisrv.models.layers import set_fused_ops
+
+        with self._lock:
+            if self.sampling_ready():
+                runner.sampling_kernel = self.sampling_kernel()
+                self.sampling_switched = True
+                logger.info("sampling now on FlashInfer's kernel (built in %.1fs)",
+                            self.builds.seconds.get("sampling", 0.0))
+            if self.layers_ready():
+                t0 = time.perf_counter()
+                set_fused_ops(runner.model, self.final_ops)
+                line = self.switch_attention(runner)
+                self.layers_switched = True
+                logger.info("FlashInfer's kernels built %.1fs after start (%s); now serving with FlashInfer's "
+                            "norm, activation and rotary, %s (switched in %.1fs)",
+                            time.perf_counter() - self.builds.started, self.builds.report(), line,
+                            time.perf_counter() - t0)

@@ -1,0 +1,108 @@
+"""Kernels built in the background (engine/kernel_builds.py): the builds run side by side and a failed one counts as
+done; an engine that started on its stand-in kernels switches between two steps, once they are built, and its
+greedy tokens are those of an engine that ran on the final kernels throughout. On the CPU the final layer ops are the
+compiled CPU ops and the stand-ins torch's, as on a GPU FlashInfer's and torch's."""
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from minisrv.engine.kernel_builds import KernelBuilds, StagedKernels
+from minisrv.engine.request import SamplingParams
+from minisrv.engine.setup import staged_backend
+from minisrv.models.layers import RMSNorm, set_fused_ops
+
+from .helpers.tiny_models import greedy, make_llm, make_prompts, vocab_of
+
+
+def test_builds_run_side_by_side_and_a_failure_counts_as_done(caplog):
+    both_running = threading.Barrier(2, timeout=10)  # breaks (and fails the job) unless the two run at once
+    gate = threading.Event()
+    ran = []
+
+    def fails():
+        raise RuntimeError("nvcc not found")
+
+    builds = KernelBuilds({"a": lambda: ran.append(both_running.wait()), "b": lambda: ran.append(both_running.wait()),
+                           "slow": gate.wait, "bad": fails})
+    with caplog.at_level(logging.WARNING, logger="minisrv"):
+        assert builds.wait(["a", "b", "bad"], timeout=10)
+    assert sorted(ran) == [0, 1]  # both passed the barrier: they ran side by side
+    assert "building FlashInfer's bad kernels in the background failed" in caplog.text
+    assert builds.pending() == ["slow"] and not builds.done()
+    assert not builds.wait(timeout=0.05)
+    gate.set()
+    assert builds.wait(timeout=10) and builds.done() and builds.pending() == []
+    assert all(name in builds.report() for name in ("a", "b", "slow", "bad"))
+
+
+def test_staged_backend_stands_fa_in_for_fi_where_fa_runs(monkeypatch):
+    cpu = torch.device("cpu")
+    assert staged_backend("fa,fi", cpu) == "fa,torch"  # no FA3 here: torch's attention stands in
+    assert staged_backend("fi", cpu) == "torch"
+    assert staged_backend("fa", cpu) == "fa"
+    monkeypatch.setattr("minisrv.engine.setup.missing", lambda name, sm: None)  # as on a Hopper GPU with FA3
+    assert staged_backend("fa,fi", cpu) == "fa"
+    assert staged_backend("fi", cpu) == "fa"
+
+
+def _layer_ops(model):
+    return {id(m.fused) for m in model.modules() if isinstance(m, RMSNorm)}
+
+
+def _run(engine, prompts, params, release=None, release_after=3):
+    """Step the engine until every request ends; `release` is called once each request has `release_after`
+    tokens. Returns each request's output tokens."""
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    tokens = {r.rid: [] for r in reqs}
+    while engine.has_work():
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens[out.rid] += out.new_token_ids
+        if release is not None and min(len(t) for t in tokens.values()) >= release_after:
+            release()
+            release = None
+    return [tokens[r.rid] for r in reqs]
+
+
+def test_engine_switches_to_built_kernels_between_steps_with_the_same_tokens(tiny_model):
+    path = tiny_model("llama")
+    prompts = make_prompts(vocab_of(path), [5, 17, 9])
+    reference = make_llm(path)
+    final_ops = reference.engine.runner.model.model.norm.fused
+    if final_ops is None:
+        pytest.skip("the compiled CPU ops did not build here: no final kernels to switch to")
+    want = _run(reference.engine, prompts, [greedy(12)] * 3)
+
+    staged_llm = make_llm(path)
+    engine = staged_llm.engine
+    model = engine.runner.model
+    set_fused_ops(model, None)  # started before its kernels were built
+    gate = threading.Event()
+    switched, drawn = [], []
+
+    def fake_sampling(scaled: torch.Tensor) -> torch.Tensor:  # the fused draw: greedy here, so tokens are comparable
+        drawn.append(scaled.shape[0])
+        return scaled.argmax(-1)
+
+    builds = KernelBuilds({"norm": gate.wait, "sampling": lambda: None})
+    engine.staged_kernels = StagedKernels(builds, final_ops, lambda runner: switched.append(runner) or "attention torch",
+                                          lambda: fake_sampling, "torch's ops")
+
+    def release():
+        assert _layer_ops(model) == {id(None)}  # still the stand-ins after several steps
+        assert not switched
+        gate.set()
+        builds.wait(timeout=10)
+
+    sampled = SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True)
+    got = _run(engine, prompts + [prompts[0]], [greedy(12)] * 3 + [sampled], release)
+    assert got[:3] == want
+    assert engine.staged_kernels is None  # everything switched
+    assert _layer_ops(model) == {id(final_ops)}
+    assert switched == [engine.runner]  # attention switched once, with the layers
+    assert engine.runner.sampling_kernel is fake_sampling and drawn  # the unseeded sampled request used it
+    assert len(got[3]) == 12
