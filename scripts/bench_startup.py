@@ -6,9 +6,11 @@ Each run starts a server process, polls /health until it answers 200 (ready), th
 (max_tokens 1) and times its answer (first answer). The server's log (--log-level info, with timestamps) splits the
 time: imports, config and tokenizer (launch to the first log line), weights ("loaded in"), memory sizing and graph capture (up to the
 ready line), and the first request. --fresh-caches points Triton's and FlashInfer's caches at empty directories, as
-on a fresh machine (kernels FlashInfer ships prebuilt in its package are still found there).
+on a fresh machine (kernels FlashInfer ships prebuilt in its package are still found there). A server that started
+before FlashInfer's kernels were built (engine/kernel_builds.py) is kept, with --until-built, until it has switched to
+them (`full_kernels`: launch to the switch) and asked once more, so that the next run finds them in the cache.
 
-  python scripts/bench_startup.py [--runs 3] [--fresh-caches] -- [server flags, e.g. --model /tmp/qwen3]
+  python scripts/bench_startup.py [--runs 3] [--fresh-caches] [--until-built] -- [server flags, e.g. --model /tmp/qwen3]
 """
 from __future__ import annotations
 
@@ -62,6 +64,8 @@ def _log_times(log: str) -> Dict[str, float]:
             marks["weights_done"] = t
         if "graph" in line.lower() and "captur" in line.lower():
             marks["graphs_done"] = t
+        if "FlashInfer's kernels built" in line:
+            marks["switched"] = t
     return marks
 
 
@@ -81,8 +85,27 @@ def _resident_mib(pid: int) -> float:
     return total / 1024
 
 
-def run_once(server_args: List[str], fresh_caches: bool, timeout: float,
-             empty_gguf_cache: bool = False, print_log: bool = False) -> Dict[str, float]:
+def _chat(base: str, max_tokens: int) -> int:
+    return _get(base + "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                "max_tokens": max_tokens, "temperature": 0})
+
+
+def _wait_until_built(base: str, log_path: str, t0: float, timeout: float) -> None:
+    """Wait for a staged server's switch to FlashInfer's kernels, then ask it once more."""
+    while True:
+        log = open(log_path).read()
+        if "kernels are not built yet" not in log or "FlashInfer's kernels built" in log:
+            break
+        if time.time() - t0 > timeout:
+            raise RuntimeError(f"the server did not switch to FlashInfer's kernels:\n{log[-3000:]}")
+        time.sleep(0.5)
+    status = _chat(base, 8)
+    if status != 200:
+        raise RuntimeError(f"the request after the switch answered {status}:\n{open(log_path).read()[-3000:]}")
+
+
+def run_once(server_args: List[str], fresh_caches: bool, timeout: float, empty_gguf_cache: bool = False,
+             print_log: bool = False, until_built: bool = False) -> Dict[str, float]:
     port = free_port()
     env = dict(os.environ)
     tmp = tempfile.TemporaryDirectory(prefix="minisrv-startup-")
@@ -103,13 +126,14 @@ def run_once(server_args: List[str], fresh_caches: bool, timeout: float,
                 raise RuntimeError(f"the server did not become ready:\n{open(log_path).read()[-3000:]}")
             time.sleep(0.05)
         ready = time.time()
-        status = _get(base + "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                                                      "max_tokens": 1, "temperature": 0})
+        status = _chat(base, 1)
         answered = time.time()
         if status != 200:
             raise RuntimeError(f"the first request answered {status}:\n{open(log_path).read()[-3000:]}")
         time.sleep(0.5)
         resident = _resident_mib(proc.pid)
+        if until_built:
+            _wait_until_built(base, log_path, t0, timeout)
     finally:
         proc.terminate()
         try:
@@ -125,7 +149,7 @@ def run_once(server_args: List[str], fresh_caches: bool, timeout: float,
     weights = marks.get("weights_done", first_log)
     return {"to_first_log": first_log - t0, "weights": weights - first_log, "sizing_and_graphs": ready - weights,
             "ready": ready - t0, "first_request": answered - ready, "first_answer": answered - t0,
-            "resident_MiB": resident}
+            "resident_MiB": resident, **({"full_kernels": marks.get("switched", ready) - t0} if until_built else {})}
 
 
 def main() -> int:
@@ -135,11 +159,14 @@ def main() -> int:
     p.add_argument("--empty-gguf-cache", action="store_true", help="an empty GGUF cache (--cache-dir) every run")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--print-log", action="store_true", help="print each run's timestamped server log lines")
+    p.add_argument("--until-built", action="store_true",
+                   help="keep a server that started before its kernels were built until it has switched to them")
     p.add_argument("--json", help="append the medians as a JSON line here")
     p.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: the server's flags")
     a = p.parse_args()
     server_args = a.server_args[1:] if a.server_args[:1] == ["--"] else a.server_args
-    runs = [run_once(server_args, a.fresh_caches, a.timeout, a.empty_gguf_cache, a.print_log) for _ in range(a.runs)]
+    runs = [run_once(server_args, a.fresh_caches, a.timeout, a.empty_gguf_cache, a.print_log, a.until_built)
+            for _ in range(a.runs)]
     keys = list(runs[0])
     print(f"{'phase':<18} " + " ".join(f"run {i + 1:>2}" for i in range(len(runs))) + "   median")
     for k in keys:

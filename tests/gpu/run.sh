@@ -10,7 +10,8 @@
 #           gemm-e2e llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
 #           attn attn-small gemm-fp8 tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 #           llama8b-fp8-xqa decode-fp8w-xqa half-profile
-#           allreduce-fused tp-profile-fused half-offline
+#           allreduce-fused tp-profile-fused half-offline startup startup-fresh startup-8b imports moe moe-kernel moe-bench
+#           moe-decode moe-decode-fa moe-profile moe-sweep moe-offline serving-think
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -271,10 +272,14 @@ for phase in "${@:-smoke}"; do
                C8=$(echo "$C" | awk -F';' '{for(i=1;i<=NF;i++){split($i,a,",");printf "%s%s,%s,%s,%s,%s",(i>1?";":""),a[1],a[2],a[3]*2,a[4],a[5]}}')
                step moe-sweep-fp8 280 python3 $S/bench_fused_moe.py --products --fp8 --tokens 16,32,64,128,256,384 --configs "$C8" ;;
     # start-up, launch to the first chat answer (bench_startup.py): on a new machine the first run of `startup` finds
-    # Triton's and FlashInfer's caches empty, the later ones warm; startup-fresh empties them for its run
-    startup) step startup 580 python3 $S/bench_startup.py --runs 3 --print-log -- --model "$MINISRV_GPU_CKPT" ;;
-    startup-fresh) step startup-fresh 580 python3 $S/bench_startup.py --runs 1 --fresh-caches --print-log -- --model "$MINISRV_GPU_CKPT" ;;
-    startup-8b) need_llama8b; step startup-8b 400 python3 $S/bench_startup.py --runs 2 -- --model /tmp/llama8b ;;
+    # Triton's and FlashInfer's caches empty (the server starts on its stand-in kernels and is kept until it has
+    # switched: --until-built), the later ones warm; startup-fresh empties them for its run
+    startup) step startup 580 python3 $S/bench_startup.py --runs 3 --print-log --until-built -- --model "$MINISRV_GPU_CKPT" ;;
+    startup-fresh) step startup-fresh 580 python3 $S/bench_startup.py --runs 1 --fresh-caches --print-log --until-built \
+                     -- --model "$MINISRV_GPU_CKPT" ;;
+    startup-8b) need_llama8b; step startup-8b 400 python3 $S/bench_startup.py --runs 2 --print-log --until-built -- --model /tmp/llama8b ;;
+    # what the engine process imports, slowest last
+    imports) step imports 120 bash -c "python3 -X importtime -c 'import minisrv.server.launch_server, minisrv.engine.engine, flashinfer, flash_attn_interface' 2>&1 | sort -t'|' -k2 -n | tail -n 25" ;;
     moe-offline) need_moe; step moe-offline 400 python3 $S/bench_offline.py --model /tmp/moe --json "$OUT/bench.jsonl" ;;
     *) echo "unknown phase $phase" ;;
   esac
