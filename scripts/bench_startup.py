@@ -64,7 +64,7 @@ def _log_times(log: str) -> Dict[str, float]:
             marks["weights_done"] = t
         if "graph" in line.lower() and "captur" in line.lower():
             marks["graphs_done"] = t
-        if "FlashInfer's kernels built" in line:
+        if "kernels all serve now" in line:
             marks["switched"] = t
     return marks
 
@@ -94,7 +94,7 @@ def _wait_until_built(base: str, log_path: str, t0: float, timeout: float) -> No
     """Wait for a staged server's switch to FlashInfer's kernels, then ask it once more."""
     while True:
         log = open(log_path).read()
-        if "kernels are not built yet" not in log or "FlashInfer's kernels built" in log:
+        if "kernels are not built yet" not in log or "kernels all serve now" in log:
             break
         if time.time() - t0 > timeout:
             raise RuntimeError(f"the server did not switch to FlashInfer's kernels:\n{log[-3000:]}")

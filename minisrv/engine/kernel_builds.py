@@ -149,7 +149,8 @@ class StagedKernels:
                 set_fused_ops(runner.model, self.final_ops)
                 line = self.switch_attention(runner)
                 self.layers_switched = True
-                logger.info("FlashInfer's kernels built %.1fs after start (%s); now serving with FlashInfer's "
-                            "norm, activation and rotary, %s (switched in %.1fs)",
-                            time.perf_counter() - self.builds.started, self.builds.report(), line,
-                            time.perf_counter() - t0)
+                logger.info("now serving with FlashInfer's norm, activation and rotary, %s (switched in %.1fs)",
+                            line, time.perf_counter() - t0)
+            if self.finished:
+                logger.info("FlashInfer's kernels all serve now, %.1fs after start (built in the background: %s)",
+                            time.perf_counter() - self.builds.started, self.builds.report())

@@ -36,7 +36,7 @@ logger = logging.getLogger("minisrv")
 GiB = 1 << 30
 # a server's engine waits this long past its weights for FlashInfer modules that are only being loaded from the cache
 # (a fraction of a second each) before it starts without them (StagedKernels)
-STAGED_GRACE_S = 2.0
+STAGED_GRACE_S = 0.5
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
 
