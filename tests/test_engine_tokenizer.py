@@ -110,3 +110,35 @@ def test_engine_serves_text_without_transformers_tokenizer(tmp_path):
     assert tok.hf_loaded and constrained.text.startswith("t1")
     # the offline API's tokenizer, and a deep copy of the engine's, are transformers' own
     assert type(llm.tokenizer) is type(ref) and type(copy.deepcopy(tok)) is type(ref)
+
+
+@pytest.mark.parametrize("kind", ["TokenizersBackend", "PreTrainedTokenizerFast", "Qwen2Tokenizer", "LlamaTokenizer"])
+def test_checkpoint_tokenizer_is_autotokenizers_without_importing_torch(tmp_path, kind):
+    """A checkpoint's tokenizer is loaded as the class its tokenizer_config.json names, as AutoTokenizer loads it
+    (same class, ids, text and chat prompt), without importing torch (the HTTP process has none)."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from .helpers.tiny_models import write_tokenizer
+    folder = str(tmp_path / "tok")
+    write_tokenizer(folder, 300)
+    config_file = os.path.join(folder, "tokenizer_config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config.update(tokenizer_class=kind, chat_template="{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                                                      "{% endfor %}")
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    ours, ref = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert type(ours) is type(ref)
+    text = "t5 t17 t200 <eos> t3"
+    assert ours(text).input_ids == ref(text).input_ids
+    assert ours.decode(ref(text).input_ids) == ref.decode(ref(text).input_ids)
+    chat = [{"role": "user", "content": "t9 t10"}]
+    assert ours.apply_chat_template(chat, tokenize=False) == ref.apply_chat_template(chat, tokenize=False)
+    code = ("import sys; from minisrv.models.model_files import load_tokenizer; load_tokenizer(sys.argv[1]); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, folder], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]

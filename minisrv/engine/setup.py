@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -154,14 +155,25 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
         raise ValueError(f"--fp8-decode-kernel xqa is the fi backend's decode over an FP8 KV cache: it needs "
                          f"--kv-cache-dtype fp8_e4m3 and fi decoding (fi or PREFILL,fi); here the KV cache is "
                          f"{cfg.kv_cache_dtype} and the attention backend {backend_name}")
-    fused = fused_ops_for(device)
-    builds = _start_kernel_builds(cfg, args, backend_name, dtype, device, fused)
+    # on CUDA, FlashInfer is imported (about 1 s) and its builds started in a thread while the weights load; the
+    # layers get its ops once both are done (the model is built the same with or without them). Not beside a
+    # tensor-parallel group's set-up, which imports FlashInfer's communication kernels itself.
+    fused_and_builds = None
+    if device.type == "cuda":
+        thread = ThreadPoolExecutor(1)
+        fused_and_builds = thread.submit(_fused_and_builds, cfg, args, backend_name, dtype, device)
+        thread.shutdown(wait=cfg.tp_size > 1)
+    fused = fused_ops_for(device) if fused_and_builds is None else None
     tp = init_tensor_parallel(tp_rank, cfg.tp_size, rendezvous, device,
                               (args.hidden_size, dtype) if cfg.enable_flashinfer_allreduce_fusion else None
                               ) if cfg.tp_size > 1 else TensorParallel.single()
     pooling = resolve_pooling(model_path, args, cfg.is_embedding)
     model = load_model(model_path, args, dtype, device, context_length, fused, tp, cfg.quantization,
                        embedding=pooling is not None, cache_dir=cfg.cache_dir)
+    builds = None
+    if fused_and_builds is not None:
+        fused, builds = fused_and_builds.result()
+        set_fused_ops(model, fused)
     t_load = time.perf_counter() - t0
     # a server's engine does not wait for kernels still compiling (the others do: they are built side by side)
     serving_name = backend_name
@@ -253,15 +265,16 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
                        staged_kernels=staged_kernels)
 
 
-def _start_kernel_builds(cfg: EngineConfig, args: ModelArgs, backend_name: str, dtype: torch.dtype,
-                         device: torch.device, fused: Optional[Any]) -> Optional[KernelBuilds]:
-    """On CUDA with FlashInfer's ops: build every FlashInfer module this engine will call, side by side, while the
-    weights load (engine/kernel_builds.py)."""
-    if device.type != "cuda" or fused is None:
-        return None
+def _fused_and_builds(cfg: EngineConfig, args: ModelArgs, backend_name: str, dtype: torch.dtype,
+                      device: torch.device) -> Tuple[Optional[Any], Optional[KernelBuilds]]:
+    """The layers' fused ops on CUDA (FlashInfer's, when importable) and the builds of every FlashInfer module this
+    engine will call, started side by side (engine/kernel_builds.py)."""
+    fused = fused_ops_for(device)
+    if fused is None:
+        return None, None
     hq, hkv = args.num_heads // cfg.tp_size, max(1, args.num_kv_heads // cfg.tp_size)  # one rank's (sharding.py)
-    return KernelBuilds(flashinfer_jobs(dtype, resolve_kv_dtype(cfg.kv_cache_dtype, dtype), args.head_dim, hq, hkv,
-                                        decode_on_fi=backend_name.split(",")[-1] == "fi"))
+    return fused, KernelBuilds(flashinfer_jobs(dtype, resolve_kv_dtype(cfg.kv_cache_dtype, dtype), args.head_dim,
+                                               hq, hkv, decode_on_fi=backend_name.split(",")[-1] == "fi"))
 
 
 def staged_backend(name: str, device: torch.device) -> str:

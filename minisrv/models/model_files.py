@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 
 from .args import ModelArgs
 from .checkpoint import WeightLoadError
-from .engine_tokenizer import FAST_TOKENIZER_CLASSES, engine_tokenizer_from_folder
+from .engine_tokenizer import engine_tokenizer_from_folder
 from .gguf_cache import GGUFCache
 
 logger = logging.getLogger(__name__)
@@ -134,6 +134,8 @@ def load_tokenizer(path: str, tokenizer: Optional[str] = None, cache_dir: Option
     tokenizer directory (`cache_dir`: see gguf_cache.cache_root)."""
     src = tokenizer or path
     if not is_gguf(src):
+        if os.path.isfile(os.path.join(src, "tokenizer_config.json")):
+            return _saved_tokenizer(src)
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(src)
     cache = GGUFCache.open(src, cache_dir)
@@ -219,14 +221,19 @@ def _generic_gguf_tokenizer_class(reader: Any, folder: str):
 
 
 def _saved_tokenizer(folder: str):
-    """A tokenizer saved by save_pretrained. When its class is transformers' plain fast tokenizer (what a GGUF
-    file's becomes), that class is loaded directly: AutoTokenizer would load the same class, but only after
-    importing transformers' config machinery, which imports torch (about 2 s in the HTTP process)."""
+    """A tokenizer saved by save_pretrained (a checkpoint's, or a GGUF file's in the cache). The class its
+    tokenizer_config.json names is loaded directly, as AutoTokenizer would load it, but without AutoTokenizer's
+    tables: importing them imports transformers' config machinery and torch (2-3 s in the HTTP process, on the
+    path to the first answer). Folders that name no class, or remote code, go through AutoTokenizer."""
     with open(os.path.join(folder, "tokenizer_config.json")) as f:
-        kind = json.load(f).get("tokenizer_class")
-    if kind in FAST_TOKENIZER_CLASSES:
-        from transformers import PreTrainedTokenizerFast
-        if PreTrainedTokenizerFast.__name__ == kind:
-            return PreTrainedTokenizerFast.from_pretrained(folder)
+        config = json.load(f)
+    kind = config.get("tokenizer_class")
+    if isinstance(kind, str) and "auto_map" not in config:
+        import transformers
+        # AutoTokenizer's order: the fast variant of a named class first
+        for name in ([] if kind.endswith("Fast") else [kind + "Fast"]) + [kind]:
+            cls = getattr(transformers, name, None)
+            if cls is not None:
+                return cls.from_pretrained(folder)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(folder)
