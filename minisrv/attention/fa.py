@@ -52,6 +52,14 @@ def _load_kernel() -> Callable:
                       "flash_attn_interface); " + "; ".join(errors))
 
 
+def preload() -> None:
+    """Import the kernel before its first use (a thread does this while the weights load). Upstream
+    flash_attn_interface wraps its forward in a torch.library custom op, whose first call imports torch's compiler
+    stack (torch._dynamo and sympy, 2-3 s): that is imported here too, rather than inside the first prefill."""
+    if getattr(_load_kernel(), "__module__", "") == "flash_attn_interface":
+        import torch._dynamo  # noqa: F401
+
+
 @dataclass(frozen=True)
 class FAMeta:
     loc: torch.Tensor  # [T] slots the step's k/v go to

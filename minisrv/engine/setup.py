@@ -268,7 +268,10 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
 def _fused_and_builds(cfg: EngineConfig, args: ModelArgs, backend_name: str, dtype: torch.dtype,
                       device: torch.device) -> Tuple[Optional[Any], Optional[KernelBuilds]]:
     """The layers' fused ops on CUDA (FlashInfer's, when importable) and the builds of every FlashInfer module this
-    engine will call, started side by side (engine/kernel_builds.py)."""
+    engine will call, started side by side (engine/kernel_builds.py); FA3's kernel imported ahead of its first use."""
+    if missing("fa", device_sm(device)) is None:  # fa serves here (asked for, or standing in for fi)
+        from minisrv.attention.fa import preload
+        preload()
     fused = fused_ops_for(device)
     if fused is None:
         return None, None
