@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -47,17 +48,29 @@ def _load_kernel() -> Callable:
     except (ImportError, OSError) as e:
         errors.append(f"flash_attn_interface: {e}")
     else:
-        return fn
+        return without_custom_op(fn, "_flash_attn_forward")
     raise ImportError("the fa backend needs FlashAttention-3: pip install sgl-kernel (or upstream "
                       "flash_attn_interface); " + "; ".join(errors))
 
 
+def without_custom_op(fn: Callable, op_name: str) -> Callable:
+    """A copy of `fn` that calls the Python body of the torch.library custom op its module names `op_name` instead
+    of the op. Upstream flash_attn_interface wraps its forward in such an op (for torch.compile): the op's first
+    call imports torch's compiler stack (torch._dynamo, sympy: 2-3 s inside the first prefill) and every call goes
+    through the dispatcher (about 20 us). The body calls the same kernel (torch.ops.flash_attn_3.fwd); the module
+    itself is left as it is. `fn` as it is where there is no such op."""
+    body = getattr(fn.__globals__.get(op_name), "_init_fn", None)
+    if body is None:
+        return fn
+    copy = types.FunctionType(fn.__code__, {**fn.__globals__, op_name: body}, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
 def preload() -> None:
-    """Import the kernel before its first use (a thread does this while the weights load). Upstream
-    flash_attn_interface wraps its forward in a torch.library custom op, whose first call imports torch's compiler
-    stack (torch._dynamo and sympy, 2-3 s): that is imported here too, rather than inside the first prefill."""
-    if getattr(_load_kernel(), "__module__", "") == "flash_attn_interface":
-        import torch._dynamo  # noqa: F401
+    """Import the kernel before its first use (a thread does this while the weights load)."""
+    _load_kernel()
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,6 @@ OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 pkill -f "^[^ ]*python[0-9.]* .*(pytest|scripts/bench_|multiprocessing.spawn|get_trtllm_comm_module)" 2>/dev/null && sleep 3
 export PYTHONPATH=$(bash .gpu-wheels/tools/install_on_device.sh 2>/dev/null):$PWD
 export MINISRV_GPU_CKPT=${MINISRV_GPU_CKPT:-/tmp/qwen3}
-# the machine's torch is installed without its bytecode, and its folder cannot take it: every process would compile
-# torch's Python files again (seconds of each start), which an installed package never does
-export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
 FI_CACHE=$HOME/.cache/flashinfer/0.6.13/90a/cached_ops
 # FlashInfer re-runs ninja for anything in its JIT dir (and rebuilds without the object files), but loads a module
 # found in its AOT dir (<package>/data/aot/<name>/<name>.so) as is: put the carried kernels there
