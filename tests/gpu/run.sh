@@ -152,10 +152,11 @@ for phase in "${@:-smoke}"; do
                --attention-backend fa --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/bench.jsonl" ;;
     serving) serving serving ;;
     # the reasoning parser's cost: the nano workload's lengths (100-1,024 prompt and output tokens) through the chat
-    # endpoint, 256 requests at once, parser off / on three times (deepseek_r1: every output is thinking until a
+    # endpoint, 256 requests at once, parser off / on four times (deepseek_r1: every output is thinking until a
     # `</think>`, so each streamed piece goes through the split)
     serving-think) [ -f /tmp/think-tok/tokenizer.json ] || python3 tests/gpu/think_tokenizer.py /tmp/think-tok "$MINISRV_GPU_CKPT"
-                   for parser in "" "--reasoning-parser deepseek_r1" "" "--reasoning-parser deepseek_r1" "" "--reasoning-parser deepseek_r1"; do
+                   for parser in "" "--reasoning-parser deepseek_r1" "" "--reasoning-parser deepseek_r1" "" "--reasoning-parser deepseek_r1" \
+                                 "" "--reasoning-parser deepseek_r1"; do
                      SERVER_ARGS="--tokenizer /tmp/think-tok $parser" serving_nano "serving-think${parser:+-on}"; done ;;
     serving-grammar) json_tokenizer; SERVER_ARGS="--tokenizer $JTOK" serving serving-grammar --constrained-fraction 0.5 ;;
     profile) step profile 200 python3 $S/bench_decode.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
