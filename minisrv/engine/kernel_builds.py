@@ -29,12 +29,14 @@ logger = logging.getLogger("minisrv")
 LAYER_MODULES = ("norm", "activation", "rotary")
 
 
-def flashinfer_jobs(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, num_q_heads: int,
-                    num_kv_heads: int, decode_on_fi: bool) -> Dict[str, Callable[[], Any]]:
+def flashinfer_jobs(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
+                    num_q_heads: int, num_kv_heads: int, prefill_on_fi: bool,
+                    decode_on_fi: bool) -> Dict[str, Callable[[], Any]]:
     """What builds (or loads) each FlashInfer module this engine will call, by name: the layers' fused ops, the
-    sampling kernel and, where FlashInfer decodes a bf16/fp16 pool, the decode kernels (the module its decode wrapper
-    plans with: FlashInfer's prefill kernels in tensor-core mode, used where 4 or more query heads share a KV head,
-    as attention/fi.py chooses)."""
+    sampling kernel, where FlashInfer runs prefill its paged prefill kernels (the module its prefill wrapper plans
+    with), and where FlashInfer decodes a bf16/fp16 pool the decode kernels (the module its decode wrapper plans
+    with: FlashInfer's prefill kernels in tensor-core mode, used where 4 or more query heads share a KV head, as
+    attention/fi.py chooses). Not built here: the XQA decode over an FP8 pool (built on first use)."""
     from flashinfer.activation import get_act_and_mul_module
     from flashinfer.norm import get_norm_module
     from flashinfer.rope import get_rope_module
@@ -46,6 +48,12 @@ def flashinfer_jobs(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, nu
         "rotary": get_rope_module,
         "sampling": get_sampling_module,
     }
+    if prefill_on_fi:
+        from flashinfer.prefill import get_batch_prefill_module
+        from flashinfer.utils import determine_attention_backend
+        kind = determine_attention_backend(device, 0, False, False, dtype, kv_dtype)
+        jobs["prefill"] = lambda: get_batch_prefill_module(
+            kind, dtype, kv_dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False, False)
     if decode_on_fi and kv_dtype == dtype:
         if num_q_heads // num_kv_heads >= 4:
             from flashinfer.prefill import get_batch_prefill_module

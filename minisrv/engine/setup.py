@@ -276,8 +276,10 @@ def _fused_and_builds(cfg: EngineConfig, args: ModelArgs, backend_name: str, dty
     if fused is None:
         return None, None
     hq, hkv = args.num_heads // cfg.tp_size, max(1, args.num_kv_heads // cfg.tp_size)  # one rank's (sharding.py)
-    return fused, KernelBuilds(flashinfer_jobs(dtype, resolve_kv_dtype(cfg.kv_cache_dtype, dtype), args.head_dim,
-                                               hq, hkv, decode_on_fi=backend_name.split(",")[-1] == "fi"))
+    parts = backend_name.split(",")
+    return fused, KernelBuilds(flashinfer_jobs(device, dtype, resolve_kv_dtype(cfg.kv_cache_dtype, dtype),
+                                               args.head_dim, hq, hkv, prefill_on_fi=parts[0] == "fi",
+                                               decode_on_fi=parts[-1] == "fi"))
 
 
 def staged_backend(name: str, device: torch.device) -> str:

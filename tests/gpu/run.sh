@@ -11,7 +11,7 @@
 #           attn attn-small gemm-fp8 tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 #           llama8b-fp8-xqa decode-fp8w-xqa half-profile
 #           allreduce-fused tp-profile-fused half-offline startup startup-fresh startup-8b imports moe moe-kernel moe-bench
-#           moe-decode moe-decode-fa moe-profile moe-sweep moe-offline serving-think
+#           moe-decode moe-decode-fa moe-profile moe-sweep moe-offline serving-think startup-fi
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -278,6 +278,8 @@ for phase in "${@:-smoke}"; do
     startup) step startup 580 python3 $S/bench_startup.py --runs 3 --print-log --until-built -- --model "$MINISRV_GPU_CKPT" ;;
     startup-fresh) step startup-fresh 580 python3 $S/bench_startup.py --runs 1 --fresh-caches --print-log --until-built \
                      -- --model "$MINISRV_GPU_CKPT" ;;
+    startup-fi) step startup-fi 580 python3 $S/bench_startup.py --runs 2 --print-log --until-built -- --model "$MINISRV_GPU_CKPT" \
+                  --attention-backend fi ;;
     startup-8b) need_llama8b; step startup-8b 400 python3 $S/bench_startup.py --runs 2 --print-log --until-built -- --model /tmp/llama8b ;;
     # what the engine process imports, slowest last
     imports) step imports 120 bash -c "python3 -X importtime -c 'import minisrv.server.launch_server, minisrv.engine.engine, flashinfer, flash_attn_interface' 2>&1 | sort -t'|' -k2 -n | tail -n 25" ;;
