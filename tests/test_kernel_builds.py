@@ -106,3 +106,27 @@ def test_engine_switches_to_built_kernels_between_steps_with_the_same_tokens(tin
     assert switched == [engine.runner]  # attention switched once, with the layers
     assert engine.runner.sampling_kernel is fake_sampling and drawn  # the unseeded sampled request used it
     assert len(got[3]) == 12
+
+
+def test_a_failed_switch_leaves_the_stand_ins_serving(tiny_model, caplog):
+    """The switch itself fails (say, graph capture runs out of memory): the error is logged, the layers keep
+    torch's ops, and the engine goes on generating the same greedy tokens."""
+    path = tiny_model("llama")
+    prompts = make_prompts(vocab_of(path), [6, 11])
+    llm = make_llm(path)
+    want = _run(llm.engine, prompts, [greedy(8)] * 2)
+    engine = llm.engine
+    model = engine.runner.model
+    final_ops = model.model.norm.fused
+    set_fused_ops(model, None)
+
+    def failing_switch(runner):
+        raise RuntimeError("CUDA out of memory while capturing")
+
+    engine.staged_kernels = StagedKernels(KernelBuilds({"norm": lambda: None}), final_ops, failing_switch,
+                                          lambda: None, "torch's ops")
+    with caplog.at_level(logging.ERROR, logger="minisrv"):
+        got = _run(engine, prompts, [greedy(8)] * 2)
+    assert got == want
+    assert "the switch to FlashInfer's kernels failed" in caplog.text
+    assert engine.staged_kernels is None and _layer_ops(model) == {id(None)}

@@ -148,17 +148,27 @@ class StagedKernels:
 
         with self._lock:
             if self.sampling_ready():
-                runner.sampling_kernel = self.sampling_kernel()
                 self.sampling_switched = True
-                logger.info("sampling now on FlashInfer's kernel (built in %.1fs)",
-                            self.builds.seconds.get("sampling", 0.0))
+                try:
+                    runner.sampling_kernel = self.sampling_kernel()
+                    logger.info("sampling now on FlashInfer's kernel (built in %.1fs)",
+                                self.builds.seconds.get("sampling", 0.0))
+                except Exception:  # noqa: BLE001 - the stand-in keeps serving
+                    logger.exception("sampling stays on torch's kernels: the switch to FlashInfer's failed")
             if self.layers_ready():
-                t0 = time.perf_counter()
-                set_fused_ops(runner.model, self.final_ops)
-                line = self.switch_attention(runner)
                 self.layers_switched = True
-                logger.info("now serving with FlashInfer's norm, activation and rotary, %s (switched in %.1fs)",
-                            line, time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                try:
+                    set_fused_ops(runner.model, self.final_ops)
+                    line = self.switch_attention(runner)
+                except Exception:  # noqa: BLE001 - a failed switch must not end the engine: stand-ins stay
+                    set_fused_ops(runner.model, None)
+                    runner.graph_runner = None
+                    logger.exception("the layers stay on torch's ops, without CUDA graphs: the switch to "
+                                     "FlashInfer's kernels failed (attention: %s)", type(runner.backend).__name__)
+                else:
+                    logger.info("now serving with FlashInfer's norm, activation and rotary, %s (switched in "
+                                "%.1fs)", line, time.perf_counter() - t0)
             if self.finished:
                 logger.info("FlashInfer's kernels all serve now, %.1fs after start (built in the background: %s)",
                             time.perf_counter() - self.builds.started, self.builds.report())
