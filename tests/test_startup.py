@@ -46,9 +46,14 @@ def _copy(src: str, tmp_path) -> str:
     return dst
 
 
-def _load(path: str, cache_dir: str) -> torch.nn.Module:
+def _load(path: str, cache_dir: str, wait_for_write: bool = True) -> torch.nn.Module:
+    """The model; with wait_for_write, once the cache file a first load writes in the background is whole (as a
+    restart finds it)."""
     args = load_model_args(path, cache_dir)
-    return load_model(path, args, torch.float32, torch.device("cpu"), 64, cache_dir=cache_dir)
+    model = load_model(path, args, torch.float32, torch.device("cpu"), 64, cache_dir=cache_dir)
+    if wait_for_write and model.cache_write is not None:
+        model.cache_write.join()
+    return model
 
 
 def _state(model) -> dict:
@@ -111,6 +116,38 @@ def test_cached_model_equals_a_load_without_the_cache(tiny, tmp_path, caplog):
     assert load_hf_config(gguf, cache) == load_hf_config(gguf, OFF)
     left = [f for f in os.listdir(os.path.dirname(file)) if f.startswith(".") and not f.startswith(".lock-")]
     assert not left  # no temporary file left
+
+
+def test_first_load_serves_while_its_cache_file_is_written(tiny, tmp_path, monkeypatch):
+    """A first load returns before its cache file is written (the write runs in a thread); a second load meanwhile
+    waits for the file instead of converting again, then maps it; an uncached load holds the same parameters."""
+    import threading
+
+    import minisrv.models.loader as loader
+    _, gguf = tiny
+    cache = str(tmp_path / "cache")
+    release = threading.Event()
+    real_write = loader._write_model
+
+    def slow_write(tmp, model):
+        assert release.wait(30), "the test never let the write go on"
+        real_write(tmp, model)
+
+    monkeypatch.setattr(loader, "_write_model", slow_write)
+    first = _load(gguf, cache, wait_for_write=False)
+    assert first.cache_write is not None and first.cache_write.is_alive()
+    assert not _model_files(gguf, cache)  # not written yet, and the model is already there
+    second = {}
+    waiting = threading.Thread(target=lambda: second.setdefault("model", _load(gguf, cache)))
+    waiting.start()
+    waiting.join(1.0)
+    assert waiting.is_alive()  # waits for the first load's file rather than converting beside it
+    release.set()
+    waiting.join(60)
+    first.cache_write.join(60)
+    assert second["model"].cache_write is None  # mapped, not dequantised again
+    ref = _load(gguf, OFF)
+    assert _same(first, ref) and _same(second["model"], ref) and len(_model_files(gguf, cache)) == 1
 
 
 def test_cached_engine_generates_what_an_uncached_one_does(tiny, tmp_path):

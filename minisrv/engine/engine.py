@@ -188,6 +188,13 @@ class Engine:
         if is_device_fault(e):
             raise e
 
+    def finish_cache_write(self, timeout: float = 120.0) -> None:
+        """Wait for the GGUF cache's writer (a first start writes the dequantised parameters while it already
+        serves: models/loader.py), so that an exit does not cut it and the next start maps the file."""
+        writer = getattr(self.runner.model, "cache_write", None)
+        if writer is not None:
+            writer.join(timeout)
+
     def close(self) -> None:
         """Stop the tensor-parallel ranks and tear their process group down, so that another engine in this
         process can form one (nothing to do with one rank). The engine runs no step after this."""

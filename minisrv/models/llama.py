@@ -85,6 +85,7 @@ class LlamaForCausalLM(nn.Module):
         self.plan = ShardPlan.of(args, self.tp.rank, self.tp.size)
         self.model = LlamaModel(args, max_positions, fused_ops, self.plan, self.tp, quantization)
         self.small_batch_linear = getattr(fused_ops, "small_batch_linear", None)  # the CPU's, for decode logits
+        self.cache_write: Optional[Any] = None  # the thread writing a GGUF's dequantised parameters to the cache
         if args.tie_word_embeddings:
             self.lm_head = None
         else:

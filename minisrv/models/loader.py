@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any, Dict, Optional, Tuple
 
@@ -114,7 +115,7 @@ def _load_gguf(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.dev
     t0 = time.perf_counter()
     build = (args, dtype, device, max_positions, fused_ops, tp, quantization, embedding)
     if cache is None:
-        return _dequantised_model(path, build, None, None, "the cache is off", t0)
+        return _dequantised_model(path, build, t0)
     options = "-".join([str(dtype).replace("torch.", ""), quantization or "noquant",
                         f"tp{tp.rank}of{tp.size}" if tp is not None and tp.enabled else "tp1",
                         "embed" if embedding else "lm"])
@@ -122,12 +123,24 @@ def _load_gguf(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.dev
     model, why = _cached_model(file, build, cache, t0)
     if model is not None:
         return model
-    with cache.building(f"model-{options}"):  # another process building it: wait, then map its file
+    building = cache.building(f"model-{options}")  # another process building it: wait, then map its file
+    building.__enter__()
+    try:
         if os.path.isfile(file) and why != "the cached file was unreadable":
             model, why = _cached_model(file, build, cache, t0)
-            if model is not None:
-                return model
-        return _dequantised_model(path, build, cache, file, why, t0)
+        if model is not None:  # mapped from the file another process wrote meanwhile
+            building.__exit__(None, None, None)
+            return model
+        model = _dequantised_model(path, build, t0)
+    except BaseException:
+        building.__exit__(None, None, None)
+        raise
+    # the file is written by a thread that holds the building lock until it is whole (a process that starts meanwhile
+    # waits for it, then maps it), while the engine already serves: the write is 2 s of a 6-9 s first start here
+    model.cache_write = threading.Thread(target=_store_model, args=(cache, file, model, why, building),
+                                         name="gguf-cache-write")
+    model.cache_write.start()
+    return model
 
 
 def _cached_model(file: str, build: tuple, cache: GGUFCache, t0: float) -> Tuple[Optional[nn.Module], str]:
@@ -143,8 +156,7 @@ def _cached_model(file: str, build: tuple, cache: GGUFCache, t0: float) -> Tuple
     return model, ""
 
 
-def _dequantised_model(path: str, build: tuple, cache: Optional[GGUFCache], file: Optional[str], why: str,
-                       t0: float) -> nn.Module:
+def _dequantised_model(path: str, build: tuple, t0: float) -> nn.Module:
     args = build[0]
     from .gguf_file import iter_gguf, read_gguf
     reader = read_gguf(path)  # a truncated or damaged file is refused here, before any tensor is read
@@ -152,10 +164,19 @@ def _dequantised_model(path: str, build: tuple, cache: Optional[GGUFCache], file
     load_weights(model, ((n, StoredTensor.in_memory(w)) for n, w in iter_gguf(path, args, reader)), args,
                  model.plan)
     model.kv_scales = None
-    stored = cache is not None and file is not None and cache.publish_file(file, lambda tmp: _write_model(tmp, model))
-    logger.info("GGUF cache: parameters dequantised from the GGUF file in %.2fs (%s)%s", time.perf_counter() - t0,
-                why, f"; cached in {file}" if stored else "")
+    logger.info("GGUF cache: parameters dequantised from the GGUF file in %.2fs", time.perf_counter() - t0)
     return model.eval()
+
+
+def _store_model(cache: GGUFCache, file: str, model: nn.Module, why: str, building: Any) -> None:
+    """Write the dequantised parameters to the cache (`why`: why it had no file), then release `building`."""
+    t0 = time.perf_counter()
+    try:
+        if cache.publish_file(file, lambda tmp: _write_model(tmp, model)):
+            logger.info("GGUF cache: parameters written in %.2fs (%s); cached in %s", time.perf_counter() - t0,
+                        why, file)
+    finally:
+        building.__exit__(None, None, None)
 
 
 def _mapped_model(file: str, build: tuple) -> nn.Module:

@@ -72,6 +72,8 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
         time.sleep(0.2)  # let the message leave before the process ends
         ctx.destroy(linger=1000)
         os._exit(1)
+    # from here on a SIGTERM lets a first start's GGUF cache write finish (seconds) before the process ends
+    signal.signal(signal.SIGTERM, lambda *_: (engine.finish_cache_write(), os._exit(0)))
     send.send_pyobj(EngineReady(EngineInfo.from_engine(engine)))
     code = 0
     try:
@@ -82,6 +84,7 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
     finally:
         engine.close()
         ctx.destroy(linger=0)
+        engine.finish_cache_write()
     os._exit(code)
 
 
