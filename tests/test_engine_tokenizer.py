@@ -142,3 +142,40 @@ def test_checkpoint_tokenizer_is_autotokenizers_without_importing_torch(tmp_path
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, folder], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_generic_tokenizer_class_beside_a_config_is_autotokenizers(tiny_qwen2_tools, tmp_path):
+    """A checkpoint that saved its tokenizer as the generic class, beside a config.json whose model type has a class
+    of its own (Qwen2): AutoTokenizer takes the model type's class, and so does load_tokenizer (same ids). The class
+    is asked of AutoTokenizer once and remembered: a later process loads it without importing torch; a changed
+    config.json asks again."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+    folder, cache = str(tmp_path / "ckpt"), str(tmp_path / "cache")
+    shutil.copytree(tiny_qwen2_tools, folder)
+    with open(os.path.join(folder, "tokenizer_config.json")) as f:
+        assert json.load(f)["tokenizer_class"] == "TokenizersBackend"
+    ref = AutoTokenizer.from_pretrained(folder)
+    assert type(ref).__name__ == "Qwen2Tokenizer"
+    text = "<|im_start|>user\n<tool_response>\nSunny, 24 C\n</tool_response><|im_end|>"
+    want = ref(text, add_special_tokens=False).input_ids
+    code = ("import sys; from minisrv.models.model_files import load_tokenizer; "
+            "t = load_tokenizer(sys.argv[1], None, sys.argv[2]); "
+            "print(type(t).__name__, 'torch' in sys.modules, t(sys.argv[3], add_special_tokens=False).input_ids)")
+
+    def load_elsewhere():
+        out = subprocess.run([sys.executable, "-c", code, folder, cache, text], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split(" ", 2)
+
+    assert load_elsewhere() == ["Qwen2Tokenizer", "True", f"{want}\n"]  # first: AutoTokenizer, which imports torch
+    assert load_elsewhere() == ["Qwen2Tokenizer", "False", f"{want}\n"]  # remembered
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**config, "model_type": "llama"}, f)  # (llama has no class of its own: the generic one)
+    assert type(AutoTokenizer.from_pretrained(folder)).__name__ == "TokenizersBackend"
+    assert load_elsewhere()[:2] == ["TokenizersBackend", "True"]

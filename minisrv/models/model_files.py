@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Optional
 
 from .args import ModelArgs
 from .checkpoint import WeightLoadError
-from .engine_tokenizer import engine_tokenizer_from_folder
+from .engine_tokenizer import FAST_TOKENIZER_CLASSES, engine_tokenizer_from_folder
+from .tokenizer_class_cache import remember_class, remembered_class
 from .gguf_cache import GGUFCache
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def load_tokenizer(path: str, tokenizer: Optional[str] = None, cache_dir: Option
     src = tokenizer or path
     if not is_gguf(src):
         if os.path.isfile(os.path.join(src, "tokenizer_config.json")):
-            return _saved_tokenizer(src)
+            return _saved_tokenizer(src, cache_dir)
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(src)
     cache = GGUFCache.open(src, cache_dir)
@@ -168,7 +169,7 @@ def load_engine_tokenizer(path: str, tokenizer: Optional[str] = None, cache_dir:
     elif os.path.isdir(src):
         folder = src
     if folder is not None:
-        tok = engine_tokenizer_from_folder(folder, lambda: _saved_tokenizer(folder))
+        tok = engine_tokenizer_from_folder(folder, lambda: _saved_tokenizer(folder, cache_dir))
         if tok is not None:
             logger.info("tokenizer read from %s (the Rust tokenizer; transformers' on first use)", folder)
             return tok
@@ -220,20 +221,32 @@ def _generic_gguf_tokenizer_class(reader: Any, folder: str):
     return TokenizersBackend
 
 
-def _saved_tokenizer(folder: str):
-    """A tokenizer saved by save_pretrained (a checkpoint's, or a GGUF file's in the cache). The class its
-    tokenizer_config.json names is loaded directly, as AutoTokenizer would load it, but without AutoTokenizer's
-    tables: importing them imports transformers' config machinery and torch (2-3 s in the HTTP process, on the
-    path to the first answer). Folders that name no class, or remote code, go through AutoTokenizer."""
+def _saved_tokenizer(folder: str, cache_dir: Optional[str] = None):
+    """A tokenizer saved by save_pretrained (a checkpoint's, or a GGUF file's in the cache), loaded as the class
+    AutoTokenizer would load but, where that class is known without them, without AutoTokenizer's tables: importing
+    them imports transformers' config machinery and torch (2-4 s in the HTTP process, on the path to the first
+    answer). The class is the one tokenizer_config.json names; for a generic name beside a config.json AutoTokenizer
+    takes the model type's class instead (transformers 5: a Qwen3 checkpoint saved as TokenizersBackend loads as
+    Qwen2Tokenizer), which is asked of AutoTokenizer once and remembered (tokenizer_class_cache.py). Folders that
+    name no class, or remote code, go through AutoTokenizer."""
+    import transformers
     with open(os.path.join(folder, "tokenizer_config.json")) as f:
         config = json.load(f)
     kind = config.get("tokenizer_class")
-    if isinstance(kind, str) and "auto_map" not in config:
-        import transformers
-        # AutoTokenizer's order: the fast variant of a named class first
-        for name in ([] if kind.endswith("Fast") else [kind + "Fast"]) + [kind]:
-            cls = getattr(transformers, name, None)
-            if cls is not None:
-                return cls.from_pretrained(folder)
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(folder)
+    if not isinstance(kind, str) or "auto_map" in config:
+        return transformers.AutoTokenizer.from_pretrained(folder)
+    if kind in FAST_TOKENIZER_CLASSES and os.path.isfile(os.path.join(folder, "config.json")):
+        known = remembered_class(folder, cache_dir)
+        cls = getattr(transformers, known, None) if known else None
+        if cls is not None:
+            return cls.from_pretrained(folder)
+        tok = transformers.AutoTokenizer.from_pretrained(folder)
+        if getattr(transformers, type(tok).__name__, None) is type(tok):
+            remember_class(folder, cache_dir, type(tok).__name__)
+        return tok
+    # AutoTokenizer's order: the fast variant of a named class first
+    for name in ([] if kind.endswith("Fast") else [kind + "Fast"]) + [kind]:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls.from_pretrained(folder)
+    return transformers.AutoTokenizer.from_pretrained(folder)

@@ -1,0 +1,58 @@
+"""The transformers class AutoTokenizer gives a checkpoint folder, remembered across starts.
+
+A checkpoint that saved its tokenizer under a generic class name (TokenizersBackend, PreTrainedTokenizerFast) beside
+a config.json gets, from AutoTokenizer, the class of its model type (a Qwen3 checkpoint: Qwen2Tokenizer). Finding
+that class means importing AutoTokenizer's tables, which import transformers' config machinery and torch: 2-4 s in
+the HTTP process, on the path to the first answer. The first start asks AutoTokenizer and writes the class's name
+here; later starts load that class directly. The entry is keyed by the folder and the size and time of change of
+its tokenizer_config.json and config.json, and transformers' version: any change asks AutoTokenizer again.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import tempfile
+from typing import Optional
+
+from .gguf_cache import cache_root
+
+FILES = ("tokenizer_config.json", "config.json")
+
+
+def _entry(folder: str, cache_dir: Optional[str]) -> Optional[str]:
+    root = cache_root(cache_dir)
+    if root is None:
+        return None
+    try:
+        stats = [os.stat(os.path.join(folder, f)) for f in FILES]
+        version = importlib.metadata.version("transformers")
+    except (OSError, importlib.metadata.PackageNotFoundError):
+        return None
+    key = "\n".join([os.path.realpath(folder), version] + [f"{s.st_size} {s.st_mtime_ns}" for s in stats])
+    return os.path.join(root, "tokenizer-classes", hashlib.sha256(key.encode()).hexdigest()[:32])
+
+
+def remembered_class(folder: str, cache_dir: Optional[str]) -> Optional[str]:
+    entry = _entry(folder, cache_dir)
+    try:
+        with open(entry) as f:  # type: ignore[arg-type]
+            name = f.read().strip()
+    except (OSError, TypeError):
+        return None
+    return name if name.isidentifier() else None
+
+
+def remember_class(folder: str, cache_dir: Optional[str], name: str) -> None:
+    """Write the entry (atomically; a folder that cannot be written is no error: the cache is an aid)."""
+    entry = _entry(folder, cache_dir)
+    if entry is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(entry), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(entry), prefix=".class.")
+        with os.fdopen(fd, "w") as f:
+            f.write(name)
+        os.replace(tmp, entry)
+    except OSError:
+        pass
