@@ -130,3 +130,25 @@ def test_a_failed_switch_leaves_the_stand_ins_serving(tiny_model, caplog):
     assert got == want
     assert "the switch to FlashInfer's kernels failed" in caplog.text
     assert engine.staged_kernels is None and _layer_ops(model) == {id(None)}
+
+
+def test_a_flashinfer_without_the_expected_getters_means_no_builds(monkeypatch, caplog):
+    """FlashInfer's module getters are internal: where a version lacks one, the engine starts without background
+    builds (each module built on first use) instead of failing."""
+    from minisrv.config import EngineConfig
+    from minisrv.engine import setup
+    from minisrv.models.args import ModelArgs
+
+    ops = object()
+    monkeypatch.setattr(setup, "fused_ops_for", lambda device: ops)
+
+    def missing_getter(*a, **k):
+        raise ImportError("cannot import name 'get_rope_module'")
+
+    monkeypatch.setattr(setup, "flashinfer_jobs", missing_getter)
+    args = ModelArgs.__new__(ModelArgs)
+    args.num_heads, args.num_kv_heads, args.head_dim = 16, 8, 128
+    with caplog.at_level(logging.WARNING, logger="minisrv"):
+        fused, builds = setup._fused_and_builds(EngineConfig(), args, "fa,fi", torch.bfloat16, torch.device("cpu"))
+    assert fused is ops and builds is None
+    assert "built on first use" in caplog.text and "get_rope_module" in caplog.text
