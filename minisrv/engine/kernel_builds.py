@@ -16,7 +16,6 @@ as soon as its module is there. The log says which kernels serve.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, Iterable, List, Optional
@@ -24,10 +23,6 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import torch
 
 logger = logging.getLogger("minisrv")
-
-# the modules the model's layers call (models/layers.py), switched together
-LAYER_MODULES = ("norm", "activation", "rotary")
-
 
 def flashinfer_jobs(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
                     num_q_heads: int, num_kv_heads: int, prefill_on_fi: bool,
@@ -127,7 +122,6 @@ class StagedKernels:
         self.sampling_kernel = sampling_kernel
         self.sampling_switched = "sampling" not in builds.names
         self.layers_switched = not layers_pending
-        self._lock = threading.Lock()
         logger.info("FlashInfer's kernels are not built yet (%s: compiling in the background); serving meanwhile "
                     "with %s", ", ".join(builds.pending()) or "none", serving)
 
@@ -146,29 +140,28 @@ class StagedKernels:
         captured for them). The runner must have no step in flight."""
         from minisrv.models.layers import set_fused_ops
 
-        with self._lock:
-            if self.sampling_ready():
-                self.sampling_switched = True
-                try:
-                    runner.sampling_kernel = self.sampling_kernel()
-                    logger.info("sampling now on FlashInfer's kernel (built in %.1fs)",
-                                self.builds.seconds.get("sampling", 0.0))
-                except Exception:  # noqa: BLE001 - the stand-in keeps serving
-                    logger.exception("sampling stays on torch's kernels: the switch to FlashInfer's failed")
-            if self.layers_ready():
-                self.layers_switched = True
-                t0 = time.perf_counter()
-                try:
-                    set_fused_ops(runner.model, self.final_ops)
-                    line = self.switch_attention(runner)
-                except Exception:  # noqa: BLE001 - a failed switch must not end the engine: stand-ins stay
-                    set_fused_ops(runner.model, None)
-                    runner.graph_runner = None
-                    logger.exception("the layers stay on torch's ops, without CUDA graphs: the switch to "
-                                     "FlashInfer's kernels failed (attention: %s)", type(runner.backend).__name__)
-                else:
-                    logger.info("now serving with FlashInfer's norm, activation and rotary, %s (switched in "
-                                "%.1fs)", line, time.perf_counter() - t0)
-            if self.finished:
-                logger.info("FlashInfer's kernels all serve now, %.1fs after start (built in the background: %s)",
-                            time.perf_counter() - self.builds.started, self.builds.report())
+        if self.sampling_ready():
+            self.sampling_switched = True
+            try:
+                runner.sampling_kernel = self.sampling_kernel()
+                logger.info("sampling now on FlashInfer's kernel (built in %.1fs)",
+                            self.builds.seconds.get("sampling", 0.0))
+            except Exception:  # noqa: BLE001 - the stand-in keeps serving
+                logger.exception("sampling stays on torch's kernels: the switch to FlashInfer's failed")
+        if self.layers_ready():
+            self.layers_switched = True
+            t0 = time.perf_counter()
+            try:
+                set_fused_ops(runner.model, self.final_ops)
+                line = self.switch_attention(runner)
+            except Exception:  # noqa: BLE001 - a failed switch must not end the engine: stand-ins stay
+                set_fused_ops(runner.model, None)
+                runner.graph_runner = None
+                logger.exception("the layers stay on torch's ops, without CUDA graphs: the switch to "
+                                 "FlashInfer's kernels failed (attention: %s)", type(runner.backend).__name__)
+            else:
+                logger.info("now serving with FlashInfer's norm, activation and rotary, %s (switched in "
+                            "%.1fs)", line, time.perf_counter() - t0)
+        if self.finished:
+            logger.info("FlashInfer's kernels all serve now, %.1fs after start (built in the background: %s)",
+                        time.perf_counter() - self.builds.started, self.builds.report())

@@ -6,6 +6,7 @@ The formats, the model's files and the parameter map live beside this module (mo
 gguf_file, fp8_checkpoint, weights); the names callers use are importable from here too."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -123,21 +124,18 @@ def _load_gguf(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.dev
     model, why = _cached_model(file, build, cache, t0)
     if model is not None:
         return model
-    building = cache.building(f"model-{options}")  # another process building it: wait, then map its file
-    building.__enter__()
-    try:
+    with contextlib.ExitStack() as held:
+        held.enter_context(cache.building(f"model-{options}"))  # another process building it: wait, then map its file
         if os.path.isfile(file) and why != "the cached file was unreadable":
             model, why = _cached_model(file, build, cache, t0)
-        if model is not None:  # mapped from the file another process wrote meanwhile
-            building.__exit__(None, None, None)
-            return model
+            if model is not None:
+                return model
         model = _dequantised_model(path, build, t0)
-    except BaseException:
-        building.__exit__(None, None, None)
-        raise
-    # the file is written by a thread that holds the building lock until it is whole (a process that starts meanwhile
-    # waits for it, then maps it), while the engine already serves: the write is 2 s of a 6-9 s first start here
-    model.cache_write = threading.Thread(target=_store_model, args=(cache, file, model, why, building),
+        # the file is written by a thread that holds the building lock until it is whole (a process that starts
+        # meanwhile waits for it, then maps it), while the engine already serves: the write is 2 s of a 6-9 s first
+        # start here
+        lock = held.pop_all()
+    model.cache_write = threading.Thread(target=_store_model, args=(cache, file, model, why, lock),
                                          name="gguf-cache-write")
     model.cache_write.start()
     return model
@@ -168,15 +166,15 @@ def _dequantised_model(path: str, build: tuple, t0: float) -> nn.Module:
     return model.eval()
 
 
-def _store_model(cache: GGUFCache, file: str, model: nn.Module, why: str, building: Any) -> None:
-    """Write the dequantised parameters to the cache (`why`: why it had no file), then release `building`."""
+def _store_model(cache: GGUFCache, file: str, model: nn.Module, why: str, lock: contextlib.ExitStack) -> None:
+    """Write the dequantised parameters to the cache (`why`: why it had no file), then release the building lock."""
     t0 = time.perf_counter()
     try:
         if cache.publish_file(file, lambda tmp: _write_model(tmp, model)):
             logger.info("GGUF cache: parameters written in %.2fs (%s); cached in %s", time.perf_counter() - t0,
                         why, file)
     finally:
-        building.__exit__(None, None, None)
+        lock.close()
 
 
 def _mapped_model(file: str, build: tuple) -> nn.Module:
