@@ -19,3 +19,4 @@ def test_fp8_triton_kernels_under_the_interpreter():
     done = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.rstrip().endswith("ok"), done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("small-M FP8 GEMM") == 20 and done.stdout.count("fused quantisers") == 6
+    assert done.stdout.count("q/k norm + rotary + store") == 6

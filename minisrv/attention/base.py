@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import torch
 
@@ -39,9 +39,20 @@ class AttentionBackend(ABC):
         """This step's metadata, built once per step before the model runs."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: Any) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer_id: int,
+                meta: Any) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] (rotated already). Stores k/v at the step's slots, returns the attention
-        output [T, Hq, D]."""
+        output [T, Hq, D]. k = v = None: the caller has stored them already, where kv_store_target allowed it."""
+
+    def kv_store_target(self, layer_id: int, meta: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """(the pool's [2, ..., Hkv, D] tensor of this layer, the step's slots) where a caller may store the new
+        k/v itself and hand forward None for them (kernels/qk_rope_store.py stores them as it rotates k); None where
+        this backend stores them (the default), or where the pool holds another dtype than the model's (FP8)."""
+        return None
+
+    def _pool_target(self, layer_id: int, slots: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """kv_store_target for a backend that only ever reads the pool (its forward stores k/v first)."""
+        return None if self.pool.quantized else (self.pool.kv[layer_id], slots)
 
     def step(self, batch: ForwardBatch) -> "AttentionStep":
         return AttentionStep(self, self.prepare(batch))
@@ -75,8 +86,12 @@ class AttentionStep:
     backend: AttentionBackend
     meta: Any
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                 layer_id: int) -> torch.Tensor:
         return self.backend.forward(q, k, v, layer_id, self.meta)
+
+    def kv_store_target(self, layer_id: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        return self.backend.kv_store_target(layer_id, self.meta)
 
 
 class HybridBackend(AttentionBackend):
@@ -96,6 +111,9 @@ class HybridBackend(AttentionBackend):
 
     def forward(self, q, k, v, layer_id: int, meta: AttentionStep) -> torch.Tensor:
         return meta(q, k, v, layer_id)
+
+    def kv_store_target(self, layer_id: int, meta: AttentionStep) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        return meta.kv_store_target(layer_id)
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
         self.decode_backend.init_graph_state(max_bs, max_seq_len)

@@ -21,7 +21,7 @@ import functools
 import inspect
 import types
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -108,7 +108,8 @@ class FlashAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: FAMeta) -> torch.Tensor:
-        self.pool.store(layer_id, meta.loc, k, v)
+        if k is not None:
+            self.pool.store(layer_id, meta.loc, k, v)
         k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
         out_dtype = q.dtype
         fp8 = {}
@@ -124,6 +125,9 @@ class FlashAttentionBackend(AttentionBackend):
                            cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
                            softmax_scale=self.scale, causal=True, **fp8)
         return o if o.dtype == out_dtype else o.to(out_dtype)  # FP8 mode answers in bf16
+
+    def kv_store_target(self, layer_id: int, meta: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        return self._pool_target(layer_id, meta.loc)
 
     def _fp8_args(self, q: torch.Tensor, layer_id: int, batch_size: int):
         """q in e4m3 and the layer's descales as the [B, Hkv] float32 tensors FA3 wants (stride-0 views of the

@@ -237,11 +237,15 @@ class FlashInferBackend(AttentionBackend):
         self._fi.merge_state_in_place(v, s, v.clone(), s.clone())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: Any) -> torch.Tensor:
-        self.pool.store(layer_id, meta.loc, k, v)
+        if k is not None:
+            self.pool.store(layer_id, meta.loc, k, v)
         kv = (self.pool.k[layer_id], self.pool.v[layer_id])
         if not self.pool.quantized:
             return meta.run(q, kv)
         return meta.run(q, kv, k_scale=self.pool.k_scale_host[layer_id], v_scale=self.pool.v_scale_host[layer_id])
+
+    def kv_store_target(self, layer_id: int, meta: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        return self._pool_target(layer_id, meta.loc)
 
     # -- CUDA graphs (decode) -------------------------------------------------------------------------------
 

@@ -113,7 +113,8 @@ class XQADecodeBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: XQAMeta) -> torch.Tensor:
         pool = self.pool
-        pool.store(layer_id, meta.loc, k, v)
+        if k is not None:
+            pool.store(layer_id, meta.loc, k, v)
         return meta.run(q, (pool.k[layer_id], pool.v[layer_id]), k_scale=pool.k_scale_host[layer_id],
                         v_scale=pool.v_scale_host[layer_id])
 

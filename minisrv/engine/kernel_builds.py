@@ -78,8 +78,8 @@ class KernelBuilds:
         try:
             job()
         except Exception as e:  # noqa: BLE001 - a module that cannot be built here is built (or fails) on use
-            logger.warning("building FlashInfer's %s kernels in the background failed (%s: %s); they are built "
-                           "on first use instead", name, type(e).__name__, e)
+            logger.warning("building the %s kernels in the background failed (%s: %s); they are built on "
+                           "first use instead", name, type(e).__name__, e)
         self.seconds[name] = time.perf_counter() - t0
 
     def done(self, names: Optional[Iterable[str]] = None) -> bool:

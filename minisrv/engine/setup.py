@@ -2,6 +2,7 @@
 table, attention backend, CUDA graphs, model runner. Everything here runs once, before the first step."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from minisrv.attention.cascade import CascadePolicy
 from minisrv.config import DEFAULT_CPU_POOL_TOKENS, EngineConfig
 from minisrv.kvcache import KVPool, PageAllocator, ReqToTokenTable, slots_for
 from minisrv.distributed import Rendezvous, TensorParallel, init_tensor_parallel
+from minisrv.kernels.qk_rope_store import warm_up as warm_up_qk_rope_store
 from minisrv.models.args import ModelArgs
 from minisrv.models.layers import fused_ops_for, set_fused_ops
 from minisrv.models.sharding import check_divisible
@@ -268,7 +270,9 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
 def _fused_and_builds(cfg: EngineConfig, args: ModelArgs, backend_name: str, dtype: torch.dtype,
                       device: torch.device) -> Tuple[Optional[Any], Optional[KernelBuilds]]:
     """The layers' fused ops on CUDA (FlashInfer's, when importable) and the builds of every FlashInfer module this
-    engine will call, started side by side (engine/kernel_builds.py); FA3's kernel imported ahead of its first use."""
+    engine will call, started side by side (engine/kernel_builds.py), with the attention layers' Triton kernel
+    (kernels/qk_rope_store.py: Triton's import and the kernel's compilation); FA3's kernel imported ahead of its
+    first use."""
     if missing("fa", device_sm(device)) is None:  # fa serves here (asked for, or standing in for fi)
         from minisrv.attention.fa import preload
         preload()
@@ -283,6 +287,9 @@ def _fused_and_builds(cfg: EngineConfig, args: ModelArgs, backend_name: str, dty
     except Exception as e:  # noqa: BLE001 - then each module is built on first use, as without the builds
         logger.warning("FlashInfer's modules are built on first use, not ahead (%s: %s)", type(e).__name__, e)
         return fused, None
+    kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, dtype)
+    jobs["triton"] = functools.partial(warm_up_qk_rope_store, device, dtype, hq, hkv, args.head_dim, args.qk_norm,
+                                       store=kv_dtype == dtype)
     return fused, KernelBuilds(jobs)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,8 @@ from minisrv.utils import cuda_import
 from minisrv.kernels.cpu_gemv import linear
 from minisrv.kernels.cpu_ops import CpuFusedOps
 from minisrv.kernels.fp8_quant import fused_quantisers
+from minisrv.kernels.moe_sum_norm import triton_sum_add_rmsnorm
+from minisrv.kernels.qk_rope_store import fused_qk_rope_store
 
 from .args import ModelArgs
 from .fp8 import Fp8Linear
@@ -77,6 +79,13 @@ def set_fused_ops(model: nn.Module, ops: Optional[Any]) -> None:
             m.fused = ops
 
 
+class UnsummedExperts(NamedTuple):
+    """A sparse MLP's output left as each token's k weighted expert outputs, parts [T, k, H]: the RMSNorm after the
+    layer (the next layer's input norm, or the model's final norm) sums them as it adds the residual."""
+
+    parts: torch.Tensor
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, fused: Optional[Any] = None, quantize_out: bool = False) -> None:
         """quantize_out: an FP8 projection takes the output, so on CUDA the norm hands it over quantised."""
@@ -88,7 +97,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual), the add fused on GPU.
-        With `quantize_out` on CUDA, norm(...) comes quantised per token (fp8.Fp8Activations), from one kernel."""
+        With `quantize_out` on CUDA, norm(...) comes quantised per token (fp8.Fp8Activations), from one kernel.
+        x may be UnsummedExperts: summed here, in the same kernel as the add and the norm where it runs."""
+        if isinstance(x, UnsummedExperts):
+            fused = triton_sum_add_rmsnorm() if residual is not None and x.parts.is_cuda and not self.quantize_out \
+                else None
+            if fused is not None:
+                return fused(x.parts, residual, self.weight, self.eps), residual
+            x = x.parts.sum(dim=1)
         quantisers = fused_quantisers(x) if self.quantize_out and (residual is None or residual.stride(-1) == 1) \
             else None
         if quantisers is not None:
@@ -249,19 +265,31 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Callable) -> torch.Tensor:
         """attn: the step's attention (an attention.AttentionStep), called as attn(q, k, v, layer_id)."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.hq, self.d)
         k = k.reshape(t, self.hkv, self.d)
         v = v.reshape(t, self.hkv, self.d)
-        if self.q_norm is not None:
-            if self.fused is not None:  # per-head norms in place, on the strided views of the qkv output
-                self.fused.rmsnorm(q, self.q_norm.weight, self.q_norm.eps, out=q)
-                self.fused.rmsnorm(k, self.k_norm.weight, self.k_norm.eps, out=k)
-            else:
-                q = self.q_norm(q.reshape(-1, self.d)).view(t, self.hq, self.d)
-                k = self.k_norm(k.reshape(-1, self.d)).view(t, self.hkv, self.d)
-        # with the fused ops, rotated in place: k and v stay side by side in the qkv output (one scatter stores both)
-        q, k = self.rotary(positions, q, k)
+        prep = fused_qk_rope_store(qkv) if self.fused is not None else None
+        if prep is not None:  # norms and rotary in place and, where the backend lets it, the store: one kernel
+            target = attn.kv_store_target(self.layer_id)
+            norm = self.q_norm is not None
+            prep(qkv, positions, self.rotary.cos_sin, self.hq, self.hkv, self.d,
+                 self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                 self.q_norm.eps if norm else 0.0, *(target or ()))
+            if target is not None:
+                k = v = None
+        else:
+            if self.q_norm is not None:
+                if self.fused is not None:  # per-head norms in place, on the strided views of the qkv output
+                    self.fused.rmsnorm(q, self.q_norm.weight, self.q_norm.eps, out=q)
+                    self.fused.rmsnorm(k, self.k_norm.weight, self.k_norm.eps, out=k)
+                else:
+                    q = self.q_norm(q.reshape(-1, self.d)).view(t, self.hq, self.d)
+                    k = self.k_norm(k.reshape(-1, self.d)).view(t, self.hkv, self.d)
+            # with the fused ops, rotated in place: k and v stay side by side in the qkv output (one scatter
+            # stores both)
+            q, k = self.rotary(positions, q, k)
         o = attn(q, k, v, self.layer_id)
         out = self.o_proj(o.reshape(t, self.q_size))
         return self.tp.all_reduce(out) if self.reduce_output else out

@@ -11,7 +11,7 @@ experts are float8_e4m3fn with a float32 scale per output row, quantised as they
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ from minisrv.kernels.fp8_quant import FP8, quantize_rows
 from minisrv.kernels.fused_moe import fused_experts, route
 
 from .args import ModelArgs
-from .layers import GatedMLP
+from .layers import GatedMLP, UnsummedExperts
 
 
 class Experts(nn.Module):
@@ -57,8 +57,9 @@ class Experts(nn.Module):
         param[expert, row:row + w.shape[0]] = q
         getattr(self, which + "_scale")[expert, row:row + w.shape[0]] = scale.reshape(-1)
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_scale, self.w2_scale)
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                sum_k: bool = True) -> torch.Tensor:
+        return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_scale, self.w2_scale, sum_k)
 
     def extra_repr(self) -> str:
         e, two_i, h = self.w13.shape
@@ -77,7 +78,9 @@ class ExpertRows:
 
 class SparseMoE(nn.Module):
     """router -> top-k -> experts (-> + sigmoid(shared gate) * shared expert); the partial sums of this rank's
-    share of each expert are all-reduced unless `reduce_output` is False (the norm after it reduces them)."""
+    share of each expert are all-reduced unless `reduce_output` is False (the norm after it reduces them). With one
+    rank and no shared expert, where the fused experts run, the output is the k expert outputs unsummed
+    (UnsummedExperts): the norm after the layer sums them as it adds the residual (kernels/moe_sum_norm.py)."""
 
     def __init__(self, args: ModelArgs, inter: int, shared_inter: int, fused: Optional[Any] = None,
                  tp: Optional[TensorParallel] = None, quantization: Optional[str] = None,
@@ -95,10 +98,13 @@ class SparseMoE(nn.Module):
             self.shared_expert = self.shared_expert_gate = None
         self.tp = tp or TensorParallel.single()
         self.reduce_output = reduce_output
+        self.sum_in_norm = shared_inter == 0 and not self.tp.enabled
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, UnsummedExperts]:
         topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = self.experts(x, topk_weights, topk_ids)
+        out = self.experts(x, topk_weights, topk_ids, sum_k=not self.sum_in_norm)
+        if out.dim() == 3:
+            return UnsummedExperts(out)
         if self.shared_expert is not None:
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out) if self.reduce_output else out

@@ -11,7 +11,7 @@
 #           attn attn-small gemm-fp8 tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 #           llama8b-fp8-xqa decode-fp8w-xqa half-profile
 #           allreduce-fused tp-profile-fused half-offline startup startup-fresh startup-8b imports moe moe-kernel moe-bench
-#           moe-decode moe-decode-fa moe-profile moe-sweep moe-offline serving-think startup-fi
+#           moe-decode moe-decode-fa moe-profile moe-sweep moe-offline serving-think startup-fi layer-kernels
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -92,6 +92,7 @@ for phase in "${@:-smoke}"; do
   case $phase in
     smoke) step smoke 300 python3 scripts/generate.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
              --max-tokens 8 --log-level info "w1 w2 w3" "w5 w6" ;;
+    layer-kernels) step layer-kernels 300 python3 -m pytest -q -s tests/gpu/test_fused_layer_kernels.py ;;
     e2e) step e2e 500 python3 -m pytest -q -s tests/gpu/test_e2e.py ;;
     graph) step graph 400 python3 -m pytest -q -s tests/gpu/test_cuda_graph.py ;;
     # FlashInfer compiles one kernel set per (dtype, head_dim, decode kind), minutes each: build them in parallel,

@@ -21,6 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from minisrv.kernels.fp8_gemm import GemmConfig, dequantized_matmul, small_m_fp8_gemm  # noqa: E402
 from minisrv.kernels.fp8_quant import (FP8, add_norm_reference, quantize_rows, silu_mul_reference,  # noqa: E402
                                        triton_quantisers)
+from minisrv.kernels.qk_rope_store import reference as qk_rope_store_reference  # noqa: E402
+from minisrv.kernels.qk_rope_store import triton_qk_rope_store  # noqa: E402
+from minisrv.models.layers import RMSNorm, RotaryEmbedding  # noqa: E402
 
 
 def check_small_m_fp8_gemm() -> None:
@@ -81,7 +84,55 @@ def check_fused_quantisers() -> None:
             print(f"fused quantisers {dtype} {t}x{n}: scales and residual as torch")
 
 
+def check_qk_rope_store() -> None:
+    """The attention layer's fused q/k norm + rotary + KV store (kernels/qk_rope_store.py), on a qkv output whose
+    rows are strided (a view into a wider buffer), into a paged pool at scattered slots, with and without the norms
+    (Qwen3 / Llama), head counts that are and are not powers of two: against its torch reference (the same
+    roundings: equal up to one float16 rounding), and that reference against the layers' own torch path (RMSNorm
+    and RotaryEmbedding modules, HF's roundings) within float16's error. Slots not written stay as they were."""
+    run = triton_qk_rope_store()
+    assert run is not None
+    torch.manual_seed(2)
+    d, eps = 64, 1e-6
+    rotary = RotaryEmbedding(d, 512, 10000.0, None)
+    for dtype in (torch.float16, torch.float32):
+        for hq, hkv, t, norm in ((4, 2, 1, True), (6, 3, 5, True), (8, 1, 7, False)):
+            width = (hq + 2 * hkv) * d
+            qkv = torch.randn(t, width + 40).to(dtype)[:, :width]
+            positions = torch.randint(0, 512, (t,))
+            qw = kw = None
+            if norm:
+                qw, kw = (torch.rand(d) + 0.5).to(dtype), (torch.rand(d) + 0.5).to(dtype)
+            pool = torch.randn(2, 6, 4, hkv, d).to(dtype)  # [2, pages, page size, Hkv, D]
+            slots = torch.randperm(24)[:t]
+            got_qkv, got_pool = qkv.clone(), pool.clone()
+            run(got_qkv, positions, rotary.cos_sin, hq, hkv, d, qw, kw, eps, got_pool, slots)
+            ref_qkv, ref_pool = qkv.clone(), pool.clone()
+            qk_rope_store_reference(ref_qkv, positions, rotary.cos_sin, hq, hkv, d, qw, kw, eps, ref_pool, slots)
+            tol = 1e-3 if dtype == torch.float16 else 1e-5
+            torch.testing.assert_close(got_qkv, ref_qkv, rtol=tol, atol=tol)
+            torch.testing.assert_close(got_pool, ref_pool, rtol=tol, atol=tol)
+            untouched = torch.ones(24, dtype=torch.bool)
+            untouched[slots] = False
+            assert torch.equal(got_pool.view(2, 24, hkv, d)[:, untouched], pool.view(2, 24, hkv, d)[:, untouched])
+            # the layers' torch path: RMSNorm modules (HF's roundings) and the rotary's torch rotation
+            q = qkv[:, :hq * d].reshape(t, hq, d)
+            k = qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d)
+            if norm:
+                qn, kn = RMSNorm(d, eps), RMSNorm(d, eps)
+                qn.weight.data, kn.weight.data = qw, kw
+                q = qn(q.reshape(-1, d)).view(t, hq, d)
+                k = kn(k.reshape(-1, d)).view(t, hkv, d)
+            q, k = rotary(positions, q.to(dtype), k.to(dtype))
+            layer_tol = 4e-3 if dtype == torch.float16 else 1e-5
+            torch.testing.assert_close(got_qkv[:, :hq * d].view(t, hq, d), q, rtol=layer_tol, atol=layer_tol)
+            torch.testing.assert_close(got_pool.view(2, 24, hkv, d)[0, slots], k, rtol=layer_tol, atol=layer_tol)
+            torch.testing.assert_close(got_pool.view(2, 24, hkv, d)[1, slots], qkv[:, (hq + hkv) * d:].view(t, hkv, d))
+            print(f"q/k norm + rotary + store {dtype} hq {hq} hkv {hkv} t {t} norm {norm}: as torch")
+
+
 if __name__ == "__main__":
     check_small_m_fp8_gemm()
     check_fused_quantisers()
+    check_qk_rope_store()
     print("ok")
