@@ -108,6 +108,36 @@ def test_engine_switches_to_built_kernels_between_steps_with_the_same_tokens(tin
     assert len(got[3]) == 12
 
 
+def test_graphs_only_wait_for_an_idle_moment_or_their_due_time(tiny_model):
+    """A server whose kernels are all built captures its CUDA graphs later (graphs_only): not between the steps of
+    its first requests, but when the engine reports a pause (switch_kernels(idle=True)), or between two steps once
+    GRAPHS_DUE_S have passed. The tokens are those of an engine that never waited."""
+    path = tiny_model("llama")
+    prompts = make_prompts(vocab_of(path), [5, 9])
+    want = _run(make_llm(path).engine, prompts, [greedy(6)] * 2)
+    engine = make_llm(path).engine
+    switched = []
+
+    def staged():
+        return StagedKernels(KernelBuilds({"norm": lambda: None}), engine.runner.model.model.norm.fused,
+                             lambda runner: switched.append(runner) or "attention torch, 3 decode CUDA graphs",
+                             lambda: None, "attention torch", graphs_only=True)
+
+    engine.staged_kernels = staged()
+    engine.staged_kernels.builds.wait(timeout=10)
+    assert _run(engine, prompts, [greedy(6)] * 2) == want
+    assert not switched and engine.staged_kernels is not None  # busy, not yet due: no capture between steps
+    assert engine.switch_kernels() == [] and not switched
+    engine.switch_kernels(idle=True)
+    assert switched == [engine.runner] and engine.staged_kernels is None
+
+    engine.staged_kernels = staged()
+    engine.staged_kernels.builds.wait(timeout=10)
+    engine.staged_kernels.graphs_due = 0.0  # GRAPHS_DUE_S have passed
+    assert _run(engine, prompts, [greedy(6)] * 2) == want
+    assert switched == [engine.runner] * 2 and engine.staged_kernels is None
+
+
 def test_a_failed_switch_leaves_the_stand_ins_serving(tiny_model, caplog):
     """The switch itself fails (say, graph capture runs out of memory): the error is logged, the layers keep
     torch's ops, and the engine goes on generating the same greedy tokens."""

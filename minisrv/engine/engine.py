@@ -147,14 +147,15 @@ class Engine:
             self._wait_for_a_compile()
         return outputs
 
-    def switch_kernels(self) -> List[RequestOutput]:
+    def switch_kernels(self, idle: bool = False) -> List[RequestOutput]:
         """Switch to the kernels built since the start, once they are (kernel_builds.StagedKernels): the steps in
-        flight are collected first (their news is returned), so that no step runs across the switch."""
+        flight are collected first (their news is returned), so that no step runs across the switch. idle: the
+        engine has had nothing to do for a while (CUDA graphs that wait for such a moment are captured)."""
         staged = self.staged_kernels
-        if staged is None or not (staged.sampling_ready() or staged.layers_ready()):
+        if staged is None or not (staged.sampling_ready() or staged.layers_ready(idle)):
             return []
         outputs = self._collect(keep=0)
-        staged.upgrade(self.runner)
+        staged.upgrade(self.runner, idle)
         if staged.finished:
             self.staged_kernels = None
         return outputs

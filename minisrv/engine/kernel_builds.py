@@ -107,23 +107,36 @@ class KernelBuilds:
 
 
 class StagedKernels:
-    """A server's engine that started before its FlashInfer kernels were built: what it serves with until they are,
-    and the switch (`upgrade`), run by the engine between two steps with nothing in flight.
+    """A server's engine that started before its FlashInfer kernels were built, or before its CUDA graphs were
+    captured: what it serves with until they are, and the switch (`upgrade`), run by the engine between two steps
+    with nothing in flight.
 
     final_ops: the layers' fused-op module once built (FlashInfer's); switch_attention(runner): gives the runner the
     attention backend that was asked for and its CUDA graphs, returns a line for the log; sampling_kernel(): the
-    fused sampling function, called once its module is built."""
+    fused sampling function, called once its module is built.
+
+    graphs_only: every kernel is built and only the graphs wait (capturing them takes 1-1.5 s, which a first request
+    would otherwise wait for): they are captured once the engine has been idle for a moment (`upgrade(idle=True)`),
+    or between two steps once the engine has served GRAPHS_DUE_S seconds without a pause, so that a busy server does
+    not decode without them for long."""
+
+    GRAPHS_DUE_S = 2.0
 
     def __init__(self, builds: KernelBuilds, final_ops: Any, switch_attention: Callable[[Any], str],
-                 sampling_kernel: Callable[[], Any], serving: str, layers_pending: bool = True) -> None:
+                 sampling_kernel: Callable[[], Any], serving: str, layers_pending: bool = True,
+                 graphs_only: bool = False) -> None:
         self.builds = builds
         self.final_ops = final_ops
         self.switch_attention = switch_attention
         self.sampling_kernel = sampling_kernel
         self.sampling_switched = "sampling" not in builds.names
         self.layers_switched = not layers_pending
-        logger.info("FlashInfer's kernels are not built yet (%s: compiling in the background); serving meanwhile "
-                    "with %s", ", ".join(builds.pending()) or "none", serving)
+        self.graphs_due = time.perf_counter() + self.GRAPHS_DUE_S if graphs_only else 0.0
+        if graphs_only:
+            logger.info("serving at once with %s, without CUDA graphs until the first idle moment", serving)
+        else:
+            logger.info("FlashInfer's kernels are not built yet (%s: compiling in the background); serving "
+                        "meanwhile with %s", ", ".join(builds.pending()) or "none", serving)
 
     @property
     def finished(self) -> bool:
@@ -132,10 +145,13 @@ class StagedKernels:
     def sampling_ready(self) -> bool:
         return not self.sampling_switched and self.builds.done(["sampling"])
 
-    def layers_ready(self) -> bool:
-        return not self.layers_switched and self.builds.done([n for n in self.builds.names if n != "sampling"])
+    def layers_ready(self, idle: bool = False) -> bool:
+        """Whether the layers and attention can switch now; idle: the engine has had nothing to do for a while."""
+        if self.layers_switched or not self.builds.done([n for n in self.builds.names if n != "sampling"]):
+            return False
+        return idle or time.perf_counter() >= self.graphs_due
 
-    def upgrade(self, runner: Any) -> None:
+    def upgrade(self, runner: Any, idle: bool = False) -> None:
         """Switch what is built: sampling alone as soon as it is, the layers and attention together (CUDA graphs
         captured for them). The runner must have no step in flight."""
         from minisrv.models.layers import set_fused_ops
@@ -148,7 +164,7 @@ class StagedKernels:
                             self.builds.seconds.get("sampling", 0.0))
             except Exception:  # noqa: BLE001 - the stand-in keeps serving
                 logger.exception("sampling stays on torch's kernels: the switch to FlashInfer's failed")
-        if self.layers_ready():
+        if self.layers_ready(idle):
             self.layers_switched = True
             t0 = time.perf_counter()
             try:

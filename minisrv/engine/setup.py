@@ -231,12 +231,15 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
     runner = ModelRunner(model, create_backend(serving_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel),
                          pool, table, device, None, tp, None, Pooler(pooling) if pooling is not None else None)
     staged_kernels = None
-    if layers_pending or sampling_pending:
-        staged_kernels = StagedKernels(builds, fused, attach_attention, lambda: fused_sampling_kernel(device),
+    # a server's engine answers its first requests before capturing its CUDA graphs (kernel_builds.StagedKernels)
+    graphs_later = staged and graphs and not layers_pending and not tp.enabled and builds is not None
+    if layers_pending or sampling_pending or graphs_later:
+        switch = (lambda r: attach_attention(r, r.backend)) if graphs_later else attach_attention
+        staged_kernels = StagedKernels(builds, fused, switch, lambda: fused_sampling_kernel(device),
                                        f"attention {serving_name}, torch's norm, activation and rotary, no CUDA graphs"
-                                       if layers_pending else f"attention {backend_name} with CUDA graphs",
-                                       layers_pending=layers_pending)
-    if not layers_pending:
+                                       if layers_pending else f"attention {backend_name}",
+                                       layers_pending=layers_pending or graphs_later, graphs_only=graphs_later)
+    if not (layers_pending or graphs_later):
         attach_attention(runner, runner.backend)
     if not sampling_pending:
         runner.sampling_kernel = fused_sampling_kernel(device)

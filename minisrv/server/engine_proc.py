@@ -129,7 +129,7 @@ def _loop(engine: Any, recv: zmq.Socket, send: zmq.Socket, parent_pid: int) -> N
         if engine.has_work():
             outputs.extend(engine.step())
         elif engine.staged_kernels is not None:  # idle: switch to kernels built meanwhile now, not at the next request
-            outputs.extend(engine.switch_kernels())
+            outputs.extend(engine.switch_kernels(idle=not busy and not msgs))  # a poll's wait with nothing to do
         if outputs:
             send.send_pyobj(StepOutputs(outputs))
         stats = engine.stats()
