@@ -29,6 +29,7 @@ import urllib.request
 from datetime import datetime
 from typing import Dict, List, Optional
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
@@ -113,7 +114,11 @@ def run_once(server_args: List[str], fresh_caches: bool, timeout: float, empty_g
         env["TRITON_CACHE_DIR"] = os.path.join(tmp.name, "triton")
         env["FLASHINFER_WORKSPACE_BASE"] = tmp.name
     log_path = os.path.join(tmp.name, "server.log")
-    cmd = [sys.executable, "-m", "minisrv.launch_server", "--port", str(port), "--log-level", "info", *server_args]
+    # the server of this script's own tree (an earlier tree's copy of this script starts that tree's server):
+    # its root first on the path, and not the working directory (-P)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-P", "-m", "minisrv.launch_server", "--port", str(port), "--log-level", "info",
+           *server_args]
     if empty_gguf_cache:
         cmd += ["--cache-dir", os.path.join(tmp.name, "gguf-cache")]
     t0 = time.time()
