@@ -11,7 +11,7 @@
 #           attn attn-small gemm-fp8 tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 #           llama8b-fp8-xqa decode-fp8w-xqa half-profile
 #           allreduce-fused tp-profile-fused half-offline startup startup-fresh startup-8b imports moe moe-kernel moe-bench
-#           moe-decode moe-decode-fa moe-profile moe-sweep moe-offline serving-think startup-fi layer-kernels
+#           moe-decode moe-decode-fa moe-profile moe-sweep moe-offline serving-think startup-fi layer-kernels peer-moe
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -284,6 +284,11 @@ for phase in "${@:-smoke}"; do
     startup-8b) need_llama8b; step startup-8b 400 python3 $S/bench_startup.py --runs 2 --print-log --until-built -- --model /tmp/llama8b ;;
     # what the engine process imports, slowest last
     imports) step imports 120 bash -c "python3 -X importtime -c 'import minisrv.server.launch_server, minisrv.engine.engine, flashinfer, flash_attn_interface' 2>&1 | sort -t'|' -k2 -n | tail -n 25" ;;
+    # mini-SGLang's fused MoE on the same checkpoint (carry .peers: ../shared/peers/setup_peers.sh), its two sgl-kernel
+    # ops replaced by tests/gpu/peer_moe_ops.py; two runs (the first compiles its kernels)
+    peer-moe) need_moe; grep -q "def moe_align_block_size" .peers/shims/sgl_kernel/__init__.py \
+                || cat tests/gpu/peer_moe_ops.py >> .peers/shims/sgl_kernel/__init__.py
+              for i in 1 2; do step peer-moe 300 env NUM=256 bash .peers/run.sh minisgl /tmp/moe; done ;;
     moe-offline) need_moe; step moe-offline 400 python3 $S/bench_offline.py --model /tmp/moe --json "$OUT/bench.jsonl" ;;
     *) echo "unknown phase $phase" ;;
   esac
