@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 
+from minisrv.models.args import ModelArgs
+
 from .helpers.gguf_writer import write_gguf
 from .helpers.tiny_models import build_tiny_model
 
@@ -48,36 +50,65 @@ def test_torch_dequantizer_equals_gguf_numpy(kind):
     assert torch.equal(torch.nan_to_num(got, nan=7.0), torch.nan_to_num(ref, nan=7.0))
 
 
+def _transformers_args(gguf: str) -> ModelArgs:
+    """ModelArgs of the config transformers builds from the GGUF file (AutoConfig, its slow parse), completed from
+    the tensor table as model_files._gguf_hf_config completes every config."""
+    from transformers import AutoConfig
+
+    from minisrv.models.gguf_file import has_tensor, moe_config, read_gguf
+    reader = read_gguf(gguf)
+    cfg = AutoConfig.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).to_dict()
+    cfg["tie_word_embeddings"] = not has_tensor(reader, "output.weight")
+    return ModelArgs.from_hf_config(json.loads(json.dumps(moe_config(reader, cfg))))
+
+
 @pytest.mark.parametrize("name,arch,overrides", [
     ("llama", "llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                             max_position_embeddings=256)),
     ("qwen2", "qwen2", dict()),
     ("qwen3", "qwen3", dict()),
     ("qwen3_moe", "qwen3moe", dict()),
+    ("mixtral", "llama", dict()),
 ])
-def test_fast_gguf_config_equals_transformers(tmp_path, name, arch, overrides):
-    """The config built from metadata read without its arrays (models/gguf_config.py) against transformers'
-    AutoConfig on the same GGUF file, key for key."""
-    from transformers import AutoConfig
-
-    from minisrv.models.gguf_config import gguf_hf_config
+def test_config_without_transformers_equals_transformers(tmp_path, name, arch, overrides):
+    """The config read from the file's header without transformers (models/gguf_config.py) gives the ModelArgs
+    that transformers' AutoConfig on the same GGUF file gives."""
+    from minisrv.models.gguf_config import gguf_model_config
+    from minisrv.models.gguf_file import read_gguf
+    from minisrv.models.model_files import _gguf_hf_config
     hf_dir = build_tiny_model(str(tmp_path / "hf"), name, seed=3, **overrides)
     gguf = str(tmp_path / "m.gguf")
     write_gguf(hf_dir, gguf, arch)
-    fast = gguf_hf_config(gguf)
-    assert fast is not None
-    ref = AutoConfig.from_pretrained(str(tmp_path), gguf_file="m.gguf").to_dict()
-    fast.pop("_name_or_path"), ref.pop("_name_or_path")
-    assert json.loads(json.dumps(fast)) == json.loads(json.dumps(ref))
+    assert gguf_model_config(read_gguf(gguf)) is not None  # the path without transformers applies
+    assert ModelArgs.from_hf_config(_gguf_hf_config(gguf)) == _transformers_args(gguf)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_config_defaults_are_transformers_where_the_file_is_silent(tmp_path, arch):
+    """A GGUF file with only the shape keys: what it does not say (context length, rope base, norm epsilon, head
+    size, bos/eos) comes out as transformers' config classes default it."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from minisrv.models.model_files import _gguf_hf_config
+    path = str(tmp_path / f"{arch}.gguf")
+    w = GGUFWriter(path, arch)
+    w.add_embedding_length(64)
+    w.add_block_count(1)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_vocab_size(96)
+    w.add_tensor("token_embd.weight", np.zeros((96, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert ModelArgs.from_hf_config(_gguf_hf_config(path)) == _transformers_args(path)
 
 
 @pytest.mark.slow  # transformers' parse of the default model's metadata arrays: 10-15 s
-def test_fast_gguf_config_of_the_default_model_equals_transformers():
-    from transformers import AutoConfig
-
-    from minisrv.models.gguf_config import gguf_hf_config
+def test_config_of_the_default_model_equals_transformers():
+    from minisrv.models.model_files import _gguf_hf_config
     gguf = _default_model_or_skip()
-    fast = gguf_hf_config(gguf)
-    ref = AutoConfig.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).to_dict()
-    fast.pop("_name_or_path"), ref.pop("_name_or_path")
-    assert json.loads(json.dumps(fast)) == json.loads(json.dumps(ref))
+    assert ModelArgs.from_hf_config(_gguf_hf_config(gguf)) == _transformers_args(gguf)

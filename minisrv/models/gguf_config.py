@@ -1,79 +1,91 @@
-"""A GGUF file's HF config, built as transformers builds it, from metadata read without its arrays.
+"""A GGUF file's config, as transformers builds it from the file, for the keys minisrv reads, without transformers.
 
-Why: for the architectures minisrv serves, transformers' `AutoConfig.from_pretrained(gguf_file=...)` parses the
-file with gguf's GGUFReader, which walks every metadata array element by element (the default model's 49,152-token
-vocabulary and 48,900 merges): 10-12 s on 2 cores, the longest step of a first start. transformers' own fast
-reader (`read_gguf_metadata`, which leaves arrays as their length) takes 0.1 s; this module then applies the same
-mapping transformers' slow path applies (its tables: GGUF_CONFIG_MAPPING, GGUF_CONFIG_DEFAULTS_MAPPING) and builds
-the config class from the result, as AutoConfig does.
-
-Only the architectures listed in FAST_ARCHITECTURES take this path, and a file whose mapped keys hold an array
-goes back to transformers' path (None here); tests/test_startup.py compares the two on GGUF files of each."""
+Why: transformers' `AutoConfig.from_pretrained(gguf_file=...)` parses the whole file with gguf's GGUFReader, which
+walks every metadata array element by element (10-12 s for the default model on 2 cores), and even its fast reader
+and config classes cost a first start 3.4 s of imports on that machine. Here the metadata comes from the file's
+header as gguf_file.read_gguf reads it (arrays skipped), renamed as transformers renames it (its
+GGUF_CONFIG_MAPPING, for the architectures listed here), over transformers' config classes' defaults for the keys
+ModelArgs.from_hf_config reads; a key the file has as an array sends the file back to transformers (None here).
+tests/test_gguf_conversion.py checks the ModelArgs of both on GGUF files of each architecture."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from gguf import GGUFReader, GGUFValueType
+
 # llama.cpp architecture -> transformers' model_type, for the models minisrv serves from GGUF files
 FAST_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
                       "qwen3moe": "qwen3_moe"}
-TIED_ALWAYS = ("falcon", "bloom")  # transformers ties these whatever the tensors say (none of them served here)
+_COMMON_KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+                "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+                "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
+                "attention.head_count_kv": "num_key_value_heads",
+                "attention.layer_norm_rms_epsilon": "rms_norm_eps", "vocab_size": "vocab_size"}
+_EXPERT_KEYS = {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok"}
+KEYS = {  # <model_type>.<gguf key> -> config key, as transformers' GGUF_CONFIG_MAPPING has them
+    "llama": {**_COMMON_KEYS, "rope.dimension_count": "head_dim"},
+    "mistral": {**_COMMON_KEYS, "rope.dimension_count": "head_dim"},
+    "qwen2": _COMMON_KEYS, "qwen3": _COMMON_KEYS,
+    "qwen2_moe": {**_COMMON_KEYS, **_EXPERT_KEYS},
+    "qwen3_moe": {**_COMMON_KEYS, **_EXPERT_KEYS, "attention.key_length": "head_dim"},
+}
+TOKENIZER_KEYS = {"ggml.bos_token_id": "bos_token_id", "ggml.eos_token_id": "eos_token_id"}
+_QWEN = dict(max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=None,
+             eos_token_id=None, tie_word_embeddings=False, sliding_window=None, use_sliding_window=False)
+DEFAULTS = {  # transformers' config classes' defaults (5.x) for the keys ModelArgs reads
+    "llama": dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=1,
+                  eos_token_id=2, tie_word_embeddings=False, attention_bias=False),
+    "mistral": dict(max_position_embeddings=131072, rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=1,
+                    eos_token_id=2, tie_word_embeddings=False, sliding_window=4096),
+    "qwen2": dict(_QWEN),
+    "qwen3": dict(_QWEN, head_dim=128, attention_bias=False),
+    "qwen2_moe": dict(_QWEN, sliding_window=0, qkv_bias=True, intermediate_size=5632, num_experts=60,
+                      num_experts_per_tok=4, moe_intermediate_size=1408, norm_topk_prob=False,
+                      shared_expert_intermediate_size=5632, decoder_sparse_step=1, mlp_only_layers=[]),
+    # norm_topk_prob: transformers' GGUF_CONFIG_DEFAULTS_MAPPING sets it for qwen3_moe files
+    "qwen3_moe": dict(_QWEN, attention_bias=False, intermediate_size=6144, num_experts_per_tok=8,
+                      moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+}
 
 
-def gguf_hf_config(path: str) -> Optional[Dict[str, Any]]:
-    """transformers' config dict (`AutoConfig.from_pretrained(...).to_dict()`) of the GGUF file, or None where
-    this path does not apply (then use transformers')."""
-    from transformers.integrations.gguf import read_gguf_metadata
-    metadata, tensor_names = read_gguf_metadata(path, _AllButTokenizer())
-    parsed = config_from_metadata(metadata, tensor_names)
-    if parsed is None:
+def _scalar(reader: GGUFReader, key: str) -> Any:
+    """A metadata value: a number, a bool or a string; `...` for an array (or anything else); None if absent."""
+    field = reader.fields.get(key)
+    if field is None:
         return None
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    return CONFIG_MAPPING[parsed["model_type"]].from_dict(parsed).to_dict()
+    kind = field.types[0] if field.types else None
+    if kind == GGUFValueType.STRING:
+        return bytes(field.parts[-1]).decode("utf-8", errors="replace")
+    if kind is None or kind == GGUFValueType.ARRAY:
+        return ...
+    value = field.parts[-1][0].item()
+    return bool(value) if kind == GGUFValueType.BOOL else value
 
 
-def config_from_metadata(metadata: Dict[str, Any], tensor_names: tuple) -> Optional[Dict[str, Any]]:
-    """The config part of transformers' load_gguf_checkpoint, step for step, for FAST_ARCHITECTURES."""
-    from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
-    architecture = metadata.get("general.architecture")
+def gguf_model_config(reader: GGUFReader) -> Optional[Dict[str, Any]]:
+    """The config dict of the file (model_type and the keys above), or None where transformers must build it: an
+    architecture not listed, or a mapped key held as an array. tie_word_embeddings and the experts' layout come
+    from the tensor table afterwards (model_files._gguf_hf_config)."""
+    architecture = _scalar(reader, "general.architecture")
     if architecture not in FAST_ARCHITECTURES:
         return None
-    # transformers checks "mistral" against general.name as a one-element list: the name must be exactly that
-    names = [metadata["general.name"]] if "general.name" in metadata else []
-    updated = "mistral" if "llama" in architecture and "mistral" in names else FAST_ARCHITECTURES[architecture]
-    if updated not in GGUF_CONFIG_MAPPING and architecture not in GGUF_CONFIG_MAPPING:
-        return None
-    config: Dict[str, Any] = {}
-    config["tie_word_embeddings"] = all(n != "output.weight" for n in tensor_names) or architecture in TIED_ALWAYS
-    defaults = GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture) or {})
-    for key, value in defaults.items():
-        config.setdefault(key, value)
-    renames = GGUF_CONFIG_MAPPING
-    for gguf_key, value in metadata.items():
-        gguf_key = gguf_key.replace(architecture, updated)
-        prefix, _, config_key = gguf_key.partition(".")
-        if not (prefix in renames and config_key in renames[prefix]):
-            continue
-        renamed = renames[prefix][config_key]
-        if renamed == -1 or renamed is None:
-            continue
-        if isinstance(value, (list, tuple)):
-            return None  # an array: transformers' path has its own rules for them (one element -> a scalar)
-        if isinstance(value, str) and architecture in value:
-            value = value.replace(architecture, updated)
-        config[renamed] = value
-    if "model_type" not in config:
-        return None
-    if "vocab_size" not in config:  # as transformers: the vocabulary's length
-        tokens = metadata.get("tokenizer.ggml.tokens")
-        if not isinstance(tokens, int):
+    # transformers reads llama.cpp's "llama" as Mistral only when general.name is exactly "mistral"
+    model_type = "mistral" if architecture == "llama" and _scalar(reader, "general.name") == "mistral" \
+        else FAST_ARCHITECTURES[architecture]
+    cfg: Dict[str, Any] = dict(DEFAULTS[model_type], model_type=model_type)
+    keys = {f"{architecture}.{k}": v for k, v in KEYS[model_type].items()}
+    keys.update({f"tokenizer.{k}": v for k, v in TOKENIZER_KEYS.items()})
+    for gguf_key, config_key in keys.items():
+        value = _scalar(reader, gguf_key)
+        if value is ...:
             return None
-        config["vocab_size"] = tokens
-    return config
-
-
-class _AllButTokenizer:
-    """The arrays read_gguf_metadata should read whole: all but the tokenizer's (the vocabulary and merges, left as
-    their lengths), so that no config key's array passes for a number."""
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and not key.startswith("tokenizer.")
+        if value is not None:
+            cfg[config_key] = value
+    if "head_dim" not in cfg and model_type == "llama" and cfg.get("num_attention_heads"):
+        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    if "vocab_size" not in cfg:  # as transformers: the vocabulary's length
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is None or not tokens.types or tokens.types[0] != GGUFValueType.ARRAY:
+            return None
+        cfg["vocab_size"] = int(tokens.parts[4][0])  # an array field's parts: key length, key, type, item type, count
+    return cfg

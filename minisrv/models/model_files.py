@@ -81,11 +81,11 @@ def load_hf_config(path: str, cache_dir: Optional[str] = None) -> Dict[str, Any]
 
 
 def _gguf_hf_config(path: str) -> Dict[str, Any]:
-    from .gguf_config import gguf_hf_config
+    from .gguf_config import gguf_model_config
     from .gguf_file import has_tensor, moe_config, read_gguf
     reader = read_gguf(path)  # a damaged file fails here with a clear message, not deep inside transformers
     folder = os.path.dirname(path) or "."
-    cfg = gguf_hf_config(path)  # transformers' result without its slow parse, for the architectures served here
+    cfg = gguf_model_config(reader)  # transformers' result for the keys read, without transformers
     if cfg is None:
         from transformers import AutoConfig
         cfg = AutoConfig.from_pretrained(folder, gguf_file=os.path.basename(path)).to_dict()
