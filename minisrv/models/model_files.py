@@ -164,7 +164,11 @@ def load_engine_tokenizer(path: str, tokenizer: Optional[str] = None, cache_dir:
     folder = None
     if is_gguf(src):
         cache = GGUFCache.open(src, cache_dir)
-        if cache is not None and os.path.isfile(os.path.join(cache.tokenizer_dir, "tokenizer_config.json")):
+        saved = os.path.join(cache.tokenizer_dir, "tokenizer_config.json") if cache is not None else None
+        if saved is not None and not os.path.isfile(saved):
+            with cache.building("tokenizer"):  # a first start's HTTP process may be converting it: wait for that
+                pass
+        if saved is not None and os.path.isfile(saved):
             folder = cache.tokenizer_dir
     elif os.path.isdir(src):
         folder = src
