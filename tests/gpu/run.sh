@@ -64,7 +64,7 @@ need_llama8b_half() { [ -f /tmp/llama8b-half/config.json ] || { sed -e 's/interm
 need_moe() { [ -f /tmp/moe/config.json ] || python3 .gpu-wheels/tools/make_checkpoint.py /tmp/moe qwen3-30b-a3b-half >/dev/null 2>&1; }
 json_tokenizer() { [ -f $JTOK/tokenizer.json ] || python3 tests/gpu/json_tokenizer.py $JTOK "$MINISRV_GPU_CKPT" >/dev/null; }
 serving() { local name=$1; shift; local port=30123 log=/tmp/$name-server.log pid
-  python3 -m minisrv.launch_server --model "$MINISRV_GPU_CKPT" --attention-backend auto --port $port ${SERVER_ARGS:-} >"$log" 2>&1 &
+  PYTHONPATH=$PWD/$R:$PYTHONPATH python3 -P -m minisrv.launch_server --model "$MINISRV_GPU_CKPT" --attention-backend auto --port $port ${SERVER_ARGS:-} >"$log" 2>&1 &
   pid=$!
   for _ in $(seq 300); do python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" 2>/dev/null && break
     kill -0 $pid 2>/dev/null || break; sleep 1; done
@@ -74,7 +74,7 @@ serving() { local name=$1; shift; local port=30123 log=/tmp/$name-server.log pid
   kill $pid 2>/dev/null; wait $pid; echo "server exited rc $? (log: $log)"; tail -n 3 "$log"; }
 # the nano workload's lengths through a server's chat endpoint (the reasoning-parser cost)
 serving_nano() { local name=$1; local port=30124 log=/tmp/$1-server.log pid
-  python3 -m minisrv.launch_server --model "$MINISRV_GPU_CKPT" --attention-backend auto --port $port ${SERVER_ARGS:-} >"$log" 2>&1 &
+  PYTHONPATH=$PWD/$R:$PYTHONPATH python3 -P -m minisrv.launch_server --model "$MINISRV_GPU_CKPT" --attention-backend auto --port $port ${SERVER_ARGS:-} >"$log" 2>&1 &
   pid=$!
   for _ in $(seq 300); do python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" 2>/dev/null && break
     kill -0 $pid 2>/dev/null || break; sleep 1; done
@@ -83,11 +83,11 @@ serving_nano() { local name=$1; local port=30124 log=/tmp/$1-server.log pid
     --random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.0977 --temperature 0.6 \
     --output /tmp/$name.json
   kill $pid 2>/dev/null; wait $pid; }
-# PHASE@base runs PHASE's benchmark scripts from .baseline/ (an earlier tree of the project, carried beside this one),
+# PHASE@base runs PHASE's benchmark scripts and servers from .baseline/ (an earlier tree of the project, carried beside this one),
 # so that a change and what it replaced are measured in one lease
 for phase in "${@:-smoke}"; do
-  S=scripts TAG=
-  case $phase in *@base) S=.baseline/scripts TAG=@base phase=${phase%@base} ;; esac
+  S=scripts TAG= R=.
+  case $phase in *@base) S=.baseline/scripts TAG=@base R=.baseline phase=${phase%@base} ;; esac
   BENCH="python3 $S/bench_offline.py --model $MINISRV_GPU_CKPT --json $OUT/bench.jsonl"
   case $phase in
     smoke) step smoke 300 python3 scripts/generate.py --model "$MINISRV_GPU_CKPT" --attention-backend auto \
