@@ -109,9 +109,10 @@ def test_engine_switches_to_built_kernels_between_steps_with_the_same_tokens(tin
 
 
 def test_graphs_only_wait_for_an_idle_moment_or_their_due_time(tiny_model):
-    """A server whose kernels are all built captures its CUDA graphs later (graphs_only): not between the steps of
-    its first requests, but when the engine reports a pause (switch_kernels(idle=True)), or between two steps once
-    GRAPHS_DUE_S have passed. The tokens are those of an engine that never waited."""
+    """A server whose kernels are all built captures its CUDA graphs later (graphs_only): not before its first step
+    nor between the steps of its first requests, but when the engine reports a pause after a step
+    (switch_kernels(idle=True)), after a long pause without any request, or between two steps once GRAPHS_DUE_S
+    have passed since the first. The tokens are those of an engine that never waited."""
     path = tiny_model("llama")
     prompts = make_prompts(vocab_of(path), [5, 9])
     want = _run(make_llm(path).engine, prompts, [greedy(6)] * 2)
@@ -125,17 +126,25 @@ def test_graphs_only_wait_for_an_idle_moment_or_their_due_time(tiny_model):
 
     engine.staged_kernels = staged()
     engine.staged_kernels.builds.wait(timeout=10)
+    engine.switch_kernels(idle=True)  # idle before any step (the HTTP side may still be starting): not yet
+    assert not switched
     assert _run(engine, prompts, [greedy(6)] * 2) == want
     assert not switched and engine.staged_kernels is not None  # busy, not yet due: no capture between steps
     assert engine.switch_kernels() == [] and not switched
     engine.switch_kernels(idle=True)
     assert switched == [engine.runner] and engine.staged_kernels is None
 
+    engine.staged_kernels = staged()  # never a request: idle long enough, they are captured all the same
+    engine.staged_kernels.builds.wait(timeout=10)
+    engine.staged_kernels.started_serving -= StagedKernels.IDLE_BEFORE_ANY_STEP_S
+    engine.switch_kernels(idle=True)
+    assert switched == [engine.runner] * 2 and engine.staged_kernels is None
+
     engine.staged_kernels = staged()
     engine.staged_kernels.builds.wait(timeout=10)
-    engine.staged_kernels.graphs_due = 0.0  # GRAPHS_DUE_S have passed
+    engine.staged_kernels.GRAPHS_DUE_S = 0.0  # due as soon as the first step runs
     assert _run(engine, prompts, [greedy(6)] * 2) == want
-    assert switched == [engine.runner] * 2 and engine.staged_kernels is None
+    assert switched == [engine.runner] * 3 and engine.staged_kernels is None
 
 
 def test_a_failed_switch_leaves_the_stand_ins_serving(tiny_model, caplog):

@@ -131,6 +131,7 @@ class Engine:
         """
         outputs = self._grammars_done() if self._compiling else []
         if self.staged_kernels is not None:
+            self.staged_kernels.stepping()
             outputs += self.switch_kernels()
         batch, launched = None, False
         try:

@@ -115,12 +115,14 @@ class StagedKernels:
     attention backend that was asked for and its CUDA graphs, returns a line for the log; sampling_kernel(): the
     fused sampling function, called once its module is built.
 
-    graphs_only: every kernel is built and only the graphs wait (capturing them takes 1-1.5 s, which a first request
-    would otherwise wait for): they are captured once the engine has been idle for a moment (`upgrade(idle=True)`),
-    or between two steps once the engine has served GRAPHS_DUE_S seconds without a pause, so that a busy server does
-    not decode without them for long."""
+    graphs_only: every kernel is built and only the graphs wait (capturing them takes 1-2 s, which a first request
+    would otherwise wait for): they are captured once the engine, having run a step, is idle for a moment
+    (`upgrade(idle=True)`; before any step the HTTP side may still be starting, and a capture then would hold up the
+    first request), or after IDLE_BEFORE_ANY_STEP_S of idleness without one, or between two steps once the engine
+    has served GRAPHS_DUE_S seconds, so that a busy server does not decode without them for long."""
 
     GRAPHS_DUE_S = 2.0
+    IDLE_BEFORE_ANY_STEP_S = 10.0
 
     def __init__(self, builds: KernelBuilds, final_ops: Any, switch_attention: Callable[[Any], str],
                  sampling_kernel: Callable[[], Any], serving: str, layers_pending: bool = True,
@@ -131,7 +133,9 @@ class StagedKernels:
         self.sampling_kernel = sampling_kernel
         self.sampling_switched = "sampling" not in builds.names
         self.layers_switched = not layers_pending
-        self.graphs_due = time.perf_counter() + self.GRAPHS_DUE_S if graphs_only else 0.0
+        self.graphs_only = graphs_only
+        self.started_serving = time.perf_counter()
+        self.graphs_due = 0.0 if not graphs_only else float("inf")  # (set by the first step: see stepping())
         if graphs_only:
             logger.info("serving at once with %s, without CUDA graphs until the first idle moment", serving)
         else:
@@ -145,11 +149,20 @@ class StagedKernels:
     def sampling_ready(self) -> bool:
         return not self.sampling_switched and self.builds.done(["sampling"])
 
+    def stepping(self) -> None:
+        """The engine is about to run a step: graphs that wait are due GRAPHS_DUE_S after the first one."""
+        if self.graphs_due == float("inf"):
+            self.graphs_due = time.perf_counter() + self.GRAPHS_DUE_S
+
     def layers_ready(self, idle: bool = False) -> bool:
         """Whether the layers and attention can switch now; idle: the engine has had nothing to do for a while."""
         if self.layers_switched or not self.builds.done([n for n in self.builds.names if n != "sampling"]):
             return False
-        return idle or time.perf_counter() >= self.graphs_due
+        now = time.perf_counter()
+        if not self.graphs_only or now >= self.graphs_due:
+            return True
+        stepped = self.graphs_due != float("inf")
+        return idle and (stepped or now - self.started_serving >= self.IDLE_BEFORE_ANY_STEP_S)
 
     def upgrade(self, runner: Any, idle: bool = False) -> None:
         """Switch what is built: sampling alone as soon as it is, the layers and attention together (CUDA graphs
