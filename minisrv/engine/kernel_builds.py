@@ -135,7 +135,7 @@ class StagedKernels:
         self.layers_switched = not layers_pending
         self.graphs_only = graphs_only
         self.started_serving = time.perf_counter()
-        self.graphs_due = 0.0 if not graphs_only else float("inf")  # (set by the first step: see stepping())
+        self.first_step: Optional[float] = None  # when the engine began its first step (stepping())
         if graphs_only:
             logger.info("serving at once with %s, without CUDA graphs until the first idle moment", serving)
         else:
@@ -150,19 +150,20 @@ class StagedKernels:
         return not self.sampling_switched and self.builds.done(["sampling"])
 
     def stepping(self) -> None:
-        """The engine is about to run a step: graphs that wait are due GRAPHS_DUE_S after the first one."""
-        if self.graphs_due == float("inf"):
-            self.graphs_due = time.perf_counter() + self.GRAPHS_DUE_S
+        """The engine is about to run a step (graphs that wait are due GRAPHS_DUE_S after the first one)."""
+        if self.first_step is None:
+            self.first_step = time.perf_counter()
 
     def layers_ready(self, idle: bool = False) -> bool:
         """Whether the layers and attention can switch now; idle: the engine has had nothing to do for a while."""
         if self.layers_switched or not self.builds.done([n for n in self.builds.names if n != "sampling"]):
             return False
-        now = time.perf_counter()
-        if not self.graphs_only or now >= self.graphs_due:
+        if not self.graphs_only:
             return True
-        stepped = self.graphs_due != float("inf")
-        return idle and (stepped or now - self.started_serving >= self.IDLE_BEFORE_ANY_STEP_S)
+        now = time.perf_counter()
+        if self.first_step is None:
+            return idle and now - self.started_serving >= self.IDLE_BEFORE_ANY_STEP_S
+        return idle or now - self.first_step >= self.GRAPHS_DUE_S
 
     def upgrade(self, runner: Any, idle: bool = False) -> None:
         """Switch what is built: sampling alone as soon as it is, the layers and attention together (CUDA graphs

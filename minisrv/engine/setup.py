@@ -284,13 +284,13 @@ def _fused_and_builds(cfg: EngineConfig, args: ModelArgs, backend_name: str, dty
         return None, None
     hq, hkv = args.num_heads // cfg.tp_size, max(1, args.num_kv_heads // cfg.tp_size)  # one rank's (sharding.py)
     parts = backend_name.split(",")
+    kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, dtype)
     try:  # (FlashInfer's module getters are not its public API: another version may lack one)
-        jobs = flashinfer_jobs(device, dtype, resolve_kv_dtype(cfg.kv_cache_dtype, dtype), args.head_dim, hq, hkv,
+        jobs = flashinfer_jobs(device, dtype, kv_dtype, args.head_dim, hq, hkv,
                                prefill_on_fi=parts[0] == "fi", decode_on_fi=parts[-1] == "fi")
     except Exception as e:  # noqa: BLE001 - then each module is built on first use, as without the builds
         logger.warning("FlashInfer's modules are built on first use, not ahead (%s: %s)", type(e).__name__, e)
         return fused, None
-    kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, dtype)
     jobs["triton"] = functools.partial(warm_up_qk_rope_store, device, dtype, hq, hkv, args.head_dim, args.qk_norm,
                                        store=kv_dtype == dtype)
     return fused, KernelBuilds(jobs)
