@@ -10,6 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model's dtype
 FP8_DECODE_KERNELS = ("auto", "xqa", "flashinfer")
 QUANTIZATIONS = ("fp8",)  # weight quantisation at load (models/fp8.py)
+GGUF_WEIGHTS = ("auto", "blocks", "float32")  # a GGUF model's weights on the CPU (models/gguf_blocks.py)
 
 
 @dataclass
@@ -25,6 +26,9 @@ class EngineConfig:
     # decode over an FP8 pool in the fi backend: xqa (Hopper, pages >= 16: q and the softmax in e4m3, about 1.3x
     # faster attention; attention/xqa.py), flashinfer (its wrappers: K/V converted exactly), auto (xqa where it runs)
     fp8_decode_kernel: str = "auto"
+    # a GGUF model's projections and embedding on the CPU: kept in their Q4_0/Q4_1/Q8_0 blocks (blocks), dequantised
+    # (float32), or blocks where every one of them is in such blocks (auto)
+    gguf_weights: str = "auto"
     quantization: Optional[str] = None  # fp8: projection weights in float8_e4m3fn, per-channel scales (FP8 checkpoints: always)
     device: Optional[str] = None  # None: cuda if available else cpu
     page_size: Optional[int] = None  # tokens per KV page; None: 16 on CUDA (smaller page tables), 1 on CPU
@@ -65,6 +69,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.fp8_decode_kernel not in FP8_DECODE_KERNELS:
             raise ValueError(f"fp8_decode_kernel must be one of {FP8_DECODE_KERNELS}, got {self.fp8_decode_kernel!r}")
+        if self.gguf_weights not in GGUF_WEIGHTS:
+            raise ValueError(f"gguf_weights must be one of {GGUF_WEIGHTS}, got {self.gguf_weights!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.page_size is not None and self.page_size < 1:
@@ -101,6 +107,11 @@ class EngineConfig:
                             ">= 16: reads the FP8 pages at ~80%% of HBM bandwidth; q and the softmax rounded to "
                             "e4m3, as FA3's FP8 mode does), flashinfer (K/V converted exactly, ~55%%), auto (xqa "
                             "where it can run)")
+        p.add_argument("--gguf-weights", default=d.gguf_weights, choices=GGUF_WEIGHTS,
+                       help="a GGUF model on the CPU: keep its Q4_0/Q4_1/Q8_0 projections and embedding in their "
+                            "blocks (blocks: a third of float32's memory and bytes a decode step reads, the same "
+                            "weight values), dequantise them (float32), or auto: blocks where every one is in such "
+                            "blocks")
         p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                        help="fp8: quantise the projection weights to float8_e4m3fn at load (per output channel; "
                             "activations per token); FP8 checkpoints are detected without it")

@@ -133,14 +133,18 @@ def main() -> int:
     p.add_argument("--flash-attn", action="store_true", help="also run llama.cpp with flash attention")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workloads", default="batched,single")
+    p.add_argument("--gguf-weights", default="auto",
+                   help="minisrv's --gguf-weights, a comma list to run it once each (e.g. blocks,float32)")
     p.add_argument("--no-minisrv", action="store_true")
     p.add_argument("--no-llamacpp", action="store_true")
     a = p.parse_args()
     from minisrv.llm import LLM
+    from minisrv.models.block_layers import BlockLinear
     from minisrv.models.model_files import default_model_path
     model = a.model or default_model_path()
     threads = torch.get_num_threads()
-    llm = None if a.no_minisrv else LLM(model=model, log_level="warning")
+    settings = [] if a.no_minisrv else [w for w in a.gguf_weights.split(",") if w]
+    llm = LLM(model=model, log_level="warning", gguf_weights=settings[0]) if settings else None
     vocab = llm.engine.args.vocab_size if llm is not None else 49152
     prompts, _ = cpu_workload(32, (64, 256), 64)
     loads = {"batched": ([[t % vocab for t in pr] for pr in prompts], 64), "single": ([single_prompt(vocab)], 128)}
@@ -160,11 +164,15 @@ def main() -> int:
             rows.append((name, w, tok_s, prompt_s, same))
             print(f"{name} {w}: {tok_s:.1f} output tok/s, prompt step {prompt_s:.2f} s {same}", flush=True)
 
-    if llm is not None:
+    for i, setting in enumerate(settings):
         from minisrv.engine.request import SamplingParams
+        if i:
+            llm.close()
+            llm = LLM(model=model, log_level="warning", gguf_weights=setting)
         llm.generate(["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False)
-        dtype = str(llm.engine.dtype).replace("torch.", "")
-        measure(f"minisrv ({dtype}, {llm.engine.backend_name})", lambda ps, n: run_minisrv(llm, ps, n))
+        weights = "blocks" if isinstance(llm.engine.runner.model.model.embed_tokens, BlockLinear) else \
+            str(llm.engine.dtype).replace("torch.", "")
+        measure(f"minisrv ({weights}, {llm.engine.backend_name})", lambda ps, n, m=llm: run_minisrv(m, ps, n))
     if not a.no_llamacpp:
         for path in [model, *a.llamacpp_model]:
             for fa in ([False, True] if a.flash_attn else [False]):

