@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""The CPU's small-batch projection kernel (minisrv/kernels/cpu_gemv.c) against torch's matmul, on a model's
-projection shapes: the time of one decode step's projections (every layer's qkv, o, gate_up and down, and the LM
-head), weights cold in memory as in a step, for each row count. It sets kernels/cpu_gemv.py's MAX_ROWS.
+"""The CPU's small-batch projection kernels against torch's matmul, on a model's projection shapes: the time of one
+decode step's projections (every layer's qkv, o, gate_up and down, and the LM head), weights cold in memory as in a
+step, for each row count: float32 weights (minisrv/kernels/cpu_gemv.c; it sets kernels/cpu_gemv.py's MAX_ROWS) and
+weights kept in GGUF blocks (cpu_blocks.c, random 4-bit values: the bytes a Q4_1 model's step reads).
 
   python scripts/bench_cpu_gemv.py [--rows 1,2,4,8,16,32,48,64] [--layers 30]
 """
@@ -23,12 +24,13 @@ DEFAULT_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 DEFAULT_HEAD = (49152, 576)
 
 
-def step_time(project, weights: List[List[torch.Tensor]], xs: dict, reps: int) -> float:
-    """Median ms of one pass over every weight (each layer's own tensors, so they come from memory)."""
+def step_time(project, weights: List[list], xs: dict, reps: int) -> float:
+    """Median ms of one pass over every weight (each layer's own tensors, so they come from memory); a weight is a
+    tensor or (packed blocks, its shape)."""
     def one() -> None:
         for group in weights:
             for w in group:
-                project(xs[w.shape[1]], w)
+                project(xs[w.shape[1] if torch.is_tensor(w) else w[1][1]], w)
     one()
     times = []
     for _ in range(reps):
@@ -53,13 +55,26 @@ def main() -> int:
     shapes: List[Tuple[int, int]] = DEFAULT_SHAPES
     weights = [[torch.randn(*s) for _ in range(a.layers)] for s in shapes] + [[torch.randn(*DEFAULT_HEAD)]]
     print(f"{how}; {torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    print("| rows | torch matmul ms | kernel ms | kernel / torch |\n| ---: | ---: | ---: | ---: |")
+    from minisrv.kernels.cpu_blocks import BlockKernels
+    from minisrv.models.gguf_blocks import GGUFBlocks, pack
+    blocks, _ = BlockKernels.load()
+    packed = [[(pack(GGUFBlocks(torch.randint(0, 16, w.shape, dtype=torch.uint8),
+                                torch.rand(w.shape[0], w.shape[1] // 32) * 0.01,
+                                -torch.rand(w.shape[0], w.shape[1] // 32) * 0.05)), w.shape) for w in group]
+              for group in weights] if blocks is not None else None
+
+    def blocks_step(x, w):
+        (p_, (n, k)) = w
+        return blocks.matmul(x, p_, n, k)
+
+    print("| rows | torch matmul ms | float32 kernel ms | blocks kernel ms |\n| ---: | ---: | ---: | ---: |")
     with torch.no_grad():
         for m in (int(r) for r in a.rows.split(",")):
             xs = {k: torch.randn(m, k) for k in {s[1] for s in shapes} | {DEFAULT_HEAD[1]}}
             t_torch = step_time(lambda x, w: F.linear(x, w), weights, xs, a.reps)
             t_kernel = step_time(lambda x, w: small(x, w), weights, xs, a.reps)
-            print(f"| {m} | {t_torch:.1f} | {t_kernel:.1f} | {t_kernel / t_torch:.2f} |", flush=True)
+            t_blocks = step_time(blocks_step, packed, xs, a.reps) if packed is not None else float("nan")
+            print(f"| {m} | {t_torch:.1f} | {t_kernel:.1f} | {t_blocks:.1f} |", flush=True)
     return 0
 
 
