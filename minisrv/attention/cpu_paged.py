@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from minisrv.batch import ForwardBatch
 from minisrv.kernels.cpu_attention import PagedDecodeKernel
+from minisrv.kernels.cpu_decode import DecodeInputs
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class CpuPagedAttention:
         self.num_q_heads = num_q_heads
         self.scale = scale
         self.kernel = kernel
+        self._flat_kv: Optional[Tuple[list, list]] = None  # decode_inputs' per-layer views of the pool
 
     @staticmethod
     def create(pool, req_to_token: torch.Tensor, num_q_heads: int, scale: float) -> Optional["CpuPagedAttention"]:
@@ -90,6 +92,13 @@ class CpuPagedAttention:
             seqs.append(PackedSeq(start, ext, slots, mask))
             start += ext
         return PackedMeta(b.out_cache_loc, tuple(seqs))
+
+    def decode_inputs(self, meta: "DecodeMeta") -> DecodeInputs:
+        """A decode step's inputs for a model's layers run in one C call (kernels/cpu_decode.py)."""
+        if self._flat_kv is None:  # the pool's per-layer views, made once
+            layers = range(len(self.pool.k))
+            self._flat_kv = ([self.pool.flat_k(i) for i in layers], [self.pool.flat_v(i) for i in layers])
+        return DecodeInputs(*self._flat_kv, meta.loc, meta.rows, meta.kv_lens, self.req_to_token, self.scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta) -> torch.Tensor:
         self.pool.store(layer_id, meta.loc, k, v)

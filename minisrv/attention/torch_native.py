@@ -74,6 +74,9 @@ class TorchNativeBackend(AttentionBackend):
             out_rows = torch.nonzero(valid).squeeze(1).to(dev)
         return TorchMeta(b.out_cache_loc, kv_idx, mask, max_q, q_gather, out_rows)
 
+    def cpu_decode_inputs(self, meta):
+        return self.cpu.decode_inputs(meta) if isinstance(meta, DecodeMeta) else None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta) -> torch.Tensor:
         if isinstance(meta, (DecodeMeta, PackedMeta)):

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -68,12 +69,14 @@ def _compile(cc: str, source: Path, flags: Tuple[str, ...], target: Path) -> Opt
 @functools.lru_cache(maxsize=None)
 def load_cpu_library(name: str) -> Tuple[Optional[ctypes.CDLL], str]:
     """(the compiled `name`.c, a line saying how it was built) or (None, why not). Cached per process: the library
-    is the same for every caller."""
+    is the same for every caller. The cache key covers the sources `name`.c includes from this directory."""
     source = SOURCE_DIR / f"{name}.c"
     cc = _compiler()
     if cc is None:
         return None, "no C compiler found (CC, cc, gcc, clang)"
     text = source.read_bytes()
+    for included in re.findall(rb'^#include "([^"]+)"', text, flags=re.M):  # a source built from others
+        text += (SOURCE_DIR / included.decode()).read_bytes()
     errors = []
     for flags in FLAG_SETS:
         key = hashlib.sha256(text + " ".join((cc, *flags)).encode()).hexdigest()[:16]

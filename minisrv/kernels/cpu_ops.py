@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .cpu_blocks import BlockKernels
 from .cpu_build import load_cpu_library
+from .cpu_decode import DecodeLayersKernel
 from .cpu_gemv import SmallBatchLinear
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,14 @@ class CpuFusedOps:
         if kernels is None:
             logger.info("CPU block kernels unavailable: %s", how)
         return kernels
+
+    @functools.cached_property
+    def decode_layers(self) -> Optional[DecodeLayersKernel]:
+        """A decode step's layers in one call over block weights (cpu_decode.py), built when a model first asks."""
+        kernel, how = DecodeLayersKernel.load()
+        if kernel is None:
+            logger.info("CPU decode layers in one call unavailable: %s", how)
+        return kernel
 
     @staticmethod
     def load() -> "tuple[Optional[CpuFusedOps], str]":

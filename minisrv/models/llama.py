@@ -64,9 +64,17 @@ class LlamaModel(nn.Module):
                                     for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused)
         self.tp = tp
+        # a decode step's layers in one C call (kernels/cpu_decode.py): dense Llama-style layers in GGUF blocks
+        self.cpu_decode = getattr(fused, "decode_layers", None) if (
+            quantization == "gguf" and not args.qk_norm and not args.attention_bias and not args.num_experts
+            and not tp.enabled) else None
 
     def forward(self, input_ids, positions, attn):
         x = self.embed_tokens(input_ids)
+        inputs = attn.cpu_decode_inputs() if self.cpu_decode is not None else None
+        if inputs is not None and self.cpu_decode.takes(x, inputs):
+            x, residual = self.cpu_decode(self.layers, x, positions, self.layers[0].self_attn.rotary.cos_sin, inputs)
+            return reduce_add_norm(self.tp, self.norm, x, residual, False)[0]
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, attn)

