@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,14 @@ def _torch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def _built(load: Any, what: str) -> Any:
+    """What `load()` builds, or None with the reason logged."""
+    kernel, how = load()
+    if kernel is None:
+        logger.info("%s unavailable: %s", what, how)
+    return kernel
+
+
 class CpuFusedOps:
     """What `fused` is on the CPU when the kernels build (`CpuFusedOps.load()`; None where they cannot)."""
 
@@ -53,18 +61,12 @@ class CpuFusedOps:
     @functools.cached_property
     def block_kernels(self) -> Optional[BlockKernels]:
         """The projections' kernels over a GGUF model's blocks (cpu_blocks.py), built when a model first asks."""
-        kernels, how = BlockKernels.load()
-        if kernels is None:
-            logger.info("CPU block kernels unavailable: %s", how)
-        return kernels
+        return _built(BlockKernels.load, "CPU block kernels")
 
     @functools.cached_property
     def decode_layers(self) -> Optional[DecodeLayersKernel]:
         """A decode step's layers in one call over block weights (cpu_decode.py), built when a model first asks."""
-        kernel, how = DecodeLayersKernel.load()
-        if kernel is None:
-            logger.info("CPU decode layers in one call unavailable: %s", how)
-        return kernel
+        return _built(DecodeLayersKernel.load, "CPU decode layers in one call")
 
     @staticmethod
     def load() -> "tuple[Optional[CpuFusedOps], str]":
