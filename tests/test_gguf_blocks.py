@@ -154,3 +154,29 @@ def test_default_model_blocks_cached_and_equal_float32(tmp_path, caplog):
     finally:
         again.close()
     assert any(f.endswith(".safetensors") and "-gguf-" in f for _, _, fs in os.walk(cache) for f in fs)
+
+
+def test_portable_path_matches_float64(tmp_path):
+    """The kernels as a machine without AVX2 + FMA builds them (no -march=native: the tile path), against float64:
+    CI's machine has AVX2, so this is where the portable C runs."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from minisrv.kernels.cpu_build import FLAG_SETS, SOURCE_DIR
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = tmp_path / "cpu_blocks_portable.so"
+    flags = [f for f in FLAG_SETS[-1] if not f.startswith("-march")]
+    subprocess.run([cc, *flags, "-shared", "-fPIC", str(SOURCE_DIR / "cpu_blocks.c"), "-o", str(out), "-lm"],
+                   check=True, capture_output=True)
+    kernels = BlockKernels(ctypes.CDLL(str(out)), "portable build")
+    assert "portable C" in kernels.how
+    for rows_x, (n, k) in [(1, (12, 64)), (3, (40, 1056)), (9, (8, 32)), (32, (4, 2080))]:
+        w = random_blocks(n, k, seed=rows_x)
+        x = torch.randn(rows_x, k)
+        got = kernels.matmul(x, pack(w), n, k)
+        ref = x.double() @ w.dequantize().double().t()
+        scale = (x.double().abs() @ w.dequantize().double().abs().t()).max().item()
+        assert (got.double() - ref).abs().max().item() <= 1e-6 * scale

@@ -190,3 +190,12 @@ void blocks_rows(const uint8_t *w, const int64_t *ids, int64_t t, float *out, in
         }
     }
 }
+
+/* which path this build takes (the log says it) */
+const char *blocks_simd_path(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return "AVX2 + FMA";
+#else
+    return "portable C (no AVX2 + FMA at build time)";
+#endif
+}

@@ -24,7 +24,9 @@ class BlockKernels:
     """The compiled kernels (`BlockKernels.load()`; None where they cannot be built)."""
 
     def __init__(self, lib: ctypes.CDLL, how: str) -> None:
-        self.how = how
+        path = lib.blocks_simd_path
+        path.restype = ctypes.c_char_p
+        self.how = f"{how}; {path().decode()} path"
         self._matmul = lib.blocks_matmul
         self._matmul.argtypes = [_p, _i64, _p, _p, _i64, _int, _i64, _i64]
         self._dequant = lib.blocks_dequant

@@ -128,7 +128,7 @@ def _keep_blocks(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.d
     from .gguf_file import hf_name, read_gguf
     why = blocks_unavailable(read_gguf(path), hf_name, args, device, dtype, tp_enabled, quantization, kernels)
     if why is None:
-        logger.info("GGUF weights kept in their blocks (1.25 bytes a weight; kernels/cpu_blocks.c)")
+        logger.info("GGUF weights kept in their blocks (1.25 bytes a weight; %s)", kernels.how)
         return True
     if setting == "blocks":
         raise ValueError(f"--gguf-weights blocks: cannot keep this model's blocks: {why}")
