@@ -48,10 +48,6 @@ class BlockLinear(nn.Module):
             raise WeightLoadError(f"block rows {row}..{row + rows} do not fall on groups of 4")
         self.packed.data[row // 4:(row + rows) // 4].copy_(pack(w))
 
-    def dequantized(self) -> torch.Tensor:
-        """W as float32 (tests; the prompt path dequantises inside the kernels' matmul)."""
-        return self.kernels.dequant(self.packed, self.out_features, self.in_features)
-
 
 class BlockEmbedding(BlockLinear):
     """The token embedding [vocab, hidden] in blocks: forward looks rows up, project() is the tied LM head."""

@@ -62,11 +62,6 @@ class GGUFBlocks:
     def take_rows(self, index: torch.Tensor) -> "GGUFBlocks":
         return GGUFBlocks(self.q[index], self.d[index], self.m[index])
 
-    def narrow(self, dim: int, start: int, length: int) -> "GGUFBlocks":
-        if dim != 0:
-            raise ValueError("a block matrix is split by rows only")
-        return GGUFBlocks(self.q[start:start + length], self.d[start:start + length], self.m[start:start + length])
-
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix (what the dequantising path loads)."""
         return self.d.repeat_interleave(BLOCK, 1) * self.q.float() + self.m.repeat_interleave(BLOCK, 1)
