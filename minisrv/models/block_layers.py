@@ -60,7 +60,7 @@ class BlockEmbedding(BlockLinear):
 
 
 def block_kernels(fused: Optional[Any]) -> Any:
-    """The CPU ops' block kernels, which a model loaded in blocks needs (gguf_blocks.blocks_unavailable checked)."""
+    """The CPU ops' block kernels, which a model loaded in blocks needs (gguf_blocks.blocks_unavailable_here checked)."""
     kernels = getattr(fused, "block_kernels", None)
     if kernels is None:
         raise ValueError("a GGUF model in blocks needs the CPU's block kernels (kernels/cpu_blocks.c)")

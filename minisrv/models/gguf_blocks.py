@@ -5,7 +5,7 @@ Q4_0, Q4_1 and Q8_0 blocks all read as w = d * q + m with q a byte and (d, m) on
 q in 0..15, m = -8 d; Q8_0: q + 128, m = -128 d). d * q and m are exact in float32 and d * q + m rounds once, as
 gguf's own dequantiser does: the packed weights dequantise to the float32 path's values, to the bit.
 
-`blocks_unavailable` says why a model cannot load this way (then it is dequantised as before); `GGUFBlocks` is one
+`blocks_unavailable_here` and `blocks_unavailable_in` say why a model cannot load this way (then it is dequantised as before); `GGUFBlocks` is one
 tensor's blocks as the loader hands them to the layers (block_layers.py), `pack` lays them out for the kernels.
 """
 from __future__ import annotations
@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
 from .args import ModelArgs
+from .gguf_dequant import block_scale, nibbles, raw_blocks
 
 BLOCK = 32
 RECORD_BYTES = 160  # kernels/cpu_blocks.py's: 4 rows x 32 columns, float32 d[4], m[4], then uint8 q[4][32]
@@ -45,16 +45,15 @@ class GGUFBlocks:
     def read(cls, data: Any, kind: Q, rows: int, cols: int) -> "GGUFBlocks":
         """From a tensor's raw bytes (gguf's reader gives a numpy view of them), in the file's block type."""
         if kind == Q.Q8_0:
-            b = _raw(data, 34)
-            d = _f16(b, 0)
+            b = raw_blocks(data, 34)
+            d = block_scale(b, 0)
             q = (b[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
             m = d * -128.0
         elif kind in (Q.Q4_0, Q.Q4_1):
-            b = _raw(data, 18 if kind == Q.Q4_0 else 20)
-            d = _f16(b, 0)
-            qs = b[:, 2:] if kind == Q.Q4_0 else b[:, 4:]
-            q = torch.cat([qs & 0x0F, qs >> 4], dim=1)  # low nibbles are a block's first 16, high its last 16
-            m = d * -8.0 if kind == Q.Q4_0 else _f16(b, 2)
+            b = raw_blocks(data, 18 if kind == Q.Q4_0 else 20)
+            d = block_scale(b, 0)
+            q = nibbles(b[:, 2:] if kind == Q.Q4_0 else b[:, 4:])
+            m = d * -8.0 if kind == Q.Q4_0 else block_scale(b, 2)
         else:
             raise ValueError(f"no block form for GGUF type {kind!r}")
         return cls(q.reshape(rows, cols), d.reshape(rows, cols // BLOCK), m.reshape(rows, cols // BLOCK))
@@ -80,11 +79,9 @@ def packed_shape(rows: int, cols: int) -> tuple:
     return (rows // 4, cols // BLOCK, RECORD_BYTES)
 
 
-def blocks_unavailable(reader: Any, hf_name: Callable[[str], str], args: ModelArgs, device: torch.device,
-                       dtype: torch.dtype, tp_enabled: bool, quantization: Optional[str],
-                       kernels: Optional[Any]) -> Optional[str]:
-    """Why this GGUF model cannot keep its blocks here, or None if it can. hf_name: a tensor's HF name by its GGUF
-    name (gguf_file.hf_name)."""
+def blocks_unavailable_here(args: ModelArgs, device: torch.device, dtype: torch.dtype, tp_enabled: bool,
+                            quantization: Optional[str], kernels: Optional[Any]) -> Optional[str]:
+    """Why no GGUF model can keep its blocks in this setting, or None if one can (the file is checked apart)."""
     if device.type != "cpu":
         return "the block kernels are the CPU's"
     if dtype != torch.float32:
@@ -93,15 +90,18 @@ def blocks_unavailable(reader: Any, hf_name: Callable[[str], str], args: ModelAr
         return f"--quantization {quantization}"
     if tp_enabled:
         return "tensor parallelism"
-    if args.num_experts:
+    if args.num_experts:  # (a GGUF's experts are in its config: gguf_file.moe_config)
         return "a mixture of experts"
     if kernels is None:
         return "the block kernels did not build"
+    return None
+
+
+def blocks_unavailable_in(reader: Any, hf_name: Callable[[str], str]) -> Optional[str]:
+    """Why this GGUF file's matrices cannot be kept in blocks, or None if they can. hf_name: a tensor's HF name by
+    its GGUF name (gguf_file.hf_name)."""
     for t in reader.tensors:
-        name = hf_name(t.name)
-        if not is_block_matrix(name):
-            if t.name.endswith("_exps.weight") or name.endswith("mlp.gate.weight"):
-                return "a mixture of experts"
+        if not is_block_matrix(hf_name(t.name)):
             continue
         rows = int(t.shape[-1])
         if t.tensor_type not in BLOCK_TYPES:
@@ -109,11 +109,3 @@ def blocks_unavailable(reader: Any, hf_name: Callable[[str], str], args: ModelAr
         if rows % 4:
             return f"{t.name} has {rows} rows (a multiple of 4 is needed)"
     return None
-
-
-def _raw(data: Any, block_bytes: int) -> torch.Tensor:
-    return torch.from_numpy(np.array(data, dtype=np.uint8, copy=True).reshape(-1, block_bytes))
-
-
-def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
-    return b[:, at:at + 2].contiguous().view(torch.float16).float().reshape(-1)

@@ -21,7 +21,7 @@ from minisrv.distributed import TensorParallel
 from .checkpoint import StoredTensor, WeightLoadError
 from .fp8 import fp8_checkpoint_format
 from .fp8_checkpoint import CheckpointKVScales, dequantized_fp8
-from .gguf_blocks import blocks_unavailable
+from .gguf_blocks import blocks_unavailable_here, blocks_unavailable_in
 from .gguf_cache import GGUFCache
 from .args import ModelArgs
 from .model_files import (default_model_path, is_gguf, load_hf_config, load_model_args, load_tokenizer,
@@ -121,12 +121,13 @@ def _keep_blocks(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.d
     if setting == "float32":
         return False
     kernels = getattr(fused_ops, "block_kernels", None) if device.type == "cpu" else None
-    tp_enabled = tp is not None and tp.enabled
-    if (setting == "auto" and cache is not None and kernels is not None and quantization is None and not tp_enabled
-            and dtype == torch.float32 and os.path.isfile(cache.model_file(_cache_options(dtype, "gguf", tp, embedding)))):
-        return True  # cached in blocks: this file was found fit for them before (the header read is 0.1 s)
-    from .gguf_file import hf_name, read_gguf
-    why = blocks_unavailable(read_gguf(path), hf_name, args, device, dtype, tp_enabled, quantization, kernels)
+    why = blocks_unavailable_here(args, device, dtype, tp is not None and tp.enabled, quantization, kernels)
+    if why is None:
+        cached = cache is not None and os.path.isfile(cache.model_file(_cache_options(dtype, "gguf", tp, embedding)))
+        if setting == "auto" and cached:
+            return True  # cached in blocks: this file was found fit for them before (the header read is 0.1 s)
+        from .gguf_file import hf_name, read_gguf
+        why = blocks_unavailable_in(read_gguf(path), hf_name)
     if why is None:
         logger.info("GGUF weights kept in their blocks (1.25 bytes a weight; %s)", kernels.how)
         return True
