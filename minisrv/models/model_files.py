@@ -199,7 +199,9 @@ def _converted_tokenizer(src: str):
     folder, name = os.path.dirname(src) or ".", os.path.basename(src)
     direct = _generic_gguf_tokenizer_class(reader, folder)
     if direct is not None:
-        return direct.from_pretrained(folder, gguf_file=name)
+        from .gguf_tokenizer import build_gguf_tokenizer
+        tok = build_gguf_tokenizer(direct, reader, folder)  # without transformers' reader, which imports torch
+        return tok if tok is not None else direct.from_pretrained(folder, gguf_file=name)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
@@ -208,8 +210,8 @@ def _generic_gguf_tokenizer_class(reader: Any, folder: str):
     """The class AutoTokenizer gives a Llama-architecture GGUF file alone in its folder under transformers 5
     (TokenizersBackend: transformers 5 maps model type llama to no tokenizer class of its own), or None where
     AutoTokenizer must decide. Why: to choose, AutoTokenizer first builds the file's config with gguf's reader,
-    which parses every metadata array (4-5 s for the default model); the class then builds the tokenizer with
-    transformers' fast reader. tests/test_startup.py checks the result equals AutoTokenizer's."""
+    which parses every metadata array (4-5 s for the default model); the tokenizer is then built from the metadata
+    as gguf_tokenizer.py reads it. tests/test_startup.py checks the result equals AutoTokenizer's."""
     if any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer_config.json", "config.json")):
         return None  # AutoTokenizer reads these to choose
     try:  # (not AutoTokenizer's tables: importing them imports transformers' config machinery and torch)
