@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
 
 from minisrv.kernels.cpu_blocks import BlockKernels
-from minisrv.models.gguf_blocks import GGUFBlocks, pack
+from minisrv.models.gguf_blocks import GGUFBlocks
 
 from .helpers.gguf_writer import write_gguf
 from .helpers.tiny_models import build_tiny_model, make_llm, make_prompts, vocab_of
@@ -26,12 +27,45 @@ def kernels() -> BlockKernels:
     return k
 
 
-def random_blocks(rows: int, cols: int, seed: int) -> GGUFBlocks:
+class RefBlocks(NamedTuple):
+    """A matrix w = d * q + m (q [rows, cols] uint8, d and m float32 [rows, cols / 32]) and, in torch, its records
+    and values: the reference the kernels are held to."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        return self.d.repeat_interleave(32, 1) * self.q.float() + self.m.repeat_interleave(32, 1)
+
+    def pack(self) -> torch.Tensor:
+        """Records [rows / 4, cols / 32, 160]: float32 d[4], m[4], uint8 q[4][32] (cpu_blocks.c's layout)."""
+        rows, cols = self.q.shape
+        g, nb = rows // 4, cols // 32
+        q = self.q.reshape(g, 4, nb, 32).permute(0, 2, 1, 3).reshape(g, nb, 128)
+        dm = torch.cat([self.d.reshape(g, 4, nb).permute(0, 2, 1), self.m.reshape(g, 4, nb).permute(0, 2, 1)], -1)
+        return torch.cat([dm.contiguous().view(torch.uint8), q], dim=-1).contiguous()
+
+
+def ref_read(raw: np.ndarray, kind: str, rows: int, cols: int) -> RefBlocks:
+    """A GGUF tensor's blocks read in torch, from the format's definition."""
+    b = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(-1, {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]))
+    half = lambda at: b[:, at:at + 2].contiguous().view(torch.float16).float()  # noqa: E731
+    d = half(0)
+    if kind == "Q8_0":
+        q, m = (b[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8), d * -128.0
+    else:
+        nib = b[:, 2:] if kind == "Q4_0" else b[:, 4:]
+        q, m = torch.cat([nib & 0x0F, nib >> 4], dim=1), (d * -8.0 if kind == "Q4_0" else half(2))
+    return RefBlocks(q.reshape(rows, cols), d.reshape(rows, cols // 32), m.reshape(rows, cols // 32))
+
+
+def random_blocks(rows: int, cols: int, seed: int) -> RefBlocks:
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=g)
     d = (torch.randn(rows, cols // 32, generator=g) * 0.01).half().float()  # float16 scales, as a file's
     m = (torch.randn(rows, cols // 32, generator=g) * 0.5).half().float()
-    return GGUFBlocks(q, d, m)
+    return RefBlocks(q, d, m)
 
 
 @pytest.mark.parametrize("rows_x", [1, 2, 3, 5, 32, 33, 70])
@@ -41,7 +75,7 @@ def test_matmul_matches_float64(kernels, rows_x, n, k):
     (torch's matmul over the dequantised matrix), against float64."""
     w = random_blocks(n, k, seed=n * k)
     x = torch.randn(rows_x, k + 3)[:, :k]  # rows further apart than their length
-    got = kernels.matmul(x, pack(w), n, k)
+    got = kernels.matmul(x, w.pack(), n, k)
     ref = x.double() @ w.dequantize().double().t()
     assert got.shape == (rows_x, n) and got.dtype == torch.float32
     scale = (x.double().abs() @ w.dequantize().double().abs().t()).max().item()
@@ -50,25 +84,38 @@ def test_matmul_matches_float64(kernels, rows_x, n, k):
 
 def test_dequant_and_row_lookup_are_exact(kernels):
     w = random_blocks(36, 96, seed=3)
-    packed = pack(w)
+    packed = w.pack()
     assert torch.equal(kernels.dequant(packed, 36, 96), w.dequantize())
     ids = torch.tensor([[0, 35, 7], [4, 4, 18]])
     assert torch.equal(kernels.rows(packed, ids, 96), w.dequantize()[ids.reshape(-1)])
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-def test_blocks_read_from_a_file_equal_gguf_dequantizer(kind):
-    """The blocks of a tensor as gguf's quantiser writes it dequantise to gguf's own values, bit for bit (so the
-    block layers hold the float32 path's weights)."""
+def test_blocks_read_from_a_file_equal_gguf_dequantizer(kernels, kind):
+    """The records packed from a tensor as gguf's quantiser writes it (float16 scales drawn wide: subnormal, zero
+    and large ones) dequantise to gguf's own values, bit for bit (so the block layers hold the float32 path's
+    weights), and equal the records packed in torch from the format's definition, with llama.cpp's q/k row order
+    undone as the loader does."""
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
     q = GGMLQuantizationType[kind]
-    data = np.random.default_rng(7).standard_normal((24, 128)).astype(np.float32)
+    rng = np.random.default_rng(7)
+    data = (rng.standard_normal((24, 128)) * np.exp(rng.uniform(-18, 9, (24, 4))).repeat(32, 1)).astype(np.float32)
+    data[3, :32] = 0.0
     raw = quantize(data, q)
     ref = torch.from_numpy(np.asarray(dequantize(raw, q), dtype=np.float32).reshape(24, 128).copy())
-    got = GGUFBlocks.read(raw, q, 24, 128)
-    assert got.q.dtype == torch.uint8 and got.shape == (24, 128)
-    assert torch.equal(got.dequantize(), ref)
+    w = GGUFBlocks(raw, q, 24, 128)
+    packed = torch.empty(6, 4, 160, dtype=torch.uint8)
+    w.pack_into(packed, kernels)
+    assert torch.equal(kernels.dequant(packed, 24, 128), ref)
+    assert torch.equal(packed, ref_read(raw, kind, 24, 128).pack())
+    order = torch.arange(24).reshape(2, 6, 2).transpose(1, 2).reshape(-1)
+    w.take_rows(order).take_rows(order.flip(0)).pack_into(packed, kernels)
+    r = ref_read(raw, kind, 24, 128)
+    src = order[order.flip(0)]
+    assert torch.equal(packed, RefBlocks(r.q[src], r.d[src], r.m[src]).pack())
+    with pytest.raises(ValueError):
+        kernels.pack(raw, int(q), None, torch.empty(5, 4, 160, dtype=torch.uint8))  # bytes for 24 rows, not 20
 
 
 def _generate(llm, prompts, n=12):
@@ -176,7 +223,7 @@ def test_portable_path_matches_float64(tmp_path):
     for rows_x, (n, k) in [(1, (12, 64)), (3, (40, 1056)), (9, (8, 32)), (32, (4, 2080))]:
         w = random_blocks(n, k, seed=rows_x)
         x = torch.randn(rows_x, k)
-        got = kernels.matmul(x, pack(w), n, k)
+        got = kernels.matmul(x, w.pack(), n, k)
         ref = x.double() @ w.dequantize().double().t()
         scale = (x.double().abs() @ w.dequantize().double().abs().t()).max().item()
         assert (got.double() - ref).abs().max().item() <= 1e-6 * scale

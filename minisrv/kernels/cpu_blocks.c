@@ -191,6 +191,59 @@ void blocks_rows(const uint8_t *w, const int64_t *ids, int64_t t, float *out, in
     }
 }
 
+static inline float half_to_float(const uint8_t *p) {
+    const uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8), sign = (h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    if (exp == 0x1fu) bits = sign | 0x7f800000u | (mant << 13);              /* inf, nan */
+    else if (exp) bits = sign | ((exp + 112u) << 23) | (mant << 13);        /* normal */
+    else if (!mant) bits = sign;                                             /* zero */
+    else {                                                                   /* subnormal: normalised */
+        uint32_t e = 0;
+        while (!(mant & 0x400u)) { mant <<= 1; ++e; }
+        bits = sign | ((113u - e) << 23) | ((mant & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* The records of a [rows][cols] matrix from a GGUF tensor's blocks (raw: the file's bytes, row after row), in
+   one pass: record row i of group g is the file's row src[4 g + i] (src NULL: in order; llama.cpp's q/k rows are
+   interleaved for its rotary). kind: ggml's type id, 2 Q4_0 (18-byte blocks: f16 d, 16 bytes of nibbles, the low
+   ones the first 16 weights; m = -8 d), 3 Q4_1 (20: f16 d, f16 m, nibbles), 8 Q8_0 (34: f16 d, 32 int8; q + 128
+   with m = -128 d). Returns 0, or -1 for another kind. */
+int blocks_pack(const uint8_t *raw, int kind, const int64_t *src, int64_t rows, int64_t cols, uint8_t *out) {
+    const int64_t blocks = cols / QB, groups = rows / 4;
+    const int64_t bytes = kind == 2 ? 18 : kind == 3 ? 20 : kind == 8 ? 34 : 0;
+    if (!bytes) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+        for (int i = 0; i < 4; ++i) {
+            const int64_t r = src ? src[4 * g + i] : 4 * g + i;
+            const uint8_t *blk = raw + r * blocks * bytes;
+            for (int64_t b = 0; b < blocks; ++b, blk += bytes) {
+                uint8_t *rec = out + (g * blocks + b) * REC, *q = rec + 32 + i * QB;
+                const float d = half_to_float(blk);
+                float m;
+                if (kind == 8) {
+                    m = d * -128.0f;
+                    for (int j = 0; j < QB; ++j) q[j] = (uint8_t)((int)(int8_t)blk[2 + j] + 128);
+                } else {
+                    const uint8_t *nib = blk + (kind == 3 ? 4 : 2);
+                    m = kind == 3 ? half_to_float(blk + 2) : d * -8.0f;
+                    for (int j = 0; j < QB / 2; ++j) {
+                        q[j] = nib[j] & 0x0f;
+                        q[j + QB / 2] = nib[j] >> 4;
+                    }
+                }
+                memcpy(rec + 4 * i, &d, 4);
+                memcpy(rec + 16 + 4 * i, &m, 4);
+            }
+        }
+    }
+    return 0;
+}
+
 /* which path this build takes (the log says it) */
 const char *blocks_simd_path(void) {
 #if defined(__AVX2__) && defined(__FMA__)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import ctypes
 from typing import Optional
 
+import numpy as np
 import torch
 
 from .cpu_build import load_cpu_library
 
 MAX_ROWS = 32  # cpu_blocks.c's MAX_M
 RECORD_BYTES = 160  # 4 rows x 32 columns: float32 d[4], m[4], then uint8 q[4][32]
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # a GGUF block of 32 weights: Q4_0, Q4_1, Q8_0 (ggml's type ids)
 
 _i64, _int, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
@@ -35,11 +37,31 @@ class BlockKernels:
         self._rows.argtypes = [_p, _p, _i64, _p, _i64]
         for fn in (self._matmul, self._dequant, self._rows):
             fn.restype = None
+        self._pack = lib.blocks_pack
+        self._pack.argtypes = [_p, _int, _p, _i64, _i64, _p]
+        self._pack.restype = _int
 
     @staticmethod
     def load() -> "tuple[Optional[BlockKernels], str]":
         lib, how = load_cpu_library("cpu_blocks")
         return (BlockKernels(lib, how) if lib is not None else None), how
+
+    def pack(self, raw: np.ndarray, kind: int, src_rows: Optional[torch.Tensor], out: torch.Tensor) -> None:
+        """Writes out (records [n / 4, k / 32, 160] uint8, contiguous) from a GGUF tensor's blocks: raw, the file's
+        bytes of a [rows, k] matrix (ggml type `kind`: Q4_0, Q4_1 or Q8_0), row r of W being the file's row
+        src_rows[r] (int64; None: row r)."""
+        n, blocks = out.shape[0] * 4, out.shape[1]
+        if not (out.is_contiguous() and out.dtype == torch.uint8 and raw.flags["C_CONTIGUOUS"]):
+            raise ValueError("blocks_pack needs contiguous bytes in and out")
+        if raw.nbytes != n * blocks * BLOCK_BYTES.get(int(kind), -1):
+            raise ValueError(f"{raw.nbytes} bytes of GGUF type {kind} for a [{n}, {blocks * 32}] matrix")
+        if src_rows is not None:
+            src_rows = src_rows.to(torch.int64).contiguous()
+            if src_rows.numel() != n:
+                raise ValueError(f"{src_rows.numel()} source rows for {n} rows")
+        if self._pack(raw.ctypes.data, kind, src_rows.data_ptr() if src_rows is not None else None, n,
+                      blocks * 32, out.data_ptr()):
+            raise ValueError(f"no block form for GGUF type {kind}")
 
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
         """x @ W.T for x [m, k] float32, W [n, k] packed (records [n / 4, k / 32, 160] uint8): float32 [m, n]."""

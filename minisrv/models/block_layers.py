@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .checkpoint import WeightLoadError
-from .gguf_blocks import GGUFBlocks, pack, packed_shape
+from .gguf_blocks import GGUFBlocks, packed_shape
 
 
 class BlockLinear(nn.Module):
@@ -46,7 +46,7 @@ class BlockLinear(nn.Module):
         rows = w.shape[0]
         if row % 4 or rows % 4:
             raise WeightLoadError(f"block rows {row}..{row + rows} do not fall on groups of 4")
-        self.packed.data[row // 4:(row + rows) // 4].copy_(pack(w))
+        w.pack_into(self.packed.data[row // 4:(row + rows) // 4], self.kernels)
 
 
 class BlockEmbedding(BlockLinear):

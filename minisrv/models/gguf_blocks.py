@@ -6,7 +6,7 @@ q in 0..15, m = -8 d; Q8_0: q + 128, m = -128 d). d * q and m are exact in float
 gguf's own dequantiser does: the packed weights dequantise to the float32 path's values, to the bit.
 
 `blocks_unavailable_here` and `blocks_unavailable_in` say why a model cannot load this way (then it is dequantised as before); `GGUFBlocks` is one
-tensor's blocks as the loader hands them to the layers (block_layers.py), `pack` lays them out for the kernels.
+tensor's blocks as the loader hands them to the layers (block_layers.py), which the kernels lay out in one pass.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import torch
 from gguf.constants import GGMLQuantizationType as Q
 
 from .args import ModelArgs
-from .gguf_dequant import block_scale, nibbles, raw_blocks
 
 BLOCK = 32
 RECORD_BYTES = 160  # kernels/cpu_blocks.py's: 4 rows x 32 columns, float32 d[4], m[4], then uint8 q[4][32]
@@ -31,48 +30,26 @@ def is_block_matrix(hf_name: str) -> bool:
 
 @dataclass
 class GGUFBlocks:
-    """A [rows, cols] matrix as bytes q [rows, cols] and float32 d, m [rows, cols / 32]: w = d * q + m."""
+    """One tensor's blocks as the loader hands them to the layers: the file's bytes of a [rows, cols] matrix (gguf's
+    reader's view, not read yet), its block type, and the file's row each row comes from (None: in order)."""
 
-    q: torch.Tensor
-    d: torch.Tensor
-    m: torch.Tensor
+    data: Any
+    kind: Q
+    rows: int
+    cols: int
+    src_rows: Optional[torch.Tensor] = None
 
     @property
     def shape(self) -> torch.Size:
-        return self.q.shape
-
-    @classmethod
-    def read(cls, data: Any, kind: Q, rows: int, cols: int) -> "GGUFBlocks":
-        """From a tensor's raw bytes (gguf's reader gives a numpy view of them), in the file's block type."""
-        if kind == Q.Q8_0:
-            b = raw_blocks(data, 34)
-            d = block_scale(b, 0)
-            q = (b[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-            m = d * -128.0
-        elif kind in (Q.Q4_0, Q.Q4_1):
-            b = raw_blocks(data, 18 if kind == Q.Q4_0 else 20)
-            d = block_scale(b, 0)
-            q = nibbles(b[:, 2:] if kind == Q.Q4_0 else b[:, 4:])
-            m = d * -8.0 if kind == Q.Q4_0 else block_scale(b, 2)
-        else:
-            raise ValueError(f"no block form for GGUF type {kind!r}")
-        return cls(q.reshape(rows, cols), d.reshape(rows, cols // BLOCK), m.reshape(rows, cols // BLOCK))
+        return torch.Size((self.rows, self.cols))
 
     def take_rows(self, index: torch.Tensor) -> "GGUFBlocks":
-        return GGUFBlocks(self.q[index], self.d[index], self.m[index])
+        src = index if self.src_rows is None else self.src_rows[index]
+        return GGUFBlocks(self.data, self.kind, self.rows, self.cols, src)
 
-    def dequantize(self) -> torch.Tensor:
-        """The float32 matrix (what the dequantising path loads)."""
-        return self.d.repeat_interleave(BLOCK, 1) * self.q.float() + self.m.repeat_interleave(BLOCK, 1)
-
-
-def pack(w: GGUFBlocks) -> torch.Tensor:
-    """Records [rows / 4, cols / 32, 160] uint8 (kernels/cpu_blocks.c's layout) of a matrix with rows % 4 == 0."""
-    rows, cols = w.shape
-    g, nb = rows // 4, cols // BLOCK
-    q = w.q.reshape(g, 4, nb, BLOCK).permute(0, 2, 1, 3).reshape(g, nb, 4 * BLOCK)
-    dm = torch.cat([w.d.reshape(g, 4, nb).permute(0, 2, 1), w.m.reshape(g, 4, nb).permute(0, 2, 1)], dim=-1)
-    return torch.cat([dm.contiguous().view(torch.uint8), q], dim=-1).contiguous()
+    def pack_into(self, out: torch.Tensor, kernels: Any) -> None:
+        """Writes the kernels' records of the matrix into out ([rows / 4, cols / 32, 160] uint8), in one pass."""
+        kernels.pack(self.data, int(self.kind), self.src_rows, out)
 
 
 def packed_shape(rows: int, cols: int) -> tuple:

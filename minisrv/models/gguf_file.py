@@ -64,12 +64,14 @@ class _CheckedReader(GGUFReader):
             raise self._past_end()
         return super()._get(offset, dtype, count, override_order)
 
+    def _order(self) -> str:
+        host_little = sys.byteorder == "little"
+        return "<" if host_little != (self.byte_order == "S") else ">"  # "S": the file's order is not the host's
+
     def _unpack(self, fmt: str, offset: int) -> int:
         if offset + struct.calcsize(fmt) > self.size:
             raise self._past_end()
-        host_little = sys.byteorder == "little"
-        order = "<" if host_little != (self.byte_order == "S") else ">"  # "S": the file's order is not the host's
-        return struct.unpack_from(order + fmt, self.data, offset)[0]
+        return struct.unpack_from(self._order() + fmt, self.data, offset)[0]
 
     def _skip_array(self, offset: int, depth: int) -> int:
         """Where the array at `offset` ends. Each element takes at least one byte, a string or an array at least 8:
@@ -79,9 +81,13 @@ class _CheckedReader(GGUFReader):
         scalar = self.gguf_scalar_to_np.get(item)
         if scalar is not None:
             offset += count * np.dtype(scalar).itemsize
-        elif item == GGUFValueType.STRING:
+        elif item == GGUFValueType.STRING:  # a vocabulary: 10^5 strings, so the loop is kept lean
+            length = struct.Struct(self._order() + "Q").unpack_from
+            data, end = self.data, self.size - 8
             for _ in range(count):
-                offset += 8 + self._unpack("Q", offset)
+                if offset > end:
+                    raise self._past_end()
+                offset += 8 + length(data, offset)[0]
         elif item == GGUFValueType.ARRAY:
             if depth >= MAX_NESTING:
                 raise Unreadable(f"arrays nested deeper than {MAX_NESTING} (in {self._where()})")
@@ -204,7 +210,7 @@ def iter_gguf(path: str, args: ModelArgs, reader: Optional[GGUFReader] = None,
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         try:
             if blocks and is_block_matrix(name):
-                w = GGUFBlocks.read(t.data, t.tensor_type, *shape)
+                w = GGUFBlocks(t.data, t.tensor_type, *shape)
             else:
                 w = dequantize(t.data, t.tensor_type).reshape(shape)
         except Exception as e:
