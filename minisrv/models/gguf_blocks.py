@@ -5,8 +5,9 @@ Q4_0, Q4_1 and Q8_0 blocks all read as w = d * q + m with q a byte and (d, m) on
 q in 0..15, m = -8 d; Q8_0: q + 128, m = -128 d). d * q and m are exact in float32 and d * q + m rounds once, as
 gguf's own dequantiser does: the packed weights dequantise to the float32 path's values, to the bit.
 
-`blocks_unavailable_here` and `blocks_unavailable_in` say why a model cannot load this way (then it is dequantised as before); `GGUFBlocks` is one
-tensor's blocks as the loader hands them to the layers (block_layers.py), which the kernels lay out in one pass.
+`blocks_unavailable_here` and `blocks_unavailable_in` say why a model cannot load this way (then it is dequantised
+as before); `GGUFBlocks` is one tensor's blocks as the loader hands them to the layers (block_layers.py), which the
+kernels lay out in one pass.
 """
 from __future__ import annotations
 

@@ -89,8 +89,9 @@ def build_gguf_tokenizer(cls: Any, reader: GGUFReader, folder: str) -> Optional[
     """`cls.from_pretrained(folder, gguf_file=...)` for the file `reader` read, built from its metadata as read
     here; None where this transformers has no such converter or the file is not one this reader handles (the
     caller converts it the slow way)."""
-    try:
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    try:  # (the names gguf_tokenizer_inputs takes too: a transformers without them converts the slow way)
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (  # noqa: F401
+            _SPECIAL_TOKENS, GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
     except ImportError:
         return None
     metadata = tokenizer_metadata(reader)
