@@ -47,6 +47,16 @@ class _CheckedReader(GGUFReader):
             raise Unreadable(f"no GGUF magic: the file starts with {magic!r}")
         super().__init__(path)
 
+    @property
+    def data(self) -> np.ndarray:
+        return self._mapped
+
+    @data.setter
+    def data(self, mapped: np.ndarray) -> None:
+        # GGUFReader maps the file as a np.memmap; a plain array over the same mapping slices without making a
+        # memmap object per slice, a third of the header's read (0.06 -> 0.04 s for the default model)
+        self._mapped = mapped.view(np.ndarray)
+
     def _where(self) -> str:
         fields = getattr(self, "fields", None)
         if not fields or "GGUF.kv_count" not in fields:
