@@ -100,9 +100,12 @@ def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.dev
     quantization = "fp8" if quantization == "fp8" or fp8_format is not None else None
     if is_gguf(path):
         cache = GGUFCache.open(path, cache_dir)
-        if _keep_blocks(path, args, dtype, device, tp, quantization, fused_ops, gguf_weights, cache, embedding):
+        keep, reader = _keep_blocks(path, args, dtype, device, tp, quantization, fused_ops, gguf_weights, cache,
+                                    embedding)
+        if keep:
             quantization = "gguf"
-        return _load_gguf(path, args, dtype, device, max_positions, fused_ops, tp, quantization, embedding, cache)
+        return _load_gguf(path, args, dtype, device, max_positions, fused_ops, tp, quantization, embedding, cache,
+                          reader)
     model = empty_model(args, dtype, device, max_positions, fused_ops, tp, quantization, embedding)
     source = iter_safetensors(path)
     kv_scales = CheckpointKVScales(args.num_layers)
@@ -115,27 +118,29 @@ def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.dev
 
 def _keep_blocks(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, tp: Optional[TensorParallel],
                  quantization: Optional[str], fused_ops: Optional[Any], setting: str, cache: Optional[GGUFCache],
-                 embedding: bool) -> bool:
-    """Whether a GGUF model loads with its blocks kept (quantization "gguf"), as `setting` asks and the file allows;
-    the reason is logged (or raised, where blocks were asked for) when it cannot."""
+                 embedding: bool) -> Tuple[bool, Optional[Any]]:
+    """(whether a GGUF model loads with its blocks kept (quantization "gguf"), as `setting` asks and the file
+    allows; the file's header where it was read to decide, for the load to reuse, else None). The reason is logged
+    (or raised, where blocks were asked for) when it cannot."""
     if setting == "float32":
-        return False
+        return False, None
     kernels = getattr(fused_ops, "block_kernels", None) if device.type == "cpu" else None
     why = blocks_unavailable_here(args, device, dtype, tp is not None and tp.enabled, quantization, kernels)
     if why is None:
         cached = cache is not None and os.path.isfile(cache.model_file(_cache_options(dtype, "gguf", tp, embedding)))
         if setting == "auto" and cached:
-            return True  # cached in blocks: this file was found fit for them before (the header read is 0.1 s)
+            return True, None  # cached in blocks: this file was found fit for them before (no header read)
         from .gguf_file import hf_name, read_gguf
-        why = blocks_unavailable_in(read_gguf(path), hf_name)
+        reader = read_gguf(path)
+        why = blocks_unavailable_in(reader, hf_name)
     if why is None:
         logger.info("GGUF weights kept in their blocks (1.25 bytes a weight; %s)", kernels.how)
-        return True
+        return True, reader
     if setting == "blocks":
         raise ValueError(f"--gguf-weights blocks: cannot keep this model's blocks: {why}")
     if device.type == "cpu":
         logger.info("GGUF weights dequantised to %s: %s", str(dtype).replace("torch.", ""), why)
-    return False
+    return False, None
 
 
 def _cache_options(dtype: torch.dtype, quantization: Optional[str], tp: Optional[TensorParallel],
@@ -148,13 +153,14 @@ def _cache_options(dtype: torch.dtype, quantization: Optional[str], tp: Optional
 
 def _load_gguf(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
                fused_ops: Optional[Any], tp: Optional[TensorParallel], quantization: Optional[str],
-               embedding: bool, cache: Optional[GGUFCache]) -> nn.Module:
+               embedding: bool, cache: Optional[GGUFCache], reader: Optional[Any] = None) -> nn.Module:
     """A GGUF model: its parameters mapped from the cache's file for these load options when it has one, else
-    dequantised from the GGUF (one tensor at a time, then sliced for a rank) and written to the cache."""
+    dequantised from the GGUF (one tensor at a time, then sliced for a rank) and written to the cache. `reader`: the
+    file's header if it was read already."""
     t0 = time.perf_counter()
     build = (args, dtype, device, max_positions, fused_ops, tp, quantization, embedding)
     if cache is None:
-        return _dequantised_model(path, build, t0)
+        return _dequantised_model(path, build, t0, reader)
     options = _cache_options(dtype, quantization, tp, embedding)
     file = cache.model_file(options)
     model, why = _cached_model(file, build, cache, t0)
@@ -166,7 +172,7 @@ def _load_gguf(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.dev
             model, why = _cached_model(file, build, cache, t0)
             if model is not None:
                 return model
-        model = _dequantised_model(path, build, t0)
+        model = _dequantised_model(path, build, t0, reader)
         # the file is written by a thread that holds the building lock until it is whole (a process that starts
         # meanwhile waits for it, then maps it), while the engine already serves: the write is 2 s of a 6-9 s first
         # start here
@@ -190,10 +196,11 @@ def _cached_model(file: str, build: tuple, cache: GGUFCache, t0: float) -> Tuple
     return model, ""
 
 
-def _dequantised_model(path: str, build: tuple, t0: float) -> nn.Module:
+def _dequantised_model(path: str, build: tuple, t0: float, reader: Optional[Any] = None) -> nn.Module:
     args = build[0]
     from .gguf_file import iter_gguf, read_gguf
-    reader = read_gguf(path)  # a truncated or damaged file is refused here, before any tensor is read
+    if reader is None:  # (the blocks check may have read it) a truncated or damaged file is refused here
+        reader = read_gguf(path)
     model = empty_model(*build)
     blocks = build[6] == "gguf"
     load_weights(model, ((n, StoredTensor.in_memory(w)) for n, w in iter_gguf(path, args, reader, blocks)), args,
