@@ -97,7 +97,7 @@ class EngineConfig:
                        help="where a GGUF model's config, tokenizer and dequantised weights are cached (default: "
                             "$MINISRV_CACHE_DIR, else $XDG_CACHE_HOME/minisrv or ~/.cache/minisrv); 'off': none")
         p.add_argument("--attention-backend", default=d.attention_backend,
-                       help="auto | torch | fa | fi | PREFILL,DECODE (e.g. fa,fi)")
+                       help="auto | torch | fa | fi | PREFILL,DECODE (e.g. fa,fi; triton: decode only, fa,triton)")
         p.add_argument("--dtype", default=d.dtype, choices=DTYPES)
         p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                        help="auto: the model's dtype; fp8_e4m3: float8 K/V (per-layer scales of 1.0), twice the "

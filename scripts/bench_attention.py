@@ -4,7 +4,7 @@ read (every request's K and V once), and each output against a float32 reference
 
 Kernels: FlashInfer's decode wrapper (CUDA-core and tensor-core variants), FlashAttention-3 (`fa3`; with an FP8
 cache it takes q in e4m3 too) and FlashInfer's XQA (`xqa`, TensorRT-LLM's decode kernel; Hopper's FP8 path is its own
-kernel). The cache has --context tokens a request in pages of --page-size, the pages of all requests shuffled, as a
+kernel) and minisrv's Triton decode kernel (`triton`: the splits its rule picks; `triton-sN`: N splits). The cache has --context tokens a request in pages of --page-size, the pages of all requests shuffled, as a
 pool's are after a while. Each kernel runs --iters times in a CUDA graph; the median of --repeat graph replays is
 reported.
 
@@ -37,9 +37,11 @@ def reference(q, k_cache, v_cache, page_table, seq_len, scale, k_scale, v_scale)
     return torch.einsum("bht,bthd->bhd", s.softmax(-1), v)
 
 
-def kernels(q, k_cache, v_cache, page_table, seq_lens, scale, k_scale, v_scale, page_size, kv_dtype):
+def kernels(q, k_cache, v_cache, page_table, seq_lens, scale, k_scale, v_scale, page_size, kv_dtype, wanted=()):
     """name -> a call that writes its output into a fixed tensor (CUDA-graph safe), for every kernel available."""
     import flashinfer
+
+    from minisrv.kernels.decode_attention import triton_decode_attention
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
     dev = q.device
@@ -73,6 +75,11 @@ def kernels(q, k_cache, v_cache, page_table, seq_lens, scale, k_scale, v_scale, 
         out["fa3"] = (run_fa3, o3)
     except Exception as e:  # noqa: BLE001
         print(f"  fa3 unavailable: {type(e).__name__}: {e}")
+    for name in ("triton", *[w for w in wanted if w.startswith("triton-s")]):
+        ot = torch.empty_like(q)
+        splits = int(name[len("triton-s"):]) if name != "triton" else None
+        out[name] = (lambda ot=ot, splits=splits: triton_decode_attention()(
+            q, k_cache, v_cache, page_table, seq_lens, scale, k_scale, v_scale, splits=splits, out=ot), ot)
     try:
         from flashinfer.decode import xqa_batch_decode_with_kv_cache
         ox = torch.empty_like(q)
@@ -97,7 +104,7 @@ def main() -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-dtypes", default="bf16,fp8")
-    p.add_argument("--kernels", default="fi,fi-tc,fa3,xqa")
+    p.add_argument("--kernels", default="fi,fi-tc,fa3,xqa,triton")
     add_timing_args(p, repeat=20)
     a = p.parse_args()
     torch.manual_seed(0)
@@ -126,7 +133,7 @@ def main() -> int:
                 floor_us = nbytes / a.bandwidth * 1e6
                 line = f"heads {hq}/{hkv} batch {bs:3d} KV {name:4s} floor {floor_us:6.1f} us:"
                 for kname, (fn, o) in kernels(q, k_cache, v_cache, page_table, seq_lens, scale, k_scale,
-                                              v_scale, ps, kv_dtype).items():
+                                              v_scale, ps, kv_dtype, wanted).items():
                     if kname not in wanted:
                         continue
                     try:

@@ -14,7 +14,7 @@ from minisrv.attention import BackendUnavailable, auto_choice, canonical, missin
 
 CUDA = torch.device("cuda")  # constructing a device object needs no GPU
 CPU = torch.device("cpu")
-ALL_PACKAGES = {"flashinfer", "sgl_kernel", "flash_attn_interface"}
+ALL_PACKAGES = {"flashinfer", "sgl_kernel", "flash_attn_interface", "triton"}
 
 
 @pytest.fixture
@@ -84,7 +84,8 @@ def test_auto_on_old_gpu_is_torch(fake):
     assert resolve_backend("auto", CUDA) == "torch"
 
 
-@pytest.mark.parametrize("name", ["torch", "fa", "fi", "fa,fi", "fi,fa", "torch,fi", "fi,torch"])
+@pytest.mark.parametrize("name", ["torch", "fa", "fi", "fa,fi", "fi,fa", "torch,fi", "fi,torch", "fa,triton",
+                                  "fi,triton"])
 def test_explicit_available(fake, name):
     fake(90)
     assert resolve_backend(name, CUDA) == name
@@ -139,6 +140,23 @@ def test_unknown_names(fake, name):
         resolve_backend(name, CUDA)
     with pytest.raises(ValueError):
         missing(name, 90)
+
+
+@pytest.mark.parametrize("name", ["triton", "triton,fi", "triton,triton"])
+def test_triton_is_a_decode_half_only(fake, name):
+    fake(90)
+    with pytest.raises(ValueError, match="decode steps only.*fa,triton"):
+        resolve_backend(name, CUDA)
+
+
+def test_triton_decode_half_needs_cuda_sm80_and_triton(fake):
+    fake(90, packages=ALL_PACKAGES - {"triton"})
+    with pytest.raises(BackendUnavailable, match="pip install triton"):
+        resolve_backend("fa,triton", CUDA)
+    fake(75)
+    assert "SM80" in missing("torch,triton", 75)
+    fake(None)
+    assert "CUDA" in missing("torch,triton", None)
 
 
 def test_canonical_names(fake):

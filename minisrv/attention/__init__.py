@@ -1,6 +1,7 @@
 """Registry of attention backends, keyed by the `--attention-backend` strings.
 
-Names: `torch`, `fa`, `fi`, and any hybrid `P,D` (prefill/extend on P, decode on D; `fa,fa` is `fa`).
+Names: `torch`, `fa`, `fi`, and any hybrid `P,D` (prefill/extend on P, decode on D; `fa,fa` is `fa`); `triton`
+(minisrv's own decode kernel, triton_decode.py) decodes only, so it is named as a decode half (`fa,triton`).
 A backend's module is imported only when it is chosen, so `import minisrv` needs no GPU library.
 `auto` resolves by the GPU's SM version: SM100+ -> fi, SM90 -> fa,fi, other CUDA GPUs -> fi, no CUDA -> torch;
 if what auto picked cannot load it falls back (fa,fi -> fi -> torch) and logs why.
@@ -69,6 +70,16 @@ def _torch_missing(sm: Optional[int]) -> Optional[str]:
     return None
 
 
+def _triton_missing(sm: Optional[int]) -> Optional[str]:
+    if sm is None:
+        return "the triton decode backend needs a CUDA GPU"
+    if sm < 80:
+        return f"the triton decode backend needs SM80 or newer; this GPU is SM{sm}"
+    if not _package_present("triton"):
+        return "the triton decode backend needs Triton: pip install triton"
+    return None
+
+
 def _create_torch(pool, req_to_token, num_q_heads) -> AttentionBackend:
     from .torch_native import TorchNativeBackend
     return TorchNativeBackend(pool, req_to_token, num_q_heads)
@@ -84,12 +95,19 @@ def _create_fi(pool, req_to_token, num_q_heads) -> AttentionBackend:
     return FlashInferBackend(pool, req_to_token, num_q_heads)
 
 
+def _create_triton(pool, req_to_token, num_q_heads) -> AttentionBackend:
+    from .triton_decode import TritonDecodeBackend
+    return TritonDecodeBackend(pool, req_to_token, num_q_heads)
+
+
 # name -> (what it lacks on this machine, lazily importing creator)
 BACKENDS: Dict[str, tuple] = {
     "torch": (_torch_missing, _create_torch),
     "fa": (_fa_missing, _create_fa),
     "fi": (_fi_missing, _create_fi),
+    "triton": (_triton_missing, _create_triton),
 }
+DECODE_ONLY = ("triton",)
 
 AUTO_FALLBACK = {"fa,fi": "fi", "fi": "torch"}
 
@@ -99,6 +117,9 @@ def _parts(name: str) -> List[str]:
     if len(parts) not in (1, 2) or any(p not in BACKENDS for p in parts):
         raise ValueError(f"unknown attention backend {name!r}; choose auto, {', '.join(BACKENDS)} "
                          f"or a hybrid PREFILL,DECODE such as fa,fi")
+    if parts[0] in DECODE_ONLY:
+        raise ValueError(f"attention backend {parts[0]!r} runs decode steps only: name it as the decode half of a "
+                         f"hybrid PREFILL,DECODE such as fa,{parts[0]}")
     return parts
 
 

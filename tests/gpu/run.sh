@@ -12,6 +12,7 @@
 #           llama8b-fp8-xqa decode-fp8w-xqa half-profile
 #           allreduce-fused tp-profile-fused half-offline startup startup-fresh startup-8b imports moe moe-kernel moe-bench
 #           moe-decode moe-decode-fa moe-profile moe-sweep moe-offline serving-think startup-fi layer-kernels peer-moe
+#           triton-tests attn-triton moe-decode-triton decode-triton bench-triton
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -289,6 +290,19 @@ for phase in "${@:-smoke}"; do
     peer-moe) need_moe; grep -q "def moe_align_block_size" .peers/shims/sgl_kernel/__init__.py \
                 || cat tests/gpu/peer_moe_ops.py >> .peers/shims/sgl_kernel/__init__.py
               for i in 1 2; do step peer-moe 300 env NUM=256 bash .peers/run.sh minisgl /tmp/moe; done ;;
+    # minisrv's Triton decode kernel (fa,triton): its tests, the kernel beside FlashInfer's and FA3's at short and
+    # long contexts (with the split counts the rule would not pick), and the decode steps and nano workload on it
+    triton-tests) step triton-kernel 300 python3 -m pytest -q -rs tests/gpu/test_decode_attention.py
+                  step triton-backend 400 python3 -m pytest -q -rs tests/gpu/test_backends.py tests/gpu/test_fp8_kv.py \
+                    tests/gpu/test_cuda_graph.py -k triton ;;
+    attn-triton) for ctx in 128 1024 4096; do
+                   step "attn-triton $ctx" 200 python3 $S/bench_attention.py --heads "32,4;16,8" --batch-sizes 1,64,256 \
+                     --context $ctx --kv-dtypes bf16 --kernels fi-tc,fa3,triton,triton-s1,triton-s2,triton-s4; done ;;
+    moe-decode-triton) need_moe; step moe-decode-triton 300 python3 $S/bench_decode.py --model /tmp/moe \
+                  --attention-backend fa,triton --batch-sizes 1,64,256 --graphs on --steps 32 --context 128 --json "$OUT/decode.jsonl" ;;
+    decode-triton) for b in auto fa,triton; do step "decode $b" 300 python3 $S/bench_decode.py --model "$MINISRV_GPU_CKPT" \
+                  --attention-backend $b --batch-sizes 1,64,256 --graphs on --steps 32 --json "$OUT/decode.jsonl"; done ;;
+    bench-triton) step bench-triton 300 $BENCH --attention-backend fa,triton ;;
     moe-offline) need_moe; step moe-offline 400 python3 $S/bench_offline.py --model /tmp/moe --json "$OUT/bench.jsonl" ;;
     *) echo "unknown phase $phase" ;;
   esac

@@ -1,4 +1,4 @@
-"""The fast attention backends (fa, fi and their hybrids) against the torch reference, on a CUDA GPU.
+"""The fast attention backends (fa, fi, the triton decode half and their hybrids) against the torch reference, on a CUDA GPU.
 
 Every case builds a paged pool whose pages are handed out in a shuffled order (so requests' pages are not
 contiguous), fills each request's cached prefix with random K/V, runs one step through the backend under test and
@@ -175,7 +175,7 @@ def run_against_torch(name: str, mode: ForwardMode, page_size: int, dtype: torch
 @pytest.mark.parametrize("hq,hkv,d,dtype", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
-@pytest.mark.parametrize("name", ["fa", "fi", "fa,fi", "fi,fa"])
+@pytest.mark.parametrize("name", ["fa", "fi", "fa,fi", "fi,fa", "fa,triton"])
 def test_matches_torch(name, mode, page_size, dtype, hq, hkv, d):
     sc, ref_pool, out, ref, t = run_against_torch(name, mode, page_size, dtype, hq, hkv, d)
     for layer in range(NUM_LAYERS):
@@ -188,7 +188,7 @@ def test_matches_torch(name, mode, page_size, dtype, hq, hkv, d):
 
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (16, 8, 128)])  # fi: tensor-core and CUDA-core decode
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("name", ["fa", "fi"])
+@pytest.mark.parametrize("name", ["fa", "fi", "fa,triton"])
 def test_cuda_graph_decode(name, page_size, hq, hkv, d):
     """Capture decode at bs 4 and 8 on static buffers, then replay real batches padded up to them."""
     check_cuda_graph_decode(name, page_size, hq, hkv, d)

@@ -20,7 +20,7 @@ def _run(backend, graphs, prompts):
         free_cuda()
 
 
-@pytest.mark.parametrize("backend", ["fa,fi", "fi", "fa"])
+@pytest.mark.parametrize("backend", ["fa,fi", "fi", "fa", "fa,triton"])
 def test_graph_replay_equals_eager(backend):
     skip_unless_runs(backend)
     for bs in (1, 3, 17, 64):

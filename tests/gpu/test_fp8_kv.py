@@ -74,7 +74,7 @@ def test_fi_decode_kernel_choice(kernel, page_size):
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
 @pytest.mark.parametrize("name,kernel", [("fa", "flashinfer"), ("fi", "flashinfer"), ("fa,fi", "flashinfer"),
-                                         ("fi", "xqa"), ("fa,fi", "xqa")])
+                                         ("fi", "xqa"), ("fa,fi", "xqa"), ("fa,triton", "flashinfer")])
 def test_fp8_pool_matches_torch(name, kernel, mode, page_size, dtype, hq, hkv, d):
     """kernel: the fi backend's FP8 decode kernel (xqa: decode steps on Hopper, pages of 16)."""
     if kernel == "xqa" and not (mode is ForwardMode.DECODE and page_size in XQA_PAGE_SIZES and _hopper()):
@@ -95,7 +95,7 @@ def test_fp8_pool_matches_torch(name, kernel, mode, page_size, dtype, hq, hkv, d
 
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (16, 8, 128)])  # fi: tensor-core and CUDA-core decode
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("name", ["fa", "fi"])
+@pytest.mark.parametrize("name", ["fa", "fi", "fa,triton"])
 def test_fp8_cuda_graph_decode(name, page_size, hq, hkv, d):
     check_cuda_graph_decode(name, page_size, hq, hkv, d, kv_dtype=FP8, scales=SCALES,
                             tol=_tol(name, ForwardMode.DECODE))

@@ -1,0 +1,79 @@
+"""Decode steps on minisrv's own Triton kernel (kernels/decode_attention.py), as the decode half of a hybrid backend
+(`--attention-backend fa,triton`); prefill and extend steps belong to the other half.
+
+The kernel takes FA3's description of the batch (page table [B, max_pages] and lengths [B], int32), so the step's
+metadata is one gather from the request->token table and nothing is planned on the host; the CUDA-graph form is the
+same static page table FA3 and XQA use. New tokens' k/v are in the pool before the kernel reads it (the fused
+rotary + store writes them, or `forward` does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Tuple
+
+import torch
+
+from minisrv.batch import ForwardBatch
+from minisrv.kernels.decode_attention import triton_decode_attention
+
+from .base import AttentionBackend
+from .page_table import StaticPageTable, int32_lens, page_table, require
+
+if TYPE_CHECKING:
+    from minisrv.kvcache import KVPool
+
+
+@dataclass(frozen=True)
+class TritonDecodeMeta:
+    loc: torch.Tensor  # [B] slots the step's k/v go to
+    page_table: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32, counting the step's own token
+
+
+class TritonDecodeBackend(AttentionBackend):
+    name = "triton"
+    decode_kernel = "triton"
+    supports_cuda_graph = True
+
+    def __init__(self, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int) -> None:
+        super().__init__(pool, req_to_token, num_q_heads)
+        self.kernel = triton_decode_attention()
+        if self.kernel is None:
+            raise ImportError("the triton decode backend needs Triton")
+        if self.head_dim < 16 or self.head_dim & (self.head_dim - 1):
+            raise ValueError(f"the triton decode kernel needs a power-of-two head_dim of at least 16; this model's is "
+                             f"{self.head_dim}: use another attention backend")
+        self.page_size = pool.page_size
+        self.static: Optional[StaticPageTable] = None  # what captured graphs read (init_graph_state)
+
+    def prepare(self, b: ForwardBatch) -> TritonDecodeMeta:
+        if not b.is_decode:
+            raise ValueError("the triton backend runs decode steps only")
+        return TritonDecodeMeta(b.out_cache_loc, page_table(self.req_to_token, b.req_rows, b.max_seq_len,
+                                                            self.page_size), int32_lens(b))
+
+    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer_id: int,
+                meta: TritonDecodeMeta) -> torch.Tensor:
+        pool = self.pool
+        if k is not None:
+            pool.store(layer_id, meta.loc, k, v)
+        return self.kernel(q, pool.k[layer_id], pool.v[layer_id], meta.page_table, meta.seq_lens, self.scale,
+                           pool.k_scale_host[layer_id], pool.v_scale_host[layer_id])
+
+    def kv_store_target(self, layer_id: int, meta: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        return self._pool_target(layer_id, meta.loc)
+
+    # -- CUDA graphs --------------------------------------------------------------------------------------------
+
+    def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
+        self.static = StaticPageTable(max_bs, max_seq_len, self.page_size, self.req_to_token.device)
+
+    def prepare_for_capture(self, b: ForwardBatch) -> TritonDecodeMeta:
+        if not b.is_decode:
+            raise ValueError("CUDA graphs capture decode batches only")
+        static = require(self.static)
+        static.fill(self.req_to_token, b, b.batch_size)
+        return TritonDecodeMeta(b.out_cache_loc, *static.rows(b.batch_size))
+
+    def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: TritonDecodeMeta) -> None:
+        require(self.static).fill(self.req_to_token, b, padded_bs)
