@@ -4,7 +4,9 @@ read (every request's K and V once), and each output against a float32 reference
 
 Kernels: FlashInfer's decode wrapper (CUDA-core and tensor-core variants), FlashAttention-3 (`fa3`; with an FP8
 cache it takes q in e4m3 too) and FlashInfer's XQA (`xqa`, TensorRT-LLM's decode kernel; Hopper's FP8 path is its own
-kernel) and minisrv's Triton decode kernel (`triton`: the splits its rule picks; `triton-sN`: N splits). The cache has --context tokens a request in pages of --page-size, the pages of all requests shuffled, as a
+kernel) and minisrv's Triton decode kernel (`triton`: its launch rule; `triton:splits=2/tile=128/num_warps=8`:
+other launch parameters, those of its launcher). The cache has --context tokens a request in pages of --page-size, the pages of all requests
+shuffled, as a
 pool's are after a while. Each kernel runs --iters times in a CUDA graph; the median of --repeat graph replays is
 reported.
 
@@ -75,11 +77,11 @@ def kernels(q, k_cache, v_cache, page_table, seq_lens, scale, k_scale, v_scale, 
         out["fa3"] = (run_fa3, o3)
     except Exception as e:  # noqa: BLE001
         print(f"  fa3 unavailable: {type(e).__name__}: {e}")
-    for name in ("triton", *[w for w in wanted if w.startswith("triton-s")]):
+    for name in ("triton", *[w for w in wanted if w.startswith("triton:")]):
         ot = torch.empty_like(q)
-        splits = int(name[len("triton-s"):]) if name != "triton" else None
-        out[name] = (lambda ot=ot, splits=splits: triton_decode_attention()(
-            q, k_cache, v_cache, page_table, seq_lens, scale, k_scale, v_scale, splits=splits, out=ot), ot)
+        extra = {k: int(v) for k, v in (kv.split("=") for kv in name.split(":")[1].split("/"))} if ":" in name else {}
+        out[name] = (lambda ot=ot, extra=extra: triton_decode_attention()(
+            q, k_cache, v_cache, page_table, seq_lens, scale, k_scale, v_scale, out=ot, **extra), ot)
     try:
         from flashinfer.decode import xqa_batch_decode_with_kv_cache
         ox = torch.empty_like(q)

@@ -29,4 +29,4 @@ def test_split_rule():
         for hkv in (1, 4, 8):
             s = splits_for(bs, hkv)
             assert 1 <= s <= MAX_SPLITS and s & (s - 1) == 0
-    assert splits_for(1, 4) == MAX_SPLITS and splits_for(256, 4) == 1 and splits_for(8, 4) == 16
+    assert splits_for(1, 4) == MAX_SPLITS and splits_for(64, 4) == 1 and splits_for(8, 4) == 8

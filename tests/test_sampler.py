@@ -264,6 +264,26 @@ def test_top_k_1_and_greedy_rows_are_argmax():
     assert ids[48:].tolist() != logits[48:].argmax(-1).tolist()  # the plain rows really sample
 
 
+def test_bfloat16_logits_sample_as_their_float32_widening():
+    """The head's bf16 logits: an all-greedy batch takes the argmax on them as they are (ties included: widening is
+    exact), and every other batch computes on the float32 widening, so both give the float32 logits' results."""
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(16, 400, generator=g) * 4).to(torch.bfloat16)
+    logits[3, 10] = logits[3, 200] = logits[3].max() + 1  # a tie: the lower index wins either way
+    wide = logits.float()
+    greedy = _batch([SamplingParams(temperature=0.0)] * 16)
+    assert sample(logits, greedy)[0].tolist() == sample(wide, greedy)[0].tolist() == wide.argmax(-1).tolist()
+    assert sample(logits, greedy)[0][3].item() == 10
+    with_logprobs = _batch([SamplingParams(temperature=0.0, logprobs=3)] * 16)
+    ids, lp, (top_lp, top_ids) = sample(logits, with_logprobs)
+    ids_f, lp_f, (top_lp_f, top_ids_f) = sample(wide, with_logprobs)
+    assert lp.dtype == torch.float32 and torch.equal(lp, lp_f) and torch.equal(top_lp, top_lp_f)
+    assert torch.equal(ids, ids_f) and torch.equal(top_ids, top_ids_f)
+    mixed = _batch([SamplingParams(temperature=0.8, presence_penalty=0.5)] * 8 + [SamplingParams(temperature=0.0)] * 8,
+                   seeds=list(range(16)))
+    assert torch.equal(sample(logits, mixed)[0], sample(wide, mixed)[0])
+
+
 def test_same_seed_same_draw_whatever_the_batch():
     g = torch.Generator().manual_seed(2)
     row = torch.randn(1, 300, generator=g)

@@ -209,7 +209,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [B, V] float32 at each request's last token of the step."""
+        """Logits [B, V] (the head's dtype) at each request's last token of the step."""
         if fb.is_decode and self.graph_runner is not None and self.graph_runner.can_run(fb):
             return self.graph_runner.replay(fb)
         hidden = self.model(fb.input_ids, fb.positions, self.backend.step(fb))

@@ -63,7 +63,7 @@ def score_prompt_rows(model: torch.nn.Module, hidden: torch.Tensor,
     idx = to_device([rows, inp.score_targets], torch.int64, hidden.device)
     chosen, top_v, top_i = [], [], []
     for c in range(0, len(rows), rows_at_once):
-        lp = torch.log_softmax(model.compute_logits(hidden[idx[0, c:c + rows_at_once]]), dim=-1)
+        lp = torch.log_softmax(model.compute_logits(hidden[idx[0, c:c + rows_at_once]]).float(), dim=-1)
         chosen.append(lp.gather(1, idx[1, c:c + rows_at_once, None]).squeeze(1))
         if top_n:
             t = lp.topk(top_n, dim=-1)

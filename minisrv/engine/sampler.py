@@ -182,11 +182,16 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, fused_sampling: Optional[Callable] = None
            ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[Tuple[torch.Tensor, torch.Tensor]]]:
-    """logits [B, V] float32 -> (token ids [B], logprob of each chosen token [B], (top values, top ids) [B, n]).
-    fused_sampling: a one-kernel draw for unseeded, unfiltered rows (fused_sampling_kernel), else torch's.
+    """logits [B, V] (the head's dtype) -> (token ids [B], logprob of each chosen token [B], (top values, top ids)
+    [B, n]). fused_sampling: a one-kernel draw for unseeded, unfiltered rows (fused_sampling_kernel), else torch's.
 
     Log-probabilities are the model's own distribution (before penalties, grammar masks, temperature and filtering).
+    Everything is computed in float32, except a batch that only takes argmaxes: that reads the logits as they are
+    (widening is exact, so the argmax, ties included, is the same).
     """
+    if not (sb.all_greedy and sb.presence is None and sb.bias_index is None and sb.grammar_mask is None
+            and sb.max_logprobs < 0):
+        logits = logits.float()
     raw = logits
     if sb.presence is not None:
         logits = apply_penalties(logits, sb)

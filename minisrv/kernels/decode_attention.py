@@ -23,15 +23,15 @@ from typing import Callable, Optional
 
 import torch
 
-MIN_CHUNK = 256  # fewest tokens a split takes: shorter requests are not split
+MIN_CHUNK = 128  # fewest tokens a piece takes: shorter requests are not split
 TILE = 64  # tokens a loop step reads
-TARGET_PROGRAMS = 264  # programs a launch aims for (two per SM of an H100) when choosing the splits
-MAX_SPLITS = 64
+TARGET_PROGRAMS = 132  # programs a launch aims for (one per SM of an H100) when choosing the splits
+MAX_SPLITS = 32
 
 
 def splits_for(batch_size: int, num_kv_heads: int) -> int:
     """Pieces a request may be cut into at this batch size: enough (request, head, piece) programs to fill the GPU
-    twice over where every request is long, a power of two, 1 where the batch alone fills it."""
+    where every request is long, a power of two, 1 where the batch alone fills it."""
     want = -(-TARGET_PROGRAMS // max(1, batch_size * num_kv_heads))
     splits = 1
     while splits < want and splits < MAX_SPLITS:
@@ -62,8 +62,9 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pag
 @functools.lru_cache(maxsize=None)
 def triton_decode_attention() -> Optional[Callable[..., torch.Tensor]]:
     """The launcher `run(q, k_cache, v_cache, page_table, seq_lens, scale, k_scale=1.0, v_scale=1.0, splits=None,
-    out=None)` -> out [B, Hq, D] (reference's contract; splits: splits_for's unless given; out: a tensor to write,
-    else a new one), or None where Triton is missing.
+    out=None, min_chunk=MIN_CHUNK)` -> out [B, Hq, D] (reference's contract; splits: splits_for's unless given; out: a
+    tensor to write, else a new one; min_chunk a multiple of tile; tile, num_warps, num_stages: the launch), or None
+    where Triton is missing.
     q's last dimension contiguous; the caches' layout [num_pages, page_size, Hkv, D] with D contiguous; D a power of
     two of at least 16."""
     try:
@@ -145,7 +146,8 @@ def triton_decode_attention() -> Optional[Callable[..., torch.Tensor]]:
 
     def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
             seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
-            splits: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+            splits: Optional[int] = None, out: Optional[torch.Tensor] = None,
+            min_chunk: int = MIN_CHUNK, tile: int = TILE, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
         bs, hq, d = q.shape
         page_size, hkv = k_cache.shape[1], k_cache.shape[2]
         if (hq % hkv or d < 16 or d & (d - 1) or q.stride(2) != 1 or k_cache.stride(3) != 1
@@ -161,12 +163,12 @@ def triton_decode_attention() -> Optional[Callable[..., torch.Tensor]]:
             lse = torch.empty((bs * hq * splits,), dtype=torch.float32, device=q.device)
         else:  # no request is split: the piece outputs are never written
             part = lse = out
-        consts = dict(TILE=TILE, SPLITS=splits, MIN_CHUNK=MIN_CHUNK)
+        consts = dict(TILE=tile, SPLITS=splits, MIN_CHUNK=min_chunk)
         partial_kernel[(bs, hkv, splits)](
             q, k_cache, v_cache, page_table, seq_lens, out, part, lse, scale * k_scale * 1.4426950408889634,
             v_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             page_table.stride(0), out.stride(0), out.stride(1), GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
-            D=d, PAGE=page_size, num_warps=4, num_stages=2, **consts)
+            D=d, PAGE=page_size, num_warps=num_warps, num_stages=num_stages, **consts)
         if splits > 1:
             merge_kernel[(bs, hq)](part, lse, seq_lens, out, v_scale, out.stride(0), out.stride(1), D=d,
                                    num_warps=4, **consts)

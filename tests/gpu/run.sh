@@ -267,7 +267,7 @@ for phase in "${@:-smoke}"; do
                   --batch-sizes 1,64,256 --graphs on --steps 32 --context 128 --json "$OUT/decode.jsonl" ;;
     moe-decode-fa) need_moe; step moe-decode-fa 300 python3 $S/bench_decode.py --model /tmp/moe --attention-backend fa \
                   --batch-sizes 1,64,256 --graphs on --steps 32 --context 128 --json "$OUT/decode.jsonl" ;;
-    moe-profile) need_moe; step moe-profile 300 python3 $S/bench_decode.py --model /tmp/moe --attention-backend auto \
+    moe-profile) need_moe; step moe-profile 300 python3 $S/bench_decode.py --model /tmp/moe --attention-backend ${BACKEND:-auto} \
                    --batch-sizes 1,256 --graphs on --steps 8 --context 128 --torch-profile ;;
     # each product alone under other launch configurations (to choose config_for's)
     moe-sweep) C="32,64,128,4,4;32,64,64,4,4;32,128,64,4,4;32,64,128,4,3;16,64,128,4,3;16,64,128,4,5;16,32,128,4,4;16,128,128,4,4;16,64,256,4,3;16,64,64,4,6;32,32,128,4,4;64,64,64,4,4;16,64,128,8,4;16,32,256,4,4;64,128,64,8,4;64,128,64,4,4"
@@ -298,11 +298,15 @@ for phase in "${@:-smoke}"; do
     attn-triton) for ctx in 128 1024 4096; do
                    step "attn-triton $ctx" 200 python3 $S/bench_attention.py --heads "32,4;16,8" --batch-sizes 1,64,256 \
                      --context $ctx --kv-dtypes bf16 --kernels fi-tc,fa3,triton,triton-s1,triton-s2,triton-s4; done ;;
-    moe-decode-triton) need_moe; step moe-decode-triton 300 python3 $S/bench_decode.py --model /tmp/moe \
-                  --attention-backend fa,triton --batch-sizes 1,64,256 --graphs on --steps 32 --context 128 --json "$OUT/decode.jsonl" ;;
-    decode-triton) for b in auto fa,triton; do step "decode $b" 300 python3 $S/bench_decode.py --model "$MINISRV_GPU_CKPT" \
+    attn-triton-tune) V=""; for t in 32 64 128; do for w in 4 8; do for st in 2 3 4; do V="$V,triton:tile=$t/num_warps=$w/num_stages=$st/min_chunk=128"; done; done; done
+                 for ctx in 128 1024; do step "attn-triton-tune $ctx" 200 python3 $S/bench_attention.py --heads "32,4;16,8" \
+                   --batch-sizes 64,256 --context $ctx --kv-dtypes bf16 --kernels "fi-tc,triton$V"; done ;;
+    # fi against fi,triton (the same prefill; no FA3 needed, so any machine runs them)
+    moe-decode-triton) need_moe; for b in fi fi,triton; do step "moe-decode $b" 300 python3 $S/bench_decode.py --model /tmp/moe \
+                  --attention-backend $b --batch-sizes 1,64,256 --graphs on --steps 32 --context 128 --json "$OUT/decode.jsonl"; done ;;
+    decode-triton) for b in fi fi,triton; do step "decode $b" 300 python3 $S/bench_decode.py --model "$MINISRV_GPU_CKPT" \
                   --attention-backend $b --batch-sizes 1,64,256 --graphs on --steps 32 --json "$OUT/decode.jsonl"; done ;;
-    bench-triton) step bench-triton 300 $BENCH --attention-backend fa,triton ;;
+    bench-triton) for b in fi fi,triton fi fi,triton; do step "bench $b" 300 $BENCH --attention-backend $b; done ;;
     moe-offline) need_moe; step moe-offline 400 python3 $S/bench_offline.py --model /tmp/moe --json "$OUT/bench.jsonl" ;;
     *) echo "unknown phase $phase" ;;
   esac
