@@ -20,7 +20,7 @@ class EngineConfig:
     # a GGUF model's converted config, tokenizer and weights: None = $MINISRV_CACHE_DIR, else $XDG_CACHE_HOME/minisrv
     # or ~/.cache/minisrv; "off" = no cache (models/gguf_cache.py)
     cache_dir: Optional[str] = None
-    attention_backend: str = "auto"  # auto | torch | fa | fi | P,D
+    attention_backend: str = "auto"  # auto | torch | fa | fi | P,D (D may also be triton)
     dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8_e4m3: K/V stored in float8_e4m3fn with per-layer scales
     # decode over an FP8 pool in the fi backend: xqa (Hopper, pages >= 16: q and the softmax in e4m3, about 1.3x
@@ -103,10 +103,10 @@ class EngineConfig:
                        help="auto: the model's dtype; fp8_e4m3: float8 K/V (per-layer scales of 1.0), twice the "
                             "tokens of bf16 in the same memory")
         p.add_argument("--fp8-decode-kernel", default=d.fp8_decode_kernel, choices=FP8_DECODE_KERNELS,
-                       help="with --kv-cache-dtype fp8_e4m3, the fi backend's decode kernel: xqa (Hopper, page size "
-                            ">= 16: reads the FP8 pages at ~80%% of HBM bandwidth; q and the softmax rounded to "
-                            "e4m3, as FA3's FP8 mode does), flashinfer (K/V converted exactly, ~55%%), auto (xqa "
-                            "where it can run)")
+                       help="with --kv-cache-dtype fp8_e4m3, the decode kernel where fi or triton decodes: xqa "
+                            "(Hopper, page size >= 16: reads the FP8 pages at ~80%% of HBM bandwidth; q and the "
+                            "softmax rounded to e4m3, as FA3's FP8 mode does), flashinfer (the decode half's own "
+                            "kernel: K/V converted exactly), auto (xqa where it can run)")
         p.add_argument("--gguf-weights", default=d.gguf_weights, choices=GGUF_WEIGHTS,
                        help="a GGUF model on the CPU: keep its Q4_0/Q4_1/Q8_0 projections and embedding in their "
                             "blocks (blocks: a third of float32's memory and bytes a decode step reads, the same "

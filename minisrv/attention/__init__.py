@@ -3,10 +3,11 @@
 Names: `torch`, `fa`, `fi`, and any hybrid `P,D` (prefill/extend on P, decode on D; `fa,fa` is `fa`); `triton`
 (minisrv's own decode kernel, triton_decode.py) decodes only, so it is named as a decode half (`fa,triton`).
 A backend's module is imported only when it is chosen, so `import minisrv` needs no GPU library.
-`auto` resolves by the GPU's SM version: SM100+ -> fi, SM90 -> fa,fi, other CUDA GPUs -> fi, no CUDA -> torch;
-if what auto picked cannot load it falls back (fa,fi -> fi -> torch) and logs why.
-Where fi decodes an FP8 pool, `create_backend` gives decode steps to the xqa backend (xqa.py) as
-`--fp8-decode-kernel` says: `fi` becomes the hybrid fi + xqa, `fa,fi` the hybrid fa + xqa.
+`auto` resolves by the GPU's SM version: SM100+ -> fi, SM90 -> fa,triton (fa,fi where cascade decode is asked
+for: only fi has it), other CUDA GPUs -> fi, no CUDA -> torch; if what auto picked cannot load it falls back
+(fa,triton -> fi,triton -> fi -> torch; fa,fi -> fi) and logs why.
+Where fi or triton decodes an FP8 pool, `create_backend` gives decode steps to the xqa backend (xqa.py) as
+`--fp8-decode-kernel` says: `fi` becomes the hybrid fi + xqa, `fa,fi` and `fa,triton` the hybrid fa + xqa.
 """
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ BACKENDS: Dict[str, tuple] = {
 }
 DECODE_ONLY = ("triton",)
 
-AUTO_FALLBACK = {"fa,fi": "fi", "fi": "torch"}
+AUTO_FALLBACK = {"fa,triton": "fi,triton", "fi,triton": "fi", "fa,fi": "fi", "fi": "torch"}
 
 
 def _parts(name: str) -> List[str]:
@@ -137,21 +138,23 @@ def missing(name: str, sm: Optional[int]) -> Optional[str]:
     return None
 
 
-def auto_choice(sm: Optional[int]) -> str:
+def auto_choice(sm: Optional[int], cascade: bool = False) -> str:
+    """cascade: whether cascade decode is asked for (fi's decode alone has it)."""
     if sm is None:
         return "torch"
     if sm >= 100:
         return "fi"
     if sm == 90:
-        return "fa,fi"
+        return "fa,fi" if cascade else "fa,triton"
     return "fi"
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """Turn a user's choice into a backend that can run here, or raise BackendUnavailable saying what is missing."""
+def resolve_backend(name: str, device: torch.device, cascade: bool = False) -> str:
+    """Turn a user's choice into a backend that can run here, or raise BackendUnavailable saying what is missing.
+    cascade: whether cascade decode is asked for (auto then picks a backend that has it)."""
     sm = device_sm(device) if device.type == "cuda" else None
     if name == "auto":
-        choice = auto_choice(sm)
+        choice = auto_choice(sm, cascade)
         while (why := missing(choice, sm)) is not None:
             nxt = AUTO_FALLBACK[choice]
             logger.warning("attention backend auto: %s cannot run (%s); falling back to %s", choice, why, nxt)
@@ -168,12 +171,13 @@ def resolve_backend(name: str, device: torch.device) -> str:
 def create_backend(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int,
                    fp8_decode_kernel: str = "auto") -> AttentionBackend:
     """Create a resolved backend (see resolve_backend); a hybrid shares the pool between its two halves.
-    fp8_decode_kernel: what decodes an FP8 pool where fi would (EngineConfig.fp8_decode_kernel): "auto" and "xqa"
-    pick the xqa backend (xqa.fp8_decode says where it can run), "flashinfer" keeps fi's wrappers."""
+    fp8_decode_kernel: what decodes an FP8 pool where fi or triton would (EngineConfig.fp8_decode_kernel): "auto"
+    and "xqa" pick the xqa backend (xqa.fp8_decode says where it can run), "flashinfer" keeps the decode half's own
+    kernel (fi's wrappers, or the triton kernel's FP8 loads)."""
     parts = _parts(name)
     prefill = BACKENDS[parts[0]][1](pool, req_to_token, num_q_heads)
     decode = None
-    if parts[-1] == "fi":
+    if parts[-1] in ("fi", "triton"):
         from .xqa import fp8_decode
         decode = fp8_decode(pool, req_to_token, num_q_heads, fp8_decode_kernel)
     if decode is None:

@@ -140,7 +140,8 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
     device = resolve_device(cfg)
     model_path = resolve_model_path(cfg.model)
     args = load_model_args(model_path, cfg.cache_dir)
-    backend_name = resolve_backend(cfg.attention_backend, device)  # fail before loading weights
+    # fail before loading weights
+    backend_name = resolve_backend(cfg.attention_backend, device, cascade=cfg.enable_cascade_attention)
     if cfg.tp_size > 1:
         device = tp_device(device, tp_rank, cfg.tp_size)
         if device.type == "cuda":
@@ -153,9 +154,11 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
     context_length = resolve_context_length(cfg, args)
     dtype = resolve_dtype(cfg.dtype, args.torch_dtype, device)
     ps = cfg.page_size or (16 if device.type == "cuda" else 1)
-    if cfg.fp8_decode_kernel == "xqa" and (cfg.kv_cache_dtype != "fp8_e4m3" or backend_name.split(",")[-1] != "fi"):
-        raise ValueError(f"--fp8-decode-kernel xqa is the fi backend's decode over an FP8 KV cache: it needs "
-                         f"--kv-cache-dtype fp8_e4m3 and fi decoding (fi or PREFILL,fi); here the KV cache is "
+    if cfg.fp8_decode_kernel == "xqa" and (cfg.kv_cache_dtype != "fp8_e4m3"
+                                           or backend_name.split(",")[-1] not in ("fi", "triton")):
+        raise ValueError(f"--fp8-decode-kernel xqa is the decode over an FP8 KV cache where fi or triton would "
+                         f"decode: it needs --kv-cache-dtype fp8_e4m3 and fi or triton decoding (fi, PREFILL,fi or "
+                         f"PREFILL,triton); here the KV cache is "
                          f"{cfg.kv_cache_dtype} and the attention backend {backend_name}")
     # on CUDA, FlashInfer is imported (about 1 s) and its builds started in a thread while the weights load; the
     # layers get its ops once both are done (the model is built the same with or without them). Not beside a

@@ -12,7 +12,7 @@
 #           llama8b-fp8-xqa decode-fp8w-xqa half-profile
 #           allreduce-fused tp-profile-fused half-offline startup startup-fresh startup-8b imports moe moe-kernel moe-bench
 #           moe-decode moe-decode-fa moe-profile moe-sweep moe-offline serving-think startup-fi layer-kernels peer-moe
-#           triton-tests attn-triton moe-decode-triton decode-triton bench-triton
+#           triton-tests attn-triton attn-triton-tune moe-decode-triton decode-triton bench-triton bench-ab moe-offline-ab
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
 set -u
@@ -294,7 +294,7 @@ for phase in "${@:-smoke}"; do
     # long contexts (with the split counts the rule would not pick), and the decode steps and nano workload on it
     triton-tests) step triton-kernel 300 python3 -m pytest -q -rs tests/gpu/test_decode_attention.py
                   step triton-backend 400 python3 -m pytest -q -rs tests/gpu/test_backends.py tests/gpu/test_fp8_kv.py \
-                    tests/gpu/test_cuda_graph.py -k triton ;;
+                    tests/gpu/test_cuda_graph.py tests/gpu/test_sampling.py tests/gpu/test_e2e.py -k "triton or greedy" ;;
     attn-triton) for ctx in 128 1024 4096; do
                    step "attn-triton $ctx" 200 python3 $S/bench_attention.py --heads "32,4;16,8" --batch-sizes 1,64,256 \
                      --context $ctx --kv-dtypes bf16 --kernels fi-tc,fa3,triton,triton-s1,triton-s2,triton-s4; done ;;
@@ -307,6 +307,10 @@ for phase in "${@:-smoke}"; do
     decode-triton) for b in fi fi,triton; do step "decode $b" 300 python3 $S/bench_decode.py --model "$MINISRV_GPU_CKPT" \
                   --attention-backend $b --batch-sizes 1,64,256 --graphs on --steps 32 --json "$OUT/decode.jsonl"; done ;;
     bench-triton) for b in fi fi,triton fi fi,triton; do step "bench $b" 300 $BENCH --attention-backend $b; done ;;
+    # the default (auto: fa,triton on Hopper) against fa,fi, alternated: nano, then the MoE checkpoint's workload
+    bench-ab) for b in fa,fi auto fa,fi auto; do step "bench $b" 300 $BENCH --attention-backend $b; done ;;
+    moe-offline-ab) need_moe; for b in fa,fi auto fa,fi auto; do step "moe-offline $b" 300 python3 $S/bench_offline.py \
+                  --model /tmp/moe --attention-backend $b --json "$OUT/bench.jsonl"; done ;;
     moe-offline) need_moe; step moe-offline 400 python3 $S/bench_offline.py --model /tmp/moe --json "$OUT/bench.jsonl" ;;
     *) echo "unknown phase $phase" ;;
   esac

@@ -7,7 +7,7 @@ from .common import CKPT, free_cuda, mixed_prompts, requires_ckpt, skip_unless_r
 
 pytestmark = requires_ckpt
 
-BACKENDS = ["fa", "fi", "fa,fi", "torch"]
+BACKENDS = ["fa", "fi", "fa,fi", "fa,triton", "torch"]
 N_PROMPTS, N_NEW = 16, 32
 
 

@@ -44,7 +44,7 @@ def _tol(name: str, mode: ForwardMode, kernel: str = "flashinfer") -> float:
     """The bound of the kernel that runs the step: FA3's FP8 mode and XQA multiply in e4m3."""
     parts = name.split(",")
     used = parts[-1] if mode is ForwardMode.DECODE else parts[0]
-    e4m3_products = used == "fa" or (used == "fi" and mode is ForwardMode.DECODE and kernel == "xqa")
+    e4m3_products = used == "fa" or (used in ("fi", "triton") and mode is ForwardMode.DECODE and kernel == "xqa")
     return FA_FP8_TOL if e4m3_products else TOL
 
 
@@ -74,7 +74,8 @@ def test_fi_decode_kernel_choice(kernel, page_size):
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
 @pytest.mark.parametrize("name,kernel", [("fa", "flashinfer"), ("fi", "flashinfer"), ("fa,fi", "flashinfer"),
-                                         ("fi", "xqa"), ("fa,fi", "xqa"), ("fa,triton", "flashinfer")])
+                                         ("fi", "xqa"), ("fa,fi", "xqa"), ("fa,triton", "flashinfer"),
+                                         ("fa,triton", "xqa")])
 def test_fp8_pool_matches_torch(name, kernel, mode, page_size, dtype, hq, hkv, d):
     """kernel: the fi backend's FP8 decode kernel (xqa: decode steps on Hopper, pages of 16)."""
     if kernel == "xqa" and not (mode is ForwardMode.DECODE and page_size in XQA_PAGE_SIZES and _hopper()):
