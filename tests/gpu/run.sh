@@ -294,7 +294,7 @@ for phase in "${@:-smoke}"; do
     # long contexts (with the split counts the rule would not pick), and the decode steps and nano workload on it
     triton-tests) step triton-kernel 300 python3 -m pytest -q -rs tests/gpu/test_decode_attention.py
                   step triton-backend 400 python3 -m pytest -q -rs tests/gpu/test_backends.py tests/gpu/test_fp8_kv.py \
-                    tests/gpu/test_cuda_graph.py tests/gpu/test_sampling.py tests/gpu/test_e2e.py -k "triton or greedy" ;;
+                    tests/gpu/test_cuda_graph.py tests/gpu/test_sampling.py tests/gpu/test_e2e.py -k "triton or test_greedy_and_prefill or argmax" ;;
     attn-triton) for ctx in 128 1024 4096; do
                    step "attn-triton $ctx" 200 python3 $S/bench_attention.py --heads "32,4;16,8" --batch-sizes 1,64,256 \
                      --context $ctx --kv-dtypes bf16 --kernels fi-tc,fa3,triton,triton-s1,triton-s2,triton-s4; done ;;
