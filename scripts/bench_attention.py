@@ -5,8 +5,8 @@ read (every request's K and V once), and each output against a float32 reference
 Kernels: FlashInfer's decode wrapper (CUDA-core and tensor-core variants), FlashAttention-3 (`fa3`; with an FP8
 cache it takes q in e4m3 too) and FlashInfer's XQA (`xqa`, TensorRT-LLM's decode kernel; Hopper's FP8 path is its own
 kernel) and minisrv's Triton decode kernel (`triton`: its launch rule; `triton:splits=2/tile=128/num_warps=8`:
-other launch parameters, those of its launcher). The cache has --context tokens a request in pages of --page-size, the pages of all requests
-shuffled, as a
+other launch parameters, those of its launcher). The cache has --context tokens a request in pages of --page-size,
+the pages of all requests shuffled, as a
 pool's are after a while. Each kernel runs --iters times in a CUDA graph; the median of --repeat graph replays is
 reported.
 

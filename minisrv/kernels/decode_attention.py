@@ -74,10 +74,10 @@ def triton_decode_attention() -> Optional[Callable[..., torch.Tensor]]:
         return None
 
     @triton.jit
-    def partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, qk_scale, v_scale,
-                       stride_qb, stride_qh, stride_kpage, stride_ktok, stride_khead, stride_table, stride_ob,
-                       stride_oh, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                       TILE: tl.constexpr, SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    def decode_attention_pieces(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, qk_scale, v_scale,
+                                stride_qb, stride_qh, stride_kpage, stride_ktok, stride_khead, stride_table, stride_ob,
+                                stride_oh, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                                TILE: tl.constexpr, SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr):
         """Program (b, h, s): piece s of request b against KV head h. qk_scale holds log2(e), so the softmax runs in
         base 2. Outputs: a whole request straight to out; a piece to part [B, Hq, SPLITS, D] (normalised) and lse
         [B, Hq, SPLITS] (base 2)."""
@@ -124,14 +124,14 @@ def triton_decode_attention() -> Optional[Callable[..., torch.Tensor]]:
             tl.store(lse_ptr + piece, m + tl.log2(l), mask=row_ok)
 
     @triton.jit
-    def merge_kernel(part_ptr, lse_ptr, lens_ptr, out_ptr, v_scale, stride_ob, stride_oh, D: tl.constexpr,
-                     TILE: tl.constexpr, SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    def decode_attention_merge(part_ptr, lse_ptr, lens_ptr, out_ptr, v_scale, stride_ob, stride_oh, D: tl.constexpr,
+                               TILE: tl.constexpr, SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr):
         """Program (b, query head): the pieces of a split request merged by their log-sum-exps; requests in one
-        piece were written by partial_kernel and are left alone."""
+        piece were written by decode_attention_pieces and are left alone."""
         b = tl.program_id(0)
         head = tl.program_id(1)
         n = tl.load(lens_ptr + b)
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(n, SPLITS), TILE) * TILE, MIN_CHUNK)  # as partial_kernel's
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(n, SPLITS), TILE) * TILE, MIN_CHUNK)  # as decode_attention_pieces's
         if chunk >= n:
             return
         pieces = tl.arange(0, SPLITS)
@@ -164,14 +164,14 @@ def triton_decode_attention() -> Optional[Callable[..., torch.Tensor]]:
         else:  # no request is split: the piece outputs are never written
             part = lse = out
         consts = dict(TILE=tile, SPLITS=splits, MIN_CHUNK=min_chunk)
-        partial_kernel[(bs, hkv, splits)](
+        decode_attention_pieces[(bs, hkv, splits)](
             q, k_cache, v_cache, page_table, seq_lens, out, part, lse, scale * k_scale * 1.4426950408889634,
             v_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             page_table.stride(0), out.stride(0), out.stride(1), GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
             D=d, PAGE=page_size, num_warps=num_warps, num_stages=num_stages, **consts)
         if splits > 1:
-            merge_kernel[(bs, hq)](part, lse, seq_lens, out, v_scale, out.stride(0), out.stride(1), D=d,
-                                   num_warps=4, **consts)
+            decode_attention_merge[(bs, hq)](part, lse, seq_lens, out, v_scale, out.stride(0), out.stride(1), D=d,
+                                             num_warps=4, **consts)
         return out
 
     return run

@@ -77,8 +77,8 @@ def small_m_fp8_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
         return None
 
     @triton.jit
-    def kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, m, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+    def small_m_fp8_gemm(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, m, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
         """Program pid owns output columns [pid * BLOCK_N, +BLOCK_N) for all m rows."""
         pid = tl.program_id(0)
         rows = tl.arange(0, BLOCK_M)
@@ -113,7 +113,7 @@ def small_m_fp8_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
                              f"{xq.is_contiguous()}, {wq.is_contiguous()}")
         y = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
         try:
-            kernel[(triton.cdiv(n, c.block_n),)](
+            small_m_fp8_gemm[(triton.cdiv(n, c.block_n),)](
                 xq, xs, wq, ws, y, m, n, k, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=c.block_n,
                 BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
         except Exception as e:  # noqa: BLE001 - e.g. a Triton without FP8 dot support on this GPU

@@ -79,8 +79,8 @@ def triton_quantisers() -> Optional[FusedQuantisers]:
         return None
 
     @triton.jit
-    def kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, n, stride, r_stride, eps, BLOCK: tl.constexpr,
-               MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    def fused_fp8_quantise(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, n, stride, r_stride, eps, BLOCK: tl.constexpr,
+                           MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
         """MODE 0: quantise x's row; 1: x's row is [gate | up] (2n wide), quantise silu(gate) * up; 2: quantise
         rmsnorm(x + residual) * w, writing x + residual to residual when HAS_RESIDUAL."""
         row = tl.program_id(0)
@@ -112,10 +112,10 @@ def triton_quantisers() -> Optional[FusedQuantisers]:
         s = torch.empty((t, 1), dtype=torch.float32, device=x.device)
         if t:
             block = triton.next_power_of_2(n)
-            kernel[(t,)](x, residual if residual is not None else x, weight if weight is not None else x, q, s, n,
-                         x.stride(0), residual.stride(0) if residual is not None else 0, eps, BLOCK=block,
-                         MODE=mode, HAS_RESIDUAL=residual is not None,
-                         num_warps=16 if block >= 16384 else (8 if block >= 4096 else 4))
+            fused_fp8_quantise[(t,)](x, residual if residual is not None else x, weight if weight is not None else x, q,
+                                     s, n, x.stride(0), residual.stride(0) if residual is not None else 0, eps,
+                                     BLOCK=block, MODE=mode, HAS_RESIDUAL=residual is not None,
+                                     num_warps=16 if block >= 16384 else (8 if block >= 4096 else 4))
         return Fp8Activations(q, s)
 
     return FusedQuantisers(

@@ -82,9 +82,9 @@ def triton_align() -> Optional[Callable[..., Aligned]]:
         return None
 
     @triton.jit
-    def kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, cursor_ptr, n_pairs, num_experts,
-               n_blocks, PHASE: tl.constexpr, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr,
-               BLOCKS: tl.constexpr):
+    def moe_align(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, cursor_ptr, n_pairs, num_experts,
+                  n_blocks, PHASE: tl.constexpr, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCKS: tl.constexpr):
         """PHASE 0: everything, one program looping over the pairs CHUNK at a time. The three launches of large
         steps, each program one CHUNK of pairs: 1, count them into counts (zeroed); 2 (one program), the block table
         from the counts; 3, place them. EXPERTS: num_experts rounded up to a power of two."""
@@ -146,14 +146,14 @@ def triton_align() -> Optional[Callable[..., Aligned]]:
         args = (sorted_pairs, expert_ids, num_padded, cursor, n, num_experts, size // block_m)
         consts = dict(BLOCK_M=block_m, EXPERTS=triton.next_power_of_2(num_experts), BLOCKS=64)
         if n <= ONE_PROGRAM_PAIRS if one_program is None else one_program:
-            kernel[(1,)](ids, cursor, *args, PHASE=0, CHUNK=min(CHUNK, max(64, triton.next_power_of_2(n))),
-                         num_warps=8 if n > 256 else 4, **consts)
+            moe_align[(1,)](ids, cursor, *args, PHASE=0, CHUNK=min(CHUNK, max(64, triton.next_power_of_2(n))),
+                            num_warps=8 if n > 256 else 4, **consts)
         else:
             counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
             grid = (triton.cdiv(n, CHUNK),)
-            kernel[grid](ids, counts, *args, PHASE=1, CHUNK=CHUNK, num_warps=4, **consts)
-            kernel[(1,)](ids, counts, *args, PHASE=2, CHUNK=CHUNK, num_warps=8, **consts)
-            kernel[grid](ids, counts, *args, PHASE=3, CHUNK=CHUNK, num_warps=4, **consts)
+            moe_align[grid](ids, counts, *args, PHASE=1, CHUNK=CHUNK, num_warps=4, **consts)
+            moe_align[(1,)](ids, counts, *args, PHASE=2, CHUNK=CHUNK, num_warps=8, **consts)
+            moe_align[grid](ids, counts, *args, PHASE=3, CHUNK=CHUNK, num_warps=4, **consts)
         return Aligned(sorted_pairs, expert_ids, num_padded)
 
     return run

@@ -66,10 +66,10 @@ def moe_gemm() -> Optional[Callable[..., None]]:
         return None
 
     @triton.jit
-    def kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, weights_ptr, sorted_ptr, expert_ids_ptr,
-               num_padded_ptr, n_pairs, n, k, stride_am, stride_be, stride_bn, stride_bk, stride_se, stride_cm,
-               TOP_K: tl.constexpr, SILU: tl.constexpr, FP8: tl.constexpr, WEIGHTED: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def moe_grouped_gemm(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, weights_ptr, sorted_ptr, expert_ids_ptr,
+                         num_padded_ptr, n_pairs, n, k, stride_am, stride_be, stride_bn, stride_bk, stride_se,
+                         stride_cm, TOP_K: tl.constexpr, SILU: tl.constexpr, FP8: tl.constexpr, WEIGHTED: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Program pid: block pid // tiles of the aligned pairs, output columns (pid % tiles) * BLOCK_N onwards.
         A's row of pair p is p // TOP_K (gate/up: the token; down: TOP_K = 1, the pair's own row). SILU: columns
         [0, n) are gate, [n, 2n) up, and the output is n wide."""
@@ -130,11 +130,11 @@ def moe_gemm() -> Optional[Callable[..., None]]:
             if b_scale.stride(1) != 1:
                 b_scale = b_scale.contiguous()
         grid = (aligned.expert_ids.numel() * triton.cdiv(n, config.block_n),)
-        kernel[grid](a, a_scale if fp8 else a, b, b_scale if fp8 else a, out, weights if weights is not None else a,
-                     aligned.sorted_pairs, aligned.expert_ids, aligned.num_padded, out.shape[0], n, k, a.stride(0),
-                     b.stride(0), b.stride(1), b.stride(2), b_scale.stride(0) if fp8 else 0, out.stride(0),
-                     TOP_K=top_k, SILU=silu, FP8=fp8, WEIGHTED=weights is not None, BLOCK_M=config.block_m,
-                     BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-                     num_stages=config.num_stages)
+        moe_grouped_gemm[grid](a, a_scale if fp8 else a, b, b_scale if fp8 else a, out,
+                               weights if weights is not None else a, aligned.sorted_pairs, aligned.expert_ids,
+                               aligned.num_padded, out.shape[0], n, k, a.stride(0), b.stride(0), b.stride(1),
+                               b.stride(2), b_scale.stride(0) if fp8 else 0, out.stride(0), TOP_K=top_k, SILU=silu,
+                               FP8=fp8, WEIGHTED=weights is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                               BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
 
     return run

@@ -26,8 +26,8 @@ def triton_route() -> Optional[Callable[..., Tuple[torch.Tensor, torch.Tensor]]]
         return None
 
     @triton.jit
-    def kernel(logits_ptr, weights_ptr, ids_ptr, n_tokens, num_experts, stride_t, TOP_K: tl.constexpr,
-               RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, EXPERTS: tl.constexpr, K_POW2: tl.constexpr):
+    def moe_route_topk(logits_ptr, weights_ptr, ids_ptr, n_tokens, num_experts, stride_t, TOP_K: tl.constexpr,
+                       RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, EXPERTS: tl.constexpr, K_POW2: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         experts = tl.arange(0, EXPERTS)
         row_ok = rows < n_tokens
@@ -68,9 +68,9 @@ def triton_route() -> Optional[Callable[..., Tuple[torch.Tensor, torch.Tensor]]]
             return weights, ids
         experts = triton.next_power_of_2(num_experts)
         block_t = max(1, min(16, 4096 // experts, triton.next_power_of_2(t)))
-        kernel[(triton.cdiv(t, block_t),)](router_logits, weights, ids, t, num_experts, router_logits.stride(0),
-                                           TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t, EXPERTS=experts,
-                                           K_POW2=triton.next_power_of_2(top_k), num_warps=4)
+        moe_route_topk[(triton.cdiv(t, block_t),)](router_logits, weights, ids, t, num_experts, router_logits.stride(0),
+                                                   TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t,
+                                                   EXPERTS=experts, K_POW2=triton.next_power_of_2(top_k), num_warps=4)
         return weights, ids
 
     return run

@@ -35,8 +35,8 @@ def triton_sum_add_rmsnorm() -> Optional[Callable[..., torch.Tensor]]:
         return None
 
     @triton.jit
-    def kernel(parts_ptr, residual_ptr, weight_ptr, out_ptr, stride_r, hidden, eps, K: tl.constexpr,
-               BLOCK: tl.constexpr):
+    def moe_sum_add_norm(parts_ptr, residual_ptr, weight_ptr, out_ptr, stride_r, hidden, eps, K: tl.constexpr,
+                         BLOCK: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < hidden
@@ -58,8 +58,8 @@ def triton_sum_add_rmsnorm() -> Optional[Callable[..., torch.Tensor]]:
         out = torch.empty(t, hidden, dtype=parts.dtype, device=parts.device)
         if t:
             block = triton.next_power_of_2(hidden)
-            kernel[(t,)](parts, residual, weight, out, residual.stride(0), hidden, eps, K=k, BLOCK=block,
-                         num_warps=max(1, min(8, block // 512)))
+            moe_sum_add_norm[(t,)](parts, residual, weight, out, residual.stride(0), hidden, eps, K=k, BLOCK=block,
+                                   num_warps=max(1, min(8, block // 512)))
         return out
 
     return run

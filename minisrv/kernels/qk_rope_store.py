@@ -54,9 +54,9 @@ def triton_qk_rope_store() -> Optional[Callable[..., None]]:
         return None
 
     @triton.jit
-    def kernel(qkv_ptr, stride_t, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, eps, kv_ptr, slots_ptr,
-               v_offset, HQ: tl.constexpr, HKV: tl.constexpr, HEADS_POW2: tl.constexpr, HALF: tl.constexpr,
-               NORM: tl.constexpr, STORE: tl.constexpr):
+    def qk_norm_rope_store(qkv_ptr, stride_t, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, eps, kv_ptr,
+                           slots_ptr, v_offset, HQ: tl.constexpr, HKV: tl.constexpr, HEADS_POW2: tl.constexpr,
+                           HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr):
         """One token: its q heads then its k heads as rows [HEADS_POW2, HALF] of two halves (the rows past the
         part's heads masked off), normed, rotated and written back; then k and v at the token's slot."""
         t = tl.program_id(0).to(tl.int64)
@@ -106,10 +106,11 @@ def triton_qk_rope_store() -> Optional[Callable[..., None]]:
         if store and (kv.dtype != qkv.dtype or slots is None or not kv.is_contiguous()):
             raise ValueError(f"qk_rope_store: a pool of {kv.dtype} (qkv {qkv.dtype}), slots {slots is not None}")
         v_offset = kv[0].numel() if store else 0
-        kernel[(t,)](qkv, qkv.stride(0), positions, cos_sin, q_weight if norm else qkv, k_weight if norm else qkv,
-                     eps, kv if store else qkv, slots if store else positions, v_offset, HQ=num_q_heads,
-                     HKV=num_kv_heads, HEADS_POW2=triton.next_power_of_2(max(num_q_heads, num_kv_heads)),
-                     HALF=head_dim // 2, NORM=norm, STORE=store, num_warps=4)
+        qk_norm_rope_store[(t,)](qkv, qkv.stride(0), positions, cos_sin, q_weight if norm else qkv,
+                                 k_weight if norm else qkv, eps, kv if store else qkv, slots if store else positions,
+                                 v_offset, HQ=num_q_heads, HKV=num_kv_heads,
+                                 HEADS_POW2=triton.next_power_of_2(max(num_q_heads, num_kv_heads)), HALF=head_dim // 2,
+                                 NORM=norm, STORE=store, num_warps=4)
 
     return run
 
