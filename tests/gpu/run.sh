@@ -303,7 +303,7 @@ for phase in "${@:-smoke}"; do
                    --batch-sizes 64,256 --context $ctx --kv-dtypes bf16 --kernels "fi-tc,triton$V"; done ;;
     # fi against fi,triton (the same prefill; no FA3 needed, so any machine runs them)
     moe-decode-triton) need_moe; for b in fi fi,triton; do step "moe-decode $b" 300 python3 $S/bench_decode.py --model /tmp/moe \
-                  --attention-backend $b --batch-sizes 1,64,256 --graphs on --steps 32 --context 128 --json "$OUT/decode.jsonl"; done ;;
+                  --attention-backend $b --batch-sizes 1,64,256 --graphs on --steps 32 --repeats 3 --context 128 --json "$OUT/decode.jsonl"; done ;;
     decode-triton) for b in fi fi,triton; do step "decode $b" 300 python3 $S/bench_decode.py --model "$MINISRV_GPU_CKPT" \
                   --attention-backend $b --batch-sizes 1,64,256 --graphs on --steps 32 --json "$OUT/decode.jsonl"; done ;;
     bench-triton) for b in fi fi,triton fi fi,triton; do step "bench $b" 300 $BENCH --attention-backend $b; done ;;
