@@ -1,8 +1,10 @@
-"""The page-table form of a batch (attention/page_table.py), which FA3 and XQA read: each request's page ids in
-order, against the pages the requests were given; and the CUDA-graph copy, rewritten for a smaller batch with
-padding rows, against the same computed directly."""
+"""The page-table form of a batch (attention/page_table.py), which FA3, XQA and the triton decode read: each
+request's page ids in order, against the pages the requests were given; the CUDA-graph copy, rewritten for a smaller
+batch with padding rows, against the same computed directly; and the graph hooks built on it."""
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import random
 
 import pytest
@@ -74,3 +76,34 @@ def test_static_table_refuses_what_it_cannot_hold():
         static.fill(table, batch, 5)
     with pytest.raises(RuntimeError, match="init_graph_state"):
         require(None)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_triton_decode_backend_metadata_and_graph_hooks():
+    """The triton decode half built over a CPU pool (its kernel is only compiled when run): a decode step's metadata
+    is the direct page table and lengths; a captured graph's is the static table's rows, which a replay of a smaller
+    batch rewrites (PageTableGraphs, shared with fa and xqa); extend steps are refused."""
+    from minisrv.attention.triton_decode import TritonDecodeBackend
+    from minisrv.kvcache import KVPool
+
+    ps = 4
+    lens = [5, 33, 17, 64]
+    table, batch, _ = scene(ps, lens, seed=3)
+    pool = KVPool(2, 64, ps, 2, 16, torch.float32, torch.device("cpu"))
+    backend = TritonDecodeBackend(pool, table, 4)
+    meta = backend.prepare(batch)
+    assert torch.equal(meta.page_table, page_table(table, batch.req_rows, batch.max_seq_len, ps))
+    assert meta.seq_lens.tolist() == lens and meta.loc is batch.out_cache_loc
+    backend.init_graph_state(4, MAX_CONTEXT)
+    captured = backend.prepare_for_capture(batch)
+    assert captured.page_table.shape == (4, MAX_CONTEXT // ps) and captured.seq_lens.tolist() == lens
+    _, small_batch, _ = scene(ps, [9, 2, 30], seed=4)  # rows 0-2 of the backend's table, shorter
+    backend.prepare_for_replay(small_batch, 4, captured)
+    direct = page_table(table, small_batch.req_rows, small_batch.max_seq_len, ps)
+    assert torch.equal(captured.page_table[:3, :direct.shape[1]], direct)
+    assert captured.seq_lens.tolist() == [9, 2, 30, 1] and captured.page_table[3, 0].item() == 0
+    extend = dataclasses.replace(batch, mode=ForwardMode.EXTEND)
+    with pytest.raises(ValueError, match="decode steps only"):
+        backend.prepare(extend)
+    with pytest.raises(ValueError, match="decode batches only"):
+        backend.prepare_for_capture(extend)

@@ -28,7 +28,7 @@ import torch
 from minisrv.batch import ForwardBatch
 
 from .base import AttentionBackend
-from .page_table import StaticPageTable, int32_lens, page_table, require
+from .page_table import PageTableGraphs, int32_lens, page_table
 
 
 def _load_kernel() -> Callable:
@@ -82,7 +82,7 @@ class FAMeta:
     max_seqlen_q: int
 
 
-class FlashAttentionBackend(AttentionBackend):
+class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
     name = "fa"
     supports_cuda_graph = True
 
@@ -94,7 +94,6 @@ class FlashAttentionBackend(AttentionBackend):
         if self.fp8 and self.head_dim % 16:
             raise ValueError(f"the fa backend's FP8 mode needs head_dim to be a multiple of 16; this model's is "
                              f"{self.head_dim}: use --kv-cache-dtype auto, or another attention backend")
-        self.static: Optional[StaticPageTable] = None  # what captured graphs read (init_graph_state)
 
     # -- metadata -------------------------------------------------------------------------------------------
 
@@ -138,17 +137,6 @@ class FlashAttentionBackend(AttentionBackend):
         scale = self.pool.kv_scale[layer_id]
         return q8, {"k_descale": scale[0].expand(shape), "v_descale": scale[1].expand(shape)}
 
-    # -- CUDA graphs (decode) -------------------------------------------------------------------------------
-
-    def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
-        self.static = StaticPageTable(max_bs, max_seq_len, self.page_size, self.req_to_token.device)
-
-    def prepare_for_capture(self, b: ForwardBatch) -> FAMeta:
-        if not b.is_decode:
-            raise ValueError("CUDA graphs capture decode batches only")
-        static = require(self.static)
-        static.fill(self.req_to_token, b, b.batch_size)
-        return FAMeta(b.out_cache_loc, *static.rows(b.batch_size), None, 1)
-
-    def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: FAMeta) -> None:
-        require(self.static).fill(self.req_to_token, b, padded_bs)
+    def decode_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> FAMeta:
+        """A decode step's metadata over a CUDA graph's static page table (PageTableGraphs)."""
+        return FAMeta(loc, table, seq_lens, None, 1)

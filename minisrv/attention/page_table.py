@@ -1,9 +1,9 @@
-"""A batch's pages as a page table, the form FA3 (`fa.py`) and XQA (`xqa.py`) take: [B, max_pages] int32 page ids,
-a row per request, with the lengths [B] int32 beside it; and its CUDA-graph form, static buffers rewritten in place
-before each replay."""
+"""A batch's pages as a page table, the form FA3 (`fa.py`), XQA (`xqa.py`) and the triton decode take: [B, max_pages] int32 page ids,
+a row per request, with the lengths [B] int32 beside it; its CUDA-graph form, static buffers rewritten in place
+before each replay; and the graph hooks of the backends that read it (PageTableGraphs)."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -56,3 +56,27 @@ def require(static: Optional[StaticPageTable]) -> StaticPageTable:
     if static is None:
         raise RuntimeError("init_graph_state must be called before capture/replay")
     return static
+
+
+class PageTableGraphs:
+    """The CUDA-graph hooks of a decode that reads a page table and lengths (fa, xqa, triton): graphs capture the
+    StaticPageTable's rows, which every replay rewrites first. A backend mixes this in before AttentionBackend, has
+    `page_size` and `req_to_token`, and says how its step metadata is made from (slots, page table, lengths)."""
+
+    static: Optional[StaticPageTable] = None
+
+    def decode_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
+        self.static = StaticPageTable(max_bs, max_seq_len, self.page_size, self.req_to_token.device)
+
+    def prepare_for_capture(self, b: ForwardBatch) -> Any:
+        if not b.is_decode:
+            raise ValueError("CUDA graphs capture decode batches only")
+        static = require(self.static)
+        static.fill(self.req_to_token, b, b.batch_size)
+        return self.decode_meta(b.out_cache_loc, *static.rows(b.batch_size))
+
+    def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: Any) -> None:
+        require(self.static).fill(self.req_to_token, b, padded_bs)

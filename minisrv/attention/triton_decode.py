@@ -17,7 +17,7 @@ from minisrv.batch import ForwardBatch
 from minisrv.kernels.decode_attention import triton_decode_attention
 
 from .base import AttentionBackend
-from .page_table import StaticPageTable, int32_lens, page_table, require
+from .page_table import PageTableGraphs, int32_lens, page_table
 
 if TYPE_CHECKING:
     from minisrv.kvcache import KVPool
@@ -30,7 +30,7 @@ class TritonDecodeMeta:
     seq_lens: torch.Tensor  # [B] int32, counting the step's own token
 
 
-class TritonDecodeBackend(AttentionBackend):
+class TritonDecodeBackend(PageTableGraphs, AttentionBackend):
     name = "triton"
     decode_kernel = "triton"
     supports_cuda_graph = True
@@ -44,13 +44,15 @@ class TritonDecodeBackend(AttentionBackend):
             raise ValueError(f"the triton decode kernel needs a power-of-two head_dim of at least 16; this model's is "
                              f"{self.head_dim}: use another attention backend")
         self.page_size = pool.page_size
-        self.static: Optional[StaticPageTable] = None  # what captured graphs read (init_graph_state)
 
     def prepare(self, b: ForwardBatch) -> TritonDecodeMeta:
         if not b.is_decode:
             raise ValueError("the triton backend runs decode steps only")
-        return TritonDecodeMeta(b.out_cache_loc, page_table(self.req_to_token, b.req_rows, b.max_seq_len,
-                                                            self.page_size), int32_lens(b))
+        return self.decode_meta(b.out_cache_loc,
+                                page_table(self.req_to_token, b.req_rows, b.max_seq_len, self.page_size), int32_lens(b))
+
+    def decode_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> TritonDecodeMeta:
+        return TritonDecodeMeta(loc, table, seq_lens)
 
     def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer_id: int,
                 meta: TritonDecodeMeta) -> torch.Tensor:
@@ -62,18 +64,3 @@ class TritonDecodeBackend(AttentionBackend):
 
     def kv_store_target(self, layer_id: int, meta: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         return self._pool_target(layer_id, meta.loc)
-
-    # -- CUDA graphs --------------------------------------------------------------------------------------------
-
-    def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
-        self.static = StaticPageTable(max_bs, max_seq_len, self.page_size, self.req_to_token.device)
-
-    def prepare_for_capture(self, b: ForwardBatch) -> TritonDecodeMeta:
-        if not b.is_decode:
-            raise ValueError("CUDA graphs capture decode batches only")
-        static = require(self.static)
-        static.fill(self.req_to_token, b, b.batch_size)
-        return TritonDecodeMeta(b.out_cache_loc, *static.rows(b.batch_size))
-
-    def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: TritonDecodeMeta) -> None:
-        require(self.static).fill(self.req_to_token, b, padded_bs)

@@ -34,7 +34,7 @@ import torch
 from minisrv.batch import ForwardBatch
 
 from .base import AttentionBackend
-from .page_table import StaticPageTable, int32_lens, page_table, require
+from .page_table import PageTableGraphs, int32_lens, page_table
 
 if TYPE_CHECKING:
     from minisrv.kvcache import KVPool
@@ -64,7 +64,7 @@ class XQAMeta:
                            bmm2_scale=v_scale, kv_layout="NHD")
 
 
-class XQADecodeBackend(AttentionBackend):
+class XQADecodeBackend(PageTableGraphs, AttentionBackend):
     """Decode steps over an FP8 pool on Hopper (see the module docstring); extend steps belong to the other half."""
 
     name = "xqa"
@@ -78,7 +78,6 @@ class XQADecodeBackend(AttentionBackend):
         self.page_size = pool.page_size
         self.device = req_to_token.device
         self.workspace = torch.zeros(SEMAPHORE_BYTES + SCRATCH_BYTES, dtype=torch.uint8, device=self.device)
-        self.static: Optional[StaticPageTable] = None  # what captured graphs read (init_graph_state)
 
     @staticmethod
     def usable(pool: "KVPool", device: torch.device) -> bool:
@@ -98,17 +97,17 @@ class XQADecodeBackend(AttentionBackend):
         q = torch.zeros((1, self.num_q_heads, self.head_dim), dtype=self.pool.dtype, device=self.device)
         table = torch.zeros((1, 1), dtype=torch.int32, device=self.device)
         seq_lens = torch.ones((1,), dtype=torch.int32, device=self.device)
-        self._meta(table, table, seq_lens).run(q, (self.pool.k[0], self.pool.v[0]))
+        self.decode_meta(table, table, seq_lens).run(q, (self.pool.k[0], self.pool.v[0]))
         torch.cuda.synchronize(self.device)
 
-    def _meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> XQAMeta:
+    def decode_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> XQAMeta:
         return XQAMeta(loc, table, seq_lens.view(torch.uint32), self.kernel, self.workspace, self.scale)
 
     def prepare(self, b: ForwardBatch) -> XQAMeta:
         if not b.is_decode:
             raise ValueError("the xqa backend runs decode steps only")
-        return self._meta(b.out_cache_loc, page_table(self.req_to_token, b.req_rows, b.max_seq_len, self.page_size),
-                          int32_lens(b))
+        return self.decode_meta(b.out_cache_loc,
+                                page_table(self.req_to_token, b.req_rows, b.max_seq_len, self.page_size), int32_lens(b))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: XQAMeta) -> torch.Tensor:
@@ -117,21 +116,6 @@ class XQADecodeBackend(AttentionBackend):
             pool.store(layer_id, meta.loc, k, v)
         return meta.run(q, (pool.k[layer_id], pool.v[layer_id]), k_scale=pool.k_scale_host[layer_id],
                         v_scale=pool.v_scale_host[layer_id])
-
-    # -- CUDA graphs --------------------------------------------------------------------------------------------
-
-    def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
-        self.static = StaticPageTable(max_bs, max_seq_len, self.page_size, self.device)
-
-    def prepare_for_capture(self, b: ForwardBatch) -> XQAMeta:
-        if not b.is_decode:
-            raise ValueError("CUDA graphs capture decode batches only")
-        static = require(self.static)
-        static.fill(self.req_to_token, b, b.batch_size)
-        return self._meta(b.out_cache_loc, *static.rows(b.batch_size))
-
-    def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: XQAMeta) -> None:
-        require(self.static).fill(self.req_to_token, b, padded_bs)
 
 
 def fp8_decode(pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int,
