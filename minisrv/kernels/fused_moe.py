@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLPs (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE): the router's top-k (`route`) and the experts'
+"""Mixture-of-experts MLPs (Qwen3-MoE, Mixtral, Qwen2-MoE): the router's top-k (`route`) and the experts'
 computation, out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])) with e = ids[t, j].
 
 `experts_reference` is the torch computation: a loop over the experts hit (it reads the hit experts on the host, so
@@ -33,7 +33,7 @@ from minisrv.kernels.moe_route import triton_route
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] (any float dtype) -> (weights float32 [T, top_k], ids int32 [T, top_k]), largest first:
     softmax over the E experts in float32, the top k, and with `renormalize` the k weights divided by their sum
-    (Qwen3-MoE with norm_topk_prob, Mixtral; Qwen2-MoE and OLMoE do not renormalise). No host sync: on CUDA one
+    (Qwen3-MoE with norm_topk_prob, Mixtral; Qwen2-MoE does not renormalise). No host sync: on CUDA one
     Triton launch (kernels/moe_route.py), elsewhere route_reference."""
     fused = triton_route() if router_logits.is_cuda else None
     if fused is not None:
