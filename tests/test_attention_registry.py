@@ -33,8 +33,10 @@ def fake(monkeypatch):
                                          (80, "fi"), (None, "torch")])
 def test_auto_choice(sm, expected):
     assert auto_choice(sm) == expected
-    # cascade decode is fi's alone: asked for, Hopper keeps fi's decode
+    # cascade decode is fi's alone, and the triton kernel takes power-of-two head sizes: otherwise Hopper keeps fi's
     assert auto_choice(sm, cascade=True) == ("fa,fi" if sm == 90 else expected)
+    assert auto_choice(sm, head_dim=96) == ("fa,fi" if sm == 90 else expected)
+    assert auto_choice(sm, head_dim=64) == expected
 
 
 @pytest.mark.parametrize("sm,expected", [(100, "fi"), (90, "fa,triton"), (89, "fi"), (80, "fi")])

@@ -4,7 +4,7 @@ Names: `torch`, `fa`, `fi`, and any hybrid `P,D` (prefill/extend on P, decode on
 (minisrv's own decode kernel, triton_decode.py) decodes only, so it is named as a decode half (`fa,triton`).
 A backend's module is imported only when it is chosen, so `import minisrv` needs no GPU library.
 `auto` resolves by the GPU's SM version: SM100+ -> fi, SM90 -> fa,triton (fa,fi where cascade decode is asked
-for: only fi has it), other CUDA GPUs -> fi, no CUDA -> torch; if what auto picked cannot load it falls back
+for, only fi has it, or where the head size is not a power of two), other CUDA GPUs -> fi, no CUDA -> torch; if what auto picked cannot load it falls back
 (fa,triton -> fi,triton -> fi -> torch; fa,fi -> fi) and logs why.
 Where fi or triton decodes an FP8 pool, `create_backend` gives decode steps to the xqa backend (xqa.py) as
 `--fp8-decode-kernel` says: `fi` becomes the hybrid fi + xqa, `fa,fi` and `fa,triton` the hybrid fa + xqa.
@@ -138,23 +138,24 @@ def missing(name: str, sm: Optional[int]) -> Optional[str]:
     return None
 
 
-def auto_choice(sm: Optional[int], cascade: bool = False) -> str:
-    """cascade: whether cascade decode is asked for (fi's decode alone has it)."""
+def auto_choice(sm: Optional[int], cascade: bool = False, head_dim: int = 128) -> str:
+    """cascade: whether cascade decode is asked for (fi's decode alone has it); head_dim: the model's (the triton
+    decode kernel takes powers of two from 16)."""
     if sm is None:
         return "torch"
     if sm >= 100:
         return "fi"
     if sm == 90:
-        return "fa,fi" if cascade else "fa,triton"
+        return "fa,fi" if cascade or head_dim < 16 or head_dim & (head_dim - 1) else "fa,triton"
     return "fi"
 
 
-def resolve_backend(name: str, device: torch.device, cascade: bool = False) -> str:
+def resolve_backend(name: str, device: torch.device, cascade: bool = False, head_dim: int = 128) -> str:
     """Turn a user's choice into a backend that can run here, or raise BackendUnavailable saying what is missing.
-    cascade: whether cascade decode is asked for (auto then picks a backend that has it)."""
+    cascade, head_dim: what auto must serve (cascade decode asked for; the model's head size)."""
     sm = device_sm(device) if device.type == "cuda" else None
     if name == "auto":
-        choice = auto_choice(sm, cascade)
+        choice = auto_choice(sm, cascade, head_dim)
         while (why := missing(choice, sm)) is not None:
             nxt = AUTO_FALLBACK[choice]
             logger.warning("attention backend auto: %s cannot run (%s); falling back to %s", choice, why, nxt)
