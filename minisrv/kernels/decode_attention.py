@@ -6,7 +6,7 @@ on the host and at short contexts spends most of its time outside the bytes (a Q
 no plan: its inputs are the page table and the lengths (the form FA3 and XQA take), so it is captured in CUDA graphs
 as it is.
 
-The work: program (request b, KV head h, split s) takes the query heads of h's group (GQA: Hq / Hkv rows, padded to
+The work: program (request b, KV head h, piece s) takes the query heads of h's group (GQA: Hq / Hkv rows, padded to
 a tensor-core tile), walks its share of b's tokens TILE at a time (each token's slot from the page table), and keeps
 an online softmax in float32. A request is cut into at most `splits` pieces of at least MIN_CHUNK tokens, so a long
 request in a small batch still spreads over the SMs while short ones stay whole. A request in one piece writes its
@@ -62,9 +62,9 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pag
 @functools.lru_cache(maxsize=None)
 def triton_decode_attention() -> Optional[Callable[..., torch.Tensor]]:
     """The launcher `run(q, k_cache, v_cache, page_table, seq_lens, scale, k_scale=1.0, v_scale=1.0, splits=None,
-    out=None, min_chunk=MIN_CHUNK)` -> out [B, Hq, D] (reference's contract; splits: splits_for's unless given; out: a
-    tensor to write, else a new one; min_chunk a multiple of tile; tile, num_warps, num_stages: the launch), or None
-    where Triton is missing.
+    out=None, min_chunk=MIN_CHUNK, tile=TILE, num_warps=4, num_stages=3)` -> out [B, Hq, D] (reference's contract;
+    splits: splits_for's unless given; out: a tensor to write, else a new one; min_chunk a multiple of tile; the rest:
+    the launch, for bench_attention's sweeps), or None where Triton is missing.
     q's last dimension contiguous; the caches' layout [num_pages, page_size, Hkv, D] with D contiguous; D a power of
     two of at least 16."""
     try:
