@@ -23,8 +23,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | fa | fi | P,D (D may also be triton)
     dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8_e4m3: K/V stored in float8_e4m3fn with per-layer scales
-    # decode over an FP8 pool in the fi backend: xqa (Hopper, pages >= 16: q and the softmax in e4m3, about 1.3x
-    # faster attention; attention/xqa.py), flashinfer (its wrappers: K/V converted exactly), auto (xqa where it runs)
+    # decode over an FP8 pool where fi or triton decodes: xqa (Hopper, pages >= 16: q and the softmax in e4m3, about
+    # 1.3x faster attention; attention/xqa.py), flashinfer (the decode half's own kernel: K/V converted exactly), auto
+    # (xqa where it runs)
     fp8_decode_kernel: str = "auto"
     # a GGUF model's projections and embedding on the CPU: kept in their Q4_0/Q4_1/Q8_0 blocks (blocks), dequantised
     # (float32), or blocks where every one of them is in such blocks (auto)

@@ -4,8 +4,8 @@ Names: `torch`, `fa`, `fi`, and any hybrid `P,D` (prefill/extend on P, decode on
 (minisrv's own decode kernel, triton_decode.py) decodes only, so it is named as a decode half (`fa,triton`).
 A backend's module is imported only when it is chosen, so `import minisrv` needs no GPU library.
 `auto` resolves by the GPU's SM version: SM100+ -> fi, SM90 -> fa,triton (fa,fi where cascade decode is asked
-for, only fi has it, or where the head size is not a power of two), other CUDA GPUs -> fi, no CUDA -> torch; if what auto picked cannot load it falls back
-(fa,triton -> fi,triton -> fi -> torch; fa,fi -> fi) and logs why.
+for, only fi has it, or where the head size is not the triton kernel's), other CUDA GPUs -> fi, no CUDA -> torch; if
+what auto picked cannot load it falls back (fa,triton -> fi,triton -> fi -> torch; fa,fi -> fi) and logs why.
 Where fi or triton decodes an FP8 pool, `create_backend` gives decode steps to the xqa backend (xqa.py) as
 `--fp8-decode-kernel` says: `fi` becomes the hybrid fi + xqa, `fa,fi` and `fa,triton` the hybrid fa + xqa.
 """
@@ -16,6 +16,8 @@ import logging
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
+
+from minisrv.kernels.decode_attention import takes_head_dim
 
 from .base import AttentionBackend, AttentionStep, HybridBackend
 
@@ -140,13 +142,13 @@ def missing(name: str, sm: Optional[int]) -> Optional[str]:
 
 def auto_choice(sm: Optional[int], cascade: bool = False, head_dim: int = 128) -> str:
     """cascade: whether cascade decode is asked for (fi's decode alone has it); head_dim: the model's (the triton
-    decode kernel takes powers of two from 16)."""
+    decode kernel's takes_head_dim)."""
     if sm is None:
         return "torch"
     if sm >= 100:
         return "fi"
     if sm == 90:
-        return "fa,fi" if cascade or head_dim < 16 or head_dim & (head_dim - 1) else "fa,triton"
+        return "fa,triton" if takes_head_dim(head_dim) and not cascade else "fa,fi"
     return "fi"
 
 

@@ -101,7 +101,7 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
         seqlens = int32_lens(b)
         table = page_table(self.req_to_token, b.req_rows, b.max_seq_len, self.page_size)
         if b.is_decode:
-            return FAMeta(b.out_cache_loc, table, seqlens, None, 1)
+            return self.decode_meta(b.out_cache_loc, table, seqlens)
         cu = b.cu_seqlens_q if b.cu_seqlens_q.dtype == torch.int32 else b.cu_seqlens_q.to(torch.int32)
         return FAMeta(b.out_cache_loc, table, seqlens, cu, max(b.extend_lens_cpu))
 

@@ -1,6 +1,6 @@
-"""A batch's pages as a page table, the form FA3 (`fa.py`), XQA (`xqa.py`) and the triton decode take: [B, max_pages] int32 page ids,
-a row per request, with the lengths [B] int32 beside it; its CUDA-graph form, static buffers rewritten in place
-before each replay; and the graph hooks of the backends that read it (PageTableGraphs)."""
+"""A batch's pages as a page table, the form FA3 (`fa.py`), XQA (`xqa.py`) and the triton decode take: [B, max_pages]
+int32 page ids, a row per request, with the lengths [B] int32 beside it; its CUDA-graph form, static buffers rewritten
+in place before each replay; and the decode hooks of the backends that read it (PageTableGraphs)."""
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
@@ -59,14 +59,22 @@ def require(static: Optional[StaticPageTable]) -> StaticPageTable:
 
 
 class PageTableGraphs:
-    """The CUDA-graph hooks of a decode that reads a page table and lengths (fa, xqa, triton): graphs capture the
-    StaticPageTable's rows, which every replay rewrites first. A backend mixes this in before AttentionBackend, has
-    `page_size` and `req_to_token`, and says how its step metadata is made from (slots, page table, lengths)."""
+    """The decode hooks of a backend that reads a page table and lengths (fa, xqa, triton): an eager step's metadata
+    from the batch's own page table, and CUDA graphs over the StaticPageTable's rows, which every replay rewrites
+    first. A backend mixes this in before AttentionBackend, has `page_size` and `req_to_token`, and says how its step
+    metadata is made from (slots, page table, lengths)."""
 
     static: Optional[StaticPageTable] = None
 
     def decode_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> Any:
         raise NotImplementedError
+
+    def decode_step_meta(self, b: ForwardBatch) -> Any:
+        """An eager decode step's metadata; raises for any other step (`name` says whose)."""
+        if not b.is_decode:
+            raise ValueError(f"the {self.name} backend runs decode steps only")
+        return self.decode_meta(b.out_cache_loc, page_table(self.req_to_token, b.req_rows, b.max_seq_len,
+                                                            self.page_size), int32_lens(b))
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
         self.static = StaticPageTable(max_bs, max_seq_len, self.page_size, self.req_to_token.device)

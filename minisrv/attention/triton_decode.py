@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, Optional, Tuple
 import torch
 
 from minisrv.batch import ForwardBatch
-from minisrv.kernels.decode_attention import triton_decode_attention
+from minisrv.kernels.decode_attention import takes_head_dim, triton_decode_attention
 
 from .base import AttentionBackend
-from .page_table import PageTableGraphs, int32_lens, page_table
+from .page_table import PageTableGraphs
 
 if TYPE_CHECKING:
     from minisrv.kvcache import KVPool
@@ -40,16 +40,13 @@ class TritonDecodeBackend(PageTableGraphs, AttentionBackend):
         self.kernel = triton_decode_attention()
         if self.kernel is None:
             raise ImportError("the triton decode backend needs Triton")
-        if self.head_dim < 16 or self.head_dim & (self.head_dim - 1):
+        if not takes_head_dim(self.head_dim):
             raise ValueError(f"the triton decode kernel needs a power-of-two head_dim of at least 16; this model's is "
                              f"{self.head_dim}: use another attention backend")
         self.page_size = pool.page_size
 
     def prepare(self, b: ForwardBatch) -> TritonDecodeMeta:
-        if not b.is_decode:
-            raise ValueError("the triton backend runs decode steps only")
-        return self.decode_meta(b.out_cache_loc,
-                                page_table(self.req_to_token, b.req_rows, b.max_seq_len, self.page_size), int32_lens(b))
+        return self.decode_step_meta(b)
 
     def decode_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> TritonDecodeMeta:
         return TritonDecodeMeta(loc, table, seq_lens)

@@ -34,7 +34,7 @@ import torch
 from minisrv.batch import ForwardBatch
 
 from .base import AttentionBackend
-from .page_table import PageTableGraphs, int32_lens, page_table
+from .page_table import PageTableGraphs
 
 if TYPE_CHECKING:
     from minisrv.kvcache import KVPool
@@ -104,10 +104,7 @@ class XQADecodeBackend(PageTableGraphs, AttentionBackend):
         return XQAMeta(loc, table, seq_lens.view(torch.uint32), self.kernel, self.workspace, self.scale)
 
     def prepare(self, b: ForwardBatch) -> XQAMeta:
-        if not b.is_decode:
-            raise ValueError("the xqa backend runs decode steps only")
-        return self.decode_meta(b.out_cache_loc,
-                                page_table(self.req_to_token, b.req_rows, b.max_seq_len, self.page_size), int32_lens(b))
+        return self.decode_step_meta(b)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: XQAMeta) -> torch.Tensor:

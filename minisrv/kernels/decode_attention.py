@@ -29,6 +29,11 @@ TARGET_PROGRAMS = 132  # programs a launch aims for (one per SM of an H100) when
 MAX_SPLITS = 32
 
 
+def takes_head_dim(head_dim: int) -> bool:
+    """Whether the kernel's tiles fit this head size: a power of two of at least 16."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def splits_for(batch_size: int, num_kv_heads: int) -> int:
     """Pieces a request may be cut into at this batch size: enough (request, head, piece) programs to fill the GPU
     where every request is long, a power of two, 1 where the batch alone fills it."""
@@ -150,7 +155,7 @@ def triton_decode_attention() -> Optional[Callable[..., torch.Tensor]]:
             min_chunk: int = MIN_CHUNK, tile: int = TILE, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
         bs, hq, d = q.shape
         page_size, hkv = k_cache.shape[1], k_cache.shape[2]
-        if (hq % hkv or d < 16 or d & (d - 1) or q.stride(2) != 1 or k_cache.stride(3) != 1
+        if (hq % hkv or not takes_head_dim(d) or q.stride(2) != 1 or k_cache.stride(3) != 1
                 or k_cache.stride() != v_cache.stride() or tuple(k_cache.shape[2:]) != (hkv, d)):
             raise ValueError(f"decode attention: q {tuple(q.shape)} (strides {q.stride()}), caches "
                              f"{tuple(k_cache.shape)} (strides {k_cache.stride()})")
@@ -167,8 +172,9 @@ def triton_decode_attention() -> Optional[Callable[..., torch.Tensor]]:
         decode_attention_pieces[(bs, hkv, splits)](
             q, k_cache, v_cache, page_table, seq_lens, out, part, lse, scale * k_scale * 1.4426950408889634,
             v_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            page_table.stride(0), out.stride(0), out.stride(1), GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
-            D=d, PAGE=page_size, num_warps=num_warps, num_stages=num_stages, **consts)
+            page_table.stride(0), out.stride(0), out.stride(1), GROUP=group,
+            ROWS=max(16, triton.next_power_of_2(group)), D=d, PAGE=page_size, num_warps=num_warps,
+            num_stages=num_stages, **consts)
         if splits > 1:
             decode_attention_merge[(bs, hq)](part, lse, seq_lens, out, v_scale, out.stride(0), out.stride(1), D=d,
                                              num_warps=4, **consts)
