@@ -10,7 +10,7 @@ with the host). --configs times other launch configurations beside the rule's (b
 num_stages;...), to check or refine config_for.
 
   python scripts/bench_fused_moe.py [--tokens 1,64,256,2048] [--experts 128 --top-k 8 --hidden 2048 --inter 768]
-                                    [--fp8] [--configs 16,32,128,4,4]
+                                    [--fp8] [--configs 16,32,128,4,4] [--align]
 """
 from __future__ import annotations
 
@@ -77,6 +77,8 @@ def main() -> int:
     p.add_argument("--products", action="store_true",
                    help="time the gate/up and the down product alone for each configuration, not the whole call")
     add_timing_args(p, repeat=20)
+    p.add_argument("--align", action="store_true",
+                   help="time only the alignment, in one launch and in three (to choose ONE_LAUNCH_PAIRS)")
     a = p.parse_args()
     e, k, h, inter = a.experts, a.top_k, a.hidden, a.inter
     torch.manual_seed(0)
@@ -98,6 +100,12 @@ def main() -> int:
         hit = sum(int(ids.unique().numel()) for _, ids in routings) / len(routings)
         floor = hit * expert_bytes / a.bandwidth * 1e6
         rule = config_for(t * k, e, a.fp8)
+        if a.align:
+            ids = routings[0][1]
+            print(f"T={t:5d} ({t * k} pairs, {rule.block_m}-row blocks): align one launch "
+                  f"{graph_us(lambda: align(ids, e, rule.block_m, True), a.iters, a.repeat):5.1f} us, three launches "
+                  f"{graph_us(lambda: align(ids, e, rule.block_m, False), a.iters, a.repeat):5.1f} us", flush=True)
+            continue
         line = f"T={t:5d}: {hit:5.1f} experts hit, {hit * expert_bytes / 1e6:7.1f} MB, floor {floor:7.1f} us"
         if a.products:
             for c in [rule] + [c for c in extra if c != rule]:

@@ -7,14 +7,14 @@ Outputs (`Aligned`), all on the device and sized on the host from (T*k, E, BLOCK
 - expert_ids int32 [max_padded(...) / BLOCK_M]: each block's expert; -1 past the padded total;
 - num_padded int32 [1]: the padded total, which the GEMMs read to let programs past it exit at once.
 
-Why one Triton program: at decode (a few to a few hundred pairs) this step is pure latency. One program counts the
-pairs per expert (tl.histogram), pads and prefix-sums the counts in registers, writes the block table and the
-padding, and places each pair with an atomic increment of its expert's cursor: one launch, no host sync (so it is
-captured in CUDA graphs), 3-6 us on an H100 up to 64 tokens of top-8 (torch ops: 50-80 us). Prefill-sized steps
-(more than ONE_PROGRAM_PAIRS pairs) split the same steps over three launches (see triton_align). Atomics make the
-order of pairs within a group vary from run to run; the results do not, since each GEMM output row depends only on
-its own input row. `align_reference` is the same step in torch ops (stable: pairs in index order within a group),
-checked against the same invariants in the tests.
+Why one launch: at decode (a few to a few hundred pairs) this step is pure latency. Each program of the launch
+counts the pairs per expert (tl.histogram) and those ahead of its PIECE of pairs, pads and prefix-sums the counts in
+registers, writes its share of the block table, and places its pairs: at its group's start, after the pairs of the
+same expert ahead of it. No atomics, so pairs keep index order within a group, as `align_reference`'s (the tests
+compare the two exactly); no host sync, so it is captured in CUDA graphs. Every program reads all the pairs, so
+prefill-sized steps (more than ONE_LAUNCH_PAIRS pairs) take three launches instead (see triton_align), placing pairs
+with atomic cursors: their order within a group varies from run to run, the results do not, since each GEMM output
+row depends only on its own input row.
 """
 from __future__ import annotations
 
@@ -62,19 +62,21 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> A
     return Aligned(sorted_pairs, expert_ids, total.int())
 
 
-ONE_PROGRAM_PAIRS = 2048  # up to this many pairs (256 tokens of top-8) one program aligns them, in one launch
-# (H100, 128 experts: one program 3.4 / 6.5 / 13.9 / 22.4 / 75.5 us at 8 / 512 / 2,048 / 4,096 / 16,384 pairs,
-# three launches 7.7 / 12.3 / 17.3 / 16.8 / 20.0 us, 40 us at 65,536; torch ops 52-143 us)
-CHUNK = 1024  # pairs a step (one program's loop) or a program (the parallel kernels)
+ONE_LAUNCH_PAIRS = 8192  # up to this many pairs (1,024 tokens of top-8) one launch aligns them
+# (H100, 128 experts, scripts/bench_fused_moe.py --align: one launch 3.3 / 5.0 / 6.4 / 9.0 / 13.1 / 37.7 us at
+# 8 / 512 / 2,048 / 4,096 / 8,192 / 16,384 pairs, three launches 8.3 / 12.3 / 17.2 / 16.6 / 17.5 / 18.6, 40 at
+# 65,536; torch ops 52-143 us)
+CHUNK = 1024  # pairs a step of the counting loops, or a program of the three launches
+PIECE = 64  # pairs a program of the one launch places
 
 
 @functools.lru_cache(maxsize=None)
 def triton_align() -> Optional[Callable[..., Aligned]]:
-    """The launcher `run(topk_ids, num_experts, block_m, one_program=None)` -> Aligned, or None where Triton is
-    missing. Up to ONE_PROGRAM_PAIRS pairs (unless one_program says otherwise) one program does it all; beyond, its
-    loops over the pairs are latency-bound (H100: 76 us for 16,384 pairs, 287 us for 65,536), so three launches
-    split them (20 and 40 us): per-chunk counts added atomically into zeroed counters, one program for the block
-    table, then per-chunk placement."""
+    """The launcher `run(topk_ids, num_experts, block_m, one_launch=None)` -> Aligned, or None where Triton is
+    missing. Up to ONE_LAUNCH_PAIRS pairs (unless one_launch says otherwise) one launch of cdiv(pairs, PIECE) programs
+    does it all; beyond, each of its programs would count every pair, so three launches split the work: per-chunk
+    counts added atomically into zeroed counters, one program for the block table, then per-chunk placement through
+    atomic cursors."""
     try:
         import triton
         import triton.language as tl
@@ -84,16 +86,19 @@ def triton_align() -> Optional[Callable[..., Aligned]]:
     @triton.jit
     def moe_align(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, cursor_ptr, n_pairs, num_experts,
                   n_blocks, PHASE: tl.constexpr, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCKS: tl.constexpr):
-        """PHASE 0: everything, one program looping over the pairs CHUNK at a time. The three launches of large
-        steps, each program one CHUNK of pairs: 1, count them into counts (zeroed); 2 (one program), the block table
-        from the counts; 3, place them. EXPERTS: num_experts rounded up to a power of two."""
+                  BLOCKS: tl.constexpr, PIECE: tl.constexpr):
+        """PHASE 0: one launch, each program placing one PIECE of the pairs (see triton_align). The three launches
+        of large steps, each program one CHUNK of pairs: 1, count them into counts (zeroed); 2 (one program), the
+        block table from the counts; 3, place them. EXPERTS: num_experts rounded up to a power of two."""
         experts = tl.arange(0, EXPERTS)
+        pid = tl.program_id(0)
         if PHASE == 0:
             lo = 0
             hi = n_pairs
+            piece_lo = pid * PIECE
+            before = tl.zeros([EXPERTS], dtype=tl.int32)
         else:
-            lo = tl.program_id(0) * CHUNK
+            lo = pid * CHUNK
             hi = lo + CHUNK
         if PHASE <= 1:
             counts = tl.zeros([EXPERTS], dtype=tl.int32)
@@ -103,6 +108,10 @@ def triton_align() -> Optional[Callable[..., Aligned]]:
                 ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
                 # the lanes past the pairs read expert 0: taken off its count (histogram's mask is Triton 3.4+)
                 counts += tl.histogram(ids, EXPERTS) - tl.where(experts == 0, tl.sum((~ok).to(tl.int32), 0), 0)
+                if PHASE == 0:  # and the pairs ahead of this program's piece, the same way
+                    early = offs < piece_lo
+                    before += (tl.histogram(tl.where(early, ids, 0), EXPERTS)
+                               - tl.where(experts == 0, tl.sum((~early).to(tl.int32), 0), 0))
             if PHASE == 1:
                 tl.atomic_add(counts_ptr + experts, counts, mask=experts < num_experts)
         if PHASE == 2:
@@ -112,21 +121,31 @@ def triton_align() -> Optional[Callable[..., Aligned]]:
             ends = tl.cumsum(padded, 0)
             starts = ends - padded
             total = tl.sum(padded, 0)
-            tl.store(num_padded_ptr, total)
-            # each block's expert: the number of groups that end at or before the block's first row
-            for b0 in range(0, n_blocks, BLOCKS):
+            # each block's expert (the number of groups that end at or before the block's first row), the
+            # programs taking turns over the blocks
+            for b0 in range(pid * BLOCKS, n_blocks, tl.num_programs(0) * BLOCKS):
                 blocks = b0 + tl.arange(0, BLOCKS)
                 first = blocks * BLOCK_M
                 e = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
                 tl.store(expert_ids_ptr + blocks, tl.where(first < total, e, -1), mask=blocks < n_blocks)
-            # each group's padding: the slots after its pairs, up to its padded end
-            pad = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
-            tl.store(sorted_ptr + pad, tl.zeros_like(pad) + n_pairs, mask=pad < ends[:, None])
-            # the cursors: each group's first slot
-            tl.store(cursor_ptr + experts, starts, mask=experts < num_experts)
+            if pid == 0:
+                tl.store(num_padded_ptr, total)
+                # each group's padding: the slots after its pairs, up to its padded end
+                pad = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+                tl.store(sorted_ptr + pad, tl.zeros_like(pad) + n_pairs, mask=pad < ends[:, None])
+            if PHASE == 2:  # the cursors of the placement launch: each group's first slot
+                tl.store(cursor_ptr + experts, starts, mask=experts < num_experts)
         if PHASE == 0:
-            tl.debug_barrier()  # the cursors are in memory before any thread's atomics
-        if PHASE == 0 or PHASE == 3:
+            # this program's pairs: its group's start, plus the pairs of its expert ahead of the piece, plus those
+            # ahead within the piece (a PIECE x PIECE comparison): pairs in index order within a group
+            lanes = tl.arange(0, PIECE)
+            offs = piece_lo + lanes
+            ok = offs < n_pairs
+            ids = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
+            base = tl.sum(tl.where(ids[:, None] == experts[None, :], (starts + before)[None, :], 0), axis=1)
+            ahead = (ids[:, None] == ids[None, :]) & (lanes[None, :] < lanes[:, None])
+            tl.store(sorted_ptr + base + tl.sum(ahead.to(tl.int32), axis=1), offs, mask=ok)
+        if PHASE == 3:
             for start in range(lo, hi, CHUNK):  # each pair to the next free slot of its group
                 offs = start + tl.arange(0, CHUNK)
                 ok = offs < n_pairs
@@ -134,7 +153,7 @@ def triton_align() -> Optional[Callable[..., Aligned]]:
                 slot = tl.atomic_add(cursor_ptr + ids, 1, mask=ok)
                 tl.store(sorted_ptr + slot, offs, mask=ok)
 
-    def run(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: Optional[bool] = None) -> Aligned:
+    def run(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch: Optional[bool] = None) -> Aligned:
         ids = topk_ids.reshape(-1)
         n = ids.numel()
         size = max_padded(n, num_experts, block_m)
@@ -145,15 +164,17 @@ def triton_align() -> Optional[Callable[..., Aligned]]:
         cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
         args = (sorted_pairs, expert_ids, num_padded, cursor, n, num_experts, size // block_m)
         consts = dict(BLOCK_M=block_m, EXPERTS=triton.next_power_of_2(num_experts), BLOCKS=64)
-        if n <= ONE_PROGRAM_PAIRS if one_program is None else one_program:
-            moe_align[(1,)](ids, cursor, *args, PHASE=0, CHUNK=min(CHUNK, max(64, triton.next_power_of_2(n))),
-                            num_warps=8 if n > 256 else 4, **consts)
+        if n <= ONE_LAUNCH_PAIRS if one_launch is None else one_launch:
+            piece = min(PIECE, max(16, triton.next_power_of_2(n)))
+            moe_align[(triton.cdiv(n, piece),)](ids, cursor, *args, PHASE=0, PIECE=piece,
+                                                CHUNK=min(CHUNK, max(64, triton.next_power_of_2(n))),
+                                                num_warps=8 if n > 256 else 4, **consts)
         else:
             counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
             grid = (triton.cdiv(n, CHUNK),)
-            moe_align[grid](ids, counts, *args, PHASE=1, CHUNK=CHUNK, num_warps=4, **consts)
-            moe_align[(1,)](ids, counts, *args, PHASE=2, CHUNK=CHUNK, num_warps=8, **consts)
-            moe_align[grid](ids, counts, *args, PHASE=3, CHUNK=CHUNK, num_warps=4, **consts)
+            moe_align[grid](ids, counts, *args, PHASE=1, CHUNK=CHUNK, PIECE=PIECE, num_warps=4, **consts)
+            moe_align[(1,)](ids, counts, *args, PHASE=2, CHUNK=CHUNK, PIECE=PIECE, num_warps=8, **consts)
+            moe_align[grid](ids, counts, *args, PHASE=3, CHUNK=CHUNK, PIECE=PIECE, num_warps=4, **consts)
         return Aligned(sorted_pairs, expert_ids, num_padded)
 
     return run

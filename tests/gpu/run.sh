@@ -11,7 +11,7 @@
 #           attn attn-small gemm-fp8 tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 #           llama8b-fp8-xqa decode-fp8w-xqa half-profile
 #           allreduce-fused tp-profile-fused half-offline startup startup-fresh startup-8b imports moe moe-kernel moe-bench
-#           moe-decode moe-decode-fa moe-profile moe-sweep moe-offline serving-think startup-fi layer-kernels peer-moe
+#           moe-align moe-decode moe-decode-fa moe-profile moe-sweep moe-offline serving-think startup-fi layer-kernels peer-moe
 #           triton-tests attn-triton attn-triton-tune moe-decode-triton decode-triton bench-triton bench-ab moe-offline-ab
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
@@ -253,6 +253,7 @@ for phase in "${@:-smoke}"; do
                --batch-sizes 1,64 --graphs on --steps 16 --quantization fp8 --kv-cache-dtype fp8_e4m3 --torch-profile ;;
     # mixtures of experts: the fused kernel against the torch path, a random Qwen3-MoE end to end against HF
     moe) step moe 500 python3 -m pytest -q -s -rs tests/gpu/test_fused_moe.py tests/gpu/test_moe.py ;;
+    moe-align) step moe-align 200 python3 $S/bench_fused_moe.py --align --tokens 1,8,16,64,128,256,512,1024,2048 ;;
     moe-kernel) step moe-kernel 200 python3 $S/bench_fused_moe.py --tokens 1,2,4,8,64,256,2048
                 step moe-kernel-fp8 200 python3 $S/bench_fused_moe.py --fp8 --tokens 1,2,4,8,64,256,2048 ;;
     # the Qwen3-30B-A3B-shaped checkpoint: the 256-request workload and decode steps, bf16 then FP8 experts
@@ -264,9 +265,9 @@ for phase in "${@:-smoke}"; do
     # decode steps at a short context (128 tokens: the KV a step reads is small beside the weights) and where the
     # time of a step goes, batch 1 and 256
     moe-decode) need_moe; step moe-decode 300 python3 $S/bench_decode.py --model /tmp/moe --attention-backend auto \
-                  --batch-sizes 1,64,256 --graphs on --steps 32 --context 128 --json "$OUT/decode.jsonl" ;;
+                  --batch-sizes 1,64,256 --graphs on --steps 32 --repeats 3 --context 128 --json "$OUT/decode.jsonl" ;;
     moe-decode-fa) need_moe; step moe-decode-fa 300 python3 $S/bench_decode.py --model /tmp/moe --attention-backend fa \
-                  --batch-sizes 1,64,256 --graphs on --steps 32 --context 128 --json "$OUT/decode.jsonl" ;;
+                  --batch-sizes 1,64,256 --graphs on --steps 32 --repeats 3 --context 128 --json "$OUT/decode.jsonl" ;;
     moe-profile) need_moe; step moe-profile 300 python3 $S/bench_decode.py --model /tmp/moe --attention-backend ${BACKEND:-auto} \
                    --batch-sizes 1,256 --graphs on --steps 8 --context 128 --torch-profile ;;
     # each product alone under other launch configurations (to choose config_for's)

@@ -91,19 +91,31 @@ def experts_inputs(t: int, h: int, inter: int, num_experts: int, top_k: int, dty
 
 
 def check_align_kernel() -> None:
-    """The alignment kernel, in one program and in its three launches: token counts from 1 to past one CHUNK (1,024
-    pairs) and block counts past one BLOCKS step (64), 4, 8 and 128 experts (one never hit), blocks of 16 and 64
-    rows."""
-    from minisrv.kernels.moe_align import triton_align
+    """The alignment kernel, in one launch and in its three: token counts from 1 to past one CHUNK (1,024 pairs),
+    one to many PIECEs (64 pairs), block counts past one BLOCKS step (64), 4, 8 and 128 experts (one never hit),
+    blocks of 16 and 64 rows. The one launch keeps pairs in index order within a group: the torch alignment's
+    output exactly, up to the padded total."""
+    from minisrv.kernels.moe_align import align_reference, triton_align
     run = triton_align()
     assert run is not None, "Triton is missing"
     for t, top_k, num_experts, block_m in [(1, 2, 4, 16), (3, 2, 8, 16), (17, 4, 8, 64), (40, 4, 8, 16),
                                            (40, 2, 4, 64), (300, 4, 8, 16), (700, 8, 128, 64)]:
         _, ids = routing(t, num_experts, top_k, seed=t)
-        for one_program in (True, False):
-            total = check_alignment(run(ids, num_experts, block_m, one_program), ids, num_experts, block_m)
+        for one_launch in (True, False):
+            aligned = run(ids, num_experts, block_m, one_launch)
+            total = check_alignment(aligned, ids, num_experts, block_m)
+            if one_launch:
+                assert_same_alignment(aligned, align_reference(ids, num_experts, block_m))
             print(f"moe align T={t} k={top_k} E={num_experts} BLOCK_M={block_m} "
-                  f"{'one program' if one_program else 'three launches'}: {total} padded rows, invariants hold")
+                  f"{'one launch' if one_launch else 'three launches'}: {total} padded rows, invariants hold")
+
+
+def assert_same_alignment(got: Aligned, ref: Aligned) -> None:
+    """The same padded total, block table and pairs (in the same order) up to the total."""
+    total = int(ref.num_padded.reshape(-1)[0])
+    assert int(got.num_padded.reshape(-1)[0]) == total
+    assert torch.equal(got.expert_ids.cpu(), ref.expert_ids.cpu())
+    assert torch.equal(got.sorted_pairs[:total].cpu(), ref.sorted_pairs[:total].cpu()), "pairs out of order"
 
 
 CASES = [((128, 64, 8, 2), "decode"), ((64, 128, 4, 2), "prefill"), ((96, 64, 8, 4), "decode"),
