@@ -4,7 +4,7 @@
 Each request gets a prompt of --context tokens; after the prefill, --steps consecutive decode steps are timed
 together, up to the end of the last one's device work (with overlap scheduling a step returns before its own work
 ends), and the mean step time is reported: with --repeats N, N such runs one after another (the contexts growing)
-and their median, each run's figure printed beside it (a single run can catch a stall of the host). The floor is the bytes a step must read (weights once, plus every
+and their median, each run's figure printed beside it (a single run can catch a stall of the host; a run's full garbage collections are printed). The floor is the bytes a step must read (weights once, plus every
 request's KV) over --bandwidth; of a mixture-of-experts layer's experts, only those the batch is expected to hit
 (E * (1 - (1 - 1/E)^(batch * k)) of E, for routing spread evenly).
 
@@ -13,6 +13,7 @@ request's KV) over --bandwidth; of a mixture-of-experts layer's experts, only th
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -26,6 +27,29 @@ import torch  # noqa: E402
 from minisrv.config import EngineConfig  # noqa: E402
 from minisrv.kvcache import KVPool  # noqa: E402
 from minisrv.engine.request import SamplingParams  # noqa: E402
+
+
+class FullCollections:
+    """Python's full (generation 2) garbage collections while in the block: how many, and their milliseconds (a
+    collection that walks every object of the process stalls the host for tens of milliseconds)."""
+
+    def __init__(self):
+        self.count, self.ms, self._t = 0, 0.0, 0.0
+
+    def _watch(self, phase, info):
+        if info["generation"] == 2:
+            if phase == "start":
+                self._t = time.perf_counter()
+            else:
+                self.count += 1
+                self.ms += (time.perf_counter() - self._t) * 1e3
+
+    def __enter__(self):
+        gc.callbacks.append(self._watch)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._watch)
 
 
 def timed_steps(eng, steps: int, torch_profile: bool, cprofile: bool, bs: int):
@@ -44,12 +68,15 @@ def timed_steps(eng, steps: int, torch_profile: bool, cprofile: bool, bs: int):
         import cProfile
         cprof = cProfile.Profile()
         cprof.enable()
-    t = time.perf_counter()
-    for _ in range(steps):  # each call launches one step (and processes the one before it)
-        eng.step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # the last launched step's work is done
-    step_s = (time.perf_counter() - t) / steps
+    with FullCollections() as collections:
+        t = time.perf_counter()
+        for _ in range(steps):  # each call launches one step (and processes the one before it)
+            eng.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the last launched step's work is done
+        step_s = (time.perf_counter() - t) / steps
+    if collections.count:
+        print(f"batch {bs}: {collections.count} full garbage collection(s) in the run, {collections.ms:.1f} ms")
     if cprof is not None:
         import pstats
         cprof.disable()

@@ -11,7 +11,7 @@
 #           attn attn-small gemm-fp8 tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
 #           llama8b-fp8-xqa decode-fp8w-xqa half-profile
 #           allreduce-fused tp-profile-fused half-offline startup startup-fresh startup-8b imports moe moe-kernel moe-bench
-#           moe-align moe-decode moe-decode-fa moe-profile moe-sweep moe-offline serving-think startup-fi layer-kernels peer-moe
+#           moe-align moe-decode moe-decode-fa moe-profile moe-sweep moe-offline moe-steps moe-fp8 serving-think startup-fi layer-kernels peer-moe
 #           triton-tests attn-triton attn-triton-tune moe-decode-triton decode-triton bench-triton bench-ab moe-offline-ab
 # Logs go to $OUT (or ./gpu-out); FlashInfer's compiled kernels are copied there too, to carry next time
 # (.fi-cache/ is restored into FlashInfer's cache before anything runs).
@@ -312,6 +312,11 @@ for phase in "${@:-smoke}"; do
     bench-ab) for b in fa,fi auto fa,fi auto; do step "bench $b" 300 $BENCH --attention-backend $b; done ;;
     moe-offline-ab) need_moe; for b in fa,fi auto fa,fi auto; do step "moe-offline $b" 300 python3 $S/bench_offline.py \
                   --model /tmp/moe --attention-backend $b --json "$OUT/bench.jsonl"; done ;;
+    moe-steps) need_moe; step moe-steps 400 python3 $S/bench_offline.py --model /tmp/moe --steps ;;
+    # FP8 experts and projections: the workload, and decode steps at 128-token contexts
+    moe-fp8) need_moe; step moe-offline-fp8 400 python3 $S/bench_offline.py --model /tmp/moe --quantization fp8 --json "$OUT/bench.jsonl"
+             step moe-decode-fp8 300 python3 $S/bench_decode.py --model /tmp/moe --attention-backend auto --quantization fp8 \
+               --batch-sizes 1,64,256 --graphs on --steps 32 --repeats 3 --context 128 --json "$OUT/decode.jsonl" ;;
     moe-offline) need_moe; step moe-offline 400 python3 $S/bench_offline.py --model /tmp/moe --json "$OUT/bench.jsonl" ;;
     *) echo "unknown phase $phase" ;;
   esac
