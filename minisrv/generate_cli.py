@@ -76,8 +76,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     params = sampling_from_args(a)
 
     from minisrv.llm import LLM
+    from minisrv.utils import freeze_startup_heap
     cfg = EngineConfig.from_args(a)
     llm = LLM(**vars(cfg))
+    freeze_startup_heap()
     prompts = []
     for it in items:
         if "messages" in it:

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from minisrv.config import EngineConfig  # noqa: E402
 from minisrv.kvcache import KVPool  # noqa: E402
 from minisrv.engine.request import SamplingParams  # noqa: E402
+from minisrv.utils import freeze_startup_heap  # noqa: E402
 
 
 class FullCollections:
@@ -124,6 +125,7 @@ def main() -> int:
         t0 = time.perf_counter()
         llm = LLM(**vars(cfg))
         ready = time.perf_counter() - t0
+        freeze_startup_heap()  # as the generate script and the server's engine process do
         eng = llm.engine
         ar = eng.args
         weights = sum(q.numel() * q.element_size() for q in eng.runner.model.parameters())
@@ -161,7 +163,9 @@ def main() -> int:
                   f"{runs}; floor {floor * 1e3:7.3f} ms ({100 * floor / med:.0f}% of floor); host waited "
                   f"{wait_ms:.3f} ms a step", flush=True)
         llm.close()  # tensor-parallel ranks end here
+        gc.unfreeze()  # so that the engine's cycles are collected before the next one is built
         del llm, eng
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if a.json:

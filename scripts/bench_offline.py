@@ -48,6 +48,7 @@ import torch  # noqa: E402
 
 from minisrv.config import EngineConfig  # noqa: E402
 from minisrv.engine.request import SamplingParams  # noqa: E402
+from minisrv.utils import freeze_startup_heap  # noqa: E402
 
 
 # The schema of --json-schema without a value: a model writes `{"text": "` and then stays inside the string, where
@@ -226,6 +227,7 @@ def main() -> int:
     prompts = [[t % vocab for t in pr] for pr in prompts]
     # warm-up (with the schema: its grammar is compiled here, as a server that has seen it once has it cached)
     llm.generate(["Benchmark: "], SamplingParams(max_tokens=16, json_schema=a.json_schema), use_tqdm=False)
+    freeze_startup_heap()  # as the generate script and the server's engine process do
     if a.profile:
         eng.enable_profiling()
     eng.peak_pages_used = 0

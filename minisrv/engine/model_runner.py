@@ -239,6 +239,7 @@ class ModelRunner:
         if self.graph_runner is not None:
             self.graph_runner = None
             import gc
+            gc.unfreeze()  # the graphs may have been frozen with the start-up heap (utils.freeze_startup_heap)
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -15,6 +15,7 @@ from typing import Any
 
 from minisrv.config import EngineConfig
 from minisrv.distributed import Rendezvous, destroy_tensor_parallel
+from minisrv.utils import freeze_startup_heap
 
 from .setup import build_engine_parts, setup_logging
 
@@ -47,6 +48,7 @@ def rank_main(cfg: EngineConfig, rank: int, rendezvous: Rendezvous, parent_pid: 
     try:
         parts = build_engine_parts(cfg, tp_rank=rank, rendezvous=rendezvous)
         runner = parts.runner
+        freeze_startup_heap()
         while True:
             inp = runner.tp.recv_object()
             if inp in (STOP_AND_TEAR_DOWN, STOP_NOW):

@@ -64,7 +64,9 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
     send = _pipe(ctx, zmq.PUSH, out_addr)
     try:
         from minisrv.engine.engine import Engine
+        from minisrv.utils import freeze_startup_heap
         engine = Engine(cfg, staged_kernels=True)
+        freeze_startup_heap()
     except BaseException as e:  # noqa: BLE001 - every startup failure must reach the launcher
         logger.debug("engine startup failed", exc_info=True)
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
