@@ -27,8 +27,10 @@ import torch  # noqa: E402
 from graph_timing import add_timing_args, graph_us  # noqa: E402 (beside this script)
 
 from minisrv.kernels.fp8_quant import quantize_rows, quantize_tokens  # noqa: E402
-from minisrv.kernels.fused_moe import experts_reference, route, route_reference, triton_experts  # noqa: E402
+from minisrv.kernels.fused_moe import (experts_reference, route, route_and_align, route_reference,  # noqa: E402
+                                       triton_experts)
 from minisrv.kernels.moe_align import align_reference, triton_align  # noqa: E402
+from minisrv.kernels.moe_route import ROUTER_TOKENS  # noqa: E402
 from minisrv.kernels.moe_gemm import MoeConfig, config_for, moe_gemm  # noqa: E402
 
 
@@ -127,6 +129,12 @@ def main() -> int:
         line += f" (torch {graph_us(lambda: route_reference(logits, k, True), a.iters, a.repeat):5.1f})"
         ids = routings[0][1]
         line += f"; align {graph_us(lambda: align(ids, e, rule.block_m), a.iters, a.repeat):5.1f} us"
+        if t <= ROUTER_TOKENS:  # the router's product, top-k and alignment: one launch against three
+            wr = torch.randn(e, h, device="cuda").bfloat16()
+            counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+            one = graph_us(lambda: route_and_align(x, wr, counter, k, True, w13, a.fp8), a.iters, a.repeat)
+            three = graph_us(lambda: align(route(x @ wr.t(), k, True)[1], e, rule.block_m), a.iters, a.repeat)
+            line += f"; router + route + align one launch {one:5.1f} us (cuBLAS + two {three:5.1f})"
         line += f" (torch {graph_us(lambda: align_reference(ids, e, rule.block_m), a.iters, a.repeat):5.1f})"
         if not a.no_reference:
             w, ids = routings[0]

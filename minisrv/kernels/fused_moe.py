@@ -25,9 +25,9 @@ import torch.nn.functional as F
 
 from minisrv.kernels.fp8_gemm import dequantized_matmul
 from minisrv.kernels.fp8_quant import FP8, quantize_tokens
-from minisrv.kernels.moe_align import triton_align
+from minisrv.kernels.moe_align import Aligned, triton_align
 from minisrv.kernels.moe_gemm import MoeConfig, config_for, moe_gemm
-from minisrv.kernels.moe_route import triton_route
+from minisrv.kernels.moe_route import ROUTER_TOKENS, triton_route, triton_router
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -39,6 +39,22 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Tuple[t
     if fused is not None:
         return fused(router_logits, top_k, renormalize)
     return route_reference(router_logits, top_k, renormalize)
+
+
+def route_and_align(x: torch.Tensor, router_weight: torch.Tensor, counter: torch.Tensor, top_k: int,
+                    renormalize: bool, w13: torch.Tensor, fp8: bool
+                    ) -> Optional[Tuple[torch.Tensor, torch.Tensor, Aligned]]:
+    """For decode batches of up to ROUTER_TOKENS tokens where the fused experts run: route(x @ router_weight^T)
+    and the pairs aligned for the experts' launch rule, in one launch (moe_route.triton_router; `counter` a zeroed
+    int32 [1] kept for these calls). None elsewhere: route the router's own product, and the experts align."""
+    if not (x.is_cuda and 0 < x.shape[0] <= ROUTER_TOKENS and router_weight.dtype == x.dtype
+            and router_weight.is_contiguous() and fused_runs(x, w13, fp8)):
+        return None
+    router = triton_router()
+    if router is None:
+        return None
+    c = config_for(x.shape[0] * top_k, w13.shape[0], fp8)
+    return router(x, router_weight, counter, top_k, renormalize, c.block_m)
 
 
 def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -111,11 +127,12 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
 def triton_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
                    w2_scale: Optional[torch.Tensor] = None, config: Optional[MoeConfig] = None,
-                   sum_k: bool = True) -> torch.Tensor:
+                   sum_k: bool = True, aligned: Optional[Aligned] = None) -> torch.Tensor:
     """The fused path on x's device, whatever it is (under TRITON_INTERPRET=1, the CPU too): x bf16 or fp16 with
     unit column stride; w13 and w2 of x's dtype (or FP8, with scales); config: the launch rule's (config_for)
     unless given. sum_k False: each token's k weighted expert outputs [T, k, H], unsummed (for
-    kernels/moe_sum_norm.py to sum with the norm after them). Raises RuntimeError where Triton is missing."""
+    kernels/moe_sum_norm.py to sum with the norm after them). aligned: the pairs already aligned for the launch
+    rule's block rows (route_and_align). Raises RuntimeError where Triton is missing."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     gemm, align = moe_gemm(), triton_align()
     if gemm is None or align is None:
@@ -127,7 +144,8 @@ def triton_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     if n_pairs == 0:
         return x.new_zeros(t, h) if sum_k else x.new_zeros(t, top_k, h)
     c = config or config_for(n_pairs, num_experts, fp8)
-    aligned = align(topk_ids, num_experts, c.block_m)
+    if aligned is None:
+        aligned = align(topk_ids, num_experts, c.block_m)
     a, a_scale = quantize_tokens(x) if fp8 else (x, None)
     act = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
     gemm(a, a_scale, w13, w13_scale, act, None, aligned, top_k, True, c)
@@ -154,11 +172,12 @@ def fused_runs(x: torch.Tensor, w13: torch.Tensor, fp8: bool) -> bool:
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
-                  w2_scale: Optional[torch.Tensor] = None, sum_k: bool = True) -> torch.Tensor:
+                  w2_scale: Optional[torch.Tensor] = None, sum_k: bool = True,
+                  aligned: Optional[Aligned] = None) -> torch.Tensor:
     """experts_reference's result, computed by the Triton kernels where they run (see fused_runs: CUDA with
     bf16/fp16 x; no host sync, so decode steps capture it in CUDA graphs), else by experts_reference (the CPU,
     float32 models, no Triton). sum_k False: where the Triton kernels run, the k outputs unsummed [T, k, H]
-    (triton_experts); elsewhere the sum [T, H] all the same."""
+    (triton_experts); elsewhere the sum [T, H] all the same. aligned: route_and_align's, for the fused path."""
     if fused_runs(x, w13, w13_scale is not None):
-        return triton_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, sum_k=sum_k)
+        return triton_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, sum_k=sum_k, aligned=aligned)
     return experts_reference(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)

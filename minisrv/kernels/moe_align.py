@@ -70,99 +70,35 @@ CHUNK = 1024  # pairs a step of the counting loops, or a program of the three la
 PIECE = 64  # pairs a program of the one launch places
 
 
+def aligned_buffers(n_pairs: int, num_experts: int, block_m: int, device: torch.device) -> Aligned:
+    """The outputs' buffers, unfilled, sized from the shapes alone (so that CUDA graphs capture them)."""
+    size = max_padded(n_pairs, num_experts, block_m)
+    return Aligned(torch.empty(size, dtype=torch.int32, device=device),
+                   torch.empty(size // block_m, dtype=torch.int32, device=device),
+                   torch.empty(1, dtype=torch.int32, device=device))
+
+
 @functools.lru_cache(maxsize=None)
 def triton_align() -> Optional[Callable[..., Aligned]]:
     """The launcher `run(topk_ids, num_experts, block_m, one_launch=None)` -> Aligned, or None where Triton is
     missing. Up to ONE_LAUNCH_PAIRS pairs (unless one_launch says otherwise) one launch of cdiv(pairs, PIECE) programs
     does it all; beyond, each of its programs would count every pair, so three launches split the work: per-chunk
     counts added atomically into zeroed counters, one program for the block table, then per-chunk placement through
-    atomic cursors."""
+    atomic cursors. The kernel: moe_device.moe_align."""
     try:
         import triton
-        import triton.language as tl
+
+        from minisrv.kernels.moe_device import moe_align
     except Exception:  # noqa: BLE001 - any import failure means "not present"
         return None
-
-    @triton.jit
-    def moe_align(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, cursor_ptr, n_pairs, num_experts,
-                  n_blocks, PHASE: tl.constexpr, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCKS: tl.constexpr, PIECE: tl.constexpr):
-        """PHASE 0: one launch, each program placing one PIECE of the pairs (see triton_align). The three launches
-        of large steps, each program one CHUNK of pairs: 1, count them into counts (zeroed); 2 (one program), the
-        block table from the counts; 3, place them. EXPERTS: num_experts rounded up to a power of two."""
-        experts = tl.arange(0, EXPERTS)
-        pid = tl.program_id(0)
-        if PHASE == 0:
-            lo = 0
-            hi = n_pairs
-            piece_lo = pid * PIECE
-            before = tl.zeros([EXPERTS], dtype=tl.int32)
-        else:
-            lo = pid * CHUNK
-            hi = lo + CHUNK
-        if PHASE <= 1:
-            counts = tl.zeros([EXPERTS], dtype=tl.int32)
-            for start in range(lo, hi, CHUNK):
-                offs = start + tl.arange(0, CHUNK)
-                ok = offs < n_pairs
-                ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
-                # the lanes past the pairs read expert 0: taken off its count (histogram's mask is Triton 3.4+)
-                counts += tl.histogram(ids, EXPERTS) - tl.where(experts == 0, tl.sum((~ok).to(tl.int32), 0), 0)
-                if PHASE == 0:  # and the pairs ahead of this program's piece, the same way
-                    early = offs < piece_lo
-                    before += (tl.histogram(tl.where(early, ids, 0), EXPERTS)
-                               - tl.where(experts == 0, tl.sum((~early).to(tl.int32), 0), 0))
-            if PHASE == 1:
-                tl.atomic_add(counts_ptr + experts, counts, mask=experts < num_experts)
-        if PHASE == 2:
-            counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
-        if PHASE == 0 or PHASE == 2:
-            padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-            ends = tl.cumsum(padded, 0)
-            starts = ends - padded
-            total = tl.sum(padded, 0)
-            # each block's expert (the number of groups that end at or before the block's first row), the
-            # programs taking turns over the blocks
-            for b0 in range(pid * BLOCKS, n_blocks, tl.num_programs(0) * BLOCKS):
-                blocks = b0 + tl.arange(0, BLOCKS)
-                first = blocks * BLOCK_M
-                e = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
-                tl.store(expert_ids_ptr + blocks, tl.where(first < total, e, -1), mask=blocks < n_blocks)
-            if pid == 0:
-                tl.store(num_padded_ptr, total)
-                # each group's padding: the slots after its pairs, up to its padded end
-                pad = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
-                tl.store(sorted_ptr + pad, tl.zeros_like(pad) + n_pairs, mask=pad < ends[:, None])
-            if PHASE == 2:  # the cursors of the placement launch: each group's first slot
-                tl.store(cursor_ptr + experts, starts, mask=experts < num_experts)
-        if PHASE == 0:
-            # this program's pairs: its group's start, plus the pairs of its expert ahead of the piece, plus those
-            # ahead within the piece (a PIECE x PIECE comparison): pairs in index order within a group
-            lanes = tl.arange(0, PIECE)
-            offs = piece_lo + lanes
-            ok = offs < n_pairs
-            ids = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
-            base = tl.sum(tl.where(ids[:, None] == experts[None, :], (starts + before)[None, :], 0), axis=1)
-            ahead = (ids[:, None] == ids[None, :]) & (lanes[None, :] < lanes[:, None])
-            tl.store(sorted_ptr + base + tl.sum(ahead.to(tl.int32), axis=1), offs, mask=ok)
-        if PHASE == 3:
-            for start in range(lo, hi, CHUNK):  # each pair to the next free slot of its group
-                offs = start + tl.arange(0, CHUNK)
-                ok = offs < n_pairs
-                ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
-                slot = tl.atomic_add(cursor_ptr + ids, 1, mask=ok)
-                tl.store(sorted_ptr + slot, offs, mask=ok)
 
     def run(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch: Optional[bool] = None) -> Aligned:
         ids = topk_ids.reshape(-1)
         n = ids.numel()
-        size = max_padded(n, num_experts, block_m)
         dev = ids.device
-        sorted_pairs = torch.empty(size, dtype=torch.int32, device=dev)
-        expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=dev)
-        num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+        out = aligned_buffers(n, num_experts, block_m, dev)
         cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        args = (sorted_pairs, expert_ids, num_padded, cursor, n, num_experts, size // block_m)
+        args = (*out, cursor, n, num_experts, out.expert_ids.numel())
         consts = dict(BLOCK_M=block_m, EXPERTS=triton.next_power_of_2(num_experts), BLOCKS=64)
         if n <= ONE_LAUNCH_PAIRS if one_launch is None else one_launch:
             piece = min(PIECE, max(16, triton.next_power_of_2(n)))
@@ -175,6 +111,6 @@ def triton_align() -> Optional[Callable[..., Aligned]]:
             moe_align[grid](ids, counts, *args, PHASE=1, CHUNK=CHUNK, PIECE=PIECE, num_warps=4, **consts)
             moe_align[(1,)](ids, counts, *args, PHASE=2, CHUNK=CHUNK, PIECE=PIECE, num_warps=8, **consts)
             moe_align[grid](ids, counts, *args, PHASE=3, CHUNK=CHUNK, PIECE=PIECE, num_warps=4, **consts)
-        return Aligned(sorted_pairs, expert_ids, num_padded)
+        return out
 
     return run

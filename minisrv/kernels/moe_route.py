@@ -1,5 +1,7 @@
 """The router's top-k in one Triton launch: router logits [T, E] -> routing weights float32 [T, k] and expert ids
-int32 [T, k], largest first, with or without renormalisation over the k (fused_moe.route's contract).
+int32 [T, k], largest first, with or without renormalisation over the k (fused_moe.route's contract); and, for
+decode batches of up to ROUTER_TOKENS tokens, the router's product, its top-k and the alignment in one launch
+(`triton_router`).
 
 Why: in torch ops this is a top-k (on CUDA a sort-based kernel for E = 128), a softmax and a cast to int32, each
 its own launch; at decode, where a MoE layer's work is a few microseconds of weight reads per launch, those three
@@ -7,11 +9,18 @@ launches cost as much as a third of the experts' own time. Here one program take
 registers, finds the k largest by k rounds of max (ties to the lowest expert index), and writes the weights:
 renormalised, the softmax of the k logits (equal to softmax -> top-k -> divide by the sum); otherwise the softmax
 over all E at the k. No host sync, so decode steps capture it in CUDA graphs.
+
+Why the router in one launch: at batch 1 the router's product (0.5 MB of weights at Qwen3-30B-A3B's shape), its
+top-k and the alignment are three launches that each take 3-5 us on an H100 for almost no work. `triton_router`
+spreads the product over (expert tile, K piece) programs; the last to finish (an arrival counter) routes and aligns
+in registers. The kernels: moe_device.py.
 """
 from __future__ import annotations
 
 import functools
 from typing import Callable, Optional, Tuple
+
+from minisrv.kernels.moe_align import Aligned, aligned_buffers
 
 import torch
 
@@ -21,42 +30,10 @@ def triton_route() -> Optional[Callable[..., Tuple[torch.Tensor, torch.Tensor]]]
     """The launcher `run(router_logits, top_k, renormalize)` -> (weights, ids), or None where Triton is missing."""
     try:
         import triton
-        import triton.language as tl
+
+        from minisrv.kernels.moe_device import moe_route_topk
     except Exception:  # noqa: BLE001 - any import failure means "not present"
         return None
-
-    @triton.jit
-    def moe_route_topk(logits_ptr, weights_ptr, ids_ptr, n_tokens, num_experts, stride_t, TOP_K: tl.constexpr,
-                       RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, EXPERTS: tl.constexpr, K_POW2: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        experts = tl.arange(0, EXPERTS)
-        row_ok = rows < n_tokens
-        x = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_t + experts[None, :],
-                    mask=row_ok[:, None] & (experts < num_experts)[None, :], other=float("-inf")).to(tl.float32)
-        x = tl.where(x == x, x, float("-inf"))  # a NaN logit is never chosen over a number, and never matches best
-        top = tl.max(x, axis=1)
-        slots = tl.arange(0, K_POW2)
-        chosen = tl.zeros((BLOCK_T, K_POW2), dtype=tl.int32)
-        exps = tl.zeros((BLOCK_T, K_POW2), dtype=tl.float32)
-        if RENORMALIZE:
-            denom = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        else:
-            denom = tl.sum(tl.exp(x - top[:, None]), axis=1)
-        for j in tl.static_range(TOP_K):
-            best = tl.max(x, axis=1)
-            # ties to the lowest index; kept in range even for a row of -inf (then expert 0 is repeated)
-            index = tl.minimum(tl.min(tl.where(x == best[:, None], experts[None, :], EXPERTS), axis=1),
-                               num_experts - 1)
-            e = tl.exp(best - top)
-            if RENORMALIZE:
-                denom += e
-            chosen = tl.where(slots[None, :] == j, index[:, None], chosen)
-            exps = tl.where(slots[None, :] == j, e[:, None], exps)
-            x = tl.where(experts[None, :] == index[:, None], float("-inf"), x)
-        out = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
-        ok = row_ok[:, None] & (slots < TOP_K)[None, :]
-        tl.store(weights_ptr + out, exps / denom[:, None], mask=ok)
-        tl.store(ids_ptr + out, chosen, mask=ok)
 
     def run(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
         t, num_experts = router_logits.shape
@@ -72,5 +49,54 @@ def triton_route() -> Optional[Callable[..., Tuple[torch.Tensor, torch.Tensor]]]
                                                    TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t,
                                                    EXPERTS=experts, K_POW2=triton.next_power_of_2(top_k), num_warps=4)
         return weights, ids
+
+    return run
+
+
+ROUTER_TOKENS = 16  # tokens up to which triton_router takes the step (the top-k's rows in one program)
+ROUTER_PROGRAMS = 32  # (expert tile, K piece) programs the router's product aims for
+
+
+@functools.lru_cache(maxsize=None)
+def triton_router() -> Optional[Callable[..., Tuple[torch.Tensor, torch.Tensor, Aligned]]]:
+    """The launcher `run(x, router_weight, counter, top_k, renormalize, block_m)` -> (weights, ids, Aligned): route()
+    of x @ router_weight^T (rounded to x's dtype, as the model's product is) and triton_align's output for those ids,
+    for x [T <= ROUTER_TOKENS, H] bf16/fp16 with unit column stride and router_weight [E, H] of x's dtype,
+    contiguous. counter: int32 [1], zero, kept by the caller for its calls (each call leaves it zero; calls on one
+    stream only). None where Triton is missing."""
+    try:
+        import triton
+
+        from minisrv.kernels.moe_device import moe_router
+    except Exception:  # noqa: BLE001 - any import failure means "not present"
+        return None
+
+    def run(x: torch.Tensor, router_weight: torch.Tensor, counter: torch.Tensor, top_k: int, renormalize: bool,
+            block_m: int) -> Tuple[torch.Tensor, torch.Tensor, Aligned]:
+        t, hidden = x.shape
+        num_experts = router_weight.shape[0]
+        if not 0 < t <= ROUTER_TOKENS or x.stride(1) != 1 or not router_weight.is_contiguous() \
+                or router_weight.shape[1] != hidden or router_weight.dtype != x.dtype:
+            raise ValueError(f"router of x {tuple(x.shape)} (strides {x.stride()}), weight "
+                             f"{tuple(router_weight.shape)} {router_weight.dtype}")
+        block_e, block_k = 16, 128
+        experts = max(block_e, triton.next_power_of_2(num_experts))
+        tiles = experts // block_e
+        pieces = max(1, min(ROUTER_PROGRAMS // tiles, triton.cdiv(hidden, block_k)))
+        k_piece = triton.cdiv(triton.cdiv(hidden, pieces), block_k) * block_k
+        pieces = triton.cdiv(hidden, k_piece)
+        block_t = 16  # tl.dot's least rows
+        dev = x.device
+        partial = torch.empty(pieces * block_t * experts, dtype=torch.float32, device=dev)
+        weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
+        ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)
+        out = aligned_buffers(t * top_k, num_experts, block_m, dev)
+        moe_router[(tiles * pieces,)](x, router_weight, partial, counter, weights, ids, *out, t, hidden, num_experts,
+                                      x.stride(0), out.expert_ids.numel(), k_piece,
+                                      ROUND_BF16=x.dtype == torch.bfloat16, TOP_K=top_k, RENORMALIZE=renormalize,
+                                      BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, EXPERTS=experts,
+                                      K_POW2=triton.next_power_of_2(top_k), K_PIECES=pieces, BLOCK_M=block_m,
+                                      BLOCKS=64, PAIRS=max(16, triton.next_power_of_2(t * top_k)), num_warps=4)
+        return weights, ids, out
 
     return run

@@ -19,7 +19,8 @@ from torch import nn
 
 from minisrv.distributed import TensorParallel
 from minisrv.kernels.fp8_quant import FP8, quantize_rows
-from minisrv.kernels.fused_moe import fused_experts, route
+from minisrv.kernels.fused_moe import fused_experts, route, route_and_align
+from minisrv.kernels.moe_align import Aligned
 
 from .args import ModelArgs
 from .layers import GatedMLP, UnsummedExperts
@@ -58,8 +59,9 @@ class Experts(nn.Module):
         getattr(self, which + "_scale")[expert, row:row + w.shape[0]] = scale.reshape(-1)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                sum_k: bool = True) -> torch.Tensor:
-        return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_scale, self.w2_scale, sum_k)
+                sum_k: bool = True, aligned: Optional[Aligned] = None) -> torch.Tensor:
+        return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_scale, self.w2_scale, sum_k,
+                             aligned)
 
     def extra_repr(self) -> str:
         e, two_i, h = self.w13.shape
@@ -99,10 +101,22 @@ class SparseMoE(nn.Module):
         self.tp = tp or TensorParallel.single()
         self.reduce_output = reduce_output
         self.sum_in_norm = shared_inter == 0 and not self.tp.enabled
+        self.reset_buffers()
+
+    def reset_buffers(self, device: Optional[torch.device] = None) -> None:
+        """The small-batch router's arrival counter (fused_moe.route_and_align), zeroed (after meta-device
+        construction: the loader calls this)."""
+        self.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, UnsummedExperts]:
-        topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = self.experts(x, topk_weights, topk_ids, sum_k=not self.sum_in_norm)
+        routed = route_and_align(x, self.gate.weight, self.router_counter, self.top_k, self.renormalize,
+                                 self.experts.w13, self.experts.fp8)
+        if routed is None:
+            topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize)
+            aligned = None
+        else:
+            topk_weights, topk_ids, aligned = routed
+        out = self.experts(x, topk_weights, topk_ids, sum_k=not self.sum_in_norm, aligned=aligned)
         if out.dim() == 3:
             return UnsummedExperts(out)
         if self.shared_expert is not None:

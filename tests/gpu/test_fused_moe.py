@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from minisrv.kernels.fp8_quant import quantize_rows
-from minisrv.kernels.fused_moe import experts_reference, fused_experts, fused_runs, route
+from minisrv.kernels.fused_moe import experts_reference, fused_experts, fused_runs, route, route_and_align
 from minisrv.kernels.moe_align import align_reference, triton_align
+from minisrv.kernels.moe_gemm import config_for
 
 
 def _load_checks():
@@ -148,3 +149,60 @@ def test_route_kernel_matches_torch_on_the_cpu(t, num_experts, top_k, renormaliz
     ref_w, ref_ids = route(logits, top_k, renormalize)
     assert torch.equal(ids.cpu(), ref_ids)
     assert torch.allclose(weights.cpu(), ref_w, rtol=1e-5, atol=1e-7)
+
+
+def _router_inputs(t: int, num_experts: int, hidden: int, seed: int):
+    """(x [t, hidden], router weight [E, hidden], logits float64 [t, E]) with x @ w^T exact in any summation order:
+    w a permuted identity over x's first E columns (distinct logits, a permutation in steps of 1/16, exact in bf16)
+    and zeros against random values in the others, so every K piece and expert tile of the product takes part."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.stack([torch.randperm(num_experts, generator=g) / 16.0 - 2 for _ in range(t)]).double()
+    perm = torch.randperm(num_experts, generator=g)
+    x = torch.cat([logits[:, perm].float(), torch.randn(t, hidden - num_experts, generator=g)], dim=1)
+    w = torch.zeros(num_experts, hidden)
+    w[perm, torch.arange(num_experts)] = 1.0
+    return x.bfloat16().cuda(), w.bfloat16().cuda(), logits
+
+
+@pytest.mark.parametrize("t", [1, 2, 7, 16])
+@pytest.mark.parametrize("num_experts,top_k,hidden", [(8, 2, 4096), (60, 4, 2048), (128, 8, 2048), (128, 8, 1000)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router_in_one_launch_matches_route_and_align(t, num_experts, top_k, hidden, renormalize):
+    """route_and_align (the router's product, top-k and alignment in one launch) against route() of the same logits
+    and the torch alignment of its ids; fifty calls in a row on one counter (each leaves it zero)."""
+    x, w, logits = _router_inputs(t, num_experts, hidden, seed=t + num_experts)
+    w13 = torch.empty(num_experts, 2, 16, dtype=torch.bfloat16, device="cuda")  # only its shape and dtype are read
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    ref_w, ref_ids = route(logits.cpu(), top_k, renormalize)
+    for _ in range(50):
+        weights, ids, aligned = route_and_align(x, w, counter, top_k, renormalize, w13, False)
+    assert torch.equal(ids.cpu(), ref_ids)
+    assert torch.allclose(weights.cpu().double(), ref_w, rtol=1e-5, atol=1e-7)
+    assert_same_alignment(aligned, align_reference(ids, num_experts, config_for(t * top_k, num_experts, False).block_m))
+    assert int(counter) == 0
+
+
+@pytest.mark.parametrize("t", [1, 16])
+def test_router_in_one_launch_under_graph_replay(t):
+    """route_and_align captured once and replayed on new inputs: as its eager result each time."""
+    num_experts, top_k, hidden = 128, 8, 2048
+    x, w, _ = _router_inputs(t, num_experts, hidden, seed=1)
+    w13 = torch.empty(num_experts, 2, 16, dtype=torch.bfloat16, device="cuda")
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        route_and_align(x, w, counter, top_k, True, w13, False)  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = route_and_align(x, w, counter, top_k, True, w13, False)
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in (2, 3, 4):
+        new_x, _, _ = _router_inputs(t, num_experts, hidden, seed=seed)
+        x.copy_(new_x)
+        graph.replay()
+        ref_w, ref_ids, ref_aligned = route_and_align(new_x, w, torch.zeros_like(counter), top_k, True, w13, False)
+        torch.cuda.synchronize()
+        assert torch.equal(out[1], ref_ids) and torch.equal(out[0], ref_w)
+        assert_same_alignment(out[2], ref_aligned)
+        assert int(counter) == 0
