@@ -272,10 +272,11 @@ def test_api_key_and_shapes_by_path(qwen2_engine) -> None:
     assert run("/v1/chat/completions", {"x-api-key": "sekret"}).status_code == 200
 
 
-def test_engine_failure_before_and_after_the_stream_began(tokenizer, words) -> None:  # noqa: F811 - fixtures
+@pytest.mark.parametrize("spacing_s", [0.001, 0.0], ids=["apart", "one-wake-up"])
+def test_engine_failure_before_and_after_the_stream_began(tokenizer, words, spacing_s) -> None:  # noqa: F811
     """The engine fails the request after ' Hello': a 500 api_error, or (streamed) the text so far, then an error
-    event in Anthropic's shape and no message_stop."""
-    state, app = make_scripted_app(tokenizer, ScriptedEngine(hello_world(words, fail="boom")))
+    event in Anthropic's shape and no message_stop; the same where ' Hello' and the failure come in one wake-up."""
+    state, app = make_scripted_app(tokenizer, ScriptedEngine(hello_world(words, fail="boom"), spacing_s))
     anthropic_error(call(app, "/v1/messages", {"max_tokens": 5, "messages": ASK}), 500, "api_error")
     evs = sse(call(app, "/v1/messages", {"max_tokens": 5, "messages": ASK, "stream": True}))
     assert [e["type"] for e in evs] == ["message_start", "ping", "content_block_start", "content_block_delta",

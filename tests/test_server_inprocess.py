@@ -58,12 +58,14 @@ Script = Callable[[str, List[int], SamplingParams], Sequence[Any]]
 
 
 class ScriptedEngine:
-    """Stands in for EngineClient: answers each submitted request with the items its script returns."""
+    """Stands in for EngineClient: answers each submitted request with the items its script returns, the first
+    after 1 ms and each next spacing_s later (0: all in one wake-up of the event loop, as a busy server's can)."""
 
     ready, dead = True, False
 
-    def __init__(self, script: Script) -> None:
+    def __init__(self, script: Script, spacing_s: float = 0.001) -> None:
         self.script = script
+        self.spacing_s = spacing_s
         self.submitted: List[AddRequest] = []
         self.aborted: List[str] = []
 
@@ -72,7 +74,7 @@ class ScriptedEngine:
         self.submitted.append(AddRequest(rid, list(prompt_ids), params))
         loop = asyncio.get_running_loop()
         for k, item in enumerate(self.script(rid, list(prompt_ids), params)):
-            loop.call_later(0.001 * (k + 1), sink.put_nowait, (tag, item))
+            loop.call_later(0.001 + self.spacing_s * k, sink.put_nowait, (tag, item))
 
     def abort(self, rid: str) -> None:
         self.aborted.append(rid)
@@ -195,13 +197,18 @@ def test_engine_failure_non_streaming_is_500(tokenizer, words) -> None:
     assert len(engine.aborted) == 1
 
 
+@pytest.mark.parametrize("spacing_s", [0.001, 0.0], ids=["apart", "one-wake-up"])
 @pytest.mark.parametrize("path,body", [("/v1/chat/completions", {"messages": CHAT_Q}),
                                        ("/v1/completions", {"prompt": "Hi"})])
-def test_engine_failure_streaming_ends_with_error_event(tokenizer, words, path: str, body: Dict[str, Any]) -> None:
-    state, app = make_app(tokenizer, ScriptedEngine(hello_world(words, fail="RuntimeError: boom")))
+def test_engine_failure_streaming_ends_with_error_event(tokenizer, words, path: str, body: Dict[str, Any],
+                                                        spacing_s: float) -> None:
+    """The text before the failure is streamed, then the error event, whether the two came apart or together."""
+    state, app = make_app(tokenizer, ScriptedEngine(hello_world(words, fail="RuntimeError: boom"), spacing_s))
     r = call(app, path, {**body, "stream": True, "stream_options": {"include_usage": True}})
     assert r.status_code == 200
     ev = events(r)
+    text = "".join(c.get("text") or c.get("delta", {}).get("content") or "" for e in ev[:-2] for c in e["choices"])
+    assert text == " Hello", ev
     assert ev[-1] == "[DONE]"
     err = ev[-2]["error"]
     assert err["type"] == "server_error" and "boom" in err["message"]

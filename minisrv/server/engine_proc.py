@@ -64,9 +64,7 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
     send = _pipe(ctx, zmq.PUSH, out_addr)
     try:
         from minisrv.engine.engine import Engine
-        from minisrv.utils import freeze_startup_heap
         engine = Engine(cfg, staged_kernels=True)
-        freeze_startup_heap()
     except BaseException as e:  # noqa: BLE001 - every startup failure must reach the launcher
         logger.debug("engine startup failed", exc_info=True)
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
@@ -91,9 +89,16 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
 
 
 def _loop(engine: Any, recv: zmq.Socket, send: zmq.Socket, parent_pid: int) -> None:
+    from minisrv.utils import freeze_startup_heap
     last_stats: Optional[Dict[str, Any]] = None
     last_sent = 0.0
+    frozen = False
     while True:
+        if not frozen and engine.staged_kernels is None:
+            # start-up ends once the built kernels serve: what their switch dropped is collected now, the rest kept
+            # out of later collections' walk
+            freeze_startup_heap()
+            frozen = True
         busy = engine.has_work()
         msgs: List[ToEngine] = []
         if recv.poll(0 if busy else IDLE_POLL_MS):

@@ -202,19 +202,25 @@ async def run_jobs(state: "ServerState", jobs: List[Job]) -> AsyncIterator[List[
             t = time.perf_counter()
             step: List[Tuple[int, RequestOutput]] = []
             for index, item in items:
+                failure: Optional[Exception] = None
                 if index is STOP:
-                    raise server_shutdown()
-                if isinstance(item, Exception):  # refused by the engine, or the engine is gone
+                    failure = server_shutdown()
+                elif isinstance(item, Exception):  # refused by the engine, or the engine is gone
                     pending.pop(index, None)
                     m.dropped("error")
-                    raise item
-                clock = pending[index]
-                m.tokens(clock, len(item.new_token_ids), t)
-                if item.finished:
-                    del pending[index]
-                    m.ended(item.finish_reason or "unknown", clock, t)
-                    if item.finish_reason == "error":
-                        raise request_failed(item.error)
+                    failure = item
+                else:
+                    clock = pending[index]
+                    m.tokens(clock, len(item.new_token_ids), t)
+                    if item.finished:
+                        del pending[index]
+                        m.ended(item.finish_reason or "unknown", clock, t)
+                        if item.finish_reason == "error":
+                            failure = request_failed(item.error)
+                if failure is not None:
+                    if step:  # what arrived before the failure (in the same wake-up) is delivered first
+                        yield step
+                    raise failure
                 step.append((index, item))
             yield step
     except RequestError as e:
