@@ -8,6 +8,7 @@ tests/test_server.py covers the same paths end to end with the real engine.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -306,6 +307,7 @@ class RefusingEngine:
 def test_engine_loop_dispatches_typed_messages() -> None:
     sock = FakeSocket([AddRequest("dup", [1, 2], SamplingParams()), AbortRequest("a"), StatsQuery()], [Shutdown()])
     engine_proc._loop(RefusingEngine(), sock, sock, os.getppid())
+    assert gc.get_freeze_count() == 0  # the heap is frozen by the engine process's main only (on_started)
     rejected, step, stats = sock.sent
     assert rejected == Rejected("dup", "duplicate request id 'dup'", "rid", "duplicate_id")
     assert isinstance(step, StepOutputs) and [(o.rid, o.finish_reason) for o in step.outputs] == [("a", "abort")]

@@ -77,7 +77,10 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
     send.send_pyobj(EngineReady(EngineInfo.from_engine(engine)))
     code = 0
     try:
-        _loop(engine, recv, send, parent_pid)
+        from minisrv.utils import freeze_startup_heap
+        # start-up ends once the built kernels serve: what their switch dropped is collected then, and the rest
+        # kept out of later collections' walk
+        _loop(engine, recv, send, parent_pid, on_started=freeze_startup_heap)
     except BaseException:  # noqa: BLE001 - e.g. a lost tensor-parallel rank: logged, and the process ends
         logger.exception("engine: the loop ended")
         code = 1
@@ -88,17 +91,15 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
     os._exit(code)
 
 
-def _loop(engine: Any, recv: zmq.Socket, send: zmq.Socket, parent_pid: int) -> None:
-    from minisrv.utils import freeze_startup_heap
+def _loop(engine: Any, recv: zmq.Socket, send: zmq.Socket, parent_pid: int,
+          on_started: Optional[Callable[[], None]] = None) -> None:
+    """Serve messages until Shutdown; on_started is called once the kernels built at start-up all serve."""
     last_stats: Optional[Dict[str, Any]] = None
     last_sent = 0.0
-    frozen = False
     while True:
-        if not frozen and engine.staged_kernels is None:
-            # start-up ends once the built kernels serve: what their switch dropped is collected now, the rest kept
-            # out of later collections' walk
-            freeze_startup_heap()
-            frozen = True
+        if on_started is not None and engine.staged_kernels is None:
+            on_started()
+            on_started = None
         busy = engine.has_work()
         msgs: List[ToEngine] = []
         if recv.poll(0 if busy else IDLE_POLL_MS):
