@@ -20,9 +20,9 @@ from __future__ import annotations
 import functools
 from typing import Callable, Optional, Tuple
 
-from minisrv.kernels.moe_align import Aligned, aligned_buffers
-
 import torch
+
+from minisrv.kernels.moe_align import Aligned, aligned_buffers
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,7 +85,7 @@ def triton_router() -> Optional[Callable[..., Tuple[torch.Tensor, torch.Tensor, 
         pieces = max(1, min(ROUTER_PROGRAMS // tiles, triton.cdiv(hidden, block_k)))
         k_piece = triton.cdiv(triton.cdiv(hidden, pieces), block_k) * block_k
         pieces = triton.cdiv(hidden, k_piece)
-        block_t = 16  # tl.dot's least rows
+        block_t = ROUTER_TOKENS  # the last program's rows (tl.dot's least, 16, too)
         dev = x.device
         partial = torch.empty(pieces * block_t * experts, dtype=torch.float32, device=dev)
         weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
