@@ -320,7 +320,7 @@ def test_cors_for_the_allowed_origin(server: Server, http: httpx.Client) -> None
 
 
 def test_cors_policy_by_hand() -> None:
-    from minisrv.server.http_policy import HTTPPolicy
+    from minisrv.server.http.policy import HTTPPolicy
     off = HTTPPolicy.for_bind("127.0.0.1")
     assert not off.cors and off.cors_headers(UI) == [] and off.cors_headers(None) == []
     some = HTTPPolicy.for_bind("127.0.0.1", allowed_origins=["http://UI.example:80/"])

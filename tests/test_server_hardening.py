@@ -462,7 +462,7 @@ def test_sigterm_ends_open_streams_and_exits_cleanly() -> None:
 
 # ---------------------------------------------------------------------------------------------- in-process
 def test_host_and_origin_policy() -> None:
-    from minisrv.server.http_policy import HTTPPolicy
+    from minisrv.server.http.policy import HTTPPolicy
 
     loop = HTTPPolicy.for_bind("127.0.0.1")
     assert loop.check_host
@@ -504,7 +504,7 @@ def _random_json(rng: random.Random, depth: int = 0):
 def test_large_bodies_parse_in_pieces_like_json_loads(monkeypatch) -> None:
     """The piecewise parse of large bodies (forced here on small ones, with tiny pieces) gives json.loads's value
     for valid documents, and a 400 wherever json.loads fails, on random documents and mutations of them."""
-    from minisrv.server import jsonbody
+    from minisrv.server.http import json_body as jsonbody
     from minisrv.server.errors import APIError
 
     monkeypatch.setattr(jsonbody, "SPLIT_BYTES", 0)

@@ -7,7 +7,7 @@ the openai package dispatch on the status and read `param`/`code`; each failure 
   400 invalid_request_error  bad JSON (also NaN/Infinity, nesting over 64 deep, lone surrogates), wrong types
                              (pydantic), out-of-range values (RequestError, with its param), too many choices
   401 / 404                  no API key (gate.py), unknown model or route
-  403                        a Host or Origin this server does not answer (http_policy.py: host_not_allowed,
+  403                        a Host or Origin this server does not answer (http/policy.py: host_not_allowed,
                              origin_not_allowed)
   408 / 413 / 415            the body came too slowly (request_timeout), is too large (request_too_large), is
                              not application/json (unsupported_media_type); 408 and 413 close the connection

@@ -27,7 +27,7 @@ from minisrv.config import EngineConfig
 from minisrv.server.reasoning_plan import PARSERS as REASONING_PARSERS
 from minisrv.server.tools import PARSERS
 
-from .http_policy import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S, HTTPPolicy, split_list
+from .http.policy import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S, HTTPPolicy, split_list
 
 logger = logging.getLogger("minisrv.server")
 
@@ -175,7 +175,7 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
 
     from .routes import create_app
     from .state import ServerState
-    from .transport import GracefulServer, deadline_protocol
+    from .http.transport import GracefulServer, deadline_protocol
 
     state = ServerState(client=client, served_model_name=served, model_aliases=aliases, api_key=args.api_key,
                         http=policy, tool_call_parser=args.tool_call_parser,

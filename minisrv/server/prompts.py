@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from minisrv.engine.request import RequestError
 
 from .errors import APIError, validation_message
-from .jsonbody import parse as parse_json
+from .http.json_body import parse as parse_json
 from .state import ServerState
 
 # names a client's chat_template_kwargs may not use: the template's own inputs, set by the server

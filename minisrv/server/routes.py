@@ -36,8 +36,8 @@ from minisrv.engine.request import RequestError, SamplingParams, check_request
 from .anthropic_routes import add_anthropic_routes
 from .embedding_routes import add_embedding_routes, refuse_generation
 from .errors import ENGINE_UNAVAILABLE, SERVER, APIError, error_response, install_error_handlers
-from .gate import Gate
 from .generation import Generation, serve
+from .http.gate import Gate
 from .prompts import ASYNC_ENCODE_CHARS, encode, off_loop, parse_body, template_kwargs, template_messages
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .reasoning_plan import plan_reasoning, thinking_budget

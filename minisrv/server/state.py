@@ -11,7 +11,7 @@ from minisrv import __version__
 
 from .engine_proc import EngineClient
 from .errors import APIError
-from .http_policy import HTTPPolicy
+from .http.policy import HTTPPolicy
 from .logprobs import TokenText
 from .messages import EngineInfo
 from .metrics import ServerMetrics

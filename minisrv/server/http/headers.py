@@ -7,7 +7,7 @@ import re
 import uuid
 from typing import Any, Callable, Dict, List, Optional
 
-from .http_policy import REQUEST_ID, Headers
+from .policy import REQUEST_ID, Headers
 
 JSON_MEDIA_TYPE = "application/json"
 MAX_REQUEST_ID_CHARS = 128

@@ -14,7 +14,7 @@ client left before any), and not buffer or wrap the streams themselves.
 Every response carries `x-request-id` (refusals, 404s and streams included): the client's `X-Request-Id` when it
 is 1 to 128 visible ASCII characters, else a fresh uuid4 hex; the route finds it in `request.state.request_id`.
 
-Who may use the server (Host, Origin, CORS) is http_policy.py's; how the body is read, guarded_body.py's.
+Who may use the server (Host, Origin, CORS) is policy.py's; how the body is read, body.py's.
 """
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
-from .errors import ENGINE_UNAVAILABLE, SERVER, APIError, error_response
-from .guarded_body import GuardedBody, too_large
-from .http_policy import REQUEST_ID, Headers, HTTPPolicy
-from .request_headers import (JSON_MEDIA_TYPE, authorized, declared_length, has_body, header, header_values, is_json,
-                              is_preflight, request_id, requested_headers, with_headers)
+from ..errors import ENGINE_UNAVAILABLE, SERVER, APIError, error_response
+from .body import GuardedBody, too_large
+from .headers import (JSON_MEDIA_TYPE, authorized, declared_length, has_body, header, header_values, is_json,
+                      is_preflight, request_id, requested_headers, with_headers)
+from .policy import REQUEST_ID, Headers, HTTPPolicy
 
 if TYPE_CHECKING:
-    from .state import ServerState
+    from ..state import ServerState
 
 logger = logging.getLogger("minisrv.server")
 

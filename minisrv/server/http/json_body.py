@@ -28,7 +28,7 @@ import re
 import threading
 from typing import Any, Callable, Iterator, List, TypeVar
 
-from .errors import APIError
+from ..errors import APIError
 
 MAX_DEPTH = 64
 SPLIT_BYTES = 1 << 20  # larger bodies are parsed in pieces

@@ -8,7 +8,7 @@ head, or one byte now and then, holds its connection (and, with --limit-concurre
 how large a request head may grow (uvicorn's `h11_max_incomplete_event_size`, 16 KiB by default), not how long
 it may take. `deadline_protocol` arms a timer when a connection opens and after each response; if no route is at
 work when it fires (none started, or the last one has answered), the connection is closed. While a route runs it
-times its own body reads (guarded_body.GuardedBody, a 408).
+times its own body reads (body.GuardedBody, a 408).
 
 Graceful shutdown. On SIGTERM/SIGINT uvicorn stops accepting, closes idle connections and waits for the running
 requests; after its `timeout_graceful_shutdown` it cancels them, which cuts streams off with no last event and
@@ -27,12 +27,12 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .errors import SERVER, APIError
-from .http_policy import REQUEST_ID
-from .request_headers import request_id, with_headers
+from ..errors import SERVER, APIError
+from .headers import request_id, with_headers
+from .policy import REQUEST_ID
 
 if TYPE_CHECKING:
-    from .state import ServerState
+    from ..state import ServerState
 
 END_S = 5.0  # after the stop: how long the ended requests have to deliver their last words
 

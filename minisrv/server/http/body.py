@@ -4,10 +4,10 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Callable, Dict
 
-from .errors import APIError, server_shutdown
+from ..errors import APIError, server_shutdown
 
 if TYPE_CHECKING:
-    from .state import ServerState
+    from ..state import ServerState
 
 
 def too_large(limit: int) -> APIError:
