@@ -18,7 +18,7 @@ class EngineConfig:
     model: Optional[str] = None  # HF directory or .gguf file; None = the default model
     tokenizer: Optional[str] = None  # defaults to the model's own
     # a GGUF model's converted config, tokenizer and weights: None = $MINISRV_CACHE_DIR, else $XDG_CACHE_HOME/minisrv
-    # or ~/.cache/minisrv; "off" = no cache (models/gguf_cache.py)
+    # or ~/.cache/minisrv; "off" = no cache (checkpoints/gguf_cache.py)
     cache_dir: Optional[str] = None
     attention_backend: str = "auto"  # auto | torch | fa | fi | P,D (D may also be triton)
     dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
@@ -51,7 +51,7 @@ class EngineConfig:
     # tensor parallel on CUDA: decode batches' all-reduce + add + RMSNorm in one kernel (FlashInfer's)
     enable_flashinfer_allreduce_fusion: bool = False
     # an embedding model: requests are embedded (prefill, pooled hidden states), not generated; also detected from
-    # the checkpoint (models/pooling_config.py)
+    # the checkpoint (checkpoints/pooling_config.py)
     is_embedding: bool = False
     log_level: str = "info"
 

@@ -10,7 +10,7 @@ from minisrv.config import EngineConfig
 from minisrv.engine.engine import Engine
 from minisrv.engine.pooling import PoolingParams
 from minisrv.engine.request import CompletionOutput, Request, SamplingParams, prompt_logprob_list
-from minisrv.models.engine_tokenizer import transformers_tokenizer
+from minisrv.tokenizer.engine_tokenizer import transformers_tokenizer
 
 PromptType = Union[str, List[int]]
 

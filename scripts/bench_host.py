@@ -43,7 +43,7 @@ import bench_offline  # noqa: E402  (the workload itself, so both benchmarks run
 def build_checkpoint(path: str) -> str:
     """A one-layer Qwen3-shaped checkpoint (hidden 64) whose vocabulary is the default model's tokenizer's."""
     import transformers
-    from minisrv.models.loader import default_model_path, load_tokenizer
+    from minisrv.checkpoints.loader import default_model_path, load_tokenizer
     tok = load_tokenizer(default_model_path())
     cfg = transformers.Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,

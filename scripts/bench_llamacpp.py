@@ -140,7 +140,7 @@ def main() -> int:
     a = p.parse_args()
     from minisrv.llm import LLM
     from minisrv.models.block_layers import BlockLinear
-    from minisrv.models.model_files import default_model_path
+    from minisrv.checkpoints.model_files import default_model_path
     model = a.model or default_model_path()
     threads = torch.get_num_threads()
     settings = [] if a.no_minisrv else [w for w in a.gguf_weights.split(",") if w]

@@ -98,8 +98,8 @@ def cpu_workload(n: int, in_range, out_len: int, seed: int = 0):
 def hf_model(llm):
     """HF transformers' model on the same weights and dtype (a GGUF is dequantised by our loader)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from minisrv.models.gguf_file import iter_gguf
-    from minisrv.models.loader import is_gguf, load_hf_config
+    from minisrv.checkpoints.gguf_file import iter_gguf
+    from minisrv.checkpoints.loader import is_gguf, load_hf_config
     eng = llm.engine
     if not is_gguf(eng.model_path):
         return AutoModelForCausalLM.from_pretrained(eng.model_path, dtype=eng.dtype).to(eng.device).eval()

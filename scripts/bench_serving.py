@@ -360,7 +360,7 @@ def main() -> None:
         tok = None
         if args.tokenizer:
             if args.tokenizer.endswith(".gguf"):
-                from minisrv.models.loader import load_tokenizer
+                from minisrv.checkpoints.loader import load_tokenizer
                 tok = load_tokenizer(args.tokenizer)
             else:
                 from transformers import AutoTokenizer

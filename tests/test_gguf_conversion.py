@@ -1,6 +1,6 @@
 """The GGUF conversions a first start runs, each against the library it replaces: the torch dequantiser
-(models/gguf_dequant.py) against gguf's numpy one, bit for bit; the config built from metadata read without its
-arrays (models/gguf_config.py) against transformers' AutoConfig on the same file."""
+(checkpoints/gguf_dequant.py) against gguf's numpy one, bit for bit; the config built from metadata read without its
+arrays (checkpoints/gguf_config.py) against transformers' AutoConfig on the same file."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,7 @@ from .helpers.tiny_models import build_tiny_model
 
 
 def _default_model_or_skip() -> str:
-    from minisrv.models.model_files import default_model_path
+    from minisrv.checkpoints.model_files import default_model_path
     try:
         return default_model_path()
     except FileNotFoundError:
@@ -31,7 +31,7 @@ def test_torch_dequantizer_equals_gguf_numpy(kind):
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize as numpy_dequantize
 
-    from minisrv.models.gguf_dequant import dequantize
+    from minisrv.checkpoints.gguf_dequant import dequantize
     q = GGMLQuantizationType[kind]
     block, size = GGML_QUANT_SIZES[q]
     rng = np.random.default_rng(5)
@@ -55,7 +55,7 @@ def _transformers_args(gguf: str) -> ModelArgs:
     the tensor table as model_files._gguf_hf_config completes every config."""
     from transformers import AutoConfig
 
-    from minisrv.models.gguf_file import has_tensor, moe_config, read_gguf
+    from minisrv.checkpoints.gguf_file import has_tensor, moe_config, read_gguf
     reader = read_gguf(gguf)
     cfg = AutoConfig.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).to_dict()
     cfg["tie_word_embeddings"] = not has_tensor(reader, "output.weight")
@@ -71,11 +71,11 @@ def _transformers_args(gguf: str) -> ModelArgs:
     ("mixtral", "llama", dict()),
 ])
 def test_config_without_transformers_equals_transformers(tmp_path, name, arch, overrides):
-    """The config read from the file's header without transformers (models/gguf_config.py) gives the ModelArgs
+    """The config read from the file's header without transformers (checkpoints/gguf_config.py) gives the ModelArgs
     that transformers' AutoConfig on the same GGUF file gives."""
-    from minisrv.models.gguf_config import gguf_model_config
-    from minisrv.models.gguf_file import read_gguf
-    from minisrv.models.model_files import _gguf_hf_config
+    from minisrv.checkpoints.gguf_config import gguf_model_config
+    from minisrv.checkpoints.gguf_file import read_gguf
+    from minisrv.checkpoints.model_files import _gguf_hf_config
     hf_dir = build_tiny_model(str(tmp_path / "hf"), name, seed=3, **overrides)
     gguf = str(tmp_path / "m.gguf")
     write_gguf(hf_dir, gguf, arch)
@@ -90,7 +90,7 @@ def test_config_defaults_are_transformers_where_the_file_is_silent(tmp_path, arc
     import numpy as np
     from gguf import GGUFWriter
 
-    from minisrv.models.model_files import _gguf_hf_config
+    from minisrv.checkpoints.model_files import _gguf_hf_config
     path = str(tmp_path / f"{arch}.gguf")
     w = GGUFWriter(path, arch)
     w.add_embedding_length(64)
@@ -109,6 +109,6 @@ def test_config_defaults_are_transformers_where_the_file_is_silent(tmp_path, arc
 
 @pytest.mark.slow  # transformers' parse of the default model's metadata arrays: 10-15 s
 def test_config_of_the_default_model_equals_transformers():
-    from minisrv.models.model_files import _gguf_hf_config
+    from minisrv.checkpoints.model_files import _gguf_hf_config
     gguf = _default_model_or_skip()
     assert ModelArgs.from_hf_config(_gguf_hf_config(gguf)) == _transformers_args(gguf)

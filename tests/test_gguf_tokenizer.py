@@ -1,4 +1,4 @@
-"""A GGUF file's tokenizer built from the metadata minisrv reads (models/gguf_tokenizer.py) against transformers'
+"""A GGUF file's tokenizer built from the metadata minisrv reads (tokenizer/gguf_tokenizer.py) against transformers'
 own conversion of the same file (`TokenizersBackend.from_pretrained(folder, gguf_file=...)`): the same inputs to the
 converter, the same Rust tokenizer, init arguments, chat template and ids; and built without importing torch."""
 from __future__ import annotations
@@ -18,8 +18,8 @@ if TokenizersBackend is None:
     pytest.skip("transformers 4 has no TokenizersBackend: its GGUF tokenizers go through AutoTokenizer",
                 allow_module_level=True)
 
-from minisrv.models.gguf_file import read_gguf  # noqa: E402
-from minisrv.models.gguf_tokenizer import build_gguf_tokenizer, gguf_tokenizer_inputs, tokenizer_metadata  # noqa
+from minisrv.checkpoints.gguf_file import read_gguf  # noqa: E402
+from minisrv.tokenizer.gguf_tokenizer import build_gguf_tokenizer, gguf_tokenizer_inputs, tokenizer_metadata  # noqa
 
 CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -114,7 +114,7 @@ def test_tokenizer_equals_transformers_conversion(files, kind):
 def test_default_model_tokenizer_without_torch(tmp_path):
     """The default model's vocabulary (49,152 tokens, 48,900 merges): the same tokenizer as transformers'
     conversion, and a process that builds it never imports torch (transformers' GGUF reader does)."""
-    from minisrv.models.model_files import default_model_path
+    from minisrv.checkpoints.model_files import default_model_path
     try:
         path = default_model_path()
     except FileNotFoundError:
@@ -126,8 +126,8 @@ def test_default_model_tokenizer_without_torch(tmp_path):
     code = textwrap.dedent(f"""
         import os, sys
         from transformers import TokenizersBackend
-        from minisrv.models.gguf_file import read_gguf
-        from minisrv.models.gguf_tokenizer import build_gguf_tokenizer
+        from minisrv.checkpoints.gguf_file import read_gguf
+        from minisrv.tokenizer.gguf_tokenizer import build_gguf_tokenizer
         tok = build_gguf_tokenizer(TokenizersBackend, read_gguf({path!r}), os.path.dirname({path!r}))
         assert tok("Hello").input_ids
         print("torch" in sys.modules)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from minisrv.models.args import ModelArgs
 from minisrv.models.layers import rope_inv_freq
-from minisrv.models.loader import WeightLoadError, load_model_args
+from minisrv.checkpoints.loader import WeightLoadError, load_model_args
 from minisrv.models.registry import UnsupportedArchitecture
 
 from .helpers.gguf_writer import write_gguf
@@ -327,7 +327,7 @@ def test_gguf_checkpoint_matches_hf(tmp_path, name, arch, overrides):
 
 
 def _load(path: str, args: ModelArgs):
-    from minisrv.models.loader import load_model
+    from minisrv.checkpoints.loader import load_model
     return load_model(path, args, torch.float32, torch.device("cpu"), 64)
 
 
@@ -372,7 +372,7 @@ def _tiny_gguf(tiny_model, tmp_path):
 
 
 def test_truncated_gguf_names_tensor_and_bytes(tiny_model, tmp_path):
-    from minisrv.models.loader import load_hf_config
+    from minisrv.checkpoints.loader import load_hf_config
     hf_dir, good, reader = _tiny_gguf(tiny_model, tmp_path)
     size = os.path.getsize(good)
     spans = [(t.name, int(t.data_offset), int(t.data_offset) + int(t.n_bytes)) for t in reader.tensors]
@@ -522,7 +522,7 @@ def test_gguf_table_matches_gguf_reader(tmp_path):
     spans, data) and the scalars written after the metadata arrays whose values it skips."""
     import numpy as np
     from gguf import GGUFReader
-    from minisrv.models.gguf_file import read_gguf
+    from minisrv.checkpoints.gguf_file import read_gguf
     path = str(tmp_path / "arrays.gguf")
     _gguf_with_arrays(path)
     ref, ours = GGUFReader(path), read_gguf(path)
@@ -542,7 +542,7 @@ def test_damaged_gguf_array_length_is_a_clear_error(tmp_path):
     2**60 elements of a short array)."""
     import time
     from gguf import GGUFReader
-    from minisrv.models.gguf_file import read_gguf
+    from minisrv.checkpoints.gguf_file import read_gguf
     good = str(tmp_path / "arrays.gguf")
     _gguf_with_arrays(good)
     fields = GGUFReader(good).fields

@@ -34,7 +34,7 @@ def server() -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from minisrv.models.loader import load_tokenizer, resolve_model_path
+    from minisrv.checkpoints.loader import load_tokenizer, resolve_model_path
     return load_tokenizer(resolve_model_path(None))
 
 

@@ -44,7 +44,7 @@ def http(server: Server) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from minisrv.models.loader import load_tokenizer, resolve_model_path
+    from minisrv.checkpoints.loader import load_tokenizer, resolve_model_path
     return load_tokenizer(resolve_model_path(None))
 
 
@@ -119,7 +119,7 @@ def test_tokenize_chat_form_matches_the_template(http: httpx.Client, tokenizer) 
 
 
 def test_tokenizer_info_and_model_info(http: httpx.Client, tokenizer) -> None:
-    from minisrv.models.loader import resolve_model_path
+    from minisrv.checkpoints.loader import resolve_model_path
     path = resolve_model_path(None)
     info = http.get("/tokenizer_info")
     assert info.status_code == 200, info.text

@@ -33,7 +33,7 @@ CHAT_Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from minisrv.models.loader import load_tokenizer, resolve_model_path
+    from minisrv.checkpoints.loader import load_tokenizer, resolve_model_path
     return load_tokenizer(resolve_model_path(None))
 
 

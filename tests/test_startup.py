@@ -1,4 +1,4 @@
-"""Start-up (issue 35): the GGUF cache (models/gguf_cache.py) and what keeps a start short.
+"""Start-up (issue 35): the GGUF cache (checkpoints/gguf_cache.py) and what keeps a start short.
 
 Every cached load is compared with a load that never touches the cache (cache_dir "off": transformers' GGUF
 conversion and the dequantising loader), and the cache file with what the safetensors library reads from it. A GGUF
@@ -17,9 +17,10 @@ import textwrap
 import pytest
 import torch
 
-from minisrv.models.checkpoint import WeightLoadError
-from minisrv.models.gguf_cache import GGUFCache, cache_root
-from minisrv.models.loader import load_hf_config, load_model, load_model_args
+from minisrv.checkpoints.checkpoint import WeightLoadError
+from minisrv.cache_dirs import cache_root
+from minisrv.checkpoints.gguf_cache import GGUFCache
+from minisrv.checkpoints.loader import load_hf_config, load_model, load_model_args
 
 from .helpers.gguf_writer import write_gguf
 from .helpers.tiny_models import build_tiny_model, greedy, make_llm
@@ -75,7 +76,7 @@ def _model_files(gguf: str, cache: str):
 
 
 def _tensor_span(gguf: str, name: str):
-    from minisrv.models.gguf_file import read_gguf
+    from minisrv.checkpoints.gguf_file import read_gguf
     reader = read_gguf(gguf)
     t = next(t for t in reader.tensors if t.name == name)
     return int(t.data_offset), int(t.n_bytes)
@@ -123,7 +124,7 @@ def test_first_load_serves_while_its_cache_file_is_written(tiny, tmp_path, monke
     waits for the file instead of converting again, then maps it; an uncached load holds the same parameters."""
     import threading
 
-    import minisrv.models.loader as loader
+    import minisrv.checkpoints.loader as loader
     _, gguf = tiny
     cache = str(tmp_path / "cache")
     release = threading.Event()
@@ -291,7 +292,7 @@ def test_http_side_imports_no_torch():
         import sys
         import minisrv.server.launch_server
         from minisrv.server import engine_proc, routes, state, transport
-        from minisrv.models import model_files
+        from minisrv.checkpoints import model_files
         print("torch" in sys.modules)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -300,7 +301,7 @@ def test_http_side_imports_no_torch():
 
 
 def _default_model_or_skip() -> str:
-    from minisrv.models.model_files import default_model_path
+    from minisrv.checkpoints.model_files import default_model_path
     try:
         return default_model_path()
     except FileNotFoundError:
@@ -314,7 +315,7 @@ def test_cached_tokenizer_equals_transformers_conversion(tmp_path):
     tokenizer, init arguments, ids, special tokens and chat template."""
     from transformers import AutoTokenizer
 
-    from minisrv.models.model_files import load_tokenizer
+    from minisrv.checkpoints.model_files import load_tokenizer
     gguf = _default_model_or_skip()
     cache = str(tmp_path / "cache")
     ref = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
@@ -335,7 +336,7 @@ def test_cached_tokenizer_equals_transformers_conversion(tmp_path):
     assert len(tok) == len(ref)
     code = textwrap.dedent(f"""
         import sys
-        from minisrv.models.model_files import load_tokenizer
+        from minisrv.checkpoints.model_files import load_tokenizer
         assert load_tokenizer({gguf!r}, None, {cache!r})("Hello").input_ids
         print("torch" in sys.modules)
     """)
@@ -352,7 +353,7 @@ def test_two_processes_starting_at_once_convert_once(tiny, tmp_path):
     code = textwrap.dedent(f"""
         import logging, sys, time, torch
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-        from minisrv.models.loader import load_model, load_model_args
+        from minisrv.checkpoints.loader import load_model, load_model_args
         args = load_model_args({gguf!r}, {cache!r})
         while time.time() < float(sys.argv[1]):
             time.sleep(0.001)
@@ -382,7 +383,7 @@ def test_building_a_model_imports_no_compiler_stack(tiny, tmp_path):
     _load(gguf, cache)
     code = textwrap.dedent(f"""
         import sys, torch
-        from minisrv.models.loader import load_model, load_model_args
+        from minisrv.checkpoints.loader import load_model, load_model_args
         args = load_model_args({gguf!r}, {cache!r})
         for setting in ({cache!r}, "off"):
             load_model({gguf!r}, args, torch.float32, torch.device("cpu"), 64, cache_dir=setting)

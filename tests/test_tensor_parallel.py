@@ -252,7 +252,7 @@ def _causal_attention(q, k, v, layer_id):
 def test_deferred_all_reduces_meet_the_fused_norm_once_each(tiny_model, name):
     """With a fused all-reduce + norm, o and down return partial sums and each norm after them reduces them: the
     hidden states equal those of the model that all-reduces inside o and down (float64)."""
-    from minisrv.models.loader import load_model, load_model_args
+    from minisrv.checkpoints.loader import load_model, load_model_args
     path = tiny_model(name)
     args = load_model_args(path)
     ids = torch.tensor([5, 9, 31, 7, 12, 3, 40])

@@ -62,7 +62,7 @@ class Engine:
         self.pad_row, self.pad_page = parts.pad_row, parts.pad_page
         self.runner = parts.runner
         self.staged_kernels = parts.staged_kernels  # None once every kernel asked for serves
-        self.pooling = parts.pooling  # an embedding model's pooling (models/pooling_config.py); None: generation
+        self.pooling = parts.pooling  # an embedding model's pooling (checkpoints/pooling_config.py); None: generation
         self.workers = parts.workers  # tensor parallelism: ranks 1..N-1 (None with one rank)
         if self.workers is not None:
             atexit.register(self._close_at_exit)  # the ranks are not daemons: they must be told to stop
@@ -192,7 +192,7 @@ class Engine:
 
     def finish_cache_write(self, timeout: float = 120.0) -> None:
         """Wait for the GGUF cache's writer (a first start writes the dequantised parameters while it already
-        serves: models/loader.py), so that an exit does not cut it and the next start maps the file."""
+        serves: checkpoints/loader.py), so that an exit does not cut it and the next start maps the file."""
         writer = getattr(self.runner.model, "cache_write", None)
         if writer is not None:
             writer.join(timeout)

@@ -46,7 +46,7 @@ from typing import Callable, TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from minisrv.models.engine_tokenizer import transformers_tokenizer
+from minisrv.tokenizer.engine_tokenizer import transformers_tokenizer
 from minisrv.utils import ceil_div, to_device
 
 from .grammar_check import (CACHE_ENTRIES, MAX_JSON_WHITESPACE, PARAM, check_grammar, constraint_of,  # noqa: F401

@@ -26,7 +26,7 @@ from .request import Request, RequestError, RequestLimits, SamplingParams, _ids_
 if TYPE_CHECKING:  # torch only where vectors are pooled: the HTTP process imports this module for its checks
     import torch
 
-    from minisrv.models.pooling_config import PoolingConfig
+    from minisrv.checkpoints.pooling_config import PoolingConfig
 
 
 @dataclass(frozen=True)

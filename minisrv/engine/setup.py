@@ -22,9 +22,9 @@ from minisrv.models.args import ModelArgs
 from minisrv.models.layers import fused_ops_for, set_fused_ops
 from minisrv.models.sharding import check_divisible
 from minisrv.models.fp8 import Fp8Linear
-from minisrv.models.loader import load_model, load_model_args, resolve_model_path
-from minisrv.models.model_files import load_engine_tokenizer
-from minisrv.models.pooling_config import PoolingConfig, resolve_pooling
+from minisrv.checkpoints.loader import load_model, load_model_args, resolve_model_path
+from minisrv.checkpoints.model_files import load_engine_tokenizer
+from minisrv.checkpoints.pooling_config import PoolingConfig, resolve_pooling
 from minisrv.utils import ceil_div
 
 from .kernel_builds import KernelBuilds, StagedKernels, flashinfer_jobs

@@ -9,7 +9,6 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
-from .checkpoint import WeightLoadError
 from .gguf_blocks import GGUFBlocks, packed_shape
 
 
@@ -42,10 +41,10 @@ class BlockLinear(nn.Module):
     def load_rows(self, row: int, w: Any) -> None:
         """Rows [row, row + len(w)) of W from the checkpoint's blocks (a fused projection is written in parts)."""
         if not isinstance(w, GGUFBlocks):
-            raise WeightLoadError("a block layer is loaded from a GGUF tensor's blocks only")
+            raise ValueError("a block layer is loaded from a GGUF tensor's blocks only")
         rows = w.shape[0]
         if row % 4 or rows % 4:
-            raise WeightLoadError(f"block rows {row}..{row + rows} do not fall on groups of 4")
+            raise ValueError(f"block rows {row}..{row + rows} do not fall on groups of 4")
         w.pack_into(self.packed.data[row // 4:(row + rows) // 4], self.kernels)
 
 

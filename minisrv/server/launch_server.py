@@ -127,7 +127,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     except ValueError as e:
         _fail(str(e), 2)
     _check_server_args(args)
-    from minisrv.models.model_files import resolve_model_path
+    from minisrv.checkpoints.model_files import resolve_model_path
     try:
         model_path = resolve_model_path(cfg.model)
     except FileNotFoundError as e:
@@ -171,7 +171,7 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
     await asyncio.sleep(0)  # start() runs up to the spawn
     import uvicorn
 
-    from minisrv.models.model_files import load_tokenizer
+    from minisrv.checkpoints.model_files import load_tokenizer
 
     from .routes import create_app
     from .state import ServerState

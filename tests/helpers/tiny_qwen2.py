@@ -71,7 +71,7 @@ def build_tiny_qwen2(path: str) -> str:
     """Write the checkpoint (config.json, model.safetensors, the tokenizer with CHAT_TEMPLATE) into `path`."""
     import transformers
 
-    from minisrv.models.loader import default_model_path, load_tokenizer
+    from minisrv.checkpoints.loader import default_model_path, load_tokenizer
 
     tok = load_tokenizer(default_model_path())
     tok.chat_template = CHAT_TEMPLATE

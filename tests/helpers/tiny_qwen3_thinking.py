@@ -43,7 +43,7 @@ def build_tiny_qwen3_thinking(path: str) -> str:
     """Write the checkpoint (config.json, model.safetensors, the tokenizer with CHAT_TEMPLATE) into `path`."""
     import transformers
 
-    from minisrv.models.loader import default_model_path, load_tokenizer
+    from minisrv.checkpoints.loader import default_model_path, load_tokenizer
 
     tok = load_tokenizer(default_model_path())
     tok.add_tokens([THINK, END_THINK])  # ordinary added tokens: each one token, kept in decoded text

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from .args import ModelArgs
+from minisrv.models.args import ModelArgs
 from .checkpoint import WeightLoadError
 
 logger = logging.getLogger("minisrv")

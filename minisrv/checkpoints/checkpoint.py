@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 if TYPE_CHECKING:  # annotations only: the HTTP process reads model files through this package without torch
     import torch
 
-    from .sharding import Slice
+    from minisrv.models.sharding import Slice
 
 
 class WeightLoadError(ValueError):

@@ -30,27 +30,16 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Optional
 
+from minisrv.cache_dirs import cache_root
+
 logger = logging.getLogger("minisrv")
 
 CACHE_FORMAT = 1  # bump when what an entry holds, or how the tensors are made, changes
-CACHE_ENV = "MINISRV_CACHE_DIR"
-OFF = "off"
 HEADER_BYTES = 4 << 20
 SAMPLES = 64
 SAMPLE_BYTES = 4 << 10
 TAIL_BYTES = 64 << 10
 SOURCE_FILE = "gguf-path"  # in a path's folder: the GGUF file it caches (its folder goes when the file does)
-
-
-def cache_root(setting: Optional[str]) -> Optional[str]:
-    """The cache's folder, or None when the cache is off. `setting`: the --cache-dir value (None: not given)."""
-    where = setting if setting is not None else os.environ.get(CACHE_ENV)
-    if where is None:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        where = os.path.join(xdg, "minisrv")
-    if where.strip().lower() in (OFF, ""):
-        return None
-    return os.path.abspath(os.path.expanduser(where))
 
 
 def gguf_fingerprint(path: str) -> str:

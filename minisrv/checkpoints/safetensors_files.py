@@ -14,7 +14,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 
 from .checkpoint import StoredTensor, Unreadable, WeightLoadError, check_tensor_spans, damaged
-from .sharding import Slice
+from minisrv.models.sharding import Slice
 
 MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers too
 

@@ -15,12 +15,12 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 from torch import nn
 
-from .args import ModelArgs
-from .block_layers import BlockLinear
+from minisrv.models.args import ModelArgs
+from minisrv.models.block_layers import BlockLinear
 from .checkpoint import StoredTensor, WeightLoadError
-from .fp8 import Fp8Linear
-from .moe import ExpertRows, Experts
-from .sharding import ShardPlan, Slice
+from minisrv.models.fp8 import Fp8Linear
+from minisrv.models.moe import ExpertRows, Experts
+from minisrv.models.sharding import ShardPlan, Slice
 
 FUSED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),

@@ -20,7 +20,7 @@ from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .checkpoint import Unreadable, WeightLoadError, check_tensor_spans, damaged
-from .args import ModelArgs
+from minisrv.models.args import ModelArgs
 
 if TYPE_CHECKING:  # (torch is not imported here: the HTTP process checks a GGUF file without it)
     import torch
@@ -206,7 +206,7 @@ def iter_gguf(path: str, args: ModelArgs, reader: Optional[GGUFReader] = None,
     a model built with quantization "gguf"; gguf_blocks.blocks_unavailable_in has checked their types)."""
     import torch
 
-    from .gguf_blocks import GGUFBlocks, is_block_matrix
+    from minisrv.models.gguf_blocks import GGUFBlocks, is_block_matrix
     from .gguf_dequant import dequantize
     reader = reader or read_gguf(path)
     permuted = args.architecture in PERMUTED

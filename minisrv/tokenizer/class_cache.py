@@ -15,7 +15,7 @@ import os
 import tempfile
 from typing import Optional
 
-from .gguf_cache import cache_root
+from minisrv.cache_dirs import cache_root
 
 FILES = ("tokenizer_config.json", "config.json")
 

@@ -13,10 +13,10 @@ import logging
 import os
 from typing import Any, Dict, List, Optional
 
-from .args import ModelArgs
+from minisrv.models.args import ModelArgs
 from .checkpoint import WeightLoadError
-from .engine_tokenizer import FAST_TOKENIZER_CLASSES, engine_tokenizer_from_folder
-from .tokenizer_class_cache import remember_class, remembered_class
+from minisrv.tokenizer.engine_tokenizer import FAST_TOKENIZER_CLASSES, engine_tokenizer_from_folder
+from minisrv.tokenizer.class_cache import remember_class, remembered_class
 from .gguf_cache import GGUFCache
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def is_gguf(path: str) -> bool:
 
 def load_hf_config(path: str, cache_dir: Optional[str] = None) -> Dict[str, Any]:
     """The HF config (a dict). A GGUF file's is built by transformers from its metadata (seconds: it parses every
-    metadata array), then kept in the GGUF cache (`cache_dir`: see gguf_cache.cache_root)."""
+    metadata array), then kept in the GGUF cache (`cache_dir`: see cache_dirs.cache_root)."""
     if is_gguf(path):
         cache = GGUFCache.open(path, cache_dir)
         cfg = cache.read_config() if cache is not None else None
@@ -101,8 +101,8 @@ def _write_json(file: str, value: Any) -> None:
 
 
 def load_model_args(path: str, cache_dir: Optional[str] = None) -> ModelArgs:
-    from .fp8 import fp8_checkpoint_format  # (torch: not imported where only the tokenizer is read)
-    from .registry import model_class
+    from minisrv.models.fp8 import fp8_checkpoint_format  # (torch: not imported where only the tokenizer is read)
+    from minisrv.models.registry import model_class
     args = ModelArgs.from_hf_config(load_hf_config(path, cache_dir))
     model_class(args.architecture)  # refuse unknown architectures before touching the weights
     try:
@@ -132,7 +132,7 @@ def _generation_eos_ids(path: str) -> List[int]:
 
 def load_tokenizer(path: str, tokenizer: Optional[str] = None, cache_dir: Optional[str] = None):
     """From the directory, or rebuilt from a GGUF's vocabulary (slow) and then kept in the GGUF cache as a HF
-    tokenizer directory (`cache_dir`: see gguf_cache.cache_root)."""
+    tokenizer directory (`cache_dir`: see cache_dirs.cache_root)."""
     src = tokenizer or path
     if not is_gguf(src):
         if os.path.isfile(os.path.join(src, "tokenizer_config.json")):
@@ -199,7 +199,7 @@ def _converted_tokenizer(src: str):
     folder, name = os.path.dirname(src) or ".", os.path.basename(src)
     direct = _generic_gguf_tokenizer_class(reader, folder)
     if direct is not None:
-        from .gguf_tokenizer import build_gguf_tokenizer
+        from minisrv.tokenizer.gguf_tokenizer import build_gguf_tokenizer
         tok = build_gguf_tokenizer(direct, reader, folder)  # without transformers' reader, which imports torch
         return tok if tok is not None else direct.from_pretrained(folder, gguf_file=name)
     from transformers import AutoTokenizer

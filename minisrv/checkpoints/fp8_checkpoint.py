@@ -11,8 +11,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from .checkpoint import StoredTensor, WeightLoadError
-from .fp8 import FP8, dequantize
-from .sharding import Slice
+from minisrv.models.fp8 import FP8, dequantize
+from minisrv.models.sharding import Slice
 
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # block scales (a multiplier despite "inv"), per tensor/row
 KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")

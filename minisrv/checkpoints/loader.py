@@ -19,14 +19,14 @@ from torch import nn
 from minisrv.distributed import TensorParallel
 
 from .checkpoint import StoredTensor, WeightLoadError
-from .fp8 import fp8_checkpoint_format
+from minisrv.models.fp8 import fp8_checkpoint_format
 from .fp8_checkpoint import CheckpointKVScales, dequantized_fp8
-from .gguf_blocks import blocks_unavailable_here, blocks_unavailable_in
+from minisrv.models.gguf_blocks import blocks_unavailable_here, blocks_unavailable_in
 from .gguf_cache import GGUFCache
-from .args import ModelArgs
+from minisrv.models.args import ModelArgs
 from .model_files import (default_model_path, is_gguf, load_hf_config, load_model_args, load_tokenizer,
                           resolve_model_path)
-from .registry import model_class
+from minisrv.models.registry import model_class
 from .safetensors_files import iter_safetensors
 from .safetensors_stream import BadFile, SafetensorsStream, map_tensors
 from .weights import load_weights
@@ -92,7 +92,7 @@ def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.dev
     `quantization`: "fp8" makes the projection layers FP8 (see fp8.py), each checkpoint tensor quantised as it is
     read; an FP8 checkpoint always loads that way (dequantised, rounded to the model's dtype, requantised per row).
     `embedding`: an embedding model, without an LM head (a checkpoint's lm_head is then skipped).
-    `cache_dir`: where a GGUF model's parameters are cached (gguf_cache.cache_root; None: the default).
+    `cache_dir`: where a GGUF model's parameters are cached (cache_dirs.cache_root; None: the default).
     `gguf_weights`: a GGUF model's projections and embedding kept in their blocks on the CPU ("blocks",
     gguf_blocks.py), dequantised ("float32"), or "auto": blocks where they can be.
     The model's `kv_scales` holds the checkpoint's per-layer K/V scales, or None."""
