@@ -45,3 +45,13 @@ def tiny_qwen3_thinking(tmp_path_factory) -> str:
     """Directory of a tiny random-weight Qwen3 whose tokenizer has <think> and </think> and a Qwen3-style template."""
     from .helpers.tiny_qwen3_thinking import build_tiny_qwen3_thinking
     return build_tiny_qwen3_thinking(str(tmp_path_factory.mktemp("tiny-qwen3-thinking")))
+
+
+@pytest.fixture(scope="session")
+def hardened_server():
+    """A server with small limits (tests/helpers/http_wire.py), shared by the tests of the HTTP layer; stopped with
+    SIGTERM after them, and its exit must be clean."""
+    from .helpers.http_wire import HARDENED_SERVER_ARGS
+    from .helpers.server_process import running
+    with running(*HARDENED_SERVER_ARGS) as s:
+        yield s
