@@ -2,7 +2,7 @@
 checks that a finished engine holds no page."""
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -130,10 +130,18 @@ class EngineWatch:
         assert not eng.scheduler.running and not eng.scheduler.waiting and not eng.scheduler.by_id
         assert_pool_free(eng)
 
-    def errors_against(self, model) -> List[float]:
-        """Relative error of every recorded logits row against `model`'s (an HF model's) teacher-forced logits."""
+    @property
+    def batch(self):
+        """The batch of the step being run (the last one run, between steps)."""
+        return self._batch
+
+    def errors_against(self, model, prepare: Optional[Callable[[object], None]] = None) -> List[float]:
+        """Relative error of every recorded logits row against `model`'s (an HF model's) teacher-forced logits;
+        `prepare(request)` is called before each request's forward."""
         errs = []
         for req in self.reqs.values():
+            if prepare is not None:
+                prepare(req)
             seq = req.prompt_ids + req.output_ids
             with torch.no_grad():
                 ref = model(torch.tensor([seq[:-1] if req.output_ids else seq])).logits[0]
