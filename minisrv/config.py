@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -177,3 +178,10 @@ REMOVED_FLAGS: dict = {
 
 # CPU pool size when --max-total-tokens is not given: enough for a few dozen requests of a few hundred tokens.
 DEFAULT_CPU_POOL_TOKENS = 65536
+
+
+def setup_logging(level: str) -> None:
+    """minisrv's log lines on stderr at `level` (--log-level; a ValueError if there is no such level), in every
+    process; a handler the application has already set on the root logger is kept."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("minisrv").setLevel(level.upper())

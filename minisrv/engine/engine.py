@@ -13,7 +13,7 @@ import time
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence
 
-from minisrv.config import EngineConfig
+from minisrv.config import EngineConfig, setup_logging
 from minisrv.distributed import TensorParallelError, destroy_tensor_parallel
 
 from minisrv.kvcache.radix import RadixCache
@@ -24,7 +24,7 @@ from .pooling import PoolingParams, embedding_request
 from .request import (Request, RequestLimits, RequestOutput, SamplingParams, check_request,
                       prompt_logprob_list)
 from .scheduler import Scheduler
-from .setup import build_engine_parts, setup_logging
+from .setup import build_engine_parts
 from .tp_rank import STOP_AND_TEAR_DOWN, STOP_NOW
 from .tp_workers import build_tensor_parallel_parts
 from .text import TextStream, decode_cleans_up

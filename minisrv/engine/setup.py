@@ -44,12 +44,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
 
 
-def setup_logging(level: str) -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("minisrv").setLevel(level.upper())
-
-
 def resolve_device(cfg: EngineConfig) -> torch.device:
     if cfg.device:
         return torch.device(cfg.device)

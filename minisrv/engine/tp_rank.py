@@ -13,11 +13,11 @@ import signal
 import traceback
 from typing import Any
 
-from minisrv.config import EngineConfig
+from minisrv.config import EngineConfig, setup_logging
 from minisrv.distributed import Rendezvous, destroy_tensor_parallel
 from minisrv.utils import freeze_startup_heap
 
-from .setup import build_engine_parts, setup_logging
+from .setup import build_engine_parts
 
 logger = logging.getLogger("minisrv")
 

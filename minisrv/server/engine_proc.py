@@ -45,23 +45,25 @@ class EngineDead(RuntimeError):
     """The engine process is gone."""
 
 
-# ------------------------------------------------------------------------------------------ engine side
-def _pipe(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:
+def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    """A socket of the pipe between the server and its engine, either end: no high-water mark (a message is never
+    dropped or held back), and closing it never waits for undelivered messages."""
     s = ctx.socket(kind)
     s.setsockopt(zmq.SNDHWM, 0)
     s.setsockopt(zmq.RCVHWM, 0)
     s.setsockopt(zmq.LINGER, 0)
-    s.connect(addr)
     return s
 
 
+# ------------------------------------------------------------------------------------------ engine side
 def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, parent_pid: int) -> None:
     """Entry point of the engine process (spawned): load, report ready or the error, then loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     ctx = zmq.Context()
-    recv = _pipe(ctx, zmq.PULL, in_addr)
-    send = _pipe(ctx, zmq.PUSH, out_addr)
+    recv, send = _socket(ctx, zmq.PULL), _socket(ctx, zmq.PUSH)
+    recv.connect(in_addr)
+    send.connect(out_addr)
     try:
         from minisrv.engine.engine import Engine
         engine = Engine(cfg, staged_kernels=True)
@@ -178,13 +180,10 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         in_addr = f"ipc://{self._dir}/in"
         out_addr = f"ipc://{self._dir}/out"
-        self._send = self._ctx.socket(zmq.PUSH)
-        self._recv = self._ctx.socket(zmq.PULL)
-        for s, addr in ((self._send, in_addr), (self._recv, out_addr)):
-            s.setsockopt(zmq.SNDHWM, 0)
-            s.setsockopt(zmq.RCVHWM, 0)
-            s.setsockopt(zmq.LINGER, 0)
-            s.bind(addr)
+        self._send = _socket(self._ctx, zmq.PUSH)
+        self._recv = _socket(self._ctx, zmq.PULL)
+        self._send.bind(in_addr)
+        self._recv.bind(out_addr)
         self._proc = mp.get_context("spawn").Process(
             target=engine_main, args=(self.cfg, in_addr, out_addr, os.getpid()), name="minisrv-engine",
             daemon=self.cfg.tp_size == 1)  # a daemon cannot start tensor-parallel ranks; it is reaped in shutdown

@@ -23,7 +23,7 @@ import socket
 import sys
 from typing import List, NoReturn, Optional
 
-from minisrv.config import EngineConfig
+from minisrv.config import EngineConfig, setup_logging
 from minisrv.server.reasoning_plan import PARSERS as REASONING_PARSERS
 from minisrv.server.tools import PARSERS
 
@@ -117,9 +117,8 @@ def _url(host: str, port: int) -> str:
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        logging.getLogger("minisrv").setLevel(args.log_level.upper())
+        setup_logging(args.log_level)
     except ValueError:
         _fail(f"unknown --log-level {args.log_level!r}", 2)
     try:
