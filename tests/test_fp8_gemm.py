@@ -71,9 +71,9 @@ def test_layers_are_built_whole(tiny_model, quantization):
     projection from its constructor: FP8 layers with float8 weights and float32 scales, bias in the model's dtype;
     the norms before qkv and gate/up quantise their output exactly when those take FP8, the final norm never."""
     from minisrv.models.fp8 import FP8, Fp8Linear
-    from minisrv.checkpoints.loader import empty_model, load_model_args
+    from minisrv.checkpoints.loader import ModelBuild, empty_model, load_model_args
     args = load_model_args(tiny_model("qwen2"))  # qkv bias
-    model = empty_model(args, torch.bfloat16, torch.device("cpu"), 64, quantization=quantization)
+    model = empty_model(ModelBuild(args, torch.bfloat16, torch.device("cpu"), 64, quantization=quantization))
     fp8 = quantization == "fp8"
     for layer in model.model.layers:
         projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]

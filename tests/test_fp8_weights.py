@@ -263,7 +263,7 @@ def test_quantised_while_loading_equals_quantised_after(tiny_model, tmp_path, na
     FP8 layer holds the bytes of the spec's per-row rounding (round_rows) of the unquantised model's weight, in the
     model's dtype, and every other tensor is the unquantised model's; for a bf16/float32 checkpoint and for an FP8
     one (whose unquantised model is its values dequantised and written out here)."""
-    from minisrv.checkpoints.loader import load_model, load_model_args
+    from minisrv.checkpoints.loader import ModelBuild, load_model, load_model_args
     src = tiny_model(name)
     fp8_dir, plain_dir = str(tmp_path / "fp8"), str(tmp_path / "dequantized")
     _write_fp8_checkpoint(src, fp8_dir, [16, 16], kv_scales=False)
@@ -271,8 +271,9 @@ def test_quantised_while_loading_equals_quantised_after(tiny_model, tmp_path, na
     for path, quantization, unquantised in ((src, "fp8", src), (fp8_dir, None, plain_dir)):
         args, plain_args = load_model_args(path), load_model_args(unquantised)
         for dtype in (torch.float32, torch.bfloat16):
-            loaded = load_model(path, args, dtype, torch.device("cpu"), 256, quantization=quantization)
-            plain = load_model(unquantised, plain_args, dtype, torch.device("cpu"), 256)
+            loaded = load_model(path, ModelBuild(args, dtype, torch.device("cpu"), 256,
+                                                 quantization=quantization)).model
+            plain = load_model(unquantised, ModelBuild(plain_args, dtype, torch.device("cpu"), 256)).model
             fp8_layers = {n: m for n, m in loaded.named_modules() if isinstance(m, Fp8Linear)}
             assert len(fp8_layers) == 4 * args.num_layers
             expected = {}

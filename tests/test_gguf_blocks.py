@@ -186,7 +186,7 @@ def test_default_model_blocks_cached_and_equal_float32(tmp_path, caplog):
     toks_first, lps_first = _generate(first, prompts, n=16)
     held = _weights_held(first)
     first.close()
-    first.engine.runner.model.cache_write and first.engine.runner.model.cache_write.join()
+    first.engine.finish_cache_write()
     dense = make_llm(path, gguf_weights="float32", cache_dir="off")
     toks_d, lps_d = _generate(dense, prompts, n=16)
     assert held < 0.4 * _weights_held(dense)

@@ -20,7 +20,7 @@ import torch
 from minisrv.checkpoints.checkpoint import WeightLoadError
 from minisrv.cache_dirs import cache_root
 from minisrv.checkpoints.gguf_cache import GGUFCache
-from minisrv.checkpoints.loader import load_hf_config, load_model, load_model_args
+from minisrv.checkpoints.loader import LoadedModel, ModelBuild, load_hf_config, load_model, load_model_args
 
 from .helpers.gguf_writer import write_gguf
 from .helpers.tiny_models import build_tiny_model, greedy, make_llm
@@ -47,18 +47,18 @@ def _copy(src: str, tmp_path) -> str:
     return dst
 
 
-def _load(path: str, cache_dir: str, wait_for_write: bool = True) -> torch.nn.Module:
-    """The model; with wait_for_write, once the cache file a first load writes in the background is whole (as a
-    restart finds it)."""
+def _load(path: str, cache_dir: str, wait_for_write: bool = True) -> LoadedModel:
+    """What the loader loaded; with wait_for_write, once the cache file a first load writes in the background is
+    whole (as a restart finds it)."""
     args = load_model_args(path, cache_dir)
-    model = load_model(path, args, torch.float32, torch.device("cpu"), 64, cache_dir=cache_dir)
-    if wait_for_write and model.cache_write is not None:
-        model.cache_write.join()
-    return model
+    loaded = load_model(path, ModelBuild(args, torch.float32, torch.device("cpu"), 64), cache_dir=cache_dir)
+    if wait_for_write and loaded.cache_write is not None:
+        loaded.cache_write.join()
+    return loaded
 
 
 def _state(model) -> dict:
-    return model if isinstance(model, dict) else model.state_dict()
+    return model if isinstance(model, dict) else model.model.state_dict()  # a LoadedModel
 
 
 def _same(a, b) -> bool:
@@ -210,7 +210,7 @@ def test_truncated_gguf_is_an_error_not_the_cached_model(tiny, tmp_path):
     with pytest.raises(WeightLoadError, match="truncated or damaged"):
         load_model_args(gguf, cache)
     with pytest.raises(WeightLoadError, match=r"truncated or damaged: .*output\.weight"):
-        load_model(gguf, args, torch.float32, torch.device("cpu"), 64, cache_dir=cache)
+        load_model(gguf, ModelBuild(args, torch.float32, torch.device("cpu"), 64), cache_dir=cache)
 
 
 @pytest.mark.parametrize("damage", ["cut", "garbage header", "wrong tensors"])
@@ -354,12 +354,12 @@ def test_two_processes_starting_at_once_convert_once(tiny, tmp_path):
     code = textwrap.dedent(f"""
         import logging, sys, time, torch
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-        from minisrv.checkpoints.loader import load_model, load_model_args
+        from minisrv.checkpoints.loader import ModelBuild, load_model, load_model_args
         args = load_model_args({gguf!r}, {cache!r})
         while time.time() < float(sys.argv[1]):
             time.sleep(0.001)
-        m = load_model({gguf!r}, args, torch.float32, torch.device("cpu"), 64, cache_dir={cache!r})
-        torch.save(m.state_dict(), sys.argv[2])
+        m = load_model({gguf!r}, ModelBuild(args, torch.float32, torch.device("cpu"), 64), cache_dir={cache!r})
+        torch.save(m.model.state_dict(), sys.argv[2])
     """)
     import time
     start = time.time() + 8  # both processes have imported torch and minisrv by then
@@ -384,10 +384,10 @@ def test_building_a_model_imports_no_compiler_stack(tiny, tmp_path):
     _load(gguf, cache)
     code = textwrap.dedent(f"""
         import sys, torch
-        from minisrv.checkpoints.loader import load_model, load_model_args
+        from minisrv.checkpoints.loader import ModelBuild, load_model, load_model_args
         args = load_model_args({gguf!r}, {cache!r})
         for setting in ({cache!r}, "off"):
-            load_model({gguf!r}, args, torch.float32, torch.device("cpu"), 64, cache_dir=setting)
+            load_model({gguf!r}, ModelBuild(args, torch.float32, torch.device("cpu"), 64), cache_dir=setting)
         print(sorted(m for m in ("torch._dynamo", "sympy", "transformers") if m in sys.modules))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

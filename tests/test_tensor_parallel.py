@@ -252,7 +252,7 @@ def _causal_attention(q, k, v, layer_id):
 def test_deferred_all_reduces_meet_the_fused_norm_once_each(tiny_model, name):
     """With a fused all-reduce + norm, o and down return partial sums and each norm after them reduces them: the
     hidden states equal those of the model that all-reduces inside o and down (float64)."""
-    from minisrv.checkpoints.loader import load_model, load_model_args
+    from minisrv.checkpoints.loader import ModelBuild, load_model, load_model_args
     path = tiny_model(name)
     args = load_model_args(path)
     ids = torch.tensor([5, 9, 31, 7, 12, 3, 40])
@@ -262,7 +262,7 @@ def test_deferred_all_reduces_meet_the_fused_norm_once_each(tiny_model, name):
     for f in (None, fused):
         group = _DoublingGroup(0, 1)
         group.fused_norm = f
-        model = load_model(path, args, torch.float64, torch.device("cpu"), 64, None, group)
+        model = load_model(path, ModelBuild(args, torch.float64, torch.device("cpu"), 64, tp=group)).model
         with torch.no_grad():
             hidden.append(model(ids, pos, _causal_attention))
     assert fused.calls == 2 * args.num_layers  # after every o and down projection, the last down included

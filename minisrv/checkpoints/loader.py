@@ -1,6 +1,7 @@
 """Checkpoints -> a ready model: the loading sequence. The model is built empty (no weight init), the tensor
 source picked by the checkpoint's format (HF safetensors directory, GGUF file, either of them FP8), its tensors
-written into the parameters one at a time, then the checkpoint's K/V scales attached.
+written into the parameters one at a time; what was loaded comes back as a `LoadedModel` (the model, the
+checkpoint's K/V scales, the GGUF cache's writer).
 
 The formats, the model's files and the parameter map live beside this module (model_files, safetensors_files,
 gguf_file, fp8_checkpoint, weights); the names callers use are importable from here too."""
@@ -11,7 +12,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Dict, Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -34,35 +36,58 @@ from .weights import load_weights
 logger = logging.getLogger("minisrv")
 
 __all__ = ["WeightLoadError", "StoredTensor", "default_model_path", "resolve_model_path", "is_gguf",
-           "load_hf_config", "load_model_args", "load_tokenizer", "load_weights", "empty_model", "load_model"]
+           "load_hf_config", "load_model_args", "load_tokenizer", "load_weights", "ModelBuild", "LoadedModel",
+           "empty_model", "load_model"]
 
 
-def empty_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
-                fused_ops: Optional[Any] = None, tp: Optional[TensorParallel] = None,
-                quantization: Optional[str] = None, embedding: bool = False,
-                tensors: Optional[Dict[str, torch.Tensor]] = None) -> nn.Module:
+@dataclass(frozen=True)
+class ModelBuild:
+    """How a model is built: its shape, dtype and device, the layers' kernels (models/layer_ops.py's LayerOps;
+    None: torch's), this rank's place in a tensor-parallel group, the projections' quantization (None, "fp8",
+    "gguf") and whether it is an embedding model (no LM head)."""
+
+    args: ModelArgs
+    dtype: torch.dtype
+    device: torch.device
+    max_positions: int
+    ops: Optional[Any] = None
+    tp: Optional[TensorParallel] = None
+    quantization: Optional[str] = None
+    embedding: bool = False
+
+
+@dataclass
+class LoadedModel:
+    """What `load_model` loaded: the model (in eval mode); the checkpoint's per-layer K/V scales (k, v), or None;
+    for a GGUF model's first load, the thread writing its parameters to the cache (join it before the process
+    ends: the next start maps the file), else None."""
+
+    model: nn.Module
+    kv_scales: Optional[Tuple[List[float], List[float]]] = None
+    cache_write: Optional[threading.Thread] = None
+
+
+def empty_model(build: ModelBuild, tensors: Optional[Dict[str, torch.Tensor]] = None) -> nn.Module:
     """The model with its parameters allocated but not filled: built on the meta device (no weight init is run),
     with `dtype` as torch's default meanwhile so that every layer is made in the model's dtype as it is built (FP8
     layers keep their float8 weights and float32 scales: a cast afterwards would widen them). Its projections are
     FP8 layers with quantization "fp8" (filled by the loader, which quantises each tensor as it reads it).
-    `embedding`: the decoder without its LM head (an embedding model's).
     `tensors`: the state dict to use as the parameters themselves (a mapped cache file), instead of empty ones."""
-    model = _meta_model(args, dtype, max_positions, fused_ops, tp, quantization, embedding)
-    _materialize(model, device, tensors)
+    model = _meta_model(build)
+    _materialize(model, build.device, tensors)
     for m in model.modules():  # buffers (rotary cos/sin) were lost on the meta device
         if hasattr(m, "reset_buffers"):
-            m.reset_buffers(device)
+            m.reset_buffers(build.device)
     return model
 
 
-def _meta_model(args: ModelArgs, dtype: torch.dtype, max_positions: int, fused_ops: Optional[Any],
-                tp: Optional[TensorParallel], quantization: Optional[str], embedding: bool) -> nn.Module:
+def _meta_model(b: ModelBuild) -> nn.Module:
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    torch.set_default_dtype(b.dtype)
     try:
         with torch.device("meta"):
-            return model_class(args.architecture, embedding)(args, max_positions, fused_ops, tp,
-                                                             quantization=quantization)
+            return model_class(b.args.architecture, b.embedding)(b.args, b.max_positions, b.ops, b.tp,
+                                                                 quantization=b.quantization)
     finally:
         torch.set_default_dtype(previous)
 
@@ -82,52 +107,44 @@ def _materialize(model: nn.Module, device: torch.device, tensors: Optional[Dict[
                 slot[name] = nn.Parameter(new, requires_grad=t.requires_grad) if slot is m._parameters else new
 
 
-def load_model(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
-               fused_ops: Optional[Any] = None, tp: Optional[TensorParallel] = None,
-               quantization: Optional[str] = None, embedding: bool = False,
-               cache_dir: Optional[str] = None, gguf_weights: str = "auto") -> nn.Module:
+def load_model(path: str, build: ModelBuild, cache_dir: Optional[str] = None,
+               gguf_weights: str = "auto") -> LoadedModel:
     """Build the model without running any weight init (meta device), then fill it from the checkpoint.
-    `fused_ops`: the fused-kernel module its layers use (see layers.fused_ops_for), or None for plain torch.
-    `tp`: this rank's place in a tensor-parallel group; only its shard is read and held.
-    `quantization`: "fp8" makes the projection layers FP8 (see fp8.py), each checkpoint tensor quantised as it is
-    read; an FP8 checkpoint always loads that way (dequantised, rounded to the model's dtype, requantised per row).
-    `embedding`: an embedding model, without an LM head (a checkpoint's lm_head is then skipped).
+    `build.tp`: only this rank's shard is read and held. `build.quantization`: "fp8" makes the projection layers
+    FP8 (see models/fp8.py), each checkpoint tensor quantised as it is read; an FP8 checkpoint always loads that
+    way (dequantised, rounded to the model's dtype, requantised per row). `build.embedding`: a checkpoint's lm_head
+    is skipped.
     `cache_dir`: where a GGUF model's parameters are cached (cache_dirs.cache_root; None: the default).
     `gguf_weights`: a GGUF model's projections and embedding kept in their blocks on the CPU ("blocks",
-    gguf_blocks.py), dequantised ("float32"), or "auto": blocks where they can be.
-    The model's `kv_scales` holds the checkpoint's per-layer K/V scales, or None."""
-    fp8_format = fp8_checkpoint_format(args.quantization_config)
-    quantization = "fp8" if quantization == "fp8" or fp8_format is not None else None
+    gguf_blocks.py), dequantised ("float32"), or "auto": blocks where they can be."""
+    fp8_format = fp8_checkpoint_format(build.args.quantization_config)
+    build = replace(build, quantization="fp8" if build.quantization == "fp8" or fp8_format is not None else None)
     if is_gguf(path):
         cache = GGUFCache.open(path, cache_dir)
-        keep, reader = _keep_blocks(path, args, dtype, device, tp, quantization, fused_ops, gguf_weights, cache,
-                                    embedding)
-        if keep:
-            quantization = "gguf"
-        return _load_gguf(path, args, dtype, device, max_positions, fused_ops, tp, quantization, embedding, cache,
-                          reader)
-    model = empty_model(args, dtype, device, max_positions, fused_ops, tp, quantization, embedding)
+        keep, reader = _keep_blocks(path, build, gguf_weights, cache)
+        return _load_gguf(path, replace(build, quantization="gguf") if keep else build, cache, reader)
+    model = empty_model(build)
     source = iter_safetensors(path)
-    kv_scales = CheckpointKVScales(args.num_layers)
+    kv_scales = CheckpointKVScales(build.args.num_layers)
     if fp8_format is not None:
         source = dequantized_fp8(source, None if fp8_format == "tensor" else fp8_format, kv_scales)
-    load_weights(model, source, args, model.plan)
-    model.kv_scales = kv_scales.complete()
-    return model.eval()
+    load_weights(model, source, build.args, model.plan)
+    return LoadedModel(model.eval(), kv_scales.complete())
 
 
-def _keep_blocks(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, tp: Optional[TensorParallel],
-                 quantization: Optional[str], fused_ops: Optional[Any], setting: str, cache: Optional[GGUFCache],
-                 embedding: bool) -> Tuple[bool, Optional[Any]]:
+def _keep_blocks(path: str, build: ModelBuild, setting: str, cache: Optional[GGUFCache]) -> Tuple[bool, Optional[Any]]:
     """(whether a GGUF model loads with its blocks kept (quantization "gguf"), as `setting` asks and the file
     allows; the file's header where it was read to decide, for the load to reuse, else None). The reason is logged
     (or raised, where blocks were asked for) when it cannot."""
     if setting == "float32":
         return False, None
-    kernels = getattr(fused_ops, "block_kernels", None) if device.type == "cpu" else None
-    why = blocks_unavailable_here(args, device, dtype, tp is not None and tp.enabled, quantization, kernels)
+    device, tp = build.device, build.tp
+    kernels = build.ops.block_kernels if device.type == "cpu" and build.ops is not None else None
+    why = blocks_unavailable_here(build.args, device, build.dtype, tp is not None and tp.enabled, build.quantization,
+                                  kernels)
     if why is None:
-        cached = cache is not None and os.path.isfile(cache.model_file(_cache_options(dtype, "gguf", tp, embedding)))
+        cached = cache is not None and os.path.isfile(cache.model_file(_cache_options(replace(build,
+                                                                                             quantization="gguf"))))
         if setting == "auto" and cached:
             return True, None  # cached in blocks: this file was found fit for them before (no header read)
         from .gguf_file import hf_name, read_gguf
@@ -139,51 +156,47 @@ def _keep_blocks(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.d
     if setting == "blocks":
         raise ValueError(f"--gguf-weights blocks: cannot keep this model's blocks: {why}")
     if device.type == "cpu":
-        logger.info("GGUF weights dequantised to %s: %s", str(dtype).replace("torch.", ""), why)
+        logger.info("GGUF weights dequantised to %s: %s", str(build.dtype).replace("torch.", ""), why)
     return False, None
 
 
-def _cache_options(dtype: torch.dtype, quantization: Optional[str], tp: Optional[TensorParallel],
-                   embedding: bool) -> str:
+def _cache_options(build: ModelBuild) -> str:
     """The load options a cached model file is named by."""
-    return "-".join([str(dtype).replace("torch.", ""), quantization or "noquant",
+    tp = build.tp
+    return "-".join([str(build.dtype).replace("torch.", ""), build.quantization or "noquant",
                      f"tp{tp.rank}of{tp.size}" if tp is not None and tp.enabled else "tp1",
-                     "embed" if embedding else "lm"])
+                     "embed" if build.embedding else "lm"])
 
 
-def _load_gguf(path: str, args: ModelArgs, dtype: torch.dtype, device: torch.device, max_positions: int,
-               fused_ops: Optional[Any], tp: Optional[TensorParallel], quantization: Optional[str],
-               embedding: bool, cache: Optional[GGUFCache], reader: Optional[Any] = None) -> nn.Module:
+def _load_gguf(path: str, build: ModelBuild, cache: Optional[GGUFCache], reader: Optional[Any] = None) -> LoadedModel:
     """A GGUF model: its parameters mapped from the cache's file for these load options when it has one, else
     dequantised from the GGUF (one tensor at a time, then sliced for a rank) and written to the cache. `reader`: the
     file's header if it was read already."""
     t0 = time.perf_counter()
-    build = (args, dtype, device, max_positions, fused_ops, tp, quantization, embedding)
     if cache is None:
-        return _dequantised_model(path, build, t0, reader)
-    options = _cache_options(dtype, quantization, tp, embedding)
+        return LoadedModel(_dequantised_model(path, build, t0, reader))
+    options = _cache_options(build)
     file = cache.model_file(options)
     model, why = _cached_model(file, build, cache, t0)
     if model is not None:
-        return model
+        return LoadedModel(model)
     with contextlib.ExitStack() as held:
         held.enter_context(cache.building(f"model-{options}"))  # another process building it: wait, then map its file
         if os.path.isfile(file) and why != "the cached file was unreadable":
             model, why = _cached_model(file, build, cache, t0)
             if model is not None:
-                return model
+                return LoadedModel(model)
         model = _dequantised_model(path, build, t0, reader)
         # the file is written by a thread that holds the building lock until it is whole (a process that starts
         # meanwhile waits for it, then maps it), while the engine already serves: the write is 2 s of a 6-9 s first
         # start here
         lock = held.pop_all()
-    model.cache_write = threading.Thread(target=_store_model, args=(cache, file, model, why, lock),
-                                         name="gguf-cache-write")
-    model.cache_write.start()
-    return model
+    writer = threading.Thread(target=_store_model, args=(cache, file, model, why, lock), name="gguf-cache-write")
+    writer.start()
+    return LoadedModel(model, cache_write=writer)
 
 
-def _cached_model(file: str, build: tuple, cache: GGUFCache, t0: float) -> Tuple[Optional[nn.Module], str]:
+def _cached_model(file: str, build: ModelBuild, cache: GGUFCache, t0: float) -> Tuple[Optional[nn.Module], str]:
     """(the model mapped from the cache file, "") or (None, why it could not be)."""
     if not os.path.isfile(file):
         return None, cache.why_missing("model file for these options")
@@ -196,16 +209,14 @@ def _cached_model(file: str, build: tuple, cache: GGUFCache, t0: float) -> Tuple
     return model, ""
 
 
-def _dequantised_model(path: str, build: tuple, t0: float, reader: Optional[Any] = None) -> nn.Module:
-    args = build[0]
+def _dequantised_model(path: str, build: ModelBuild, t0: float, reader: Optional[Any] = None) -> nn.Module:
     from .gguf_file import iter_gguf, read_gguf
     if reader is None:  # (the blocks check may have read it) a truncated or damaged file is refused here
         reader = read_gguf(path)
-    model = empty_model(*build)
-    blocks = build[6] == "gguf"
-    load_weights(model, ((n, StoredTensor.in_memory(w)) for n, w in iter_gguf(path, args, reader, blocks)), args,
-                 model.plan)
-    model.kv_scales = None
+    model = empty_model(build)
+    blocks = build.quantization == "gguf"
+    load_weights(model, ((n, StoredTensor.in_memory(w)) for n, w in iter_gguf(path, build.args, reader, blocks)),
+                 build.args, model.plan)
     logger.info("GGUF cache: parameters %s from the GGUF file in %.2fs", "read in blocks" if blocks else "dequantised",
                 time.perf_counter() - t0)
     return model.eval()
@@ -222,20 +233,17 @@ def _store_model(cache: GGUFCache, file: str, model: nn.Module, why: str, lock: 
         lock.close()
 
 
-def _mapped_model(file: str, build: tuple) -> nn.Module:
+def _mapped_model(file: str, build: ModelBuild) -> nn.Module:
     """The model over the cache file's tensors, which must be exactly its parameters (names, shapes, dtypes)."""
-    args, dtype, device, max_positions, fused_ops, tp, quantization, embedding = build
     tensors = map_tensors(file)
-    want = _meta_model(args, dtype, max_positions, fused_ops, tp, quantization, embedding).state_dict()
+    want = _meta_model(build).state_dict()
     if set(want) != set(tensors):
         raise BadFile(f"it holds {len(tensors)} tensors, the model has {len(want)} parameters")
     for name, t in want.items():
         if tuple(t.shape) != tuple(tensors[name].shape) or t.dtype != tensors[name].dtype:
             raise BadFile(f"{name} is {tuple(tensors[name].shape)} {tensors[name].dtype}, the model's "
                           f"{tuple(t.shape)} {t.dtype}")
-    model = empty_model(*build, tensors=tensors)
-    model.kv_scales = None
-    return model.eval()
+    return empty_model(build, tensors=tensors).eval()
 
 
 def _write_model(file: str, model: nn.Module) -> None:

@@ -62,6 +62,7 @@ class Engine:
         self.pad_row, self.pad_page = parts.pad_row, parts.pad_page
         self.runner = parts.runner
         self.staged_kernels = parts.staged_kernels  # None once every kernel asked for serves
+        self.cache_write = parts.cache_write  # a GGUF's first load: the thread writing the cache's file
         self.pooling = parts.pooling  # an embedding model's pooling (checkpoints/pooling_config.py); None: generation
         self.workers = parts.workers  # tensor parallelism: ranks 1..N-1 (None with one rank)
         if self.workers is not None:
@@ -193,9 +194,8 @@ class Engine:
     def finish_cache_write(self, timeout: float = 120.0) -> None:
         """Wait for the GGUF cache's writer (a first start writes the dequantised parameters while it already
         serves: checkpoints/loader.py), so that an exit does not cut it and the next start maps the file."""
-        writer = getattr(self.runner.model, "cache_write", None)
-        if writer is not None:
-            writer.join(timeout)
+        if self.cache_write is not None:
+            self.cache_write.join(timeout)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks and tear their process group down, so that another engine in this

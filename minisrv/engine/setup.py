@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from minisrv.models.args import ModelArgs
 from minisrv.models.layers import fused_ops_for, set_fused_ops
 from minisrv.models.sharding import check_divisible
 from minisrv.models.fp8 import Fp8Linear
-from minisrv.checkpoints.loader import load_model, load_model_args, resolve_model_path
+from minisrv.checkpoints.loader import ModelBuild, load_model, load_model_args, resolve_model_path
 from minisrv.checkpoints.model_files import load_engine_tokenizer
 from minisrv.checkpoints.pooling_config import PoolingConfig, resolve_pooling
 from minisrv.utils import ceil_div
@@ -100,6 +101,7 @@ class EngineParts:
     workers: Optional[Any] = None  # rank 0 of a tensor-parallel engine: the other ranks' processes (TPWorkers)
     pooling: Optional[PoolingConfig] = None  # an embedding model's pooling (None: a generation model)
     staged_kernels: Optional[StagedKernels] = None  # kernels still building, to switch to between steps
+    cache_write: Optional[threading.Thread] = None  # a GGUF's first load: the thread writing the cache's file
 
 
 def tp_device(device: torch.device, rank: int, size: int) -> torch.device:
@@ -168,9 +170,10 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
                               (args.hidden_size, dtype) if cfg.enable_flashinfer_allreduce_fusion else None
                               ) if cfg.tp_size > 1 else TensorParallel.single()
     pooling = resolve_pooling(model_path, args, cfg.is_embedding)
-    model = load_model(model_path, args, dtype, device, context_length, fused, tp, cfg.quantization,
-                       embedding=pooling is not None, cache_dir=cfg.cache_dir,
-                       gguf_weights=cfg.gguf_weights)
+    loaded = load_model(model_path, ModelBuild(args, dtype, device, context_length, fused, tp, cfg.quantization,
+                                               embedding=pooling is not None),
+                        cache_dir=cfg.cache_dir, gguf_weights=cfg.gguf_weights)
+    model = loaded.model
     builds = None
     if fused_and_builds is not None:
         fused, builds = fused_and_builds.result()
@@ -198,9 +201,9 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
     tokens = tp.min_over_ranks(tokens)  # every rank holds the same pages (for its own heads)
     num_pages = max(1, tokens // ps)
     pool = KVPool(a.num_layers, num_pages, ps, plan.num_kv_heads, a.head_dim, dtype, device, kv_dtype)
-    if model.kv_scales is not None:  # an FP8 checkpoint's calibrated K/V scales (before any graph is captured)
+    if loaded.kv_scales is not None:  # an FP8 checkpoint's calibrated K/V scales (before any graph is captured)
         if pool.quantized:
-            pool.set_scales(*model.kv_scales)
+            pool.set_scales(*loaded.kv_scales)
         else:
             logger.info("the checkpoint's K/V scales are not used: the KV cache is %s (--kv-cache-dtype fp8_e4m3 "
                         "uses them)", str(dtype).replace("torch.", ""))
@@ -257,7 +260,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
     if pool.quantized:
         logger.info("KV cache %s: %d tokens (%dx %s in the same memory; K/V scales %s)", cfg.kv_cache_dtype,
                     pool.num_slots, dtype.itemsize // kv_dtype.itemsize, str(dtype).replace("torch.", ""),
-                    "from the checkpoint" if model.kv_scales is not None else "1.0")
+                    "from the checkpoint" if loaded.kv_scales is not None else "1.0")
     # after the weights: on a GGUF file's first start the HTTP process converts the tokenizer meanwhile (one process
     # converts, the other waits for its result), and this one dequantises the weights
     tokenizer = load_engine_tokenizer(model_path, cfg.tokenizer, cfg.cache_dir) if tp_rank == 0 else None
@@ -266,7 +269,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
         eos.add(tokenizer.eos_token_id)
     return EngineParts(device, model_path, args, tokenizer, sorted(eos), dtype, context_length, ps, backend_name,
                        pool, allocator, table, pad_row, pad_page, runner, max_request_len, pooling=pooling,
-                       staged_kernels=staged_kernels)
+                       staged_kernels=staged_kernels, cache_write=loaded.cache_write)
 
 
 def _fused_and_builds(cfg: EngineConfig, args: ModelArgs, backend_name: str, dtype: torch.dtype,

@@ -1,0 +1,112 @@
+"""Model configs read the way transformers writes them (rope_parameters, legacy keys, sliding windows), and the
+rotary frequencies against HF's rope init functions."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from minisrv.models.args import ModelArgs
+from minisrv.models.layers import rope_inv_freq
+from minisrv.checkpoints.loader import load_model_args
+
+from .helpers import ARCHS, LLAMA3_ROPE, hf_model, make_config
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_config_json_round_trip(tiny_model, arch):
+    """What ModelArgs reads from the saved config.json agrees with the model HF builds from the same file."""
+    path = tiny_model(arch)
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    args = load_model_args(path)
+    hf = hf_model(path)
+    cfg = hf.config
+    names = dict(hf.named_parameters())
+    assert args.architecture == type(hf).__name__
+    assert args.vocab_size == cfg.vocab_size and args.hidden_size == cfg.hidden_size
+    assert args.intermediate_size == cfg.intermediate_size
+    assert args.num_layers == cfg.num_hidden_layers == len(hf.model.layers)
+    assert (args.num_heads, args.num_kv_heads, args.head_dim) == (cfg.num_attention_heads,
+                                                                  cfg.num_key_value_heads, cfg.head_dim)
+    assert args.rms_norm_eps == cfg.rms_norm_eps
+    assert args.max_position_embeddings == cfg.max_position_embeddings
+    assert args.rope_theta == cfg.rope_parameters["rope_theta"]
+    assert args.tie_word_embeddings == cfg.tie_word_embeddings
+    assert args.attention_bias == ("model.layers.0.self_attn.q_proj.bias" in names)
+    assert args.qk_norm == ("model.layers.0.self_attn.q_norm.weight" in names)
+    assert args.eos_token_ids == [2] and args.bos_token_id == 1
+    kind = cfg.rope_parameters.get("rope_type", "default")
+    if kind == "default":
+        assert args.rope_scaling is None
+    else:
+        for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            assert args.rope_scaling[k] == cfg.rope_parameters[k]
+        assert args.rope_scaling.get("rope_type") == kind
+    # transformers 5 writes rope settings under rope_parameters
+    assert "rope_parameters" in raw
+
+
+def test_expected_tiny_features(tiny_model):
+    """The tiny checkpoints cover what they are meant to: llama3 scaling, qkv bias, q/k norm, tied and untied."""
+    a = {name: load_model_args(tiny_model(name)) for name in ARCHS}
+    assert a["llama"].rope_scaling["rope_type"] == "llama3" and not a["llama"].tie_word_embeddings
+    assert a["qwen2"].attention_bias and a["qwen2"].tie_word_embeddings and a["qwen2"].rope_theta == 1e6
+    assert a["qwen3"].qk_norm and a["qwen3"].tie_word_embeddings
+    assert not a["mistral"].tie_word_embeddings
+
+
+def test_legacy_rope_scaling_key():
+    """Configs written by transformers 4 keep rope_theta at the top and scaling under rope_scaling."""
+    cfg = make_config("llama").to_dict()
+    cfg.pop("rope_parameters")
+    cfg["rope_theta"] = 500000.0
+    cfg["rope_scaling"] = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    args = ModelArgs.from_hf_config(cfg)
+    assert args.rope_theta == 500000.0 and args.rope_scaling["factor"] == 8.0
+    cfg["rope_scaling"] = {"type": "default"}
+    assert ModelArgs.from_hf_config(cfg).rope_scaling is None
+
+
+def test_sliding_window_read_only_where_it_applies():
+    from transformers import MistralConfig, Qwen2Config
+    base = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=4)
+    q = Qwen2Config(**base).to_dict()  # sliding window present in the config but off
+    q["sliding_window"] = 4096
+    assert ModelArgs.from_hf_config(q).sliding_window is None
+    q = Qwen2Config(**base, use_sliding_window=True, sliding_window=1024, max_window_layers=2).to_dict()
+    assert "sliding_attention" in q["layer_types"] and ModelArgs.from_hf_config(q).sliding_window == 1024
+    q.pop("layer_types")  # a transformers 4 config
+    assert ModelArgs.from_hf_config(q).sliding_window == 1024
+    m = MistralConfig(**base, sliding_window=4096).to_dict()
+    assert ModelArgs.from_hf_config(m).sliding_window == 4096
+    m = MistralConfig(**base, sliding_window=None).to_dict()
+    assert ModelArgs.from_hf_config(m).sliding_window is None
+    assert ModelArgs.from_hf_config(make_config("llama").to_dict()).sliding_window is None
+
+
+@pytest.mark.parametrize("scaling", [
+    None,
+    {"rope_type": "linear", "factor": 4.0},
+    dict(LLAMA3_ROPE),
+    {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+])
+@pytest.mark.parametrize("theta,head_dim", [(10000.0, 16), (500000.0, 128)])
+def test_rope_frequencies_match_hf(scaling, theta, head_dim):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    params = {"rope_type": "default", "rope_theta": theta} if scaling is None else {**scaling, "rope_theta": theta}
+    cfg = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim,
+                      max_position_embeddings=131072, rope_parameters=params)
+    if scaling is None:
+        ref = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    else:
+        ref, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, torch.device("cpu"))
+    ours = rope_inv_freq(head_dim, theta, None if scaling is None else {k: v for k, v in params.items()
+                                                                      if k != "rope_theta"})
+    assert ours.shape == ref.shape
+    assert torch.allclose(ours.double(), ref.double(), rtol=1e-6, atol=0)
