@@ -5,6 +5,7 @@ and the flag on the torch backend (which has no cascade path) changing nothing."
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pickle
 import random
 import sys
@@ -263,12 +264,13 @@ def test_engine_on_fi_cascade_matches_hf_and_plain_decode(tiny_model, fake_fi, h
         eng = llm.engine
         runner = eng.runner
         fi = fake_fi.FlashInferBackend(eng.pool, eng.table.table, eng.args.num_heads)
-        runner.backend = HybridBackend(runner.backend, fi) if hybrid else fi
-        assert runner.backend.supports_cascade
+        backend = HybridBackend(runner.backend, fi) if hybrid else fi
+        assert backend.supports_cascade
+        policy = None
         if cascade:  # what setup does for --enable-cascade-attention, with thresholds this small model can meet
-            runner.backend.init_cascade_state()
-            runner.cascade = CascadePolicy(page_size=4, min_shared_tokens=8, min_saved_tokens=0,
-                                           min_saved_tokens_eager=0)
+            backend.init_cascade_state()
+            policy = CascadePolicy(page_size=4, min_shared_tokens=8, min_saved_tokens=0, min_saved_tokens_eager=0)
+        runner.use_parts(dataclasses.replace(runner.parts, backend=backend, cascade=policy))
         watch = EngineWatch(eng)
         outs = llm.generate(prompts, greedy(8), use_tqdm=False)
         tokens[cascade] = [o.token_ids for o in outs]

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from minisrv.kernels.cpu_gemv import MAX_ROWS, SmallBatchLinear, linear
-from minisrv.models.layers import CpuLinear, fused_ops_for
+from minisrv.models.layer_ops import LayerOps, fused_ops_for
+from minisrv.models.layers import CpuLinear
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def test_cpu_model_projections_are_cpu_linear(small):
     if fused is None or fused.small_batch_linear is None:
         pytest.skip("no compiled CPU ops here")
     from minisrv.models.layers import make_linear
-    layer = make_linear(64, 24, True, None, fused)
+    layer = make_linear(64, 24, True, None, LayerOps(fused))
     assert isinstance(layer, CpuLinear)
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)

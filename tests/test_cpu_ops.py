@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from minisrv.kernels.cpu_ops import CpuFusedOps
-from minisrv.models.layers import RotaryEmbedding, fused_ops_for
+from minisrv.models.layer_ops import fused_ops_for
+from minisrv.models.layers import RotaryEmbedding
 
 OPS, HOW = CpuFusedOps.load()
 pytestmark = pytest.mark.skipif(OPS is None, reason=f"the CPU ops cannot be built here: {HOW}")

@@ -13,7 +13,6 @@ import torch
 from minisrv.engine.kernel_builds import KernelBuilds, StagedKernels
 from minisrv.engine.request import SamplingParams
 from minisrv.engine.setup import staged_backend
-from minisrv.models.layers import RMSNorm, set_fused_ops
 
 from .helpers.tiny_models import greedy, make_llm, make_prompts, vocab_of
 
@@ -49,17 +48,13 @@ def test_staged_backend_stands_fa_in_for_fi_where_fa_runs(monkeypatch):
     assert staged_backend("fi", cpu) == "fa"
 
 
-def _layer_ops(model):
-    return {id(m.fused) for m in model.modules() if isinstance(m, RMSNorm)}
-
-
 def _run(engine, prompts, params, release=None, release_after=3):
-    """Step the engine until every request ends; `release` is called once each request has `release_after`
-    tokens. Returns each request's output tokens."""
+    """Step the engine until every request ends, polling for built kernels before each step as the engine loop
+    does; `release` is called once each request has `release_after` tokens. Returns each request's output tokens."""
     reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     tokens = {r.rid: [] for r in reqs}
     while engine.has_work():
-        for out in engine.step():
+        for out in engine.switch_kernels() + engine.step():
             assert out.error is None, out.error
             tokens[out.rid] += out.new_token_ids
         if release is not None and min(len(t) for t in tokens.values()) >= release_after:
@@ -72,7 +67,7 @@ def test_engine_switches_to_built_kernels_between_steps_with_the_same_tokens(tin
     path = tiny_model("llama")
     prompts = make_prompts(vocab_of(path), [5, 17, 9])
     reference = make_llm(path)
-    final_ops = reference.engine.runner.model.model.norm.fused
+    final_ops = reference.engine.runner.model.ops.kernels
     if final_ops is None:
         pytest.skip("the compiled CPU ops did not build here: no final kernels to switch to")
     want = _run(reference.engine, prompts, [greedy(12)] * 3)
@@ -80,7 +75,7 @@ def test_engine_switches_to_built_kernels_between_steps_with_the_same_tokens(tin
     staged_llm = make_llm(path)
     engine = staged_llm.engine
     model = engine.runner.model
-    set_fused_ops(model, None)  # started before its kernels were built
+    model.ops.use(None)  # started before its kernels were built
     gate = threading.Event()
     switched, drawn = [], []
 
@@ -89,11 +84,11 @@ def test_engine_switches_to_built_kernels_between_steps_with_the_same_tokens(tin
         return scaled.argmax(-1)
 
     builds = KernelBuilds({"norm": gate.wait, "sampling": lambda: None})
-    engine.staged_kernels = StagedKernels(builds, final_ops, lambda runner: switched.append(runner) or "attention torch",
-                                          lambda: fake_sampling, "torch's ops")
+    engine.staged_kernels = StagedKernels(builds, model.ops, final_ops, lambda parts: switched.append(parts) or parts,
+                                          "torch", lambda: fake_sampling, "torch's ops")
 
     def release():
-        assert _layer_ops(model) == {id(None)}  # still the stand-ins after several steps
+        assert model.ops.kernels is None  # still the stand-ins after several steps
         assert not switched
         gate.set()
         builds.wait(timeout=10)
@@ -102,8 +97,8 @@ def test_engine_switches_to_built_kernels_between_steps_with_the_same_tokens(tin
     got = _run(engine, prompts + [prompts[0]], [greedy(12)] * 3 + [sampled], release)
     assert got[:3] == want
     assert engine.staged_kernels is None  # everything switched
-    assert _layer_ops(model) == {id(final_ops)}
-    assert switched == [engine.runner]  # attention switched once, with the layers
+    assert model.ops.kernels is final_ops
+    assert len(switched) == 1  # attention switched once, with the layers
     assert engine.runner.sampling_kernel is fake_sampling and drawn  # the unseeded sampled request used it
     assert len(got[3]) == 12
 
@@ -120,9 +115,10 @@ def test_graphs_only_wait_for_an_idle_moment_or_their_due_time(tiny_model):
     switched = []
 
     def staged():
-        return StagedKernels(KernelBuilds({"norm": lambda: None}), engine.runner.model.model.norm.fused,
-                             lambda runner: switched.append(runner) or "attention torch, 3 decode CUDA graphs",
-                             lambda: None, "attention torch", graphs_only=True)
+        model = engine.runner.model
+        return StagedKernels(KernelBuilds({"norm": lambda: None}), model.ops, model.ops.kernels,
+                             lambda parts: switched.append(parts) or parts, "torch", lambda: None, "attention torch",
+                             graphs_only=True)
 
     engine.staged_kernels = staged()
     engine.staged_kernels.builds.wait(timeout=10)
@@ -132,19 +128,19 @@ def test_graphs_only_wait_for_an_idle_moment_or_their_due_time(tiny_model):
     assert not switched and engine.staged_kernels is not None  # busy, not yet due: no capture between steps
     assert engine.switch_kernels() == [] and not switched
     engine.switch_kernels(idle=True)
-    assert switched == [engine.runner] and engine.staged_kernels is None
+    assert len(switched) == 1 and engine.staged_kernels is None
 
     engine.staged_kernels = staged()  # never a request: idle long enough, they are captured all the same
     engine.staged_kernels.builds.wait(timeout=10)
     engine.staged_kernels.started_serving -= StagedKernels.IDLE_BEFORE_ANY_STEP_S
     engine.switch_kernels(idle=True)
-    assert switched == [engine.runner] * 2 and engine.staged_kernels is None
+    assert len(switched) == 2 and engine.staged_kernels is None
 
     engine.staged_kernels = staged()
     engine.staged_kernels.builds.wait(timeout=10)
     engine.staged_kernels.GRAPHS_DUE_S = 0.0  # due as soon as the first step runs
     assert _run(engine, prompts, [greedy(6)] * 2) == want
-    assert switched == [engine.runner] * 3 and engine.staged_kernels is None
+    assert len(switched) == 3 and engine.staged_kernels is None
 
 
 def test_a_failed_switch_leaves_the_stand_ins_serving(tiny_model, caplog):
@@ -156,19 +152,20 @@ def test_a_failed_switch_leaves_the_stand_ins_serving(tiny_model, caplog):
     want = _run(llm.engine, prompts, [greedy(8)] * 2)
     engine = llm.engine
     model = engine.runner.model
-    final_ops = model.model.norm.fused
-    set_fused_ops(model, None)
+    final_ops = model.ops.kernels
+    model.ops.use(None)
+    parts = engine.runner.parts
 
-    def failing_switch(runner):
+    def failing_switch(current):
         raise RuntimeError("CUDA out of memory while capturing")
 
-    engine.staged_kernels = StagedKernels(KernelBuilds({"norm": lambda: None}), final_ops, failing_switch,
-                                          lambda: None, "torch's ops")
+    engine.staged_kernels = StagedKernels(KernelBuilds({"norm": lambda: None}), model.ops, final_ops, failing_switch,
+                                          "torch", lambda: None, "torch's ops")
     with caplog.at_level(logging.ERROR, logger="minisrv"):
         got = _run(engine, prompts, [greedy(8)] * 2)
     assert got == want
     assert "the switch to FlashInfer's kernels failed" in caplog.text
-    assert engine.staged_kernels is None and _layer_ops(model) == {id(None)}
+    assert engine.staged_kernels is None and model.ops.kernels is None and engine.runner.parts == parts
 
 
 def test_a_flashinfer_without_the_expected_getters_means_no_builds(monkeypatch, caplog):

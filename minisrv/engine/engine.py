@@ -131,9 +131,6 @@ class Engine:
         processed on the host, so the GPU never waits for the scheduler: the news returned is the previous step's.
         """
         outputs = self._grammars_done() if self._compiling else []
-        if self.staged_kernels is not None:
-            self.staged_kernels.stepping()
-            outputs += self.switch_kernels()
         batch, launched = None, False
         try:
             batch = self._schedule()
@@ -150,11 +147,18 @@ class Engine:
         return outputs
 
     def switch_kernels(self, idle: bool = False) -> List[RequestOutput]:
-        """Switch to the kernels built since the start, once they are (kernel_builds.StagedKernels): the steps in
-        flight are collected first (their news is returned), so that no step runs across the switch. idle: the
-        engine has had nothing to do for a while (CUDA graphs that wait for such a moment are captured)."""
+        """The one poll of the kernels built since the start (kernel_builds.StagedKernels), made once a turn by
+        whoever drives `step`, before it: once they are built, the steps in flight are collected (their news is
+        returned) and the runner switches, so that no step runs across the switch. idle: the engine has had
+        nothing to do for a while (CUDA graphs that wait for such a moment are captured then)."""
         staged = self.staged_kernels
-        if staged is None or not (staged.sampling_ready() or staged.layers_ready(idle)):
+        if staged is None:
+            return []
+        busy = self.has_work()
+        if busy:
+            staged.stepping()
+        idle = idle and not busy
+        if not (staged.sampling_ready() or staged.layers_ready(idle)):
             return []
         outputs = self._collect(keep=0)
         staged.upgrade(self.runner, idle)

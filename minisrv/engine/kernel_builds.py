@@ -9,18 +9,23 @@ as soon as the model's shapes are known.
 Where the modules are already in the cache, the builds are loads that finish while the weights load, and the engine
 starts on them as before. Where they are not, a server does not wait (`StagedKernels`): it serves at once with
 kernels that need no compilation (FA3's precompiled attention on Hopper, torch's norm, activation, rotary and
-sampling, no CUDA graphs), and between two steps, once everything is built, switches the layers to FlashInfer's
-ops, the attention to the backend that was asked for, and captures its CUDA graphs. Sampling switches on its own,
-as soon as its module is there. The log says which kernels serve.
+sampling, no CUDA graphs), and between two steps, once everything is built, points the layers' one LayerOps at
+FlashInfer's kernels and hands the runner the attention backend that was asked for with its CUDA graphs, in one
+RunnerParts. Sampling switches on its own, as soon as its module is there. The log says which kernels serve.
 """
 from __future__ import annotations
 
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
+
+from minisrv.models.layer_ops import LayerOps
+
+from .model_runner import ModelRunner, RunnerParts
 
 logger = logging.getLogger("minisrv")
 
@@ -111,9 +116,9 @@ class StagedKernels:
     captured: what it serves with until they are, and the switch (`upgrade`), run by the engine between two steps
     with nothing in flight.
 
-    final_ops: the layers' fused-op module once built (FlashInfer's); switch_attention(runner): gives the runner the
-    attention backend that was asked for and its CUDA graphs, returns a line for the log; sampling_kernel(): the
-    fused sampling function, called once its module is built.
+    ops: the model's layer ops, to point at `kernels` (FlashInfer's module) once built; final_parts(current): the
+    runner's parts with the attention backend that was asked for (`attention`) and its CUDA graphs;
+    sampling_kernel(): the fused sampling function, called once its module is built.
 
     graphs_only: every kernel is built and only the graphs wait (capturing them takes 1-2 s, which a first request
     would otherwise wait for): they are captured once the engine, having run a step, is idle for a moment
@@ -124,12 +129,12 @@ class StagedKernels:
     GRAPHS_DUE_S = 2.0
     IDLE_BEFORE_ANY_STEP_S = 10.0
 
-    def __init__(self, builds: KernelBuilds, final_ops: Any, switch_attention: Callable[[Any], str],
-                 sampling_kernel: Callable[[], Any], serving: str, layers_pending: bool = True,
-                 graphs_only: bool = False) -> None:
+    def __init__(self, builds: KernelBuilds, ops: LayerOps, kernels: Any,
+                 final_parts: Callable[[RunnerParts], RunnerParts], attention: str, sampling_kernel: Callable[[], Any],
+                 serving: str, layers_pending: bool = True, graphs_only: bool = False) -> None:
         self.builds = builds
-        self.final_ops = final_ops
-        self.switch_attention = switch_attention
+        self.ops, self.kernels = ops, kernels
+        self.final_parts, self.attention = final_parts, attention
         self.sampling_kernel = sampling_kernel
         self.sampling_switched = "sampling" not in builds.names
         self.layers_switched = not layers_pending
@@ -165,15 +170,13 @@ class StagedKernels:
             return idle and now - self.started_serving >= self.IDLE_BEFORE_ANY_STEP_S
         return idle or now - self.first_step >= self.GRAPHS_DUE_S
 
-    def upgrade(self, runner: Any, idle: bool = False) -> None:
+    def upgrade(self, runner: ModelRunner, idle: bool = False) -> None:
         """Switch what is built: sampling alone as soon as it is, the layers and attention together (CUDA graphs
         captured for them). The runner must have no step in flight."""
-        from minisrv.models.layers import set_fused_ops
-
         if self.sampling_ready():
             self.sampling_switched = True
             try:
-                runner.sampling_kernel = self.sampling_kernel()
+                runner.use_parts(replace(runner.parts, sampling_kernel=self.sampling_kernel()))
                 logger.info("sampling now on FlashInfer's kernel (built in %.1fs)",
                             self.builds.seconds.get("sampling", 0.0))
             except Exception:  # noqa: BLE001 - the stand-in keeps serving
@@ -182,16 +185,17 @@ class StagedKernels:
             self.layers_switched = True
             t0 = time.perf_counter()
             try:
-                set_fused_ops(runner.model, self.final_ops)
-                line = self.switch_attention(runner)
+                self.ops.use(self.kernels)
+                parts = self.final_parts(runner.parts)
             except Exception:  # noqa: BLE001 - a failed switch must not end the engine: stand-ins stay
-                set_fused_ops(runner.model, None)
-                runner.graph_runner = None
+                self.ops.use(None)
                 logger.exception("the layers stay on torch's ops, without CUDA graphs: the switch to "
                                  "FlashInfer's kernels failed (attention: %s)", type(runner.backend).__name__)
             else:
-                logger.info("now serving with FlashInfer's norm, activation and rotary, %s (switched in "
-                            "%.1fs)", line, time.perf_counter() - t0)
+                runner.use_parts(parts)
+                graphs = len(parts.graph_runner.graphs) if parts.graph_runner is not None else 0
+                logger.info("now serving with FlashInfer's norm, activation and rotary, attention %s, %d decode "
+                            "CUDA graphs (switched in %.1fs)", self.attention, graphs, time.perf_counter() - t0)
         if self.finished:
             logger.info("FlashInfer's kernels all serve now, %.1fs after start (built in the background: %s)",
                         time.perf_counter() - self.builds.started, self.builds.report())

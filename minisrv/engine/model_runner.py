@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -99,6 +99,17 @@ class LaunchedStep:
                 (top_v.tolist(), top_i.tolist()) if top_v is not None else None)
 
 
+@dataclass(frozen=True)
+class RunnerParts:
+    """What a runner's steps run on besides the model, handed over in one piece (`ModelRunner.use_parts`) by setup
+    at start and by the start-up switch to kernels built meanwhile (kernel_builds.StagedKernels)."""
+
+    backend: AttentionBackend
+    graph_runner: Optional[Any] = None  # CUDA-graph decode, when enabled
+    cascade: Optional[CascadePolicy] = None  # when decode steps run as cascade attention (None: never)
+    sampling_kernel: Optional[Callable] = None  # FlashInfer's draw (sampler.fused_sampling_kernel); None: torch's
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, pool: KVPool, table: ReqToTokenTable,
                  device: torch.device, graph_runner=None, tp: Optional[TensorParallel] = None,
@@ -111,8 +122,7 @@ class ModelRunner:
         self.table = table
         self.device = device
         self.graph_runner = graph_runner  # CUDA-graph decode, when enabled
-        # FlashInfer's one-kernel draw (sampler.fused_sampling_kernel), or None: torch's; set by whoever builds it
-        self.sampling_kernel: Optional[Callable] = None
+        self.sampling_kernel: Optional[Callable] = None  # see RunnerParts
         self.cascade = cascade  # when decode steps run as cascade attention (None: never)
         self.num_cascade_steps = 0
         self.timings: Optional[Dict[str, float]] = None  # phase -> seconds, when profiling
@@ -120,6 +130,15 @@ class ModelRunner:
         self._inflight: Deque[LaunchedStep] = deque()  # launched and not yet read back, oldest first
         self._read_back: Deque[CollectedStep] = deque()  # read back early by a launch, not yet collected, oldest first
         self._newest_ids: Optional[torch.Tensor] = None  # sampled ids of the newest launched step, on the device
+
+    @property
+    def parts(self) -> RunnerParts:
+        return RunnerParts(self.backend, self.graph_runner, self.cascade, self.sampling_kernel)
+
+    def use_parts(self, parts: RunnerParts) -> None:
+        """Run the next steps on these parts (none in flight: the caller has collected them)."""
+        self.backend, self.graph_runner, self.cascade = parts.backend, parts.graph_runner, parts.cascade
+        self.sampling_kernel = parts.sampling_kernel
 
     def enable_profiling(self, timings: Dict[str, float]) -> None:
         """Charge each phase's time to `timings` (it synchronises the device after every phase)."""

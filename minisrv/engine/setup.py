@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -20,7 +20,7 @@ from minisrv.kvcache import KVPool, PageAllocator, ReqToTokenTable, slots_for
 from minisrv.distributed import Rendezvous, TensorParallel, init_tensor_parallel
 from minisrv.kernels.qk_rope_store import warm_up as warm_up_qk_rope_store
 from minisrv.models.args import ModelArgs
-from minisrv.models.layers import fused_ops_for, set_fused_ops
+from minisrv.models.layer_ops import LayerOps, fused_ops_for
 from minisrv.models.sharding import check_divisible
 from minisrv.models.fp8 import Fp8Linear
 from minisrv.checkpoints.loader import ModelBuild, load_model, load_model_args, resolve_model_path
@@ -29,7 +29,7 @@ from minisrv.checkpoints.pooling_config import PoolingConfig, resolve_pooling
 from minisrv.utils import ceil_div
 
 from .kernel_builds import KernelBuilds, StagedKernels, flashinfer_jobs
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, RunnerParts
 from .pooling import Pooler
 from .request import Request, SamplingParams
 from .sampler import fused_sampling_kernel
@@ -158,26 +158,23 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
                          f"PREFILL,triton); here the KV cache is "
                          f"{cfg.kv_cache_dtype} and the attention backend {backend_name}")
     # on CUDA, FlashInfer is imported (about 1 s) and its builds started in a thread while the weights load; the
-    # layers get its ops once both are done (the model is built the same with or without them). Not beside a
-    # tensor-parallel group's set-up, which imports FlashInfer's communication kernels itself.
+    # layers' ops take its kernels once both are done (the model is built the same with or without them). Not
+    # beside a tensor-parallel group's set-up, which imports FlashInfer's communication kernels itself.
     fused_and_builds = None
     if device.type == "cuda":
         thread = ThreadPoolExecutor(1)
         fused_and_builds = thread.submit(_fused_and_builds, cfg, args, backend_name, dtype, device)
         thread.shutdown(wait=cfg.tp_size > 1)
-    fused = fused_ops_for(device) if fused_and_builds is None else None
+    ops = LayerOps(fused_ops_for(device) if fused_and_builds is None else None)
     tp = init_tensor_parallel(tp_rank, cfg.tp_size, rendezvous, device,
                               (args.hidden_size, dtype) if cfg.enable_flashinfer_allreduce_fusion else None
                               ) if cfg.tp_size > 1 else TensorParallel.single()
     pooling = resolve_pooling(model_path, args, cfg.is_embedding)
-    loaded = load_model(model_path, ModelBuild(args, dtype, device, context_length, fused, tp, cfg.quantization,
+    loaded = load_model(model_path, ModelBuild(args, dtype, device, context_length, ops, tp, cfg.quantization,
                                                embedding=pooling is not None),
                         cache_dir=cfg.cache_dir, gguf_weights=cfg.gguf_weights)
     model = loaded.model
-    builds = None
-    if fused_and_builds is not None:
-        fused, builds = fused_and_builds.result()
-        set_fused_ops(model, fused)
+    kernels, builds = fused_and_builds.result() if fused_and_builds is not None else (ops.kernels, None)
     t_load = time.perf_counter() - t0
     # a server's engine does not wait for kernels still compiling (the others do: they are built side by side)
     serving_name = backend_name
@@ -187,9 +184,10 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
         builds.wait(timeout=STAGED_GRACE_S if can_stage else None)
         layers_pending = bool(set(builds.pending()) - {"sampling"})
         sampling_pending = "sampling" in builds.pending()
-        if layers_pending:
-            set_fused_ops(model, None)  # torch's norm, activation and rotary until FlashInfer's are built
+        if layers_pending:  # torch's norm, activation and rotary until FlashInfer's are built
             serving_name = staged_backend(backend_name, device)
+    if not layers_pending:
+        ops.use(kernels)
 
     a, plan = args, model.plan
     kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, dtype)
@@ -218,39 +216,36 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
         table.write(pad_row, 0, slots_for([pad_page], ps, 0, ps))
         max_request_len = min(context_length, pool.num_slots - ps)
 
-    def attach_attention(runner: ModelRunner, backend: Optional[Any] = None) -> str:
-        """Give the runner the attention backend asked for (made here unless given), its CUDA graphs and cascade
-        decode."""
-        if backend is None:
-            backend = create_backend(backend_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel)
-        runner.backend = backend
-        runner.graph_runner = _graph_runner(cfg, model, backend, pad_row, pad_page * ps, context_length, device) \
+    def attention_parts(current: RunnerParts, keep_backend: bool) -> RunnerParts:
+        """The runner's parts with the attention backend asked for (the current one where it is that already), its
+        CUDA graphs and cascade decode."""
+        backend = current.backend if keep_backend else \
+            create_backend(backend_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel)
+        graph_runner = _graph_runner(cfg, model, backend, pad_row, pad_page * ps, context_length, device) \
             if graphs and backend.supports_cuda_graph else None
-        runner.cascade = _cascade_policy(cfg, backend, backend_name, pool, ps)
-        n = len(runner.graph_runner.graphs) if runner.graph_runner is not None else 0
-        return f"attention {backend_name}, {n} decode CUDA graphs"
+        return replace(current, backend=backend, graph_runner=graph_runner,
+                       cascade=_cascade_policy(cfg, backend, backend_name, pool, ps))
 
-    runner = ModelRunner(model, create_backend(serving_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel),
-                         pool, table, device, None, tp, None, Pooler(pooling) if pooling is not None else None)
+    serving = create_backend(serving_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel)
+    runner = ModelRunner(model, serving, pool, table, device, None, tp, None,
+                         Pooler(pooling) if pooling is not None else None)
+    parts = RunnerParts(serving, sampling_kernel=None if sampling_pending else fused_sampling_kernel(device))
     staged_kernels = None
     # a server's engine answers its first requests before capturing its CUDA graphs (kernel_builds.StagedKernels)
     graphs_later = staged and graphs and not layers_pending and not tp.enabled and builds is not None
+    runner.use_parts(parts if layers_pending or graphs_later else attention_parts(parts, keep_backend=True))
     if layers_pending or sampling_pending or graphs_later:
-        switch = (lambda r: attach_attention(r, r.backend)) if graphs_later else attach_attention
-        staged_kernels = StagedKernels(builds, fused, switch, lambda: fused_sampling_kernel(device),
+        staged_kernels = StagedKernels(builds, ops, kernels, lambda current: attention_parts(current, graphs_later),
+                                       backend_name, lambda: fused_sampling_kernel(device),
                                        f"attention {serving_name}, torch's norm, activation and rotary, no CUDA graphs"
                                        if layers_pending else f"attention {backend_name}",
                                        layers_pending=layers_pending or graphs_later, graphs_only=graphs_later)
-    if not (layers_pending or graphs_later):
-        attach_attention(runner, runner.backend)
-    if not sampling_pending:
-        runner.sampling_kernel = fused_sampling_kernel(device)
     if tp.enabled and tp_rank == 0:
         table.journal = []  # from here on, the other ranks replay rank 0's table writes
     fp8_weights = any(isinstance(m, Fp8Linear) for m in model.modules())
     logger.info("model %s (%s, %s%s) on %s loaded in %.1fs%s%s", model_path, a.architecture,
                 str(dtype).replace("torch.", ""), ", fp8 weights" if fp8_weights else "", device, t_load,
-                "; fused ops on" if fused is not None else "",
+                "; fused ops on" if kernels is not None else "",
                 f"; tensor parallel over {tp.size} ranks" + (", fused all-reduce + RMSNorm" if tp.fused_norm else "")
                 if tp.enabled else "")
     logger.info("KV pool: %d tokens (%d pages of %d), %.2f GiB; context length %d; attention backend %s",

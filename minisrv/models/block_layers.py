@@ -58,9 +58,10 @@ class BlockEmbedding(BlockLinear):
         return self.kernels.rows(self.packed, ids, self.in_features).reshape(*ids.shape, self.in_features)
 
 
-def block_kernels(fused: Optional[Any]) -> Any:
-    """The CPU ops' block kernels, which a model loaded in blocks needs (gguf_blocks.blocks_unavailable_here checked)."""
-    kernels = getattr(fused, "block_kernels", None)
+def block_kernels(ops: Optional[Any]) -> Any:
+    """The CPU ops' block kernels (ops: the model's layer_ops.LayerOps), which a model loaded in blocks needs
+    (gguf_blocks.blocks_unavailable_here checked)."""
+    kernels = ops.block_kernels if ops is not None else None
     if kernels is None:
         raise ValueError("a GGUF model in blocks needs the CPU's block kernels (kernels/cpu_blocks.c)")
     return kernels

@@ -3,7 +3,7 @@ Mixtral, Qwen2-MoE) share: the differences are fields of ModelArgs, read from co
 or sparse (moe.SparseMoE) as the config says for that layer."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -12,31 +12,32 @@ from minisrv.distributed import TensorParallel
 
 from .args import ModelArgs
 from .block_layers import BlockEmbedding, BlockLinear, block_kernels
+from .layer_ops import LayerOps
 from .layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, VocabEmbedding, reduce_add_norm
 from .moe import SparseMoE
 from .sharding import ShardPlan
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding, fused: Optional[Any],
+    def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding, ops: LayerOps,
                  plan: ShardPlan, tp: TensorParallel, quantization: Optional[str] = None) -> None:
         super().__init__()
         # with a fused all-reduce + add + norm, o and down return partial sums and the norm after each reduces them
         self.partial = tp.fused_norm is not None
-        self.self_attn = Attention(args, layer_id, rotary, fused, plan.num_heads, plan.num_kv_heads, tp,
+        self.self_attn = Attention(args, layer_id, rotary, ops, plan.num_heads, plan.num_kv_heads, tp,
                                    quantization, reduce_output=not self.partial)
         sparse = args.is_moe_layer(layer_id)
         if sparse:
-            self.mlp = SparseMoE(args, plan.moe_intermediate, plan.shared_intermediate, fused, tp, quantization,
+            self.mlp = SparseMoE(args, plan.moe_intermediate, plan.shared_intermediate, ops, tp, quantization,
                                  reduce_output=not self.partial)
         else:
-            self.mlp = GatedMLP(args.hidden_size, plan.intermediate, fused, tp, quantization,
+            self.mlp = GatedMLP(args.hidden_size, plan.intermediate, ops, tp, quantization,
                                 reduce_output=not self.partial)
         # the norms before qkv and a dense gate_up hand FP8 projections their input quantised (a router takes it
         # unquantised: the fused experts quantise it themselves)
         fp8 = quantization == "fp8"
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused, quantize_out=fp8)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused,
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops, quantize_out=fp8)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops,
                                                 quantize_out=fp8 and not sparse)
         self.tp = tp
 
@@ -54,18 +55,18 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs, max_positions: int, fused: Optional[Any], plan: ShardPlan,
+    def __init__(self, args: ModelArgs, max_positions: int, ops: LayerOps, plan: ShardPlan,
                  tp: TensorParallel, quantization: Optional[str] = None) -> None:
         super().__init__()
-        self.embed_tokens = BlockEmbedding(plan.vocab_per_rank, args.hidden_size, block_kernels(fused)) \
+        self.embed_tokens = BlockEmbedding(plan.vocab_per_rank, args.hidden_size, block_kernels(ops)) \
             if quantization == "gguf" else VocabEmbedding(plan.vocab_per_rank, args.hidden_size, plan.vocab_start, tp)
-        rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, fused)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, rotary, fused, plan, tp, quantization)
+        rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, ops)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, rotary, ops, plan, tp, quantization)
                                     for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, fused)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
         self.tp = tp
         # a decode step's layers in one C call (kernels/cpu_decode.py): dense Llama-style layers in GGUF blocks
-        self.cpu_decode = getattr(fused, "decode_layers", None) if (
+        self.cpu_decode = ops.decode_layers if (
             quantization == "gguf" and not args.qk_norm and not args.attention_bias and not args.num_experts
             and not tp.enabled) else None
 
@@ -83,9 +84,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, args: ModelArgs, max_positions: int, fused_ops: Optional[Any] = None,
+    def __init__(self, args: ModelArgs, max_positions: int, ops: Optional[LayerOps] = None,
                  tp: Optional[TensorParallel] = None, quantization: Optional[str] = None) -> None:
-        """fused_ops: the fused-kernel module every layer uses (layers.fused_ops_for), or None for plain torch.
+        """ops: the elementwise kernels every layer shares (layer_ops.LayerOps; None: torch's).
         tp: this rank's place in a tensor-parallel group; the model holds that rank's shard (sharding.py).
         quantization: "fp8" for FP8 projections (qkv, o, gate_up, down; see fp8.py), the embedding, norms and
         lm_head staying in the model's dtype; "gguf" for a GGUF model's projections, embedding and lm_head kept in
@@ -94,13 +95,13 @@ class LlamaForCausalLM(nn.Module):
         self.args = args
         self.tp = tp or TensorParallel.single()
         self.plan = ShardPlan.of(args, self.tp.rank, self.tp.size)
-        self.model = LlamaModel(args, max_positions, fused_ops, self.plan, self.tp, quantization)
-        self.small_batch_linear = getattr(fused_ops, "small_batch_linear", None)  # the CPU's, for decode logits
-        self.cache_write: Optional[Any] = None  # the thread writing a GGUF's dequantised parameters to the cache
+        self.ops = ops if ops is not None else LayerOps()
+        self.model = LlamaModel(args, max_positions, self.ops, self.plan, self.tp, quantization)
+        self.small_batch_linear = self.ops.small_batch_linear  # the CPU's, for decode logits
         if args.tie_word_embeddings:
             self.lm_head = None
         elif quantization == "gguf":
-            self.lm_head = BlockLinear(args.hidden_size, self.plan.vocab_per_rank, False, block_kernels(fused_ops))
+            self.lm_head = BlockLinear(args.hidden_size, self.plan.vocab_per_rank, False, block_kernels(self.ops))
         else:
             self.lm_head = nn.Linear(args.hidden_size, self.plan.vocab_per_rank, bias=False)
 
@@ -154,7 +155,7 @@ class LlamaForEmbedding(LlamaForCausalLM):
     pooled (engine/pooling.py), so no head is built or loaded. compute_logits, which only the GPU's activation
     probe calls for it, multiplies by the embedding matrix as a tied head would."""
 
-    def __init__(self, args: ModelArgs, max_positions: int, fused_ops: Optional[Any] = None,
+    def __init__(self, args: ModelArgs, max_positions: int, ops: Optional[LayerOps] = None,
                  tp: Optional[TensorParallel] = None, quantization: Optional[str] = None) -> None:
-        super().__init__(args, max_positions, fused_ops, tp, quantization)
+        super().__init__(args, max_positions, ops, tp, quantization)
         self.lm_head = None

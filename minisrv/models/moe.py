@@ -11,7 +11,7 @@ experts are float8_e4m3fn with a float32 scale per output row, quantised as they
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from minisrv.kernels.fused_moe import fused_experts, route, route_and_align
 from minisrv.kernels.moe_align import Aligned
 
 from .args import ModelArgs
+from .layer_ops import LayerOps
 from .layers import GatedMLP, UnsummedExperts
 
 
@@ -84,7 +85,7 @@ class SparseMoE(nn.Module):
     rank and no shared expert, where the fused experts run, the output is the k expert outputs unsummed
     (UnsummedExperts): the norm after the layer sums them as it adds the residual (kernels/moe_sum_norm.py)."""
 
-    def __init__(self, args: ModelArgs, inter: int, shared_inter: int, fused: Optional[Any] = None,
+    def __init__(self, args: ModelArgs, inter: int, shared_inter: int, ops: Optional[LayerOps] = None,
                  tp: Optional[TensorParallel] = None, quantization: Optional[str] = None,
                  reduce_output: bool = True) -> None:
         """inter / shared_inter: this rank's share of each expert's width / of the shared expert's (0: none)."""
@@ -93,7 +94,7 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)  # the router, in the model's dtype
         self.experts = Experts(args.num_experts, args.hidden_size, inter, quantization)
         if shared_inter:
-            self.shared_expert = GatedMLP(args.hidden_size, shared_inter, fused, tp, quantization,
+            self.shared_expert = GatedMLP(args.hidden_size, shared_inter, ops, tp, quantization,
                                           reduce_output=False)
             self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
         else:

@@ -136,10 +136,10 @@ def _loop(engine: Any, recv: zmq.Socket, send: zmq.Socket, parent_pid: int,
                     return
                 case _:
                     logger.error("engine: unknown message %r ignored", msg)
+        if engine.staged_kernels is not None:  # kernels built since the start: switched to between two steps
+            outputs.extend(engine.switch_kernels(idle=not busy and not msgs))  # idle: a poll's wait with nothing to do
         if engine.has_work():
             outputs.extend(engine.step())
-        elif engine.staged_kernels is not None:  # idle: switch to kernels built meanwhile now, not at the next request
-            outputs.extend(engine.switch_kernels(idle=not busy and not msgs))  # a poll's wait with nothing to do
         if outputs:
             send.send_pyobj(StepOutputs(outputs))
         stats = engine.stats()

@@ -129,7 +129,8 @@ def _llm(backend: str, cascade: bool) -> LLM:
     runner = llm.engine.runner
     assert (runner.cascade is not None) == cascade
     if cascade:  # every decode step with a group runs as cascade, however little it saves
-        runner.cascade = dataclasses.replace(runner.cascade, min_saved_tokens=0, min_saved_tokens_eager=0)
+        cascade = dataclasses.replace(runner.cascade, min_saved_tokens=0, min_saved_tokens_eager=0)
+        runner.use_parts(dataclasses.replace(runner.parts, cascade=cascade))
     return llm
 
 
