@@ -71,6 +71,7 @@ def test_layers_are_built_whole(tiny_model, quantization):
     projection from its constructor: FP8 layers with float8 weights and float32 scales, bias in the model's dtype;
     the norms before qkv and gate/up quantise their output exactly when those take FP8, the final norm never."""
     from minisrv.models.fp8 import FP8, Fp8Linear
+    from minisrv.models.norms import Fp8OutRMSNorm
     from minisrv.checkpoints.loader import ModelBuild, empty_model, load_model_args
     args = load_model_args(tiny_model("qwen2"))  # qkv bias
     model = empty_model(ModelBuild(args, torch.bfloat16, torch.device("cpu"), 64, quantization=quantization))
@@ -83,9 +84,10 @@ def test_layers_are_built_whole(tiny_model, quantization):
             if fp8:
                 assert p.weight_scale.dtype == torch.float32 and p.source_dtype == torch.bfloat16
         assert layer.self_attn.qkv_proj.bias.dtype == torch.bfloat16
-        assert layer.input_layernorm.quantize_out == layer.post_attention_layernorm.quantize_out == fp8
+        quantising = [isinstance(n, Fp8OutRMSNorm) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        assert quantising == [fp8, fp8]
         assert layer.input_layernorm.weight.dtype == torch.bfloat16
-    assert not model.model.norm.quantize_out
+    assert not isinstance(model.model.norm, Fp8OutRMSNorm)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert torch.get_default_dtype() == torch.float32  # the loader's build left torch's default as it was
 

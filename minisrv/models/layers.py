@@ -1,5 +1,5 @@
-"""Layers shared by every decoder model: RMSNorm, rotary embedding, gated SiLU MLP, GQA attention, the
-vocabulary embedding. Under tensor parallelism (`tp`, see minisrv.distributed) each holds its rank's shard (see
+"""Layers shared by every decoder model (the norms are in norms.py): rotary embedding, gated SiLU MLP, GQA
+attention, the vocabulary embedding. Under tensor parallelism (`tp`, see minisrv.distributed) each holds its rank's shard (see
 sharding.py) and combines partial results with one all-reduce; with one rank they call no collective.
 
 Their elementwise ops (RMSNorm with the residual add, SiLU-and-mul, rotary) go through the model's one LayerOps
@@ -8,7 +8,7 @@ Their elementwise ops (RMSNorm with the residual add, SiLU-and-mul, rotary) go t
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -16,13 +16,13 @@ from torch import nn
 
 from minisrv.distributed import TensorParallel
 from minisrv.kernels.cpu_gemv import linear
-from minisrv.kernels.fp8_quant import fused_quantisers
-from minisrv.kernels.moe_sum_norm import triton_sum_add_rmsnorm
 
 from .args import ModelArgs
 from .block_layers import BlockLinear, block_kernels
 from .fp8 import Fp8Linear
 from .layer_ops import LayerOps
+from .norms import RMSNorm
+
 
 def make_linear(in_features: int, out_features: int, bias: bool, quantization: Optional[str] = None,
                 ops: Optional[LayerOps] = None) -> nn.Module:
@@ -51,42 +51,6 @@ class CpuLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.small)
-
-
-class UnsummedExperts(NamedTuple):
-    """A sparse MLP's output left as each token's k weighted expert outputs, parts [T, k, H]: the RMSNorm after the
-    layer (the next layer's input norm, or the model's final norm) sums them as it adds the residual."""
-
-    parts: torch.Tensor
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: Optional[LayerOps] = None, quantize_out: bool = False) -> None:
-        """quantize_out: an FP8 projection takes the output, so on CUDA the norm hands it over quantised."""
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.ops = ops if ops is not None else LayerOps()
-        self.quantize_out = quantize_out
-
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual), the add fused on GPU.
-        With `quantize_out` on CUDA, norm(...) comes quantised per token (fp8.Fp8Activations), from one kernel.
-        x may be UnsummedExperts: summed here, in the same kernel as the add and the norm where it runs."""
-        if isinstance(x, UnsummedExperts):
-            fused = triton_sum_add_rmsnorm() if residual is not None and x.parts.is_cuda and not self.quantize_out \
-                else None
-            if fused is not None:
-                return fused(x.parts, residual, self.weight, self.eps), residual
-            x = x.parts.sum(dim=1)
-        quantisers = fused_quantisers(x) if self.quantize_out and (residual is None or residual.stride(-1) == 1) \
-            else None
-        if quantisers is not None:
-            out = quantisers.add_norm_quant(x, residual, self.weight, self.eps)
-            return out if residual is None else (out, residual)
-        if residual is None:
-            return self.ops.rmsnorm(x, self.weight, self.eps)
-        return self.ops.add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]]) -> torch.Tensor:
@@ -230,16 +194,3 @@ class Attention(nn.Module):
         o = attn(q, k, v, self.layer_id)
         out = self.o_proj(o.reshape(t, self.q_size))
         return self.tp.all_reduce(out) if self.reduce_output else out
-
-
-def reduce_add_norm(tp: TensorParallel, norm: "RMSNorm", x: torch.Tensor, residual: torch.Tensor,
-                    x_is_partial: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(norm(sum + residual), sum + residual), where sum is x all-reduced over the ranks if `x_is_partial` (a
-    row-parallel projection's output whose all-reduce was deferred to here), else x itself. With the group's
-    fused kernel (tp.fused_norm) the all-reduce, the add and the norm are one kernel instead of two."""
-    if x_is_partial:
-        fused = tp.fused_norm
-        if fused is not None and fused.fits(x):
-            return fused(x, residual, norm.weight, norm.eps)
-        x = tp.all_reduce(x)
-    return norm(x, residual)

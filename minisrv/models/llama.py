@@ -13,14 +13,17 @@ from minisrv.distributed import TensorParallel
 from .args import ModelArgs
 from .block_layers import BlockEmbedding, BlockLinear, block_kernels
 from .layer_ops import LayerOps
-from .layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, VocabEmbedding, reduce_add_norm
+from .layers import Attention, GatedMLP, RotaryEmbedding, VocabEmbedding
 from .moe import SparseMoE
+from .norms import make_norm, reduce_add_norm
 from .sharding import ShardPlan
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding, ops: LayerOps,
-                 plan: ShardPlan, tp: TensorParallel, quantization: Optional[str] = None) -> None:
+                 plan: ShardPlan, tp: TensorParallel, quantization: Optional[str] = None,
+                 after_experts: bool = False) -> None:
+        """after_experts: the layer before this one hands its sparse MLP's output over unsummed."""
         super().__init__()
         # with a fused all-reduce + add + norm, o and down return partial sums and the norm after each reduces them
         self.partial = tp.fused_norm is not None
@@ -36,10 +39,10 @@ class DecoderLayer(nn.Module):
         # the norms before qkv and a dense gate_up hand FP8 projections their input quantised (a router takes it
         # unquantised: the fused experts quantise it themselves)
         fp8 = quantization == "fp8"
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops, quantize_out=fp8)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops,
-                                                quantize_out=fp8 and not sparse)
+        self.input_layernorm = make_norm(args.hidden_size, args.rms_norm_eps, ops, fp8, after_experts)
+        self.post_attention_layernorm = make_norm(args.hidden_size, args.rms_norm_eps, ops, fp8 and not sparse)
         self.tp = tp
+        self.unsummed_out = sparse and self.mlp.sum_in_norm  # the next norm sums the experts' outputs
 
     def forward(self, x, residual, positions, attn):
         """x: the previous layer's output (a partial sum when `partial`, except for the first layer's input,
@@ -61,9 +64,11 @@ class LlamaModel(nn.Module):
         self.embed_tokens = BlockEmbedding(plan.vocab_per_rank, args.hidden_size, block_kernels(ops)) \
             if quantization == "gguf" else VocabEmbedding(plan.vocab_per_rank, args.hidden_size, plan.vocab_start, tp)
         rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, ops)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, rotary, ops, plan, tp, quantization)
-                                    for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
+        self.layers = nn.ModuleList()
+        for i in range(args.num_layers):
+            after_experts = i > 0 and self.layers[i - 1].unsummed_out
+            self.layers.append(DecoderLayer(args, i, rotary, ops, plan, tp, quantization, after_experts))
+        self.norm = make_norm(args.hidden_size, args.rms_norm_eps, ops, after_experts=self.layers[-1].unsummed_out)
         self.tp = tp
         # a decode step's layers in one C call (kernels/cpu_decode.py): dense Llama-style layers in GGUF blocks
         self.cpu_decode = ops.decode_layers if (

@@ -24,7 +24,8 @@ from minisrv.kernels.moe_align import Aligned
 
 from .args import ModelArgs
 from .layer_ops import LayerOps
-from .layers import GatedMLP, UnsummedExperts
+from .layers import GatedMLP
+from .norms import UnsummedExperts
 
 
 class Experts(nn.Module):

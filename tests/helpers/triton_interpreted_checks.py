@@ -23,7 +23,8 @@ from minisrv.kernels.fp8_quant import (FP8, add_norm_reference, quantize_rows, s
                                        triton_quantisers)
 from minisrv.kernels.qk_rope_store import reference as qk_rope_store_reference  # noqa: E402
 from minisrv.kernels.qk_rope_store import triton_qk_rope_store  # noqa: E402
-from minisrv.models.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+from minisrv.models.layers import RotaryEmbedding  # noqa: E402
+from minisrv.models.norms import RMSNorm  # noqa: E402
 
 
 def check_small_m_fp8_gemm() -> None:
