@@ -25,7 +25,8 @@ import torch
 
 from minisrv.models.layer_ops import LayerOps
 
-from .model_runner import ModelRunner, RunnerParts
+from .model_runner import ModelRunner
+from .runner_parts import RunnerParts
 
 logger = logging.getLogger("minisrv")
 

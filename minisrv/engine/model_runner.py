@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -30,6 +30,7 @@ from minisrv.utils import host_tensor, to_device
 from .pooling import PooledStep, Pooler
 from .prompt_scores import PromptScores, plan_prompt_scores, score_prompt_rows, store_prompt_scores
 from .request import Request, TokenLogprob
+from .runner_parts import RunnerParts
 from .sampler import SamplingBatch, sample
 from .scheduler import ScheduledBatch
 
@@ -99,17 +100,6 @@ class LaunchedStep:
                 (top_v.tolist(), top_i.tolist()) if top_v is not None else None)
 
 
-@dataclass(frozen=True)
-class RunnerParts:
-    """What a runner's steps run on besides the model, handed over in one piece (`ModelRunner.use_parts`) by setup
-    at start and by the start-up switch to kernels built meanwhile (kernel_builds.StagedKernels)."""
-
-    backend: AttentionBackend
-    graph_runner: Optional[Any] = None  # CUDA-graph decode, when enabled
-    cascade: Optional[CascadePolicy] = None  # when decode steps run as cascade attention (None: never)
-    sampling_kernel: Optional[Callable] = None  # FlashInfer's draw (sampler.fused_sampling_kernel); None: torch's
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, pool: KVPool, table: ReqToTokenTable,
                  device: torch.device, graph_runner=None, tp: Optional[TensorParallel] = None,
@@ -117,13 +107,10 @@ class ModelRunner:
         self.model = model
         self.pooler = pooler  # an embedding model's: its steps pool the hidden states, nothing is sampled
         self.tp = tp or TensorParallel.single()
-        self.backend = backend
         self.pool = pool
         self.table = table
         self.device = device
-        self.graph_runner = graph_runner  # CUDA-graph decode, when enabled
-        self.sampling_kernel: Optional[Callable] = None  # see RunnerParts
-        self.cascade = cascade  # when decode steps run as cascade attention (None: never)
+        self.use_parts(RunnerParts(backend, graph_runner, cascade))  # the backend, graphs, cascade, sampling kernel
         self.num_cascade_steps = 0
         self.timings: Optional[Dict[str, float]] = None  # phase -> seconds, when profiling
         self.wait_s = 0.0  # host time spent waiting for the device's results (the GPU-bound share of a run)
@@ -137,8 +124,8 @@ class ModelRunner:
 
     def use_parts(self, parts: RunnerParts) -> None:
         """Run the next steps on these parts (none in flight: the caller has collected them)."""
-        self.backend, self.graph_runner, self.cascade = parts.backend, parts.graph_runner, parts.cascade
-        self.sampling_kernel = parts.sampling_kernel
+        self.backend, self.graph_runner, self.cascade, self.sampling_kernel = parts.backend, parts.graph_runner, \
+            parts.cascade, parts.sampling_kernel
 
     def enable_profiling(self, timings: Dict[str, float]) -> None:
         """Charge each phase's time to `timings` (it synchronises the device after every phase)."""
