@@ -29,17 +29,13 @@ def fake(monkeypatch):
     return apply
 
 
-@pytest.mark.parametrize("sm,expected", [(100, "fi"), (120, "fi"), (90, "fa,triton"), (89, "fi"), (86, "fi"),
+@pytest.mark.parametrize("sm,expected", [(100, "fi"), (120, "fi"), (90, "fa,fi"), (89, "fi"), (86, "fi"),
                                          (80, "fi"), (None, "torch")])
 def test_auto_choice(sm, expected):
     assert auto_choice(sm) == expected
-    # cascade decode is fi's alone, and the triton kernel takes power-of-two head sizes: otherwise Hopper keeps fi's
-    assert auto_choice(sm, cascade=True) == ("fa,fi" if sm == 90 else expected)
-    assert auto_choice(sm, head_dim=96) == ("fa,fi" if sm == 90 else expected)
-    assert auto_choice(sm, head_dim=64) == expected
 
 
-@pytest.mark.parametrize("sm,expected", [(100, "fi"), (90, "fa,triton"), (89, "fi"), (80, "fi")])
+@pytest.mark.parametrize("sm,expected", [(100, "fi"), (90, "fa,fi"), (89, "fi"), (80, "fi")])
 def test_auto_resolves_by_sm(fake, sm, expected):
     fake(sm)
     assert resolve_backend("auto", CUDA) == expected
@@ -52,20 +48,13 @@ def test_auto_without_cuda_is_torch(fake):
     assert resolve_backend("auto", CPU) == "torch"
 
 
-def test_auto_sm90_without_fa3_falls_back_to_fi_prefill(fake, caplog):
+def test_auto_sm90_without_fa3_falls_back_to_fi(fake, caplog):
     fake(90, packages={"flashinfer", "triton"})
     with caplog.at_level(logging.INFO, logger="minisrv.attention"):
-        assert resolve_backend("auto", CUDA) == "fi,triton"
-        assert resolve_backend("auto", CUDA, cascade=True) == "fi"
+        assert resolve_backend("auto", CUDA) == "fi"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 2
-    assert "fa,triton" in warnings[0] and "sgl-kernel" in warnings[0] and "falling back to fi,triton" in warnings[0]
-    assert "fa,fi" in warnings[1] and "falling back to fi" in warnings[1]
-
-
-def test_auto_sm90_without_triton_falls_back_to_fi(fake):
-    fake(90, packages={"flashinfer", "sgl_kernel"})
-    assert resolve_backend("auto", CUDA) == "fi"
+    assert len(warnings) == 1
+    assert "fa,fi" in warnings[0] and "sgl-kernel" in warnings[0] and "falling back to fi" in warnings[0]
 
 
 def test_auto_sm90_without_anything_falls_back_to_torch(fake, caplog):
@@ -73,7 +62,7 @@ def test_auto_sm90_without_anything_falls_back_to_torch(fake, caplog):
     with caplog.at_level(logging.WARNING, logger="minisrv.attention"):
         assert resolve_backend("auto", CUDA) == "torch"
     text = "\n".join(r.getMessage() for r in caplog.records)
-    assert "falling back to fi,triton" in text and "falling back to fi" in text and "falling back to torch" in text
+    assert "falling back to fi" in text and "falling back to torch" in text
     assert "flashinfer-python" in text
 
 
@@ -86,8 +75,7 @@ def test_auto_sm100_without_flashinfer_is_torch(fake, caplog):
 
 def test_auto_sm90_with_upstream_fa3_only(fake):
     fake(90, packages={"flashinfer", "flash_attn_interface", "triton"})
-    assert resolve_backend("auto", CUDA) == "fa,triton"
-    assert resolve_backend("auto", CUDA, cascade=True) == "fa,fi"
+    assert resolve_backend("auto", CUDA) == "fa,fi"
 
 
 def test_auto_on_old_gpu_is_torch(fake):

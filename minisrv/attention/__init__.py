@@ -3,9 +3,9 @@
 Names: `torch`, `fa`, `fi`, and any hybrid `P,D` (prefill/extend on P, decode on D; `fa,fa` is `fa`); `triton`
 (minisrv's own decode kernel, triton_decode.py) decodes only, so it is named as a decode half (`fa,triton`).
 A backend's module is imported only when it is chosen, so `import minisrv` needs no GPU library.
-`auto` resolves by the GPU's SM version: SM100+ -> fi, SM90 -> fa,triton (fa,fi where cascade decode is asked
-for, only fi has it, or where the head size is not the triton kernel's), other CUDA GPUs -> fi, no CUDA -> torch; if
-what auto picked cannot load it falls back (fa,triton -> fi,triton -> fi -> torch; fa,fi -> fi) and logs why.
+`auto` resolves by the GPU's SM version: SM100+ -> fi, SM90 -> fa,fi, other CUDA GPUs -> fi, no CUDA -> torch; if
+what auto picked cannot load it falls back (fa,fi -> fi -> torch) and logs why. `fa,triton` is asked for by name:
+its decode steps are faster on mixture-of-experts models, but not by enough end to end to be the default.
 Where fi or triton decodes an FP8 pool, `create_backend` gives decode steps to the xqa backend (xqa.py) as
 `--fp8-decode-kernel` says: `fi` becomes the hybrid fi + xqa, `fa,fi` and `fa,triton` the hybrid fa + xqa.
 """
@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
-from minisrv.kernels.decode_attention import takes_head_dim
 
 from .base import AttentionBackend, AttentionStep, HybridBackend
 
@@ -112,7 +111,7 @@ BACKENDS: Dict[str, tuple] = {
 }
 DECODE_ONLY = ("triton",)
 
-AUTO_FALLBACK = {"fa,triton": "fi,triton", "fi,triton": "fi", "fa,fi": "fi", "fi": "torch"}
+AUTO_FALLBACK = {"fa,fi": "fi", "fi": "torch"}
 
 
 def _parts(name: str) -> List[str]:
@@ -140,24 +139,17 @@ def missing(name: str, sm: Optional[int]) -> Optional[str]:
     return None
 
 
-def auto_choice(sm: Optional[int], cascade: bool = False, head_dim: int = 128) -> str:
-    """cascade: whether cascade decode is asked for (fi's decode alone has it); head_dim: the model's (the triton
-    decode kernel's takes_head_dim)."""
+def auto_choice(sm: Optional[int]) -> str:
     if sm is None:
         return "torch"
-    if sm >= 100:
-        return "fi"
-    if sm == 90:
-        return "fa,triton" if takes_head_dim(head_dim) and not cascade else "fa,fi"
-    return "fi"
+    return "fa,fi" if sm == 90 else "fi"
 
 
-def resolve_backend(name: str, device: torch.device, cascade: bool = False, head_dim: int = 128) -> str:
-    """Turn a user's choice into a backend that can run here, or raise BackendUnavailable saying what is missing.
-    cascade, head_dim: what auto must serve (cascade decode asked for; the model's head size)."""
+def resolve_backend(name: str, device: torch.device) -> str:
+    """Turn a user's choice into a backend that can run here, or raise BackendUnavailable saying what is missing."""
     sm = device_sm(device) if device.type == "cuda" else None
     if name == "auto":
-        choice = auto_choice(sm, cascade, head_dim)
+        choice = auto_choice(sm)
         while (why := missing(choice, sm)) is not None:
             nxt = AUTO_FALLBACK[choice]
             logger.warning("attention backend auto: %s cannot run (%s); falling back to %s", choice, why, nxt)

@@ -138,8 +138,7 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
     model_path = resolve_model_path(cfg.model)
     args = load_model_args(model_path, cfg.cache_dir)
     # fail before loading weights
-    backend_name = resolve_backend(cfg.attention_backend, device, cascade=cfg.enable_cascade_attention,
-                                   head_dim=args.head_dim)
+    backend_name = resolve_backend(cfg.attention_backend, device)
     if cfg.tp_size > 1:
         device = tp_device(device, tp_rank, cfg.tp_size)
         if device.type == "cuda":
