@@ -12,6 +12,7 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model's dtype
 FP8_DECODE_KERNELS = ("auto", "xqa", "flashinfer")
 QUANTIZATIONS = ("fp8",)  # weight quantisation at load (models/fp8.py)
 GGUF_WEIGHTS = ("auto", "blocks", "float32")  # a GGUF model's weights on the CPU (models/gguf_blocks.py)
+SCHEDULE_POLICIES = ("fcfs",)
 
 
 @dataclass
@@ -44,7 +45,7 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False  # CUDA: prepare step N+1 on the host while step N runs
     disable_radix_cache: bool = False  # reuse the KV of shared prefixes across requests unless set
-    schedule_policy: str = "fcfs"  # fcfs | lpm (longest cached prefix first, when the queue is long)
+    schedule_policy: str = "fcfs"  # the only one: arrival order (SGLang's flag; its other policies are not offered)
     enable_cascade_attention: bool = False  # decode steps where many requests share long prefixes read them once
     fail_on_token: Optional[int] = None  # testing only: a step whose batch holds a prompt with this id raises
     seed: Optional[int] = None  # seeds torch's generator, which unseeded requests draw from
@@ -81,8 +82,9 @@ class EngineConfig:
             raise ValueError("max_running_requests must be >= 1")
         if self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
             raise ValueError("chunked_prefill_size and max_prefill_tokens must be >= 1")
-        if self.schedule_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES} (requests run in arrival order), "
+                             f"got {self.schedule_policy!r}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if not 0.0 < self.mem_fraction_static < 1.0:
@@ -131,8 +133,8 @@ class EngineConfig:
                        help="CUDA: do not schedule the next step while the current one runs")
         p.add_argument("--disable-radix-cache", action="store_true",
                        help="do not keep and reuse the KV of shared prompt prefixes")
-        p.add_argument("--schedule-policy", default=d.schedule_policy, choices=("fcfs", "lpm"),
-                       help="fcfs: arrival order; lpm: longest cached prefix first when many requests wait")
+        p.add_argument("--schedule-policy", default=d.schedule_policy, choices=SCHEDULE_POLICIES,
+                       help="fcfs: requests are admitted in arrival order (the only policy)")
         p.add_argument("--enable-cascade-attention", action="store_true",
                        help="fi decode: when many running requests share a long prefix, read its KV once per step for "
                             "all of them (cascade attention; such steps run without CUDA graphs)")

@@ -21,7 +21,6 @@ MODES = {
     "tight": dict(page_size=2, max_total_tokens=96, chunked_prefill_size=8, max_prefill_tokens=16),
     "overlap_tight": dict(page_size=2, max_total_tokens=96, chunked_prefill_size=8, max_prefill_tokens=16,
                           overlap=True),
-    "lpm": dict(page_size=2, schedule_policy="lpm"),
 }
 
 
@@ -40,7 +39,7 @@ def test_shared_prefixes_match_hf_and_reuse_the_cache(tiny_model, mode):
     llm = make_llm(path, disable_radix_cache=False, **kw)
     eng = llm.engine
     eng.overlap = overlap
-    ps = eng.pool.page_size
+    ps = eng.parts.pool.page_size
     watch = EngineWatch(eng)
     prompts = shared_prompts(vocab_of(path))
     outs = llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)  # later prompts reuse the earlier ones'
@@ -98,7 +97,7 @@ def test_eviction_under_pressure_loses_nothing(tiny_model):
     rng = random.Random(11)
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(10, 30))] for _ in range(12)]
     outs = llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)
-    assert eng.cache.num_pages <= eng.allocator.num_pages
+    assert eng.cache.num_pages <= eng.parts.allocator.num_pages
     for p, o in zip(prompts, outs):
         ref, scores = hf_greedy(path, p, MAX_TOKENS)
         assert_greedy_matches(o.token_ids, ref, scores, "under eviction")
@@ -118,68 +117,8 @@ def test_flush_cache_only_when_idle(tiny_model):
     while eng.has_work():
         eng.step()
     assert eng.flush_cache() is True
-    assert eng.cache.num_pages == 0 and eng.allocator.num_free == eng.allocator.num_pages
+    assert eng.cache.num_pages == 0 and eng.parts.allocator.num_free == eng.parts.allocator.num_pages
     assert eng.stats()["cache_tokens"] == 0
-
-
-def test_lpm_admits_cached_prefixes_first(tiny_model):
-    """With lpm and a long queue, the requests whose prefix is cached are admitted before older ones that are not."""
-    path = tiny_model("qwen3")
-    llm = make_llm(path, disable_radix_cache=False, page_size=2, schedule_policy="lpm", max_prefill_tokens=64)
-    eng = llm.engine
-    vocab = vocab_of(path)
-    rng = random.Random(5)
-    hot = [rng.randrange(3, vocab) for _ in range(20)]
-    llm.generate(hot + [5], greedy(1), use_tqdm=False)  # warm the tree with `hot`
-    cold = [[rng.randrange(3, vocab) for _ in range(24)] for _ in range(8)]
-    warm = [hot + [rng.randrange(3, vocab) for _ in range(4)] for _ in range(4)]
-    reqs = [eng.add_request(p, greedy(2)) for p in cold + warm]  # the cached ones come last
-    batch = eng.scheduler.schedule()
-    assert [r.rid for r in batch.reqs[:4]] == [r.rid for r in reqs[8:]], "cached-prefix requests lead the batch"
-    assert all(r.num_cached_tokens == 20 for r in reqs[8:])
-    for r in reqs:
-        eng.abort(r.rid)
-    assert_pool_free(eng)
-
-
-def test_lpm_measures_the_queue_again_only_when_the_tree_changed(tiny_model):
-    """A long queue held back by max_running: at every step lpm's order equals the order by prefix lengths measured
-    on the tree now (stable: FCFS among equals), yet the queue is matched against the tree only in steps after the
-    tree gained or lost pages, not in every step."""
-    path = tiny_model("qwen3")
-    llm = make_llm(path, disable_radix_cache=False, page_size=2, schedule_policy="lpm", max_running_requests=2)
-    eng, sched = llm.engine, llm.engine.scheduler
-    vocab = vocab_of(path)
-    rng = random.Random(11)
-    hot = [[rng.randrange(3, vocab) for _ in range(n)] for n in (12, 20)]
-    for h in hot:
-        llm.generate(h + [5], greedy(1), use_tqdm=False)
-    prompts = [rng.choice(hot + [[]]) + [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 9))]
-               for _ in range(14)]
-    for p in prompts:
-        eng.add_request(p, greedy(5))
-    measure = eng.cache.match_prefix
-    calls = []
-    eng.cache.match_prefix = lambda ids: calls.append(1) or measure(ids)
-    ordered_steps = quiet_steps = 0
-    seen_changes = None
-    while eng.has_work():
-        waiting = list(sched.waiting)
-        if len(waiting) >= 8:
-            now = [measure(r.all_ids[:r.total_len - 1]).num_tokens for r in waiting]
-            expected = [r.rid for _, r in sorted(zip(now, waiting), key=lambda x: -x[0])]
-            changes, before = sched.tree_changes, len(calls)
-            assert [r.rid for r in sched._waiting_order()] == expected
-            ordered_steps += 1
-            if changes == seen_changes:
-                assert len(calls) == before, "the tree did not change: nothing to measure again"
-                quiet_steps += 1
-            seen_changes = changes
-        else:
-            seen_changes = None
-        eng.step()
-    assert ordered_steps > 5 and quiet_steps > 2
-    assert_pool_free(eng)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -205,7 +144,7 @@ def test_prefix_lengths_at_page_edges_give_the_same_tokens_as_cache_off(tiny_mod
         watch.assert_idle()
         if cache:
             assert llm.engine.num_cached_prompt_tokens > 0
-            assert llm.engine.flush_cache() and llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+            assert llm.engine.flush_cache() and llm.engine.parts.allocator.num_free == llm.engine.parts.allocator.num_pages
     assert outs[True] == outs[False]
 
 
@@ -222,11 +161,11 @@ def test_aborting_a_sharing_request_frees_only_its_own_share(tiny_model):
     shared = set(a.pages) & set(b.pages)
     assert shared and a.num_cached_tokens > 0 and b.num_cached_tokens > 0
     own = set(a.pages) - shared
-    refs = {p: eng.allocator.refcount(p) for p in shared}
+    refs = {p: eng.parts.allocator.refcount(p) for p in shared}
     eng.abort(a.rid)
-    assert all(eng.allocator.refcount(p) == refs[p] - 1 for p in shared)  # b and the tree still hold them
-    assert all(eng.allocator.refcount(p) >= 1 for p in shared) and set(b.pages) >= shared
-    assert all(eng.allocator.refcount(p) <= 1 for p in own)  # a's own pages: freed, or kept by the tree alone
+    assert all(eng.parts.allocator.refcount(p) == refs[p] - 1 for p in shared)  # b and the tree still hold them
+    assert all(eng.parts.allocator.refcount(p) >= 1 for p in shared) and set(b.pages) >= shared
+    assert all(eng.parts.allocator.refcount(p) <= 1 for p in own)  # a's own pages: freed, or kept by the tree alone
     while eng.has_work():
         eng.step()
     ref, scores = hf_greedy(path, prompt + [7, 8], 8)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import minisrv.engine.prompt_scores as prompt_scores
-import minisrv.engine.scheduler as scheduler
+import minisrv.engine.scheduler.prefill as prefill
 from minisrv import SamplingParams
 from minisrv.engine.request import RequestError
 
@@ -71,7 +71,7 @@ def test_a_long_prompt_being_scored_lets_a_short_request_run_between_its_chunks(
     """A long prompt scored (max_tokens 0) and a 2-token request queued with it: the scoring goes SCORING_CHUNK
     tokens a step with decode steps between, so the short request finishes while the long one is still being
     scored, with the tokens it gets alone; the long prompt's logprobs are HF's."""
-    monkeypatch.setattr(scheduler, "SCORING_CHUNK", 64)
+    monkeypatch.setattr(prefill, "SCORING_CHUNK", 64)
     path = tiny_model("llama")
     long_p, short_p = make_prompts(vocab_of(path), [400, 8], seed=23)
     alone = make_llm(path).generate(short_p, greedy(2), use_tqdm=False)[0].token_ids

@@ -1,6 +1,6 @@
 """The engine loop: schedule a step, launch it, collect the previous one, turn its tokens into news.
 
-Building the parts is in setup.py, who runs next in scheduler.py, the step itself and the overlap protocol in
+Building the parts is in setup.py, who runs next in scheduler/, the step itself and the overlap protocol in
 model_runner.py, the text in text.py. A step that raises does not stop the loop: its requests are retried one by
 one, so the request that causes it fails alone with an error its client sees; only a device fault ends the loop.
 """
@@ -71,8 +71,7 @@ class Engine:
         self.limits = RequestLimits(self.args.vocab_size, self.max_request_len)
         self.cache = None if cfg.disable_radix_cache else RadixCache(self.allocator, parts.page_size)
         self.scheduler = Scheduler(self.allocator, self.table, parts.page_size, cfg.max_running_requests,
-                                   cfg.max_prefill_tokens, cfg.chunked_prefill_size, self.cache,
-                                   cfg.schedule_policy)
+                                   cfg.max_prefill_tokens, cfg.chunked_prefill_size, self.cache)
         self.overlap = self.device.type == "cuda" and not cfg.disable_overlap_schedule
         self.num_free_pages_when_idle = self.allocator.num_free  # all but the CUDA-graph pad page
         self.peak_pages_used = 0

@@ -5,7 +5,7 @@
 #   bash tests/gpu/run.sh [phase ...]
 #   phases: smoke e2e graph overlap sampling grammar backends cascade fp8kv bench bench-steps bench-profile bench-p1
 #           bench-fi bench-fa bench-fp8kv bench-nocache bench-prefix bench-prefix-off bench-prefix-cascade
-#           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared bench-shared-lpm
+#           bench-prefix-512 bench-prefix-512-off bench-prefix-512-cascade bench-shared
 #           bench-shared-off bench-shared-cascade bench-grammar bench-grammar-cprofile bench-fa-fp8kv bench-fp8kv-xqa decode-fp8w-fa
 #           gemm-e2e llama8b-fp8-fa serving serving-grammar decode profile cprofile llama8b
 #           attn attn-small gemm-fp8 tp tp-decode tp-decode-fa tp-offline decode-profile tp-profile tp-cprofile comm-build tp-fused tp-fp8 fp8w llama8b-fp8 decode-fp8 decode-fp8w profile-fp8
@@ -129,7 +129,6 @@ for phase in "${@:-smoke}"; do
     bench-prefix-512-cascade) step bench-prefix-512-cascade 300 $BENCH --attention-backend auto --workload prefix --max-output-len 512 --enable-cascade-attention ;;
     bench-prefix-512-off) step bench-prefix-512-off 300 $BENCH --attention-backend auto --workload prefix --max-output-len 512 --disable-radix-cache ;;
     bench-shared) step bench-shared 300 $BENCH --attention-backend auto --workload shared ;;
-    bench-shared-lpm) step bench-shared-lpm 300 $BENCH --attention-backend auto --workload shared --schedule-policy lpm ;;
     bench-shared-off) step bench-shared-off 300 $BENCH --attention-backend auto --workload shared --disable-radix-cache ;;
     bench-shared-cascade) step bench-shared-cascade 300 $BENCH --attention-backend auto --workload shared --enable-cascade-attention ;;
     # every request constrained, then the same unconstrained (prefix cache off: the second run must not find the

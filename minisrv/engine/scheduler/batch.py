@@ -1,0 +1,28 @@
+"""What the scheduler hands the model runner for one step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+from minisrv.batch import ForwardMode
+
+from ..request import Request
+
+
+@dataclass
+class ScheduledBatch:
+    """Every request is a sequence of token ids (prompt + output so far), of which the first `num_cached` have K/V
+    in the pool. A step extends each of `reqs` by its `extend_lens` tokens; one that reaches the end of its sequence
+    samples a token. Prefill, chunked prefill, re-prefill after retraction and decode are all this one operation."""
+
+    mode: ForwardMode
+    reqs: List[Request]
+    extend_lens: List[int]
+    out_cache_loc: torch.Tensor  # [sum(extend_lens)] int64 slots, on the host
+    samples: List[bool] = None  # whether each request reaches the end of its sequence (and samples a token)
+
+    def __post_init__(self) -> None:
+        if self.samples is None:
+            self.samples = [r.num_cached + n == r.total_len for r, n in zip(self.reqs, self.extend_lens)]

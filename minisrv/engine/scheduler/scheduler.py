@@ -1,0 +1,161 @@
+"""The queues and the choice of each step: the waiting queue (first come, first served), the running requests,
+prefill before decode, and retraction when decode runs out of pages."""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Deque, Dict, List, Optional
+
+import torch
+
+from minisrv.batch import ForwardMode
+from minisrv.kvcache import PageAllocator, ReqToTokenTable
+from minisrv.kvcache.radix import RadixCache
+
+from ..request import Request, RequestError, RequestStatus
+from .batch import ScheduledBatch
+from .cache import CacheManager
+from .decode import decode_batch
+from .prefill import INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY, PrefillAdder
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, table: ReqToTokenTable, page_size: int, max_running: int,
+                 max_prefill_tokens: int, chunked_prefill_size: int, tree: Optional[RadixCache] = None) -> None:
+        self.cache = CacheManager(allocator, table, page_size, tree)
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.chunk = chunked_prefill_size
+        self.waiting: Deque[Request] = deque()
+        self.running: List[Request] = []  # resident in the pool, in admission order
+        self.by_id: Dict[str, Request] = {}
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO  # see prefill.py
+        self.num_retractions = 0
+        self.num_penalized = 0  # live requests using penalties (their sampling needs the real previous tokens)
+        self.num_constrained = 0  # live requests with a grammar or thinking budget (need the previous token)
+        self.decode_turn = False  # the last step was a chunk of a prompt still being scored: decoding goes next
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Request) -> None:
+        if req.rid in self.by_id:
+            raise RequestError(f"duplicate request id {req.rid!r}")
+        self.waiting.append(req)
+        self.by_id[req.rid] = req
+        self.num_penalized += req.has_penalties
+        self.num_constrained += req.needs_accepted_tokens
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def available_pages(self) -> int:
+        return self.cache.available_pages()
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix tree (refused, False, while a request holds part of it)."""
+        return self.cache.flush()
+
+    def isolate(self, req: Request) -> None:
+        """A step with this request failed: recompute it from scratch, in batches of its own, until it samples."""
+        req.solo = True
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.cache.release(req, keep_kv=False)
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+
+    def abort(self, rid: str) -> Optional[Request]:
+        req = self.by_id.get(rid)
+        if req is None or req.finished:
+            return None
+        self.finish(req, "abort")
+        return req
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.status is RequestStatus.FINISHED:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.cache.release(req, keep_kv=reason != "error")
+        elif req.status is RequestStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)  # retracted while its last token was still on the device
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.by_id.pop(req.rid, None)
+        self.num_penalized -= req.has_penalties
+        self.num_constrained -= req.needs_accepted_tokens
+
+    # ------------------------------------------------------------------ steps
+    def schedule(self) -> Optional[ScheduledBatch]:
+        """Prefill before decode, except that after a chunk of a prompt being scored the requests that decode take
+        a turn (see prefill.SCORING_CHUNK)."""
+        batch = None
+        if self.decode_turn:
+            self.decode_turn = False
+            batch = self._schedule_decode()
+        if batch is None:
+            batch = self._schedule_prefill()
+            self.decode_turn = batch is not None and any(
+                r.params.prompt_logprobs is not None and not sampled for r, sampled in zip(batch.reqs, batch.samples))
+        if batch is None:
+            batch = self._schedule_decode()
+        return batch
+
+    def _schedule_prefill(self) -> Optional[ScheduledBatch]:
+        partial = [r for r in self.running if r.num_cached < r.total_len - 1]  # left half-prefilled: they go first
+        if not partial and not self.waiting:
+            return None
+        adder = PrefillAdder(self.cache, self.running, self.max_running, self.max_prefill_tokens, self.chunk,
+                             self.new_token_ratio)
+        for req in partial + list(self.waiting):
+            if not adder.add(req):
+                break
+        if not adder.admitted:
+            return None
+        slots = []
+        for a in adder.admitted:
+            req = a.req
+            if req.status is RequestStatus.WAITING:
+                self.waiting.remove(req)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                self.cache.admit(req, a.match)
+                if not req.output_ids:
+                    req.num_cached_tokens = req.num_cached  # first admission: the prompt tokens reused
+            slots.append(self.cache.place(req, a.extend_len))
+        return ScheduledBatch(ForwardMode.EXTEND, [a.req for a in adder.admitted],
+                              [a.extend_len for a in adder.admitted], torch.cat(slots))
+
+    def _schedule_decode(self) -> Optional[ScheduledBatch]:
+        batch = decode_batch(self.running, self.cache, self._retract)
+        if batch is not None:
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return batch
+
+    def _retract(self, req: Request) -> None:
+        """Free a running request's KV and queue it again; it will be re-prefilled with its output so far."""
+        logger.info("KV pool full: retracting %s (%d tokens) to the waiting queue", req.rid, req.total_len)
+        self.running.remove(req)
+        self.cache.release(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_retractions += 1
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """The step is queued on the device: its extended tokens count as cached from now on (the device runs
+        steps in order, so the next step reads them). An extend step's full pages go into the prefix tree."""
+        for r, n in zip(batch.reqs, batch.extend_lens):
+            r.num_cached += n
+        if batch.mode is ForwardMode.EXTEND:
+            for r in batch.reqs:
+                self.cache.cache_prefix(r)
