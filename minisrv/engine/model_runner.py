@@ -13,6 +13,7 @@ early wait in order for `collect` like any other.
 """
 from __future__ import annotations
 
+import gc
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from minisrv.attention.cascade import CascadePolicy
 from minisrv.batch import ForwardBatch, ForwardMode, PrefixGroups
 from minisrv.distributed import TensorParallel, TensorParallelError
 from minisrv.kvcache import KVPool, ReqToTokenTable
-from minisrv.utils import host_tensor, to_device
+from minisrv.utils import to_device
 
 from .pooling import PooledStep, Pooler
 from .prompt_scores import PromptScores, plan_prompt_scores, score_prompt_rows, store_prompt_scores
@@ -33,6 +34,8 @@ from .request import Request, TokenLogprob
 from .runner_parts import RunnerParts
 from .sampler import SamplingBatch, sample
 from .scheduler import ScheduledBatch
+from .step_inputs import StepInputs, StepLayout
+
 
 @dataclass
 class SampledToken:
@@ -53,28 +56,6 @@ class CollectedStep:
     reqs: List[Request]
     tokens: List[SampledToken]
     error: Optional[Exception] = None
-
-
-@dataclass
-class StepInputs:
-    """Everything a forward step needs, as plain host data built from the scheduled batch: what rank 0 sends the
-    other tensor-parallel ranks so that every rank runs the same step without knowing any request."""
-
-    mode: ForwardMode
-    ints: torch.Tensor  # int64: ids, positions, rows, last indices, seq_lens, cu_seqlens, pending rows, slots
-    num_pending: int  # decode inputs still on the device (read from the newest launched step's sampled ids)
-    seq_lens: List[int]
-    extend_lens: List[int]
-    sample_rows: Optional[List[int]]  # rows of the batch that sample a token (None: all)
-    score_rows: Optional[List[int]] = None  # prompt logprobs: token rows whose next token is scored ...
-    score_targets: Optional[List[int]] = None  # ... and those next tokens
-    score_top_n: int = 0
-    table_writes: Optional[list] = None  # request->token table writes since the last step (tensor parallel)
-    prefix_groups: Optional[PrefixGroups] = None  # a decode step to run as cascade attention (attention/cascade.py)
-
-    @property
-    def num_sampled(self) -> int:
-        return len(self.seq_lens) if self.sample_rows is None else len(self.sample_rows)
 
 
 @dataclass
@@ -101,6 +82,11 @@ class LaunchedStep:
 
 
 class ModelRunner:
+    """Runs an engine's steps; each mode in one place: a generation model's step (`launch`: forward, then sampling;
+    with prompt logprobs asked, the forward also scores prompt tokens, prompt_scores.py), an embedding model's
+    (`_launch_pooling`), a decode step planned as cascade attention (`_cascade_plan`), and a tensor-parallel rank
+    > 0 following rank 0's steps (`run_remote_step`)."""
+
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, pool: KVPool, table: ReqToTokenTable,
                  device: torch.device, graph_runner=None, tp: Optional[TensorParallel] = None,
                  cascade: Optional[CascadePolicy] = None, pooler: Optional[Pooler] = None) -> None:
@@ -112,7 +98,6 @@ class ModelRunner:
         self.device = device
         self.use_parts(RunnerParts(backend, graph_runner, cascade))  # the backend, graphs, cascade, sampling kernel
         self.num_cascade_steps = 0
-        self.timings: Optional[Dict[str, float]] = None  # phase -> seconds, when profiling
         self.wait_s = 0.0  # host time spent waiting for the device's results (the GPU-bound share of a run)
         self._inflight: Deque[LaunchedStep] = deque()  # launched and not yet read back, oldest first
         self._read_back: Deque[CollectedStep] = deque()  # read back early by a launch, not yet collected, oldest first
@@ -127,39 +112,15 @@ class ModelRunner:
         self.backend, self.graph_runner, self.cascade, self.sampling_kernel = parts.backend, parts.graph_runner, \
             parts.cascade, parts.sampling_kernel
 
-    def enable_profiling(self, timings: Dict[str, float]) -> None:
-        """Charge each phase's time to `timings` (it synchronises the device after every phase)."""
-        self.timings = timings
-
-    def _tick(self, phase: str, t0: float) -> float:
-        """Charge the time since t0 to phase (synchronising the device so the time is the phase's own)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t = time.perf_counter()
-        self.timings[phase] += t - t0
-        return t
-
+    # ------------------------------------------------------------------ step inputs
     def step_inputs(self, sb: ScheduledBatch) -> StepInputs:
-        """Host data of a scheduled batch's step. A decode input whose token is still pending is marked with the row
-        of the newest launched step's sampled ids it will be read from, on the device."""
+        """Host data of a scheduled batch's step, its integer fields in one buffer (step_inputs.py)."""
         reqs, ext = sb.reqs, sb.extend_lens
         seq_lens = [r.num_cached + n for r, n in zip(reqs, ext)]
-        pending_rows: List[int] = []
         if sb.mode is ForwardMode.DECODE:
-            ids, pos = [], []
-            prev = self._inflight[-1] if self._inflight else None
-            for r in reqs:
-                if r.num_pending:
-                    pending_rows.append(prev.index[r.rid])  # its newest token is in the newest launched step
-                    ids.append(0)
-                else:
-                    pending_rows.append(-1)
-                    ids.append(r.output_ids[-1] if r.output_ids else r.prompt_ids[-1])
-                pos.append(r.num_cached)
-            if not any(r >= 0 for r in pending_rows):
-                pending_rows = []
+            ids, pos, pending_rows = self._decode_inputs(reqs)
         else:
-            ids, pos = [], []
+            ids, pos, pending_rows = [], [], []
             for r, n in zip(reqs, ext):
                 assert not r.num_pending, "an extend step needs every token of its requests on the host"
                 ids.extend(r.all_ids[r.num_cached:r.num_cached + n])
@@ -167,43 +128,63 @@ class ModelRunner:
         cu = [0]
         for n in ext:
             cu.append(cu[-1] + n)
-        # one host buffer and one copy for every step tensor (int32 ones are converted on the device)
-        head = host_tensor(ids + pos + [r.row for r in reqs] + [c - 1 for c in cu[1:]] + seq_lens + cu
-                           + pending_rows, torch.int64)
-        cuda = self.device.type == "cuda"
-        ints = torch.empty(head.numel() + sb.out_cache_loc.numel(), dtype=torch.int64, pin_memory=cuda)
-        torch.cat([head, sb.out_cache_loc], out=ints)
+        layout = StepLayout(cu[-1], len(reqs), len(pending_rows))
+        ints = layout.pack(self.device.type == "cuda", sb.out_cache_loc, input_ids=ids, positions=pos,
+                           req_rows=[r.row for r in reqs], last_indices=[c - 1 for c in cu[1:]], seq_lens=seq_lens,
+                           cu_seqlens_q=cu, pending_rows=pending_rows)
         samples = sb.samples
-        groups = None
-        if self.cascade is not None and sb.mode is ForwardMode.DECODE:
-            graphed = self.graph_runner is not None and len(reqs) <= self.graph_runner.max_bs
-            groups = self.cascade.plan([r.pages for r in reqs], seq_lens, graphed)
-            self.num_cascade_steps += groups is not None
-        inp = StepInputs(sb.mode, ints, len(pending_rows), seq_lens, list(ext),
-                         None if all(samples) else [i for i, s in enumerate(samples) if s], prefix_groups=groups)
+        inp = StepInputs(sb.mode, ints, layout, seq_lens, list(ext),
+                         None if all(samples) else [i for i, s in enumerate(samples) if s],
+                         prefix_groups=self._cascade_plan(sb, seq_lens))
         if self.table.journal is not None:
             inp.table_writes = self.table.take_journal()
         return inp
 
+    def _decode_inputs(self, reqs: List[Request]) -> Tuple[List[int], List[int], List[int]]:
+        """A decode step's input ids, positions and pending rows. A request whose newest token is still pending is
+        marked with the row of the newest launched step's sampled ids it will be read from, on the device (its id
+        here is a placeholder); with none pending, there are no pending rows."""
+        ids, pos, pending_rows = [], [], []
+        prev = self._inflight[-1] if self._inflight else None
+        for r in reqs:
+            if r.num_pending:
+                pending_rows.append(prev.index[r.rid])  # its newest token is in the newest launched step
+                ids.append(0)
+            else:
+                pending_rows.append(-1)
+                ids.append(r.output_ids[-1] if r.output_ids else r.prompt_ids[-1])
+            pos.append(r.num_cached)
+        if not any(r >= 0 for r in pending_rows):
+            pending_rows = []
+        return ids, pos, pending_rows
+
+    def _cascade_plan(self, sb: ScheduledBatch, seq_lens: List[int]) -> Optional[PrefixGroups]:
+        """Cascade mode: a decode step whose requests share long prefixes reads each shared prefix once
+        (attention/cascade.py's policy decides); None: the step runs as a plain one."""
+        if self.cascade is None or sb.mode is not ForwardMode.DECODE:
+            return None
+        graphed = self.graph_runner is not None and len(sb.reqs) <= self.graph_runner.max_bs
+        groups = self.cascade.plan([r.pages for r in sb.reqs], seq_lens, graphed)
+        self.num_cascade_steps += groups is not None
+        return groups
+
     def forward_batch(self, inp: StepInputs) -> ForwardBatch:
-        """The step's tensors on the device: one host-to-device copy of `inp.ints`, sliced."""
-        t, b, p = sum(inp.extend_lens), len(inp.seq_lens), inp.num_pending
+        """The step's tensors on the device: one host-to-device copy of `inp.ints`, viewed field by field."""
         d = to_device(inp.ints, torch.int64, self.device)  # pinned on rank 0; staged through pinned memory elsewhere
-        o = 2 * t + 2 * b  # start of seq_lens, then cu, then pending rows
-        i32 = d[o:o + 2 * b + 1].to(torch.int32)
-        input_ids = d[:t]
-        if p:
-            rows = d[o + 2 * b + 1:o + 2 * b + 1 + p]
+        f = inp.layout.unpack(d)
+        input_ids = f.input_ids
+        if inp.layout.num_pending:
+            rows = f.pending_rows
             input_ids = torch.where(rows >= 0, self._newest_ids[rows.clamp(min=0)], input_ids)
         return ForwardBatch(
             mode=inp.mode,
             input_ids=input_ids,
-            positions=d[t:2 * t],
-            out_cache_loc=d[o + 2 * b + 1 + p:],
-            req_rows=d[2 * t:2 * t + b],
-            seq_lens=i32[:b],
-            cu_seqlens_q=i32[b:],
-            last_indices=d[2 * t + b:o],
+            positions=f.positions,
+            out_cache_loc=f.out_cache_loc,
+            req_rows=f.req_rows,
+            seq_lens=f.seq_lens,
+            cu_seqlens_q=f.cu_seqlens_q,
+            last_indices=f.last_indices,
             seq_lens_cpu=inp.seq_lens,
             extend_lens_cpu=inp.extend_lens,
             max_seq_len=max(inp.seq_lens),
@@ -213,6 +194,7 @@ class ModelRunner:
     def build_forward_batch(self, sb: ScheduledBatch) -> ForwardBatch:
         return self.forward_batch(self.step_inputs(sb))
 
+    # ------------------------------------------------------------------ the forward, on every rank
     @torch.inference_mode()
     def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [B, V] (the head's dtype) at each request's last token of the step."""
@@ -221,10 +203,11 @@ class ModelRunner:
         hidden = self.model(fb.input_ids, fb.positions, self.backend.step(fb))
         return self.model.compute_logits(hidden[fb.last_indices])
 
-    def _run(self, inp: StepInputs, fb: ForwardBatch) -> Tuple[torch.Tensor, Optional[List[Optional[torch.Tensor]]]]:
-        """The forward every tensor-parallel rank runs: logits [B, V] at each request's last token and, when `inp`
-        asks, the logprob (and top-n) of each scored prompt token (prompt_scores.py). An embedding model's: the
-        hidden states [T, hidden] in place of logits (pooling.py)."""
+    def _forward(self, inp: StepInputs,
+                 fb: ForwardBatch) -> Tuple[torch.Tensor, Optional[List[Optional[torch.Tensor]]]]:
+        """The forward every tensor-parallel rank runs. An embedding model's: the hidden states [T, hidden]
+        (pooling.py). A generation model's: logits [B, V] at each request's last token and, when `inp` scores
+        prompt tokens, their logprobs (and top-n) (prompt_scores.py)."""
         if self.pooler is not None:
             return self.model(fb.input_ids, fb.positions, self.backend.step(fb)), None
         if inp.score_rows is None:
@@ -233,23 +216,30 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[fb.last_indices])
         return logits, score_prompt_rows(self.model, hidden, inp)
 
-    def _to_host(self, x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """A non-blocking copy into pinned memory on CUDA (complete when the step's event is)."""
-        if x is None or self.device.type != "cuda":
-            return x
-        return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)
+    def _forward_on_all_ranks(self, inp: StepInputs) -> Tuple[torch.Tensor, Optional[List[Optional[torch.Tensor]]]]:
+        """Rank 0's forward: under tensor parallelism the step's inputs go to the other ranks first."""
+        if self.tp.enabled:
+            self.tp.send_object(inp)
+        try:
+            return self._forward(inp, self.forward_batch(inp))
+        except Exception as e:
+            if self.tp.enabled:  # the other ranks may wait in a collective this rank never reaches
+                raise TensorParallelError(f"a step failed on rank 0 after the other ranks began it: "
+                                          f"{type(e).__name__}: {e}") from e
+            raise
 
-    def release_graphs(self) -> None:
-        """Drop the captured CUDA graphs (before a tensor-parallel group's teardown: NCCL waits for graphs holding
-        its kernels); decode runs eagerly after this."""
-        if self.graph_runner is not None:
-            self.graph_runner = None
-            import gc
-            gc.unfreeze()  # the graphs may have been frozen with the start-up heap (utils.freeze_startup_heap)
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+    @torch.inference_mode()
+    def run_remote_step(self, inp: StepInputs) -> None:
+        """A tensor-parallel rank > 0: the step rank 0 sent, on this rank's shard; then receive the sampled ids."""
+        if inp.table_writes:
+            self.table.replay(inp.table_writes)
+        self._forward(inp, self.forward_batch(inp))
+        if inp.num_sampled and self.pooler is None:
+            self._newest_ids = self.tp.broadcast(torch.empty(inp.num_sampled, dtype=torch.int64, device=self.device))
+        else:
+            self._newest_ids = None
 
+    # ------------------------------------------------------------------ launching steps (rank 0)
     @property
     def num_inflight(self) -> int:
         """Launched steps whose results `collect` has not handed over yet."""
@@ -262,58 +252,33 @@ class ModelRunner:
 
         needs_previous_tokens: this step's sampling reads the tokens of the steps still in flight on the host
         (penalties, grammar masks). They are read back after the forward is queued, while the device runs it."""
-        prof = self.timings is not None
-        t = time.perf_counter() if prof else 0.0
         inp = self.step_inputs(sb)
-        scores = None
-        if inp.mode is not ForwardMode.DECODE and any(r.params.prompt_logprobs is not None for r in sb.reqs):
-            scores = plan_prompt_scores(sb.reqs, sb.extend_lens, inp)
-        if self.tp.enabled:
-            self.tp.send_object(inp)
-        try:
-            fb = self.forward_batch(inp)
-            if prof:
-                t = self._tick("metadata", t)
-            logits, score_outs = self._run(inp, fb)
-        except Exception as e:
-            if self.tp.enabled:  # the other ranks may wait in a collective this rank never reaches
-                raise TensorParallelError(f"a step failed on rank 0 after the other ranks began it: "
-                                          f"{type(e).__name__}: {e}") from e
-            raise
+        if self.pooler is not None:
+            self._launch_pooling(sb, inp)
+            return
+        scores = plan_prompt_scores(sb.reqs, sb.extend_lens, inp) if inp.mode is ForwardMode.EXTEND else None
+        logits, score_outs = self._forward_on_all_ranks(inp)
         if scores is not None:
             scores.host = [self._to_host(x) for x in score_outs]
-        if prof:
-            self._tick("forward_decode" if fb.is_decode else "forward_extend", t)
-        if self.pooler is not None:
-            self._queue_pooling(sb, logits)
-            return
         if needs_previous_tokens:
             while self._inflight:
                 self._read_back.append(self._read_oldest())
         self._queue_sampling(sb, inp, logits, scores)
 
-    def _queue_pooling(self, sb: ScheduledBatch, hidden: torch.Tensor) -> None:
+    def _launch_pooling(self, sb: ScheduledBatch, inp: StepInputs) -> None:
         """An embedding model's step: pool its hidden states instead of sampling, and count it as in flight."""
+        hidden, _ = self._forward_on_all_ranks(inp)
         pooled = self.pooler.pool(sb.reqs, sb.extend_lens, hidden, self._to_host)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
         self._newest_ids = None
-        self._inflight.append(LaunchedStep(sb, [], None, [None] * 4, event, pooled=pooled))
+        self._inflight.append(LaunchedStep(sb, [], None, [None] * 4, self._event(), pooled=pooled))
 
     def _queue_sampling(self, sb: ScheduledBatch, inp: StepInputs, logits: torch.Tensor,
                         scores: Optional[PromptScores]) -> None:
         """Queue the sampling of a step whose forward is queued, and count the step as in flight."""
-        prof = self.timings is not None
-        t = time.perf_counter() if prof else 0.0
         sampling = [r for r, s in zip(sb.reqs, sb.samples) if s]
         if not sampling:
             self._newest_ids = None
-            event = None
-            if scores is not None and self.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
+            event = self._event() if scores is not None else None
             self._inflight.append(LaunchedStep(sb, [], None, [None] * 4, event, prompt_scores=scores))
             return
         if inp.sample_rows is not None:
@@ -326,29 +291,38 @@ class ModelRunner:
             raise
         self._newest_ids = self.tp.broadcast(ids)  # every rank reads pending decode inputs from these
         outs = [ids, lp, *(top if top is not None else (None, None))]
-        event = None
         host = [self._to_host(x) for x in outs]
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
+        event = self._event()
         for r in sampling:
             r.num_pending += 1
         self._inflight.append(LaunchedStep(sb, sampling, ids, host, event, {r.rid: k for k, r in enumerate(sampling)},
                                            scores))
-        if prof:
-            self._tick("sampling", t)
 
-    @torch.inference_mode()
-    def run_remote_step(self, inp: StepInputs) -> None:
-        """A tensor-parallel rank > 0: the step rank 0 sent, on this rank's shard; then receive the sampled ids."""
-        if inp.table_writes:
-            self.table.replay(inp.table_writes)
-        self._run(inp, self.forward_batch(inp))
-        if inp.num_sampled and self.pooler is None:
-            self._newest_ids = self.tp.broadcast(torch.empty(inp.num_sampled, dtype=torch.int64, device=self.device))
-        else:
-            self._newest_ids = None
+    def _event(self) -> Optional[torch.cuda.Event]:
+        """A CUDA event recorded after the work queued so far (None on the CPU, where it is already done)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
+    def _to_host(self, x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """A non-blocking copy into pinned memory on CUDA (complete when the step's event is)."""
+        if x is None or self.device.type != "cuda":
+            return x
+        return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)
+
+    def release_graphs(self) -> None:
+        """Drop the captured CUDA graphs (before a tensor-parallel group's teardown: NCCL waits for graphs holding
+        its kernels); decode runs eagerly after this."""
+        if self.graph_runner is not None:
+            self.graph_runner = None
+            gc.unfreeze()  # the graphs may have been frozen with the start-up heap (utils.freeze_startup_heap)
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ reading steps back
     def collect(self) -> CollectedStep:
         """The oldest launched step's results (waiting for the device if they are not read back yet)."""
         return self._read_back.popleft() if self._read_back else self._read_oldest()

@@ -9,16 +9,14 @@ is read back, then land in `Request.prompt_logprobs`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
 from minisrv.utils import to_device
 
 from .request import Request, TokenLogprob
-
-if TYPE_CHECKING:
-    from .model_runner import StepInputs
+from .step_inputs import StepInputs
 
 PROMPT_LOGPROB_ROWS = 1024  # prompt positions scored at once
 
@@ -33,7 +31,7 @@ class PromptScores:
     host: List[Optional[torch.Tensor]]  # chosen logprobs [R], top values [R, n], top ids [R, n]
 
 
-def plan_prompt_scores(reqs: Sequence[Request], extend_lens: Sequence[int], inp: "StepInputs") -> Optional[PromptScores]:
+def plan_prompt_scores(reqs: Sequence[Request], extend_lens: Sequence[int], inp: StepInputs) -> Optional[PromptScores]:
     """For an extend step with requests asking for prompt logprobs: the token rows whose next prompt token is
     scored this step go into `inp` (score_rows, score_targets, score_top_n); returns their owners and positions
     (host copies still to come), or None when nothing is scored."""
@@ -57,7 +55,7 @@ def plan_prompt_scores(reqs: Sequence[Request], extend_lens: Sequence[int], inp:
 
 
 def score_prompt_rows(model: torch.nn.Module, hidden: torch.Tensor,
-                      inp: "StepInputs") -> List[Optional[torch.Tensor]]:
+                      inp: StepInputs) -> List[Optional[torch.Tensor]]:
     """Chosen logprobs [R] and, when asked, top-n values and ids [R, n] of the rows `inp` scores."""
     rows, top_n, rows_at_once = inp.score_rows, inp.score_top_n, PROMPT_LOGPROB_ROWS
     idx = to_device([rows, inp.score_targets], torch.int64, hidden.device)
