@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-CACHE_ENV = "MINISRV_CACHE_DIR"
+from minisrv import env
+
 OFF = "off"
 
 
 def cache_root(setting: Optional[str]) -> Optional[str]:
     """The cache's folder, or None when the cache is off. `setting`: the --cache-dir value (None: not given)."""
-    where = setting if setting is not None else os.environ.get(CACHE_ENV)
+    where = setting if setting is not None else env.CACHE_DIR.get()
     if where is None:
         xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         where = os.path.join(xdg, "minisrv")

@@ -47,7 +47,6 @@ class EngineConfig:
     disable_radix_cache: bool = False  # reuse the KV of shared prefixes across requests unless set
     schedule_policy: str = "fcfs"  # the only one: arrival order (SGLang's flag; its other policies are not offered)
     enable_cascade_attention: bool = False  # decode steps where many requests share long prefixes read them once
-    fail_on_token: Optional[int] = None  # testing only: a step whose batch holds a prompt with this id raises
     seed: Optional[int] = None  # seeds torch's generator, which unseeded requests draw from
     tp_size: int = 1  # tensor parallelism: one process per GPU (per CPU process with gloo), rank 0 schedules
     # tensor parallel on CUDA: decode batches' all-reduce + add + RMSNorm in one kernel (FlashInfer's)
@@ -56,14 +55,6 @@ class EngineConfig:
     # the checkpoint (checkpoints/pooling_config.py)
     is_embedding: bool = False
     log_level: str = "info"
-
-    def __new__(cls, *args, **kwargs):
-        """A removed setting passed by keyword (LLM(decode_gemm=...)) fails naming what replaced it, as its flag
-        does."""
-        removed = [flag for flag in REMOVED_FLAGS if flag.lstrip("-").replace("-", "_") in kwargs]
-        if removed:
-            raise TypeError(f"{removed[0].lstrip('-').replace('-', '_')} was removed: {REMOVED_FLAGS[removed[0]]}")
-        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -151,31 +142,11 @@ class EngineConfig:
                             "pooling, normalised, unless its sentence-transformers files say otherwise (detected "
                             "without the flag from those files or a bare-decoder architecture such as Qwen3Model)")
         p.add_argument("--log-level", default=d.log_level)
-        for flag in REMOVED_FLAGS:
-            p.add_argument(flag, nargs="?", action=RemovedFlag, help=argparse.SUPPRESS)
-        p.add_argument("--debug-fail-on-token", dest="fail_on_token", type=int, default=None,
-                       help=argparse.SUPPRESS)  # tests: how the engine survives a request that breaks its step
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
-
-
-class RemovedFlag(argparse.Action):
-    """A flag that no longer exists: the parser stops with a message naming what replaced it."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} was removed: {REMOVED_FLAGS[option_string]}")
-
-
-# removed flag -> what to use instead (kept so that old command lines fail with a clear message)
-REMOVED_FLAGS: dict = {
-    "--decode-gemm": "bf16 projections use cuBLAS (F.linear) at every batch size; FP8 weights (--quantization fp8) "
-                     "take the small-batch FP8 kernel for decode batches without a flag",
-    "--enable-one-shot-all-reduce": "tensor-parallel all-reduces go through NCCL; "
-                                    "--enable-flashinfer-allreduce-fusion is the fused option for decode batches",
-}
 
 
 # CPU pool size when --max-total-tokens is not given: enough for a few dozen requests of a few hundred tokens.

@@ -106,7 +106,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if sink:
         sink.close()
     print(f"{len(outs)} requests, {ntok} output tokens in {dt:.2f}s ({ntok / dt:.1f} tok/s), "
-          f"backend {llm.engine.backend_name}", file=sys.stderr)
+          f"backend {llm.engine.parts.backend_name}", file=sys.stderr)
     return 0
 
 

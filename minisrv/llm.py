@@ -24,7 +24,7 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         """transformers' tokenizer of the model (built on first use: the engine streams text without it)."""
-        return transformers_tokenizer(self.engine.tokenizer)
+        return transformers_tokenizer(self.engine.parts.tokenizer)
 
     def close(self) -> None:
         """Stop the engine's tensor-parallel processes (also done at interpreter exit)."""

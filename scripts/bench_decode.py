@@ -127,12 +127,12 @@ def main() -> int:
         ready = time.perf_counter() - t0
         freeze_startup_heap()  # as the generate script and the server's engine process do
         eng = llm.engine
-        ar = eng.args
+        ar = eng.parts.args
         weights = sum(q.numel() * q.element_size() for q in eng.runner.model.parameters())
         expert_bytes = sum(q.numel() * q.element_size() for n, q in eng.runner.model.named_parameters()
                            if ".experts." in n)
         # one rank's bytes: its shard of the weights and its K/V heads (with tensor parallelism)
-        kv_tok = KVPool.bytes_per_token(ar.num_layers, eng.pool.num_kv_heads, ar.head_dim, eng.pool.kv_dtype)
+        kv_tok = KVPool.bytes_per_token(ar.num_layers, eng.parts.pool.num_kv_heads, ar.head_dim, eng.parts.pool.kv_dtype)
         for bs in sizes:
             params = SamplingParams(temperature=0, max_tokens=a.steps * a.repeats + 8, ignore_eos=True)
             reqs = [eng.add_request([(7 * i + j) % 1000 + 1 for j in range(a.context)], params) for i in range(bs)]
@@ -150,7 +150,7 @@ def main() -> int:
             hit = 1.0 if not ar.num_experts else 1 - (1 - 1 / ar.num_experts) ** (bs * ar.experts_per_token)
             read = weights - expert_bytes * (1 - hit)
             floor = (read + bs * (a.context + a.steps * a.repeats // 2) * kv_tok) / a.bandwidth
-            row = {"backend": eng.backend_name, "graphs": mode, "batch": bs, "context": a.context,
+            row = {"backend": eng.parts.backend_name, "graphs": mode, "batch": bs, "context": a.context,
                    "step_ms": round(med * 1e3, 3), "floor_ms": round(floor * 1e3, 3),
                    "of_floor": round(floor / med, 2), "ready_s": round(ready, 1),
                    "capture_s": getattr(eng.runner.graph_runner, "capture_s", None)}
@@ -159,7 +159,7 @@ def main() -> int:
             row["host_wait_ms"] = round(wait_ms, 3)
             row["runs_ms"] = [round(x * 1e3, 3) for x in times]
             runs = f" (runs {' / '.join(f'{x * 1e3:.3f}' for x in times)})" if len(times) > 1 else ""
-            print(f"tp {cfg.tp_size} {eng.backend_name:6s} graphs {mode:3s} batch {bs:4d}: step {med * 1e3:8.3f} ms"
+            print(f"tp {cfg.tp_size} {eng.parts.backend_name:6s} graphs {mode:3s} batch {bs:4d}: step {med * 1e3:8.3f} ms"
                   f"{runs}; floor {floor * 1e3:7.3f} ms ({100 * floor / med:.0f}% of floor); host waited "
                   f"{wait_ms:.3f} ms a step", flush=True)
         llm.close()  # tensor-parallel ranks end here

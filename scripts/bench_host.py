@@ -98,7 +98,7 @@ def run(path: str, cache: bool, a: argparse.Namespace, profile: bool) -> List[Di
     llm = LLM(model=path, device="cpu", attention_backend="torch", dtype="float32", page_size=a.page_size,
               max_total_tokens=a.max_total_tokens, disable_radix_cache=not cache, log_level="warning")
     eng = llm.engine
-    width = min(a.stub_vocab, eng.args.vocab_size)
+    width = min(a.stub_vocab, eng.parts.args.vocab_size)
 
     def stub_forward(fb):
         return torch.randn(fb.batch_size, width)

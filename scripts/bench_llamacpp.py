@@ -145,7 +145,7 @@ def main() -> int:
     threads = torch.get_num_threads()
     settings = [] if a.no_minisrv else [w for w in a.gguf_weights.split(",") if w]
     llm = LLM(model=model, log_level="warning", gguf_weights=settings[0]) if settings else None
-    vocab = llm.engine.args.vocab_size if llm is not None else 49152
+    vocab = llm.engine.parts.args.vocab_size if llm is not None else 49152
     prompts, _ = cpu_workload(32, (64, 256), 64)
     loads = {"batched": ([[t % vocab for t in pr] for pr in prompts], 64), "single": ([single_prompt(vocab)], 128)}
     wanted = [w for w in a.workloads.split(",") if w]
@@ -171,8 +171,8 @@ def main() -> int:
             llm = LLM(model=model, log_level="warning", gguf_weights=setting)
         llm.generate(["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False)
         weights = "blocks" if isinstance(llm.engine.runner.model.model.embed_tokens, BlockLinear) else \
-            str(llm.engine.dtype).replace("torch.", "")
-        measure(f"minisrv ({weights}, {llm.engine.backend_name})", lambda ps, n, m=llm: run_minisrv(m, ps, n))
+            str(llm.engine.parts.dtype).replace("torch.", "")
+        measure(f"minisrv ({weights}, {llm.engine.parts.backend_name})", lambda ps, n, m=llm: run_minisrv(m, ps, n))
     if not a.no_llamacpp:
         for path in [model, *a.llamacpp_model]:
             for fa in ([False, True] if a.flash_attn else [False]):

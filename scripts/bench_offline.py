@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from minisrv.config import EngineConfig  # noqa: E402
+from minisrv.engine.phase_timer import time_phases  # noqa: E402
 from minisrv.engine.request import SamplingParams  # noqa: E402
 from minisrv.utils import freeze_startup_heap  # noqa: E402
 
@@ -101,14 +102,14 @@ def hf_model(llm):
     from minisrv.checkpoints.gguf_file import iter_gguf
     from minisrv.checkpoints.loader import is_gguf, load_hf_config
     eng = llm.engine
-    if not is_gguf(eng.model_path):
-        return AutoModelForCausalLM.from_pretrained(eng.model_path, dtype=eng.dtype).to(eng.device).eval()
-    cfg = load_hf_config(eng.model_path)
+    if not is_gguf(eng.parts.model_path):
+        return AutoModelForCausalLM.from_pretrained(eng.parts.model_path, dtype=eng.parts.dtype).to(eng.parts.device).eval()
+    cfg = load_hf_config(eng.parts.model_path)
     config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("_name_or_path",)})
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=eng.dtype)
-    model = model.to_empty(device=eng.device)
-    state = dict(iter_gguf(eng.model_path, eng.args))
+        model = AutoModelForCausalLM.from_config(config, dtype=eng.parts.dtype)
+    model = model.to_empty(device=eng.parts.device)
+    state = dict(iter_gguf(eng.parts.model_path, eng.parts.args))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -118,11 +119,11 @@ def hf_model(llm):
         model.tie_weights()
     for m in model.modules():  # the rotary inv_freq buffer was left empty on the meta device
         if hasattr(m, "inv_freq") and hasattr(m, "rope_init_fn"):
-            inv, scale = m.rope_init_fn(m.config, eng.device)
+            inv, scale = m.rope_init_fn(m.config, eng.parts.device)
             m.inv_freq = inv
             m.original_inv_freq = inv
             m.attention_scaling = scale
-    return model.to(eng.dtype).eval()
+    return model.to(eng.parts.dtype).eval()
 
 
 @torch.inference_mode()
@@ -223,13 +224,12 @@ def main() -> int:
     llm = LLM(**vars(EngineConfig.from_args(a)))
     t_ready = time.perf_counter() - t_start
     eng = llm.engine
-    vocab = eng.args.vocab_size
+    vocab = eng.parts.args.vocab_size
     prompts = [[t % vocab for t in pr] for pr in prompts]
     # warm-up (with the schema: its grammar is compiled here, as a server that has seen it once has it cached)
     llm.generate(["Benchmark: "], SamplingParams(max_tokens=16, json_schema=a.json_schema), use_tqdm=False)
     freeze_startup_heap()  # as the generate script and the server's engine process do
-    if a.profile:
-        eng.enable_profiling()
+    timings = time_phases(eng) if a.profile else None
     eng.peak_pages_used = 0
     eng.num_cached_prompt_tokens = 0
     eng.runner.wait_s = 0.0
@@ -255,13 +255,13 @@ def main() -> int:
     by_grammar = sum(1 for o in outs if o.finish_reason == "stop")  # ignore_eos: only a grammar stops one early
     result = {
         "workload": workload, "constrained": a.json_schema is not None, "json_schema": a.json_schema,
-        "model": eng.model_path, "dtype": str(eng.dtype).replace("torch.", ""),
-        "kv_dtype": str(eng.pool.kv_dtype).replace("torch.", ""),
-        "device": torch.cuda.get_device_name() if cuda else "cpu", "backend": eng.backend_name,
+        "model": eng.parts.model_path, "dtype": str(eng.parts.dtype).replace("torch.", ""),
+        "kv_dtype": str(eng.parts.pool.kv_dtype).replace("torch.", ""),
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "backend": eng.parts.backend_name,
         "num_prompts": n, "input_tokens": in_tokens, "output_tokens": out_tokens, "max_output_tokens": asked,
         "mean_output_tokens": round(out_tokens / n, 1), "ended_by_grammar": by_grammar, "time_s": round(dt, 3),
         "output_tok_s": round(out_tokens / dt, 1), "ready_s": round(t_ready, 1),
-        "peak_kv_tokens": eng.peak_pages_used * eng.pool.page_size, "kv_pool_tokens": eng.pool.num_slots,
+        "peak_kv_tokens": eng.peak_pages_used * eng.parts.pool.page_size, "kv_pool_tokens": eng.parts.pool.num_slots,
         "retractions": eng.scheduler.num_retractions,
         "graph_capture_s": getattr(eng.runner.graph_runner, "capture_s", None),
         "host_wait_s": round(eng.runner.wait_s, 3),
@@ -282,7 +282,7 @@ def main() -> int:
           f"{'hit rate ' + format(result['cache_hit_rate'], '.1%') if eng.cache is not None else 'off'}"
           + (f"; {result['cascade_steps']} cascade decode steps" if result["cascade_attention"] else ""))
     if a.profile:
-        tm = eng.timings
+        tm = timings
         total = sum(tm.values())
         print("profile (s, share of step time):")
         for k, v in sorted(tm.items(), key=lambda kv: -kv[1]):
@@ -290,7 +290,7 @@ def main() -> int:
     if a.hf if a.hf is not None else (workload == "cpu" and a.json_schema is None):  # HF has no grammar
         model = hf_model(llm)
         out_len = params[0].max_tokens
-        hf = hf_single_stream(model, prompts, out_len, eng.device)
+        hf = hf_single_stream(model, prompts, out_len, eng.parts.device)
         result["hf_single_stream_tok_s"] = round(hf, 1)
         result["speedup_vs_hf"] = round(out_tokens / dt / hf, 2)
         print(f"HF transformers single-stream generate: {hf:.1f} output tok/s -> minisrv is "

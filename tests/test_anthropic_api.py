@@ -44,7 +44,7 @@ def engine_of(path: str):
 
 
 def app_of(engine: Any, **state: Any):
-    tok = copy.deepcopy(engine.tokenizer)
+    tok = copy.deepcopy(engine.parts.tokenizer)
     return create_app(ServerState(client=LocalEngine(engine), tokenizer=tok, served_model_name="m",
                                   info=EngineInfo.from_engine(engine), **state)), tok
 

@@ -263,7 +263,7 @@ def test_engine_on_fi_cascade_matches_hf_and_plain_decode(tiny_model, fake_fi, h
         llm = make_llm(path, disable_radix_cache=False, page_size=4)
         eng = llm.engine
         runner = eng.runner
-        fi = fake_fi.FlashInferBackend(eng.pool, eng.table.table, eng.args.num_heads)
+        fi = fake_fi.FlashInferBackend(eng.parts.pool, eng.parts.table.table, eng.parts.args.num_heads)
         backend = HybridBackend(runner.backend, fi) if hybrid else fi
         assert backend.supports_cascade
         policy = None

@@ -23,7 +23,7 @@ def app(tiny_qwen2_tools):
     from minisrv.engine.engine import Engine
     engine = Engine(model=tiny_qwen2_tools, attention_backend="torch", dtype="float32", log_level="warning",
                     max_total_tokens=4096)
-    return create_app(ServerState(client=LocalEngine(engine), tokenizer=engine.tokenizer, served_model_name="m",
+    return create_app(ServerState(client=LocalEngine(engine), tokenizer=engine.parts.tokenizer, served_model_name="m",
                                   info=EngineInfo.from_engine(engine)))
 
 
@@ -123,12 +123,12 @@ def test_tools_reach_a_model_whose_template_ignores_them(tiny_qwen2_tools):
     from minisrv.server.tool_prompt import template_reads_tools
     engine = Engine(model=tiny_qwen2_tools, attention_backend="torch", dtype="float32", log_level="warning",
                     max_total_tokens=4096)
-    plain = copy.deepcopy(engine.tokenizer)
+    plain = copy.deepcopy(engine.parts.tokenizer)
     plain.chat_template = PLAIN_TEMPLATE
-    assert template_reads_tools(engine.tokenizer) and not template_reads_tools(plain)
+    assert template_reads_tools(engine.parts.tokenizer) and not template_reads_tools(plain)
     body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}],
             "tools": [{"type": "function", "function": WEATHER}], "max_tokens": 2}
-    for tok, own in ((plain, False), (engine.tokenizer, True)):
+    for tok, own in ((plain, False), (engine.parts.tokenizer, True)):
         client = LocalEngine(engine)
         prompts = []
         submit = client.submit

@@ -33,7 +33,7 @@ def test_default_model_knows_paris(answers):
     assert "Paris" in plain.text, plain.text
     assert plain.finish_reason in ("stop", "length")
     assert plain.text == llm.tokenizer.decode(plain.token_ids, skip_special_tokens=True)
-    assert llm.engine.args.architecture == "LlamaForCausalLM"
+    assert llm.engine.parts.args.architecture == "LlamaForCausalLM"
     assert_pool_free(llm.engine)
 
 

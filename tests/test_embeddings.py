@@ -112,7 +112,7 @@ def test_embed_matches_hf_batched_and_alone(emb_model, kind) -> None:
     inputs = make_prompts(448, LENS, seed=11)
     want = hf_embeddings(path, inputs, *POOLING[kind])
     with make_llm(path, disable_radix_cache=False) as llm:
-        assert (llm.engine.pooling.mode, llm.engine.pooling.normalize) == POOLING[kind]
+        assert (llm.engine.parts.pooling.mode, llm.engine.parts.pooling.normalize) == POOLING[kind]
         watch = EngineWatch(llm.engine)
         batched = llm.embed(inputs, use_tqdm=False)
         assert_close(batched, want)
@@ -184,13 +184,13 @@ def test_embedding_and_generation_models_refuse_each_other(emb_model, tiny_model
         with pytest.raises(RequestError, match="context length"):
             llm.embed([[5] * 257], use_tqdm=False)
     with make_llm(tiny_model("qwen3")) as llm:
-        assert llm.engine.pooling is None
+        assert llm.engine.parts.pooling is None
         with pytest.raises(RequestError, match="serves no embeddings"):
             llm.embed([5, 6, 7], use_tqdm=False)
     # --is-embedding makes a causal LM an embedding model, with Qwen3-Embedding's defaults
     path = tiny_model("qwen3")
     with make_llm(path, is_embedding=True) as llm:
-        assert (llm.engine.pooling.mode, llm.engine.pooling.normalize) == ("last", True)
+        assert (llm.engine.parts.pooling.mode, llm.engine.parts.pooling.normalize) == ("last", True)
         assert_close(llm.embed([[5, 6, 7]], use_tqdm=False), hf_embeddings(path, [[5, 6, 7]], "last", True))
 
 

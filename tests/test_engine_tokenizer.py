@@ -95,7 +95,7 @@ def test_engine_serves_text_without_transformers_tokenizer(tmp_path):
     transformers' decode of the same ids, and the tokenizer is built only when a grammar needs it."""
     path = build_tiny_model(str(tmp_path / "m"), "llama", seed=5)
     llm = make_llm(path)
-    tok = llm.engine.tokenizer
+    tok = llm.engine.parts.tokenizer
     assert isinstance(tok, EngineTokenizer) and not tok.hf_loaded
     ref = load_tokenizer(path)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]

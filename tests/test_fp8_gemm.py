@@ -1,14 +1,12 @@
 """FP8 projections where the CPU can check them: the small-batch FP8 kernel's launch rules keep its contract on the
 shapes of the models people serve, and reproduce the H100 sweep's winners; layers are built whole (the projection
-class and the norms that quantise their output chosen when the model is built); the removed --decode-gemm fails
-with a message naming what replaced it. (The kernel itself: helpers/triton_interpreted_checks.py on the CPU,
-tests/gpu/test_fp8_weights.py against torch._scaled_mm.)"""
+class and the norms that quantise their output chosen when the model is built). (The kernel itself:
+helpers/triton_interpreted_checks.py on the CPU, tests/gpu/test_fp8_weights.py against torch._scaled_mm.)"""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from .helpers import make_llm
 
 # [N, K] of each projection (qkv, o, gate_up, down) on one rank
 SHAPES = {
@@ -90,13 +88,3 @@ def test_layers_are_built_whole(tiny_model, quantization):
     assert not isinstance(model.model.norm, Fp8OutRMSNorm)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert torch.get_default_dtype() == torch.float32  # the loader's build left torch's default as it was
-
-
-def test_decode_gemm_was_removed(tiny_model, capsys):
-    """--decode-gemm and LLM(decode_gemm=...) fail with a message naming what replaced them (cuBLAS)."""
-    from minisrv.server.launch_server import build_parser
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["--decode-gemm", "triton"])
-    assert "--decode-gemm was removed: bf16 projections use cuBLAS" in capsys.readouterr().err
-    with pytest.raises(TypeError, match="decode_gemm was removed: bf16 projections use cuBLAS"):
-        make_llm(tiny_model("llama"), decode_gemm="auto")

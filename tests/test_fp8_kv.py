@@ -194,7 +194,7 @@ def test_logits_match_e4m3_emulation_and_stay_within_e4m3_error(tiny_model, arch
     path = tiny_model(arch)
     prompts = make_prompts(vocab_of(path))
     llm, watch = _run(path, prompts, page_size=1)
-    assert llm.engine.pool.kv_dtype == FP8 and llm.engine.pool.quantized
+    assert llm.engine.parts.pool.kv_dtype == FP8 and llm.engine.parts.pool.quantized
 
     emulated = watch.errors_against(emulated_model(path))
     assert len(emulated) >= len(prompts) * MAX_TOKENS
@@ -230,7 +230,7 @@ def test_modes_and_scales_match_e4m3_emulation(tiny_model, mode):
     eng = llm.engine
     eng.overlap = overlap
     k_scales, v_scales = [0.5, 1.0, 0.125], [2.0, 0.25, 1.0]  # qwen3's tiny model has 3 layers
-    eng.pool.set_scales(k_scales, v_scales)
+    eng.parts.pool.set_scales(k_scales, v_scales)
     if mode == "retract":
         eng.scheduler.new_token_ratio = MIN_NEW_TOKEN_RATIO
     watch = EngineWatch(eng)
@@ -288,10 +288,10 @@ def test_pool_tokens_and_start_up_log(tiny_model, caplog):
     with caplog.at_level(logging.INFO, logger="minisrv"):
         fp8 = fp8_llm(path, max_total_tokens=512, log_level="info")
     plain = make_llm(path, max_total_tokens=512)
-    assert plain.engine.pool.kv_dtype == torch.float32 and not plain.engine.pool.quantized
-    assert fp8.engine.pool.num_slots == plain.engine.pool.num_slots == 512
-    assert fp8.engine.pool.nbytes * 4 == plain.engine.pool.nbytes
-    assert all(t.dtype == FP8 for t in fp8.engine.pool.kv)
+    assert plain.engine.parts.pool.kv_dtype == torch.float32 and not plain.engine.parts.pool.quantized
+    assert fp8.engine.parts.pool.num_slots == plain.engine.parts.pool.num_slots == 512
+    assert fp8.engine.parts.pool.nbytes * 4 == plain.engine.parts.pool.nbytes
+    assert all(t.dtype == FP8 for t in fp8.engine.parts.pool.kv)
     assert any("KV cache fp8_e4m3: 512 tokens (4x float32" in r.getMessage() for r in caplog.records), \
         [r.getMessage() for r in caplog.records]
 
@@ -302,7 +302,7 @@ def test_pool_tokens_and_start_up_log(tiny_model, caplog):
 def test_default_model_with_fp8_kv_knows_paris():
     from minisrv import LLM, SamplingParams
     llm = LLM(attention_backend="torch", kv_cache_dtype="fp8_e4m3", max_total_tokens=4096, log_level="warning")
-    assert llm.engine.pool.quantized
+    assert llm.engine.parts.pool.quantized
     out = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]],
                    SamplingParams(temperature=0.0, max_tokens=30), use_tqdm=False)[0]
     assert "Paris" in out.text, out.text

@@ -67,7 +67,7 @@ def test_quantized_model_matches_hf_emulation(tiny_model, name):
     llm = make_llm(path, quantization="fp8")
     eng = llm.engine
     mods = [m for m in eng.runner.model.modules() if isinstance(m, Fp8Linear)]
-    layers = eng.args.num_layers
+    layers = eng.parts.args.num_layers
     assert len(mods) == 4 * layers  # qkv, o, gate_up, down; embedding, norms and lm_head stay as they were
     assert not isinstance(eng.runner.model.lm_head if hasattr(eng.runner.model, "lm_head") else None, Fp8Linear)
     watch = EngineWatch(eng)
@@ -144,9 +144,9 @@ def test_fp8_checkpoint_loads_within_e4m3_error(tiny_model, tmp_path, block):
     llm = make_llm(dst, kv_cache_dtype="fp8_e4m3")
     eng = llm.engine
     model = eng.runner.model
-    layers = eng.args.num_layers
-    assert eng.pool.k_scale_host == [0.5 + 0.25 * i for i in range(layers)]  # the checkpoint's K/V scales
-    assert eng.pool.v_scale_host == [1.5 - 0.25 * i for i in range(layers)]
+    layers = eng.parts.args.num_layers
+    assert eng.parts.pool.k_scale_host == [0.5 + 0.25 * i for i in range(layers)]  # the checkpoint's K/V scales
+    assert eng.parts.pool.v_scale_host == [1.5 - 0.25 * i for i in range(layers)]
     checked = 0
     for i, layer in enumerate(model.model.layers):
         fused = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
@@ -171,7 +171,7 @@ def test_fp8_checkpoint_loads_within_e4m3_error(tiny_model, tmp_path, block):
 
 def assert_pool_scales_unused_without_fp8_kv(path: str) -> None:
     eng = make_llm(path).engine  # a float32 pool on the CPU: the checkpoint's K/V scales are not applied
-    assert not eng.pool.quantized and eng.pool.k_scale_host == [1.0] * eng.args.num_layers
+    assert not eng.parts.pool.quantized and eng.parts.pool.k_scale_host == [1.0] * eng.parts.args.num_layers
 
 
 def test_unsupported_quantization_is_refused(tiny_model, tmp_path):
@@ -212,7 +212,7 @@ def test_two_ranks_with_fp8_weights(tiny_model):
     prompts = make_prompts(vocab_of(path), [5, 30, 12])
     with make_llm(path, tp_size=2, quantization="fp8") as llm:
         eng = llm.engine
-        assert sum(isinstance(m, Fp8Linear) for m in eng.runner.model.modules()) == 4 * eng.args.num_layers
+        assert sum(isinstance(m, Fp8Linear) for m in eng.runner.model.modules()) == 4 * eng.parts.args.num_layers
         watch = EngineWatch(eng)
         llm.generate(prompts, greedy(8), use_tqdm=False)
         watch.assert_idle()

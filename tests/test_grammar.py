@@ -65,7 +65,7 @@ def _is_person(text: str) -> dict:
 def _ends_by_grammar(llm, out, max_tokens: int) -> None:
     """Finished by the grammar: "stop" on a stop token (the last token, with no text), well before max_tokens, no
     special token inside, and the text is the tokenizer's decoding of the rest."""
-    eos = set(llm.engine.eos_ids)
+    eos = set(llm.engine.parts.eos_ids)
     assert out.finish_reason == "stop" and out.token_ids[-1] in eos, (out.text, out.token_ids)
     assert len(out.token_ids) < max_tokens // 2
     special = {i for i, t in llm.tokenizer.added_tokens_decoder.items() if t.special}
@@ -479,10 +479,10 @@ def test_batch_filled_masks_equal_row_by_row_masks(llm):
         assert state.poll() is None and state.ready
         prefix = ['{"name": "A', "55", "The answer is "][i % 3][: i // 3 + 1]
         assert state.matcher.accept_string(prefix)
-        req = Request([1, 2, 3], SamplingParams(), 4, eos_ids=eng.eos_ids)
+        req = Request([1, 2, 3], SamplingParams(), 4, eos_ids=eng.parts.eos_ids)
         req.grammar = state
         reqs.append(req)
-    reqs.insert(3, Request([1, 2, 3], SamplingParams(), 4, eos_ids=eng.eos_ids))  # a row without a grammar
+    reqs.insert(3, Request([1, 2, 3], SamplingParams(), 4, eos_ids=eng.parts.eos_ids))  # a row without a grammar
     batch_mask, rows = fill_bitmask(reqs, torch.device("cpu"))
     for state in (r.grammar for r in reqs if r.grammar is not None):
         state.batch_filler = None  # row by row

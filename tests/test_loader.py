@@ -171,7 +171,7 @@ def test_gguf_checkpoint_matches_hf(tmp_path, name, arch, overrides):
     gguf_file = str(tmp_path / "tiny.gguf")
     write_gguf(hf_dir, gguf_file, arch)
     llm = make_llm(gguf_file, tokenizer=hf_dir)
-    args = llm.engine.args
+    args = llm.engine.parts.args
     ref_args = load_model_args(hf_dir)
     assert args.tie_word_embeddings == ref_args.tie_word_embeddings
     assert args.attention_bias == ref_args.attention_bias and args.rope_theta == ref_args.rope_theta

@@ -136,7 +136,7 @@ def test_sliding_window_model_is_exact_within_its_window(tmp_path):
     differ from HF beyond the window: the context is limited to the window, and within it outputs equal HF's."""
     path = build_tiny_model(str(tmp_path / "window"), "mistral", seed=4, sliding_window=16)
     llm = make_llm(path, page_size=4)
-    assert llm.engine.context_length == 16
+    assert llm.engine.parts.context_length == 16
     prompt = make_prompts(vocab_of(path), [8], seed=41)[0]
     out = llm.generate(prompt, greedy(8), use_tqdm=False)[0]
     ref, scores = hf_greedy(path, prompt, 8)

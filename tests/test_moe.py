@@ -100,7 +100,7 @@ def test_gguf_gives_the_safetensors_logits(tiny_model, tmp_path, arch, gguf_arch
     a, b = make_llm(path), make_llm(gguf, tokenizer=path)
     for field in ("architecture", "num_experts", "experts_per_token", "moe_intermediate_size", "moe_layers",
                   "norm_topk_prob"):
-        assert getattr(b.engine.args, field) == getattr(a.engine.args, field), field
+        assert getattr(b.engine.parts.args, field) == getattr(a.engine.parts.args, field), field
     prompts = make_prompts(vocab_of(path), [20, 45], seed=25)
     rows = []
     for llm in (a, b):

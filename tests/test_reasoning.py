@@ -178,7 +178,7 @@ def engine(tiny_qwen3_thinking):
 
 
 def make_app(engine: Any, template: str = CHAT_TEMPLATE, parser: Optional[str] = "auto", client: Any = None):
-    tok = copy.deepcopy(engine.tokenizer)
+    tok = copy.deepcopy(engine.parts.tokenizer)
     tok.chat_template = template
     return create_app(ServerState(client=client or LocalEngine(engine), tokenizer=tok, served_model_name="m",
                                   info=EngineInfo.from_engine(engine), reasoning_parser=parser))
@@ -303,7 +303,7 @@ def test_enable_thinking_false_closes_the_thinking_in_the_prompt(qwen3, engine) 
     msg = r.json()["choices"][0]["message"]
     assert msg["content"] == "<think>" * 4 and "reasoning_content" not in msg
     on = post(qwen3, max_tokens=4)
-    block = engine.tokenizer("<think>\n\n</think>\n\n", add_special_tokens=False).input_ids
+    block = engine.parts.tokenizer("<think>\n\n</think>\n\n", add_special_tokens=False).input_ids
     assert r.json()["usage"]["prompt_tokens"] == on.json()["usage"]["prompt_tokens"] + len(block)
     assert streamed(qwen3, **off)["content"] == "<think>" * 4
     # /tokenize of the same chat counts the same prompt, with and without the switch; a reserved name is a 400

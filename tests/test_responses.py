@@ -53,14 +53,14 @@ def qwen2_engine(tiny_qwen2_tools):
 @pytest.fixture(scope="module")
 def qwen2(qwen2_engine):
     engine = qwen2_engine
-    return create_app(ServerState(client=LocalEngine(engine), tokenizer=engine.tokenizer, served_model_name="m",
+    return create_app(ServerState(client=LocalEngine(engine), tokenizer=engine.parts.tokenizer, served_model_name="m",
                                   info=EngineInfo.from_engine(engine)))
 
 
 @pytest.fixture(scope="module")
 def r1(tiny_qwen3_thinking):
     engine = _engine(tiny_qwen3_thinking)
-    tok = copy.deepcopy(engine.tokenizer)
+    tok = copy.deepcopy(engine.parts.tokenizer)
     tok.chat_template = DEEPSEEK_TEMPLATE
     return create_app(ServerState(client=LocalEngine(engine), tokenizer=tok, served_model_name="m",
                                   info=EngineInfo.from_engine(engine), reasoning_parser="auto"))

@@ -12,6 +12,7 @@ import pytest
 from minisrv import SamplingParams
 
 from .helpers import build_tiny_model, make_llm
+from .helpers.faulty_server import FAULT_TOKEN
 from .helpers.server_process import Server
 from .test_text import write_spaced_tokenizer
 
@@ -56,8 +57,8 @@ def test_server_text_equals_offline_text_with_space_clean_up(spaced_model):
 
 
 def test_a_failing_request_fails_alone(tmp_path):
-    bad = 4242
-    srv = Server("--debug-fail-on-token", str(bad))
+    bad = FAULT_TOKEN  # every step holding it raises in the engine process (helpers/faulty_server.py)
+    srv = Server(module="tests.helpers.faulty_server")
     try:
         srv.wait_ready()
         prompts = [[1, 100 + 7 * i, 200 + i, 300] for i in range(8)]

@@ -9,8 +9,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import logging
-import time
-from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence
 
 from minisrv.config import EngineConfig, setup_logging
@@ -55,42 +53,34 @@ class Engine:
         self.config = cfg
         setup_logging(cfg.log_level)
         parts = build_tensor_parallel_parts(cfg) if cfg.tp_size > 1 else build_engine_parts(cfg, staged=staged_kernels)
-        self.device, self.model_path, self.args = parts.device, parts.model_path, parts.args
-        self.tokenizer, self.eos_ids, self.dtype = parts.tokenizer, parts.eos_ids, parts.dtype
-        self.context_length, self.backend_name = parts.context_length, parts.backend_name
-        self.pool, self.allocator, self.table = parts.pool, parts.allocator, parts.table
-        self.pad_row, self.pad_page = parts.pad_row, parts.pad_page
+        self.parts = parts  # the model, tokenizer, KV pool and the rest the loop runs on (setup.EngineParts)
         self.runner = parts.runner
         self.staged_kernels = parts.staged_kernels  # None once every kernel asked for serves
-        self.cache_write = parts.cache_write  # a GGUF's first load: the thread writing the cache's file
-        self.pooling = parts.pooling  # an embedding model's pooling (checkpoints/pooling_config.py); None: generation
         self.workers = parts.workers  # tensor parallelism: ranks 1..N-1 (None with one rank)
         if self.workers is not None:
             atexit.register(self._close_at_exit)  # the ranks are not daemons: they must be told to stop
-        self.max_request_len = parts.max_request_len
-        self.limits = RequestLimits(self.args.vocab_size, self.max_request_len)
-        self.cache = None if cfg.disable_radix_cache else RadixCache(self.allocator, parts.page_size)
-        self.scheduler = Scheduler(self.allocator, self.table, parts.page_size, cfg.max_running_requests,
+        self.limits = RequestLimits(parts.args.vocab_size, parts.max_request_len)
+        self.cache = None if cfg.disable_radix_cache else RadixCache(parts.allocator, parts.page_size)
+        self.scheduler = Scheduler(parts.allocator, parts.table, parts.page_size, cfg.max_running_requests,
                                    cfg.max_prefill_tokens, cfg.chunked_prefill_size, self.cache)
-        self.overlap = self.device.type == "cuda" and not cfg.disable_overlap_schedule
-        self.num_free_pages_when_idle = self.allocator.num_free  # all but the CUDA-graph pad page
+        self.overlap = parts.device.type == "cuda" and not cfg.disable_overlap_schedule
+        self.num_free_pages_when_idle = parts.allocator.num_free  # all but the CUDA-graph pad page
         self.peak_pages_used = 0
         self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache, since start
-        self.timings: Optional[Dict[str, float]] = None  # phase -> seconds, when profiling
         # structured outputs: grammars compile off the loop; requests wait in the queue until theirs is done
-        self.grammar = GrammarBackend(self.tokenizer, self.args.vocab_size, self.eos_ids)
-        self.clean_up = decode_cleans_up(self.tokenizer)  # as the tokenizer's own decode does (see text.py)
+        self.grammar = GrammarBackend(parts.tokenizer, parts.args.vocab_size, parts.eos_ids)
+        self.clean_up = decode_cleans_up(parts.tokenizer)  # as the tokenizer's own decode does (see text.py)
         self._compiling: List[Request] = []
 
     # ------------------------------------------------------------------ requests
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None) -> Request:
         """Validate and build a request without changing any engine state (raises RequestError). PoolingParams
         make an embedding request, the only kind an embedding model takes (engine/pooling.py)."""
-        if isinstance(params, PoolingParams) or self.pooling is not None:
-            return embedding_request(prompt_ids, params, self.pooling, self.limits, self.eos_ids, rid)
+        if isinstance(params, PoolingParams) or self.parts.pooling is not None:
+            return embedding_request(prompt_ids, params, self.parts.pooling, self.limits, self.parts.eos_ids, rid)
         max_new = check_request(prompt_ids, params, self.limits)
         kw = {"rid": rid} if rid is not None else {}
-        return Request(list(prompt_ids), params, max_new, eos_ids=self.eos_ids, **kw)
+        return Request(list(prompt_ids), params, max_new, eos_ids=self.parts.eos_ids, **kw)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None) -> Request:
         return self.add(self.make_request(prompt_ids, params, rid))
@@ -98,7 +88,7 @@ class Engine:
     def add(self, req: Request) -> Request:
         """Queue a request built by make_request."""
         p = req.params
-        req.text = TextStream(self.tokenizer, req.prompt_ids, p.stop, p.skip_special_tokens, self.clean_up)
+        req.text = TextStream(self.parts.tokenizer, req.prompt_ids, p.stop, p.skip_special_tokens, self.clean_up)
         req.grammar = self.grammar.submit(p)  # never waits for the compile (see _grammars_done)
         self.scheduler.add(req)
         if req.grammar is not None:
@@ -115,12 +105,6 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.runner.num_inflight > 0 or self.scheduler.has_work()
-
-    def enable_profiling(self) -> Dict[str, float]:
-        """Time each phase of every step (synchronising the device after each, so overlap is lost)."""
-        self.timings = defaultdict(float)
-        self.runner.enable_profiling(self.timings)
-        return self.timings
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> List[RequestOutput]:
@@ -166,19 +150,15 @@ class Engine:
         return outputs
 
     def _schedule(self):
-        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is not None:
-            if self.timings is not None:
-                self.timings["schedule"] += time.perf_counter() - t0
-            self.peak_pages_used = max(self.peak_pages_used, self.num_free_pages_when_idle - self.allocator.num_free)
+            used = self.num_free_pages_when_idle - self.parts.allocator.num_free
+            self.peak_pages_used = max(self.peak_pages_used, used)
         return batch
 
     def _launch(self, batch) -> None:
         """Queue the step on the device. Penalties count the previous tokens and a grammar's mask needs them
         accepted: with such a request live, the runner reads the steps in flight back before this one samples."""
-        if self.config.fail_on_token is not None:
-            self._injected_fault(batch)
         needs_tokens = bool(self.scheduler.num_penalized or self.scheduler.num_constrained)
         self.runner.launch(batch, needs_previous_tokens=needs_tokens)
 
@@ -197,8 +177,8 @@ class Engine:
     def finish_cache_write(self, timeout: float = 120.0) -> None:
         """Wait for the GGUF cache's writer (a first start writes the dequantised parameters while it already
         serves: checkpoints/loader.py), so that an exit does not cut it and the next start maps the file."""
-        if self.cache_write is not None:
-            self.cache_write.join(timeout)
+        if self.parts.cache_write is not None:
+            self.parts.cache_write.join(timeout)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks and tear their process group down, so that another engine in this
@@ -242,7 +222,6 @@ class Engine:
                 self._check_fatal(step.error)
                 outputs += self._step_failed(step.reqs, step.error)
                 continue
-            t0 = time.perf_counter()
             for s in step.tokens:
                 try:
                     if s.error is not None:  # its grammar rejected the token
@@ -251,8 +230,6 @@ class Engine:
                         outputs.append(self._news(s))
                 except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode the token
                     outputs += self._fail([s.req], e)
-            if self.timings is not None:
-                self.timings["postprocess"] += time.perf_counter() - t0
         return outputs
 
     def _news(self, s: SampledToken) -> RequestOutput:
@@ -288,11 +265,6 @@ class Engine:
     @staticmethod
     def _prompt_logprobs(req: Request):
         return prompt_logprob_list(req) if req.params.prompt_logprobs is not None else None
-
-    def _injected_fault(self, batch) -> None:
-        bad = self.config.fail_on_token
-        if any(bad in r.prompt_ids for r in batch.reqs):
-            raise RuntimeError(f"injected fault: a request's prompt holds token {bad}")
 
     def _step_failed(self, reqs: List[Request], e: Exception) -> List[RequestOutput]:
         """A step raised. A request running alone is the cause: it fails. Otherwise each is retried alone."""

@@ -10,12 +10,12 @@ has a seed or a top-k/top-p/min-p filter, FlashInfer's sampling kernel makes the
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from minisrv import env
 from minisrv.utils import cuda_import, host_tensor, to_device
 
 from .grammar import apply_bitmask, fill_bitmask
@@ -170,7 +170,7 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 def fused_sampling_kernel(device: torch.device) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     """FlashInfer's sampling_from_logits (softmax sampling in one kernel) on CUDA when importable, else None.
     MINISRV_TORCH_SAMPLING=1 keeps the torch kernels. The model runner holds the one its steps use."""
-    if os.environ.get("MINISRV_TORCH_SAMPLING") == "1":
+    if env.TORCH_SAMPLING.get():
         return None
     return cuda_import(device, "flashinfer.sampling", "sampling_from_logits")
 

@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Tuple
 
+from minisrv import env
+
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
@@ -35,7 +37,7 @@ FLAG_SETS: Tuple[Tuple[str, ...], ...] = (
 
 def cache_dir() -> Path:
     """$MINISRV_KERNEL_CACHE, else $XDG_CACHE_HOME/minisrv/cpu_kernels (~/.cache by default)."""
-    explicit = os.environ.get("MINISRV_KERNEL_CACHE")
+    explicit = env.KERNEL_CACHE.get()
     if explicit:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

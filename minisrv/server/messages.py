@@ -31,9 +31,9 @@ class EngineInfo:
 
     @classmethod
     def from_engine(cls, engine: Any) -> "EngineInfo":
-        return cls(str(engine.model_path), engine.backend_name, str(engine.device), engine.context_length,
-                   engine.max_request_len, engine.args.vocab_size, list(engine.eos_ids), engine.pool.num_slots,
-                   engine.pooling.dim if engine.pooling is not None else 0)
+        p = engine.parts
+        return cls(str(p.model_path), p.backend_name, str(p.device), p.context_length, p.max_request_len,
+                   p.args.vocab_size, list(p.eos_ids), p.pool.num_slots, p.pooling.dim if p.pooling is not None else 0)
 
     @property
     def limits(self) -> RequestLimits:

@@ -45,7 +45,7 @@ def test_greedy_and_prefill_match_hf(backend, prompts, hf):
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True),
                             use_tqdm=False)
         ours_prefill = _prefill_logits(llm, prompts)
-        assert llm.engine.allocator.num_free == llm.engine.num_free_pages_when_idle
+        assert llm.engine.parts.allocator.num_free == llm.engine.num_free_pages_when_idle
     finally:
         del llm
         free_cuda()

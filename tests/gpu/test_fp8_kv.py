@@ -134,7 +134,7 @@ def test_greedy_matches_hf_with_fp8_pool(backend, kernel, prompts, hf):
     eng = llm.engine
     used = decode_kernel(eng.runner.backend)
     try:
-        assert eng.pool.quantized and eng.overlap
+        assert eng.parts.pool.quantized and eng.overlap
         if backend.endswith("fi"):
             assert used == ("xqa" if kernel == "auto" and _hopper() else "flashinfer")
         assert (eng.runner.graph_runner is not None) == (backend != "torch")
@@ -150,7 +150,7 @@ def test_greedy_matches_hf_with_fp8_pool(backend, kernel, prompts, hf):
             while eng.has_work():
                 eng.step()
         assert eng.flush_cache()  # every page back: nothing leaked on the FP8 path
-        assert eng.allocator.num_free == eng.num_free_pages_when_idle
+        assert eng.parts.allocator.num_free == eng.num_free_pages_when_idle
     finally:
         del llm, eng
         free_cuda()
@@ -165,8 +165,8 @@ def test_pool_sized_from_memory_holds_twice_the_tokens():
         llm = LLM(model=CKPT, attention_backend="fi", dtype="bfloat16", kv_cache_dtype=kv, disable_cuda_graph=True,
                   log_level="warning")
         try:
-            slots[kv] = llm.engine.pool.num_slots
-            nbytes = llm.engine.pool.nbytes
+            slots[kv] = llm.engine.parts.pool.num_slots
+            nbytes = llm.engine.parts.pool.nbytes
         finally:
             del llm
             free_cuda()

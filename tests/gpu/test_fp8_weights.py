@@ -130,11 +130,11 @@ def test_greedy_matches_hf_with_fp8_weights_and_kv(backend, kv, kernel, prompts,
     used = decode_kernel(eng.runner.backend)
     try:
         n_fp8 = sum(isinstance(m, Fp8Linear) for m in eng.runner.model.modules())
-        assert n_fp8 == 4 * eng.args.num_layers and eng.pool.quantized == (kv == "fp8_e4m3") and eng.overlap
+        assert n_fp8 == 4 * eng.parts.args.num_layers and eng.parts.pool.quantized == (kv == "fp8_e4m3") and eng.overlap
         assert eng.runner.graph_runner is not None
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True),
                             use_tqdm=False)
-        assert eng.flush_cache() and eng.allocator.num_free == eng.num_free_pages_when_idle
+        assert eng.flush_cache() and eng.parts.allocator.num_free == eng.num_free_pages_when_idle
     finally:
         del llm, eng
         free_cuda()

@@ -57,7 +57,7 @@ def _mixed(prompts):
 def test_grammar_decode_steps_never_synchronise(qwen3):
     llm = make_llm(qwen3, dtype="bfloat16")  # the fused CUDA ops (FlashInfer's norms) take 16-bit types
     eng = llm.engine
-    assert eng.device.type == "cuda" and eng.overlap
+    assert eng.parts.device.type == "cuda" and eng.overlap
     reqs = [eng.add_request(p, sp) for p, sp in _mixed(make_prompts(448, [5, 9, 13, 4, 7, 11], seed=3))]
     for _ in range(100):  # compiled, prefilled, decoding
         eng.step()

@@ -30,7 +30,7 @@ def _in_new_process(fn, *args):
 
 def _greedy_outputs(backend, fusion, prompts):
     with _llm(backend, enable_flashinfer_allreduce_fusion=fusion) as llm:
-        assert llm.engine.pool.num_kv_heads * 2 == llm.engine.args.num_kv_heads
+        assert llm.engine.parts.pool.num_kv_heads * 2 == llm.engine.parts.args.num_kv_heads
         assert (llm.engine.runner.tp.fused_norm is not None) == fusion
         return llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True),
                             use_tqdm=False)

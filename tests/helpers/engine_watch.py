@@ -22,7 +22,7 @@ class EngineWatch:
         self.partial_extends = 0  # extend rows that stopped short of the end of their sequence (chunked prefill)
         self.reqs: Dict[str, object] = {}  # every request seen in a batch
         self._batch = None
-        alloc = engine.allocator
+        alloc = engine.parts.allocator
         self.outstanding = {p for p in range(alloc.num_pages) if alloc.refcount(p) > 0}
         orig_alloc, orig_free = alloc.alloc, alloc.free
 
@@ -71,7 +71,7 @@ class EngineWatch:
         engine.step = engine_step
 
     def _check_batch(self, sb) -> None:
-        ps = self.engine.pool.page_size
+        ps = self.engine.parts.pool.page_size
         self.modes.append(sb.mode.value)
         self.partial_extends += sum(1 for s in sb.samples if not s)
         for r in sb.reqs:
@@ -89,8 +89,8 @@ class EngineWatch:
 
     def check(self) -> None:
         eng = self.engine
-        sched, alloc, table = eng.scheduler, eng.allocator, eng.table
-        ps = eng.pool.page_size
+        sched, alloc, table = eng.scheduler, eng.parts.allocator, eng.parts.table
+        ps = eng.parts.pool.page_size
         owned: Dict[int, str] = {}
         holders: Dict[int, int] = {}  # page -> requests holding it (a cached prefix is shared)
         tree = tree_pages(eng)
@@ -98,7 +98,7 @@ class EngineWatch:
         free_rows = set(table._free_rows)
         for r in sched.running:
             assert r.status.value == "running"
-            assert r.row >= 0 and r.row not in rows and r.row not in free_rows and r.row != eng.pad_row, \
+            assert r.row >= 0 and r.row not in rows and r.row not in free_rows and r.row != eng.parts.pad_row, \
                 f"{r.rid} has a bad or shared table row {r.row}"
             rows.add(r.row)
             assert len(r.pages) == -(-r.num_cached // ps), \
@@ -179,9 +179,9 @@ def tree_pages(engine) -> set:
 def assert_pool_free(engine) -> None:
     """No request holds a page: every page is free or held once by the prefix cache, which holds no lock."""
     tree = tree_pages(engine)
-    alloc = engine.allocator
+    alloc = engine.parts.allocator
     assert engine.cache is None or engine.cache.root.lock_ref == 0, "a prefix-cache path is still locked"
     assert all(alloc.refcount(p) == 1 for p in tree), "a cached page is still held by a request"
-    assert engine.allocator.num_free + len(tree) == engine.allocator.num_pages, \
-        f"{engine.allocator.num_pages - engine.allocator.num_free - len(tree)} pages still in use"
-    assert engine.table.num_free_rows == engine.table.table.shape[0] - 1, "table rows still in use"
+    assert engine.parts.allocator.num_free + len(tree) == engine.parts.allocator.num_pages, \
+        f"{engine.parts.allocator.num_pages - engine.parts.allocator.num_free - len(tree)} pages still in use"
+    assert engine.parts.table.num_free_rows == engine.parts.table.table.shape[0] - 1, "table rows still in use"

@@ -40,10 +40,11 @@ def gone(pid: int) -> bool:
 
 
 class Server:
-    def __init__(self, *extra: str) -> None:
+    def __init__(self, *extra: str, module: str = "minisrv.launch_server") -> None:
+        """module: what `python -m` runs (a test's own launcher may wrap the server's parts)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "minisrv.launch_server", "--port", str(self.port), *DEFAULT_ARGS, *extra]
+        cmd = [sys.executable, "-m", module, "--port", str(self.port), *DEFAULT_ARGS, *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: List[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
