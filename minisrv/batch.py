@@ -1,9 +1,6 @@
 """A step's value objects, below both the attention backends and the engine: the model worker's view of one step
 (ForwardBatch, ForwardMode) and a decode step's cascade plan (PrefixGroups, made by attention/cascade.py's policy).
 The scheduler, the model runner and the backends all speak them; none of them needs another's module for it.
-
-The model runner builds one `ForwardBatch` per step; a backend turns it into whatever metadata its kernels want
-exactly once, and every layer reuses it.
 """
 from __future__ import annotations
 

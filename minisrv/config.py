@@ -19,20 +19,13 @@ SCHEDULE_POLICIES = ("fcfs",)
 class EngineConfig:
     model: Optional[str] = None  # HF directory or .gguf file; None = the default model
     tokenizer: Optional[str] = None  # defaults to the model's own
-    # a GGUF model's converted config, tokenizer and weights: None = $MINISRV_CACHE_DIR, else $XDG_CACHE_HOME/minisrv
-    # or ~/.cache/minisrv; "off" = no cache (checkpoints/gguf_cache.py)
-    cache_dir: Optional[str] = None
+    cache_dir: Optional[str] = None  # a GGUF model's converted files (checkpoints/gguf_cache.py; see --cache-dir)
     attention_backend: str = "auto"  # auto | torch | fa | fi | P,D (D may also be triton)
     dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8_e4m3: K/V stored in float8_e4m3fn with per-layer scales
-    # decode over an FP8 pool where fi or triton decodes: xqa (Hopper, pages >= 16: q and the softmax in e4m3, about
-    # 1.3x faster attention; attention/xqa.py), flashinfer (the decode half's own kernel: K/V converted exactly), auto
-    # (xqa where it runs)
-    fp8_decode_kernel: str = "auto"
-    # a GGUF model's projections and embedding on the CPU: kept in their Q4_0/Q4_1/Q8_0 blocks (blocks), dequantised
-    # (float32), or blocks where every one of them is in such blocks (auto)
-    gguf_weights: str = "auto"
-    quantization: Optional[str] = None  # fp8: projection weights in float8_e4m3fn, per-channel scales (FP8 checkpoints: always)
+    fp8_decode_kernel: str = "auto"  # decode over an FP8 pool where fi or triton decodes (see --fp8-decode-kernel)
+    gguf_weights: str = "auto"  # a GGUF model's quantised blocks on the CPU (see --gguf-weights)
+    quantization: Optional[str] = None  # fp8: projection weights in float8_e4m3fn (see --quantization)
     device: Optional[str] = None  # None: cuda if available else cpu
     page_size: Optional[int] = None  # tokens per KV page; None: 16 on CUDA (smaller page tables), 1 on CPU
     context_length: Optional[int] = None  # None: the model's max_position_embeddings
@@ -51,31 +44,21 @@ class EngineConfig:
     tp_size: int = 1  # tensor parallelism: one process per GPU (per CPU process with gloo), rank 0 schedules
     # tensor parallel on CUDA: decode batches' all-reduce + add + RMSNorm in one kernel (FlashInfer's)
     enable_flashinfer_allreduce_fusion: bool = False
-    # an embedding model: requests are embedded (prefill, pooled hidden states), not generated; also detected from
-    # the checkpoint (checkpoints/pooling_config.py)
-    is_embedding: bool = False
+    is_embedding: bool = False  # serve as an embedding model (also detected: checkpoints/pooling_config.py)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.fp8_decode_kernel not in FP8_DECODE_KERNELS:
-            raise ValueError(f"fp8_decode_kernel must be one of {FP8_DECODE_KERNELS}, got {self.fp8_decode_kernel!r}")
-        if self.gguf_weights not in GGUF_WEIGHTS:
-            raise ValueError(f"gguf_weights must be one of {GGUF_WEIGHTS}, got {self.gguf_weights!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        for name, choices in (("dtype", DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES),
+                              ("fp8_decode_kernel", FP8_DECODE_KERNELS), ("gguf_weights", GGUF_WEIGHTS),
+                              ("quantization", (None,) + QUANTIZATIONS), ("schedule_policy", SCHEDULE_POLICIES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         if self.page_size is not None and self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         if self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
             raise ValueError("chunked_prefill_size and max_prefill_tokens must be >= 1")
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES} (requests run in arrival order), "
-                             f"got {self.schedule_policy!r}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if not 0.0 < self.mem_fraction_static < 1.0:
@@ -99,7 +82,7 @@ class EngineConfig:
                             "tokens of bf16 in the same memory")
         p.add_argument("--fp8-decode-kernel", default=d.fp8_decode_kernel, choices=FP8_DECODE_KERNELS,
                        help="with --kv-cache-dtype fp8_e4m3, the decode kernel where fi or triton decodes: xqa "
-                            "(Hopper, page size >= 16: reads the FP8 pages at ~80%% of HBM bandwidth; q and the "
+                            "(Hopper, page size >= 16: most of HBM bandwidth over FP8 pages; q and the "
                             "softmax rounded to e4m3, as FA3's FP8 mode does), flashinfer (the decode half's own "
                             "kernel: K/V converted exactly), auto (xqa where it can run)")
         p.add_argument("--gguf-weights", default=d.gguf_weights, choices=GGUF_WEIGHTS,

@@ -36,11 +36,9 @@ class Rendezvous(NamedTuple):
     start at.
 
     Why the number: torch names process groups by a per-process counter that restarts at 0 when the groups are
-    destroyed, and torch's symmetric memory (the fused all-reduce's buffers) keeps
-    what it set up per group name for the life of the process. A second engine in the same process (an offline
-    script, a test) would reuse the first one's names, and its symmetric-memory rendezvous would wait forever on
-    the first group's state. So rank 0 never lets the counter go back (`_teardown`) and hands its value to the
-    ranks it spawns (fresh processes): every rank names its groups alike, and never twice."""
+    destroyed, and torch's symmetric memory keeps what it set up per group name for the life of the process: a
+    second engine in the same process would reuse the first one's names and wait forever on the first group's
+    state. So rank 0 never lets the counter go back (`_teardown`) and hands its value to the ranks it spawns."""
 
     address: str
     first_group: int
@@ -52,14 +50,13 @@ def new_rendezvous(address: str) -> Rendezvous:
 
 
 class SymmetricMemoryUse:
-    """Whether this process has joined a symmetric-memory rendezvous (the fused all-reduce's buffers), which only the first tensor-parallel engine of a process may do.
+    """Whether this process has joined a symmetric-memory rendezvous (the fused all-reduce's buffers), which only the
+    first tensor-parallel engine of a process may do.
 
-    Why it is kept per process: torch numbers the store exchanges of its symmetric-memory rendezvous with one
-    counter per process that never goes back (the sequence number of CUDASymmetricMemory's StoreExchange), and the
-    store keys the ranks meet on carry that number. Ranks 1.. are new processes for every engine and count from 0;
-    rank 0 of a second engine in the same process would count on from the first engine's, and each side would wait
-    for keys the other never writes (2 x H200: the second fused engine's set-up hung). torch keeps that counter
-    where it cannot be read or reset, so this records the one fact that predicts it."""
+    Why: torch numbers the store exchanges of that rendezvous with a per-process counter that never goes back and
+    cannot be read or reset. Ranks 1.. are new processes for every engine and count from 0; rank 0 of a second
+    engine in the same process would count on from the first engine's, and each side would wait for keys the other
+    never writes. So this records the one fact that predicts the counter."""
 
     joined = False
 
@@ -84,11 +81,10 @@ class FusedAllReduceNorm:
     """All-reduce, residual add and RMSNorm in one kernel: FlashInfer's port of TensorRT-LLM's all-reduce fusion,
     over buffers in torch's symmetric memory (peer-to-peer over NVLink; its multicast backend is never asked for).
 
-    Why: a decode step all-reduces after every o and down projection and then adds the residual and normalises;
-    on 2 H200s (Llama-3-8B shape, batch 1) NCCL's all-reduce took 6.8 us and the fused add + norm 2.5 us, 64 times
-    a step, against a step of ~4 ms. One kernel reads each rank's partial sums from its peers directly (one-shot
-    for small batches) and writes both the normalised output and the new residual. Batches of more than
-    `max_tokens` rows (prefill chunks) keep NCCL and the separate norm."""
+    Why: a decode step all-reduces after every o and down projection and then adds the residual and normalises, a
+    few microseconds each, twice a layer (docs/tensor-parallel.md has the figures). One kernel reads each rank's
+    partial sums from its peers directly and writes both the normalised output and the new residual. Batches of
+    more than `max_tokens` rows (prefill chunks) keep NCCL and the separate norm."""
 
     def __init__(self, tp_rank: int, tp_size: int, group: Any, max_tokens: int, hidden: int,
                  dtype: torch.dtype) -> None:
@@ -196,9 +192,9 @@ class TensorParallel:
 
 def init_tensor_parallel(rank: int, size: int, rendezvous: Rendezvous, device: torch.device,
                          fused_norm: Optional[Tuple[int, torch.dtype]] = None) -> TensorParallel:
-    """Join the group of `size` ranks that meet at `rendezvous` (rank 0's, see Rendezvous). On CUDA
-    with `fused_norm` (the model's hidden size and dtype), decode batches all-reduce, add and normalise in one
-    kernel (FusedAllReduceNorm); a rank that cannot set it up makes every rank raise."""
+    """Join the group of `size` ranks that meet at `rendezvous`. On CUDA with `fused_norm` (the model's hidden size
+    and dtype), decode batches all-reduce, add and normalise in one kernel; a rank that cannot set it up makes every
+    rank raise."""
     if size == 1:
         return TensorParallel.single()
     for k, v in NO_MULTICAST_ENV.items():

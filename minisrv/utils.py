@@ -22,12 +22,10 @@ def ceil_div(a: int, b: int) -> int:
 def host_tensor(values, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of a list of Python numbers, or of a list of equal-length lists (its rows).
 
-    Built through a typed `array` buffer, converted in one C loop: `torch.tensor(list)` inspects every element and
-    takes three to four times as long (about 50-120 ns an element), which a step's token, position and slot lists
-    pay on every step. Anything the array refuses (a float where an int is wanted, a value out of range, ragged rows,
-    another dtype) goes to `torch.tensor`, so the result, or the error, is always that of
-    `torch.tensor(values, dtype=dtype)`.
-    """
+    Built through a typed `array` buffer, converted in one C loop, where `torch.tensor(list)` inspects every element
+    (a step's token, position and slot lists pay it every step). Anything the array refuses (a float where an int is
+    wanted, a value out of range, ragged rows, another dtype) goes to `torch.tensor`, so the result, or the error, is
+    always that of `torch.tensor(values, dtype=dtype)`."""
     code = _ARRAY_CODES.get(dtype)
     if code is None or not isinstance(values, list) or not values:
         return torch.tensor(values, dtype=dtype)
@@ -82,8 +80,7 @@ def freeze_startup_heap() -> None:
     """For a process that serves one engine from here on (the server's engine process, a tensor-parallel rank, the
     generate script): collect once, then move every object alive (imports, the model, the tokenizer: 10^5-10^6 of
     them) out of the cyclic garbage collector's walk. A full collection walks every tracked object and stalls the
-    host for tens of milliseconds (about 100 ms with the default model on a 2-core CPU), which a decode loop pays as
-    a late step; after this it walks only what serving created. Frozen objects are still freed by reference
+    host, which a decode loop pays as a late step; after this it walks only what serving created. Frozen objects are still freed by reference
     counting, but cycles among them never are: not for a process that builds engine after engine (tests), and
     `gc.unfreeze()` before dropping one whose teardown needs its cycles collected (model_runner.release_graphs)."""
     gc.collect()

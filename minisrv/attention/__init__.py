@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
-
 from .base import AttentionBackend, AttentionStep, HybridBackend
 
 if TYPE_CHECKING:
@@ -68,10 +67,6 @@ def _fi_missing(sm: Optional[int]) -> Optional[str]:
     return None
 
 
-def _torch_missing(sm: Optional[int]) -> Optional[str]:
-    return None
-
-
 def _triton_missing(sm: Optional[int]) -> Optional[str]:
     if sm is None:
         return "the triton decode backend needs a CUDA GPU"
@@ -82,32 +77,12 @@ def _triton_missing(sm: Optional[int]) -> Optional[str]:
     return None
 
 
-def _create_torch(pool, req_to_token, num_q_heads) -> AttentionBackend:
-    from .torch_native import TorchNativeBackend
-    return TorchNativeBackend(pool, req_to_token, num_q_heads)
-
-
-def _create_fa(pool, req_to_token, num_q_heads) -> AttentionBackend:
-    from .fa import FlashAttentionBackend
-    return FlashAttentionBackend(pool, req_to_token, num_q_heads)
-
-
-def _create_fi(pool, req_to_token, num_q_heads) -> AttentionBackend:
-    from .fi import FlashInferBackend
-    return FlashInferBackend(pool, req_to_token, num_q_heads)
-
-
-def _create_triton(pool, req_to_token, num_q_heads) -> AttentionBackend:
-    from .triton_decode import TritonDecodeBackend
-    return TritonDecodeBackend(pool, req_to_token, num_q_heads)
-
-
-# name -> (what it lacks on this machine, lazily importing creator)
+# name -> (what it lacks on this machine, the module and class that implement it, imported when it is created)
 BACKENDS: Dict[str, tuple] = {
-    "torch": (_torch_missing, _create_torch),
-    "fa": (_fa_missing, _create_fa),
-    "fi": (_fi_missing, _create_fi),
-    "triton": (_triton_missing, _create_triton),
+    "torch": (lambda sm: None, "torch_native", "TorchNativeBackend"),
+    "fa": (_fa_missing, "fa", "FlashAttentionBackend"),
+    "fi": (_fi_missing, "fi", "FlashInferBackend"),
+    "triton": (_triton_missing, "triton_decode", "TritonDecodeBackend"),
 }
 DECODE_ONLY = ("triton",)
 
@@ -170,7 +145,7 @@ def create_backend(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_
     and "xqa" pick the xqa backend (xqa.fp8_decode says where it can run), "flashinfer" keeps the decode half's own
     kernel (fi's wrappers, or the triton kernel's FP8 loads)."""
     parts = _parts(name)
-    prefill = BACKENDS[parts[0]][1](pool, req_to_token, num_q_heads)
+    prefill = _create(parts[0], pool, req_to_token, num_q_heads)
     decode = None
     if parts[-1] in ("fi", "triton"):
         from .xqa import fp8_decode
@@ -178,5 +153,10 @@ def create_backend(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_
     if decode is None:
         if len(parts) == 1 or parts[0] == parts[1]:
             return prefill
-        decode = BACKENDS[parts[1]][1](pool, req_to_token, num_q_heads)
+        decode = _create(parts[1], pool, req_to_token, num_q_heads)
     return HybridBackend(prefill, decode)
+
+
+def _create(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int) -> AttentionBackend:
+    _, module, cls = BACKENDS[name]
+    return getattr(importlib.import_module(f".{module}", __name__), cls)(pool, req_to_token, num_q_heads)

@@ -1,10 +1,8 @@
 """Cascade (shared-prefix) decode: which requests of a decode step read the same prefix pages, and whether it pays.
 
-When many running requests share a long prefix (a system prompt, few-shot examples, one document asked many
-questions), plain decode attention reads that prefix's KV once per request per step. Cascade attention splits each
-request's attention in two: its group's shared pages, read once for all of the group's queries, and the request's
-own remaining pages; the two partial results are merged through their log-sum-exps, which is exact. This module
-only finds the groups, on the host; a backend with a cascade path (fi.py) runs the two levels.
+Cascade attention splits each request's attention in two: its group's shared pages, read once for all the group's
+queries, and its own remaining pages; the two results are merged exactly through their log-sum-exps (docs/kernels.md
+says when it pays). This module only finds the groups, on the host; fi.py runs the two levels.
 
 How groups are found, cheaply (O(batch * log(pages)) list lookups a step, no loop over pages): a page holds the KV
 of its tokens computed with every token before them, and only the prefix cache hands one page to several requests,
@@ -29,9 +27,8 @@ MIN_GROUP = 2
 # the reads they save.
 MIN_SHARED_TOKENS = 256
 # A step runs as cascade only if it saves this many token reads of KV (summed over groups, (members - 1) x shared
-# tokens). Cascade steps run eagerly, without CUDA graphs: replaying a decode graph saves some 6-8 ms a step on an
-# H100 for a 28-layer model (README, decode step table), and an eager cascade step adds a few launches a layer on top;
-# 262,144 tokens of a Qwen3-0.6B-shaped model's KV (28 layers x 4 KiB) are 30 GB, about 9 ms at 3.35 TB/s.
+# tokens): cascade steps run eagerly, and the reads saved must outweigh the CUDA graph's replay they give up
+# (docs/kernels.md).
 MIN_SAVED_TOKENS = 262144
 # ... or this many when the step runs eagerly anyway (CUDA graphs off, or a batch larger than the largest graph):
 # then the only cost is the shared level's kernel and the merge.
@@ -62,13 +59,13 @@ def find_prefix_groups(pages: Sequence[Sequence[int]], seq_lens: Sequence[int], 
             continue
         members_of.append(members)
         shared.append(_shared_length(pages, seq_lens, members, page_size, min_shared_pages))
-    saved = sum((len(m) - 1) * n for m, n in zip(members_of, shared)) * page_size
-    if not members_of or saved < min_saved_tokens:
+    if not members_of:
         return None
     order = [i for m in members_of for i in m]
     grouped = set(order)
     order += [i for i in range(len(pages)) if i not in grouped]
-    return PrefixGroups(tuple(order), tuple(len(m) for m in members_of), tuple(shared))
+    groups = PrefixGroups(tuple(order), tuple(len(m) for m in members_of), tuple(shared))
+    return groups if groups.saved_tokens(page_size) >= min_saved_tokens else None
 
 
 def _shared_length(pages: Sequence[Sequence[int]], seq_lens: Sequence[int], members: List[int], page_size: int,
@@ -98,8 +95,7 @@ def _shared_length(pages: Sequence[Sequence[int]], seq_lens: Sequence[int], memb
 
 @dataclass(frozen=True)
 class CascadePolicy:
-    """When a decode step runs as cascade attention (see the thresholds above); `plan` is called once per decode
-    step by the model runner, for a backend that has a cascade path."""
+    """When a decode step runs as cascade attention (see the thresholds above)."""
 
     page_size: int
     min_group: int = MIN_GROUP

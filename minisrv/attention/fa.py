@@ -1,10 +1,8 @@
 """FlashAttention-3 over the paged pool (Hopper), through `flash_attn_with_kvcache`.
 
-The kernel reads K/V straight from the pool: `k_cache`/`v_cache` are one layer's [num_pages, page_size, Hkv, D]
-tensors, `page_table` [B, max_pages] lists each request's pages in order and `cache_seqlens` [B] how many of
-their tokens are valid. New tokens' k/v are written into the pool first (`pool.store`), so the kernel only ever
-reads; extend batches pass ragged queries through `cu_seqlens_q` with `causal=True`, which FA3 aligns to the
-bottom right (query j of a request with prefix p sees keys 0..p+j), exactly the cached-prefix causal mask.
+The kernel reads K/V straight from the pool through a page table (page_table.py); new tokens' k/v are stored first.
+Extend batches pass ragged queries through `cu_seqlens_q` with `causal=True`, which FA3 aligns to the bottom right
+(query j of a request with prefix p sees keys 0..p+j), exactly the cached-prefix causal mask.
 
 With an FP8 pool the kernel runs in its FP8 mode, which takes q, K and V all in float8_e4m3fn (it has no mode with
 a bf16 query over an FP8 cache): q is cast to e4m3 (saturated, no scale: queries normally sit far inside +-448),
@@ -56,9 +54,8 @@ def _load_kernel() -> Callable:
 def without_custom_op(fn: Callable, op_name: str) -> Callable:
     """A copy of `fn` that calls the Python body of the torch.library custom op its module names `op_name` instead
     of the op. Upstream flash_attn_interface wraps its forward in such an op (for torch.compile): the op's first
-    call imports torch's compiler stack (torch._dynamo, sympy: 2-3 s inside the first prefill) and every call goes
-    through the dispatcher (about 20 us). The body calls the same kernel (torch.ops.flash_attn_3.fwd); the module
-    itself is left as it is. `fn` as it is where there is no such op."""
+    call imports torch's compiler stack (torch._dynamo, sympy) inside the first prefill and every call goes through
+    the dispatcher. The body calls the same kernel; the module itself is left as it is."""
     body = getattr(fn.__globals__.get(op_name), "_init_fn", None)
     if body is None:
         return fn
@@ -69,7 +66,6 @@ def without_custom_op(fn: Callable, op_name: str) -> Callable:
 
 
 def preload() -> None:
-    """Import the kernel before its first use (a thread does this while the weights load)."""
     _load_kernel()
 
 
@@ -94,8 +90,6 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
         if self.fp8 and self.head_dim % 16:
             raise ValueError(f"the fa backend's FP8 mode needs head_dim to be a multiple of 16; this model's is "
                              f"{self.head_dim}: use --kv-cache-dtype auto, or another attention backend")
-
-    # -- metadata -------------------------------------------------------------------------------------------
 
     def prepare(self, b: ForwardBatch) -> FAMeta:
         seqlens = int32_lens(b)

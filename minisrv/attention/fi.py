@@ -1,12 +1,9 @@
 """FlashInfer over the paged pool: a paged prefill wrapper for extend steps, a paged decode wrapper for decode.
 
-FlashInfer describes the paged KV cache in CSR form: `kv_indptr` [B+1] (prefix sums of each request's page
-count), `kv_indices` (the page ids, request after request) and `kv_last_page_len` [B] (valid tokens in each
-request's last page); extend steps add `qo_indptr` [B+1] for the ragged queries. Everything is planned once per
-step in `prepare` (the plan is shared by every layer): the indptrs and last-page lengths come from the host-side
-lengths the batch already carries, the page ids are gathered on the device from the request->token table with no
-host round trip. New tokens' k/v are written into the pool before the kernel runs; the kernel reads the pool as
-the tuple (K, V) in NHD layout, [num_pages, page_size, Hkv, D] per layer.
+FlashInfer describes the paged KV cache in CSR form: `kv_indptr` [B+1], `kv_indices` (the page ids, request after
+request) and `kv_last_page_len` [B]; extend steps add `qo_indptr` [B+1]. A step is planned once in `prepare` (every
+layer shares the plan): the indptrs come from the batch's host-side lengths, the page ids are gathered on the device
+from the request->token table with no host round trip.
 
 Cascade decode (a step whose batch carries `prefix_groups`, see cascade.py): each request's own pages (those past
 its group's shared ones) go through the decode wrapper, which also returns the log-sum-exp of every row; each
@@ -17,12 +14,9 @@ token precedes them), read once per group instead of once per request; the two r
 altogether rather than given an empty one: FlashInfer does not define the output or log-sum-exp of attention over
 no keys. Such steps run eagerly (the CUDA-graph runner refuses them); an FP8 pool does not use cascade.
 
-With an FP8 pool the wrappers are planned with `kv_data_type=float8_e4m3fn` and q in the model's dtype (FlashInfer's
-FA2-style kernels convert K/V to q's dtype as they load them; its FA3-style Hopper kernels need an FP8 q, so with a
-bf16 q FlashInfer picks the former by itself), and each run gets the layer's K and V scales as the floats
-`k_scale` (folded into the softmax scale) and `v_scale` (multiplied into the output unless it is 1.0). On Hopper
-the registry gives decode steps over an FP8 pool to the xqa backend instead (`xqa.py`: these kernels reach about
-half the bandwidth over FP8 pages, XQA 74-84%), unless `--fp8-decode-kernel` is "flashinfer".
+With an FP8 pool the wrappers are planned with `kv_data_type=float8_e4m3fn` and q in the model's dtype (FlashInfer
+then picks its FA2-style kernels, which convert K/V to q's dtype as they load them), and each run gets the layer's
+scales as the floats `k_scale` and `v_scale`. On Hopper the registry gives such decode steps to xqa.py instead.
 
 CUDA graphs: a FlashInfer decode wrapper in CUDA-graph mode is bound to one batch size (its indptr buffer has
 B+1 entries), so one wrapper is made per captured batch size, all sharing fixed index buffers and the workspace.
@@ -83,7 +77,7 @@ class FlashInferBackend(AttentionBackend):
     name = "fi"
     supports_cuda_graph = True
     supports_cascade = True
-    decode_kernel = "flashinfer"  # the kernel its decode steps run (XQADecodeBackend's is "xqa")
+    decode_kernel = "flashinfer"  # the kernel its decode steps run
 
     def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int) -> None:
         super().__init__(pool, req_to_token, num_q_heads)
@@ -117,8 +111,6 @@ class FlashInferBackend(AttentionBackend):
         self._plan_done = torch.cuda.Event()
         self._plan_done.record()
 
-    # -- metadata -------------------------------------------------------------------------------------------
-
     def _host_kv_meta(self, seq_lens: List[int]) -> Tuple[torch.Tensor, torch.Tensor, int]:
         """kv_indptr [B+1] and kv_last_page_len [B], int32 on the host, and the total page count."""
         ps = self.page_size
@@ -139,11 +131,8 @@ class FlashInferBackend(AttentionBackend):
     def _gather_pages(self, rows: torch.Tensor, first: Optional[torch.Tensor], counts: torch.Tensor,
                       total: int) -> torch.Tensor:
         """kv_indices [total] int32 on the device: entry e contributes its table row rows[e]'s pages first[e] ..
-        first[e] + counts[e] - 1 (from page 0 when first is None), read as req_to_token[row, page * ps] // ps.
-
-        Entry of each output via repeat_interleave with a known output size (no device->host sync), page as the
-        output's offset from its entry's start.
-        """
+        first[e] + counts[e] - 1 (from page 0 when first is None); repeat_interleave is given the output size, so
+        nothing waits for the device."""
         ps = self.page_size
         dev = rows.device
         entry = torch.repeat_interleave(torch.arange(rows.numel(), device=dev), counts, output_size=total)
@@ -229,8 +218,7 @@ class FlashInferBackend(AttentionBackend):
                              (own_indices, shared_indices))
 
     def init_cascade_state(self) -> None:
-        """The shared level's wrapper, and the merge kernel loaded (FlashInfer builds it on first use, which could
-        otherwise take a first cascade step's place in a timed run)."""
+        """The shared level's wrapper, and the merge kernel loaded (FlashInfer builds it on first use)."""
         self.shared_wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         v = torch.zeros((1, self.num_q_heads, self.head_dim), dtype=self.dtype, device=self.device)
         s = torch.zeros((1, self.num_q_heads), dtype=torch.float32, device=self.device)

@@ -1,27 +1,17 @@
 """Decode over an FP8 pool on Hopper with XQA, TensorRT-LLM's decode kernel as FlashInfer ships it.
 
-Why: a decode step reads every running request's K and V, so an FP8 pool should halve the attention time; but
-FlashInfer's decode wrappers (FA2-style kernels that convert K/V to q's dtype as they load them) and FA3's FP8 mode
-reach only about half the HBM bandwidth over FP8 pages, while XQA's Hopper FP8 kernel reaches 74-84%
-(`scripts/bench_attention.py`, H100, 8 KV heads of 128, 1,024 tokens a request, pages of 16: batch 256 takes 192 us
-a layer against FlashInfer's 256 and FA3's 297, the bytes' floor being 160). Like FA3's FP8 mode it multiplies in
-e4m3, rounding q and the softmax probabilities (scaled by 448) to e4m3: about 3% (relative) from the exact output on
-random inputs, FA3's bound in the GPU tests; end to end its greedy tokens stay as close to HF's as the exact
-kernels' (tests/gpu/test_fp8_kv.py). `--fp8-decode-kernel flashinfer` keeps the exact wrappers.
+Why: over FP8 pages FlashInfer's decode wrappers and FA3's FP8 mode reach about half the HBM bandwidth, XQA most of
+it (docs/kernels.md has the figures). Like FA3's FP8 mode it multiplies in e4m3, rounding q and the softmax
+probabilities to e4m3; `--fp8-decode-kernel flashinfer` keeps the exact wrappers.
 
-The kernel takes FA3's description of the batch: a page table [B, max_pages] int32 (page ids, row per request) and
-the sequence lengths (uint32, counting the step's own token, whose K/V the backend has stored before it runs).
-Everything it needs is a tensor or a constant, so it is captured in CUDA graphs as is: the graph's page table is the
-full-width static buffer (the kernel only splits a sequence across CTAs when the batch is too small to fill the GPU,
-and then by the lengths it reads at run time). K's scale is folded into q's (`bmm1_scale`), V's multiplies the
-output (`bmm2_scale`).
+The kernel takes FA3's description of the batch: a page table [B, max_pages] int32 and the sequence lengths (uint32,
+counting the step's own token, whose K/V the backend has stored before it runs). Everything it needs is a tensor or
+a constant, so it is captured in CUDA graphs as is, over the full-width static page table. K's scale is folded into
+q's (`bmm1_scale`), V's multiplies the output (`bmm2_scale`).
 
-It is a decode-only backend: the registry makes it the decode half (beside the prefill/extend half the user chose)
-where fi would decode an FP8 pool (`fp8_decode`). It needs an FP8 e4m3 pool, an SM 9.x GPU and pages of 16, 32, 64
-or 128 tokens (`XQADecodeBackend.usable`); with `--fp8-decode-kernel auto` (the default) it is used wherever it can
-run, FlashInfer's wrappers elsewhere; `xqa` makes a machine where it cannot run an error. FlashInfer compiles the
-kernel on first use; `XQADecodeBackend.load` runs it once at start-up, so a failure shows there rather than in the
-first step.
+The registry makes it the decode half where fi or triton would decode an FP8 pool (`fp8_decode`), wherever it can
+run (`XQADecodeBackend.usable`) under `--fp8-decode-kernel auto`; `xqa` makes a machine where it cannot run an
+error. `XQADecodeBackend.load` compiles and runs it once at start-up, so a failure shows there, not in a step.
 """
 from __future__ import annotations
 
@@ -65,10 +55,8 @@ class XQAMeta:
 
 
 class XQADecodeBackend(PageTableGraphs, AttentionBackend):
-    """Decode steps over an FP8 pool on Hopper (see the module docstring); extend steps belong to the other half."""
-
     name = "xqa"
-    decode_kernel = "xqa"  # the kernel its decode steps run, as FlashInferBackend.decode_kernel says for fi
+    decode_kernel = "xqa"
     supports_cuda_graph = True
 
     def __init__(self, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int) -> None:

@@ -1,17 +1,15 @@
 """FlashInfer's kernels built in the background, and the switch to them once they are.
 
-FlashInfer compiles each kernel module with nvcc the first time a process asks for it (seconds for the norm, minutes
-for sampling and prefill) and keeps the result in its cache. Asked for one by one, as a forward pass meets them, a
-new machine's first start spent over three minutes compiling before its first answer. Here every module the engine
-will use is asked for at once, each in a thread of its own (the compilers run side by side; the threads only wait),
-as soon as the model's shapes are known.
+FlashInfer compiles each kernel module with nvcc the first time a process asks for it and keeps the result in its
+cache; asked for one by one, as a forward pass meets them, the compilations add up before a new machine's first
+answer (docs/benchmarks.md, start-up). Here every module the engine will use is asked for at once, each in a thread
+of its own (the compilers run side by side), as soon as the model's shapes are known.
 
-Where the modules are already in the cache, the builds are loads that finish while the weights load, and the engine
-starts on them as before. Where they are not, a server does not wait (`StagedKernels`): it serves at once with
-kernels that need no compilation (FA3's precompiled attention on Hopper, torch's norm, activation, rotary and
-sampling, no CUDA graphs), and between two steps, once everything is built, points the layers' one LayerOps at
-FlashInfer's kernels and hands the runner the attention backend that was asked for with its CUDA graphs, in one
-RunnerParts. Sampling switches on its own, as soon as its module is there. The log says which kernels serve.
+Where the modules are already cached, the builds finish while the weights load. Where they are not, a server does
+not wait (`StagedKernels`): it serves at once with kernels that need no compilation (FA3's precompiled attention on
+Hopper, torch's norm, activation, rotary and sampling, no CUDA graphs), and between two steps, once everything is
+built, points the layers' one LayerOps at FlashInfer's kernels and hands the runner the attention backend asked
+for with its CUDA graphs, in one RunnerParts. Sampling switches on its own, as soon as its module is there.
 """
 from __future__ import annotations
 
@@ -29,6 +27,7 @@ from .model_runner import ModelRunner
 from .runner_parts import RunnerParts
 
 logger = logging.getLogger("minisrv")
+
 
 def flashinfer_jobs(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
                     num_q_heads: int, num_kv_heads: int, prefill_on_fi: bool,
@@ -114,18 +113,15 @@ class KernelBuilds:
 
 class StagedKernels:
     """A server's engine that started before its FlashInfer kernels were built, or before its CUDA graphs were
-    captured: what it serves with until they are, and the switch (`upgrade`), run by the engine between two steps
-    with nothing in flight.
+    captured, and the switch to them (`upgrade`), run by the engine between two steps with nothing in flight.
 
-    ops: the model's layer ops, to point at `kernels` (FlashInfer's module) once built; final_parts(current): the
-    runner's parts with the attention backend that was asked for (`attention`) and its CUDA graphs;
-    sampling_kernel(): the fused sampling function, called once its module is built.
+    ops: the model's layer ops, to point at `kernels` once built; final_parts(current): the runner's parts with the
+    attention backend asked for and its CUDA graphs; sampling_kernel(): the fused sampling function.
 
-    graphs_only: every kernel is built and only the graphs wait (capturing them takes 1-2 s, which a first request
-    would otherwise wait for): they are captured once the engine, having run a step, is idle for a moment
-    (`upgrade(idle=True)`; before any step the HTTP side may still be starting, and a capture then would hold up the
-    first request), or after IDLE_BEFORE_ANY_STEP_S of idleness without one, or between two steps once the engine
-    has served GRAPHS_DUE_S seconds, so that a busy server does not decode without them for long."""
+    graphs_only: every kernel is built and only the graphs wait (a first request would otherwise wait for their
+    capture): they are captured once the engine, having run a step, is idle for a moment (before any step the HTTP
+    side may still be starting), or after IDLE_BEFORE_ANY_STEP_S of idleness without one, or between two steps once
+    the engine has served GRAPHS_DUE_S seconds, so that a busy server does not decode without them for long."""
 
     GRAPHS_DUE_S = 2.0
     IDLE_BEFORE_ANY_STEP_S = 10.0
@@ -156,7 +152,7 @@ class StagedKernels:
         return not self.sampling_switched and self.builds.done(["sampling"])
 
     def stepping(self) -> None:
-        """The engine is about to run a step (graphs that wait are due GRAPHS_DUE_S after the first one)."""
+        """The engine is about to run a step."""
         if self.first_step is None:
             self.first_step = time.perf_counter()
 

@@ -17,12 +17,12 @@ import gc
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
 
 from minisrv.attention.base import AttentionBackend
-from minisrv.attention.cascade import CascadePolicy
 from minisrv.batch import ForwardBatch, ForwardMode, PrefixGroups
 from minisrv.distributed import TensorParallel, TensorParallelError
 from minisrv.kvcache import KVPool, ReqToTokenTable
@@ -88,15 +88,14 @@ class ModelRunner:
     > 0 following rank 0's steps (`run_remote_step`)."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, pool: KVPool, table: ReqToTokenTable,
-                 device: torch.device, graph_runner=None, tp: Optional[TensorParallel] = None,
-                 cascade: Optional[CascadePolicy] = None, pooler: Optional[Pooler] = None) -> None:
+                 device: torch.device, tp: Optional[TensorParallel] = None, pooler: Optional[Pooler] = None) -> None:
         self.model = model
         self.pooler = pooler  # an embedding model's: its steps pool the hidden states, nothing is sampled
         self.tp = tp or TensorParallel.single()
         self.pool = pool
         self.table = table
         self.device = device
-        self.use_parts(RunnerParts(backend, graph_runner, cascade))  # the backend, graphs, cascade, sampling kernel
+        self.use_parts(RunnerParts(backend))
         self.num_cascade_steps = 0
         self.wait_s = 0.0  # host time spent waiting for the device's results (the GPU-bound share of a run)
         self._inflight: Deque[LaunchedStep] = deque()  # launched and not yet read back, oldest first
@@ -125,9 +124,7 @@ class ModelRunner:
                 assert not r.num_pending, "an extend step needs every token of its requests on the host"
                 ids.extend(r.all_ids[r.num_cached:r.num_cached + n])
                 pos.extend(range(r.num_cached, r.num_cached + n))
-        cu = [0]
-        for n in ext:
-            cu.append(cu[-1] + n)
+        cu = list(accumulate(ext, initial=0))
         layout = StepLayout(cu[-1], len(reqs), len(pending_rows))
         ints = layout.pack(self.device.type == "cuda", sb.out_cache_loc, input_ids=ids, positions=pos,
                            req_rows=[r.row for r in reqs], last_indices=[c - 1 for c in cu[1:]], seq_lens=seq_lens,
@@ -170,7 +167,7 @@ class ModelRunner:
 
     def forward_batch(self, inp: StepInputs) -> ForwardBatch:
         """The step's tensors on the device: one host-to-device copy of `inp.ints`, viewed field by field."""
-        d = to_device(inp.ints, torch.int64, self.device)  # pinned on rank 0; staged through pinned memory elsewhere
+        d = to_device(inp.ints, torch.int64, self.device)
         f = inp.layout.unpack(d)
         input_ids = f.input_ids
         if inp.layout.num_pending:
@@ -217,7 +214,7 @@ class ModelRunner:
         return logits, score_prompt_rows(self.model, hidden, inp)
 
     def _forward_on_all_ranks(self, inp: StepInputs) -> Tuple[torch.Tensor, Optional[List[Optional[torch.Tensor]]]]:
-        """Rank 0's forward: under tensor parallelism the step's inputs go to the other ranks first."""
+        """Rank 0's forward, the step's inputs sent to the other ranks first."""
         if self.tp.enabled:
             self.tp.send_object(inp)
         try:
@@ -242,16 +239,12 @@ class ModelRunner:
     # ------------------------------------------------------------------ launching steps (rank 0)
     @property
     def num_inflight(self) -> int:
-        """Launched steps whose results `collect` has not handed over yet."""
         return len(self._inflight) + len(self._read_back)
 
     @torch.inference_mode()
     def launch(self, sb: ScheduledBatch, needs_previous_tokens: bool = False) -> None:
-        """Queue forward and sampling; copy results to the host without waiting for them. Under tensor
-        parallelism the step's inputs go to the other ranks first, and the sampled ids after sampling.
-
-        needs_previous_tokens: this step's sampling reads the tokens of the steps still in flight on the host
-        (penalties, grammar masks). They are read back after the forward is queued, while the device runs it."""
+        """Queue forward and sampling; copy results to the host without waiting for them. needs_previous_tokens:
+        this step's sampling reads the tokens of the steps still in flight (see the module docstring)."""
         inp = self.step_inputs(sb)
         if self.pooler is not None:
             self._launch_pooling(sb, inp)
@@ -274,7 +267,6 @@ class ModelRunner:
 
     def _queue_sampling(self, sb: ScheduledBatch, inp: StepInputs, logits: torch.Tensor,
                         scores: Optional[PromptScores]) -> None:
-        """Queue the sampling of a step whose forward is queued, and count the step as in flight."""
         sampling = [r for r, s in zip(sb.reqs, sb.samples) if s]
         if not sampling:
             self._newest_ids = None
@@ -324,7 +316,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ reading steps back
     def collect(self) -> CollectedStep:
-        """The oldest launched step's results (waiting for the device if they are not read back yet)."""
+        """The oldest launched step's results."""
         return self._read_back.popleft() if self._read_back else self._read_oldest()
 
     def _read_oldest(self) -> CollectedStep:

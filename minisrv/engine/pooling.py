@@ -1,19 +1,16 @@
 """Embedding requests: a prompt's prefill, with its hidden states pooled into one vector instead of a token sampled.
 
 An embedding request is a `Request` with no output budget (max_new_tokens 0) and an `EmbeddingState`; the scheduler
-runs its prefill like any other, in chunks when long, batched with other requests, and never decodes it. Each
-extend step's hidden states [T, hidden] (after the final norm) are pooled here, on the device, per request:
+runs its prefill like any other, in chunks when long, and never decodes it. Each extend step's hidden states (after
+the final norm) are pooled here, on the device:
 
-- mean pooling sums its rows chunk by chunk into a float32 running sum (kept on the device, in launch order, so
-  overlap scheduling needs no wait) and divides by the prompt length at its last chunk; it never starts from a
-  cached prefix (every position must be computed), and a chunk at position 0 starts a new sum (a request retried
-  from scratch after a failed step);
-- last-token pooling takes the last chunk's last row (it may start from a cached prefix: only that row matters).
+- mean pooling sums its rows chunk by chunk into a float32 running sum on the device (so overlap scheduling needs no
+  wait) and divides by the prompt length at its last chunk; it never starts from a cached prefix, and a chunk at
+  position 0 starts a new sum (a request retried from scratch after a failed step);
+- last-token pooling takes the last chunk's last row (it may start from a cached prefix).
 
-At its last chunk the vector is normalised (when the model's pooling says so) and copied to the host; when the step
-is read back it is truncated to the request's `dimensions` (then normalised again), stored as a float32 numpy array
-and the request ends. Its KV pages are released as any finished request's are: with the prefix cache on, its
-full pages stay in the tree, evictable like any cached prefix (no request holds them), else they are freed.
+At its last chunk the vector is normalised (when the model's pooling says so) and copied to the host; read back, it
+is truncated to the request's `dimensions` (then normalised again) and the request ends like any other.
 """
 from __future__ import annotations
 
@@ -21,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 from .request import Request, RequestError, RequestLimits, SamplingParams, _ids_in_range, _is_int
-
 
 if TYPE_CHECKING:  # torch only where vectors are pooled: the HTTP process imports this module for its checks
     import torch
@@ -94,8 +90,7 @@ class PooledStep:
     normalize: bool = True
 
     def store(self) -> List[Request]:
-        """Each owner's vector, truncated to its dimensions (and normalised again), into its EmbeddingState;
-        returns the owners."""
+        """Each owner's vector, truncated to its dimensions, into its EmbeddingState; returns the owners."""
         import torch
         for k, req in enumerate(self.owners):
             v = self.host[k]
@@ -109,8 +104,6 @@ class PooledStep:
 
 
 class Pooler:
-    """Pools an embedding model's extend steps (see the module's docstring)."""
-
     def __init__(self, config: PoolingConfig) -> None:
         self.config = config
 

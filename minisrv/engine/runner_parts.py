@@ -1,4 +1,5 @@
-"""What a model runner's steps run on besides the model, handed over in one piece."""
+"""What a model runner's steps run on besides the model, handed over in one piece (`ModelRunner.use_parts`) by setup
+at start and by the start-up switch to kernels built meanwhile (kernel_builds.StagedKernels)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,9 +11,6 @@ from minisrv.attention.cascade import CascadePolicy
 
 @dataclass(frozen=True)
 class RunnerParts:
-    """What a runner's steps run on besides the model, handed over in one piece (`ModelRunner.use_parts`) by setup
-    at start and by the start-up switch to kernels built meanwhile (kernel_builds.StagedKernels)."""
-
     backend: AttentionBackend
     graph_runner: Optional[Any] = None  # CUDA-graph decode, when enabled
     cascade: Optional[CascadePolicy] = None  # when decode steps run as cascade attention (None: never)

@@ -121,15 +121,10 @@ class SamplingBatch:
         sb.max_logprobs = max(wants) if wants else -1
         if any(r.grammar is not None for r in reqs):
             sb.grammar_mask, sb.grammar_rows = fill_bitmask(reqs, device)
-        if any(p.logit_bias for p in ps):
-            rows, ids, vals = [], [], []
-            for i, p in enumerate(ps):
-                for t, v in (p.logit_bias or {}).items():
-                    rows.append(i)
-                    ids.append(t)
-                    vals.append(v)
-            sb.bias_index = to_device([rows, ids], torch.int64, device)
-            sb.bias_values = to_device(vals, torch.float32, device)
+        bias = [(i, t, v) for i, p in enumerate(ps) for t, v in (p.logit_bias or {}).items()]
+        if bias:
+            sb.bias_index = to_device([[i for i, _, _ in bias], [t for _, t, _ in bias]], torch.int64, device)
+            sb.bias_values = to_device([v for _, _, v in bias], torch.float32, device)
         forced = [(i, r.thinking.forced()) for i, r in enumerate(reqs)
                   if r.thinking is not None and r.thinking.rule.budget is not None]  # only a budget forces
         forced = [(i, t) for i, t in forced if t is not None]

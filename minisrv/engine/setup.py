@@ -1,5 +1,5 @@
 """Building an engine's parts: device and dtype, tokenizer, model, KV pool sized from the memory left, request
-table, attention backend, CUDA graphs, model runner. Everything here runs once, before the first step."""
+table, attention backend, CUDA graphs, model runner; once, before the first step."""
 from __future__ import annotations
 
 import functools
@@ -96,7 +96,6 @@ class EngineParts:
     allocator: PageAllocator
     table: ReqToTokenTable
     pad_row: int  # the table row CUDA-graph padding rows read (never a request's)
-    pad_page: Optional[int]  # the page their dummy K/V go to, when graphs are on
     runner: ModelRunner
     max_request_len: int  # prompt + output tokens one request may have
     workers: Optional[Any] = None  # rank 0 of a tensor-parallel engine: the other ranks' processes (TPWorkers)
@@ -127,17 +126,15 @@ def check_tensor_parallel(cfg: EngineConfig) -> None:
 
 def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional[Rendezvous] = None,
                        staged: bool = False) -> EngineParts:
-    """One rank's parts. staged: start before FlashInfer's kernels are compiled, if they are not (a server's engine,
-    one rank; see kernel_builds.py). With one rank, everything; under tensor parallelism every rank calls this with its rank
-    and rank 0's rendezvous (address and first process-group number) and builds the same parts for its shard
-    (rank 0 alone has a tokenizer). Rank 0's ranks 1..N-1 are started first (tp_workers.build_tensor_parallel_parts)."""
+    """One rank's parts. staged: start before FlashInfer's kernels are compiled (a server's engine, one rank; see
+    kernel_builds.py). Under tensor parallelism every rank calls this with its rank and rank 0's rendezvous and
+    builds the same parts for its shard (rank 0 alone has a tokenizer)."""
     t0 = time.perf_counter()
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)  # unseeded requests draw from torch's generator
     device = resolve_device(cfg)
     model_path = resolve_model_path(cfg.model)
     args = load_model_args(model_path, cfg.cache_dir)
-    # fail before loading weights
     backend_name = resolve_backend(cfg.attention_backend, device)
     if cfg.tp_size > 1:
         device = tp_device(device, tp_rank, cfg.tp_size)
@@ -157,9 +154,8 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
                          f"decode: it needs --kv-cache-dtype fp8_e4m3 and fi or triton decoding (fi, PREFILL,fi or "
                          f"PREFILL,triton); here the KV cache is "
                          f"{cfg.kv_cache_dtype} and the attention backend {backend_name}")
-    # on CUDA, FlashInfer is imported (about 1 s) and its builds started in a thread while the weights load; the
-    # layers' ops take its kernels once both are done (the model is built the same with or without them). Not
-    # beside a tensor-parallel group's set-up, which imports FlashInfer's communication kernels itself.
+    # on CUDA, FlashInfer is imported and its builds started in a thread while the weights load; the layers' ops take
+    # its kernels once both are done. Not beside a tensor-parallel group's set-up, which imports FlashInfer itself.
     fused_and_builds = None
     if device.type == "cuda":
         thread = ThreadPoolExecutor(1)
@@ -176,7 +172,6 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
     model = loaded.model
     kernels, builds = fused_and_builds.result() if fused_and_builds is not None else (ops.kernels, None)
     t_load = time.perf_counter() - t0
-    # a server's engine does not wait for kernels still compiling (the others do: they are built side by side)
     serving_name = backend_name
     layers_pending = sampling_pending = False
     if builds is not None:
@@ -227,8 +222,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
                        cascade=_cascade_policy(cfg, backend, backend_name, pool, ps))
 
     serving = create_backend(serving_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel)
-    runner = ModelRunner(model, serving, pool, table, device, None, tp, None,
-                         Pooler(pooling) if pooling is not None else None)
+    runner = ModelRunner(model, serving, pool, table, device, tp, Pooler(pooling) if pooling is not None else None)
     parts = RunnerParts(serving, sampling_kernel=None if sampling_pending else fused_sampling_kernel(device))
     staged_kernels = None
     # a server's engine answers its first requests before capturing its CUDA graphs (kernel_builds.StagedKernels)
@@ -263,16 +257,14 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     return EngineParts(device, model_path, args, tokenizer, sorted(eos), dtype, context_length, ps, backend_name,
-                       pool, allocator, table, pad_row, pad_page, runner, max_request_len, pooling=pooling,
+                       pool, allocator, table, pad_row, runner, max_request_len, pooling=pooling,
                        staged_kernels=staged_kernels, cache_write=loaded.cache_write)
 
 
 def _fused_and_builds(cfg: EngineConfig, args: ModelArgs, backend_name: str, dtype: torch.dtype,
                       device: torch.device) -> Tuple[Optional[Any], Optional[KernelBuilds]]:
     """The layers' fused ops on CUDA (FlashInfer's, when importable) and the builds of every FlashInfer module this
-    engine will call, started side by side (engine/kernel_builds.py), with the attention layers' Triton kernel
-    (kernels/qk_rope_store.py: Triton's import and the kernel's compilation); FA3's kernel imported ahead of its
-    first use."""
+    engine will call (kernel_builds.py) and of the attention layers' Triton kernel; FA3's kernel imported ahead."""
     if missing("fa", device_sm(device)) is None:  # fa serves here (asked for, or standing in for fi)
         from minisrv.attention.fa import preload
         preload()

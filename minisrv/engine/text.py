@@ -4,19 +4,24 @@ Every consumer (the offline `LLM`, the server's streams and whole responses) rea
 gets the same text whichever way it is served. The text is never cut inside a UTF-8 character, ends before the
 first stop string, and `take()` holds back a tail that may still become a stop string until it is known not to.
 
-Decoding uses the tokenizer's own streaming decoder (`tokenizers.decoders.DecodeStream`, about 1.5 us a token),
-primed with the last prompt tokens so a word-initial space comes out right; a tokenizer without one falls back to
-decoding a sliding window of ids. Where the installed tokenizer's own `decode` cleans up spaces
+Decoding uses the tokenizer's own streaming decoder (`tokenizers.decoders.DecodeStream`), primed with the last
+prompt tokens so a word-initial space comes out right; a tokenizer without one falls back to decoding a sliding
+window of ids. Where the installed tokenizer's own `decode` cleans up spaces
 (`clean_up_tokenization_spaces`, " ." -> "."; transformers 5 no longer does, whatever the flag says), the same
 clean-up is applied to the stream, with a short tail held back where a pattern could still complete: the text is
 always what `tokenizer.decode(ids, skip_special_tokens=True)` gives.
 
-The text is kept as a list of pieces (appending is O(1)); only the tail a stop string can reach is joined as tokens
-arrive, and `take()` joins only what it hands out, so a long output costs linear time.
+The text is kept as a list of pieces; only the tail a stop string can reach is joined as tokens arrive, and `take()`
+joins only what it hands out, so a long output costs linear time.
 """
 from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # an older tokenizers: _WindowDecoder
+    DecodeStream = None
 
 PROMPT_CONTEXT = 5  # prompt tokens decoded alongside the output, so word-initial spaces come out right
 
@@ -60,23 +65,11 @@ class _StreamDecoder:
     """The Rust tokenizer's DecodeStream: holds back incomplete UTF-8 itself."""
 
     def __init__(self, backend: Any, context: Sequence[int], skip_special_tokens: bool) -> None:
-        from tokenizers.decoders import DecodeStream
         self.backend = backend
         self.stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> Optional[str]:
         return self.stream.step(self.backend, token_id)
-
-
-def _has_decode_stream() -> bool:
-    try:
-        from tokenizers.decoders import DecodeStream  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-_DECODE_STREAM = _has_decode_stream()
 
 
 def decode_cleans_up(tokenizer: Any) -> bool:
@@ -100,7 +93,7 @@ class TextStream:
                  skip_special_tokens: bool = True, clean_up: Optional[bool] = None) -> None:
         context = list(prompt_ids[-PROMPT_CONTEXT:])
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None and _DECODE_STREAM:
+        if backend is not None and DecodeStream is not None:
             self._decoder: Any = _StreamDecoder(backend, context, skip_special_tokens)
         else:
             self._decoder = _WindowDecoder(tokenizer, context, skip_special_tokens)

@@ -1,21 +1,19 @@
 """A thinking model's output, as the engine sees it: which tokens are thinking, when the thinking must stop, and
 where a grammar starts.
 
-Thinking models (Qwen3, DeepSeek-R1 and its distills) write their reasoning between `<think>` and `</think>` before
-the answer. Two things about a request depend on where that boundary falls, and both must be decided token by
-token in the engine, not on the text afterwards:
+Thinking models (Qwen3, DeepSeek-R1) write their reasoning between `<think>` and `</think>` before the answer. Two
+things depend on where that boundary falls, and both are decided token by token in the engine:
 
 - a thinking budget: after `budget` thinking tokens without `</think>`, the next token is forced to be the end
   token (`ThinkingState.forced`, applied by the sampler after everything else), so the model moves on to its
-  answer. Qwen's own API offers this; SGLang does it with a custom logit processor.
+  answer.
 - structured outputs: a JSON schema, regex or forced tool call describes the answer, not the thinking, which is
   free text. So a request's grammar sees only the tokens after `</think>` (`ThinkingState.advance` says which
   tokens are the answer's); while the model thinks its mask allows every token but the stop tokens, so that it
   cannot end without an answer (engine/grammar.py fills those rows).
 
-The tags are single tokens in every model that thinks this way (the server refuses a tokenizer where they are
-not, see server/reasoning.py). Where the thinking starts is the chat template's business: DeepSeek-R1's template
-(and Qwen3-Thinking-2507's) ends the prompt with `<think>`, so the output starts inside the thinking
+The tags are single tokens in every model that thinks this way. Where the thinking starts is the chat template's
+business: DeepSeek-R1's template ends the prompt with `<think>`, so the output starts inside the thinking
 (`starts_inside`); Qwen3's leaves it to the model, whose first token is then `<think>` or the answer begins.
 """
 from __future__ import annotations
@@ -55,11 +53,8 @@ class ThinkingRule:
 
 class ThinkingState:
     """Where one request's output is: before it (the first token decides whether it thinks), thinking, or answering.
-
-    Advanced with every token that reaches the host, in order (model_runner feeds it before the grammar), so a
-    retracted and recomputed request keeps its place. The sampler reads `forced` when it builds a step; with a
-    budget the request needs its previous token on the host first, as a grammar does (Request.needs_accepted_tokens).
-    """
+    Advanced with every token that reaches the host, in order (before the grammar), so a retracted and recomputed
+    request keeps its place; with a budget the request needs its previous token on the host (as a grammar does)."""
 
     def __init__(self, rule: ThinkingRule) -> None:
         self.rule = rule

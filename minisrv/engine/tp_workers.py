@@ -1,18 +1,11 @@
 """Tensor parallelism's other ranks as processes: ranks 1..N-1, spawned, watched and reaped by rank 0's engine
 (what each of them runs is tp_rank.py).
 
-Rank 0 runs the engine (scheduler, sampling, text) and its shard of the model. Each other rank builds the same
-parts for its own shard and then only follows rank 0's steps.
-
-A rank that fails before it has started (a script that builds an engine at module level without an
-`if __name__ == "__main__":` guard makes every spawned rank fail as it imports that script again) is noticed before
-rank 0 waits for the group: rank 0 raises at once with the reason and the fix, instead of waiting for a rank that
-will never join.
-
-A rank that dies is noticed by its exit, not by a timeout: rank 0's watcher names it, stops the others, and ends
-the engine with an error (on the CPU the next collective fails at once; on CUDA a collective waiting for a dead peer
-never returns, so after a grace period the watcher ends rank 0's process itself). A rank whose parent dies is
-killed by the kernel (PR_SET_PDEATHSIG), so no rank outlives its engine.
+A rank that fails before it has started (usually a script without an `if __name__ == "__main__":` guard, which
+every spawned rank imports again) makes rank 0 raise at once with the reason and the fix, instead of waiting for a
+rank that will never join. A rank that dies later is noticed by its exit, not by a timeout: rank 0's watcher names
+it, stops the others, and ends the engine with an error (on CUDA a collective waiting for a dead peer never returns,
+so after a grace period the watcher ends rank 0's process itself).
 """
 from __future__ import annotations
 
@@ -70,9 +63,7 @@ class TPWorkers:
             if not ended:
                 continue
             rank = live[ended[0]]
-            proc = self.procs[rank - 1]
-            proc.join(1.0)
-            self.lost = f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+            self.lost = _exited(rank, self.procs[rank - 1], 1.0)
             logger.error("%s: the engine stops", self.lost)
             self._kill_all()
             # a CUDA collective never returns without its peer; before the group has formed, neither does the
@@ -89,9 +80,8 @@ class TPWorkers:
         for rank, (proc, started) in enumerate(zip(self.procs, self.started), start=1):
             while not started.wait(0.1):
                 if not proc.is_alive():
-                    proc.join(1.0)
-                    self.lost = (f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} "
-                                 f"before it started (its error is printed above); {GUARD_HINT}")
+                    self.lost = (f"{_exited(rank, proc, 1.0)} before it started (its error is printed above); "
+                                 f"{GUARD_HINT}")
                     self.acknowledged.set()
                     raise TensorParallelError(self.lost)
                 if time.monotonic() > deadline:
@@ -104,8 +94,7 @@ class TPWorkers:
         if self.lost is None:
             for rank, p in enumerate(self.procs, start=1):
                 if not p.is_alive():
-                    p.join(0.2)
-                    self.lost = f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                    self.lost = _exited(rank, p, 0.2)
                     break
         if self.lost is not None:
             self.acknowledged.set()
@@ -119,7 +108,7 @@ class TPWorkers:
             p.join(STOP_TIMEOUT_S)
 
     def stop(self, send_stop: Callable[[], None], teardown: Callable[[], None]) -> None:
-        """Tell the ranks to end (send_stop sends them None), tear the process group down together with them
+        """Tell the ranks to end (send_stop), tear the process group down together with them
         (`teardown`: its collective part needs every rank), wait for them, kill what lingers; always reaps.
         A group that lost a rank is not torn down (its teardown would wait for the lost rank)."""
         if self._stopping.is_set():
@@ -136,6 +125,11 @@ class TPWorkers:
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         self._kill_all()
+
+
+def _exited(rank: int, proc: mp.Process, join_s: float) -> str:
+    proc.join(join_s)
+    return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
 
 
 def free_tcp_address() -> str:

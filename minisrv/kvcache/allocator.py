@@ -6,9 +6,6 @@ from typing import List
 
 
 class PageAllocator:
-    """Pages from a free stack (O(1) a page), each with a count of its holders; free() drops one hold, and a page
-    goes back on the stack when its last holder lets go."""
-
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         self._free: List[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
@@ -32,7 +29,6 @@ class PageAllocator:
             self._refs[p] += 1
 
     def free(self, pages: List[int]) -> None:
-        """Drop one reference from each page; pages that reach zero return to the free stack."""
         for p in pages:
             r = self._refs[p]
             assert r > 0, f"double free of page {p}"

@@ -1,5 +1,4 @@
-"""The paged KV pool: a slot is one token's place, slot = page * page_size + offset. It knows pages and slots,
-never requests.
+"""The paged KV pool: a slot is one token's place, slot = page * page_size + offset.
 
 The pool holds K and V either in the model's dtype or in float8_e4m3fn (`--kv-cache-dtype fp8_e4m3`), which fits
 twice as many tokens as bf16 in the same memory. An FP8 pool stores K / k_scale and V / v_scale, saturated to e4m3's
@@ -8,9 +7,8 @@ layer; whoever reads multiplies back. The scales are 1.0 unless a checkpoint's c
 `set_scales` (which must happen before CUDA graphs are captured: FlashInfer bakes them into its launch arguments).
 
 On the CPU the pool is anonymous memory mapped from the operating system, which hands it out zeroed and takes
-physical pages only as they are first written: a pool sized for 65,536 tokens costs nothing at start-up (zeroing
-it with torch.zeros took seconds) and holds, resident, only the pages requests have used (the page allocator hands
-out low pages first).
+physical pages only as they are first written: a large pool costs nothing at start-up and holds, resident, only the
+pages requests have used (the page allocator hands out low pages first).
 """
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ import mmap
 from typing import Sequence, Tuple
 
 import torch
-
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 
@@ -28,10 +25,9 @@ class KVPool:
     [2, num_pages, page_size, num_kv_heads, head_dim] tensor, so a step's new K and V can be stored with one
     kernel when they sit side by side in memory (as they do in a fused qkv projection's output).
 
-    `dtype` is what the model computes K/V (and attention) in; `kv_dtype` is what the pool holds, the same unless the
-    pool is FP8. Scales live twice: `kv_scale` [num_layers, 2] (K, V) float32 on the device, for kernels and the
-    store path, which take tensors; `k_scale_host` / `v_scale_host` as Python floats, for FlashInfer, which folds
-    them into its softmax scale on the host. `set_scales` is the one writer of both.
+    `dtype` is what the model computes K/V in; `kv_dtype` is what the pool holds. Scales live twice: `kv_scale`
+    [num_layers, 2] (K, V) float32 on the device, for kernels, which take tensors; `k_scale_host` / `v_scale_host`
+    as Python floats, for FlashInfer, which folds them into its softmax scale on the host (`set_scales` writes both).
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -72,7 +68,7 @@ class KVPool:
         return self.num_slots * self.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype)
 
     def set_scales(self, k_scales: Sequence[float], v_scales: Sequence[float]) -> None:
-        """Per-layer K and V scales (a checkpoint's calibrated ones); call before anything is stored or captured."""
+        """A checkpoint's calibrated per-layer K and V scales; before anything is stored or captured."""
         k, v = [float(s) for s in k_scales], [float(s) for s in v_scales]
         if len(k) != self.num_layers or len(v) != self.num_layers:
             raise ValueError(f"need {self.num_layers} K and V scales, got {len(k)} and {len(v)}")
@@ -130,7 +126,6 @@ class KVPool:
 
     def flat_v(self, layer_id: int) -> torch.Tensor:
         return self.v[layer_id].view(-1, self.num_kv_heads, self.head_dim)
-
 
 
 def _zeros(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -54,22 +54,12 @@ class RadixCache:
         self.page_size = page_size
         self.root = RadixNode()
         self._clock = 0
-        self._num_pages = 0
-        self._evictable_pages = 0
-
-    # ---- queries -----------------------------------------------------------------------------------------------
-
-    @property
-    def num_pages(self) -> int:
-        return self._num_pages
+        self.num_pages = 0  # pages the tree holds
+        self.evictable_pages = 0  # of those, the pages of unlocked nodes
 
     @property
     def num_tokens(self) -> int:
-        return self._num_pages * self.page_size
-
-    @property
-    def evictable_pages(self) -> int:
-        return self._evictable_pages
+        return self.num_pages * self.page_size
 
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         """The longest cached prefix of token_ids that is a whole number of pages. Refreshes LRU times on the path
@@ -79,8 +69,6 @@ class RadixCache:
         pages: List[int] = []
         node, pos = self._walk(tokens, pages)
         return PrefixMatch(pages=pages, num_tokens=pos, node=node)
-
-    # ---- updates -----------------------------------------------------------------------------------------------
 
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> Tuple[int, RadixNode]:
         """Cache token_ids (a whole number of pages) with their pages. The tree takes one new reference on each
@@ -95,8 +83,8 @@ class RadixCache:
             self.allocator.incref(new_pages)
             leaf = RadixNode(key=tokens[pos:], pages=new_pages, parent=node, last_access=self._clock)
             node.children[self._child_key(leaf.key)] = leaf
-            self._num_pages += len(new_pages)
-            self._evictable_pages += len(new_pages)
+            self.num_pages += len(new_pages)
+            self.evictable_pages += len(new_pages)
             node = leaf
         return pos, node
 
@@ -105,7 +93,7 @@ class RadixCache:
         n: Optional[RadixNode] = node
         while n is not None:
             if n.lock_ref == 0:
-                self._evictable_pages -= len(n.pages)
+                self.evictable_pages -= len(n.pages)
             n.lock_ref += 1
             n = n.parent
 
@@ -116,7 +104,7 @@ class RadixCache:
         while n is not None:
             n.lock_ref -= 1
             if n.lock_ref == 0:
-                self._evictable_pages += len(n.pages)
+                self.evictable_pages += len(n.pages)
             n = n.parent
 
     def evict(self, num_pages: int) -> int:
@@ -134,8 +122,8 @@ class RadixCache:
             leaf.pages = leaf.pages[:keep]
             leaf.key = leaf.key[: keep * self.page_size]
             released += take
-            self._num_pages -= take
-            self._evictable_pages -= take
+            self.num_pages -= take
+            self.evictable_pages -= take
             if keep == 0:
                 parent = leaf.parent
                 assert parent is not None
@@ -152,11 +140,9 @@ class RadixCache:
         for n in self._nodes():
             self.allocator.free(n.pages)
         self.root = RadixNode()
-        self._num_pages = 0
-        self._evictable_pages = 0
+        self.num_pages = 0
+        self.evictable_pages = 0
         return True
-
-    # ---- internals ---------------------------------------------------------------------------------------------
 
     def _walk(self, tokens: Tuple[int, ...], pages: Optional[List[int]]) -> Tuple[RadixNode, int]:
         """Follow tokens down the tree as far as whole pages match, splitting the node where the match ends inside

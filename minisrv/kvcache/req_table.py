@@ -10,11 +10,8 @@ from minisrv.utils import ceil_div, host_tensor, to_device
 
 
 class ReqToTokenTable:
-    """Rows of [max_context] slots, one row per live request, on the device.
-
-    With `journal` a list (tensor parallelism's rank 0), every write is also noted there, so the other ranks can
-    replay them on their own copies of the table before running the same step (`take_journal`, `replay`).
-    """
+    """Rows of [max_context] slots, one row per live request. With `journal` a list (tensor parallelism's rank 0),
+    every write is also noted there, for the other ranks to replay on their copies before the same step."""
 
     def __init__(self, max_rows: int, max_context: int, device: torch.device) -> None:
         self.table = torch.zeros((max_rows, max_context), dtype=torch.int32, device=device)
@@ -55,10 +52,8 @@ class ReqToTokenTable:
 
 
 def slots_for(pages: List[int], page_size: int, start: int, end: int) -> torch.Tensor:
-    """Slots of positions [start, end) of a request owning `pages` (in order).
-
-    Built page by page (each page's slots are page * page_size + 0..page_size-1) from only the pages the range
-    touches: a 4k-token prefix costs a few small tensor ops, not a division and a gather per position."""
+    """Slots of positions [start, end) of a request owning `pages` (in order), built a page at a time from only the
+    pages the range touches (not a division and a gather per position)."""
     first, last = start // page_size, ceil_div(end, page_size)
     if last > len(pages):
         raise IndexError(f"positions up to {end} need {last} pages, the request has {len(pages)}")

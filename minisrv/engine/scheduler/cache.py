@@ -64,11 +64,14 @@ class CacheManager:
         self.table.write(req.row, start, slots)
         return slots
 
+    def decode_pages(self, reqs: List[Request]) -> int:
+        """Pages a decode step of reqs takes: one for each request whose next token starts a page."""
+        return sum(1 for r in reqs if r.num_cached % self.page_size == 0)
+
     def place_decode(self, reqs: List[Request]) -> List[int]:
-        """The slot of each request's next token (one new page for each whose token starts a page), written to the
-        table; the caller made sure the pages are there (`available_pages`)."""
+        """The slot of each request's next token, written to the table; the caller made sure the pages are there."""
         ps = self.page_size
-        fresh = self.alloc_pages(sum(1 for r in reqs if r.num_cached % ps == 0))
+        fresh = self.alloc_pages(self.decode_pages(reqs))
         slots = []
         for r in reqs:
             pos = r.num_cached

@@ -25,7 +25,7 @@ def decode_batch(running: List[Request], cache: CacheManager,
     solo = next((r for r in reqs if r.solo), None)
     if solo is not None:
         reqs = [solo]
-    while _new_pages(reqs, cache.page_size) > cache.available_pages():
+    while cache.decode_pages(reqs) > cache.available_pages():
         if len(running) == 1:  # admission refuses requests larger than the pool, so this cannot happen
             raise RuntimeError("KV pool too small for a single request")
         victim = max(running, key=lambda r: r.arrival)
@@ -37,8 +37,3 @@ def decode_batch(running: List[Request], cache: CacheManager,
     slots = cache.place_decode(reqs)
     n = len(reqs)
     return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * n, host_tensor(slots, torch.int64), [True] * n)
-
-
-def _new_pages(reqs: List[Request], page_size: int) -> int:
-    """Pages a decode step of reqs takes: one for each request whose next token starts a page."""
-    return sum(1 for r in reqs if r.num_cached % page_size == 0)

@@ -68,10 +68,7 @@ class Scheduler:
         """A step with this request failed: recompute it from scratch, in batches of its own, until it samples."""
         req.solo = True
         if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-            self.cache.release(req, keep_kv=False)
-            req.status = RequestStatus.WAITING
-            self.waiting.appendleft(req)
+            self._requeue(req, keep_kv=False)
 
     def abort(self, rid: str) -> Optional[Request]:
         req = self.by_id.get(rid)
@@ -144,12 +141,15 @@ class Scheduler:
     def _retract(self, req: Request) -> None:
         """Free a running request's KV and queue it again; it will be re-prefilled with its output so far."""
         logger.info("KV pool full: retracting %s (%d tokens) to the waiting queue", req.rid, req.total_len)
-        self.running.remove(req)
-        self.cache.release(req)
-        req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        self._requeue(req, keep_kv=True)
         self.num_retractions += 1
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+
+    def _requeue(self, req: Request, keep_kv: bool) -> None:
+        self.running.remove(req)
+        self.cache.release(req, keep_kv)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
 
     def commit(self, batch: ScheduledBatch) -> None:
         """The step is queued on the device: its extended tokens count as cached from now on (the device runs
