@@ -4,7 +4,7 @@ and fills the next step's masks in host memory (`fill_host_bitmask`, as Sampling
 the device, which is not timed: it needs a GPU). Median milliseconds per step, for several batch sizes and xgrammar
 thread counts.
 
-The vocabulary is the one run.sh's structured-output benchmark uses on the GPU (tests/gpu/json_tokenizer.py: the
+The vocabulary is the one the structured-output benchmark uses on the GPU (scripts/json_tokenizer.py: the
 95 printable ASCII characters, then words up to 151,936 tokens, Qwen's vocabulary size), so the masks are as wide as
 there. The tokens fed are string content ("a", " ", a word), which keeps every request inside the JSON string, as
 the benchmark's requests mostly are.
@@ -28,19 +28,11 @@ SCHEMA = json.dumps({"type": "object", "properties": {"text": {"type": "string"}
 
 
 def json_tokenizer(vocab_size: int):
-    """The GPU benchmark's tokenizer (see tests/gpu/json_tokenizer.py), built in a temporary directory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    chars = [chr(c) for c in range(32, 127)]
-    vocab = {ch: i for i, ch in enumerate(chars)}
-    vocab.update({f"w{i}": i for i in range(len(chars), vocab_size)})
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w95"))
-    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tk.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=f"w{vocab_size - 1}", unk_token="w95")
+    """The GPU benchmark's tokenizer (scripts/json_tokenizer.py), loaded back as AutoTokenizer loads it."""
+    from json_tokenizer import json_tokenizer as build
+    from transformers import AutoTokenizer
     with tempfile.TemporaryDirectory() as d:
-        fast.save_pretrained(d)
-        from transformers import AutoTokenizer
+        build(vocab_size, vocab_size - 1).save_pretrained(d)
         return AutoTokenizer.from_pretrained(d)
 
 

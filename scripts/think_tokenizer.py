@@ -1,8 +1,8 @@
 """The random-weight checkpoint's word-level tokenizer with two of its words renamed `<think>` and `</think>` (single,
 non-special tokens, as in Qwen3's and DeepSeek-R1's vocabularies), so that a server on that checkpoint can run a
-reasoning parser. Used by run.sh's reasoning-parser cost benchmark.
+reasoning parser. Used by the reasoning parser's serving benchmark (scripts/gpu_bench.sh serving).
 
-  python tests/gpu/think_tokenizer.py OUT_DIR CHECKPOINT_DIR
+  python scripts/think_tokenizer.py OUT_DIR CHECKPOINT_DIR
 """
 import json
 import os

@@ -1,6 +1,6 @@
 """Measurement stand-ins for the two sgl-kernel ops mini-SGLang's MoE layer calls (`topk_softmax`,
-`moe_align_block_size`), for running mini-SGLang on the MoE checkpoint beside minisrv (`tests/gpu/run.sh
-peer-moe` appends this file to the peers' `sgl_kernel` shim): the sgl-kernel wheel (about 535 MB) cannot reach the
+`moe_align_block_size`), for running mini-SGLang on the MoE checkpoint beside minisrv (`scripts/gpu_bench.sh
+offline` appends this file to the peers' `sgl_kernel` shim): the sgl-kernel wheel (about 535 MB) cannot reach the
 GPU machine. Torch ops with sgl-kernel's outputs for expert ids in range and no host sync, so mini-SGLang's CUDA
 graphs capture them; a few more small kernels a layer than sgl-kernel's, so its figure is a lower bound."""
 # measurement stand-ins for the two sgl-kernel MoE ops mini-SGLang calls (the sgl-kernel wheel cannot travel):

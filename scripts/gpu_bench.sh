@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The GPU benchmarks of docs/benchmarks.md as named suites, run on a GPU machine from the repository root after the
+# set-up of docs/testing.md (wheels carried in .gpu-wheels/):
+#   bash scripts/gpu_bench.sh [--ab] SUITE...
+# --ab runs every step on this tree and then on .baseline/ (an earlier checkout carried beside it; its steps are
+# labelled @base), so that a change and what it replaced are measured in one lease. Suites:
+#   offline   the nano workload: Qwen3-0.6B shape bf16 and FP8 KV, the Llama-3-8B shape (64 requests), the
+#             Qwen3-30B-A3B half shape; mini-SGLang and nano-vLLM on the same checkpoints where .peers/ is carried
+#   features  the other offline workloads: shared system prompts, long shared prefixes (+ cascade decode),
+#             every request under a JSON schema, FP8 weights + KV on the 8B and MoE shapes
+#   decode    decode steps by batch size: 0.6B, 8B (bf16, FP8 KV, FP8 weights + KV), MoE (bf16, FP8)
+#   kernels   the kernels alone: decode attention, the fused experts, the small-batch FP8 GEMM
+#   serving   bench_serving against a server: plain, half the requests constrained, the reasoning parser off / on
+#   startup   launch to the first chat answer, 0.6B and 8B shapes
+#   profile   where a decode step's time goes (torch profiler; the host's Python) on the three shapes
+#   tp        two GPUs, Llama-3-8B shape: decode steps and the workload at tp 1, tp 2, tp 2 with the fused all-reduce
+# Each step's output is appended to $OUT/bench.log, results to $OUT/*.jsonl, and the output tok/s of every step that
+# prints one to $OUT/summary.txt (printed at the end).
+set -u
+TREES=.
+[ "${1:-}" = --ab ] && { TREES=". .baseline"; shift; }
+[ $# -gt 0 ] || { sed -n 2,18p "$0"; exit 2; }
+. scripts/gpu_env.sh
+Q=$MINISRV_GPU_CKPT L=/tmp/llama8b M=/tmp/moe JTOK=/tmp/json-tokenizer TTOK=/tmp/think-tokenizer
+
+# step LABEL LIMIT CMD...: CMD under a time limit; its tail printed, its output tok/s (if any) added to the summary
+step() { local label=$1 limit=$2 t=$SECONDS rc; shift 2; echo "=== $label"
+  background "$limit" "$@" > /tmp/gpu-step.log 2>&1; wait "$BG_PID"; rc=$?
+  cat /tmp/gpu-step.log >> "$OUT/bench.log"; grep -v -E "Warning|warn\(" /tmp/gpu-step.log | tail -n 30
+  local tps=$(sed -n -E 's/.*= ([0-9.]+) output tok\/s.*/\1/p; s/.*throughput=([0-9.]+)tok\/s.*/\1/p' /tmp/gpu-step.log | tail -n 1)
+  [ -n "$tps" ] && printf "%-28s %10s output tok/s\n" "$label" "$tps" >> "$OUT/summary.txt"
+  echo "=== $label done in $((SECONDS - t))s (rc $rc)"; save_fi_cache; }
+# bench LABEL LIMIT SCRIPT ARGS...: scripts/SCRIPT once a tree (each tree's script imports its own minisrv)
+bench() { local label=$1 limit=$2 script=$3 tree; shift 3
+  for tree in $TREES; do step "$label$(tag $tree)" "$limit" python3 "$tree/scripts/$script" "$@"; done; }
+tag() { [ "$1" = . ] || echo @base; }
+# checkpoints SHAPE...: the random-weight checkpoints, written side by side before anything is timed
+checkpoints() { local shape dir pids=
+  for shape in "$@"; do case $shape in qwen3-0.6b) dir=$Q;; llama3-8b) dir=$L;; qwen3-30b-a3b-half) dir=$M;; esac
+    [ -f $dir/config.json ] && continue
+    background 600 python3 .gpu-wheels/tools/make_checkpoint.py $dir $shape > /dev/null 2>&1; pids="$pids $BG_PID"; done
+  [ -z "$pids" ] || wait $pids; }
+# peer NAME CKPT NUM: a peer's offline run of the same workload (carry .peers: ../shared/peers/setup_peers.sh)
+peer() { [ -f .peers/run.sh ] && step "$1-$(basename "$2")" 400 env NUM="$3" bash .peers/run.sh "$1" "$2"; }
+# serve LABEL "SERVER FLAGS" BENCH_SERVING FLAGS...: bench_serving against a server of each tree on the 0.6B shape,
+# started here and stopped by its id after
+serve() { local label=$1 flags=$2 tree port=30123 spid; shift 2
+  for tree in $TREES; do
+    background 900 env PYTHONPATH="$PWD/$tree:$PYTHONPATH" python3 -P -m minisrv.launch_server --model $Q --port $port \
+      $flags > "/tmp/$label-server.log" 2>&1; spid=$BG_PID
+    for _ in $(seq 300); do kill -0 $spid 2>/dev/null || break
+      python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" 2>/dev/null && break
+      sleep 1; done
+    step "$label$(tag $tree)" 300 python3 "$tree/scripts/bench_serving.py" --base-url http://127.0.0.1:$port \
+      --output "/tmp/$label.json" "$@"
+    kill $spid 2>/dev/null; wait $spid; done; }
+OFFLINE="bench_offline.py --json $OUT/bench.jsonl"
+DECODE="bench_decode.py --graphs on --steps 32 --json $OUT/decode.jsonl"
+
+for suite in "$@"; do case $suite in
+  offline) checkpoints qwen3-0.6b llama3-8b qwen3-30b-a3b-half
+    bench nano 300 $OFFLINE --model $Q
+    bench nano-fp8kv 300 $OFFLINE --model $Q --kv-cache-dtype fp8_e4m3
+    bench llama8b-64 300 $OFFLINE --model $L --num-prompts 64
+    bench moe 400 $OFFLINE --model $M
+    peer minisgl $Q 256; peer nanovllm $Q 256; peer minisgl $L 64
+    # mini-SGLang's MoE layer needs two sgl-kernel ops, replaced in its shims by torch ones for this run
+    if [ -f .peers/run.sh ]; then grep -q "def moe_align_block_size" .peers/shims/sgl_kernel/__init__.py \
+        || cat scripts/peer_moe_ops.py >> .peers/shims/sgl_kernel/__init__.py; peer minisgl $M 256; fi ;;
+  features) checkpoints qwen3-0.6b llama3-8b qwen3-30b-a3b-half
+    [ -f $JTOK/tokenizer.json ] || python3 scripts/json_tokenizer.py $JTOK $Q > /dev/null
+    bench shared 300 $OFFLINE --model $Q --workload shared
+    bench prefix-512 300 $OFFLINE --model $Q --workload prefix --max-output-len 512
+    bench prefix-512-cascade 300 $OFFLINE --model $Q --workload prefix --max-output-len 512 --enable-cascade-attention
+    bench grammar 300 $OFFLINE --model $Q --json-schema --tokenizer $JTOK --disable-radix-cache
+    bench llama8b-64-fp8 300 $OFFLINE --model $L --num-prompts 64 --quantization fp8 --kv-cache-dtype fp8_e4m3
+    bench moe-fp8 400 $OFFLINE --model $M --quantization fp8 ;;
+  decode) checkpoints qwen3-0.6b llama3-8b qwen3-30b-a3b-half
+    bench decode-0.6b 300 $DECODE --model $Q --batch-sizes 1,64,256
+    bench decode-8b 300 $DECODE --model $L --batch-sizes 1,64,256
+    bench decode-8b-fp8kv 300 $DECODE --model $L --batch-sizes 1,64,256 --kv-cache-dtype fp8_e4m3
+    bench decode-8b-fp8 300 $DECODE --model $L --batch-sizes 1,64,256 --quantization fp8 --kv-cache-dtype fp8_e4m3
+    bench decode-moe 300 $DECODE --model $M --batch-sizes 1,64,256 --repeats 3 --context 128
+    bench decode-moe-fp8 300 $DECODE --model $M --batch-sizes 1,64,256 --repeats 3 --context 128 --quantization fp8 ;;
+  kernels)
+    bench attention 400 bench_attention.py
+    bench fused-moe 200 bench_fused_moe.py --tokens 1,8,64,256,2048
+    bench fused-moe-fp8 200 bench_fused_moe.py --fp8 --tokens 1,8,64,256,2048
+    bench small-m-gemm 200 bench_small_m_gemm.py ;;
+  serving) checkpoints qwen3-0.6b
+    [ -f $JTOK/tokenizer.json ] || python3 scripts/json_tokenizer.py $JTOK $Q > /dev/null
+    [ -f $TTOK/tokenizer.json ] || python3 scripts/think_tokenizer.py $TTOK $Q > /dev/null
+    RANDOM_256="--num-prompts 256 --request-rate 64 --random-input-len 512 --random-output-len 256 --random-range-ratio 0.5"
+    serve serving "" $RANDOM_256
+    serve serving-grammar "--tokenizer $JTOK" $RANDOM_256 --constrained-fraction 0.5
+    # the nano workload's lengths through the chat endpoint, all at once: every output is thinking for deepseek_r1
+    NANO_CHAT="--endpoint chat --num-prompts 256 --random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.0977 --temperature 0.6"
+    serve think-off "--tokenizer $TTOK" $NANO_CHAT
+    serve think-on "--tokenizer $TTOK --reasoning-parser deepseek_r1" $NANO_CHAT ;;
+  startup) checkpoints qwen3-0.6b llama3-8b
+    bench startup-0.6b 580 bench_startup.py --runs 3 --print-log --until-built -- --model $Q
+    bench startup-8b 400 bench_startup.py --runs 2 --print-log --until-built -- --model $L ;;
+  profile) checkpoints qwen3-0.6b llama3-8b qwen3-30b-a3b-half
+    bench profile-0.6b 300 bench_decode.py --model $Q --graphs on --steps 16 --batch-sizes 1,64,256 --torch-profile
+    bench cprofile-0.6b 300 bench_decode.py --model $Q --graphs on --steps 32 --batch-sizes 1,64 --cprofile
+    bench profile-8b 300 bench_decode.py --model $L --graphs on --steps 16 --batch-sizes 1,64 --torch-profile
+    bench profile-moe 300 bench_decode.py --model $M --graphs on --steps 8 --batch-sizes 1,256 --context 128 --torch-profile
+    bench steps-moe 400 $OFFLINE --model $M --steps ;;
+  tp) checkpoints llama3-8b
+    # FlashInfer's communication kernels (the fused all-reduce) build for minutes: beside the tp 1 runs
+    background 600 python3 -c "from flashinfer.comm.trtllm_ar import get_trtllm_comm_module as g; g()" \
+      > /tmp/comm-build.log 2>&1; comm=$BG_PID
+    bench tp1-decode 300 $DECODE --model $L --batch-sizes 1,64 --tp-size 1
+    bench tp1-64 300 $OFFLINE --model $L --num-prompts 64 --tp-size 1
+    bench tp1-256 300 $OFFLINE --model $L --tp-size 1
+    wait $comm; echo "comm build rc $?"
+    for fused in "" --enable-flashinfer-allreduce-fusion; do f=${fused:+-fused}
+      bench tp2-decode$f 300 $DECODE --model $L --batch-sizes 1,64 --tp-size 2 $fused
+      bench tp2-64$f 300 $OFFLINE --model $L --num-prompts 64 --tp-size 2 $fused
+      bench tp2-256$f 300 $OFFLINE --model $L --tp-size 2 $fused; done
+    bench allreduce 300 bench_allreduce.py --tp-size 2 ;;
+  *) echo "unknown suite $suite (see: bash scripts/gpu_bench.sh)" ;;
+esac; done
+echo "=== output tok/s"; cat "$OUT/summary.txt" 2>/dev/null
