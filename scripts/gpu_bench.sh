@@ -13,13 +13,14 @@
 #   serving   bench_serving against a server: plain, half the requests constrained, the reasoning parser off / on
 #   startup   launch to the first chat answer, 0.6B and 8B shapes
 #   profile   where a decode step's time goes (torch profiler; the host's Python) on the three shapes
-#   tp        two GPUs, Llama-3-8B shape: decode steps and the workload at tp 1, tp 2, tp 2 with the fused all-reduce
+#   tp        two GPUs, Llama-3-8B shape: decode steps and the workload at tp 1, tp 2, tp 2 with the fused all-reduce;
+#             the fused all-reduce alone; where a tp 2 step goes
 # Each step's output is appended to $OUT/bench.log, results to $OUT/*.jsonl, and the output tok/s of every step that
 # prints one to $OUT/summary.txt (printed at the end).
 set -u
 TREES=.
 [ "${1:-}" = --ab ] && { TREES=". .baseline"; shift; }
-[ $# -gt 0 ] || { sed -n 2,18p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,19p "$0"; exit 2; }
 . scripts/gpu_env.sh
 Q=$MINISRV_GPU_CKPT L=/tmp/llama8b M=/tmp/moe JTOK=/tmp/json-tokenizer TTOK=/tmp/think-tokenizer
 
@@ -118,7 +119,8 @@ for suite in "$@"; do case $suite in
       bench tp2-decode$f 300 $DECODE --model $L --batch-sizes 1,64 --tp-size 2 $fused
       bench tp2-64$f 300 $OFFLINE --model $L --num-prompts 64 --tp-size 2 $fused
       bench tp2-256$f 300 $OFFLINE --model $L --tp-size 2 $fused; done
-    bench allreduce 300 bench_allreduce.py --tp-size 2 ;;
+    bench allreduce 300 bench_allreduce.py --tp-size 2
+    bench tp2-profile 300 bench_decode.py --model $L --graphs on --steps 16 --batch-sizes 1,64 --tp-size 2 --torch-profile ;;
   *) echo "unknown suite $suite (see: bash scripts/gpu_bench.sh)" ;;
 esac; done
 echo "=== output tok/s"; cat "$OUT/summary.txt" 2>/dev/null

@@ -12,7 +12,6 @@ import copy
 import json
 from typing import Any, Dict, List
 
-import httpx
 import pytest
 
 from minisrv.server.anthropic_protocol import CountTokensRequest, to_chat
@@ -27,6 +26,8 @@ from minisrv.server.tools import plan_tools
 from .helpers.local_engine import LocalEngine, call
 from .test_server_inprocess import ScriptedEngine, hello_world, tokenizer, words  # noqa: F401 - fixtures
 from .test_server_inprocess import make_app as make_scripted_app
+
+httpx = pytest.importorskip("httpx")
 
 WEATHER = {"name": "get_weather", "description": "Get the weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
@@ -203,7 +204,7 @@ def test_stop_reasons(qwen2) -> None:
 
 # ---------------------------------------------------------------------------------------------- tools
 def test_forced_tool_use_round_trip(qwen2) -> None:
-    import jsonschema
+    jsonschema = pytest.importorskip("jsonschema")
     app, tok = qwen2
     r = msg(app, max_tokens=200, tools=[WEATHER], tool_choice=FORCE)
     assert r.status_code == 200, r.text
@@ -339,8 +340,8 @@ def test_thinking_block_matches_chat_reasoning(tiny_qwen3_thinking) -> None:
 # ---------------------------------------------------------------------------------------------- real client
 @pytest.mark.slow
 def test_anthropic_client_against_a_server(tiny_qwen2_tools) -> None:
-    import anthropic
-    import jsonschema
+    anthropic = pytest.importorskip("anthropic")
+    jsonschema = pytest.importorskip("jsonschema")
     from transformers import AutoTokenizer
 
     from .helpers.server_process import running

@@ -11,7 +11,6 @@ import json
 import os
 from typing import Any, Dict, List, Sequence
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -27,6 +26,8 @@ from minisrv.server.state import ServerState
 
 from .helpers.engine_watch import EngineWatch, assert_pool_free
 from .helpers.tiny_models import init_weights, make_config, make_llm, make_prompts, write_tokenizer
+
+httpx = pytest.importorskip("httpx")
 
 TOL = 1e-4  # relative, against HF in float64 (float32 here)
 LENS = [5, 40, 3, 23, 12, 31, 8]
@@ -339,7 +340,7 @@ def test_generation_and_embedding_servers_refuse_each_other(emb_model, tiny_mode
 # ---------------------------------------------------------------------------------------------- a server process
 @pytest.mark.slow
 def test_openai_client_against_a_server_process(emb_model) -> None:
-    import openai
+    openai = pytest.importorskip("openai")
 
     from .helpers.server_process import running
     path = emb_model("st_last")

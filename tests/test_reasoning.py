@@ -20,7 +20,6 @@ import subprocess
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-import jsonschema
 import pytest
 
 from minisrv.engine.request import RequestError, RequestOutput, SamplingParams
@@ -34,6 +33,8 @@ from minisrv.server.state import ServerState
 from .helpers.local_engine import LocalEngine, call, events
 from .helpers.server_process import running
 from .helpers.tiny_qwen3_thinking import CHAT_TEMPLATE, DEEPSEEK_TEMPLATE
+
+jsonschema = pytest.importorskip("jsonschema")
 
 THINK, END = 49152, 49153  # the ids helpers/tiny_qwen3_thinking.py's tokenizer gives <think> and </think>
 EOS = 2  # <|im_end|>, the model's EOS
@@ -422,7 +423,7 @@ def test_tools_read_only_the_answer(engine, deltas: List[str], reasoning: Option
 def test_server_flag_auto_and_startup_errors(tiny_qwen3_thinking, tiny_model) -> None:
     """--reasoning-parser auto reads the Qwen3 template; an explicit parser the tokenizer cannot serve, or an
     unknown name, stops the startup with a message."""
-    import openai
+    openai = pytest.importorskip("openai")
     with running("--model", tiny_qwen3_thinking, "--reasoning-parser", "auto") as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
         kw = dict(model=client.models.list().data[0].id, messages=ASK, temperature=0, max_tokens=12,

@@ -13,7 +13,6 @@ import copy
 import json
 from typing import Any, Dict, List
 
-import jsonschema
 import pydantic
 import pytest
 
@@ -25,6 +24,8 @@ from minisrv.server.state import ServerState
 
 from .helpers.local_engine import LocalEngine, call
 from .helpers.tiny_qwen3_thinking import DEEPSEEK_TEMPLATE
+
+jsonschema = pytest.importorskip("jsonschema")
 
 openai_types = pytest.importorskip("openai.types.responses")
 
@@ -346,7 +347,7 @@ def test_openai_client_create_and_stream(client) -> None:
 
 @pytest.mark.slow
 def test_openai_client_call_round_trip_and_400s(client, tiny_qwen2_tools) -> None:
-    import openai
+    openai = pytest.importorskip("openai")
     from transformers import AutoTokenizer
 
     model = client.models.list().data[0].id

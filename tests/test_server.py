@@ -12,7 +12,6 @@ import sys
 import time
 from typing import Dict, Iterator, Optional
 
-import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -20,6 +19,8 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from .helpers.server_process import Server, free_port as _free_port, running  # noqa: E402
+
+httpx = pytest.importorskip("httpx")
 
 pytestmark = pytest.mark.slow  # starts server processes
 

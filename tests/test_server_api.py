@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from typing import Iterator
 
-import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -16,6 +15,8 @@ pydantic = pytest.importorskip("pydantic")
 from minisrv import LLM, SamplingParams  # noqa: E402
 
 from .helpers.server_process import Server, running  # noqa: E402
+
+httpx = pytest.importorskip("httpx")
 
 pytestmark = pytest.mark.slow  # starts server processes
 

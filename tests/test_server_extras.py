@@ -12,11 +12,12 @@ import re
 import time
 from typing import Dict, Iterator, Optional
 
-import httpx
 import pytest
 
 from .helpers.server_process import Server, running
 from prometheus_client.parser import text_string_to_metric_families
+
+httpx = pytest.importorskip("httpx")
 
 pytestmark = pytest.mark.slow  # starts server processes
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 
-import httpx
 import pytest
 
 from minisrv import SamplingParams
@@ -15,6 +14,8 @@ from .helpers import build_tiny_model, make_llm
 from .helpers.faulty_server import FAULT_TOKEN
 from .helpers.server_process import Server
 from .test_text import write_spaced_tokenizer
+
+httpx = pytest.importorskip("httpx")
 
 pytestmark = pytest.mark.slow  # starts server processes
 

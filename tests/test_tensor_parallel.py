@@ -12,7 +12,6 @@ import os
 import signal
 import time
 
-import httpx
 import pytest
 import torch
 
@@ -23,6 +22,8 @@ from minisrv.models.sharding import ShardingError
 from .helpers import (assert_greedy_matches, build_tiny_model, greedy, hf_greedy, make_llm, make_prompts,
                       vocab_of)
 from .helpers.server_process import Server, children, gone
+
+httpx = pytest.importorskip("httpx")
 
 pytestmark = pytest.mark.slow  # spawns tensor-parallel ranks and server processes
 

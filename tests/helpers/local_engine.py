@@ -12,9 +12,11 @@ import asyncio
 import json
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import httpx
+import pytest
 
 from minisrv.engine.request import RequestError, SamplingParams
+
+httpx = pytest.importorskip("httpx")
 
 
 class LocalEngine:

@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator, List
 
-import httpx
+import pytest
 
 STARTUP_TIMEOUT_S = 240
 DEFAULT_ARGS = ("--max-total-tokens", "16384")  # a test may pass its own: the last value of a flag wins
