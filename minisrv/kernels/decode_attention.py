@@ -18,10 +18,12 @@ multiplies the output. `reference` is the same computation in torch (float32 sof
 """
 from __future__ import annotations
 
-import functools
+from types import ModuleType
 from typing import Callable, Optional
 
 import torch
+
+from minisrv.kernels.triton_launcher import triton_launcher
 
 MIN_CHUNK = 128  # fewest tokens a piece takes: shorter requests are not split
 TILE = 64  # tokens a loop step reads
@@ -64,19 +66,14 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pag
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def triton_decode_attention() -> Optional[Callable[..., torch.Tensor]]:
+@triton_launcher
+def triton_decode_attention(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor]:
     """The launcher `run(q, k_cache, v_cache, page_table, seq_lens, scale, k_scale=1.0, v_scale=1.0, splits=None,
     out=None, min_chunk=MIN_CHUNK, tile=TILE, num_warps=4, num_stages=3)` -> out [B, Hq, D] (reference's contract;
     splits: splits_for's unless given; out: a tensor to write, else a new one; min_chunk a multiple of tile; the rest:
     the launch, for bench_attention's sweeps), or None where Triton is missing.
     q's last dimension contiguous; the caches' layout [num_pages, page_size, Hkv, D] with D contiguous; D a power of
     two of at least 16."""
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001 - any import failure means "not present"
-        return None
 
     @triton.jit
     def decode_attention_pieces(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, qk_scale, v_scale,

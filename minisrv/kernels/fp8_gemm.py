@@ -10,11 +10,13 @@ with FP8 weights from 4,579 to 4,827 tok/s, and its launch configurations (`conf
 """
 from __future__ import annotations
 
-import functools
 import logging
+from types import ModuleType
 from typing import Callable, NamedTuple, Optional
 
 import torch
+
+from minisrv.kernels.triton_launcher import triton_launcher
 
 SMALL_M = 64  # token counts up to this (decode batches) take the kernel; more go to torch._scaled_mm
 MIN_BLOCK_K = 128  # every configuration's K step is a multiple of this: K must be too
@@ -65,16 +67,11 @@ def dequantized_matmul(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws:
     return (xq.to(dtype) * xs.to(dtype)) @ (wq.to(dtype) * ws.reshape(-1, 1).to(dtype)).t()
 
 
-@functools.lru_cache(maxsize=None)
-def small_m_fp8_gemm() -> Optional[Callable[..., Optional[torch.Tensor]]]:
+@triton_launcher
+def small_m_fp8_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., Optional[torch.Tensor]]:
     """The launcher `run(xq, xs, wq, ws, config=None, raise_errors=False)` -> y [m, N] bf16, or None where Triton is
     missing. `run` returns None (and keeps returning None, so that callers use torch._scaled_mm) if the kernel cannot
     compile here, e.g. a Triton without FP8 dots for this GPU, unless raise_errors."""
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001 - any import failure means "not present"
-        return None
 
     @triton.jit
     def small_m_fp8_gemm(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, m, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -10,10 +10,12 @@ the torch references below quantise the same values up to one rounding.
 """
 from __future__ import annotations
 
-import functools
+from types import ModuleType
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
+
+from minisrv.kernels.triton_launcher import triton_launcher
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -69,14 +71,9 @@ class FusedQuantisers(NamedTuple):
     add_norm_quant: Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor, float], Fp8Activations]
 
 
-@functools.lru_cache(maxsize=None)
-def triton_quantisers() -> Optional[FusedQuantisers]:
+@triton_launcher
+def triton_quantisers(triton: ModuleType, tl: ModuleType) -> FusedQuantisers:
     """The launchers, or None where Triton is missing (compiled on first use, for the device of their input)."""
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001 - any import failure means "not present"
-        return None
 
     @triton.jit
     def fused_fp8_quantise(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, n, stride, r_stride, eps, BLOCK: tl.constexpr,

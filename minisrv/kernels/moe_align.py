@@ -18,10 +18,12 @@ row depends only on its own input row.
 """
 from __future__ import annotations
 
-import functools
+from types import ModuleType
 from typing import Callable, NamedTuple, Optional
 
 import torch
+
+from minisrv.kernels.triton_launcher import triton_launcher
 
 
 class Aligned(NamedTuple):
@@ -78,19 +80,14 @@ def aligned_buffers(n_pairs: int, num_experts: int, block_m: int, device: torch.
                    torch.empty(1, dtype=torch.int32, device=device))
 
 
-@functools.lru_cache(maxsize=None)
-def triton_align() -> Optional[Callable[..., Aligned]]:
+@triton_launcher
+def triton_align(triton: ModuleType, tl: ModuleType) -> Callable[..., Aligned]:
     """The launcher `run(topk_ids, num_experts, block_m, one_launch=None)` -> Aligned, or None where Triton is
     missing. Up to ONE_LAUNCH_PAIRS pairs (unless one_launch says otherwise) one launch of cdiv(pairs, PIECE) programs
     does it all; beyond, each of its programs would count every pair, so three launches split the work: per-chunk
     counts added atomically into zeroed counters, one program for the block table, then per-chunk placement through
     atomic cursors. The kernel: moe_device.moe_align."""
-    try:
-        import triton
-
-        from minisrv.kernels.moe_device import moe_align
-    except Exception:  # noqa: BLE001 - any import failure means "not present"
-        return None
+    from minisrv.kernels.moe_device import moe_align
 
     def run(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch: Optional[bool] = None) -> Aligned:
         ids = topk_ids.reshape(-1)

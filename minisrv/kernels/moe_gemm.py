@@ -14,12 +14,13 @@ after one load, so the grid is fixed by the shapes and the launch is captured in
 """
 from __future__ import annotations
 
-import functools
+from types import ModuleType
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from minisrv.kernels.moe_align import Aligned
+from minisrv.kernels.triton_launcher import triton_launcher
 
 
 class MoeConfig(NamedTuple):
@@ -55,15 +56,10 @@ def config_for(n_pairs: int, num_experts: int, fp8: bool) -> MoeConfig:
     return MoeConfig(128, 128, 128 if fp8 else 64, 8, 4)
 
 
-@functools.lru_cache(maxsize=None)
-def moe_gemm() -> Optional[Callable[..., None]]:
+@triton_launcher
+def moe_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., None]:
     """The launcher `run(a, a_scale, b, b_scale, out, weights, aligned, top_k, silu, config)` (see `run`), or None
     where Triton is missing."""
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001 - any import failure means "not present"
-        return None
 
     @triton.jit
     def moe_grouped_gemm(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, weights_ptr, sorted_ptr, expert_ids_ptr,

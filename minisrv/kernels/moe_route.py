@@ -17,23 +17,19 @@ in registers. The kernels: moe_device.py.
 """
 from __future__ import annotations
 
-import functools
-from typing import Callable, Optional, Tuple
+from types import ModuleType
+from typing import Callable, Tuple
 
 import torch
 
 from minisrv.kernels.moe_align import Aligned, aligned_buffers
+from minisrv.kernels.triton_launcher import triton_launcher
 
 
-@functools.lru_cache(maxsize=None)
-def triton_route() -> Optional[Callable[..., Tuple[torch.Tensor, torch.Tensor]]]:
+@triton_launcher
+def triton_route(triton: ModuleType, tl: ModuleType) -> Callable[..., Tuple[torch.Tensor, torch.Tensor]]:
     """The launcher `run(router_logits, top_k, renormalize)` -> (weights, ids), or None where Triton is missing."""
-    try:
-        import triton
-
-        from minisrv.kernels.moe_device import moe_route_topk
-    except Exception:  # noqa: BLE001 - any import failure means "not present"
-        return None
+    from minisrv.kernels.moe_device import moe_route_topk
 
     def run(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
         t, num_experts = router_logits.shape
@@ -57,19 +53,14 @@ ROUTER_TOKENS = 16  # tokens up to which triton_router takes the step (the top-k
 ROUTER_PROGRAMS = 32  # (expert tile, K piece) programs the router's product aims for
 
 
-@functools.lru_cache(maxsize=None)
-def triton_router() -> Optional[Callable[..., Tuple[torch.Tensor, torch.Tensor, Aligned]]]:
+@triton_launcher
+def triton_router(triton: ModuleType, tl: ModuleType) -> Callable[..., Tuple[torch.Tensor, torch.Tensor, Aligned]]:
     """The launcher `run(x, router_weight, counter, top_k, renormalize, block_m)` -> (weights, ids, Aligned): route()
     of x @ router_weight^T (rounded to x's dtype, as the model's product is) and triton_align's output for those ids,
     for x [T <= ROUTER_TOKENS, H] bf16/fp16 with unit column stride and router_weight [E, H] of x's dtype,
     contiguous. counter: int32 [1], zero, kept by the caller for its calls (each call leaves it zero; calls on one
     stream only). None where Triton is missing."""
-    try:
-        import triton
-
-        from minisrv.kernels.moe_device import moe_router
-    except Exception:  # noqa: BLE001 - any import failure means "not present"
-        return None
+    from minisrv.kernels.moe_device import moe_router
 
     def run(x: torch.Tensor, router_weight: torch.Tensor, counter: torch.Tensor, top_k: int, renormalize: bool,
             block_m: int) -> Tuple[torch.Tensor, torch.Tensor, Aligned]:

@@ -10,10 +10,12 @@ x * rsqrt(mean(x^2) + eps) * weight, rounded once).
 """
 from __future__ import annotations
 
-import functools
-from typing import Callable, Optional
+from types import ModuleType
+from typing import Callable
 
 import torch
+
+from minisrv.kernels.triton_launcher import triton_launcher
 
 
 def reference(parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,15 +26,10 @@ def reference(parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(parts.dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def triton_sum_add_rmsnorm() -> Optional[Callable[..., torch.Tensor]]:
+@triton_launcher
+def triton_sum_add_rmsnorm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor]:
     """The launcher `run(parts, residual, weight, eps)` (reference's contract), or None where Triton is missing.
     parts contiguous; residual's rows may be strided, its columns contiguous."""
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001 - any import failure means "not present"
-        return None
 
     @triton.jit
     def moe_sum_add_norm(parts_ptr, residual_ptr, weight_ptr, out_ptr, stride_r, hidden, eps, K: tl.constexpr,

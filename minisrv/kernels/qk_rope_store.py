@@ -13,10 +13,12 @@ head_dim]: cos in the first half, sin in the second), rounded once. `reference` 
 """
 from __future__ import annotations
 
-import functools
+from types import ModuleType
 from typing import Callable, Optional
 
 import torch
+
+from minisrv.kernels.triton_launcher import triton_launcher
 
 
 def reference(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_q_heads: int,
@@ -42,16 +44,11 @@ def reference(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
         flat[1][slots] = v
 
 
-@functools.lru_cache(maxsize=None)
-def triton_qk_rope_store() -> Optional[Callable[..., None]]:
+@triton_launcher
+def triton_qk_rope_store(triton: ModuleType, tl: ModuleType) -> Callable[..., None]:
     """The launcher `run(qkv, positions, cos_sin, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight, eps,
     kv=None, slots=None)` (reference's contract), or None where Triton is missing. qkv's rows may be strided; its
     columns are contiguous; head_dim a power of two; kv of qkv's dtype."""
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001 - any import failure means "not present"
-        return None
 
     @triton.jit
     def qk_norm_rope_store(qkv_ptr, stride_t, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, eps, kv_ptr,
