@@ -11,11 +11,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 FI_CACHE=$HOME/.cache/flashinfer/0.6.13/90a/cached_ops
 # FlashInfer rebuilds whatever is in its JIT cache but loads a module found in its AOT folder
 # (<package>/data/aot/<name>/<name>.so) as is: the carried kernels go there (.fi-cache-* are subsets carried alone)
-for sub in .fi-cache-*; do [ -d "$sub" ] && mkdir -p .fi-cache && cp -n "$sub"/*.so .fi-cache/ 2>/dev/null; done
+for f in .fi-cache-*/*.so; do [ -e "$f" ] && mkdir -p .fi-cache && { [ -e ".fi-cache/${f##*/}" ] || cp "$f" .fi-cache/; }; done
 if [ -d .fi-cache ]; then
   FI_AOT=$(python3 -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("flashinfer").origin), "data", "aot"))')
   for f in .fi-cache/*.so; do [ -e "$f" ] || continue
-    name=$(basename "$f" .so); mkdir -p "$FI_AOT/$name"; cp -n "$f" "$FI_AOT/$name/$name.so"; done
+    name=$(basename "$f" .so); mkdir -p "$FI_AOT/$name"; [ -e "$FI_AOT/$name/$name.so" ] || cp "$f" "$FI_AOT/$name/"; done
 fi
 
 # at most 8 files come back from a call: up to 5 newly built kernels (those already in .fi-cache/ are not sent again)

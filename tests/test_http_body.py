@@ -11,12 +11,13 @@ import threading
 import time
 from typing import Callable, Dict, Tuple
 
-import httpx
 import pytest
 
 from .helpers.http_wire import (MAX_BYTES, POOL_TOKENS, assert_openai_error, post_head, raw_request, read_response,
                                 send_chunked_until_answered)
 from .helpers.server_process import Server
+
+httpx = pytest.importorskip("httpx")
 
 pytestmark = pytest.mark.slow  # starts a server process
 

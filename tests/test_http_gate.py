@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
 from .helpers.http_wire import JSON_HEADERS, assert_openai_error
 from .helpers.server_process import Server
+
+httpx = pytest.importorskip("httpx")
 
 
 

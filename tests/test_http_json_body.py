@@ -10,7 +10,6 @@ import json
 import random
 from typing import Any, Tuple
 
-import httpx
 import pytest
 
 from minisrv.server.errors import APIError
@@ -18,6 +17,8 @@ from minisrv.server.http.json_body import MAX_DEPTH, decode_json, parse
 
 from .helpers.http_wire import JSON_HEADERS, assert_openai_error, local_port
 from .helpers.server_process import Server
+
+httpx = pytest.importorskip("httpx")
 
 
 def _deep(depth: int) -> bytes:

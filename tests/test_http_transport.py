@@ -12,11 +12,12 @@ import threading
 import time
 from typing import Dict, List, Tuple
 
-import httpx
 import pytest
 
 from .helpers.http_wire import READ_TIMEOUT_S, assert_openai_error, post_head, raw_request
 from .helpers.server_process import Server, children as _children, gone as _gone
+
+httpx = pytest.importorskip("httpx")
 
 pytestmark = pytest.mark.slow  # starts server processes
 

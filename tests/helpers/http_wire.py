@@ -8,7 +8,9 @@ import select
 import socket
 from typing import Optional, Tuple
 
-import httpx
+import pytest
+
+httpx = pytest.importorskip("httpx")
 
 READ_TIMEOUT_S = 2  # the shared server's --request-read-timeout
 POOL_TOKENS = 2048  # the shared server's --max-total-tokens: requests are limited to this, not to the context

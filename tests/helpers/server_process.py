@@ -14,6 +14,8 @@ from typing import Iterator, List
 
 import pytest
 
+httpx = pytest.importorskip("httpx")
+
 STARTUP_TIMEOUT_S = 240
 DEFAULT_ARGS = ("--max-total-tokens", "16384")  # a test may pass its own: the last value of a flag wins
 
