@@ -172,6 +172,7 @@ def test_conversion_to_chat() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- text
+@pytest.mark.slow
 def test_text_message_and_stream_match_chat(qwen2) -> None:
     app, tok = qwen2
     want = chat(app, messages=[{"role": "system", "content": "Be brief."}] + ASK)
@@ -203,6 +204,7 @@ def test_stop_reasons(qwen2) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- tools
+@pytest.mark.slow
 def test_forced_tool_use_round_trip(qwen2) -> None:
     jsonschema = pytest.importorskip("jsonschema")
     app, tok = qwen2
@@ -318,6 +320,7 @@ def test_streamed_auto_tool_call_is_the_whole_ones() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- thinking
+@pytest.mark.slow
 def test_thinking_block_matches_chat_reasoning(tiny_qwen3_thinking) -> None:
     engine = engine_of(tiny_qwen3_thinking)
     app, tok = app_of(engine, reasoning_parser="auto")

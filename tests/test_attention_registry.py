@@ -179,6 +179,7 @@ def test_missing(fake):
     assert "flashinfer-python" in missing("fi", 90)
 
 
+@pytest.mark.slow
 def test_import_pulls_in_no_gpu_library():
     root = Path(__file__).resolve().parents[1]
     code = ("import sys, minisrv.attention, minisrv.attention.base, minisrv.attention.torch_native\n"

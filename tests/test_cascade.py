@@ -208,6 +208,7 @@ def test_fi_cascade_step_matches_plain_decode_and_torch(fake_fi, page_size, hq, 
             assert torch.equal(pools["cascade"].kv[layer], pools["torch"].kv[layer])
 
 
+@pytest.mark.slow
 def test_the_gpu_tests_run_here(fake_fi, monkeypatch):
     """tests/gpu/test_cascade.py's kernel-level tests, through the stand-in on the CPU (the benchmark-shape one at a
     small size): the one GPU run meets no bug of the test's own making."""
@@ -295,6 +296,7 @@ def test_flag_parses_and_defaults_off():
     assert EngineConfig.from_args(p.parse_args(["--enable-cascade-attention"])).enable_cascade_attention is True
 
 
+@pytest.mark.slow
 def test_flag_on_the_torch_backend_changes_nothing(tiny_model):
     """The torch backend has no cascade path: the flag is ignored (with a warning) and greedy output is the same."""
     path = tiny_model("qwen3")

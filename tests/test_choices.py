@@ -27,6 +27,7 @@ def app(tiny_qwen2_tools):
                                   info=EngineInfo.from_engine(engine)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field", ["guided_choice", "choices", "structured_outputs"])
 def test_the_answer_is_one_of_the_choices(app, field):
     given = {"choice": CHOICES} if field == "structured_outputs" else CHOICES
@@ -73,6 +74,7 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
 
+@pytest.mark.slow
 def test_vllm_structured_outputs_regex_and_json(app):
     """structured_outputs' regex and json constrain as the request's own regex and response_format do."""
     r = call(app, "/v1/completions", {"prompt": "Code:", "structured_outputs": {"regex": "[0-9]{4}"},
@@ -86,6 +88,7 @@ def test_vllm_structured_outputs_regex_and_json(app):
         assert isinstance(json.loads(r.json()["choices"][0]["text"])["n"], int)
 
 
+@pytest.mark.slow
 def test_legacy_functions_are_answered_in_function_call(app):
     """A request with the legacy `functions` gets its call in message.function_call (finish_reason
     "function_call"), plain and streamed, not in tool_calls; the same request with tools still gets tool_calls."""
@@ -114,6 +117,7 @@ PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\
                   "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
+@pytest.mark.slow
 def test_tools_reach_a_model_whose_template_ignores_them(tiny_qwen2_tools):
     """A template that ignores `tools` gets them in a system prompt (the names, the parameters and the hermes
     call format the parser reads); a template that reads them gets them as before, and no such prompt."""

@@ -40,6 +40,7 @@ def tiny_q8_gguf(tmp_path_factory):
     return hf, gguf
 
 
+@pytest.mark.slow
 def test_layers_in_one_call_equal_the_python_layers(tiny_q8_gguf):
     hf, gguf = tiny_q8_gguf
     fast = make_llm(gguf, tokenizer=hf, cache_dir="off")
@@ -79,6 +80,7 @@ def test_only_dense_llama_style_block_models_take_it(tmp_path, tiny_q8_gguf):
         llm.close()
 
 
+@pytest.mark.slow
 def test_default_model_in_one_call_equals_python_layers():
     from minisrv.checkpoints.model_files import default_model_path
     try:

@@ -16,6 +16,7 @@ from minisrv.kernels.decode_attention import MAX_SPLITS, splits_for
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "decode_attention_checks.py")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_decode_attention_under_the_interpreter():
     done = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=600)

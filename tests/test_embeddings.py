@@ -107,6 +107,7 @@ def assert_close(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], tol:
 
 
 # ---------------------------------------------------------------------------------------------- offline
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["base", "st_mean", "st_last"])
 def test_embed_matches_hf_batched_and_alone(emb_model, kind) -> None:
     path = emb_model(kind)
@@ -126,6 +127,7 @@ def test_embed_matches_hf_batched_and_alone(emb_model, kind) -> None:
             assert all(abs(float(v.norm()) - 1.0) < 1e-5 for v in batched)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["st_mean", "st_last"])
 def test_chunked_prefill_pools_across_chunks(emb_model, kind) -> None:
     """Inputs longer than the chunk, several in one budget (7 tokens a chunk, 9 a step): pooling accumulates
@@ -145,6 +147,7 @@ def test_chunked_prefill_pools_across_chunks(emb_model, kind) -> None:
     assert_close(chunked, want)
 
 
+@pytest.mark.slow
 def test_last_token_reuses_a_cached_prefix_mean_does_not(emb_model) -> None:
     shared = make_prompts(448, [24], seed=3)[0]
     inputs = [shared + [7, 8, 9], shared + [10, 11]]

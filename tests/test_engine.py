@@ -78,6 +78,7 @@ def test_abort_mid_chunked_prefill(model):
     watch.assert_idle()
 
 
+@pytest.mark.slow
 def test_abort_after_retraction(model):
     """A retracted request waits with output but no pages; aborting it then is clean, the rest still match HF."""
     llm = make_llm(model, max_total_tokens=48, page_size=2)
@@ -107,6 +108,7 @@ def test_abort_after_retraction(model):
 
 @pytest.mark.parametrize("seed,page_size,pool,chunk", [(0, 1, 48, 8192), (1, 3, 51, 8), (5, 16, 64, 16),
                                                         (3, 2, 48, 5)])
+@pytest.mark.slow
 def test_random_arrivals_and_aborts(model, seed, page_size, pool, chunk):
     """Requests arrive while others run, some are aborted at random moments, the pool is small enough to retract:
     after every step the bookkeeping holds; every request that ran to the end equals HF greedy, every aborted
@@ -147,6 +149,7 @@ def test_random_arrivals_and_aborts(model, seed, page_size, pool, chunk):
     watch.assert_idle()
 
 
+@pytest.mark.slow
 def test_abort_with_overlap_scheduling(model):
     """With overlap on, a request aborted while its newest token is still in flight keeps only real tokens and
     frees its pages; the others finish exactly as HF would have it."""

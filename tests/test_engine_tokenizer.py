@@ -144,6 +144,7 @@ def test_checkpoint_tokenizer_is_autotokenizers_without_importing_torch(tmp_path
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_generic_tokenizer_class_beside_a_config_is_autotokenizers(tiny_qwen2_tools, tmp_path):
     """A checkpoint that saved its tokenizer as the generic class, beside a config.json whose model type has a class
     of its own (Qwen2): AutoTokenizer takes the model type's class, and so does load_tokenizer (same ids). The class

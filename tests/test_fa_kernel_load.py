@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 FAKE_INTERFACE = textwrap.dedent('''
     import torch
 
@@ -37,6 +39,7 @@ CHECK = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_copy_runs_the_ops_body_without_importing_the_compiler():
     out = subprocess.run([sys.executable, "-c", CHECK, FAKE_INTERFACE], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

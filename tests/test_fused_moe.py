@@ -174,6 +174,7 @@ def test_importing_the_kernels_imports_no_triton():
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_moe_triton_kernels_under_the_interpreter():
     done = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=600)

@@ -172,6 +172,7 @@ def test_float_gguf_is_dequantised_and_blocks_refused(tmp_path, caplog):
         make_llm(gguf, tokenizer=hf, gguf_weights="blocks", cache_dir="off")
 
 
+@pytest.mark.slow
 def test_default_model_blocks_cached_and_equal_float32(tmp_path, caplog):
     """The default model (Q4_1 projections, Q8_0 embedding): blocks by default, a third of the float32 weights'
     memory, the float32 path's greedy tokens; a second start maps the blocks from the GGUF cache."""

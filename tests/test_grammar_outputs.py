@@ -80,6 +80,7 @@ def _run(eng, items):
 # the default model: real tokenizer, real grammars
 
 
+@pytest.mark.slow
 @needs_default_model
 def test_json_schema_greedy_and_sampled_in_one_batch(llm, prompts):
     schema = json.dumps(PERSON_SCHEMA)
@@ -133,6 +134,7 @@ def test_grammar_ends_the_request_even_with_ignore_eos(llm, prompts):
     assert len(out.token_ids) <= 9  # at most one token per character, and the stop token
 
 
+@pytest.mark.slow
 @needs_default_model
 def test_json_whitespace_runs_are_bounded(llm, prompts):
     """A model that prefers whitespace above all (here: a +100 bias on the four-newline token) still writes the
@@ -163,6 +165,7 @@ def _mixed_batch(prompts):
     return plain, [x for pair in zip(plain, constrained) for x in pair] + plain[len(constrained):]
 
 
+@pytest.mark.slow
 @needs_default_model
 def test_mask_does_not_leak_to_plain_rows_and_overlap_changes_nothing(llm, prompts):
     """Plain requests batched with grammar requests give exactly their tokens of a run alone; with overlap

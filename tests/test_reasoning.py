@@ -315,6 +315,7 @@ def test_enable_thinking_false_closes_the_thinking_in_the_prompt(qwen3, engine) 
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", ["r1", "qwen3"])
 def test_json_schema_after_the_thinking(style: str, request) -> None:
     """The schema holds for the answer only; while thinking the model may not stop (it wants to: EOS is biased)."""

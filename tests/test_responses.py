@@ -213,6 +213,7 @@ def test_json_schema_format(qwen2) -> None:
     jsonschema.validate(json.loads(output_text(resp)), SCHEMA)
 
 
+@pytest.mark.slow
 def test_forced_call_and_its_output_sent_back(qwen2) -> None:
     resp = respond(qwen2, input=ASK, tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
                    max_output_tokens=300)
@@ -266,6 +267,7 @@ def test_streamed_forced_call(qwen2) -> None:
         jsonschema.validate(json.loads(f["arguments"]), WEATHER["parameters"])
 
 
+@pytest.mark.slow
 def test_reasoning_item(r1) -> None:
     resp = respond(r1, input="What is the capital of France?", max_output_tokens=30)
     ref = chat(r1, max_tokens=30, messages=[{"role": "user", "content": "What is the capital of France?"}])

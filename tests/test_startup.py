@@ -346,6 +346,7 @@ def test_cached_tokenizer_equals_transformers_conversion(tmp_path):
     assert out.stdout.strip() == "False"  # the HTTP process loads it without importing torch
 
 
+@pytest.mark.slow
 def test_two_processes_starting_at_once_convert_once(tiny, tmp_path):
     """Two processes load the same GGUF file with an empty cache at the same moment: one dequantises and writes
     the model file, the other waits for it and maps it; both hold the parameters of an uncached load."""

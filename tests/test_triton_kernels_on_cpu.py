@@ -14,6 +14,7 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "triton_interpreted_checks.py")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_fp8_triton_kernels_under_the_interpreter():
     done = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=600)
