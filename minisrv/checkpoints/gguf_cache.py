@@ -1,7 +1,7 @@
 """The on-disk cache of what is slow to rebuild from a GGUF file: its HF config, its tokenizer (as a HF tokenizer
 directory) and the loaded model's parameters (a safetensors file, mapped back into the model without a copy).
 
-Why: transformers builds the config and the tokenizer of a GGUF file by parsing every metadata array (about 12 s
+Why: transformers builds the config and the tokenizer of a GGUF file by parsing every metadata array (seconds
 each for the default model on 2 cores), and the quantised blocks take seconds to dequantise; read from the cache
 they take tens of milliseconds.
 

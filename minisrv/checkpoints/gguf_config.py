@@ -1,8 +1,8 @@
 """A GGUF file's config, as transformers builds it from the file, for the keys minisrv reads, without transformers.
 
 Why: transformers' `AutoConfig.from_pretrained(gguf_file=...)` parses the whole file with gguf's GGUFReader, which
-walks every metadata array element by element (10-12 s for the default model on 2 cores), and even its fast reader
-and config classes cost a first start 3.4 s of imports on that machine. Here the metadata comes from the file's
+walks every metadata array element by element (seconds for the default model), and even its fast reader
+and config classes cost a first start seconds of imports. Here the metadata comes from the file's
 header as gguf_file.read_gguf reads it (arrays skipped), renamed as transformers renames it (its
 GGUF_CONFIG_MAPPING, for the architectures listed here), over transformers' config classes' defaults for the keys
 ModelArgs.from_hf_config reads; a key the file has as an array sends the file back to transformers (None here).

@@ -5,7 +5,7 @@ is bounds-checked against the file's size, and every tensor's bytes are checked 
 touched, so a truncated or damaged file is a WeightLoadError that says where it is cut (GGUFReader alone fails on
 one with an IndexError from numpy, or loops on a damaged array length). Array values in the metadata (the
 tokenizer's vocabulary and merges) are skipped, not read: transformers reads them itself for the tokenizer, and
-GGUFReader's walk of them element by element is most of its time (about 8 s of the default model's 8.1 s)."""
+GGUFReader's walk of them element by element is most of its time (nearly all of it for the default model)."""
 from __future__ import annotations
 
 import math
@@ -54,7 +54,7 @@ class _CheckedReader(GGUFReader):
     @data.setter
     def data(self, mapped: np.ndarray) -> None:
         # GGUFReader maps the file as a np.memmap; a plain array over the same mapping slices without making a
-        # memmap object per slice, a third of the header's read (0.06 -> 0.04 s for the default model)
+        # memmap object per slice, a third of the header's read
         self._mapped = mapped.view(np.ndarray)
 
     def _where(self) -> str:

@@ -188,8 +188,8 @@ def _load_gguf(path: str, build: ModelBuild, cache: Optional[GGUFCache], reader:
                 return LoadedModel(model)
         model = _dequantised_model(path, build, t0, reader)
         # the file is written by a thread that holds the building lock until it is whole (a process that starts
-        # meanwhile waits for it, then maps it), while the engine already serves: the write is 2 s of a 6-9 s first
-        # start here
+        # meanwhile waits for it, then maps it), while the engine already serves: the write is a large part of a
+        # first start
         lock = held.pop_all()
     writer = threading.Thread(target=_store_model, args=(cache, file, model, why, lock), name="gguf-cache-write")
     writer.start()

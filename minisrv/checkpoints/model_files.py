@@ -210,7 +210,7 @@ def _generic_gguf_tokenizer_class(reader: Any, folder: str):
     """The class AutoTokenizer gives a Llama-architecture GGUF file alone in its folder under transformers 5
     (TokenizersBackend: transformers 5 maps model type llama to no tokenizer class of its own), or None where
     AutoTokenizer must decide. Why: to choose, AutoTokenizer first builds the file's config with gguf's reader,
-    which parses every metadata array (4-5 s for the default model); the tokenizer is then built from the metadata
+    which parses every metadata array (seconds for the default model); the tokenizer is then built from the metadata
     as gguf_tokenizer.py reads it. tests/test_startup.py checks the result equals AutoTokenizer's."""
     if any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer_config.json", "config.json")):
         return None  # AutoTokenizer reads these to choose
@@ -230,7 +230,7 @@ def _generic_gguf_tokenizer_class(reader: Any, folder: str):
 def _saved_tokenizer(folder: str, cache_dir: Optional[str] = None):
     """A tokenizer saved by save_pretrained (a checkpoint's, or a GGUF file's in the cache), loaded as the class
     AutoTokenizer would load but, where that class is known without them, without AutoTokenizer's tables: importing
-    them imports transformers' config machinery and torch (2-4 s in the HTTP process, on the path to the first
+    them imports transformers' config machinery and torch (seconds in the HTTP process, on the path to the first
     answer). The class is the one tokenizer_config.json names; for a generic name beside a config.json AutoTokenizer
     takes the model type's class instead (transformers 5: a Qwen3 checkpoint saved as TokenizersBackend loads as
     Qwen2Tokenizer), which is asked of AutoTokenizer once and remembered (tokenizer_class_cache.py). Folders that

@@ -63,8 +63,8 @@ XGR_CACHE_BYTES = 512 << 20  # xgrammar's own compile cache
 COMPILE_WORKERS = 2  # grammars compiled at once (each compile also uses xgrammar's own threads)
 BATCH_FILL_MIN = 4  # masks of this many rows or more are filled by one xgrammar call, not a Python loop over rows
 # threads of that call: one. A row of a JSON schema's mask takes a few microseconds, less than handing it to a
-# thread costs: 256 rows (Qwen's vocabulary, steps interleaved on a 2-core machine) took 0.92 ms on one thread,
-# 1.26 ms on two, 1.16 ms row by row from Python; on the H100 machine, 8 threads took 1.19 ms a step (cProfile).
+# thread costs: on a 2-core machine one thread filled 256 rows of Qwen's vocabulary faster than two, or than row
+# by row from Python, and on the H100 machine 8 threads were no faster.
 # scripts/bench_grammar_host.py measures it.
 BATCH_FILL_THREADS = 1
 
@@ -228,7 +228,7 @@ def fill_bitmask(reqs: List["Request"], device: torch.device) -> Tuple[torch.Ten
     overlap note in the module docstring)."""
     rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
     # filled in pinned memory, which to_device copies from as it is: a 256-row mask of a 150k vocabulary is 4.9 MB,
-    # whose staging copy through pageable memory cost the host about 1 ms a step
+    # whose staging copy through pageable memory cost the host a large share of a step
     mask = to_device(fill_host_bitmask(reqs, rows, pinned=device.type == "cuda"), torch.int32, device)
     index = None if len(rows) == len(reqs) else to_device(rows, torch.int64, device)
     return mask, index

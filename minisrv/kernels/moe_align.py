@@ -64,10 +64,7 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> A
     return Aligned(sorted_pairs, expert_ids, total.int())
 
 
-ONE_LAUNCH_PAIRS = 8192  # up to this many pairs (1,024 tokens of top-8) one launch aligns them
-# (H100, 128 experts, scripts/bench_fused_moe.py --align: one launch 3.3 / 5.0 / 6.4 / 9.0 / 13.1 / 37.7 us at
-# 8 / 512 / 2,048 / 4,096 / 8,192 / 16,384 pairs, three launches 8.3 / 12.3 / 17.2 / 16.6 / 17.5 / 18.6, 40 at
-# 65,536; torch ops 52-143 us)
+ONE_LAUNCH_PAIRS = 8192  # up to this many pairs (1,024 tokens of top-8) one launch aligns them (docs/kernels.md)
 CHUNK = 1024  # pairs a step of the counting loops, or a program of the three launches
 PIECE = 64  # pairs a program of the one launch places
 

@@ -40,12 +40,9 @@ def config_for(n_pairs: int, num_experts: int, fp8: bool) -> MoeConfig:
 
     Up to 16 a expert (decode, up to 256 tokens of top-8 over 128 experts) each product is a weight read: 16-row
     blocks (the tensor-core minimum, little padding) and 64-column tiles with K steps of 256 bytes, so the programs
-    of the few experts hit spread over the SMs with bytes in flight: 81-88% of the HBM floor from 8 tokens to 256
-    (38 us against 22.5 at one token, where the launches' latency dominates); the other tiles and steps tried
-    (32-128 columns, K steps of 64-256 elements, 3 stages) were within 3% or slower. More pairs make it a matrix
-    product: 64-row blocks and 128-column tiles read each weight tile once for 64 rows (512 tokens: 474 us, floor
-    361); from 128 a expert (2,048 tokens) 128-row blocks with 8 warps (the whole call, bf16, against 64-row
-    blocks: 2,048 tokens 683 us against 705, 8,192 tokens 1,921 against 2,161; FP8 1,354 against 1,456 at 8,192).
+    of the few experts hit spread over the SMs with bytes in flight. More pairs make it a matrix product: 64-row
+    blocks and 128-column tiles read each weight tile once for 64 rows; from 128 a expert (2,048 tokens) 128-row
+    blocks with 8 warps (docs/kernels.md has the measurements behind each choice).
     K steps are counted in bytes: FP8 takes twice the elements of bf16 a step.
     """
     per_expert = n_pairs / max(1, min(num_experts, n_pairs))

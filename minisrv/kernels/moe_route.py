@@ -11,7 +11,7 @@ renormalised, the softmax of the k logits (equal to softmax -> top-k -> divide b
 over all E at the k. No host sync, so decode steps capture it in CUDA graphs.
 
 Why the router in one launch: at batch 1 the router's product (0.5 MB of weights at Qwen3-30B-A3B's shape), its
-top-k and the alignment are three launches that each take 3-5 us on an H100 for almost no work. `triton_router`
+top-k and the alignment are three launches that each cost a launch's latency for almost no work. `triton_router`
 spreads the product over (expert tile, K piece) programs; the last to finish (an arrival counter) routes and aligns
 in registers. The kernels: moe_device.py.
 """

@@ -1,12 +1,11 @@
 """The sum over a mixture-of-experts layer's k expert outputs, fused into the residual add and RMSNorm that follow it
 (the next layer's input norm, or the model's final norm), in one Triton launch.
 
-Why: the fused experts (fused_moe.py) leave each token's k weighted expert outputs side by side, [T, k, H]; summed by
-torch (a reduction kernel: 5 us at batch 1, 9 us at 256 tokens of Qwen3-30B-A3B's shape) and then added and normed
-by FlashInfer (3 us), that is two launches a layer for work one pass over the outputs does. One program per token
-sums its k rows in float32, rounds the sum to the model's dtype (as the separate sum does), adds the residual and
-writes the new residual and the normed row (FlashInfer's fused_add_rmsnorm's arithmetic: float32 throughout,
-x * rsqrt(mean(x^2) + eps) * weight, rounded once).
+Why: the fused experts (fused_moe.py) leave each token's k weighted expert outputs side by side, [T, k, H]; summed
+by torch (a reduction kernel) and then added and normed by FlashInfer, that is two launches a layer for work one
+pass over the outputs does. One program per token sums its k rows in float32, rounds the sum to the model's dtype
+(as the separate sum does), adds the residual and writes the new residual and the normed row (FlashInfer's
+fused_add_rmsnorm's arithmetic: float32 throughout, x * rsqrt(mean(x^2) + eps) * weight, rounded once).
 """
 from __future__ import annotations
 

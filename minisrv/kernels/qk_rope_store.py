@@ -3,7 +3,7 @@ per-head RMSNorm of q and k (where the model has it), the rotary embedding of q 
 and the store of the new k and v into the KV pool at the step's slots.
 
 Why: at decode these are four launches (FlashInfer's q norm, k norm and rotary, torch's indexed store into the pool)
-of 2-4 us each, about 10 us of a layer's 60-100 us at batch 1, where the work itself is a few kilobytes. One
+of a few microseconds each, a large share of a layer at batch 1, where the work itself is a few kilobytes. One
 program per token reads its q, k and v once and writes q in place, k in place and, with a pool, k and v at the
 token's slot.
 

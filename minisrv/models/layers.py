@@ -55,7 +55,7 @@ class CpuLinear(nn.Linear):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]]) -> torch.Tensor:
     # on the CPU whatever the default device: under the meta device this division goes through torch's Python
-    # references, whose first use imports torch._dynamo (about 2 s)
+    # references, whose first use imports torch._dynamo (seconds)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if not scaling:
         return inv_freq
@@ -91,7 +91,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
         target = device if device is not None else torch.empty(0).device  # None: the default device
         # a model built on the meta device gets CPU-computed placeholders: meta's arange goes through torch's
-        # Python references, whose first use imports torch._dynamo (about 2 s); the loader recomputes them anyway
+        # Python references, whose first use imports torch._dynamo (seconds); the loader recomputes them anyway
         t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu" if target.type == "meta" else target)
         freqs = torch.outer(t, inv_freq.to(t.device))
         self.register_buffer("cos", freqs.cos().to(target), persistent=False)  # [P, D/2] float32

@@ -117,8 +117,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in the head's dtype on every rank (each rank's vocabulary rows, gathered). Not widened to
-        float32 here: a greedy step's argmax is exact on them, and the widening is a pass over [N, vocab] (121 us of a
-        Qwen3-30B-A3B-shaped batch-256 step on an H100); the sampler widens where it computes."""
+        float32 here: a greedy step's argmax is exact on them, and the widening is a pass over [N, vocab], a
+        visible share of a batch-256 step; the sampler widens where it computes."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, BlockLinear):
             logits = head.project(hidden)

@@ -2,7 +2,7 @@
 
 A checkpoint that saved its tokenizer under a generic class name (TokenizersBackend, PreTrainedTokenizerFast) beside
 a config.json gets, from AutoTokenizer, the class of its model type (a Qwen3 checkpoint: Qwen2Tokenizer). Finding
-that class means importing AutoTokenizer's tables, which import transformers' config machinery and torch: 2-4 s in
+that class means importing AutoTokenizer's tables, which import transformers' config machinery and torch: seconds in
 the HTTP process, on the path to the first answer. The first start asks AutoTokenizer and writes the class's name
 here; later starts load that class directly. The entry is keyed by the folder and the size and time of change of
 its tokenizer_config.json and config.json, and transformers' version: any change asks AutoTokenizer again.

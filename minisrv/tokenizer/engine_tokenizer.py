@@ -3,7 +3,7 @@ every request, and transformers' tokenizer loaded only when something else is as
 
 Why: the engine streams each request's text through the Rust tokenizer's DecodeStream and needs the end-of-sequence
 id; nothing else on its path needs transformers. Importing transformers and building its tokenizer costs about
-1.2 s of a CPU restart's 3-4 s (the Rust tokenizer alone: about 0.1 s). Grammars (xgrammar reads a transformers
+a third of a CPU restart (the Rust tokenizer alone: a small part of that). Grammars (xgrammar reads a transformers
 tokenizer), offline chat templates and encoding go through `hf`, loaded on first use, once, under a lock.
 
 Only for folders whose tokenizer_config.json names transformers' plain fast tokenizer class (what a GGUF file's

@@ -1,7 +1,7 @@
 """A GGUF file's tokenizer as transformers converts it, without transformers' GGUF reader.
 
 Why: on a first start the HTTP process converts the file's vocabulary into a tokenizer, and the first answer waits
-for it. transformers' GGUF reader module imports torch (about 2 s on a 2-core machine, in a process that otherwise
+for it. transformers' GGUF reader module imports torch (seconds on a 2-core machine, in a process that otherwise
 never needs it) before it reads anything. Here the tokenizer's metadata is read from the places gguf_file.read_gguf
 found (its reader skips array values), in the form transformers' reader gives it (`get_gguf_tokenizer`'s three
 values), and transformers' own converter (`convert_gguf_tokenizer`) and tokenizer class build the tokenizer from
