@@ -38,6 +38,9 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False  # CUDA: prepare step N+1 on the host while step N runs
     disable_radix_cache: bool = False  # reuse the KV of shared prefixes across requests unless set
+    # seconds from a request's arrival: a grammar not compiled by then is refused as too costly (engine/grammar.py);
+    # the union of 200 tools' call schemas compiles in well under a second on a 2-core CPU
+    grammar_compile_timeout: float = 20.0
     schedule_policy: str = "fcfs"  # the only one: arrival order (SGLang's flag; its other policies are not offered)
     enable_cascade_attention: bool = False  # decode steps where many requests share long prefixes read them once
     seed: Optional[int] = None  # seeds torch's generator, which unseeded requests draw from
@@ -59,6 +62,8 @@ class EngineConfig:
             raise ValueError("max_running_requests must be >= 1")
         if self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
             raise ValueError("chunked_prefill_size and max_prefill_tokens must be >= 1")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if not 0.0 < self.mem_fraction_static < 1.0:
@@ -107,6 +112,9 @@ class EngineConfig:
                        help="CUDA: do not schedule the next step while the current one runs")
         p.add_argument("--disable-radix-cache", action="store_true",
                        help="do not keep and reuse the KV of shared prompt prefixes")
+        p.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout,
+                       help="seconds: a request whose grammar (response_format, regex, ebnf, a forced tool call) "
+                            "is not compiled by then is refused as too costly (400)")
         p.add_argument("--schedule-policy", default=d.schedule_policy, choices=SCHEDULE_POLICIES,
                        help="fcfs: requests are admitted in arrival order (the only policy)")
         p.add_argument("--enable-cascade-attention", action="store_true",

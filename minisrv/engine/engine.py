@@ -68,7 +68,8 @@ class Engine:
         self.peak_pages_used = 0
         self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache, since start
         # structured outputs: grammars compile off the loop; requests wait in the queue until theirs is done
-        self.grammar = GrammarBackend(parts.tokenizer, parts.args.vocab_size, parts.eos_ids)
+        self.grammar = GrammarBackend(parts.tokenizer, parts.args.vocab_size, parts.eos_ids,
+                                      compile_timeout_s=cfg.grammar_compile_timeout)
         self.clean_up = decode_cleans_up(parts.tokenizer)  # as the tokenizer's own decode does (see text.py)
         self._compiling: List[Request] = []
 
@@ -198,7 +199,8 @@ class Engine:
             self.workers = None
 
     def _grammars_done(self) -> List[RequestOutput]:
-        """Requests whose grammar finished compiling become schedulable; a failed compile ends its request."""
+        """Requests whose grammar finished compiling become schedulable; a failed compile, or one past its
+        deadline, ends its request."""
         outputs, still = [], []
         for r in self._compiling:
             if r.finished:
@@ -207,7 +209,7 @@ class Engine:
             if error is not None:
                 logger.info("request %s: %s", r.rid, error)
                 self.scheduler.finish(r, "error")
-                outputs.append(RequestOutput.ended(r, "error", error=error))
+                outputs.append(RequestOutput.ended(r, "error", error=str(error), error_param=error.param))
             elif not r.grammar.ready:
                 still.append(r)
         self._compiling = still

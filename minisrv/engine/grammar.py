@@ -9,8 +9,11 @@ Where the pieces run, and why:
 - Compiling takes milliseconds for a small schema and seconds for a large one, so it never runs on the engine
   loop: `Engine.add` hands it to a small thread pool (xgrammar releases the GIL while it compiles) and the
   scheduler does not admit a request until the engine has seen its compile finish (`GrammarState.ready`). A
-  compile that fails ends its request with finish_reason "error". Results are cached by (kind, text), so a
-  repeated schema costs a dict lookup; xgrammar caches too, bounded in bytes.
+  compile that fails, or is not done within the engine's compile timeout (a grammar too costly to compile), ends
+  its request with finish_reason "error" and an error that names the request's field (a 400 to an HTTP client).
+  A compile past its timeout cannot be stopped: it finishes in its worker, and a request with the same grammar
+  sent later gets its result. Results are cached by (kind, text), so a repeated schema costs a dict lookup;
+  xgrammar caches too, bounded in bytes.
 - The mask is filled on the host (int32 [G, ceil(V/32)] for the G rows of a step that have a grammar), copied to
   the device from pinned memory without waiting, and applied to the logits in one batched op just before sampling
   (`apply_bitmask`, called by sampler.sample). Rows without a grammar pay nothing, a step without a grammar row
@@ -37,10 +40,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
+import math
 import os
 import re
 import sys
 import threading
+import time
 from collections import OrderedDict
 from typing import Callable, TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
@@ -76,25 +81,30 @@ class GrammarState:
     by the loop (`poll`) so the scheduler's view never changes under it."""
 
     def __init__(self, key: Tuple[str, str], future: "cf.Future", vocab_size: int,
-                 batch_filler: Optional[Callable[[], Any]] = None, stop_ids: frozenset = frozenset()) -> None:
+                 batch_filler: Optional[Callable[[], Any]] = None, stop_ids: frozenset = frozenset(),
+                 timeout_s: float = math.inf) -> None:
         self.key = key
         self.stop_ids = stop_ids  # a matcher terminates only by accepting one of these
         self.future = future
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s  # not compiled by then: the request is refused
         self.vocab_size = vocab_size  # the model's (the logits' width, and the mask's)
         self.batch_filler = batch_filler  # the engine's xgrammar.BatchGrammarMatcher (fills many rows in one call)
         self.matcher: Any = None
         self.ready = False  # compiled and matched: the request may be admitted
         self.done = False  # it ended (accepted a stop token) or rejected a token: it makes no more masks
 
-    def poll(self) -> Optional[str]:
-        """Once the compile is done, make the matcher; returns the error message of a failed compile, else None
-        (not done yet, or ready)."""
-        if self.ready or not self.future.done():
+    def poll(self) -> Optional[RequestError]:
+        """Once the compile is done, make the matcher; returns why the request cannot be served (its compile
+        failed, or is past its deadline), else None (not done yet, or ready)."""
+        if self.ready:
             return None
+        if not self.future.done():
+            return too_costly(self.key[0], self.timeout_s) if time.monotonic() > self.deadline else None
         try:
             compiled = self.future.result()
         except Exception as e:  # noqa: BLE001
-            return f"invalid {self.key[0]}: {_message(e)}"
+            return RequestError(f"invalid {self.key[0]}: {_message(e)}", PARAM)
         import xgrammar as xgr
         self.matcher = xgr.GrammarMatcher(compiled)
         self.ready = True
@@ -116,8 +126,9 @@ class GrammarBackend:
     compile worker (a few hundred ms for a 150k vocabulary)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 workers: int = COMPILE_WORKERS) -> None:
+                 workers: int = COMPILE_WORKERS, compile_timeout_s: float = math.inf) -> None:
         self.tokenizer = tokenizer
+        self.compile_timeout_s = compile_timeout_s
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(set(stop_token_ids))
         self._stop_ids = frozenset(self.stop_token_ids)
@@ -193,7 +204,8 @@ class GrammarBackend:
         key = constraint_of(params)
         if key is None:
             return None
-        return GrammarState(key, self._future(key), self.vocab_size, self.batch_filler, self._stop_ids)
+        return GrammarState(key, self._future(key), self.vocab_size, self.batch_filler, self._stop_ids,
+                            self.compile_timeout_s)
 
     def check(self, params: SamplingParams) -> None:
         """Compile a request's grammar now (through the cache, so the engine's compile of it is then a lookup).
@@ -203,13 +215,20 @@ class GrammarBackend:
         if key is None:
             return
         try:
-            self._future(key).result()
+            self._future(key).result(None if math.isinf(self.compile_timeout_s) else self.compile_timeout_s)
+        except cf.TimeoutError:
+            raise too_costly(key[0], self.compile_timeout_s) from None
         except Exception as e:  # noqa: BLE001
             raise RequestError(f"invalid {key[0]}: {_message(e)}", PARAM) from None
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def too_costly(kind: str, timeout_s: float) -> RequestError:
+    return RequestError(f"the {kind} grammar did not compile within {timeout_s:g} s: it is too costly to compile; "
+                        f"simplify it (fewer alternatives, smaller bounded repeats)", PARAM)
 
 
 def _special_ids(tokenizer: Any) -> set:

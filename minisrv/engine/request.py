@@ -336,18 +336,21 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: Optional[str] = None  # with finish_reason "error": what went wrong
+    # ... and, when the request itself is at fault (a grammar that does not compile), the field to blame: the
+    # server answers a 400 naming it, not an engine failure
+    error_param: Optional[str] = None
     prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None  # with the first output, when asked for
     embedding: Optional[object] = None  # an embedding request's vector (float32 numpy array), when it ends
 
     @classmethod
-    def ended(cls, req: Request, reason: str, *, error: Optional[str] = None, num_cached_tokens: int = 0,
-              prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None,
+    def ended(cls, req: Request, reason: str, *, error: Optional[str] = None, error_param: Optional[str] = None,
+              num_cached_tokens: int = 0, prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None,
               embedding: Optional[object] = None) -> "RequestOutput":
         """A request that ends without a new token: aborted, failed, done scoring its prompt, or embedded."""
         return cls(rid=req.rid, new_token_ids=[], new_text="", new_logprobs=[], text_offsets=[], finished=True,
                    finish_reason=reason, num_prompt_tokens=len(req.prompt_ids),
                    num_output_tokens=len(req.output_ids), num_cached_tokens=num_cached_tokens, error=error,
-                   prompt_logprobs=prompt_logprobs, embedding=embedding)
+                   error_param=error_param, prompt_logprobs=prompt_logprobs, embedding=embedding)
 
     @classmethod
     def token(cls, req: Request, token_id: int, text: str, logprob: Optional[TokenLogprob], offset: int,

@@ -215,8 +215,9 @@ async def run_jobs(state: "ServerState", jobs: List[Job]) -> AsyncIterator[List[
                     if item.finished:
                         del pending[index]
                         m.ended(item.finish_reason or "unknown", clock, t)
-                        if item.finish_reason == "error":
-                            failure = request_failed(item.error)
+                        if item.finish_reason == "error":  # the request's own fault (a 400), or the engine's
+                            failure = RequestError(item.error, item.error_param) if item.error_param else \
+                                request_failed(item.error)
                 if failure is not None:
                     if step:  # what arrived before the failure (in the same wake-up) is delivered first
                         yield step

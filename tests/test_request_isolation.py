@@ -1,0 +1,130 @@
+"""One request never holds up the others: a grammar too costly to compile is refused after the engine's compile
+timeout (an engine output naming the request's field, which the server answers with a 400) while the other
+requests go on."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+
+from minisrv import SamplingParams
+from minisrv.engine.request import RequestError, RequestOutput, RequestStatus
+from minisrv.server.errors import APIError
+from minisrv.server.generation import Job, run_jobs
+
+from .helpers import assert_pool_free, make_llm, make_prompts, vocab_of
+
+TENS = r"(t1[0-9])+"
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_model):
+    return tiny_model("qwen3")
+
+
+def _slowed(eng) -> threading.Event:
+    """Make the engine's grammar compiles wait for the returned event (a compile that takes as long as a test
+    wants)."""
+    release = threading.Event()
+    real = eng.grammar._compile
+
+    def slow_compile(kind, text):
+        assert release.wait(60), "never released"
+        return real(kind, text)
+
+    eng.grammar._compile = slow_compile
+    return release
+
+
+def test_a_compile_past_its_timeout_is_refused_and_the_others_finish(qwen3):
+    """A compile that outlasts grammar_compile_timeout (counted from the request's arrival) ends its request with
+    an error naming response_format; the plain request beside it finishes meanwhile, and a request sent later with
+    the same grammar gets the compile's result once it is done (the cache holds it)."""
+    llm = make_llm(qwen3, grammar_compile_timeout=30)
+    eng = llm.engine
+    release = _slowed(eng)
+    prompts = make_prompts(vocab_of(qwen3), [5, 9], seed=3)
+    plain = eng.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    t0 = time.monotonic()
+    costly = eng.add_request(prompts[1], SamplingParams(temperature=0.0, max_tokens=6, regex=TENS))
+    assert t0 + 30 <= costly.grammar.deadline <= time.monotonic() + 30
+    while not plain.finished:  # the compile does not hold it up
+        eng.step()
+        assert costly.status is RequestStatus.WAITING
+    assert plain.finish_reason == "length"
+    news = eng.step()
+    assert not costly.finished
+    costly.grammar.deadline = time.monotonic()  # its 30 s have passed
+    while not costly.finished:
+        news += eng.step()
+    assert costly.finish_reason == "error" and not costly.output_ids
+    last = [o for o in news if o.rid == costly.rid][-1]
+    assert last.finished and last.error_param == "response_format"
+    assert last.error.startswith("the regex grammar did not compile within 30 s")
+    assert eng.scheduler.num_constrained == 0 and not eng._compiling
+    release.set()  # the compile finishes in its worker: the same grammar is served from the cache
+    eng.grammar.submit(SamplingParams(regex=TENS)).future.result(30)
+    again = eng.add_request(prompts[1], SamplingParams(temperature=0.0, max_tokens=6, regex=TENS))
+    while eng.has_work():
+        eng.step()
+    assert again.finish_reason in ("stop", "length") and again.output_ids
+    assert_pool_free(eng)
+
+
+def test_offline_check_is_bounded_by_the_timeout(qwen3):
+    llm = make_llm(qwen3, grammar_compile_timeout=0.3)
+    release = _slowed(llm.engine)
+    t0 = time.monotonic()
+    with pytest.raises(RequestError, match="did not compile within 0.3 s") as e:
+        llm.engine.grammar.check(SamplingParams(regex="(t2[0-9])+"))
+    assert e.value.param == "response_format" and time.monotonic() - t0 < 10
+    release.set()
+
+
+def test_a_compile_within_its_timeout_is_served(qwen3):
+    """The timeout counts from the request's arrival: a compile slower than the steps but inside it waits, not
+    admitted, and is then served."""
+    llm = make_llm(qwen3, grammar_compile_timeout=30)
+    eng = llm.engine
+    release = _slowed(eng)
+    r = eng.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, regex=TENS))
+    for _ in range(3):
+        eng.step()
+        assert r.status is RequestStatus.WAITING and not r.finished
+    release.set()
+    while eng.has_work():
+        eng.step()
+    assert r.finish_reason in ("stop", "length") and r.output_ids
+
+
+def _run(outputs):
+    """run_jobs over a stub engine client that answers each job with `outputs(rid)`: what it raises or yields."""
+    def submit(rid, ids, params, sink, index):
+        sink.put_nowait((index, outputs(rid)))
+
+    state = SimpleNamespace(client=SimpleNamespace(submit=submit, abort=lambda rid: None), metrics=mock.MagicMock(),
+                            stopping=False, on_stop=set())
+
+    async def go():
+        return [step async for step in run_jobs(state, [Job(0, "r-0", [1, 2], SamplingParams())])]
+    return asyncio.run(go())
+
+
+def _failed(rid, **kw):
+    return RequestOutput(rid=rid, new_token_ids=[], new_text="", new_logprobs=[], text_offsets=[], finished=True,
+                         finish_reason="error", **kw)
+
+
+def test_the_server_answers_a_refused_grammar_with_a_400():
+    with pytest.raises(APIError) as e:
+        _run(lambda rid: _failed(rid, error="the regex grammar did not compile within 20 s",
+                                 error_param="response_format"))
+    assert e.value.status == 400 and e.value.param == "response_format"
+    assert "did not compile" in e.value.message
+    with pytest.raises(APIError) as e:  # an engine failure stays the server's (500)
+        _run(lambda rid: _failed(rid, error="boom"))
+    assert e.value.status == 500
