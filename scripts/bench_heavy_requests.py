@@ -133,7 +133,7 @@ def main() -> None:
             for _ in range(3):  # warm up
                 post(base + plain_request()[0], plain_request()[1])
             alone = [post(base + plain_request()[0], plain_request()[1])[1] for _ in range(5)]
-            print(f"plain alone: median {statistics.median(alone):.3f} s, max {max(alone):.3f} s")
+            print(f"plain alone: median {statistics.median(alone):.3f} s, max {max(alone):.3f} s", flush=True)
             for name in args.cases.split(","):
                 for k in range(args.repeat):
                     path, body = CASES[name]()

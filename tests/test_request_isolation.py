@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 
 from minisrv import SamplingParams
-from minisrv.engine.request import RequestError, RequestOutput, RequestStatus
+from minisrv.engine.request import RequestError, RequestOutput, RequestStatus, prompt_logprob_list
 from minisrv.server.errors import APIError
 from minisrv.server.generation import Job, run_jobs
 
@@ -128,3 +128,62 @@ def test_the_server_answers_a_refused_grammar_with_a_400():
     with pytest.raises(APIError) as e:  # an engine failure stays the server's (500)
         _run(lambda rid: _failed(rid, error="boom"))
     assert e.value.status == 500
+
+
+# ---------------------------------------------------------------------------------------------- long prompts
+
+
+@pytest.mark.parametrize("scored", [False, True])
+def test_a_short_request_beside_a_long_prompt_does_not_wait_for_its_prefill(qwen3, scored):
+    """A long prompt is prefilled in chunks; a short request that arrives meanwhile joins one chunk's step and
+    then decodes its tokens in the steps after it, finishing long before the long prompt's prefill does (prompt
+    scoring or not). Both answer as they do alone."""
+    llm = make_llm(qwen3, chunked_prefill_size=8)
+    eng = llm.engine
+    vocab = vocab_of(qwen3)
+    long_prompt, short_prompt = make_prompts(vocab, [200, 5], seed=4)
+    long_params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2 if scored else None)
+    short_params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    long = eng.add_request(long_prompt, long_params)
+    eng.step()
+    short = eng.add_request(short_prompt, short_params)
+    steps = 0
+    while not short.finished:
+        eng.step()
+        steps += 1
+    assert long.num_cached < len(long_prompt) - 8, "the short request waited for the long prompt's prefill"
+    assert steps <= 2 + 8  # its prefill with one chunk, then its decode steps (one chunk between, at most)
+    while eng.has_work():
+        eng.step()
+    alone = make_llm(qwen3).generate([long_prompt, short_prompt], [long_params, short_params], use_tqdm=False)
+    assert long.output_ids == alone[0].token_ids and short.output_ids == alone[1].token_ids
+    if scored:
+        got, want = prompt_logprob_list(long)[1:], alone[0].prompt_logprobs[1:]
+        assert [p.token_id for p in got] == [p.token_id for p in want]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(got, want)) < 1e-3  # (chunked otherwise: rounding)
+    assert_pool_free(eng)
+
+
+def test_cpu_chunks_are_sized_by_the_time_of_the_last_extend_step(qwen3):
+    """On the CPU a long prompt's chunk is what the last extend step's speed makes in the step target (never under
+    MIN_TIMED_CHUNK, nor over chunked_prefill_size; FIRST_TIMED_CHUNK before anything was timed): a step in
+    progress, which a new request waits for, stays short however long the prefix grows."""
+    from minisrv.engine.scheduler.scheduler import FIRST_TIMED_CHUNK, MIN_TIMED_CHUNK
+    eng = make_llm(qwen3, chunked_prefill_size=1000).engine
+    sched = eng.scheduler
+    assert sched.step_target_s is not None and sched.extend_tokens_per_s is None
+    assert sched.chunk_size() == FIRST_TIMED_CHUNK
+    eng.add_request(make_prompts(vocab_of(qwen3), [40], seed=5)[0], SamplingParams(max_tokens=1))
+    while eng.has_work():
+        eng.step()
+    assert sched.extend_tokens_per_s > 0  # the engine timed the prefill step
+    sched.extend_took(300, 1.0)  # 300 tokens a second
+    assert sched.chunk_size() == int(300 * sched.step_target_s)
+    sched.extend_took(10, 1.0)
+    assert sched.chunk_size() == MIN_TIMED_CHUNK
+    sched.extend_took(10 ** 6, 1.0)
+    assert sched.chunk_size() == 1000
+    sched.extend_took(400, 1.0)
+    long = eng.add_request(make_prompts(vocab_of(qwen3), [500], seed=6)[0], SamplingParams(max_tokens=1))
+    batch = sched.schedule()
+    assert batch.extend_lens == [int(400 * sched.step_target_s)] and batch.reqs == [long]

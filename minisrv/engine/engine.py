@@ -9,8 +9,10 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import logging
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
+from minisrv.batch import ForwardMode
 from minisrv.config import EngineConfig, setup_logging
 from minisrv.distributed import TensorParallelError, destroy_tensor_parallel
 
@@ -30,6 +32,9 @@ from .text import TextStream, decode_cleans_up
 logger = logging.getLogger("minisrv")
 
 COMPILE_IDLE_WAIT_S = 0.002  # with nothing to run but grammars compiling, a step waits this long for one
+# on the CPU a long prompt's chunks are sized so that a step takes about this long (scheduler.py's step_target_s):
+# a request that arrives beside a long prompt then waits about two such steps for its first token
+CPU_STEP_TARGET_S = 0.5
 
 
 def is_device_fault(e: BaseException) -> bool:
@@ -62,7 +67,8 @@ class Engine:
         self.limits = RequestLimits(parts.args.vocab_size, parts.max_request_len)
         self.cache = None if cfg.disable_radix_cache else RadixCache(parts.allocator, parts.page_size)
         self.scheduler = Scheduler(parts.allocator, parts.table, parts.page_size, cfg.max_running_requests,
-                                   cfg.max_prefill_tokens, cfg.chunked_prefill_size, self.cache)
+                                   cfg.max_prefill_tokens, cfg.chunked_prefill_size, self.cache,
+                                   step_target_s=CPU_STEP_TARGET_S if parts.device.type == "cpu" else None)
         self.overlap = parts.device.type == "cuda" and not cfg.disable_overlap_schedule
         self.num_free_pages_when_idle = parts.allocator.num_free  # all but the CUDA-graph pad page
         self.peak_pages_used = 0
@@ -119,6 +125,7 @@ class Engine:
         try:
             batch = self._schedule()
             if batch is not None:
+                t0 = time.perf_counter()
                 self._launch(batch)
                 self.scheduler.commit(batch)
                 launched = True
@@ -126,6 +133,8 @@ class Engine:
             self._check_fatal(e)
             outputs += self._step_failed(batch.reqs if batch is not None else [], e)
         outputs += self._collect(keep=1 if self.overlap and launched else 0)
+        if launched and not self.overlap and batch.mode is ForwardMode.EXTEND:  # it ran to its end here
+            self.scheduler.extend_took(sum(batch.extend_lens), time.perf_counter() - t0)
         if batch is None:
             self._wait_for_a_compile()
         return outputs

@@ -25,8 +25,8 @@ RESERVE_CLIP = 4096  # no single request reserves more than this many future tok
 # being computed twice in one batch
 IN_BATCH_PREFIX = 32
 # a request that scores its prompt (prompt logprobs) computes logits at every prompt position, which makes its
-# prefill several times dearer than a plain one: it is extended by at most this many tokens a step, and requests
-# that decode take a turn between its chunks, so that a long prompt being scored does not stall the others
+# prefill dearer than a plain one: it is extended by at most this many tokens a step (and requests that decode
+# take their turn between its chunks, as between any long prompt's: scheduler.py)
 SCORING_CHUNK = 512
 
 

@@ -20,10 +20,24 @@ from .prefill import INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_
 
 logger = logging.getLogger(__name__)
 
+# after a step that left a long prompt half-prefilled, the requests that decode take up to this many steps before
+# its next chunk: a short request that arrives beside a long prompt is admitted with a chunk and then decodes its
+# few tokens in a row, while the long prompt still gets one step in every few
+DECODE_STEPS_AFTER_CHUNK = 8
+# a chunk sized by time (step_target_s) is never smaller than this (a short prompt that arrives beside a long one
+# is not chunked, and so joins the long one's next step: one chunked request a step), and before any extend step
+# was timed, never larger than FIRST_TIMED_CHUNK
+MIN_TIMED_CHUNK = 128
+FIRST_TIMED_CHUNK = 256
+
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, table: ReqToTokenTable, page_size: int, max_running: int,
-                 max_prefill_tokens: int, chunked_prefill_size: int, tree: Optional[RadixCache] = None) -> None:
+                 max_prefill_tokens: int, chunked_prefill_size: int, tree: Optional[RadixCache] = None,
+                 step_target_s: Optional[float] = None) -> None:
+        """step_target_s: where steps run to their end one at a time (the CPU), a long prompt's chunks are sized so
+        that a step takes about this long, by the speed of the last extend step (`extend_took`): attention over a
+        long prefix makes later chunks slower, and the step in progress is what a new request waits for."""
         self.cache = CacheManager(allocator, table, page_size, tree)
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
@@ -35,7 +49,9 @@ class Scheduler:
         self.num_retractions = 0
         self.num_penalized = 0  # live requests using penalties (their sampling needs the real previous tokens)
         self.num_constrained = 0  # live requests with a grammar or thinking budget (need the previous token)
-        self.decode_turn = False  # the last step was a chunk of a prompt still being scored: decoding goes next
+        self.decode_turns = 0  # steps that decoding takes before the next chunk of a prompt (see schedule)
+        self.step_target_s = step_target_s
+        self.extend_tokens_per_s: Optional[float] = None  # the last timed extend step's speed
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
@@ -93,25 +109,40 @@ class Scheduler:
 
     # ------------------------------------------------------------------ steps
     def schedule(self) -> Optional[ScheduledBatch]:
-        """Prefill before decode, except that after a chunk of a prompt being scored the requests that decode take
-        a turn (see prefill.SCORING_CHUNK)."""
+        """Prefill before decode, except that after a chunk of a long prompt the requests that decode take a few
+        steps (DECODE_STEPS_AFTER_CHUNK), so that no request waits for a whole long prompt's prefill."""
         batch = None
-        if self.decode_turn:
-            self.decode_turn = False
+        if self.decode_turns:
+            self.decode_turns -= 1
             batch = self._schedule_decode()
+            if batch is None:
+                self.decode_turns = 0  # nothing decodes
         if batch is None:
             batch = self._schedule_prefill()
-            self.decode_turn = batch is not None and any(
-                r.params.prompt_logprobs is not None and not sampled for r, sampled in zip(batch.reqs, batch.samples))
+            if batch is not None and not all(batch.samples):
+                self.decode_turns = DECODE_STEPS_AFTER_CHUNK
         if batch is None:
             batch = self._schedule_decode()
         return batch
+
+    def extend_took(self, num_tokens: int, seconds: float) -> None:
+        """An extend step of num_tokens ran to its end in `seconds` (sizes the next chunks, see step_target_s)."""
+        if seconds > 0:
+            self.extend_tokens_per_s = num_tokens / seconds
+
+    def chunk_size(self) -> int:
+        """The most tokens of one prompt the next step computes."""
+        if self.step_target_s is None:
+            return self.chunk
+        if self.extend_tokens_per_s is None:
+            return min(self.chunk, FIRST_TIMED_CHUNK)
+        return min(self.chunk, max(MIN_TIMED_CHUNK, int(self.extend_tokens_per_s * self.step_target_s)))
 
     def _schedule_prefill(self) -> Optional[ScheduledBatch]:
         partial = [r for r in self.running if r.num_cached < r.total_len - 1]  # left half-prefilled: they go first
         if not partial and not self.waiting:
             return None
-        adder = PrefillAdder(self.cache, self.running, self.max_running, self.max_prefill_tokens, self.chunk,
+        adder = PrefillAdder(self.cache, self.running, self.max_running, self.max_prefill_tokens, self.chunk_size(),
                              self.new_token_ratio)
         for req in partial + list(self.waiting):
             if not adder.add(req):
