@@ -183,7 +183,7 @@ def test_cpu_chunks_are_sized_by_the_time_of_the_last_extend_step(qwen3):
     assert sched.chunk_size() == MIN_TIMED_CHUNK
     sched.extend_took(10 ** 6, 1.0)
     assert sched.chunk_size() == 1000
-    sched.extend_took(400, 1.0)
-    long = eng.add_request(make_prompts(vocab_of(qwen3), [500], seed=6)[0], SamplingParams(max_tokens=1))
+    sched.extend_took(300, 1.0)
+    long = eng.add_request(make_prompts(vocab_of(qwen3), [240], seed=6)[0], SamplingParams(max_tokens=1))
     batch = sched.schedule()
-    assert batch.extend_lens == [int(400 * sched.step_target_s)] and batch.reqs == [long]
+    assert batch.extend_lens == [int(300 * sched.step_target_s)] and batch.reqs == [long]
