@@ -106,7 +106,7 @@ def test_abort_after_retraction(model):
     watch.assert_idle()
 
 
-@pytest.mark.parametrize("seed,page_size,pool,chunk", [(0, 1, 48, 8192), (1, 3, 51, 8), (5, 16, 64, 16),
+@pytest.mark.parametrize("seed,page_size,pool,chunk", [(0, 1, 48, 8192), (2, 3, 51, 8), (6, 16, 64, 16),
                                                         (3, 2, 48, 5)])
 @pytest.mark.slow
 def test_random_arrivals_and_aborts(model, seed, page_size, pool, chunk):
