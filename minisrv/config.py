@@ -38,8 +38,7 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False  # CUDA: prepare step N+1 on the host while step N runs
     disable_radix_cache: bool = False  # reuse the KV of shared prefixes across requests unless set
-    # seconds from a request's arrival: a grammar not compiled by then is refused as too costly (engine/grammar.py);
-    # the union of 200 tools' call schemas compiles in well under a second on a 2-core CPU
+    # seconds from a request's arrival: a grammar not compiled by then is refused as too costly (engine/grammar.py)
     grammar_compile_timeout: float = 20.0
     schedule_policy: str = "fcfs"  # the only one: arrival order (SGLang's flag; its other policies are not offered)
     enable_cascade_attention: bool = False  # decode steps where many requests share long prefixes read them once
