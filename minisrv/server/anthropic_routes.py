@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, List, Optional, Tuple
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from minisrv.engine.grammar_check import check_grammar
+from minisrv.engine.grammar_check import check_grammar, constraint_of
 from minisrv.engine.request import SamplingParams, check_request
 
 from .anthropic_protocol import CountTokensRequest, MessagesRequest, to_chat
@@ -58,7 +58,8 @@ async def _prompt(state: ServerState, body: CountTokensRequest, large: bool,
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "this model's tokenizer has no chat template", param="messages")
     chat = to_chat(body, state.reasoning is not None)
-    plan = plan_tools(chat.tools, chat.tool_choice, parser=parser_for(tok.chat_template, state.tool_call_parser))
+    parser = parser_for(tok.chat_template, state.tool_call_parser)
+    plan = await off_loop(large or bool(chat.tools), lambda: plan_tools(chat.tools, chat.tool_choice, parser=parser))
     tools_kw: dict = {"tools": plan.template_tools} if plan.template_tools is not None else {}
     tools_kw.update(chat.template_kwargs)
 
@@ -82,7 +83,8 @@ async def _prompt(state: ServerState, body: CountTokensRequest, large: bool,
             check_grammar(params)
         return ids
 
-    ids = await off_loop(large or len(text) > ASYNC_ENCODE_CHARS, prepare)
+    ids = await off_loop(large or len(text) > ASYNC_ENCODE_CHARS or params is not None and
+                         constraint_of(params) is not None, prepare)
     return ids, plan, reasoning
 
 

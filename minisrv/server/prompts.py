@@ -2,7 +2,8 @@
 ready for the template, prompt texts tokenized, and the slow parts of that kept off the event loop.
 
 Keeping the event loop free (so /health and the streams of others never wait): a body over INLINE_BODY_BYTES is
-parsed, validated, templated and tokenized in a worker thread, and so is a text over ASYNC_ENCODE_CHARS; a prompt
+parsed, validated, templated and tokenized in a worker thread, and so is a text over ASYNC_ENCODE_CHARS, and the
+check of a request's grammar or tools' schemas (its first use imports the grammar engine, and torch with it); a prompt
 whose length in characters already proves it longer than the model's limit is refused before it is tokenized
 (state.max_token_chars).
 """

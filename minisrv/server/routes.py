@@ -30,7 +30,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from minisrv.engine.grammar_check import check_grammar
+from minisrv.engine.grammar_check import check_grammar, constraint_of
 from minisrv.engine.request import RequestError, SamplingParams, check_request
 
 from .anthropic_routes import add_anthropic_routes
@@ -239,7 +239,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
         return prompts, echoed
 
     size = sum(len(p) for p in raw)  # characters or token ids
-    prompts, echoed = await off_loop(large or size > ASYNC_ENCODE_CHARS, prepare)
+    prompts, echoed = await off_loop(large or size > ASYNC_ENCODE_CHARS or constraint_of(params) is not None, prepare)
     renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", state.served_model_name, state.token_text,
                                   body.logprobs, echo_lp, state.fingerprint)
     return await serve(state, request, Generation(prompts, params, body.n or 1, echoed), renderer,
@@ -263,8 +263,9 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if body.parallel_tool_calls is not None and not body.tools and not body.functions:
         raise RequestError("parallel_tool_calls is only allowed when tools are given", "parallel_tool_calls")
-    plan = plan_tools(body.tools, body.tool_choice, body.functions, body.function_call,
-                      parser_for(getattr(tok, "chat_template", None), state.tool_call_parser))
+    parser = parser_for(getattr(tok, "chat_template", None), state.tool_call_parser)
+    plan = await off_loop(large or bool(body.tools or body.functions),  # (their schemas are parsed: prompts.py)
+                          lambda: plan_tools(body.tools, body.tool_choice, body.functions, body.function_call, parser))
     grammar: Dict[str, Any] = {}
     if plan.json_schema is not None:  # tool_choice required or a named function: the call is a grammar
         if body.response_format is not None and body.response_format.get("type", "text") != "text" \
@@ -301,7 +302,8 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         check_grammar(params)
         return ids
 
-    ids = await off_loop(large or len(text) > ASYNC_ENCODE_CHARS, lambda: prepare(text))
+    ids = await off_loop(large or len(text) > ASYNC_ENCODE_CHARS or constraint_of(params) is not None,
+                         lambda: prepare(text))
     renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", state.served_model_name, state.token_text, want_lp,
                             top_n, plan, state.fingerprint, reasoning=reasoning)
     return await serve(state, request, Generation([ids], params, body.n or 1), renderer, bool(body.stream),
