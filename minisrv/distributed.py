@@ -45,7 +45,6 @@ class Rendezvous(NamedTuple):
 
 
 def new_rendezvous(address: str) -> Rendezvous:
-    """Rank 0's: the address and this process's next process-group number."""
     return Rendezvous(address, _group_counter() or 0)
 
 
@@ -97,10 +96,8 @@ class FusedAllReduceNorm:
         self.pattern = comm.AllReduceFusionPattern.kARResidualRMSNorm
 
     def close(self) -> None:
-        """Let go of the peer buffers. FlashInfer keeps every workspace's symmetric-memory buffers referenced until
-        told (trtllm_ar's workspace registry): without this each engine closed in a process would leave its
-        buffers, registered under its process group, behind. Every rank calls it, with no kernel of its own in
-        flight, before the group is torn down (destroy_tensor_parallel)."""
+        """Let go of the peer buffers, which FlashInfer keeps referenced until told (trtllm_ar's workspace registry).
+        Every rank calls it, with no kernel of its own in flight, before the group is torn down."""
         workspace, self.workspace = self.workspace, None
         if workspace is None:
             return

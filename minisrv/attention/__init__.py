@@ -141,9 +141,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
 def create_backend(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int,
                    fp8_decode_kernel: str = "auto") -> AttentionBackend:
     """Create a resolved backend (see resolve_backend); a hybrid shares the pool between its two halves.
-    fp8_decode_kernel: what decodes an FP8 pool where fi or triton would (EngineConfig.fp8_decode_kernel): "auto"
-    and "xqa" pick the xqa backend (xqa.fp8_decode says where it can run), "flashinfer" keeps the decode half's own
-    kernel (fi's wrappers, or the triton kernel's FP8 loads)."""
+    fp8_decode_kernel: EngineConfig.fp8_decode_kernel (see the module docstring and xqa.fp8_decode)."""
     parts = _parts(name)
     prefill = _create(parts[0], pool, req_to_token, num_q_heads)
     decode = None

@@ -140,10 +140,9 @@ class Engine:
         return outputs
 
     def switch_kernels(self, idle: bool = False) -> List[RequestOutput]:
-        """The one poll of the kernels built since the start (kernel_builds.StagedKernels), made once a turn by
-        whoever drives `step`, before it: once they are built, the steps in flight are collected (their news is
-        returned) and the runner switches, so that no step runs across the switch. idle: the engine has had
-        nothing to do for a while (CUDA graphs that wait for such a moment are captured then)."""
+        """The one poll of the kernels built since the start (kernel_builds.StagedKernels), made once a turn before
+        `step`: once they are built, the steps in flight are collected (their news is returned) and the runner
+        switches, so that no step runs across the switch. idle: the engine has had nothing to do for a while."""
         staged = self.staged_kernels
         if staged is None:
             return []

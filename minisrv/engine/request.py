@@ -268,10 +268,6 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     @property
-    def has_penalties(self) -> bool:
-        return self.params.has_penalties
-
-    @property
     def needs_accepted_tokens(self) -> bool:
         """Whether its sampling needs its previous token accepted on the host: a grammar's mask, and a thinking
         budget's forced end, are made from the tokens so far."""

@@ -73,8 +73,7 @@ class _StreamDecoder:
 
 
 def decode_cleans_up(tokenizer: Any) -> bool:
-    """Whether the tokenizer's own decode applies the space clean-up (asked of its decode, not of its config flag,
-    which transformers 5 no longer honours in decode)."""
+    """Whether the tokenizer's own decode applies the space clean-up (asked of its decode, not of its flag)."""
     if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return False
     try:

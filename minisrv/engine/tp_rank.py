@@ -2,7 +2,6 @@
 
 It receives each step's `StepInputs` from rank 0, runs the same forward (the collectives inside meet rank 0's), and
 receives the sampled ids so that it reads the same pending decode inputs. A stop message in place of a step ends it.
-A rank whose parent dies is killed by the kernel (PR_SET_PDEATHSIG), so no rank outlives its engine.
 """
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ class Scheduler:
             raise RequestError(f"duplicate request id {req.rid!r}")
         self.waiting.append(req)
         self.by_id[req.rid] = req
-        self.num_penalized += req.has_penalties
+        self.num_penalized += req.params.has_penalties
         self.num_constrained += req.needs_accepted_tokens
 
     def has_work(self) -> bool:
@@ -77,7 +77,6 @@ class Scheduler:
         return self.cache.available_pages()
 
     def flush_cache(self) -> bool:
-        """Empty the prefix tree (refused, False, while a request holds part of it)."""
         return self.cache.flush()
 
     def isolate(self, req: Request) -> None:
@@ -104,7 +103,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.by_id.pop(req.rid, None)
-        self.num_penalized -= req.has_penalties
+        self.num_penalized -= req.params.has_penalties
         self.num_constrained -= req.needs_accepted_tokens
 
     # ------------------------------------------------------------------ steps
