@@ -44,8 +44,7 @@ class EngineConfig:
     enable_cascade_attention: bool = False  # decode steps where many requests share long prefixes read them once
     seed: Optional[int] = None  # seeds torch's generator, which unseeded requests draw from
     tp_size: int = 1  # tensor parallelism: one process per GPU (per CPU process with gloo), rank 0 schedules
-    # tensor parallel on CUDA: decode batches' all-reduce + add + RMSNorm in one kernel (FlashInfer's)
-    enable_flashinfer_allreduce_fusion: bool = False
+    enable_flashinfer_allreduce_fusion: bool = False  # tensor parallel on CUDA: all-reduce + add + RMSNorm fused
     is_embedding: bool = False  # serve as an embedding model (also detected: checkpoints/pooling_config.py)
     log_level: str = "info"
 

@@ -202,8 +202,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, fused_sampling: Optional[Cal
         if sb.need_filter:
             scaled = scaled.masked_fill(filter_mask(torch.softmax(scaled, dim=-1), sb.top_k, sb.top_p, sb.min_p),
                                         float("-inf"))
-        # Gumbel-max: argmax(scaled + G) with G = -log(E), E ~ Exp(1). Unseeded rows draw E from torch's
-        # generator (one fused kernel); seeded rows from the counter-based hash (reproducible per request).
+        # Gumbel-max (module docstring): E from torch's generator, or from the hash for seeded rows
         fused = fused_sampling if sb.seeded_rows is None and not sb.need_filter else None
         if fused is not None:  # the same draw in one pass over the logits (FlashInfer, on CUDA)
             sampled = fused(scaled).to(torch.int64)

@@ -53,7 +53,6 @@ class Scheduler:
         self.step_target_s = step_target_s
         self.extend_tokens_per_s: Optional[float] = None  # the last timed extend step's speed
 
-    # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
         if req.rid in self.by_id:
             raise RequestError(f"duplicate request id {req.rid!r}")
@@ -106,7 +105,6 @@ class Scheduler:
         self.num_penalized -= req.params.has_penalties
         self.num_constrained -= req.needs_accepted_tokens
 
-    # ------------------------------------------------------------------ steps
     def schedule(self) -> Optional[ScheduledBatch]:
         """Prefill before decode, except that after a chunk of a long prompt the requests that decode take a few
         steps (DECODE_STEPS_AFTER_CHUNK), so that no request waits for a whole long prompt's prefill."""
