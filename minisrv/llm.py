@@ -10,6 +10,8 @@ from minisrv.config import EngineConfig
 from minisrv.engine.engine import Engine
 from minisrv.engine.pooling import PoolingParams
 from minisrv.engine.request import CompletionOutput, Request, SamplingParams, prompt_logprob_list
+from minisrv.server.plan.chat import ChatInputs, plan_chat_now
+from minisrv.server.plan.prompt import PromptMaker
 from minisrv.tokenizer.engine_tokenizer import transformers_tokenizer
 
 PromptType = Union[str, List[int]]
@@ -20,6 +22,7 @@ class LLM:
 
     def __init__(self, model: Optional[str] = None, attention_backend: str = "auto", **kwargs: Any) -> None:
         self.engine = Engine(EngineConfig(model=model, attention_backend=attention_backend, **kwargs))
+        self._prompts: Optional[PromptMaker] = None  # the chat plan's view of the tokenizer, made on first use
 
     @property
     def tokenizer(self) -> Any:
@@ -120,5 +123,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def encode_chat(self, messages: List[Dict[str, str]]) -> List[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        """A conversation's prompt ids, made by the request plan the server's chat APIs use (a system message
+        anywhere is templated in its place, or joined to the first where the template refuses it there)."""
+        if self._prompts is None:
+            self._prompts = PromptMaker.of(self.tokenizer)
+        return plan_chat_now(self._prompts, ChatInputs(list(messages)), None).prompt_ids

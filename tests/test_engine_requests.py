@@ -3,6 +3,8 @@ bad prompts and sampling parameters fail clearly without disturbing the engine, 
 stats count what is queued and held."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from minisrv import SamplingParams
@@ -102,19 +104,19 @@ def test_one_bad_prompt_rejects_the_whole_batch_before_queueing(small_ctx, model
 def test_bad_sampling_params(small_ctx, model, params, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**params)
-    # the same values set after construction are caught when the request is made
+    # nor can a built one be changed into them: it is frozen, and a variant made with replace is validated anew
     sp = SamplingParams()
-    for k, v in params.items():
-        setattr(sp, k, v)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(sp, next(iter(params)), next(iter(params.values())))
     with pytest.raises(ValueError, match=match):
-        small_ctx.engine.add_request([5, 6, 7], sp)
+        dataclasses.replace(sp, **params)
     _serves(small_ctx, model)
 
 
 def test_sampling_params_are_validated_once_per_process(small_ctx, model, monkeypatch):
     """Offline: made and run, a request's values are validated once (at construction), not again when the request
-    is checked against the model; a field set afterwards, or a copy that crossed a process boundary (pickled), is
-    validated once more when the request is made."""
+    is checked against the model; a variant (dataclasses.replace), or a copy that crossed a process boundary
+    (pickled), is validated once more, and only once, however many requests use it."""
     import pickle
     calls = []
     validate = SamplingParams.validate
@@ -123,12 +125,12 @@ def test_sampling_params_are_validated_once_per_process(small_ctx, model, monkey
     assert len(calls) == 1
     out = small_ctx.generate([5, 6, 7], sp, use_tqdm=False)[0]
     assert len(calls) == 1 and len(out.token_ids) == 3
-    sp.max_tokens = 2
-    small_ctx.engine.make_request([5, 6, 7], sp)
-    small_ctx.engine.make_request([5, 6, 7], sp)
-    assert len(calls) == 2
-    received = pickle.loads(pickle.dumps(sp))
-    assert received == sp
+    shorter = dataclasses.replace(sp, max_tokens=2)
+    small_ctx.engine.make_request([5, 6, 7], shorter)
+    small_ctx.engine.make_request([5, 6, 7], shorter)
+    assert len(calls) == 2 and sp.max_tokens == 3
+    received = pickle.loads(pickle.dumps(shorter))
+    assert received == shorter
     small_ctx.engine.make_request([5, 6, 7], received)
     small_ctx.engine.make_request([5, 6, 7], received)
     assert len(calls) == 3

@@ -4,9 +4,8 @@ A long module usually holds two concepts, and a circle means two modules are one
 floor is crossed upwards); both make the code harder to read in one sitting. The checks read the source with `ast`
 and never import minisrv, so a circle or a broken module cannot hide the failure.
 
-Imports are collected everywhere in a module, inside functions too: an import moved into a function to dodge a
-circle at import time is still a circle in the design. Only imports under `if TYPE_CHECKING:` are left out, since
-they never run.
+Imports are collected everywhere in a module, inside functions and under `if TYPE_CHECKING:` too: an import moved
+into a function, or into a type-only block, to dodge a circle at import time is still a circle in the design.
 """
 from __future__ import annotations
 
@@ -33,23 +32,9 @@ def package_files() -> Dict[str, Path]:
     return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _import_nodes(node: ast.AST) -> Iterator[ast.AST]:
-    """Every Import / ImportFrom under node, at any depth, except the body of `if TYPE_CHECKING:`."""
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _is_type_checking(child.test):
-            for sub in child.orelse:  # the else branch does run
-                if isinstance(sub, (ast.Import, ast.ImportFrom)):
-                    yield sub
-                yield from _import_nodes(sub)
-            continue
-        if isinstance(child, (ast.Import, ast.ImportFrom)):
-            yield child
-        yield from _import_nodes(child)
+    """Every Import / ImportFrom under node, at any depth (type-only imports and function-level ones included)."""
+    return (n for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom)))
 
 
 def _resolve(node: ast.ImportFrom, importer: str, is_package: bool) -> Optional[str]:
@@ -167,7 +152,7 @@ def test_no_module_over_400_lines():
 def test_no_import_circle():
     graph = import_graph(package_files())
     cycles = find_cycles(graph)
-    assert not cycles, "import circles inside minisrv/ (function-level imports count):\n" + "\n".join(
+    assert not cycles, "import circles inside minisrv/ (function-level and type-only imports count):\n" + "\n".join(
         f"  modules {', '.join(c)}\n    e.g. {' -> '.join(one_circle(graph, c))}" for c in cycles)
 
 
@@ -203,6 +188,7 @@ def _write(tmp_path: Path, files: Dict[str, str]) -> Dict[str, Path]:
     "def f():\n    from minisrv.eng.a import X\n",         # dodged inside a function, absolute
     "import minisrv.eng.a as a\n",
     "if TYPE_CHECKING:\n    pass\nelse:\n    from .a import X\n",  # the else branch runs
+    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import X\n",  # type-only: a circle too
 ])
 def test_checker_sees_circle(tmp_path, b_text):
     files = _write(tmp_path, {"minisrv/__init__.py": "", "minisrv/eng/__init__.py": "",
@@ -217,10 +203,10 @@ def test_checker_passes_what_is_no_circle(tmp_path):
         "minisrv/__init__.py": "from .eng.a import X\n",      # a package re-exporting its submodule
         "minisrv/eng/__init__.py": "",
         "minisrv/eng/a.py": "from minisrv.eng import b\nfrom ..util import h\n",
-        "minisrv/eng/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import X\n",
+        "minisrv/eng/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..util import h\n",
         "minisrv/util.py": "import os\n",
     })
     graph = import_graph(files)
     assert graph["minisrv.eng.a"] == {"minisrv.eng.b", "minisrv.util"}
-    assert graph["minisrv.eng.b"] == set()
+    assert graph["minisrv.eng.b"] == {"minisrv.util"}
     assert find_cycles(graph) == []

@@ -1,8 +1,9 @@
 """A request's state machine, its sampling parameters and their validation, and what the engine reports back.
 
-Validation lives here once: `SamplingParams.validate` checks what needs no model (types, ranges, counts), and
-`check_request` what depends on the model (token ids in the vocabulary, the context length). The offline `LLM`,
-the engine and the HTTP server all call these; a failure is a `RequestError` naming the offending field.
+Validation lives here once: `SamplingParams.validate` checks what needs no model (types, ranges, counts) when the
+frozen params are built, and `check_request` what depends on the model (token ids in the vocabulary, the context
+length). The offline `LLM`, the engine and the HTTP server all call these; a failure is a `RequestError` naming
+the offending field.
 """
 from __future__ import annotations
 
@@ -48,9 +49,13 @@ def _is_number(x: object) -> bool:
     return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings, with vLLM/OpenAI meanings. temperature 0 is greedy."""
+    """Per-request sampling settings, with vLLM/OpenAI meanings. temperature 0 is greedy.
+
+    Built once with every field and frozen: the values are validated at construction (a RequestError naming the
+    field), so whatever holds one holds checked values; a variant is `dataclasses.replace(params, ...)`, which
+    validates its values anew. A copy that arrives pickled from another process is validated as it is loaded."""
 
     max_tokens: Optional[int] = 16  # None: up to the context length
     temperature: float = 1.0
@@ -61,8 +66,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop: Optional[Union[str, List[str]]] = None
-    stop_token_ids: Optional[List[int]] = None
+    stop: Union[None, str, Sequence[str]] = None  # kept as a tuple of strings
+    stop_token_ids: Optional[Sequence[int]] = None  # kept as a tuple of ids
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # None: none; 0: the chosen token's; n: also the top n
     logit_bias: Optional[Dict[int, float]] = None  # token id -> added to its logit before sampling (OpenAI's)
@@ -77,32 +82,15 @@ class SamplingParams:
     thinking: Optional[ThinkingRule] = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        object.__setattr__(self, "stop", tuple(stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         self.validate()
 
-    def __setattr__(self, name: str, value: object) -> None:
-        """A field set after construction makes the values unchecked again, so that `check_request` validates
-        them; otherwise the validation at construction is the only one in this process."""
-        object.__setattr__(self, name, value)
-        object.__setattr__(self, "_validated", False)
-
-    def __getstate__(self) -> Dict[str, object]:
-        """Pickled (to the engine process) without the mark: the process that receives it validates it once."""
-        state = dict(self.__dict__)
-        state.pop("_validated", None)
-        return state
-
     def __setstate__(self, state: Dict[str, object]) -> None:
+        """Unpickled (the engine process receives what the HTTP process built): validated here, once."""
         self.__dict__.update(state)
-        object.__setattr__(self, "_validated", False)
-
-    def validate_once(self) -> None:
-        """validate() unless these values were validated in this process and not set since."""
-        if not self._validated:
-            self.validate()
+        self.validate()
 
     def validate(self) -> None:
         """Types, ranges and counts that need no model; raises RequestError."""
@@ -160,7 +148,6 @@ class SamplingParams:
             why = self.thinking.problem() if isinstance(self.thinking, ThinkingRule) else "it is not a ThinkingRule"
             if why is not None:
                 raise RequestError(f"thinking: {why}", "thinking_budget" if "budget" in why else "thinking")
-        object.__setattr__(self, "_validated", True)
 
     def _validate_constraint(self) -> None:
         """Structured outputs: types, at most one, and a schema that is JSON; the grammar itself is checked when
@@ -285,8 +272,7 @@ class RequestLimits:
 def check_request(prompt_ids: Sequence[int], params: SamplingParams, limits: RequestLimits,
                   prompt_param: str = "prompt") -> int:
     """Validate a request against the model; returns its output budget (max_new_tokens). Raises RequestError.
-    `params` itself is validated here only if it was not in this process, or a field was set since."""
-    params.validate_once()
+    `params` itself was validated when it was built (SamplingParams is frozen)."""
     vocab = limits.vocab_size
     if not prompt_ids:
         raise RequestError("the prompt is empty", prompt_param)

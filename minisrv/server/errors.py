@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect
 
 from minisrv.engine.request import RequestError
 
-from .protocol import ErrorInfo, ErrorResponse
+from .openai.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("minisrv.server")
 

@@ -1,8 +1,10 @@
-"""The one request path of /v1/completions and /v1/chat/completions, from validated prompts to the HTTP response.
+"""The one request path of every generation endpoint (completions, chat, Responses, Messages), from planned prompts
+to the HTTP response.
 
-Both endpoints hand over the same thing, a `Generation` (prompt token ids, SamplingParams, n, echoed prompt text),
-and differ only in how they render it (a `Renderer`: the opening chunks of a stream, a chunk, the usage chunk, a
-whole response). Everything else happens here, once: one engine request (a `Job`) per choice of each prompt, the
+Each endpoint hands over the same thing, a `Generation` (prompt token ids, SamplingParams, n, echoed prompt text),
+and differs only in how it renders it (a `Renderer`: a stream's opening events, the events of an output, its
+closing events or its error event, a whole response), reading the engine's outputs directly. Everything else
+happens here, once: one engine request (a `Job`) per choice of each prompt, the
 seeds of n > 1 choices, submitting them, streaming or collecting their outputs into `Choice`s, usage, metrics,
 aborting what is left when the client goes away, and turning a refusal or failure of the engine into an APIError
 (an HTTP error before a stream begins, an error event after).
@@ -13,22 +15,23 @@ cut, a possible stop string held back) and its tokens' logprobs at their text of
 from __future__ import annotations
 
 import asyncio
-import copy
+import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from minisrv.engine.request import RequestError, RequestOutput, SamplingParams
 
 from .engine_proc import EngineDead
-from .errors import engine_unavailable, from_request_error, request_failed, server_shutdown
-from .logprobs import PositionedLogprob
+from .errors import APIError, engine_unavailable, from_request_error, request_failed, server_shutdown
 from .metrics import TokenClock
-from .protocol import PromptTokensDetails, UsageInfo
-from .streaming import EventStream, sse, sse_stream, unless_disconnected
+from .openai.logprobs import PositionedLogprob
+from .openai.protocol import PromptTokensDetails, UsageInfo
+from .streaming import EventStream, unless_disconnected
 
 if TYPE_CHECKING:
     from .state import ServerState
@@ -68,9 +71,9 @@ class Choice:
     logprobs: List[PositionedLogprob] = field(default_factory=list)
     prompt_logprobs: Optional[List[Any]] = None  # TokenLogprob per prompt token (the first None), when asked for
     finish_reason: Optional[str] = None
+    stop_str: Optional[str] = None  # the stop string that ended it, if one did
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache
-    sent: int = 0  # characters of text a stream has shown (a renderer may hold some back)
     opened: bool = False  # whether a stream has started this choice
 
     def feed(self, out: RequestOutput) -> Tuple[str, List[PositionedLogprob]]:
@@ -87,7 +90,7 @@ class Choice:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
-            self.finish_reason = out.finish_reason
+            self.finish_reason, self.stop_str = out.finish_reason, out.stop_str
         return out.new_text, new
 
     @property
@@ -96,26 +99,29 @@ class Choice:
 
 
 class Renderer(Protocol):
-    """An endpoint's response shapes."""
+    """An endpoint's response shapes; a stream's events come framed (server-sent event text)."""
 
-    id: str  # the response id ("cmpl-...", "chatcmpl-..."); engine request ids derive from it
+    id: str  # the response id ("cmpl-...", "chatcmpl-...", ...); engine request ids derive from it
 
-    def opening(self, choice: Choice) -> List[Any]:
-        """Chunks a stream starts each choice with, before any token."""
+    def opening(self, choice: Choice) -> List[str]:
+        """Events a stream starts each choice with, before any token."""
 
     def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
-               finish_reason: Optional[str]) -> List[Any]:
-        """Chunks for one output that has text, logprobs or an end."""
+               finish_reason: Optional[str]) -> List[str]:
+        """Events for one output that has text, logprobs or an end."""
 
-    def usage_chunk(self, usage: UsageInfo) -> Any:
-        """The last chunk of a stream that asked for usage."""
+    def closing(self, usage: UsageInfo) -> List[str]:
+        """The events that end a stream that went well."""
+
+    def failed(self, error: APIError) -> List[str]:
+        """The events that end a stream whose request failed after it began."""
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any:
-        """The whole response of a non-streaming request."""
+        """The whole response of a non-streaming request (a pydantic model or a JSON-able dict)."""
 
 
-async def serve(state: "ServerState", request: Request, gen: Generation, renderer: Renderer, stream: bool,
-                include_usage: bool = False) -> Response:
+async def serve(state: "ServerState", request: Request, gen: Generation, renderer: Renderer,
+                stream: bool) -> Response:
     """Run a generation through the engine and answer it, streamed (SSE) or whole."""
     if state.stopping:
         raise server_shutdown()
@@ -131,27 +137,40 @@ async def serve(state: "ServerState", request: Request, gen: Generation, rendere
 
     if stream:
         async def events() -> AsyncIterator[str]:
+            """Closing this closes run_jobs, which aborts the engine requests left."""
             for ch in choices:
-                for chunk in renderer.opening(ch):
-                    yield sse(chunk)
-            async for step in run_jobs(state, jobs):
-                for index, out in step:
-                    ch = choices[index]
-                    text, lps = ch.feed(out)
-                    finish = out.finish_reason if out.finished else None
-                    if text or lps or finish:
-                        for chunk in renderer.chunks(ch, text, lps, finish):
-                            yield sse(chunk)
+                for e in renderer.opening(ch):
+                    yield e
+            try:
+                async with contextlib.aclosing(run_jobs(state, jobs)) as steps:
+                    async for step in steps:
+                        for index, out in step:
+                            ch = choices[index]
+                            text, lps = ch.feed(out)
+                            finish = out.finish_reason if out.finished else None
+                            if text or lps or finish:
+                                for e in renderer.chunks(ch, text, lps, finish):
+                                    yield e
+            except APIError as err:
+                for e in renderer.failed(err):
+                    yield e
+                return
+            for e in renderer.closing(usage()):
+                yield e
 
-        return EventStream(sse_stream(events(), (lambda: renderer.usage_chunk(usage())) if include_usage else None))
+        return EventStream(events())
 
     async def collect() -> None:
-        async for step in run_jobs(state, jobs):
-            for index, out in step:
-                choices[index].feed(out)
+        async with contextlib.aclosing(run_jobs(state, jobs)) as steps:
+            async for step in steps:
+                for index, out in step:
+                    choices[index].feed(out)
 
     await unless_disconnected(request, collect())
-    return Response(renderer.response(choices, usage()).model_dump_json(), media_type="application/json")
+    body = renderer.response(choices, usage())
+    if isinstance(body, dict):
+        return JSONResponse(body)
+    return Response(body.model_dump_json(), media_type="application/json")
 
 
 def make_jobs(prefix: str, gen: Generation) -> List[Job]:
@@ -167,11 +186,8 @@ def make_jobs(prefix: str, gen: Generation) -> List[Job]:
 
 def choice_params(params: SamplingParams, j: int) -> SamplingParams:
     """With a seed and n > 1, choice j samples with seed + j (wrapping in 64 bits): choices differ yet are
-    reproducible. A shallow copy with the seed set, not dataclasses.replace: replace runs __post_init__, which
-    would validate the request's checked values once more per choice (the seed stays a signed 64-bit integer)."""
-    pj = copy.copy(params)
-    pj.seed = (params.seed + j + 2 ** 63) % 2 ** 64 - 2 ** 63
-    return pj
+    reproducible."""
+    return dataclasses.replace(params, seed=(params.seed + j + 2 ** 63) % 2 ** 64 - 2 ** 63)
 
 
 async def run_jobs(state: "ServerState", jobs: List[Job]) -> AsyncIterator[List[Tuple[int, RequestOutput]]]:

@@ -24,8 +24,8 @@ import sys
 from typing import List, NoReturn, Optional
 
 from minisrv.config import EngineConfig, setup_logging
-from minisrv.server.reasoning_plan import PARSERS as REASONING_PARSERS
-from minisrv.server.tools import PARSERS
+from minisrv.server.plan.reasoning_plan import PARSERS as REASONING_PARSERS
+from minisrv.server.plan.tools import PARSERS
 
 from .http.policy import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S, HTTPPolicy, split_list
 
@@ -172,7 +172,7 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
 
     from minisrv.checkpoints.model_files import load_tokenizer
 
-    from .routes import create_app
+    from .app import create_app
     from .state import ServerState
     from .http.transport import GracefulServer, deadline_protocol
 

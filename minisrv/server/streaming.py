@@ -4,46 +4,29 @@ Why the care: a client that disconnects must get its engine requests aborted at 
 for everyone else. Starlette's StreamingResponse notices a disconnect only when a write fails, and a request
 still waiting in the engine's queue writes nothing, so `EventStream` listens for the disconnect itself and
 closes the generator (whose cleanup aborts the requests). A non-streaming request is watched the same way by
-`unless_disconnected`. Every stream ends the same way, completions and chat alike (`sse_stream`): the usage
-chunk when asked for, or an error event if the request failed on the way, then `data: [DONE]`.
+`unless_disconnected`. How a stream's events are framed and how it ends is each API's renderer's (OpenAI's
+streams end with `data: [DONE]`, the Responses and Messages streams with named events).
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from .errors import APIError, ClientGone
+from .errors import ClientGone
 
 SSE_DONE = "data: [DONE]\n\n"
 T = TypeVar("T")
 
 
-def sse(obj: Any) -> str:
-    """One event: a pydantic model or a JSON-able object."""
+def sse(obj: Any, name: str = "") -> str:
+    """One event: a pydantic model or a JSON-able object; named (`event: <name>`) when a name is given."""
     data = obj.model_dump_json() if hasattr(obj, "model_dump_json") else json.dumps(obj)
-    return f"data: {data}\n\n"
-
-
-async def sse_stream(events: AsyncIterator[str], usage: Optional[Callable[[], Any]]) -> AsyncIterator[str]:
-    """`events`, then the usage chunk (when asked for) and [DONE]; an APIError on the way becomes an error event
-    followed by [DONE]. Closing this closes `events` (which aborts its engine requests)."""
-    async with contextlib.aclosing(events):
-        try:
-            async for e in events:
-                yield e
-        except APIError as err:
-            yield sse(err.body())
-            yield SSE_DONE
-            return
-    if usage is not None:
-        yield sse(usage())
-    yield SSE_DONE
+    return f"event: {name}\ndata: {data}\n\n" if name else f"data: {data}\n\n"
 
 
 async def wait_disconnect(receive: Callable) -> None:

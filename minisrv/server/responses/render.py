@@ -1,13 +1,13 @@
-"""OpenAI's Responses API on the way out: a chat completion's answer in the Responses shapes, whole or streamed.
+"""OpenAI's Responses API on the way out: the engine's output in the Responses shapes, whole or streamed.
 
-The chat path (routes.py, generation.py, render.py) has already split the thinking (reasoning.py) and read the
-tool calls (tools.py); this only re-shapes what it made. A response's `output` is, in order: a reasoning item
+The output is read by the plan (plan/answer.py: the thinking split off, the tool calls read back); this only
+shapes what it reads. A response's `output` is, in order: a reasoning item
 (when a reasoning parser split off thinking; its text in `content` as reasoning_text, `summary` empty), a message
 item (the answer as one output_text part), and a function_call item per tool call (`call_id` the chat call's id).
 A response cut off by max_output_tokens is `status: "incomplete"` with `incomplete_details.reason:
 "max_output_tokens"`.
 
-Streamed, `ResponseEvents` turns the chat stream's chunks into the Responses events: response.created and
+Streamed, `ResponseRenderer` turns the output as it arrives into the Responses events: response.created and
 response.in_progress; per output item output_item.added, then for text content_part.added, the deltas
 (response.reasoning_text.delta / response.output_text.delta) and their .done, content_part.done, or for a call
 function_call_arguments.delta and .done; output_item.done; at the end response.completed with the whole response
@@ -20,7 +20,15 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from ..errors import APIError
+from ..generation import Choice
+from ..openai.logprobs import PositionedLogprob
+from ..openai.protocol import UsageInfo
+from ..plan.answer import AnswerStream, read_answer
+from ..plan.reasoning_plan import ReasoningPlan
+from ..plan.tools import ToolPlan
 
 
 def new_id(prefix: str) -> str:
@@ -32,15 +40,13 @@ def event_text(event: Dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
 
-def usage_of(chat_usage: Optional[Dict[str, Any]], reasoning_tokens: int) -> Dict[str, Any]:
-    """Chat's usage in the Responses shape. reasoning_tokens: the reasoning text's tokens counted anew (the engine
+def usage_of(u: UsageInfo, reasoning_tokens: int) -> Dict[str, Any]:
+    """The usage in the Responses shape. reasoning_tokens: the reasoning text's tokens counted anew (the engine
     counts no split), at most the output's."""
-    u = chat_usage or {}
-    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"input_tokens": u.get("prompt_tokens", 0), "output_tokens": u.get("completion_tokens", 0),
-            "total_tokens": u.get("total_tokens", 0),
+    cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+    return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
             "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, u.get("completion_tokens", 0))}}
+            "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, u.completion_tokens)}}
 
 
 def status_of(finish_reason: Optional[str]) -> Dict[str, Any]:
@@ -68,13 +74,22 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
             "status": status}
 
 
-class ResponseShape:
-    """The response object's frame: id, time, model, the request's echoed fields."""
+class ResponseRenderer:
+    """generation.serve's renderer for /v1/responses (one choice): the response object's frame (id, time, model,
+    the request's echoed fields), the whole response, and the stream's events."""
 
-    def __init__(self, model: str, echo: Dict[str, Any], count_tokens: Callable[[str], int]) -> None:
+    def __init__(self, model: str, echo: Dict[str, Any], count_tokens: Callable[[str], int],
+                 tools: Optional[ToolPlan], reasoning: Optional[ReasoningPlan]) -> None:
         self.id = new_id("resp")
         self.created_at = int(time.time())
         self.model, self.echo, self.count_tokens = model, echo, count_tokens
+        self.tools, self.reasoning = tools, reasoning
+        self.answer = AnswerStream(tools, reasoning)
+        self.seq = 0
+        self.output: List[Dict[str, Any]] = []  # finished items
+        self.open: Optional[Dict[str, Any]] = None  # the item being streamed: its kind, id and text so far
+        self.finish: Optional[str] = None
+        self.thought = ""
 
     def frame(self, output: List[Dict[str, Any]], status: str, incomplete: Optional[Dict[str, Any]] = None,
               usage: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -82,46 +97,31 @@ class ResponseShape:
                 "status": status, "incomplete_details": incomplete, "error": None, "output": output,
                 "usage": usage, **self.echo}
 
-    def whole(self, chat: Dict[str, Any]) -> Dict[str, Any]:
-        """A (non-streamed) chat completion response as a Responses response."""
-        choice = chat["choices"][0]
-        msg = choice["message"]
-        reasoning = msg.get("reasoning_content")
-        content, calls = msg.get("content"), msg.get("tool_calls") or []
-        ended = status_of(choice.get("finish_reason"))
+    def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Dict[str, Any]:
+        """The whole response of a request that did not stream."""
+        ch = choices[0]
+        a = read_answer(ch.text, self.tools, self.reasoning)
+        ended = status_of(ch.finish_reason)
         item_status = "incomplete" if ended["status"] == "incomplete" else "completed"
         output = []
-        if reasoning:
-            output.append(reasoning_item(new_id("rs"), reasoning, item_status))
-        if content or not (output or calls):
-            output.append(message_item(new_id("msg"), content or "", item_status))
-        for c in calls:
-            fn = c["function"]
-            output.append(call_item(new_id("fc"), c["id"], fn["name"], fn["arguments"], item_status))
-        usage = usage_of(chat.get("usage"), self.count_tokens(reasoning) if reasoning else 0)
-        return self.frame(output, ended["status"], ended["incomplete_details"], usage)
-
-
-class ResponseEvents:
-    """The chat stream's chunks (as dicts) in, the Responses stream's events (as dicts) out."""
-
-    def __init__(self, shape: ResponseShape) -> None:
-        self.shape = shape
-        self.seq = 0
-        self.output: List[Dict[str, Any]] = []  # finished items
-        self.open: Optional[Dict[str, Any]] = None  # the item being streamed: its kind, id and text so far
-        self.finish: Optional[str] = None
-        self.usage: Optional[Dict[str, Any]] = None
-        self.reasoning = ""
+        if a.reasoning:
+            output.append(reasoning_item(new_id("rs"), a.reasoning, item_status))
+        if a.content or not (output or a.calls):
+            output.append(message_item(new_id("msg"), a.content or "", item_status))
+        for c in a.calls:
+            output.append(call_item(new_id("fc"), c.id, c.name, c.arguments, item_status))
+        used = usage_of(usage, self.count_tokens(a.reasoning) if a.reasoning else 0)
+        return self.frame(output, ended["status"], ended["incomplete_details"], used)
 
     def _event(self, kind: str, **fields: Any) -> Dict[str, Any]:
         e = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
         return e
 
-    def start(self) -> List[Dict[str, Any]]:
-        r = self.shape.frame([], "in_progress")
-        return [self._event("response.created", response=r), self._event("response.in_progress", response=r)]
+    def opening(self, choice: Choice) -> List[str]:
+        r = self.frame([], "in_progress")
+        return [event_text(e) for e in (self._event("response.created", response=r),
+                                        self._event("response.in_progress", response=r))]
 
     def _index(self) -> int:
         return len(self.output)
@@ -168,48 +168,41 @@ class ResponseEvents:
         self.open["text"] += delta
         at = dict(output_index=self._index(), item_id=self.open["id"], content_index=0, delta=delta)
         if kind == "reasoning":
-            self.reasoning += delta
+            self.thought += delta
             return out + [self._event("response.reasoning_text.delta", **at)]
         return out + [self._event("response.output_text.delta", logprobs=[], **at)]
 
-    def chunk(self, chunk: Dict[str, Any]) -> List[Dict[str, Any]]:
-        """One chat completion chunk's events."""
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
+    def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
+               finish_reason: Optional[str]) -> List[str]:
+        d = self.answer.feed(text, finish_reason is not None)
         out: List[Dict[str, Any]] = []
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                out += self._text("reasoning", delta["reasoning_content"])
-            if delta.get("content"):
-                out += self._text("message", delta["content"])
-            for call in delta.get("tool_calls") or []:
-                fn = call.get("function") or {}
-                if call.get("id"):  # a call opens: its id and name (its arguments follow)
-                    out += self._close()
-                    out += self._open("call", call_item(new_id("fc"), call["id"], fn.get("name", ""), "",
-                                                        "in_progress"), None)
-                if fn.get("arguments") and self.open is not None and self.open["kind"] == "call":
-                    self.open["text"] += fn["arguments"]
-                    out.append(self._event("response.function_call_arguments.delta", output_index=self._index(),
-                                           item_id=self.open["id"], delta=fn["arguments"]))
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
-        return out
+        if d.reasoning:
+            out += self._text("reasoning", d.reasoning)
+        if d.content:
+            out += self._text("message", d.content)
+        for call in d.calls:  # a call opens with its id and name, then its arguments
+            out += self._close()
+            out += self._open("call", call_item(new_id("fc"), call.id, call.name, "", "in_progress"), None)
+            self.open["text"] = call.arguments
+            out.append(self._event("response.function_call_arguments.delta", output_index=self._index(),
+                                   item_id=self.open["id"], delta=call.arguments))
+        if finish_reason:
+            self.finish = finish_reason
+        return [event_text(e) for e in out]
 
-    def end(self) -> List[Dict[str, Any]]:
+    def closing(self, usage: UsageInfo) -> List[str]:
         """The stream's end: what is open closed, then response.completed with the whole response."""
         ended = status_of(self.finish)
         out = self._close("incomplete" if ended["status"] == "incomplete" else "completed")
         if not self.output:  # nothing was said at all: an empty message, as the whole response has
             out += self._open("message", message_item(new_id("msg"), "", "in_progress"), text_part(""))
             out += self._close()
-        count = self.shape.count_tokens(self.reasoning) if self.reasoning else 0
-        r = self.shape.frame(self.output, ended["status"], ended["incomplete_details"], usage_of(self.usage, count))
-        return out + [self._event("response.completed", response=r)]
+        count = self.count_tokens(self.thought) if self.thought else 0
+        r = self.frame(self.output, ended["status"], ended["incomplete_details"], usage_of(usage, count))
+        return [event_text(e) for e in out + [self._event("response.completed", response=r)]]
 
-    def error(self, body: Dict[str, Any]) -> Dict[str, Any]:
-        """A failure after the stream began (OpenAI's error body {"error": {...}})."""
-        err = body.get("error") or {}
-        return self._event("error", code=err.get("code"), message=err.get("message", ""), param=err.get("param"),
-                           error=err)
+    def failed(self, error: APIError) -> List[str]:
+        """A failure after the stream began (OpenAI's error body as an `error` event)."""
+        err = error.body().error
+        return [event_text(self._event("error", code=err.code, message=err.message, param=err.param,
+                                       error=err.model_dump()))]

@@ -1,6 +1,6 @@
 """OpenAI's Responses API (`POST /v1/responses`) on the way in: its request schema, and the request turned into the
-chat completion request that minisrv already serves (the route is responses_routes.py, the output's shapes
-responses_render.py).
+request plan's inputs (plan/chat.py), as a chat completion's are (the route is routes.py, the output's shapes
+render.py).
 
 Stateless, as far as the client can tell: `store: false` is honoured, `store: true` is accepted but nothing is
 stored (SGLang and vLLM keep responses; minisrv keeps nothing), so whatever needs a stored response or conversation
@@ -14,22 +14,28 @@ stored (SGLang and vLLM keep responses; minisrv keeps nothing), so whatever need
   function_call_output items         tool messages (tool_call_id: the call_id)
   reasoning items                    dropped (the model's earlier thinking is not templated back, as chat does)
   tools (function tools)             chat's function tools; tool_choice {type: function, name} its named form
-  text.format                        response_format (text, json_object, json_schema)
-  max_output_tokens                  max_completion_tokens
+  a namespace tool group             its function tools, offered as functions (Codex CLI groups its tools so)
+  hosted tools (web_search, ...)     left out, with a log line: this server cannot run them
+  text.format                        the output constraint (text, json_object, json_schema)
+  max_output_tokens                  max_tokens
 
 Anything else in `input` (images, files, other tools' items) is a 400 naming the item.
 """
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any, Dict, List, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, StrictBool
 
-from .errors import APIError
+from ..errors import APIError
+from ..plan.chat import ChatInputs
 
-# a chat request's field, as the Responses request names it (in a 400's param)
-CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-               "response_format": "text"}
+logger = logging.getLogger("minisrv.server")
+
+# a plan's field, as the Responses request names it (in a 400's param)
+PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "json_schema": "text", "json_object": "text"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 
@@ -59,9 +65,8 @@ class ResponsesRequest(BaseModel):
     background: Optional[bool] = None
 
 
-def chat_body(req: ResponsesRequest) -> Dict[str, Any]:
-    """The chat completion request's body (a dict for ChatCompletionRequest) for a Responses request; raises a 400
-    (APIError) for what cannot be served."""
+def chat_inputs(req: ResponsesRequest) -> ChatInputs:
+    """The plan's inputs for a Responses request; raises a 400 (APIError) for what cannot be served."""
     if req.previous_response_id is not None:
         raise APIError(400, "previous_response_id needs a stored response, and this server stores none: send the "
                             "whole conversation in input", param="previous_response_id")
@@ -77,21 +82,14 @@ def chat_body(req: ResponsesRequest) -> Dict[str, Any]:
     messages += input_messages(req.input)
     if not any(m["role"] != "system" for m in messages):
         raise APIError(400, "input must hold at least one message or item", param="input")
-    body: Dict[str, Any] = {"messages": messages, "model": req.model, "temperature": req.temperature,
-                            "top_p": req.top_p, "max_completion_tokens": req.max_output_tokens, "user": req.user}
-    if req.tools:
-        body["tools"] = [chat_tool(t, i) for i, t in enumerate(req.tools)]
-    if req.tool_choice is not None:
-        body["tool_choice"] = chat_tool_choice(req.tool_choice)
-    if req.parallel_tool_calls is not None:
-        body["parallel_tool_calls"] = req.parallel_tool_calls
-    fmt = response_format(req.text)
-    if fmt is not None:
-        body["response_format"] = fmt
-    if req.stream:
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}  # the usage ends the stream: response.completed's
-    return {k: v for k, v in body.items() if v is not None}
+    sampling: Dict[str, Any] = {"max_tokens": req.max_output_tokens, **output_format(req.text)}
+    sampling.update({k: getattr(req, k) for k in ("temperature", "top_p") if getattr(req, k) is not None})
+    tools = chat_tools(req.tools)
+    choice = None if req.tool_choice is None else chat_tool_choice(req.tool_choice)
+    parallel = req.parallel_tool_calls
+    if req.tools and not tools:  # only hosted tools, all left out: nothing to choose among
+        choice = parallel = None
+    return ChatInputs(messages, tools or None, choice, parallel, sampling=sampling, param_names=PARAM_NAMES)
 
 
 def input_messages(items: Union[str, List[Any]]) -> List[Dict[str, Any]]:
@@ -160,13 +158,27 @@ def _text_of(parts: List[Any], i: int) -> str:
     return "".join(texts)
 
 
-def chat_tool(tool: Any, i: int) -> Dict[str, Any]:
-    """A Responses function tool ({type, name, description, parameters, strict}) as chat's."""
-    if not isinstance(tool, dict) or tool.get("type") != "function":
+def chat_tools(tools: Optional[List[Any]]) -> List[Dict[str, Any]]:
+    """The function tools (a namespace's among them) in chat's shape; hosted tools are left out."""
+    out: List[Dict[str, Any]] = []
+    for i, tool in enumerate(tools or []):
         kind = tool.get("type") if isinstance(tool, dict) else None
-        raise APIError(400, f"tools[{i}]: only function tools are supported, got {kind!r}", param="tools")
+        if kind == "namespace" and isinstance(tool.get("tools"), list):
+            out += chat_tools(tool["tools"])
+        elif kind == "function":
+            out.append(_function_tool(tool, i))
+        else:
+            name = tool.get("name") if isinstance(tool, dict) else None
+            logger.info("tools[%d]: the %s tool %r is left out: this server cannot run it", i, kind, name)
+    return out
+
+
+def _function_tool(tool: Dict[str, Any], i: int) -> Dict[str, Any]:
+    """A Responses function tool ({type, name, description, parameters, strict}) as chat's."""
     if isinstance(tool.get("function"), dict):  # chat's shape, sent here anyway
         return {"type": "function", "function": tool["function"]}
+    if not isinstance(tool.get("name"), str):
+        raise APIError(400, f"tools[{i}]: a function tool needs a string name", param="tools")
     fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
     return {"type": "function", "function": fn}
 
@@ -180,21 +192,18 @@ def chat_tool_choice(choice: Any) -> Any:
                         "...}", param="tool_choice")
 
 
-def response_format(text: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-    """text.format as chat's response_format (None: plain text)."""
+def output_format(text: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """text.format as SamplingParams' constraint fields (none: plain text)."""
     fmt = (text or {}).get("format")
-    if fmt is None:
-        return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
+    if fmt is None or kind == "text":
+        return {}
     if kind == "json_object":
-        return {"type": "json_object"}
+        return {"json_object": True}
     if kind == "json_schema":
         if not isinstance(fmt.get("schema"), dict):
             raise APIError(400, "text.format json_schema needs a schema object", param="text")
-        spec = {"name": fmt.get("name") or "response", "schema": fmt["schema"], "strict": fmt.get("strict")}
-        return {"type": "json_schema", "json_schema": spec}
+        return {"json_schema": json.dumps(fmt["schema"])}
     raise APIError(400, f"text.format type must be text, json_object or json_schema, got {kind!r}", param="text")
 
 

@@ -1,31 +1,40 @@
 """Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`): its request schema, and a request
-turned into what the chat path takes (OpenAI-style chat messages, function tools, a tool_choice, the thinking
-settings), so that templating, tool planning and parsing, the reasoning split and generation are chat's own.
+turned into the request plan's inputs (plan/chat.py: OpenAI-style chat messages, function tools, a tool_choice, the
+thinking settings), so that templating, tool planning and parsing, the reasoning split and generation are the
+same as chat's.
 
 The conversion, as SGLang's and vLLM's Anthropic endpoints do it:
   system (a string or text blocks)     -> a first system message
+  a system message inside messages     -> a system message in its place (Claude Code's mid-conversation system
+                                          reminders; plan/prompt.py says what happens where a template refuses it)
   user text blocks                     -> a user message (consecutive text blocks joined)
   user tool_result blocks              -> tool messages {tool_call_id, content}, in their place; is_error
                                           prefixes the content with "Error: "
   assistant text / tool_use blocks     -> one assistant message: content, and tool_calls with JSON arguments
   assistant thinking blocks            -> its reasoning_content (redacted_thinking is dropped)
-  tools [{name, description, input_schema}] -> [{"type": "function", "function": {name, description, parameters}}]
-  tool_choice auto | any | tool | none -> "auto" | "required" | {"type": "function", ...} | "none"
+  tools [{name, description, input_schema}] -> [{"type": "function", "function": {name, description, parameters}}];
+                                          server tools (a `type` such as web_search_20250305) are left out, with a
+                                          log line: this server cannot run them
+  tool_choice auto | any | tool | none -> "auto" | "required" | {"type": "function", ...} | "none";
+                                          disable_parallel_tool_use -> parallel_tool_calls false (one tool_use)
   thinking enabled {budget_tokens}     -> the thinking budget and enable_thinking true (adaptive: no budget);
                                           disabled -> enable_thinking false; both only where the server has a
                                           reasoning parser (otherwise the model does not think: "enabled" is
                                           ignored)
-Any other block type, a role other than user / assistant, or a block in the wrong role is a 400.
+Any other block type, another role, or a block in the wrong role is a 400.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Literal, Optional, Union
+import logging
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from .errors import APIError
+from ..errors import APIError
+from ..plan.chat import ChatInputs
+
+logger = logging.getLogger("minisrv.server")
 
 # the stop_reason of an engine finish_reason (a "stop" that matched a stop string is "stop_sequence")
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
@@ -33,7 +42,7 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
 
 class AnthropicMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: Union[str, List[Dict[str, Any]]]
 
 
@@ -57,17 +66,6 @@ class MessagesRequest(CountTokensRequest):
     top_k: Optional[int] = None
     stream: Optional[bool] = False
     metadata: Optional[Dict[str, Any]] = None  # ignored
-
-
-@dataclass
-class ChatInputs:
-    """An Anthropic request in chat's terms."""
-
-    messages: List[Dict[str, Any]]
-    tools: Optional[List[Dict[str, Any]]] = None
-    tool_choice: Any = None
-    template_kwargs: Dict[str, Any] = field(default_factory=dict)
-    thinking_budget: Optional[int] = None
 
 
 def _bad(message: str, param: str = "messages") -> APIError:
@@ -175,8 +173,9 @@ def _tools(tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[str, Any
     out = []
     for i, tool in enumerate(tools):
         if tool.get("type", "custom") not in ("custom", None):
-            raise _bad(f"tools[{i}]: server tools ({tool.get('type')!r}) are not supported; give "
-                       "{name, description, input_schema}", "tools")
+            logger.info("tools[%d]: the server tool %r (%s) is left out: this server cannot run it", i,
+                        tool.get("name"), tool.get("type"))
+            continue
         if not isinstance(tool.get("name"), str):
             raise _bad(f"tools[{i}]: a tool needs a string name", "tools")
         fn = {"name": tool["name"], "description": tool.get("description") or "",
@@ -185,9 +184,15 @@ def _tools(tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[str, Any
     return out
 
 
-def _tool_choice(choice: Optional[Dict[str, Any]]) -> Any:
+def _tool_choice(choice: Optional[Dict[str, Any]]) -> Tuple[Any, Optional[bool]]:
+    """tool_choice in chat's terms, and parallel_tool_calls (False with disable_parallel_tool_use)."""
     if choice is None:
-        return None
+        return None, None
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    return _choice_kind(choice), parallel
+
+
+def _choice_kind(choice: Dict[str, Any]) -> Any:
     kind = choice.get("type")
     if kind == "auto":
         return "auto"
@@ -202,9 +207,10 @@ def _tool_choice(choice: Optional[Dict[str, Any]]) -> Any:
     raise _bad(f"tool_choice type must be auto, any, tool or none, got {kind!r}", "tool_choice")
 
 
-def _thinking(thinking: Optional[Dict[str, Any]], inputs: ChatInputs, reasoning_parser: bool) -> None:
+def _thinking(thinking: Optional[Dict[str, Any]], reasoning_parser: bool) -> Tuple[Dict[str, Any], Optional[int]]:
+    """The template variables and the thinking budget of `thinking`."""
     if thinking is None:
-        return
+        return {}, None
     kind = thinking.get("type")
     if kind == "adaptive":  # the model decides how long to think: thinking on, no budget
         kind = "enabled"
@@ -216,14 +222,13 @@ def _thinking(thinking: Optional[Dict[str, Any]], inputs: ChatInputs, reasoning_
                                                      or budget < 0):
         raise _bad("thinking.budget_tokens must be a non-negative integer", "thinking")
     if not reasoning_parser:
-        return  # a model that does not think: nothing to switch
-    inputs.template_kwargs["enable_thinking"] = kind == "enabled"
-    if kind == "enabled":
-        inputs.thinking_budget = budget
+        return {}, None  # a model that does not think: nothing to switch
+    return {"enable_thinking": kind == "enabled"}, budget if kind == "enabled" else None
 
 
-def to_chat(body: CountTokensRequest, reasoning_parser: bool) -> ChatInputs:
-    """The request in chat's terms; raises APIError (a 400) for what it cannot say there."""
+def chat_inputs(body: CountTokensRequest, reasoning_parser: bool,
+                sampling: Optional[Dict[str, Any]] = None) -> ChatInputs:
+    """The request in the plan's terms; raises APIError (a 400) for what it cannot say there."""
     messages: List[Dict[str, Any]] = []
     if body.system is not None:
         system = text_blocks(body.system, "system")
@@ -233,11 +238,17 @@ def to_chat(body: CountTokensRequest, reasoning_parser: bool) -> ChatInputs:
         where = f"messages[{i}]"
         if msg.role == "user":
             messages += _user_messages(msg.content, where)
+        elif msg.role == "system":
+            messages.append({"role": "system", "content": text_blocks(msg.content, f"{where}.content")})
         else:
             messages.append(_assistant_message(msg.content, where))
-    inputs = ChatInputs(messages, _tools(body.tools), _tool_choice(body.tool_choice))
-    _thinking(body.thinking, inputs, reasoning_parser)
-    return inputs
+    tools = _tools(body.tools)
+    choice, parallel = _tool_choice(body.tool_choice)
+    if body.tools and not tools:  # all of them left out: nothing to choose among
+        tools, choice, parallel = None, None, None
+    kwargs, budget = _thinking(body.thinking, reasoning_parser)
+    return ChatInputs(messages, tools, choice, parallel, template_kwargs=kwargs, thinking_budget=budget,
+                      sampling=sampling)
 
 
 def stop_reason(finish_reason: Optional[str], stop_str: Optional[str], tool_calls: bool) -> str:

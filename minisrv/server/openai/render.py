@@ -1,7 +1,7 @@
 """How each endpoint shows its choices: the streamed chunks and the whole response, in OpenAI's shapes.
 
-These are the only places where /v1/completions and /v1/chat/completions differ once their prompts are built;
-the request path that feeds them is generation.py. A streamed completion chunk is a `text_completion` object
+These are the only places where /v1/completions and /v1/chat/completions differ once their prompts are planned;
+the request path that feeds them is server/generation.py. A streamed completion chunk is a `text_completion` object
 carrying the text delta (an echoed prompt first); a chat stream opens each choice with an assistant role delta,
 then content deltas, then a delta-less chunk with the finish reason.
 """
@@ -10,25 +10,44 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .generation import Choice
+from ..errors import APIError
+from ..generation import Choice
+from ..plan.answer import AnswerStream, read_answer
+from ..plan.reasoning_plan import ReasoningPlan
+from ..plan.tools import ToolPlan
+from ..streaming import SSE_DONE, sse
 from .logprobs import PositionedLogprob, TokenText, chat_logprobs, completion_logprobs
-from .reasoning import ReasoningStream
-from .reasoning_plan import ReasoningPlan
-from .tools import ToolPlan, content_prefix_len, parse_tool_calls
 from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatResponseMessage,
                        ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse,
                        DeltaMessage, UsageInfo, now)
 
 
 @dataclass
-class CompletionRenderer:
+class OpenAIStream:
+    """What OpenAI's two streams share: `data: <chunk>` events, the usage chunk when asked for, an error event
+    (OpenAI's error body) when a request fails after its stream began, and `data: [DONE]` last."""
+
     id: str
     model: str
-    token_text: TokenText
-    logprobs: Optional[int]  # the request's `logprobs` (None: none)
-    echo_logprobs: bool = False  # echo with logprobs: the prompt's tokens come first, with their logprobs
     fingerprint: Optional[str] = None
+    include_usage: bool = False  # stream_options.include_usage
     created: int = field(default_factory=now)
+
+    def usage_chunk(self, usage: UsageInfo) -> Any:
+        raise NotImplementedError
+
+    def closing(self, usage: UsageInfo) -> List[str]:
+        return ([sse(self.usage_chunk(usage))] if self.include_usage else []) + [SSE_DONE]
+
+    def failed(self, error: APIError) -> List[str]:
+        return [sse(error.body()), SSE_DONE]
+
+
+@dataclass
+class CompletionRenderer(OpenAIStream):
+    token_text: Optional[TokenText] = None
+    logprobs: Optional[int] = None  # the request's `logprobs` (None: none)
+    echo_logprobs: bool = False  # echo with logprobs: the prompt's tokens come first, with their logprobs
 
     def _logprobs(self, lps: Sequence[PositionedLogprob]) -> Optional[CompletionLogprobs]:
         if self.logprobs is None:
@@ -62,19 +81,20 @@ class CompletionRenderer:
                                   top_logprobs=head.top_logprobs + tail.top_logprobs,
                                   text_offset=head.text_offset + tail.text_offset)
 
-    def _chunk(self, index: int, text: str, logprobs: Optional[CompletionLogprobs], finish: Optional[str]) -> Any:
-        return CompletionChunk(id=self.id, created=self.created, model=self.model, system_fingerprint=self.fingerprint,
-                               choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                         finish_reason=finish)])
+    def _chunk(self, index: int, text: str, logprobs: Optional[CompletionLogprobs], finish: Optional[str]) -> str:
+        return sse(CompletionChunk(id=self.id, created=self.created, model=self.model,
+                                   system_fingerprint=self.fingerprint,
+                                   choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                             finish_reason=finish)]))
 
-    def opening(self, choice: Choice) -> List[Any]:
+    def opening(self, choice: Choice) -> List[str]:
         if self.echo_logprobs or not choice.prefix:
             return []  # with prompt logprobs the echo waits for them (they come with the first output)
         choice.opened = True
         return [self._chunk(choice.index, choice.prefix, None, None)]
 
     def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
-               finish_reason: Optional[str]) -> List[Any]:
+               finish_reason: Optional[str]) -> List[str]:
         out = []
         if self.echo_logprobs and not choice.opened:
             choice.opened = True
@@ -97,118 +117,77 @@ class CompletionRenderer:
 
 
 @dataclass
-class ChatRenderer:
-    """With tools, a choice's text is read back into tool_calls (server/tools.py). Streamed, the text that may be a
-    tool call is held back; at the end each call is sent as OpenAI streams it: a delta with its id and name, then
-    one with its arguments. With a reasoning parser, the thinking is split off first (server/reasoning.py): it
-    goes to reasoning_content (or stays in content, with separate_reasoning false), and only the answer after it
-    is content and read for tool calls."""
+class ChatRenderer(OpenAIStream):
+    """Each choice's text is read by the plan (plan/answer.py): with a reasoning parser the thinking goes to
+    reasoning_content (or stays in content, with separate_reasoning false), and with tools the answer is read back
+    into tool_calls. Streamed, the text that may be a tool call is held back; at the end each call is sent as
+    OpenAI streams it: a delta with its id and name, then one with its arguments."""
 
-    id: str
-    model: str
-    token_text: TokenText
-    logprobs: bool  # the request's `logprobs`
+    token_text: Optional[TokenText] = None
+    logprobs: bool = False  # the request's `logprobs`
     top_logprobs: int = 0
     tools: Optional[ToolPlan] = None
-    fingerprint: Optional[str] = None
-    created: int = field(default_factory=now)
     reasoning: Optional[ReasoningPlan] = None
-    _streams: Dict[int, ReasoningStream] = field(default_factory=dict)  # per choice, while streaming
+    _streams: Dict[int, AnswerStream] = field(default_factory=dict)  # per choice, while streaming
 
     def _chunk(self, index: int, delta: DeltaMessage, lps: Sequence[PositionedLogprob],
-               finish: Optional[str]) -> Any:
+               finish: Optional[str]) -> str:
         logprobs = chat_logprobs(self.token_text, lps, self.top_logprobs) if self.logprobs and lps else None
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                   system_fingerprint=self.fingerprint, choices=[
-                                       ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
-                                                        finish_reason=finish)])
+        return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                       system_fingerprint=self.fingerprint, choices=[
+                                           ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                                            finish_reason=finish)]))
 
-    def opening(self, choice: Choice) -> List[Any]:
+    def opening(self, choice: Choice) -> List[str]:
         return [self._chunk(choice.index, DeltaMessage(role="assistant", content=""), [], None)]
 
-    def _tools_on(self) -> bool:
-        return self.tools is not None and self.tools.active
-
     def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
-               finish_reason: Optional[str]) -> List[Any]:
-        out, answer = [], choice.text
-        if self.reasoning is not None:  # the thinking first; `text` and `answer` become the answer's
-            split = self._streams.get(choice.index)
-            if split is None:
-                split = self._streams[choice.index] = self.reasoning.stream()
-            piece = split.feed(text, final=finish_reason is not None)
-            if self.reasoning.separate and piece.reasoning:
-                delta = DeltaMessage(reasoning_content=piece.reasoning, reasoning=piece.reasoning)
-            elif not self.reasoning.separate and piece.raw:
-                delta = DeltaMessage(content=piece.raw)
-            else:
-                delta = None
-            if delta is not None:
-                out.append(self._chunk(choice.index, delta, logprobs, None))
-                logprobs = []
-            text, answer = piece.answer, split.answer
-        if self._tools_on():
-            return out + self._tool_chunks(choice, answer, logprobs, finish_reason)
-        if text or logprobs:
-            out.append(self._chunk(choice.index, DeltaMessage(content=text), logprobs, None))
-        if finish_reason:
-            out.append(self._chunk(choice.index, DeltaMessage(), [], finish_reason))
-        return out
-
-    def _tool_chunks(self, choice: Choice, answer: str, logprobs: List[PositionedLogprob],
-                     finish_reason: Optional[str]) -> List[Any]:
-        """`answer`: the choice's text so far, after any thinking; choice.sent counts what of it was shown."""
-        plan, out = self.tools, []
+               finish_reason: Optional[str]) -> List[str]:
+        stream = self._streams.get(choice.index)
+        if stream is None:
+            stream = self._streams[choice.index] = AnswerStream(self.tools, self.reasoning)
+        d = stream.feed(text, finish_reason is not None)
+        out, index = [], choice.index
+        thought = None
+        if self.reasoning is not None and self.reasoning.separate and d.reasoning:
+            thought = DeltaMessage(reasoning_content=d.reasoning, reasoning=d.reasoning)
+        elif self.reasoning is not None and not self.reasoning.separate and d.raw:
+            thought = DeltaMessage(content=d.raw)  # the thinking stays in content, before the answer
+        if thought is not None:
+            out.append(self._chunk(index, thought, logprobs, None))
+            logprobs = []
+        if d.content or logprobs:
+            out.append(self._chunk(index, DeltaMessage(content=d.content), logprobs, None))
         if not finish_reason:
-            sure = content_prefix_len(answer, plan) if plan.mode == "auto" else 0
-            if sure > choice.sent or logprobs:
-                out.append(self._chunk(choice.index, DeltaMessage(content=answer[choice.sent:sure]), logprobs,
-                                       None))
-                choice.sent = max(choice.sent, sure)
             return out
-        content, calls = parse_tool_calls(answer, plan)
-        if not calls:
-            rest = answer[choice.sent:]
-            if rest or logprobs:
-                out.append(self._chunk(choice.index, DeltaMessage(content=rest), logprobs, None))
-            out.append(self._chunk(choice.index, DeltaMessage(), [], finish_reason))
-            return out
-        head = (content or "")[choice.sent:]
-        if head or logprobs:
-            out.append(self._chunk(choice.index, DeltaMessage(content=head), logprobs, None))
-        if plan.legacy:  # one call, as message.function_call: its name, then its arguments
-            call = calls[0]
-            out.append(self._chunk(choice.index, DeltaMessage(function_call={"name": call.name, "arguments": ""}),
-                                   [], None))
-            out.append(self._chunk(choice.index, DeltaMessage(function_call={"arguments": call.arguments}), [], None))
-            out.append(self._chunk(choice.index, DeltaMessage(), [], _call_finish(finish_reason, legacy=True)))
-            return out
-        for i, call in enumerate(calls):
+        if not d.calls:
+            return out + [self._chunk(index, DeltaMessage(), [], finish_reason)]
+        if self.tools.legacy:  # one call, as message.function_call: its name, then its arguments
+            call = d.calls[0]
+            return out + [self._chunk(index, DeltaMessage(function_call={"name": call.name, "arguments": ""}), [],
+                                      None),
+                          self._chunk(index, DeltaMessage(function_call={"arguments": call.arguments}), [], None),
+                          self._chunk(index, DeltaMessage(), [], _call_finish(finish_reason, legacy=True))]
+        for i, call in enumerate(d.calls):
             opening = call.to_openai(i)
             opening["function"] = {"name": call.name, "arguments": ""}
-            out.append(self._chunk(choice.index, DeltaMessage(tool_calls=[opening]), [], None))
-            out.append(self._chunk(choice.index, DeltaMessage(tool_calls=[
+            out.append(self._chunk(index, DeltaMessage(tool_calls=[opening]), [], None))
+            out.append(self._chunk(index, DeltaMessage(tool_calls=[
                 {"index": i, "function": {"arguments": call.arguments}}]), [], None))
-        out.append(self._chunk(choice.index, DeltaMessage(), [], _call_finish(finish_reason)))
-        return out
+        return out + [self._chunk(index, DeltaMessage(), [], _call_finish(finish_reason))]
 
     def usage_chunk(self, usage: UsageInfo) -> Any:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage,
                                    system_fingerprint=self.fingerprint)
 
     def _message(self, ch: Choice) -> Tuple[Any, Optional[str]]:
-        answer, head, reasoning = ch.text, "", None
+        a = read_answer(ch.text, self.tools, self.reasoning)
+        head, reasoning, content, calls = "", None, a.content, a.calls
         if self.reasoning is not None:
-            split = self.reasoning.split(ch.text)
-            answer = split.answer
             if self.reasoning.separate:
-                reasoning = split.reasoning or None
+                reasoning = a.reasoning or None
             else:
-                head = split.raw  # the thinking stays in content, before the answer
-        content: Optional[str] = answer
-        calls: list = []
-        if self._tools_on():
-            content, calls = parse_tool_calls(answer, self.tools)
+                head = a.raw  # the thinking stays in content, before the answer
         if head:
             content = head + (content or "")
         elif reasoning is not None and not content:

@@ -11,8 +11,8 @@
   GET  /get_model_info              model_path, served_model_name, tokenizer_path, max_model_len, is_generation, ...
   POST /flush_cache                 empty the radix prefix cache: 200 {"flushed": true}, or 400 while requests run
 
-The chat form is templated exactly as /v1/chat/completions templates its messages (prompts.template_messages), so
-its count is the prompt length a chat request would have. `max_model_len` is the limit requests are held to (the
+The chat form is planned exactly as /v1/chat/completions plans its messages (plan/chat.py), so its count is the
+prompt length a chat request would have. `max_model_len` is the limit requests are held to (the
 context length, or less when the KV pool is smaller), as in /v1/models. A text longer than that is tokenized all
 the same (lm-eval tokenizes long contexts and truncates them itself). Bodies are read and checked as the other
 routes' are (prompts.parse_body: strict JSON, a 400 naming the field); large ones, and long texts or token lists,
@@ -29,14 +29,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, model_validator
 
-from .engine_proc import EngineDead
-from .errors import APIError, engine_unavailable
+from ..body import parse_body
+from ..engine_proc import EngineDead
+from ..errors import APIError, engine_unavailable
+from ..plan.chat import ChatInputs, plan_chat
+from ..plan.prompt import ASYNC_ENCODE_CHARS, off_loop
+from ..plan.reasoning_plan import chat_template_text
 from .protocol import ChatMessage
-from .prompts import ASYNC_ENCODE_CHARS, off_loop, parse_body, template_kwargs, template_messages
-from .tools import template_messages_with_tool_calls
+from .routes import chat_messages
 
 if TYPE_CHECKING:
-    from .state import ServerState
+    from ..state import ServerState
 
 INLINE_DECODE_TOKENS = 4096  # longer token lists are checked and decoded in a worker thread
 
@@ -91,14 +94,6 @@ def _tokenizer(state: "ServerState") -> Any:
     return state.tokenizer
 
 
-def chat_template_text(tokenizer: Any) -> Optional[str]:
-    """The tokenizer's chat template as one string (of several named ones, the default), or None."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        template = template.get("default")
-    return template if isinstance(template, str) and template else None
-
-
 def tokenizer_path(state: "ServerState") -> str:
     """Where the tokenizer was loaded from: --tokenizer, else the model path (a GGUF file's own vocabulary)."""
     cfg = getattr(state.client, "cfg", None)
@@ -115,30 +110,24 @@ async def _tokenize(state: "ServerState", body: TokenizeRequest, large: bool) ->
     else:
         if body.tools:
             raise APIError(400, "tools are not supported by /tokenize", param="tools")
-        if chat_template_text(tok) is None:
-            raise APIError(400, "this model's tokenizer has no chat template", param="messages")
-        msgs = template_messages_with_tool_calls(template_messages(body))
-        extra = template_kwargs(tok, body.chat_template_kwargs)
-
-        def template() -> str:
-            try:
-                return tok.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt,
-                                               continue_final_message=body.continue_final_message, tokenize=False,
-                                               **extra)
-            except Exception as e:  # noqa: BLE001 - template errors (raise_exception, bad roles) are the client's
-                raise APIError(400, f"chat template failed: {e}", param="messages") from None
-
-        text = await off_loop(large, template)
-        add_special = bool(body.add_special_tokens)
+        inputs = ChatInputs(chat_messages(body.messages), template_kwargs=body.chat_template_kwargs,
+                            add_generation_prompt=body.add_generation_prompt,
+                            continue_final_message=body.continue_final_message,
+                            add_special_tokens=bool(body.add_special_tokens))
+        plan = await plan_chat(state.prompts, inputs, None, large)
+        return _answer(state, plan.prompt_ids, body.return_token_strs)
 
     def encode() -> Dict[str, Any]:
-        ids = tok(text, add_special_tokens=add_special).input_ids
-        out: Dict[str, Any] = {"count": len(ids), "max_model_len": state.info.max_request_len, "tokens": ids}
-        if body.return_token_strs:
-            out["token_strs"] = tok.convert_ids_to_tokens(ids)
-        return out
+        return _answer(state, tok(text, add_special_tokens=add_special).input_ids, body.return_token_strs)
 
     return await off_loop(large or len(text) > ASYNC_ENCODE_CHARS, encode)
+
+
+def _answer(state: "ServerState", ids: List[int], token_strs: bool) -> Dict[str, Any]:
+    out: Dict[str, Any] = {"count": len(ids), "max_model_len": state.info.max_request_len, "tokens": ids}
+    if token_strs:
+        out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
+    return out
 
 
 def add_tokenizer_routes(app: FastAPI, state: "ServerState") -> None:

@@ -6,7 +6,9 @@ back is parsed by the format its template teaches:
   llama3_json  a bare JSON object `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>` (Llama 3.x)
 chosen by `--tool-call-parser` or, with `auto`, from the chat template. `tool_choice` "required" and a named function
 are enforced with a JSON-schema grammar (as vLLM does): a named function's output is its arguments object, and
-"required" produces a JSON array of {"name", "parameters"} objects, one of the given tools each.
+"required" produces a JSON array of {"name", "parameters"} objects, one of the given tools each (exactly one with
+`parallel_tool_calls: false`, which also keeps only the first call of any answer). A call list cut off by
+max_tokens still yields its complete calls.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ class ToolPlan:
     named: Optional[str] = None
     parser: str = "hermes"
     legacy: bool = False  # asked with the legacy functions: the call is answered as message.function_call
+    parallel: bool = True  # False: at most one call (parallel_tool_calls false)
 
     @property
     def active(self) -> bool:
@@ -83,14 +86,17 @@ def _function_of(tool: Any, i: int) -> Dict[str, Any]:
 
 
 def plan_tools(tools: Optional[List[Any]], tool_choice: Any, functions: Optional[List[Any]] = None,
-               function_call: Any = None, parser: str = "hermes") -> ToolPlan:
-    """Validate tools and tool_choice (legacy functions / function_call map onto them); raises RequestError."""
-    plan = _plan_tools(tools, tool_choice, functions, function_call, parser)
+               function_call: Any = None, parser: str = "hermes", parallel: Optional[bool] = None) -> ToolPlan:
+    """Validate tools and tool_choice (legacy functions / function_call map onto them); raises RequestError.
+    `parallel`: the request's parallel_tool_calls (None: not given, calls may be parallel)."""
+    if parallel is not None and not tools and not functions:
+        raise RequestError("parallel_tool_calls is only allowed when tools are given", "parallel_tool_calls")
+    plan = _plan_tools(tools, tool_choice, functions, function_call, parser, parallel is not False)
     return dataclasses.replace(plan, legacy=True) if functions is not None else plan
 
 
 def _plan_tools(tools: Optional[List[Any]], tool_choice: Any, functions: Optional[List[Any]],
-                function_call: Any, parser: str) -> ToolPlan:
+                function_call: Any, parser: str, parallel: bool) -> ToolPlan:
     if functions is not None:
         if tools is not None:
             raise RequestError("give tools or the legacy functions, not both", "functions")
@@ -103,7 +109,7 @@ def _plan_tools(tools: Optional[List[Any]], tool_choice: Any, functions: Optiona
     if not tools:
         if tool_choice is not None:  # as OpenAI answers, "none" and "auto" included
             raise RequestError("tool_choice is only allowed when tools are given", "tool_choice")
-        return ToolPlan(None, "off", [], parser=parser)
+        return ToolPlan(None, "off", [], parser=parser, parallel=parallel)
     if not isinstance(tools, list):
         raise RequestError("tools must be a list", "tools")
     fns = [_function_of(t, i) for i, t in enumerate(tools)]
@@ -113,21 +119,24 @@ def _plan_tools(tools: Optional[List[Any]], tool_choice: Any, functions: Optiona
     template_tools = [{"type": "function", "function": f} for f in fns]
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
-        return ToolPlan(None, "off", names, parser=parser)
+        return ToolPlan(None, "off", names, parser=parser, parallel=parallel)
     if choice == "auto":
-        return ToolPlan(template_tools, "auto", names, parser=parser)
+        return ToolPlan(template_tools, "auto", names, parser=parser, parallel=parallel)
     if choice == "required":
         any_call = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": f["parameters"]},
                      "required": ["name", "parameters"]} for f in fns]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": any_call}}
-        return ToolPlan(template_tools, "required", names, json.dumps(schema), parser=parser)
+        if not parallel:
+            schema["maxItems"] = 1
+        return ToolPlan(template_tools, "required", names, json.dumps(schema), parser=parser, parallel=parallel)
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in names:
             raise RequestError(f"tool_choice names the function {name!r}, which is not among the tools",
                                "tool_choice")
         params = fns[names.index(name)]["parameters"]
-        return ToolPlan(template_tools, "named", names, json.dumps(params), named=name, parser=parser)
+        return ToolPlan(template_tools, "named", names, json.dumps(params), named=name, parser=parser,
+                        parallel=parallel)
     raise RequestError("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                        "\"function\": {\"name\": ...}}", "tool_choice")
 
@@ -143,29 +152,6 @@ def parser_for(chat_template: Optional[str], wanted: str) -> str:
     return "hermes"
 
 
-def template_messages_with_tool_calls(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Assistant tool_calls carry their arguments as JSON strings (OpenAI); templates expect objects."""
-    out = []
-    for m in messages:
-        calls = m.get("tool_calls")
-        if calls:
-            m = dict(m)
-            fixed = []
-            for c in calls:
-                c = dict(c)
-                fn = dict(c.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except ValueError:
-                        pass
-                c["function"] = fn
-                fixed.append(c)
-            m["tool_calls"] = fixed
-        out.append(m)
-    return out
-
-
 def _call_from_obj(obj: Any) -> Optional[ToolCall]:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -173,17 +159,37 @@ def _call_from_obj(obj: Any) -> Optional[ToolCall]:
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
 
 
+def _array_items(text: str) -> Optional[List[Any]]:
+    """The complete items of a JSON array, also of one cut off after them (None: not an array)."""
+    body = text.lstrip()
+    if not body.startswith("["):
+        return None
+    decoder, items, at = json.JSONDecoder(), [], 1
+    while True:
+        while at < len(body) and body[at] in " \t\r\n,":
+            at += 1
+        if at >= len(body) or body[at] == "]":
+            return items
+        try:
+            item, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return items
+        items.append(item)
+
+
 def parse_tool_calls(text: str, plan: ToolPlan) -> Tuple[Optional[str], List[ToolCall]]:
     """The model's output -> (content left, tool calls). Text that is not a well-formed call stays content."""
+    content, calls = _parse_tool_calls(text, plan)
+    return content, calls if plan.parallel else calls[:1]
+
+
+def _parse_tool_calls(text: str, plan: ToolPlan) -> Tuple[Optional[str], List[ToolCall]]:
     if plan.mode == "named":
         return None, [ToolCall(plan.named, text.strip())]
     if plan.mode == "required":
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return text, []
-        calls = [c for c in (_call_from_obj(i) for i in (items if isinstance(items, list) else [])) if c]
-        return None, calls
+        items = _array_items(text)
+        calls = [c for c in (_call_from_obj(i) for i in items or []) if c]
+        return (None, calls) if calls else (text, [])
     if plan.parser == "hermes":
         calls = []
         for m in _HERMES_CALL.finditer(text):

@@ -24,11 +24,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from minisrv.engine.pooling import PoolingParams, check_embedding_input
-from .errors import APIError
-from .generation import Job, run_jobs
-from .prompts import ASYNC_ENCODE_CHARS, encode, off_loop, parse_body
-from .state import ServerState
-from .streaming import unless_disconnected
+
+from ..body import parse_body
+from ..errors import APIError
+from ..generation import Job, run_jobs
+from ..plan.prompt import ASYNC_ENCODE_CHARS, off_loop
+from ..state import ServerState
+from ..streaming import unless_disconnected
 
 MAX_INPUTS = 2048  # inputs per request (OpenAI's limit)
 
@@ -88,7 +90,7 @@ async def _embeddings(state: ServerState, body: EmbeddingRequest, request: Reque
     def prepare() -> List[List[int]]:
         inputs = []
         for x in raw:
-            ids = encode(state, x, True, "input") if isinstance(x, str) else list(x)
+            ids = state.prompts.encode(x, True, "input", info.max_request_len) if isinstance(x, str) else list(x)
             check_embedding_input(ids, info.embedding_dim, params, info.limits)
             inputs.append(ids)
         return inputs

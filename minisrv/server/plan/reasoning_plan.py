@@ -14,7 +14,7 @@ Per request, `plan_reasoning` reads the templated prompt: a prompt that ends wit
 (Qwen3 with enable_thinking false): the output is all answer, and the engine gets no rule; one that ends with
 `<think>` opened it; otherwise the parser's style decides (deepseek_r1: inside, qwen3: the model's choice). The
 engine's part is a ThinkingRule on the request's SamplingParams (engine/thinking.py); the text's part is the
-renderer's `ReasoningPlan` (server/reasoning.py splits the text).
+renderer's `ReasoningPlan` (reasoning.py splits the text).
 """
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ class ReasoningPlan:
         return ReasoningStream(self.mode, self.start, self.end)
 
 
-def _template_text(tokenizer: Any) -> Optional[str]:
+def chat_template_text(tokenizer: Any) -> Optional[str]:
+    """The tokenizer's chat template as one string (of several named ones, the default), or None."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
         template = template.get("default")
@@ -69,7 +70,7 @@ def _template_text(tokenizer: Any) -> Optional[str]:
 
 def detect_parser(tokenizer: Any) -> Optional[str]:
     """The parser a chat template calls for (see the module docstring), or None for a model that does not think."""
-    template = _template_text(tokenizer)
+    template = chat_template_text(tokenizer)
     if template is None:
         return None
     try:

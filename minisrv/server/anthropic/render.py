@@ -1,0 +1,143 @@
+"""One Messages API answer in Anthropic's shapes: the whole message, and the stream's events.
+
+The output text is read by the plan (plan/answer.py: the thinking split off first where the server has a reasoning
+parser, then the answer read for tool calls). A message's content is, in order, a thinking block (`signature`
+empty: nothing here signs it), a text block, and a tool_use block per call (its `input` the parsed arguments);
+with none of those, one empty text block. A stream carries exactly those blocks: message_start (the message,
+content empty), per block content_block_start / content_block_delta (thinking_delta, text_delta,
+input_json_delta) / content_block_stop, then message_delta (stop_reason, stop_sequence, output_tokens) and
+message_stop; a failure after it began is an `error` event (Anthropic's error body), and there is no [DONE]. As in
+chat's stream, text that may be a tool call is held back until the output ends.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..errors import APIError
+from ..generation import Choice
+from ..openai.logprobs import PositionedLogprob
+from ..openai.protocol import UsageInfo
+from ..plan.answer import AnswerStream, read_answer
+from ..plan.reasoning_plan import ReasoningPlan
+from ..plan.tools import ToolCall, ToolPlan
+from ..streaming import sse
+from .protocol import stop_reason
+
+
+def tool_use_block(call: ToolCall) -> Dict[str, Any]:
+    try:
+        args = json.loads(call.arguments)
+    except ValueError:
+        args = None
+    # arguments that are not a JSON object (cut off by max_tokens): an empty input; stop_reason says max_tokens
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
+            "input": args if isinstance(args, dict) else {}}
+
+
+def new_message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+@dataclass
+class MessageRenderer:
+    """generation.serve's renderer for /v1/messages (one choice)."""
+
+    model: str
+    input_tokens: int
+    tools: Optional[ToolPlan] = None
+    reasoning: Optional[ReasoningPlan] = None
+    id: str = field(default_factory=new_message_id)
+    _stream: Optional["MessageStream"] = None
+
+    def message(self, content: List[Dict[str, Any]], reason: Optional[str], stop_sequence: Optional[str],
+                output_tokens: int) -> Dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": reason, "stop_sequence": stop_sequence,
+                "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens}}
+
+    def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Dict[str, Any]:
+        """The response of a request that did not stream."""
+        ch = choices[0]
+        a = read_answer(ch.text, self.tools, self.reasoning)
+        blocks: List[Dict[str, Any]] = []
+        if a.reasoning:
+            blocks.append({"type": "thinking", "thinking": a.reasoning, "signature": ""})
+        if a.content:
+            blocks.append({"type": "text", "text": a.content})
+        blocks += [tool_use_block(c) for c in a.calls]
+        if not blocks:
+            blocks.append({"type": "text", "text": ""})
+        reason = stop_reason(ch.finish_reason, ch.stop_str, bool(a.calls))
+        return self.message(blocks, reason, ch.stop_str if reason == "stop_sequence" else None,
+                            ch.num_output_tokens)
+
+    def opening(self, choice: Choice) -> List[str]:
+        self._stream = MessageStream(AnswerStream(self.tools, self.reasoning))
+        return [sse({"type": "message_start", "message": self.message([], None, None, 0)}, "message_start"),
+                sse({"type": "ping"}, "ping")]
+
+    def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
+               finish_reason: Optional[str]) -> List[str]:
+        return [sse(data, data["type"]) for data in self._stream.feed(choice, text, finish_reason)]
+
+    def closing(self, usage: UsageInfo) -> List[str]:
+        return []
+
+    def failed(self, error: APIError) -> List[str]:
+        return [sse(error.anthropic_body(), "error")]
+
+
+@dataclass
+class MessageStream:
+    """One streamed answer's blocks: `feed` each text delta (with the finish, at the end)."""
+
+    answer: AnswerStream
+    index: int = -1  # the open block's index (-1: none yet)
+    open: Optional[str] = None  # the open block's type
+    _events: List[Dict[str, Any]] = field(default_factory=list)
+
+    def _close(self) -> None:
+        if self.open is not None:
+            self._events.append({"type": "content_block_stop", "index": self.index})
+            self.open = None
+
+    def _start(self, block: Dict[str, Any]) -> None:
+        self._close()
+        self.index += 1
+        self.open = block["type"]
+        self._events.append({"type": "content_block_start", "index": self.index, "content_block": block})
+
+    def _delta(self, kind: str, delta: Dict[str, Any]) -> None:
+        if self.open != kind:
+            self._start({"type": kind, "thinking": "", "signature": ""} if kind == "thinking"
+                        else {"type": "text", "text": ""})
+        self._events.append({"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def feed(self, choice: Choice, text: str, finish_reason: Optional[str]) -> List[Dict[str, Any]]:
+        final = finish_reason is not None
+        d = self.answer.feed(text, final)
+        if d.reasoning:
+            self._delta("thinking", {"type": "thinking_delta", "thinking": d.reasoning})
+        if d.content:
+            self._delta("text", {"type": "text_delta", "text": d.content})
+        for call in d.calls:
+            block = tool_use_block(call)
+            self._start({**block, "input": {}})
+            self._events.append({"type": "content_block_delta", "index": self.index,
+                                 "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
+        if final:
+            if self.index < 0:  # nothing was said: one empty text block, as the whole message has
+                self._start({"type": "text", "text": ""})
+            self._close()
+            reason = stop_reason(finish_reason, choice.stop_str, bool(d.calls))
+            self._events.append({
+                "type": "message_delta",
+                "delta": {"stop_reason": reason,
+                          "stop_sequence": choice.stop_str if reason == "stop_sequence" else None},
+                "usage": {"output_tokens": choice.num_output_tokens}})
+            self._events.append({"type": "message_stop"})
+        out, self._events = self._events, []
+        return out

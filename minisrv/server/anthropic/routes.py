@@ -1,0 +1,50 @@
+"""`POST /v1/messages` and `POST /v1/messages/count_tokens`: Anthropic's Messages API on the shared request path.
+
+A request is converted into the plan's inputs (protocol.py) and planned as chat's is (plan/chat.py: the model
+check, tool planning with the tool prompt where the template ignores tools, the chat template, the reasoning plan
+and thinking rule, tokenizing, SamplingParams and their checks); it then takes the engine path every generation
+takes (generation.serve: metrics, aborts when the client leaves, the engine's refusals and failures as
+APIErrors). Only the answer's shapes are its own (render.py). Every error under /v1/messages, the gate's
+included, has Anthropic's shape (errors.py chooses it by path).
+
+count_tokens answers `{"input_tokens": N}`: the length of the prompt the same request would be planned into.
+"""
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..body import parse_body
+from ..generation import Generation, serve
+from ..openai.embeddings import refuse_generation
+from ..plan.chat import plan_chat
+from ..state import ServerState
+from .protocol import CountTokensRequest, MessagesRequest, chat_inputs
+from .render import MessageRenderer
+
+
+def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        body, large = await parse_body(request, MessagesRequest)
+        return await _messages(state, body, request, large)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        body, large = await parse_body(request, CountTokensRequest)
+        state.check_model(body.model)
+        refuse_generation(state)
+        plan = await plan_chat(state.prompts, chat_inputs(body, state.prompts.reasoning is not None),
+                               state.info.limits, large)
+        return JSONResponse({"input_tokens": len(plan.prompt_ids)})
+
+
+async def _messages(state: ServerState, body: MessagesRequest, request: Request, large: bool) -> Response:
+    state.check_model(body.model)
+    refuse_generation(state)
+    sampling = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k") if getattr(body, k) is not None}
+    sampling.update(max_tokens=body.max_tokens, stop=body.stop_sequences or None)
+    inputs = chat_inputs(body, state.prompts.reasoning is not None, sampling)
+    plan = await plan_chat(state.prompts, inputs, state.info.limits, large)
+    renderer = MessageRenderer(state.served_model_name, len(plan.prompt_ids), plan.tools, plan.reasoning)
+    return await serve(state, request, Generation([plan.prompt_ids], plan.params), renderer, bool(body.stream))

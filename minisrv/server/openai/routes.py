@@ -1,0 +1,156 @@
+"""/v1/completions and /v1/chat/completions: each request converted and handed to the shared path.
+
+A request is validated in full before anything reaches the engine: its shape and types by pydantic (protocol.py),
+its values by SamplingParams and check_request, the same checks the engine makes (a RequestError is a 400 naming
+the field, see errors.py); a response_format, regex or ebnf becomes a SamplingParams constraint
+(plan/sampling.py) whose grammar is parsed here (check_grammar) before it is queued. A chat request becomes the
+plan's ChatInputs (plan/chat.py: tools, template, reasoning, params); a completion's prompts are tokenized as they
+are. From there both share one path (generation.py) and differ only in their renderer (render.py).
+
+Model names: the server answers to its served model name (`--served-model-name`, default: the basename of the
+model path, e.g. `SmolLM2-135M-Instruct.Q4_1.gguf`), and also to the model path as given on the command line
+and as resolved, so clients that pass the path (as with SGLang/vLLM) work too. A request without `model` goes to
+the one model; any other name is a 404 (`model_not_found`).
+
+Disconnects: a client that goes away (streaming or not) gets its requests aborted in the engine, which frees
+their KV pages. A request may ask for at most MAX_CHOICES choices (prompts x n).
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any, Dict, List, Tuple
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from minisrv.engine.grammar_check import check_grammar, constraint_of
+from minisrv.engine.request import SamplingParams, check_request
+
+from ..body import parse_body
+from ..errors import APIError
+from ..generation import Generation, serve
+from ..plan.chat import ChatInputs, plan_chat
+from ..plan.prompt import ASYNC_ENCODE_CHARS, off_loop
+from ..plan.reasoning_plan import thinking_budget
+from ..plan.sampling import OPENAI_NAMES, fields_named, sampling_fields
+from ..state import ServerState
+from .embeddings import refuse_generation
+from .protocol import MAX_CHOICES, ChatCompletionRequest, ChatMessage, CompletionRequest
+from .render import ChatRenderer, CompletionRenderer
+
+
+def add_openai_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body, large = await parse_body(request, CompletionRequest)
+        return await _completions(state, body, request, large)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body, large = await parse_body(request, ChatCompletionRequest)
+        return await _chat(state, body, request, large)
+
+
+def _check_common(state: ServerState, body: Any) -> None:
+    state.check_model(body.model)
+    refuse_generation(state)
+    if body.best_of is not None and body.best_of != (body.n or 1):
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
+
+
+def _check_choices(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_CHOICES:
+        raise APIError(400, f"a request may ask for at most {MAX_CHOICES} choices in all (prompts x n); this one "
+                            f"asks for {num_prompts} x {n} = {num_prompts * n}",
+                       param="prompt" if num_prompts > MAX_CHOICES else "n")
+
+
+def _stream_usage(body: Any) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+# ---------------------------------------------------------------------------------------------- /v1/completions
+async def _completions(state: ServerState, body: CompletionRequest, request: Request, large: bool) -> Response:
+    _check_common(state, body)
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    echo_lp = bool(body.echo) and body.logprobs is not None  # the prompt's tokens are scored too
+    with fields_named(OPENAI_NAMES):
+        params = SamplingParams(**sampling_fields(body), logprobs=body.logprobs,
+                                prompt_logprobs=body.logprobs if echo_lp else None)
+    raw = body.prompt
+    if isinstance(raw, str) or isinstance(raw[0], int):  # one prompt (the shape is checked by the schema)
+        raw = [raw]
+    _check_choices(len(raw), body.n or 1)
+    maker, limits = state.prompts, state.info.limits
+
+    def prepare() -> Tuple[List[List[int]], List[str]]:
+        prompts: List[List[int]] = []
+        echoed: List[str] = []
+        for p in raw:
+            ids = maker.encode(p, True, "prompt", limits.max_request_len) if isinstance(p, str) else list(p)
+            check_request(ids, params, limits, "prompt")
+            prompts.append(ids)
+            if body.echo:
+                echoed.append(p if isinstance(p, str) else maker.tokenizer.decode(ids))
+        check_grammar(params)  # one constraint for every prompt: parsed once
+        return prompts, echoed
+
+    size = sum(len(p) for p in raw)  # characters or token ids
+    prompts, echoed = await off_loop(large or size > ASYNC_ENCODE_CHARS or constraint_of(params) is not None, prepare)
+    renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", state.served_model_name, state.fingerprint,
+                                  _stream_usage(body), token_text=state.token_text, logprobs=body.logprobs,
+                                  echo_logprobs=echo_lp)
+    return await serve(state, request, Generation(prompts, params, body.n or 1, echoed), renderer, bool(body.stream))
+
+
+# ---------------------------------------------------------------------------------------------- /v1/chat/completions
+def chat_messages(messages: List[ChatMessage]) -> List[Dict[str, Any]]:
+    """The request's messages as the plan takes them: text parts joined, the developer role as system."""
+    msgs = []
+    for i, msg in enumerate(messages):
+        d = msg.model_dump(exclude_none=True)
+        content = msg.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"messages[{i}]: only text content parts are supported, got {part.type!r}",
+                                   param="messages")
+                parts.append(part.text)
+            content = "".join(parts)
+        d["content"] = content or ""
+        if d["role"] == "developer":
+            d["role"] = "system"
+        msgs.append(d)
+    return msgs
+
+
+def chat_inputs(body: ChatCompletionRequest) -> ChatInputs:
+    """A chat completion request in the plan's terms. Without max_tokens a chat answer may use the rest of the
+    context; max_completion_tokens (OpenAI's newer name) wins over max_tokens."""
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    names = {**OPENAI_NAMES, "logprobs": "top_logprobs"}
+    if body.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    with fields_named(names):
+        sampling = {**sampling_fields(body), "max_tokens": max_tokens,
+                    "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
+        budget = thinking_budget(body.thinking_budget, body.custom_params)
+    return ChatInputs(chat_messages(body.messages), body.tools, body.tool_choice, body.parallel_tool_calls,
+                      body.functions, body.function_call, body.chat_template_kwargs, budget,
+                      body.separate_reasoning, sampling, param_names=names)
+
+
+async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request, large: bool) -> Response:
+    _check_common(state, body)
+    plan = await plan_chat(state.prompts, chat_inputs(body), state.info.limits, large)
+    renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", state.served_model_name, state.fingerprint,
+                            _stream_usage(body), token_text=state.token_text, logprobs=bool(body.logprobs),
+                            top_logprobs=body.top_logprobs or 0, tools=plan.tools, reasoning=plan.reasoning)
+    return await serve(state, request, Generation([plan.prompt_ids], plan.params, body.n or 1), renderer,
+                       bool(body.stream))

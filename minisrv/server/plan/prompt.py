@@ -1,0 +1,187 @@
+"""Texts into prompt token ids, and chat messages into a prompt text: the one place a chat template is applied.
+
+`PromptMaker` holds the served model's tokenizer and what is derived from it once (the tool-call format, the
+reasoning parser, whether the template reads tools, the longest token's length). Every API's chat request, the
+chat form of /tokenize, /v1/messages/count_tokens and the offline `LLM.chat` template their messages here, so
+the prompt a count reports is the prompt a generation gets.
+
+Keeping the event loop free: a text over ASYNC_ENCODE_CHARS is tokenized in a worker thread (`off_loop`), and a
+prompt whose length in characters already proves it longer than the model's limit is refused before it is
+tokenized (`max_token_chars`). Nothing here imports the HTTP layer: the offline API uses it too.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+from minisrv.engine.request import RequestError
+
+from .reasoning_plan import ReasoningFormat, chat_template_text, resolve_reasoning
+from .tool_prompt import template_reads_tools, with_tool_prompt
+from .tools import parser_for
+
+logger = logging.getLogger("minisrv.server")
+
+ASYNC_ENCODE_CHARS = 16384  # longer texts are tokenized in a worker thread
+# names a client's chat_template_kwargs may not use: the template's own inputs, set by the server
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "chat_template", "tools", "documents"})
+
+
+async def off_loop(offload: bool, fn: Callable[[], Any]) -> Any:
+    """fn() in a worker thread when it may take long (so the event loop keeps serving), else here."""
+    return await asyncio.to_thread(fn) if offload else fn()
+
+
+@dataclass(frozen=True)
+class PromptMaker:
+    """The served model's tokenizer and what the plan derives from it once."""
+
+    tokenizer: Any
+    tool_parser: str = "hermes"  # the tool-call format the template teaches (tools.py)
+    reasoning: Optional[ReasoningFormat] = None  # the reasoning parser, None: the model's thinking stays as text
+    tools_in_template: bool = True  # False: the template ignores tools; they go in a system prompt (tool_prompt.py)
+    max_token_chars: Optional[int] = None  # see max_token_chars(); None: no early length check
+
+    @classmethod
+    def of(cls, tokenizer: Any, tool_call_parser: str = "auto", reasoning_parser: Optional[str] = None
+           ) -> "PromptMaker":
+        """Derived from the tokenizer; raises ValueError for a reasoning parser it cannot serve."""
+        reasoning = resolve_reasoning(reasoning_parser, tokenizer)
+        reads_tools = template_reads_tools(tokenizer)
+        logger.info("tools reach the model %s", "through its chat template" if reads_tools else
+                    "in a system prompt (its chat template ignores them)")
+        return cls(tokenizer, parser_for(chat_template_text(tokenizer), tool_call_parser), reasoning, reads_tools,
+                   max_token_chars(tokenizer))
+
+    def encode(self, text: str, add_special_tokens: bool, param: str, limit: Optional[int] = None) -> List[int]:
+        """Tokenize a prompt text, unless its length alone proves it longer than `limit` tokens (a 400)."""
+        per_token = self.max_token_chars
+        if limit is not None and per_token and len(text) > limit * per_token:
+            at_least = math.ceil(len(text) / per_token)
+            raise RequestError(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                               f"{len(text)} characters, which are at least {at_least} tokens.", param,
+                               "context_length_exceeded")
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def check_template_kwargs(self, kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        """A request's chat_template_kwargs (extra template variables, e.g. Qwen3's enable_thinking). Names of
+        apply_chat_template's own arguments, and of what the server sets (messages, tools, a template of the
+        client's own), are refused: they would change how the prompt is made, not what the template says."""
+        if not kwargs:
+            return {}
+        own = set(inspect.signature(self.tokenizer.apply_chat_template).parameters) | RESERVED_TEMPLATE_KWARGS
+        for key in kwargs:
+            if not key.isidentifier() or key in own:
+                raise RequestError(f"chat_template_kwargs may not set {key!r}", "chat_template_kwargs")
+        return dict(kwargs)
+
+    def template(self, messages: List[Dict[str, Any]], tools: Optional[List[Dict[str, Any]]] = None,
+                 kwargs: Optional[Dict[str, Any]] = None, add_generation_prompt: bool = True,
+                 continue_final_message: bool = False) -> str:
+        """The prompt text of chat messages (content strings; assistant tool_calls with JSON-string arguments, as
+        OpenAI sends them) and function tools. A template that ignores tools gets them in a system prompt.
+
+        A system message may stand anywhere (agent clients put reminders mid-conversation): it is templated in
+        its place. Some templates refuse a system message that is not the first; for those, the later system
+        messages are appended to the first one (or gathered into a new first one), in order, and the prompt is
+        made again: their words reach the model, only no longer at their place."""
+        if chat_template_text(self.tokenizer) is None:
+            raise RequestError("this model's tokenizer has no chat template; use /v1/completions", "messages")
+        msgs = _arguments_as_objects(messages)
+        extra = dict(kwargs or {})
+        if tools is not None:
+            if self.tools_in_template:
+                extra["tools"] = tools
+            else:
+                msgs = with_tool_prompt(msgs, tools)
+
+        def render(ms: List[Dict[str, Any]]) -> str:
+            return self.tokenizer.apply_chat_template(ms, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message,
+                                                      tokenize=False, **extra)
+        try:
+            return render(msgs)
+        except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception, bad roles) are the client's
+            error = e
+        merged = systems_first(msgs)
+        if merged is not None:
+            try:
+                return render(merged)
+            except Exception:  # noqa: BLE001 - the first error says more
+                pass
+        raise RequestError(f"chat template failed: {error}", "messages")
+
+
+def systems_first(messages: List[Dict[str, Any]]) -> Optional[List[Dict[str, Any]]]:
+    """The messages with every system message after the first message joined into the leading one (a new one when
+    the conversation does not start with one); None when there is none to move."""
+    later = [i for i, m in enumerate(messages) if m.get("role") == "system" and i > 0]
+    if not later:
+        return None
+    texts = [str(messages[i].get("content") or "") for i in later]
+    rest = [m for i, m in enumerate(messages) if i not in set(later)]
+    if rest and rest[0].get("role") == "system":
+        head = dict(rest[0])
+        head["content"] = "\n\n".join([str(head.get("content") or "")] + texts)
+        return [head] + rest[1:]
+    return [{"role": "system", "content": "\n\n".join(texts)}] + rest
+
+
+def _arguments_as_objects(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Assistant tool_calls carry their arguments as JSON strings (OpenAI); templates expect objects."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = dict(m)
+            fixed = []
+            for c in calls:
+                c = dict(c)
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        pass
+                c["function"] = fn
+                fixed.append(c)
+            m["tool_calls"] = fixed
+        out.append(m)
+    return out
+
+
+def max_token_chars(tokenizer: Any) -> Optional[int]:
+    """The most characters of input text one token can stand for, where the tokenizer makes that provable; None
+    otherwise. Then a text of c characters is at least ceil(c / max_token_chars) tokens.
+
+    Provable for a byte-level BPE without a normalizer (GPT-2, Llama 3, SmolLM2, ...): the text's UTF-8 bytes are
+    split into pieces that keep every byte (ByteLevel, Split and Digits pre-tokenizers, unless a Split removes its
+    matches), each token is one vocabulary entry whose string has one character per byte, and an added token
+    matches its literal content; every character starts in exactly one token and has at least one byte, so a
+    token covers at most as many characters as it has bytes. A fixed ratio would not do: SmolLM2 has a token
+    of a newline and 80 spaces (81 characters). A normalizer (NFC, stripping, ...) can shrink the text, so with
+    one there is no bound."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        spec = json.loads(backend.to_str())
+        pre = spec.get("pre_tokenizer") or {}
+        parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        if spec.get("normalizer") is not None or (spec.get("model") or {}).get("type") != "BPE":
+            return None
+        if not any(p.get("type") == "ByteLevel" for p in parts):
+            return None
+        if any(p.get("type") not in ("ByteLevel", "Split", "Digits") or p.get("behavior") == "Removed"
+               for p in parts):
+            return None
+        vocab = backend.get_vocab(with_added_tokens=False)
+        added = [t.content for t in backend.get_added_tokens_decoder().values()]
+        return max([len(s) for s in vocab] + [len(a.encode("utf-8")) for a in added])
+    except Exception:  # noqa: BLE001 - an unexpected tokenizer: no early check, tokenizing still works
+        return None

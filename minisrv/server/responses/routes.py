@@ -1,0 +1,43 @@
+"""`POST /v1/responses`: OpenAI's Responses API, stateless, on the shared request path.
+
+A Responses request is converted into the plan's inputs (protocol.py) and planned as a chat request is
+(plan/chat.py); it then takes the engine path every generation takes (generation.serve: disconnects, errors), and
+its output is rendered straight into the Responses shapes (render.py).
+
+A failure before anything is sent is an HTTP error in OpenAI's shape, its `param` named as the Responses request
+names the field (`input` for the messages, `max_output_tokens`, `text`); one after the stream began is an
+`error` event that ends it. `store: true` is accepted, but nothing is stored (see protocol.py).
+"""
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from ..body import parse_body
+from ..generation import Generation, serve
+from ..openai.embeddings import refuse_generation
+from ..plan.chat import plan_chat
+from ..state import ServerState
+from .protocol import ResponsesRequest, chat_inputs, echo_fields
+from .render import ResponseRenderer
+
+
+def add_responses_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        body, large = await parse_body(request, ResponsesRequest)
+        return await respond(state, body, request, large)
+
+
+async def respond(state: ServerState, req: ResponsesRequest, request: Request, large: bool) -> Response:
+    state.check_model(req.model)
+    refuse_generation(state)
+    plan = await plan_chat(state.prompts, chat_inputs(req), state.info.limits, large)
+    tok = state.tokenizer
+
+    def count(text: str) -> int:
+        """The tokens of a reasoning text (usage's reasoning_tokens; the tags around it are not counted)."""
+        return len(tok(text, add_special_tokens=False).input_ids)
+
+    renderer = ResponseRenderer(state.served_model_name, echo_fields(req), count, plan.tools, plan.reasoning)
+    return await serve(state, request, Generation([plan.prompt_ids], plan.params), renderer, bool(req.stream))
