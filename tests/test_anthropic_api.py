@@ -14,14 +14,16 @@ from typing import Any, Dict, List
 
 import pytest
 
-from minisrv.server.anthropic_protocol import CountTokensRequest, to_chat
+from minisrv.server.anthropic.protocol import CountTokensRequest, chat_inputs
 from minisrv.server.errors import APIError
 from minisrv.server.messages import EngineInfo
-from minisrv.server.routes import create_app
+from minisrv.server.app import create_app
 from minisrv.server.state import ServerState
 
-from minisrv.server.anthropic_render import MessageRenderer
-from minisrv.server.tools import plan_tools
+from minisrv.server.anthropic.render import MessageRenderer
+from minisrv.server.generation import Choice
+from minisrv.server.openai.protocol import UsageInfo
+from minisrv.server.plan.tools import plan_tools
 
 from .helpers.local_engine import LocalEngine, call
 from .test_server_inprocess import ScriptedEngine, hello_world, tokenizer, words  # noqa: F401 - fixtures
@@ -134,7 +136,7 @@ def anthropic_error(r: httpx.Response, status: int, kind: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- conversion
-def test_conversion_to_chat() -> None:
+def test_conversion_chat_inputs() -> None:
     body = CountTokensRequest.model_validate({"system": [{"type": "text", "text": "Be"}, {"type": "text",
                                                                                           "text": "brief."}],
                                               "messages": [
@@ -149,7 +151,7 @@ def test_conversion_to_chat() -> None:
                                      {"type": "text", "text": "Thanks"}]}],
         "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "any"},
         "thinking": {"type": "enabled", "budget_tokens": 5}})
-    chat_in = to_chat(body, reasoning_parser=True)
+    chat_in = chat_inputs(body, reasoning_parser=True)
     assert chat_in.messages == [
         {"role": "system", "content": "Be\nbrief."}, {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Let me look.", "reasoning_content": "hm", "tool_calls": [
@@ -161,14 +163,14 @@ def test_conversion_to_chat() -> None:
                                                                "parameters": {"type": "object"}}}]
     assert chat_in.tool_choice == "required"
     assert (chat_in.template_kwargs, chat_in.thinking_budget) == ({"enable_thinking": True}, 5)
-    assert to_chat(body, reasoning_parser=False).template_kwargs == {}  # a model that does not think: ignored
+    assert chat_inputs(body, reasoning_parser=False).template_kwargs == {}  # a model that does not think: ignored
     for choice, want in [({"type": "auto"}, "auto"), ({"type": "none"}, "none"),
                          ({"type": "tool", "name": "f"}, {"type": "function", "function": {"name": "f"}})]:
-        assert to_chat(body.model_copy(update={"tool_choice": choice}), False).tool_choice == want
+        assert chat_inputs(body.model_copy(update={"tool_choice": choice}), False).tool_choice == want
     for content in ([{"type": "image", "source": {}}], [{"type": "tool_use", "id": "x", "name": "f", "input": {}}],
                     [{"text": "no type"}]):
         with pytest.raises(APIError):
-            to_chat(CountTokensRequest.model_validate({"messages": [{"role": "user", "content": content}]}), False)
+            chat_inputs(CountTokensRequest.model_validate({"messages": [{"role": "user", "content": content}]}), False)
 
 
 # ---------------------------------------------------------------------------------------------- text
@@ -241,7 +243,7 @@ def test_forced_tool_use_round_trip(qwen2) -> None:
 @pytest.mark.parametrize("body,status,kind", [
     ({"max_tokens": None}, 400, "invalid_request_error"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "invalid_request_error"),
-    ({"messages": [{"role": "system", "content": "x"}]}, 400, "invalid_request_error"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_request_error"),
     ({"model": "nope"}, 404, "not_found_error"),
     ({"temperature": -1}, 400, "invalid_request_error"),
     ({"tool_choice": {"type": "tool", "name": "other"}, "tools": [WEATHER]}, 400, "invalid_request_error"),
@@ -292,22 +294,34 @@ def test_engine_failure_before_and_after_the_stream_began(tokenizer, words, spac
     assert counted == 1
 
 
+def events_of(framed: List[str]) -> List[Dict[str, Any]]:
+    """Server-sent events (`event: <name>` + `data: <json>`) as their data, which names its type too."""
+    out = []
+    for text in framed:
+        name, data = text.strip().split("\n")
+        assert name.startswith("event: ") and data.startswith("data: ")
+        out.append(json.loads(data[len("data: "):]))
+        assert out[-1]["type"] == name[len("event: "):]
+    return out
+
+
 def test_streamed_auto_tool_call_is_the_whole_ones() -> None:
     """tool_choice auto: a Hermes call after some text, fed in pieces that cut the tags; the stream's blocks are
     the whole message's (the text's trailing space aside, as in chat's stream), and the text before the call is
     shown before the output ends."""
     plan = plan_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "auto")
     text = 'Sure. <tool_call>\n{"name": "f", "arguments": {"x": [1, 2]}}\n</tool_call>'
-    r = MessageRenderer("msg_1", "m", 7, plan)
-    whole = r.whole(text, "stop", None, 30)
+    whole = MessageRenderer("m", 7, plan).response([Choice(0, text=text, finish_reason="stop",
+                                                          num_output_tokens=30)], UsageInfo())
     assert [b["type"] for b in whole["content"]] == ["text", "tool_use"] and whole["stop_reason"] == "tool_use"
     assert whole["content"][0]["text"] == "Sure." and whole["content"][1]["input"] == {"x": [1, 2]}
-    stream = r.stream()
-    evs = [{"type": name, **data} for name, data in stream.opening()]
+    r, ch = MessageRenderer("m", 7, plan), Choice(0, num_output_tokens=30)
+    evs = events_of(r.opening(ch))
     pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
     for k, piece in enumerate(pieces):
         last = k == len(pieces) - 1
-        evs += [data for _, data in stream.feed(piece, "stop" if last else None, None, 30)]
+        ch.text += piece
+        evs += events_of(r.chunks(ch, piece, [], "stop" if last else None))
         if k == 3:
             shown = "".join(e["delta"].get("text", "") for e in evs if e["type"] == "content_block_delta")
             assert shown == "Sure. "  # shown before the output ends; the possible call held back

@@ -21,7 +21,7 @@ from minisrv.models.args import ModelArgs
 from minisrv.checkpoints.checkpoint import WeightLoadError
 from minisrv.checkpoints.pooling_config import resolve_pooling
 from minisrv.server.messages import EngineInfo
-from minisrv.server.routes import create_app
+from minisrv.server.app import create_app
 from minisrv.server.state import ServerState
 
 from .helpers.engine_watch import EngineWatch, assert_pool_free

@@ -25,9 +25,9 @@ import pytest
 from minisrv.engine.request import RequestError, RequestOutput, SamplingParams
 from minisrv.engine.thinking import ThinkingRule, ThinkingState
 from minisrv.server.messages import EngineInfo
-from minisrv.server.reasoning import INSIDE, NONE, OPTIONAL, ReasoningStream, split_reasoning
-from minisrv.server.reasoning_plan import plan_reasoning, resolve_reasoning, thinking_budget
-from minisrv.server.routes import create_app
+from minisrv.server.plan.reasoning import INSIDE, NONE, OPTIONAL, ReasoningStream, split_reasoning
+from minisrv.server.plan.reasoning_plan import plan_reasoning, resolve_reasoning, thinking_budget
+from minisrv.server.app import create_app
 from minisrv.server.state import ServerState
 
 from .helpers.local_engine import LocalEngine, call, events

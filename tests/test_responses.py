@@ -17,9 +17,12 @@ import pydantic
 import pytest
 
 from minisrv.server.messages import EngineInfo
-from minisrv.server.responses_protocol import ResponsesRequest, chat_body, echo_fields
-from minisrv.server.responses_render import ResponseEvents, ResponseShape
-from minisrv.server.routes import create_app
+from minisrv.server.generation import Choice
+from minisrv.server.openai.protocol import UsageInfo
+from minisrv.server.plan.tools import plan_tools
+from minisrv.server.responses.protocol import ResponsesRequest, chat_inputs, echo_fields
+from minisrv.server.responses.render import ResponseRenderer
+from minisrv.server.app import create_app
 from minisrv.server.state import ServerState
 
 from .helpers.local_engine import LocalEngine, call
@@ -119,32 +122,33 @@ def test_items_become_chat_messages() -> None:
                   {"role": "assistant", "content": [{"type": "output_text", "text": "Let me see."}]},
                   {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
                   {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]})
-    body = chat_body(req)
-    assert body["messages"] == [
+    body = chat_inputs(req)
+    assert body.messages == [
         {"role": "system", "content": "Be brief."}, {"role": "system", "content": "Use tools."},
         {"role": "user", "content": ASK},
         {"role": "assistant", "content": "Let me see.", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    assert body["tools"] == [CHAT_WEATHER] and body["max_completion_tokens"] == 9
-    assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
-    assert body["response_format"] == {"type": "json_object"}
+    assert body.tools == [CHAT_WEATHER] and body.sampling["max_tokens"] == 9
+    assert body.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert body.sampling["json_object"] is True
 
 
 # ---------------------------------------------------------------------------------------------- events by hand
 def test_events_of_a_message_then_calls() -> None:
-    """Chat chunks by hand (an answer, then two tool calls as chat streams them) -> the Responses events."""
-    shape = ResponseShape("m", echo_fields(ResponsesRequest(input="x")), lambda text: len(text.split()))
-    ev = ResponseEvents(shape)
-    chunks = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]},
-              {"choices": [{"delta": {"content": "Let me "}}]}, {"choices": [{"delta": {"content": "check."}}]}]
-    for i, (name, args) in enumerate([("get_weather", '{"city": "Oslo"}'), ("get_time", '{}')]):
-        chunks += [{"choices": [{"delta": {"tool_calls": [{"index": i, "id": f"call_{i}", "type": "function",
-                                                           "function": {"name": name, "arguments": ""}}]}}]},
-                   {"choices": [{"delta": {"tool_calls": [{"index": i, "function": {"arguments": args}}]}}]}]
-    chunks += [{"choices": [{"delta": {}, "finish_reason": "tool_calls"}]},
-               {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}}]
-    evs = ev.start() + [e for c in chunks for e in ev.chunk(c)] + ev.end()
+    """An output by hand (an answer, then two hermes tool calls), fed in pieces -> the Responses events."""
+    tools = [CHAT_WEATHER, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    plan = plan_tools(tools, "auto")
+    r = ResponseRenderer("m", echo_fields(ResponsesRequest(input="x")), lambda text: len(text.split()), plan, None)
+    calls = "".join(f'<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'
+                    for name, args in [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")])
+    ch = Choice(0, num_output_tokens=7)
+    framed = r.opening(ch)
+    for k, piece in enumerate(["Let me ", "check.", calls]):
+        ch.text += piece
+        framed += r.chunks(ch, piece, [], "stop" if k == 2 else None)
+    framed += r.closing(UsageInfo(prompt_tokens=5, completion_tokens=7, total_tokens=12))
+    evs = sse("".join(framed))
     for e in evs:
         STREAM_EVENT.validate_python(e)
     assert [e["sequence_number"] for e in evs] == list(range(len(evs)))
@@ -158,8 +162,9 @@ def test_events_of_a_message_then_calls() -> None:
     openai_types.Response.model_validate(done)
     assert [o["type"] for o in done["output"]] == ["message", "function_call", "function_call"]
     assert output_text(done) == "Let me check." and done["status"] == "completed"
-    assert [(o["call_id"], o["arguments"]) for o in done["output"][1:]] == [("call_0", '{"city": "Oslo"}'),
-                                                                            ("call_1", "{}")]
+    assert [(o["name"], o["arguments"]) for o in done["output"][1:]] == [("get_weather", '{"city": "Oslo"}'),
+                                                                         ("get_time", "{}")]
+    assert all(o["call_id"].startswith("call_") for o in done["output"][1:])
     assert [e["output_index"] for e in evs if e["type"] == "response.output_item.added"] == [0, 1, 2]
     assert done["usage"]["input_tokens"] == 5 and done["usage"]["output_tokens"] == 7
 
@@ -291,7 +296,6 @@ def test_reasoning_item(r1) -> None:
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": []}, "input"),
     ({"input": ""}, "input"),
-    ({"input": ASK, "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": ASK, "text": {"format": {"type": "yaml"}}}, "text"),
     ({"input": ASK, "tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]}, "tool_choice"),
     ({"input": ASK, "max_output_tokens": -1}, "max_output_tokens"),

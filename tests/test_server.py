@@ -356,7 +356,7 @@ class _IdleEngine:
 
 def test_api_key(tokenizer) -> None:
     from minisrv.server.messages import EngineInfo
-    from minisrv.server.routes import create_app
+    from minisrv.server.app import create_app
     from minisrv.server.state import ServerState
 
     info = EngineInfo("m.gguf", "torch", "cpu", 8192, 8192, 49152)

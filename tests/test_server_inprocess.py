@@ -21,7 +21,7 @@ from minisrv.server.engine_proc import EngineDead
 from minisrv.server.generation import Choice
 from minisrv.server.messages import (AbortRequest, AddRequest, EngineInfo, EngineStats, Rejected, Shutdown,
                                      StatsQuery, StepOutputs)
-from minisrv.server.routes import create_app
+from minisrv.server.app import create_app
 from minisrv.server.state import ServerState
 
 from .helpers.local_engine import call, events

@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
-from minisrv.server.tools import parser_for  # noqa: E402
+from minisrv.server.plan.tools import parser_for  # noqa: E402
 
 from .helpers.server_process import Server, running  # noqa: E402
 from .helpers.tiny_qwen2 import CHAT_TEMPLATE  # noqa: E402

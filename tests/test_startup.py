@@ -291,7 +291,7 @@ def test_http_side_imports_no_torch():
     code = textwrap.dedent("""
         import sys
         import minisrv.server.launch_server
-        from minisrv.server import engine_proc, routes, state
+        from minisrv.server import app, engine_proc, state
         from minisrv.server.http import transport
         from minisrv.checkpoints import model_files
         print("torch" in sys.modules)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from minisrv.engine.request import RequestError
-from minisrv.server.tools import content_prefix_len, parse_tool_calls, parser_for, plan_tools
+from minisrv.server.plan.tools import content_prefix_len, parse_tool_calls, parser_for, plan_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
                                             "parameters": {"type": "object", "properties": {

@@ -87,6 +87,14 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         self.validate()
 
+    def with_seed(self, seed: int) -> "SamplingParams":
+        """The same values with another seed (n > 1 choices of one request), without validating the rest again."""
+        if not _is_int(seed) or not -2 ** 63 <= seed < 2 ** 63:
+            raise RequestError(f"seed must be a signed 64-bit integer, got {seed}", "seed")
+        twin = object.__new__(SamplingParams)
+        twin.__dict__.update(self.__dict__, seed=seed)
+        return twin
+
     def __setstate__(self, state: Dict[str, object]) -> None:
         """Unpickled (the engine process receives what the HTTP process built): validated here, once."""
         self.__dict__.update(state)
