@@ -10,7 +10,9 @@ from minisrv.config import EngineConfig
 from minisrv.engine.engine import Engine
 from minisrv.engine.pooling import PoolingParams
 from minisrv.engine.request import CompletionOutput, Request, SamplingParams, prompt_logprob_list
-from minisrv.server.plan.chat import ChatInputs, plan_chat_now
+from minisrv.server.plan.chat import ChatInputs, finish_plan, prompt_text
+from minisrv.server.plan.prompt import PromptMaker
+from minisrv.tokenizer.engine_tokenizer import transformers_tokenizer
 from minisrv.server.plan.prompt import PromptMaker
 from minisrv.tokenizer.engine_tokenizer import transformers_tokenizer
 
@@ -127,4 +129,6 @@ class LLM:
         anywhere is templated in its place, or joined to the first where the template refuses it there)."""
         if self._prompts is None:
             self._prompts = PromptMaker.of(self.tokenizer)
-        return plan_chat_now(self._prompts, ChatInputs(list(messages)), None).prompt_ids
+        inputs = ChatInputs(list(messages))
+        text, tools = prompt_text(self._prompts, inputs)
+        return finish_plan(self._prompts, inputs, text, tools, None).prompt_ids

@@ -1,16 +1,6 @@
-"""The HTTP app: its rooms' routes on one FastAPI app, behind the gate (gate.py), with every error in its API's shape
-(errors.py).
-
-  openai/      /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /tokenize and the tokenizer and
-               cache routes (OpenAI's API, with vLLM's and SGLang's extras)
-  responses/   /v1/responses (OpenAI's Responses API, stateless)
-  anthropic/   /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API)
-  plan/        what the three chat-shaped APIs share: a request's messages, tools and settings into prompt ids and
-               frozen SamplingParams, and the output read back (reasoning, tool calls)
-
-Every generation then takes one path to the engine and back (generation.py); each API only converts its request
-into the plan's inputs and renders the engine's outputs in its own shapes.
-"""
+"""The HTTP app: each room's routes (openai/, responses/, anthropic/) on one FastAPI app, behind the gate (gate.py),
+with every error in its API's shape (errors.py). The chat-shaped APIs share the request plan (plan/) and every
+generation takes one path to the engine and back (generation.py)."""
 from __future__ import annotations
 
 from fastapi import FastAPI

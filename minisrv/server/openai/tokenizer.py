@@ -2,7 +2,7 @@
 (SGLang's names).
 
   POST /tokenize, /v1/tokenize      {"prompt": str, "add_special_tokens": true}, or the chat form {"messages": [...],
-                                    "add_generation_prompt": true, "continue_final_message": false,
+                                    "tools": [...], "add_generation_prompt": true, "continue_final_message": false,
                                     "add_special_tokens": false}; both take "model" and "return_token_strs"
                                     -> {"count", "max_model_len", "tokens"[, "token_strs"]}
   POST /detokenize, /v1/detokenize  {"tokens": [ids]} -> {"prompt": text}
@@ -11,12 +11,12 @@
   GET  /get_model_info              model_path, served_model_name, tokenizer_path, max_model_len, is_generation, ...
   POST /flush_cache                 empty the radix prefix cache: 200 {"flushed": true}, or 400 while requests run
 
-The chat form is planned exactly as /v1/chat/completions plans its messages (plan/chat.py), so its count is the
-prompt length a chat request would have. `max_model_len` is the limit requests are held to (the
-context length, or less when the KV pool is smaller), as in /v1/models. A text longer than that is tokenized all
-the same (lm-eval tokenizes long contexts and truncates them itself). Bodies are read and checked as the other
-routes' are (prompts.parse_body: strict JSON, a 400 naming the field); large ones, and long texts or token lists,
-are handled in a worker thread so that the event loop keeps serving.
+The chat form is planned exactly as /v1/chat/completions plans its messages and tools (plan/chat.py), so its count
+is the prompt length a chat request would have. `max_model_len` is the limit requests are held to (the context
+length, or less when the KV pool is smaller), as in /v1/models. A text longer than that is tokenized all the same
+(lm-eval tokenizes long contexts and truncates them itself). Bodies are read and checked as the other routes' are
+(body.parse_body: strict JSON, a 400 naming the field); large ones, and long texts or token lists, are handled in
+a worker thread so that the event loop keeps serving.
 
 /flush_cache is POST only: a GET that changes state could be sent by any web page (an image's URL carries no
 Origin), and like every POST it must be application/json (its body may be empty or a JSON object).
@@ -58,7 +58,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     return_token_strs: StrictBool = False
-    tools: Optional[Any] = None  # refused when given (the count would not match a chat request with tools)
+    tools: Optional[List[Any]] = None  # function tools, as chat's (they reach the prompt as chat's do)
     chat_template_kwargs: Optional[Dict[str, Any]] = None  # as chat's ({"enable_thinking": false}): the same prompt
 
     @model_validator(mode="after")
@@ -108,9 +108,7 @@ async def _tokenize(state: "ServerState", body: TokenizeRequest, large: bool) ->
         text = body.prompt
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
     else:
-        if body.tools:
-            raise APIError(400, "tools are not supported by /tokenize", param="tools")
-        inputs = ChatInputs(chat_messages(body.messages), template_kwargs=body.chat_template_kwargs,
+        inputs = ChatInputs(chat_messages(body.messages), body.tools, template_kwargs=body.chat_template_kwargs,
                             add_generation_prompt=body.add_generation_prompt,
                             continue_final_message=body.continue_final_message,
                             add_special_tokens=bool(body.add_special_tokens))

@@ -87,7 +87,7 @@ def finish_plan(maker: PromptMaker, inputs: ChatInputs, text: str, tools: ToolPl
 async def plan_chat(maker: PromptMaker, inputs: ChatInputs, limits: Optional[RequestLimits],
                     large: bool = False) -> ChatPlan:
     """The plan, made off the event loop where it may take long: templating for a large body, tokenizing and
-    checking for a large body or a long prompt text."""
+    checking for a large body or a long prompt text. (The offline API calls prompt_text and finish_plan.)"""
     with fields_named(inputs.param_names):
         # tools' schemas and a grammar are checked off the loop too: their first check imports the grammar engine
         text, tools = await off_loop(large or bool(inputs.tools or inputs.functions),
@@ -95,10 +95,3 @@ async def plan_chat(maker: PromptMaker, inputs: ChatInputs, limits: Optional[Req
         constrained = tools.json_schema is not None or any((inputs.sampling or {}).get(k) for k in CONSTRAINTS)
         return await off_loop(large or len(text) > ASYNC_ENCODE_CHARS or constrained,
                               lambda: finish_plan(maker, inputs, text, tools, limits))
-
-
-def plan_chat_now(maker: PromptMaker, inputs: ChatInputs, limits: Optional[RequestLimits]) -> ChatPlan:
-    """The plan, made here (the offline API)."""
-    with fields_named(inputs.param_names):
-        text, tools = prompt_text(maker, inputs)
-        return finish_plan(maker, inputs, text, tools, limits)
