@@ -43,14 +43,18 @@ def new_message_id() -> str:
 
 @dataclass
 class MessageRenderer:
-    """generation.serve's renderer for /v1/messages (one choice)."""
+    """generation.serve's renderer for /v1/messages (one choice): the whole message, or the stream's blocks."""
 
     model: str
     input_tokens: int
     tools: Optional[ToolPlan] = None
     reasoning: Optional[ReasoningPlan] = None
     id: str = field(default_factory=new_message_id)
-    _stream: Optional["MessageStream"] = None
+    # while streaming: the output's reader, the open block (its index, -1: none yet; its type), events to send
+    _answer: Optional[AnswerStream] = None
+    _index: int = -1
+    _open: Optional[str] = None
+    _events: List[Dict[str, Any]] = field(default_factory=list)
 
     def message(self, content: List[Dict[str, Any]], reason: Optional[str], stop_sequence: Optional[str],
                 output_tokens: int) -> Dict[str, Any]:
@@ -75,13 +79,9 @@ class MessageRenderer:
                             ch.num_output_tokens)
 
     def opening(self, choice: Choice) -> List[str]:
-        self._stream = MessageStream(AnswerStream(self.tools, self.reasoning))
+        self._answer = AnswerStream(self.tools, self.reasoning)
         return [sse({"type": "message_start", "message": self.message([], None, None, 0)}, "message_start"),
                 sse({"type": "ping"}, "ping")]
-
-    def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
-               finish_reason: Optional[str]) -> List[str]:
-        return [sse(data, data["type"]) for data in self._stream.feed(choice, text, finish_reason)]
 
     def closing(self, usage: UsageInfo) -> List[str]:
         return []
@@ -89,36 +89,28 @@ class MessageRenderer:
     def failed(self, error: APIError) -> List[str]:
         return [sse(error.anthropic_body(), "error")]
 
-
-@dataclass
-class MessageStream:
-    """One streamed answer's blocks: `feed` each text delta (with the finish, at the end)."""
-
-    answer: AnswerStream
-    index: int = -1  # the open block's index (-1: none yet)
-    open: Optional[str] = None  # the open block's type
-    _events: List[Dict[str, Any]] = field(default_factory=list)
-
     def _close(self) -> None:
-        if self.open is not None:
-            self._events.append({"type": "content_block_stop", "index": self.index})
-            self.open = None
+        if self._open is not None:
+            self._events.append({"type": "content_block_stop", "index": self._index})
+            self._open = None
 
     def _start(self, block: Dict[str, Any]) -> None:
         self._close()
-        self.index += 1
-        self.open = block["type"]
-        self._events.append({"type": "content_block_start", "index": self.index, "content_block": block})
+        self._index += 1
+        self._open = block["type"]
+        self._events.append({"type": "content_block_start", "index": self._index, "content_block": block})
 
     def _delta(self, kind: str, delta: Dict[str, Any]) -> None:
-        if self.open != kind:
+        if self._open != kind:
             self._start({"type": kind, "thinking": "", "signature": ""} if kind == "thinking"
                         else {"type": "text", "text": ""})
-        self._events.append({"type": "content_block_delta", "index": self.index, "delta": delta})
+        self._events.append({"type": "content_block_delta", "index": self._index, "delta": delta})
 
-    def feed(self, choice: Choice, text: str, finish_reason: Optional[str]) -> List[Dict[str, Any]]:
+    def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
+               finish_reason: Optional[str]) -> List[str]:
+        """The stream's blocks for one text delta (with the finish, at the end)."""
         final = finish_reason is not None
-        d = self.answer.feed(text, final)
+        d = self._answer.feed(text, final)
         if d.reasoning:
             self._delta("thinking", {"type": "thinking_delta", "thinking": d.reasoning})
         if d.content:
@@ -126,10 +118,10 @@ class MessageStream:
         for call in d.calls:
             block = tool_use_block(call)
             self._start({**block, "input": {}})
-            self._events.append({"type": "content_block_delta", "index": self.index,
+            self._events.append({"type": "content_block_delta", "index": self._index,
                                  "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
         if final:
-            if self.index < 0:  # nothing was said: one empty text block, as the whole message has
+            if self._index < 0:  # nothing was said: one empty text block, as the whole message has
                 self._start({"type": "text", "text": ""})
             self._close()
             reason = stop_reason(finish_reason, choice.stop_str, bool(d.calls))
@@ -140,4 +132,4 @@ class MessageStream:
                 "usage": {"output_tokens": choice.num_output_tokens}})
             self._events.append({"type": "message_stop"})
         out, self._events = self._events, []
-        return out
+        return [sse(data, data["type"]) for data in out]

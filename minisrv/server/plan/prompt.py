@@ -134,25 +134,18 @@ def systems_first(messages: List[Dict[str, Any]]) -> Optional[List[Dict[str, Any
 
 def _arguments_as_objects(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Assistant tool_calls carry their arguments as JSON strings (OpenAI); templates expect objects."""
-    out = []
-    for m in messages:
-        calls = m.get("tool_calls")
-        if calls:
-            m = dict(m)
-            fixed = []
-            for c in calls:
-                c = dict(c)
-                fn = dict(c.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except ValueError:
-                        pass
-                c["function"] = fn
-                fixed.append(c)
-            m["tool_calls"] = fixed
-        out.append(m)
-    return out
+    return [{**m, "tool_calls": [_call_arguments(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in messages]
+
+
+def _call_arguments(call: Dict[str, Any]) -> Dict[str, Any]:
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            pass
+    return {**call, "function": fn}
 
 
 def max_token_chars(tokenizer: Any) -> Optional[int]:
