@@ -13,8 +13,6 @@ from minisrv.engine.request import CompletionOutput, Request, SamplingParams, pr
 from minisrv.server.plan.chat import ChatInputs, finish_plan, prompt_text
 from minisrv.server.plan.prompt import PromptMaker
 from minisrv.tokenizer.engine_tokenizer import transformers_tokenizer
-from minisrv.server.plan.prompt import PromptMaker
-from minisrv.tokenizer.engine_tokenizer import transformers_tokenizer
 
 PromptType = Union[str, List[int]]
 

@@ -1,5 +1,5 @@
-"""Thinking models: the reasoning split (server/reasoning.py), the parser's choice and a request's plan
-(server/reasoning_plan.py), the engine's thinking rule (engine/thinking.py: the budget, a grammar only after the
+"""Thinking models: the reasoning split (server/plan/reasoning.py), the parser's choice and a request's plan
+(server/plan/reasoning_plan.py), the engine's thinking rule (engine/thinking.py: the budget, a grammar only after the
 thinking), and all of it through the chat endpoint.
 
 The splitter is checked against hand-written splits and, on every way of cutting a text into deltas, against the

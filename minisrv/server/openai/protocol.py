@@ -113,13 +113,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = None  # OpenAI's newer name for max_tokens; wins over it
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Optional[List[Any]] = None  # checked by server/tools.py
+    tools: Optional[List[Any]] = None  # checked by server/plan/tools.py
     tool_choice: Optional[Any] = None
     parallel_tool_calls: Optional[bool] = None
     functions: Optional[List[Any]] = None  # the legacy form of tools / tool_choice, mapped onto them
     function_call: Optional[Any] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None  # extra template variables ({"enable_thinking": false})
-    # thinking models (server/reasoning_plan.py): the thinking apart from content, and its budget in tokens
+    # thinking models (server/plan/reasoning_plan.py): the thinking apart from content, and its budget in tokens
     separate_reasoning: StrictBool = True
     thinking_budget: Optional[StrictInt] = None
     custom_params: Optional[Dict[str, Any]] = None  # SGLang's; only its thinking_budget is read

@@ -3,7 +3,7 @@
 Qwen3 and DeepSeek-R1 (and its distills) think before they answer, between `<think>` and `</think>`. OpenAI-style
 clients expect the thinking apart from the answer: `message.reasoning_content` (SGLang's and vLLM's name; vLLM's
 newer one, `reasoning`, carries the same text) beside `message.content`, and in a stream the same split delta by
-delta. Where the thinking starts depends on the prompt (server/reasoning_plan.py decides, per request):
+delta. Where the thinking starts depends on the prompt (reasoning_plan.py decides, per request):
 
   INSIDE    the prompt opened it (DeepSeek-R1's template ends with `<think>\\n`): the output starts inside the
             thinking; everything before `</think>` is reasoning, all of it when `</think>` never comes (cut off
