@@ -26,8 +26,8 @@ from minisrv.server.openai.protocol import UsageInfo
 from minisrv.server.plan.tools import plan_tools
 
 from .helpers.local_engine import LocalEngine, call
-from .test_server_inprocess import ScriptedEngine, hello_world, tokenizer, words  # noqa: F401 - fixtures
-from .test_server_inprocess import make_app as make_scripted_app
+from .test_generation_path import ScriptedEngine, hello_world, tokenizer, words  # noqa: F401 - fixtures
+from .test_generation_path import make_app as make_scripted_app
 
 httpx = pytest.importorskip("httpx")
 

@@ -1,4 +1,4 @@
-"""A tiny random-weight Qwen3 that thinks like Qwen3, for the reasoning tests (tests/test_reasoning.py).
+"""A tiny random-weight Qwen3 that thinks like Qwen3, for the reasoning tests (tests/test_reasoning_chat.py).
 
 The word-level tokenizer of tiny_models.py has no characters of JSON, so a grammar after the thinking could not be
 shown with it; this checkpoint takes the default model's byte-level tokenizer (as tiny_qwen2.py does) and adds

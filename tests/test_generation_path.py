@@ -3,7 +3,7 @@ refuses a request, how choices are put together from the engine's text deltas, v
 SamplingParams/check_request, and the typed messages between the HTTP side and the engine process.
 
 The scripted engine replies with hand-made RequestOutputs, so each expectation here is written out by hand;
-tests/test_server.py covers the same paths end to end with the real engine.
+tests/test_openai_server.py covers the same paths end to end with the real engine.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The OpenAI API features clients rely on, against a real server on the default model with the official client:
 structured outputs (parse with a Pydantic model, json_object, regex), echo with logprobs and max_tokens 0 (prompt
 scoring, as lm-eval does), cached-token usage, logit_bias, top_p 0, system_fingerprint, and 400s for every new kind
-of bad input. Tool calling has its own model and tests: test_server_tools.py."""
+of bad input. Tool calling has its own model and tests: test_openai_tools.py."""
 from __future__ import annotations
 
 import json
