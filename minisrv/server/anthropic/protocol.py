@@ -189,21 +189,13 @@ def _tool_choice(choice: Optional[Dict[str, Any]]) -> Tuple[Any, Optional[bool]]
     if choice is None:
         return None, None
     parallel = False if choice.get("disable_parallel_tool_use") else None
-    return _choice_kind(choice), parallel
-
-
-def _choice_kind(choice: Dict[str, Any]) -> Any:
     kind = choice.get("type")
-    if kind == "auto":
-        return "auto"
-    if kind == "any":
-        return "required"
-    if kind == "none":
-        return "none"
+    if kind in ("auto", "any", "none"):
+        return {"any": "required"}.get(kind, kind), parallel
     if kind == "tool":
         if not isinstance(choice.get("name"), str):
             raise _bad("tool_choice of type tool needs a name", "tool_choice")
-        return {"type": "function", "function": {"name": choice["name"]}}
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
     raise _bad(f"tool_choice type must be auto, any, tool or none, got {kind!r}", "tool_choice")
 
 

@@ -8,7 +8,7 @@ then content deltas, then a delta-less chunk with the finish reason.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import APIError
 from ..generation import Choice
@@ -33,11 +33,12 @@ class OpenAIStream:
     include_usage: bool = False  # stream_options.include_usage
     created: int = field(default_factory=now)
 
-    def usage_chunk(self, usage: UsageInfo) -> Any:
-        raise NotImplementedError
+    chunk_type: ClassVar[type] = CompletionChunk  # a stream chunk's class; its last one carries the usage
 
     def closing(self, usage: UsageInfo) -> List[str]:
-        return ([sse(self.usage_chunk(usage))] if self.include_usage else []) + [SSE_DONE]
+        last = self.chunk_type(id=self.id, created=self.created, model=self.model, choices=[], usage=usage,
+                               system_fingerprint=self.fingerprint)
+        return ([sse(last)] if self.include_usage else []) + [SSE_DONE]
 
     def failed(self, error: APIError) -> List[str]:
         return [sse(error.body()), SSE_DONE]
@@ -103,10 +104,6 @@ class CompletionRenderer(OpenAIStream):
             out.append(self._chunk(choice.index, text, self._logprobs(logprobs), finish_reason))
         return out
 
-    def usage_chunk(self, usage: UsageInfo) -> Any:
-        return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage,
-                               system_fingerprint=self.fingerprint)
-
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any:
         return CompletionResponse(
             id=self.id, created=self.created, model=self.model, usage=usage, system_fingerprint=self.fingerprint,
@@ -123,6 +120,7 @@ class ChatRenderer(OpenAIStream):
     into tool_calls. Streamed, the text that may be a tool call is held back; at the end each call is sent as
     OpenAI streams it: a delta with its id and name, then one with its arguments."""
 
+    chunk_type: ClassVar[type] = ChatCompletionChunk
     token_text: Optional[TokenText] = None
     logprobs: bool = False  # the request's `logprobs`
     top_logprobs: int = 0
@@ -175,10 +173,6 @@ class ChatRenderer(OpenAIStream):
             out.append(self._chunk(index, DeltaMessage(tool_calls=[
                 {"index": i, "function": {"arguments": call.arguments}}]), [], None))
         return out + [self._chunk(index, DeltaMessage(), [], _call_finish(finish_reason))]
-
-    def usage_chunk(self, usage: UsageInfo) -> Any:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage,
-                                   system_fingerprint=self.fingerprint)
 
     def _message(self, ch: Choice) -> Tuple[Any, Optional[str]]:
         a = read_answer(ch.text, self.tools, self.reasoning)

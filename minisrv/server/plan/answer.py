@@ -1,11 +1,7 @@
-"""One output text read as the plan asked: the thinking split off first (reasoning.py, with a reasoning parser),
-then the answer read for tool calls (tools.py). Every chat-shaped API's renderer reads its choices here, whole
-(`read_answer`) or as the text streams (`AnswerStream`), and only shapes what comes out.
-
-Streamed, text that may still become a tool call is held back: with tool_choice auto, everything from a possible
-call's start (tools.content_prefix_len); with a forced call, all of it. At the end the held text is parsed: its
-calls come out, and whatever is not a call is content.
-"""
+"""One output text read as the plan asked: the thinking split off (reasoning.py), then the answer read for tool calls
+(tools.py), whole (`read_answer`) or as it streams (`AnswerStream`, which holds back text that may still become a
+call: from a possible call's start with tool_choice auto, all of it with a forced call). Every chat-shaped API's
+renderer reads its choices here and only shapes what comes out."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,16 +1,10 @@
-"""The request plan: one chat request, whichever API it came by, into what the engine takes and what its renderer
-needs.
+"""The request plan: one chat request, whichever API it came by, into what the engine takes and its renderer needs.
 
-Each chat-shaped API (chat completions, Responses, Anthropic's Messages) converts its request into `ChatInputs`:
-OpenAI-style messages (content strings), function tools, tool_choice, parallel_tool_calls, template variables, the
-thinking budget, and its sampling fields as SamplingParams keyword arguments. `plan_chat` makes the rest, the same
-way for all: the tool plan (tools.py: a forced call is a JSON-schema grammar), the prompt text (prompt.py: the
-tools through the template or a system prompt), the reasoning plan and the engine's thinking rule
-(reasoning_plan.py), the prompt ids, and the SamplingParams, built once, whole, and checked against the model
-(check_request, check_grammar). A failure is a RequestError (a 400) naming the field as the request names it
-(`ChatInputs.param_names`). Without sampling fields (counting a prompt: count_tokens, /tokenize) it stops after
-the prompt ids.
-"""
+Each chat-shaped API converts its request into `ChatInputs` (OpenAI-style messages, function tools, tool_choice,
+template variables, the thinking budget, SamplingParams fields); `plan_chat` makes the rest the same way for all: the
+tool plan (tools.py), the prompt (prompt.py), the reasoning plan and thinking rule (reasoning_plan.py), the prompt
+ids and the SamplingParams, built once and checked against the model. A failure is a RequestError (a 400) naming
+the field as the request names it. Without sampling fields (counting a prompt) it stops after the prompt ids."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,14 +1,8 @@
-"""Texts into prompt token ids, and chat messages into a prompt text: the one place a chat template is applied.
-
-`PromptMaker` holds the served model's tokenizer and what is derived from it once (the tool-call format, the
-reasoning parser, whether the template reads tools, the longest token's length). Every API's chat request, the
-chat form of /tokenize, /v1/messages/count_tokens and the offline `LLM.chat` template their messages here, so
-the prompt a count reports is the prompt a generation gets.
-
-Keeping the event loop free: a text over ASYNC_ENCODE_CHARS is tokenized in a worker thread (`off_loop`), and a
-prompt whose length in characters already proves it longer than the model's limit is refused before it is
-tokenized (`max_token_chars`). Nothing here imports the HTTP layer: the offline API uses it too.
-"""
+"""Texts into prompt token ids, and chat messages into a prompt text: the one place a chat template is applied (every
+API's chat request, /tokenize's chat form, count_tokens and the offline `LLM.chat`: a count is the prompt a
+generation gets). `PromptMaker` holds the tokenizer and what is derived from it once. A text over
+ASYNC_ENCODE_CHARS is tokenized off the event loop (`off_loop`); one whose length already proves it over the limit
+is refused untokenized (`max_token_chars`). Nothing here imports the HTTP layer."""
 from __future__ import annotations
 
 import asyncio

@@ -123,14 +123,11 @@ class ResponseRenderer:
         return [event_text(e) for e in (self._event("response.created", response=r),
                                         self._event("response.in_progress", response=r))]
 
-    def _index(self) -> int:
-        return len(self.output)
-
     def _open(self, kind: str, item: Dict[str, Any], part: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
         self.open = {"kind": kind, "id": item["id"], "text": "", "item": item}
-        out = [self._event("response.output_item.added", output_index=self._index(), item=item)]
+        out = [self._event("response.output_item.added", output_index=len(self.output), item=item)]
         if part is not None:
-            out.append(self._event("response.content_part.added", output_index=self._index(), item_id=item["id"],
+            out.append(self._event("response.content_part.added", output_index=len(self.output), item_id=item["id"],
                                    content_index=0, part=part))
         return out
 
@@ -138,7 +135,7 @@ class ResponseRenderer:
         o, out = self.open, []
         if o is None:
             return out
-        at = dict(output_index=self._index(), item_id=o["id"])
+        at = dict(output_index=len(self.output), item_id=o["id"])
         if o["kind"] == "reasoning":
             item = reasoning_item(o["id"], o["text"], status)
             part = {"type": "reasoning_text", "text": o["text"]}
@@ -151,7 +148,7 @@ class ResponseRenderer:
         else:
             item = call_item(o["id"], o["item"]["call_id"], o["item"]["name"], o["text"], status)
             out.append(self._event("response.function_call_arguments.done", arguments=o["text"], **at))
-        out.append(self._event("response.output_item.done", output_index=self._index(), item=item))
+        out.append(self._event("response.output_item.done", output_index=len(self.output), item=item))
         self.output.append(item)
         self.open = None
         return out
@@ -166,7 +163,7 @@ class ResponseRenderer:
             else:
                 out += self._open(kind, message_item(new_id("msg"), "", "in_progress"), text_part(""))
         self.open["text"] += delta
-        at = dict(output_index=self._index(), item_id=self.open["id"], content_index=0, delta=delta)
+        at = dict(output_index=len(self.output), item_id=self.open["id"], content_index=0, delta=delta)
         if kind == "reasoning":
             self.thought += delta
             return out + [self._event("response.reasoning_text.delta", **at)]
@@ -184,7 +181,7 @@ class ResponseRenderer:
             out += self._close()
             out += self._open("call", call_item(new_id("fc"), call.id, call.name, "", "in_progress"), None)
             self.open["text"] = call.arguments
-            out.append(self._event("response.function_call_arguments.delta", output_index=self._index(),
+            out.append(self._event("response.function_call_arguments.delta", output_index=len(self.output),
                                    item_id=self.open["id"], delta=call.arguments))
         if finish_reason:
             self.finish = finish_reason
