@@ -67,7 +67,7 @@ class _IdleEngine:
 
 @pytest.fixture(scope="module")
 def default_tokenizer():
-    from minisrv.models.loader import load_tokenizer, resolve_model_path
+    from minisrv.checkpoints.loader import load_tokenizer, resolve_model_path
     return load_tokenizer(resolve_model_path(None))
 
 
