@@ -52,7 +52,7 @@ def app(tiny_qwen2_tools):
     from minisrv.engine.engine import Engine
     engine = Engine(model=tiny_qwen2_tools, attention_backend="torch", dtype="float32", log_level="warning",
                     max_total_tokens=4096)
-    return create_app(ServerState(client=LocalEngine(engine), tokenizer=engine.tokenizer, served_model_name="m",
+    return create_app(ServerState(client=LocalEngine(engine), tokenizer=engine.parts.tokenizer, served_model_name="m",
                                   info=EngineInfo.from_engine(engine)))
 
 

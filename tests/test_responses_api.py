@@ -181,7 +181,7 @@ class FailingEngine(LocalEngine):
 
 
 def test_a_failure_after_the_stream_began_is_an_error_event(qwen2_engine) -> None:
-    state = ServerState(client=FailingEngine(None), tokenizer=qwen2_engine.tokenizer, served_model_name="m",
+    state = ServerState(client=FailingEngine(None), tokenizer=qwen2_engine.parts.tokenizer, served_model_name="m",
                         info=EngineInfo.from_engine(qwen2_engine))
     app = create_app(state)
     r = call(app, "/v1/responses", {"input": ASK, "stream": True})
