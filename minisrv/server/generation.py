@@ -98,25 +98,23 @@ class Choice:
 
 
 class Renderer(Protocol):
-    """An endpoint's response shapes; a stream's events come framed (server-sent event text)."""
+    """An endpoint's response shapes, made from the choices as the engine's outputs arrive. A stream's events come
+    framed (server-sent event text): `opening` per choice before any token, `chunks` per output that has text,
+    logprobs or an end, then `closing` (it went well) or `failed` (its request failed after it began). `response`
+    is the whole answer of a non-streaming request (a pydantic model or a JSON-able dict)."""
 
     id: str  # the response id ("cmpl-...", "chatcmpl-...", ...); engine request ids derive from it
 
-    def opening(self, choice: Choice) -> List[str]:
-        """Events a stream starts each choice with, before any token."""
+    def opening(self, choice: Choice) -> List[str]: ...
 
     def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
-               finish_reason: Optional[str]) -> List[str]:
-        """Events for one output that has text, logprobs or an end."""
+               finish_reason: Optional[str]) -> List[str]: ...
 
-    def closing(self, usage: UsageInfo) -> List[str]:
-        """The events that end a stream that went well."""
+    def closing(self, usage: UsageInfo) -> List[str]: ...
 
-    def failed(self, error: APIError) -> List[str]:
-        """The events that end a stream whose request failed after it began."""
+    def failed(self, error: APIError) -> List[str]: ...
 
-    def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any:
-        """The whole response of a non-streaming request (a pydantic model or a JSON-able dict)."""
+    def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any: ...
 
 
 async def serve(state: "ServerState", request: Request, gen: Generation, renderer: Renderer,

@@ -1,20 +1,12 @@
-"""/v1/completions and /v1/chat/completions: each request converted and handed to the shared path.
+"""/v1/completions and /v1/chat/completions: each request checked, converted and handed to the shared path.
 
-A request is validated in full before anything reaches the engine: its shape and types by pydantic (protocol.py),
-its values by SamplingParams and check_request, the same checks the engine makes (a RequestError is a 400 naming
-the field, see errors.py); a response_format, regex or ebnf becomes a SamplingParams constraint
-(plan/sampling.py) whose grammar is parsed here (check_grammar) before it is queued. A chat request becomes the
-plan's ChatInputs (plan/chat.py: tools, template, reasoning, params); a completion's prompts are tokenized as they
-are. From there both share one path (generation.py) and differ only in their renderer (render.py).
-
-Model names: the server answers to its served model name (`--served-model-name`, default: the basename of the
-model path, e.g. `SmolLM2-135M-Instruct.Q4_1.gguf`), and also to the model path as given on the command line
-and as resolved, so clients that pass the path (as with SGLang/vLLM) work too. A request without `model` goes to
-the one model; any other name is a 404 (`model_not_found`).
-
-Disconnects: a client that goes away (streaming or not) gets its requests aborted in the engine, which frees
-their KV pages. A request may ask for at most MAX_CHOICES choices (prompts x n).
-"""
+A request is validated in full before anything reaches the engine: shape and types by pydantic (protocol.py), values
+by SamplingParams and check_request, the engine's own checks (a RequestError is a 400 naming the field), a
+constraint's grammar parsed (check_grammar). A chat request becomes the plan's ChatInputs (plan/chat.py); a
+completion's prompts are tokenized as they are. Both then take generation.py's path and differ only in their
+renderer (render.py). The server answers to its served model name and to the model path (as given and as
+resolved); a request without `model` goes to the one model, any other name is a 404. A request may ask for at
+most MAX_CHOICES choices (prompts x n)."""
 from __future__ import annotations
 
 import uuid
