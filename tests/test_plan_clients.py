@@ -78,6 +78,7 @@ def counting_app(default_tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------- one call, or many
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_without_parallel_calls_is_exactly_one_call(app, stream):
     for seed in range(2):
@@ -167,7 +168,7 @@ def test_where_the_template_refuses_a_later_system_message_it_joins_the_first():
 
 
 # ---------------------------------------------------------------------------------------------- what clients send
-def test_a_responses_namespace_is_its_functions_and_hosted_tools_are_left_out(app, caplog):
+def test_a_responses_namespace_is_its_functions_and_hosted_tools_are_left_out(caplog):
     fn = {"type": "function", "name": "shell", "description": "Run a command",
           "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}
     req = ResponsesRequest.model_validate({"input": "hi", "tools": [
@@ -181,10 +182,17 @@ def test_a_responses_namespace_is_its_functions_and_hosted_tools_are_left_out(ap
     only_hosted = responses_inputs(ResponsesRequest.model_validate(
         {"input": "hi", "tools": [{"type": "web_search_preview"}], "tool_choice": "auto"}))
     assert only_hosted.tools is None and only_hosted.tool_choice is None
-    r = call(app, "/v1/responses", {"input": "hi", "max_output_tokens": 4, "tools": req.tools})
+
+
+@pytest.mark.slow
+def test_codex_default_tools_are_served(app):
+    fn = {"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {}}}
+    tools = [{"type": "namespace", "name": "functions", "tools": [fn]}, {"type": "web_search"}]
+    r = call(app, "/v1/responses", {"input": "hi", "max_output_tokens": 4, "tools": tools})
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.slow
 def test_anthropic_server_tools_are_left_out_and_parallel_use_can_be_disabled(app):
     body = {"messages": ASK, "tools": [anthropic_tool(WEATHER), anthropic_tool(TIME),
                                        {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}],
