@@ -25,7 +25,7 @@ from minisrv.server.generation import Choice
 from minisrv.server.openai.protocol import UsageInfo
 from minisrv.server.plan.tools import plan_tools
 
-from .helpers.local_engine import LocalEngine, call
+from .helpers.local_engine import LocalEngine, call, events_of
 from .test_generation_path import ScriptedEngine, hello_world, tokenizer, words  # noqa: F401 - fixtures
 from .test_generation_path import make_app as make_scripted_app
 
@@ -292,17 +292,6 @@ def test_engine_failure_before_and_after_the_stream_began(tokenizer, words, spac
     counted = state.metrics.registry.get_sample_value("minisrv_requests_total",
                                                       {"endpoint": "/v1/messages", "status": "500"})
     assert counted == 1
-
-
-def events_of(framed: List[str]) -> List[Dict[str, Any]]:
-    """Server-sent events (`event: <name>` + `data: <json>`) as their data, which names its type too."""
-    out = []
-    for text in framed:
-        name, data = text.strip().split("\n")
-        assert name.startswith("event: ") and data.startswith("data: ")
-        out.append(json.loads(data[len("data: "):]))
-        assert out[-1]["type"] == name[len("event: "):]
-    return out
 
 
 def test_streamed_auto_tool_call_is_the_whole_ones() -> None:

@@ -72,3 +72,14 @@ def events(r: httpx.Response) -> List[Any]:
             data = line[len("data: "):]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+def events_of(framed: List[str]) -> List[Dict[str, Any]]:
+    """Server-sent events (`event: <name>` + `data: <json>`) as their data, which names its type too."""
+    out = []
+    for text in framed:
+        name, data = text.strip().split("\n")
+        assert name.startswith("event: ") and data.startswith("data: ")
+        out.append(json.loads(data[len("data: "):]))
+        assert out[-1]["type"] == name[len("event: "):]
+    return out
