@@ -167,15 +167,19 @@ def test_codex_call_carries_its_namespace_and_comes_back(tokenizer, words, name,
     args = {"targets": ["a1"]} if namespace else {"cmd": "ls"}
     engine = ScriptedEngine(one_call(name, args, words))
     app = make_app(tokenizer, engine)
-    r = call(app, "/v1/responses", dict(body, stream=False))
-    assert r.status_code == 200, r.text
-    item = r.json()["output"][-1]
-    assert item["type"] == "function_call" and item["name"] == name and json.loads(item["arguments"]) == args
-    assert item.get("namespace") == namespace
+    whole = call(app, "/v1/responses", dict(body, stream=False))
+    assert whole.status_code == 200, whole.text
+    streamed = call(app, "/v1/responses", body)
+    assert streamed.status_code == 200, streamed.text
+    evs = responses_events(streamed.text)
+    added = [e["item"] for e in evs if e["type"] == "response.output_item.added"]
+    done = [e["item"] for e in evs if e["type"] == "response.output_item.done"]
+    for item in (whole.json()["output"][-1], added[-1], done[-1], evs[-1]["response"]["output"][-1]):
+        assert item["type"] == "function_call" and item["name"] == name and item.get("namespace") == namespace
+    item = done[-1]
+    assert json.loads(item["arguments"]) == args
 
-    sent_back = {k: item[k] for k in ("type", "name", "arguments", "call_id")}
-    if namespace:
-        sent_back["namespace"] = namespace
+    sent_back = {k: item[k] for k in ("type", "name", "namespace", "arguments", "call_id") if k in item}
     follow_up = dict(body, input=body["input"] + [sent_back, {"type": "function_call_output",
                                                               "call_id": item["call_id"], "output": "ok"}])
     engine.script = hello_world(words)
