@@ -17,13 +17,14 @@ from typing import Any, Dict, List
 import pytest
 
 from minisrv.engine.request import RequestOutput, SamplingParams
+from minisrv.server.app import create_app
 from minisrv.server.messages import EngineInfo
-from minisrv.server.routes import create_app
 from minisrv.server.state import ServerState
 
 from .helpers.local_engine import call
 from .test_anthropic_api import anthropic_error, assembled, sse
-from .test_server_inprocess import VOCAB, ScriptedEngine, hello_world, output, tokenizer, words  # noqa: F401
+from .test_generation_path import VOCAB, ScriptedEngine, hello_world, output, tokenizer, words  # noqa: F401
+from .test_responses_api import sse as responses_sse
 
 FIXTURES = Path(__file__).parent / "fixtures" / "clients"
 CLAUDE_CODE = "claude-code-2.1.197-messages.json"
@@ -59,17 +60,6 @@ def offered(prompt: str, name: str) -> bool:
     """Whether a function of this name is in the tool prompt (the default model's template ignores `tools`, so
     the server lists each function as JSON in the system turn)."""
     return f'{{"name": "{name}"' in prompt
-
-
-def responses_events(text: str) -> List[Dict[str, Any]]:
-    out = []
-    for part in text.split("\n\n"):
-        if part.strip():
-            name, data = part.split("\n", 1)
-            ev = json.loads(data[len("data: "):])
-            assert name == f"event: {ev['type']}", part
-            out.append(ev)
-    return out
 
 
 def one_call(name: str, arguments: Dict[str, Any], words: List[int]):
@@ -138,7 +128,7 @@ def test_codex_default_request(tokenizer, words) -> None:
     engine = ScriptedEngine(hello_world(words))
     r = call(make_app(tokenizer, engine), "/v1/responses", body)
     assert r.status_code == 200, r.text
-    evs = responses_events(r.text)
+    evs = responses_sse(r.text)
     assert evs[0]["type"] == "response.created" and evs[-1]["type"] == "response.completed"
     done = evs[-1]["response"]
     assert done["status"] == "completed" and done["model"] == "m"
@@ -171,7 +161,7 @@ def test_codex_call_carries_its_namespace_and_comes_back(tokenizer, words, name,
     assert whole.status_code == 200, whole.text
     streamed = call(app, "/v1/responses", body)
     assert streamed.status_code == 200, streamed.text
-    evs = responses_events(streamed.text)
+    evs = responses_sse(streamed.text)
     added = [e["item"] for e in evs if e["type"] == "response.output_item.added"]
     done = [e["item"] for e in evs if e["type"] == "response.output_item.done"]
     for item in (whole.json()["output"][-1], added[-1], done[-1], evs[-1]["response"]["output"][-1]):
@@ -185,4 +175,4 @@ def test_codex_call_carries_its_namespace_and_comes_back(tokenizer, words, name,
     engine.script = hello_world(words)
     r = call(app, "/v1/responses", follow_up)
     assert r.status_code == 200, r.text
-    assert responses_events(r.text)[-1]["response"]["output"][0]["content"][0]["text"] == " Hello world"
+    assert responses_sse(r.text)[-1]["response"]["output"][0]["content"][0]["text"] == " Hello world"

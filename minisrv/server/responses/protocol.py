@@ -14,7 +14,8 @@ stored (SGLang and vLLM keep responses; minisrv keeps nothing), so whatever need
   function_call_output items         tool messages (tool_call_id: the call_id)
   reasoning items                    dropped (the model's earlier thinking is not templated back, as chat does)
   tools (function tools)             chat's function tools; tool_choice {type: function, name} its named form
-  a namespace tool group             its function tools, offered as functions (Codex CLI groups its tools so)
+  a namespace tool group             its function tools, offered as functions (Codex CLI groups its tools so); a
+                                     call to one is answered with the namespace named (render.py)
   hosted tools (web_search, ...)     left out, with a log line: this server cannot run them
   text.format                        the output constraint (text, json_object, json_schema)
   max_output_tokens                  max_tokens
@@ -168,9 +169,16 @@ def chat_tools(tools: Optional[List[Any]]) -> List[Dict[str, Any]]:
         elif kind == "function":
             out.append(_function_tool(tool, i))
         else:
-            name = tool.get("name") if isinstance(tool, dict) else None
-            logger.info("tools[%d]: the %s tool %r is left out: this server cannot run it", i, kind, name)
+            logger.info("tools[%d]: the hosted %s tool is left out: this server cannot run it", i, kind)
     return out
+
+
+def tool_namespaces(tools: Optional[List[Any]]) -> Dict[str, str]:
+    """Each namespace's function tool name -> the namespace's name."""
+    return {fn["name"]: tool["name"] for tool in tools or [] if isinstance(tool, dict)
+            and tool.get("type") == "namespace" and isinstance(tool.get("name"), str)
+            and isinstance(tool.get("tools"), list)
+            for fn in tool["tools"] if isinstance(fn, dict) and isinstance(fn.get("name"), str)}
 
 
 def _function_tool(tool: Dict[str, Any], i: int) -> Dict[str, Any]:

@@ -3,7 +3,8 @@
 The output is read by the plan (plan/answer.py: the thinking split off, the tool calls read back); this only
 shapes what it reads. A response's `output` is, in order: a reasoning item
 (when a reasoning parser split off thinking; its text in `content` as reasoning_text, `summary` empty), a message
-item (the answer as one output_text part), and a function_call item per tool call (`call_id` the chat call's id).
+item (the answer as one output_text part), and a function_call item per tool call (`call_id` the chat call's id; a
+call to a namespace's function names it as `namespace` beside the function's own name, as Codex CLI requires).
 A response cut off by max_output_tokens is `status: "incomplete"` with `incomplete_details.reason:
 "max_output_tokens"`.
 
@@ -69,9 +70,13 @@ def message_item(item_id: str, text: str, status: str) -> Dict[str, Any]:
             "content": [text_part(text)] if status != "in_progress" else []}
 
 
-def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> Dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str,
+              namespaces: Dict[str, str]) -> Dict[str, Any]:
+    item = {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
+    if name in namespaces:
+        item["namespace"] = namespaces[name]
+    return item
 
 
 class ResponseRenderer:
@@ -79,11 +84,13 @@ class ResponseRenderer:
     the request's echoed fields), the whole response, and the stream's events."""
 
     def __init__(self, model: str, echo: Dict[str, Any], count_tokens: Callable[[str], int],
-                 tools: Optional[ToolPlan], reasoning: Optional[ReasoningPlan]) -> None:
+                 tools: Optional[ToolPlan], reasoning: Optional[ReasoningPlan],
+                 namespaces: Optional[Dict[str, str]] = None) -> None:
         self.id = new_id("resp")
         self.created_at = int(time.time())
         self.model, self.echo, self.count_tokens = model, echo, count_tokens
         self.tools, self.reasoning = tools, reasoning
+        self.namespaces = namespaces or {}  # a namespace's function name -> the namespace's name
         self.answer = AnswerStream(tools, reasoning)
         self.seq = 0
         self.output: List[Dict[str, Any]] = []  # finished items
@@ -109,7 +116,7 @@ class ResponseRenderer:
         if a.content or not (output or a.calls):
             output.append(message_item(new_id("msg"), a.content or "", item_status))
         for c in a.calls:
-            output.append(call_item(new_id("fc"), c.id, c.name, c.arguments, item_status))
+            output.append(call_item(new_id("fc"), c.id, c.name, c.arguments, item_status, self.namespaces))
         used = usage_of(usage, self.count_tokens(a.reasoning) if a.reasoning else 0)
         return self.frame(output, ended["status"], ended["incomplete_details"], used)
 
@@ -146,7 +153,7 @@ class ResponseRenderer:
             out.append(self._event("response.output_text.done", content_index=0, text=o["text"], logprobs=[], **at))
             out.append(self._event("response.content_part.done", content_index=0, part=text_part(o["text"]), **at))
         else:
-            item = call_item(o["id"], o["item"]["call_id"], o["item"]["name"], o["text"], status)
+            item = call_item(o["id"], o["item"]["call_id"], o["item"]["name"], o["text"], status, self.namespaces)
             out.append(self._event("response.function_call_arguments.done", arguments=o["text"], **at))
         out.append(self._event("response.output_item.done", output_index=len(self.output), item=item))
         self.output.append(item)
@@ -179,7 +186,8 @@ class ResponseRenderer:
             out += self._text("message", d.content)
         for call in d.calls:  # a call opens with its id and name, then its arguments
             out += self._close()
-            out += self._open("call", call_item(new_id("fc"), call.id, call.name, "", "in_progress"), None)
+            item = call_item(new_id("fc"), call.id, call.name, "", "in_progress", self.namespaces)
+            out += self._open("call", item, None)
             self.open["text"] = call.arguments
             out.append(self._event("response.function_call_arguments.delta", output_index=len(self.output),
                                    item_id=self.open["id"], delta=call.arguments))

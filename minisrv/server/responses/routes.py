@@ -18,7 +18,7 @@ from ..generation import Generation, serve
 from ..openai.embeddings import refuse_generation
 from ..plan.chat import plan_chat
 from ..state import ServerState
-from .protocol import ResponsesRequest, chat_inputs, echo_fields
+from .protocol import ResponsesRequest, chat_inputs, echo_fields, tool_namespaces
 from .render import ResponseRenderer
 
 
@@ -39,5 +39,6 @@ async def respond(state: ServerState, req: ResponsesRequest, request: Request, l
         """The tokens of a reasoning text (usage's reasoning_tokens; the tags around it are not counted)."""
         return len(tok(text, add_special_tokens=False).input_ids)
 
-    renderer = ResponseRenderer(state.served_model_name, echo_fields(req), count, plan.tools, plan.reasoning)
+    renderer = ResponseRenderer(state.served_model_name, echo_fields(req), count, plan.tools, plan.reasoning,
+                                tool_namespaces(req.tools))
     return await serve(state, request, Generation([plan.prompt_ids], plan.params), renderer, bool(req.stream))
