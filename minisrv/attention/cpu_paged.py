@@ -1,7 +1,8 @@
 """The torch backend's CPU paths: decode that reads K/V in place in the paged pool, prompts packed without padding.
 
 Decode: one query per request; the C kernel (kernels/cpu_attention.py) follows each request's row of the
-request->token table inside the attention, so no request's KV is copied out of the pool and nothing is padded.
+request->token table inside the attention, so no request's KV is copied out of the pool and nothing is padded. Its
+metadata (kernels/cpu_decode.DecodeMeta) carries the pool's views, so a model can run the step's layers in one call.
 Extend (prompts, chunks, prompts on a cached prefix): each sequence on its own through torch's SDPA, which on the
 CPU runs its flash kernel; a sequence with no cached prefix attends to the step's own K/V (no pool read at all),
 one with a prefix to its K/V gathered from the pool under a causal mask aligned to its last position. The GQA
@@ -21,16 +22,9 @@ import torch.nn.functional as F
 
 from minisrv.batch import ForwardBatch
 from minisrv.kernels.cpu_attention import PagedDecodeKernel
-from minisrv.kernels.cpu_decode import DecodeInputs
+from minisrv.kernels.cpu_decode import DecodeMeta
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DecodeMeta:
-    loc: torch.Tensor  # [B] slots this step's k/v go to
-    rows: torch.Tensor  # [B] int64 rows of the request->token table
-    kv_lens: torch.Tensor  # [B] int32 keys of each request, this step's included
 
 
 @dataclass(frozen=True)
@@ -57,7 +51,8 @@ class CpuPagedAttention:
         self.num_q_heads = num_q_heads
         self.scale = scale
         self.kernel = kernel
-        self._flat_kv: Optional[Tuple[list, list]] = None  # decode_inputs' per-layer views of the pool
+        layers = range(len(pool.k))  # the pool's per-layer [slots, Hkv, D] views, which decode steps read
+        self.flat_k, self.flat_v = [pool.flat_k(i) for i in layers], [pool.flat_v(i) for i in layers]
 
     @staticmethod
     def create(pool, req_to_token: torch.Tensor, num_q_heads: int, scale: float) -> Optional["CpuPagedAttention"]:
@@ -81,7 +76,8 @@ class CpuPagedAttention:
         if b.is_decode:
             if self.kernel is None or b.prefix_groups is not None:
                 return None
-            return DecodeMeta(b.out_cache_loc, b.req_rows.long(), b.seq_lens.to(torch.int32))
+            return DecodeMeta(b.out_cache_loc, b.req_rows.long(), b.seq_lens.to(torch.int32), self.flat_k,
+                              self.flat_v, self.req_to_token, self.scale)
         seqs, start = [], 0
         for row, ext, seq_len in zip(b.req_rows.tolist(), b.extend_lens_cpu, b.seq_lens_cpu):
             slots = mask = None
@@ -93,18 +89,11 @@ class CpuPagedAttention:
             start += ext
         return PackedMeta(b.out_cache_loc, tuple(seqs))
 
-    def decode_inputs(self, meta: "DecodeMeta") -> DecodeInputs:
-        """A decode step's inputs for a model's layers run in one C call (kernels/cpu_decode.py)."""
-        if self._flat_kv is None:  # the pool's per-layer views, made once
-            layers = range(len(self.pool.k))
-            self._flat_kv = ([self.pool.flat_k(i) for i in layers], [self.pool.flat_v(i) for i in layers])
-        return DecodeInputs(*self._flat_kv, meta.loc, meta.rows, meta.kv_lens, self.req_to_token, self.scale)
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta) -> torch.Tensor:
         self.pool.store(layer_id, meta.loc, k, v)
         if isinstance(meta, DecodeMeta):
-            return self.kernel(q, self.pool.flat_k(layer_id), self.pool.flat_v(layer_id), self.req_to_token,
-                               meta.rows, meta.kv_lens, self.scale)
+            return self.kernel(q, meta.k[layer_id], meta.v[layer_id], self.req_to_token, meta.rows, meta.kv_lens,
+                               self.scale)
         out = torch.empty(q.shape, dtype=q.dtype)
         hkv = self.pool.num_kv_heads
         g = self.num_q_heads // hkv

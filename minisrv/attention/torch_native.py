@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from minisrv.batch import ForwardBatch
+from minisrv.kernels.cpu_decode import DecodeMeta
 
 from .base import AttentionBackend
-from .cpu_paged import CpuPagedAttention, DecodeMeta, PackedMeta
+from .cpu_paged import CpuPagedAttention, PackedMeta
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,6 @@ class TorchNativeBackend(AttentionBackend):
             valid = (j[None, :] < ext_t[:, None]).reshape(-1)
             out_rows = torch.nonzero(valid).squeeze(1).to(dev)
         return TorchMeta(b.out_cache_loc, kv_idx, mask, max_q, q_gather, out_rows)
-
-    def cpu_decode_inputs(self, meta):
-        return self.cpu.decode_inputs(meta) if isinstance(meta, DecodeMeta) else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta) -> torch.Tensor:

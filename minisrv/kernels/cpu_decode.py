@@ -1,7 +1,9 @@
 """A decode step's decoder layers in one C call on the CPU (cpu_decode.c), for a dense Llama-style model whose
 projections are kept in GGUF blocks: the kernels the layers call one by one, without the Python and torch calls
 between them (at one sequence those took as long as the arithmetic). The model uses it where `takes` says so and
-runs its layers in Python otherwise; both give the same numbers (tests/test_cpu_decode.py)."""
+runs its layers in Python otherwise; both give the same numbers (tests/test_cpu_decode.py). A CPU decode step's
+attention metadata (`DecodeMeta`) is defined here, so that the paged attention that builds it and the model's layers
+that read it share one type."""
 from __future__ import annotations
 
 import ctypes
@@ -27,15 +29,15 @@ class _Shape(ctypes.Structure):
 
 
 @dataclass(frozen=True)
-class DecodeInputs:
-    """What a CPU decode step's attention gives the layers (attention/cpu_paged.py): the pool's per-layer K and V
-    ([slots, Hkv, D] views), each token's slot, the requests' table rows and lengths, the table, the scale."""
+class DecodeMeta:
+    """A decode step over the paged pool on the CPU (attention/cpu_paged.py plans it): what its attention reads,
+    and what the layers in one call read too."""
 
-    k: List[torch.Tensor]
+    loc: torch.Tensor  # [B] slots this step's k/v go to
+    rows: torch.Tensor  # [B] int64 rows of the request->token table
+    kv_lens: torch.Tensor  # [B] int32 keys of each request, this step's included
+    k: List[torch.Tensor]  # the pool's per-layer [slots, Hkv, D] views
     v: List[torch.Tensor]
-    loc: torch.Tensor
-    rows: torch.Tensor
-    kv_lens: torch.Tensor
     req_to_token: torch.Tensor
     scale: float
 
@@ -57,11 +59,11 @@ class DecodeLayersKernel:
         return (DecodeLayersKernel(lib, how) if lib is not None else None), how
 
     @staticmethod
-    def takes(x: torch.Tensor, inputs: Optional[DecodeInputs]) -> bool:
-        return inputs is not None and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
+    def takes(x: torch.Tensor) -> bool:
+        return 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
 
-    def _layers(self, layers: Any, inputs: DecodeInputs) -> Tuple[Any, _Shape]:
-        key = inputs.k[0].data_ptr()
+    def _layers(self, layers: Any, meta: DecodeMeta) -> Tuple[Any, _Shape]:
+        key = meta.k[0].data_ptr()
         if self._table is None or self._table[0] != key:
             first = layers[0]
             att, mlp = first.self_attn, first.mlp
@@ -71,29 +73,29 @@ class DecodeLayersKernel:
                                   layer.post_attention_layernorm.weight.data_ptr(),
                                   layer.self_attn.qkv_proj.packed.data_ptr(), layer.self_attn.o_proj.packed.data_ptr(),
                                   layer.mlp.gate_up_proj.packed.data_ptr(), layer.mlp.down_proj.packed.data_ptr(),
-                                  inputs.k[i].data_ptr(), inputs.v[i].data_ptr())
+                                  meta.k[i].data_ptr(), meta.v[i].data_ptr())
             shape = _Shape(len(layers), att.o_proj.out_features, att.hq, att.hkv, att.d,
-                           mlp.down_proj.in_features, first.input_layernorm.eps, inputs.scale,
-                           inputs.k[0].stride(0))
-            self._table = (key, table, shape, [inputs.k, inputs.v])  # the views stay referenced with the table
+                           mlp.down_proj.in_features, first.input_layernorm.eps, meta.scale,
+                           meta.k[0].stride(0))
+            self._table = (key, table, shape, [meta.k, meta.v])  # the views stay referenced with the table
         return self._table[1], self._table[2]
 
     def __call__(self, layers: Any, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                 inputs: DecodeInputs) -> Tuple[torch.Tensor, torch.Tensor]:
+                 meta: DecodeMeta) -> Tuple[torch.Tensor, torch.Tensor]:
         """Run every layer on x [m, hidden] (the embedding; overwritten): (the last layer's output, the residual
         stream), which the model's final add + norm takes."""
-        table, shape = self._layers(layers, inputs)
+        table, shape = self._layers(layers, meta)
         m = x.shape[0]
         x = x.contiguous()
         residual = torch.empty_like(x)
         width = (shape.hq + 2 * shape.hkv) * shape.d + shape.hq * shape.d + 3 * shape.inter
         scratch = torch.empty(m * width, dtype=torch.float32)
         pos = positions.to(torch.int64).contiguous()
-        loc = inputs.loc.to(torch.int64).contiguous()
-        rows, kv_lens = inputs.rows.contiguous(), inputs.kv_lens.contiguous()
+        loc = meta.loc.to(torch.int64).contiguous()
+        rows, kv_lens = meta.rows.contiguous(), meta.kv_lens.contiguous()
         rc = self.fn(table, ctypes.byref(shape), x.data_ptr(), residual.data_ptr(), scratch.data_ptr(), m,
-                     pos.data_ptr(), loc.data_ptr(), cos_sin.data_ptr(), inputs.req_to_token.data_ptr(),
-                     inputs.req_to_token.stride(0), rows.data_ptr(), kv_lens.data_ptr())
+                     pos.data_ptr(), loc.data_ptr(), cos_sin.data_ptr(), meta.req_to_token.data_ptr(),
+                     meta.req_to_token.stride(0), rows.data_ptr(), kv_lens.data_ptr())
         if rc != 0:
             raise MemoryError("decode attention could not allocate its scratch memory")
         return x, residual

@@ -28,7 +28,8 @@ def _rows_ok(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.stride(-1) == 1 and not x.requires_grad
 
 
-def _torch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def torch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * norm(x) over the last dim, computed in float32 and rounded to x's dtype before the weight (HF's)."""
     h = x.float()
     return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -83,7 +84,7 @@ class CpuFusedOps:
             out = torch.empty(x.shape, dtype=x.dtype)
         if not (x.dim() in (2, 3) and _rows_ok(x) and _rows_ok(out) and weight.dtype == torch.float32
                 and weight.is_contiguous()):
-            out.copy_(_torch_rmsnorm(x, weight, eps))
+            out.copy_(torch_rmsnorm(x, weight, eps))
             return out
         outer, inner = (x.shape[0], 1) if x.dim() == 2 else (x.shape[0], x.shape[1])
         x_si = 0 if x.dim() == 2 else x.stride(1)
@@ -97,7 +98,7 @@ class CpuFusedOps:
         if not (x.dim() == 2 and _rows_ok(x) and _rows_ok(residual) and x.shape == residual.shape
                 and weight.dtype == torch.float32 and weight.is_contiguous()):
             residual.add_(x)
-            x.copy_(_torch_rmsnorm(residual, weight, eps))
+            x.copy_(torch_rmsnorm(residual, weight, eps))
             return
         self._add_norm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
                        x.shape[0], x.shape[1], eps)

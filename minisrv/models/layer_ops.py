@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from minisrv.kernels.cpu_ops import CpuFusedOps
+from minisrv.kernels.cpu_ops import CpuFusedOps, torch_rmsnorm
 from minisrv.kernels.qk_rope_store import fused_qk_rope_store
 from minisrv.utils import cuda_import
 
@@ -33,12 +33,6 @@ def fused_ops_for(device: torch.device) -> Optional[Any]:
     logger.info("CPU layer ops: %s; %d threads, CPU capability %s", how if ops is not None else
                 f"plain torch ({how})", torch.get_num_threads(), torch.backends.cpu.get_cpu_capability())
     return ops
-
-
-def torch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * norm(x) over the last dim, computed in float32 and rounded to x's dtype before the weight (HF's)."""
-    h = x.float()
-    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -100,17 +94,17 @@ class LayerOps:
         g, u = gu.chunk(2, dim=-1)
         return F.silu(g) * u
 
-    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
-             cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+             cos_sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Neox rotary of q [T, Hq, D] and k [T, Hkv, D] at `positions`; with the kernels in place (k and v then
-        stay side by side in the qkv output: one scatter stores both). cos_sin [P, D], cos / sin [P, D/2]: the
-        rotary's float32 caches."""
+        stay side by side in the qkv output: one scatter stores both). cos_sin [P, D]: the rotary's float32 cache,
+        each position's cos then its sin."""
         if self.kernels is not None:
             t = q.shape[0]
             qf, kf = q.reshape(t, -1), k.reshape(t, -1)
             self.kernels.apply_rope_with_cos_sin_cache_inplace(positions, qf, kf, q.shape[-1], cos_sin, True)
             return qf.view_as(q), kf.view_as(k)
-        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D/2]
+        c, s = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
         return _rotate(q, c, s), _rotate(k, c, s)
 
     def qk_rope_store(self, qkv: torch.Tensor) -> Optional[Callable[..., None]]:

@@ -1,10 +1,7 @@
-"""Layers shared by every decoder model (the norms are in norms.py): rotary embedding, gated SiLU MLP, GQA
-attention, the vocabulary embedding. Under tensor parallelism (`tp`, see minisrv.distributed) each holds its rank's shard (see
-sharding.py) and combines partial results with one all-reduce; with one rank they call no collective.
-
-Their elementwise ops (RMSNorm with the residual add, SiLU-and-mul, rotary) go through the model's one LayerOps
-(layer_ops.py): FlashInfer's kernels on CUDA, the CPU's compiled ones, or torch's.
-"""
+"""Layers shared by every decoder model (the norms are in norms.py): projections, rotary embedding, gated SiLU MLP,
+GQA attention, the vocabulary embedding. Under tensor parallelism (`tp`) each holds its rank's shard (sharding.py)
+and combines partial results with one all-reduce; with one rank they call no collective. Their elementwise ops go
+through the model's one LayerOps (layer_ops.py)."""
 from __future__ import annotations
 
 import math
@@ -54,8 +51,7 @@ class CpuLinear(nn.Linear):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]]) -> torch.Tensor:
-    # on the CPU whatever the default device: under the meta device this division goes through torch's Python
-    # references, whose first use imports torch._dynamo (seconds)
+    # on the CPU whatever the default device (see RotaryEmbedding.reset_buffers)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if not scaling:
         return inv_freq
@@ -94,13 +90,12 @@ class RotaryEmbedding(nn.Module):
         # Python references, whose first use imports torch._dynamo (seconds); the loader recomputes them anyway
         t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu" if target.type == "meta" else target)
         freqs = torch.outer(t, inv_freq.to(t.device))
-        self.register_buffer("cos", freqs.cos().to(target), persistent=False)  # [P, D/2] float32
-        self.register_buffer("sin", freqs.sin().to(target), persistent=False)
+        # [P, D] float32: each position's cos, then its sin
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(target), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D]."""
-        return self.ops.rope(positions, q, k, self.cos_sin, self.cos, self.sin)
+        return self.ops.rope(positions, q, k, self.cos_sin)
 
 
 class GatedMLP(nn.Module):
@@ -108,13 +103,13 @@ class GatedMLP(nn.Module):
     width; the down projection's partial sums are all-reduced unless `reduce_output` is False (the norm after it
     then all-reduces them: see reduce_add_norm)."""
 
-    def __init__(self, hidden: int, inter: int, ops: Optional[LayerOps] = None, tp: Optional[TensorParallel] = None,
-                 quantization: Optional[str] = None, reduce_output: bool = True) -> None:
+    def __init__(self, hidden: int, inter: int, ops: LayerOps, tp: TensorParallel, quantization: Optional[str],
+                 reduce_output: bool) -> None:
         super().__init__()
-        self.ops = ops if ops is not None else LayerOps()
-        self.gate_up_proj = make_linear(hidden, 2 * inter, False, quantization, self.ops)
-        self.down_proj = make_linear(inter, hidden, False, quantization, self.ops)
-        self.tp = tp or TensorParallel.single()
+        self.ops = ops
+        self.gate_up_proj = make_linear(hidden, 2 * inter, False, quantization, ops)
+        self.down_proj = make_linear(inter, hidden, False, quantization, ops)
+        self.tp = tp
         self.reduce_output = reduce_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,11 +125,11 @@ class VocabEmbedding(nn.Module):
     """Token embedding over this rank's rows of the vocabulary [start, start + rows); ids outside it contribute
     zeros, and the all-reduce sums each token's one non-zero row. Its weight doubles as a tied lm_head."""
 
-    def __init__(self, rows: int, hidden: int, start: int = 0, tp: Optional[TensorParallel] = None) -> None:
+    def __init__(self, rows: int, hidden: int, start: int, tp: TensorParallel) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows, hidden))
         self.start = start
-        self.tp = tp or TensorParallel.single()
+        self.tp = tp
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
@@ -148,24 +143,21 @@ class VocabEmbedding(nn.Module):
 class Attention(nn.Module):
     """Grouped-query attention: fused qkv projection, optional q/k RMSNorm (Qwen3), rotary, then the backend."""
 
-    def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding, ops: Optional[LayerOps] = None,
-                 num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
-                 tp: Optional[TensorParallel] = None, quantization: Optional[str] = None,
-                 reduce_output: bool = True) -> None:
-        """num_heads / num_kv_heads: this rank's heads (default: all); o_proj's partial sums are all-reduced unless
-        `reduce_output` is False (the norm after it then all-reduces them: see reduce_add_norm). quantization: the
-        projections' (make_linear)."""
+    def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding, ops: LayerOps, num_heads: int,
+                 num_kv_heads: int, tp: TensorParallel, quantization: Optional[str], reduce_output: bool) -> None:
+        """num_heads / num_kv_heads: this rank's heads; o_proj's partial sums are all-reduced unless `reduce_output`
+        is False (the norm after it then all-reduces them: see reduce_add_norm)."""
         super().__init__()
-        self.ops = ops if ops is not None else LayerOps()
+        self.ops = ops
         self.layer_id = layer_id
-        self.tp = tp or TensorParallel.single()
-        self.hq, self.hkv, self.d = num_heads or args.num_heads, num_kv_heads or args.num_kv_heads, args.head_dim
+        self.tp = tp
+        self.hq, self.hkv, self.d = num_heads, num_kv_heads, args.head_dim
         self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
         self.qkv_proj = make_linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.attention_bias,
-                                    quantization, self.ops)
-        self.o_proj = make_linear(self.q_size, args.hidden_size, False, quantization, self.ops)
-        self.q_norm = RMSNorm(self.d, args.rms_norm_eps, self.ops) if args.qk_norm else None
-        self.k_norm = RMSNorm(self.d, args.rms_norm_eps, self.ops) if args.qk_norm else None
+                                    quantization, ops)
+        self.o_proj = make_linear(self.q_size, args.hidden_size, False, quantization, ops)
+        self.q_norm = RMSNorm(self.d, args.rms_norm_eps, ops) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.d, args.rms_norm_eps, ops) if args.qk_norm else None
         self.rotary = rotary
         self.reduce_output = reduce_output
 

@@ -1,6 +1,6 @@
 """The Llama decoder, which Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral and the mixtures of experts (Qwen3-MoE,
-Mixtral, Qwen2-MoE) share: the differences are fields of ModelArgs, read from config.json. A layer's MLP is dense
-or sparse (moe.SparseMoE) as the config says for that layer."""
+Mixtral, Qwen2-MoE) share: the differences are fields of ModelArgs, read from config.json (registry.py names the
+architectures). A layer's MLP is dense or sparse (moe.SparseMoE) as the config says for that layer."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from minisrv.distributed import TensorParallel
+from minisrv.kernels.cpu_decode import DecodeMeta
 
 from .args import ModelArgs
 from .block_layers import BlockEmbedding, BlockLinear, block_kernels
@@ -57,6 +58,31 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class DecoderLayers(nn.ModuleList):
+    """The decoder's layers, run one after another: (the last one's output, the residual stream)."""
+
+    def forward(self, x, positions, attn):
+        residual = None
+        for layer in self:
+            x, residual = layer(x, residual, positions, attn)
+        return x, residual
+
+
+class CpuFusedDecodeLayers(DecoderLayers):
+    """Dense Llama-style layers in GGUF blocks on the CPU: a decode step over the paged attention (of up to the
+    kernel's rows) runs them all in one C call (kernels/cpu_decode.py), the same numbers without the Python and
+    torch calls between the kernels; other steps run them one by one."""
+
+    def __init__(self, layers, kernel) -> None:
+        super().__init__(layers)
+        self.kernel = kernel
+
+    def forward(self, x, positions, attn):
+        if isinstance(attn.meta, DecodeMeta) and self.kernel.takes(x):
+            return self.kernel(self, x, positions, self[0].self_attn.rotary.cos_sin, attn.meta)
+        return super().forward(x, positions, attn)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, max_positions: int, ops: LayerOps, plan: ShardPlan,
                  tp: TensorParallel, quantization: Optional[str] = None) -> None:
@@ -64,28 +90,19 @@ class LlamaModel(nn.Module):
         self.embed_tokens = BlockEmbedding(plan.vocab_per_rank, args.hidden_size, block_kernels(ops)) \
             if quantization == "gguf" else VocabEmbedding(plan.vocab_per_rank, args.hidden_size, plan.vocab_start, tp)
         rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, ops)
-        self.layers = nn.ModuleList()
+        layers = []
         for i in range(args.num_layers):
-            after_experts = i > 0 and self.layers[i - 1].unsummed_out
-            self.layers.append(DecoderLayer(args, i, rotary, ops, plan, tp, quantization, after_experts))
-        self.norm = make_norm(args.hidden_size, args.rms_norm_eps, ops, after_experts=self.layers[-1].unsummed_out)
+            after_experts = i > 0 and layers[-1].unsummed_out
+            layers.append(DecoderLayer(args, i, rotary, ops, plan, tp, quantization, after_experts))
+        # the C layers have no qkv bias nor q/k norm (a GGUF model in blocks is dense and on one rank)
+        kernel = ops.decode_layers if quantization == "gguf" and not (args.qk_norm or args.attention_bias) else None
+        self.layers = CpuFusedDecodeLayers(layers, kernel) if kernel is not None else DecoderLayers(layers)
+        self.norm = make_norm(args.hidden_size, args.rms_norm_eps, ops, after_experts=layers[-1].unsummed_out)
         self.tp = tp
-        # a decode step's layers in one C call (kernels/cpu_decode.py): dense Llama-style layers in GGUF blocks
-        self.cpu_decode = ops.decode_layers if (
-            quantization == "gguf" and not args.qk_norm and not args.attention_bias and not args.num_experts
-            and not tp.enabled) else None
 
     def forward(self, input_ids, positions, attn):
-        x = self.embed_tokens(input_ids)
-        inputs = attn.cpu_decode_inputs() if self.cpu_decode is not None else None
-        if inputs is not None and self.cpu_decode.takes(x, inputs):
-            x, residual = self.cpu_decode(self.layers, x, positions, self.layers[0].self_attn.rotary.cos_sin, inputs)
-            return reduce_add_norm(self.tp, self.norm, x, residual, False)[0]
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, attn)
-        x, _ = reduce_add_norm(self.tp, self.norm, x, residual, self.layers[-1].partial)
-        return x
+        x, residual = self.layers(self.embed_tokens(input_ids), positions, attn)
+        return reduce_add_norm(self.tp, self.norm, x, residual, self.layers[-1].partial)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -117,8 +134,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in the head's dtype on every rank (each rank's vocabulary rows, gathered). Not widened to
-        float32 here: a greedy step's argmax is exact on them, and the widening is a pass over [N, vocab], a
-        visible share of a batch-256 step; the sampler widens where it computes."""
+        float32 here (a pass over [N, vocab]): a greedy step's argmax is exact on them; the sampler widens where it
+        computes."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, BlockLinear):
             logits = head.project(hidden)
@@ -129,30 +146,6 @@ class LlamaForCausalLM(nn.Module):
         if self.tp.enabled:
             logits = self.tp.all_gather_last(logits)[:, :self.plan.vocab_size]
         return logits
-
-
-class Qwen2ForCausalLM(LlamaForCausalLM):
-    pass
-
-
-class Qwen3ForCausalLM(LlamaForCausalLM):
-    pass
-
-
-class MistralForCausalLM(LlamaForCausalLM):
-    pass
-
-
-class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    pass
-
-
-class Qwen2MoeForCausalLM(LlamaForCausalLM):
-    pass
-
-
-class MixtralForCausalLM(LlamaForCausalLM):
-    pass
 
 
 class LlamaForEmbedding(LlamaForCausalLM):

@@ -86,9 +86,8 @@ class SparseMoE(nn.Module):
     rank and no shared expert, where the fused experts run, the output is the k expert outputs unsummed
     (UnsummedExperts): the norm after the layer sums them as it adds the residual (kernels/moe_sum_norm.py)."""
 
-    def __init__(self, args: ModelArgs, inter: int, shared_inter: int, ops: Optional[LayerOps] = None,
-                 tp: Optional[TensorParallel] = None, quantization: Optional[str] = None,
-                 reduce_output: bool = True) -> None:
+    def __init__(self, args: ModelArgs, inter: int, shared_inter: int, ops: LayerOps, tp: TensorParallel,
+                 quantization: Optional[str], reduce_output: bool) -> None:
         """inter / shared_inter: this rank's share of each expert's width / of the shared expert's (0: none)."""
         super().__init__()
         self.top_k, self.renormalize = args.experts_per_token, args.norm_topk_prob
@@ -100,9 +99,9 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
-        self.tp = tp or TensorParallel.single()
+        self.tp = tp
         self.reduce_output = reduce_output
-        self.sum_in_norm = shared_inter == 0 and not self.tp.enabled
+        self.sum_in_norm = shared_inter == 0 and not tp.enabled
         self.reset_buffers()
 
     def reset_buffers(self, device: Optional[torch.device] = None) -> None:

@@ -1,22 +1,15 @@
-"""config.json's `architectures` name -> model class."""
+"""config.json's `architectures` name -> model class: every supported architecture is the one Llama decoder
+(llama.py), the differences between them being fields of ModelArgs."""
 from __future__ import annotations
 
-from typing import Dict, Type
+from typing import Type
 
 from torch import nn
 
-from .llama import (LlamaForCausalLM, LlamaForEmbedding, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM,
-                    Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
+from .args import ARCHITECTURE_OF_MODEL_TYPE
+from .llama import LlamaForCausalLM, LlamaForEmbedding
 
-MODEL_REGISTRY: Dict[str, Type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
-    "MixtralForCausalLM": MixtralForCausalLM,
-}
+SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURE_OF_MODEL_TYPE.values())
 
 
 class UnsupportedArchitecture(ValueError):
@@ -24,11 +17,8 @@ class UnsupportedArchitecture(ValueError):
 
 
 def model_class(architecture: str, embedding: bool = False) -> Type[nn.Module]:
-    """embedding: the architecture's decoder without its LM head (every one shares LlamaForCausalLM's)."""
-    try:
-        cls = MODEL_REGISTRY[architecture]
-        return LlamaForEmbedding if embedding else cls
-    except KeyError:
-        raise UnsupportedArchitecture(
-            f"architecture {architecture!r} is not supported; supported: {', '.join(sorted(MODEL_REGISTRY))}"
-        ) from None
+    """embedding: the architecture's decoder without its LM head."""
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitecture(f"architecture {architecture!r} is not supported; supported: "
+                                      f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    return LlamaForEmbedding if embedding else LlamaForCausalLM
