@@ -4,7 +4,7 @@ parameter, `packed`, the kernels' records; the loader writes it from the checkpo
 HF name of the matrix it replaces (`<module>.weight`)."""
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Tuple
 
 import torch
 from torch import nn
@@ -58,10 +58,10 @@ class BlockEmbedding(BlockLinear):
         return self.kernels.rows(self.packed, ids, self.in_features).reshape(*ids.shape, self.in_features)
 
 
-def block_kernels(ops: Optional[Any]) -> Any:
+def block_kernels(ops: Any) -> Any:
     """The CPU ops' block kernels (ops: the model's layer_ops.LayerOps), which a model loaded in blocks needs
     (gguf_blocks.blocks_unavailable_here checked)."""
-    kernels = ops.block_kernels if ops is not None else None
+    kernels = ops.block_kernels
     if kernels is None:
         raise ValueError("a GGUF model in blocks needs the CPU's block kernels (kernels/cpu_blocks.c)")
     return kernels

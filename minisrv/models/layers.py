@@ -21,18 +21,17 @@ from .layer_ops import LayerOps
 from .norms import RMSNorm
 
 
-def make_linear(in_features: int, out_features: int, bias: bool, quantization: Optional[str] = None,
-                ops: Optional[LayerOps] = None) -> nn.Module:
-    """A projection layer: nn.Linear (F.linear, cuBLAS on CUDA), or with quantization "fp8" an Fp8Linear (weights
-    in float8_e4m3fn, quantised by the loader as it reads them; see fp8.py); with "gguf" a BlockLinear (a GGUF
-    model's blocks kept on the CPU, block_layers.py). On the CPU with the compiled ops (`ops.cpu`), a CpuLinear."""
+def make_linear(in_features: int, out_features: int, bias: bool, quantization: Optional[str],
+                ops: LayerOps) -> nn.Module:
+    """A projection layer: nn.Linear, or with quantization "fp8" an Fp8Linear (fp8.py), with "gguf" a BlockLinear
+    (block_layers.py); on the CPU with its compiled ops, a CpuLinear."""
     if quantization == "fp8":
         return Fp8Linear(in_features, out_features, bias)
     if quantization == "gguf":
         return BlockLinear(in_features, out_features, bias, block_kernels(ops))
     if quantization is not None:
         raise ValueError(f"unsupported quantization {quantization!r}")
-    small = ops.small_batch_linear if ops is not None else None
+    small = ops.small_batch_linear
     if small is not None:
         return CpuLinear(in_features, out_features, bias, small)
     return nn.Linear(in_features, out_features, bias=bias)
