@@ -82,7 +82,7 @@ def test_chunked_prefill_retraction_prefix_cache_sampling_and_prompt_logprobs(ti
     vocab = vocab_of(path)
     prompts = make_prompts(vocab, [30, 45, 12, 38, 27, 50], seed=9)
     prompts += [prompts[1][:20] + p for p in make_prompts(vocab, [8, 15], seed=10)]  # share a cached prefix
-    params = [greedy(24) if i % 2 else SamplingParams(temperature=0.8, top_k=40, seed=100 + i, max_tokens=24,
+    params = [greedy(40) if i % 2 else SamplingParams(temperature=0.8, top_k=40, seed=100 + i, max_tokens=40,
                                                       ignore_eos=True, prompt_logprobs=2 if i == 2 else None)
               for i in range(len(prompts))]
     opts = dict(max_total_tokens=192, chunked_prefill_size=16, disable_radix_cache=False, max_running_requests=8)
