@@ -55,7 +55,6 @@ def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     return s
 
 
-# ------------------------------------------------------------------------------------------ engine side
 def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, parent_pid: int) -> None:
     """Entry point of the engine process (spawned): load, report ready or the error, then loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
@@ -149,7 +148,6 @@ def _loop(engine: Any, recv: zmq.Socket, send: zmq.Socket, parent_pid: int,
             last_stats, last_sent = stats, now
 
 
-# ------------------------------------------------------------------------------------------ HTTP side
 Sink = asyncio.Queue  # receives (tag, RequestOutput | RequestError | EngineDead)
 
 
@@ -173,7 +171,6 @@ class EngineClient:
         self._ctx: Optional[Any] = None
         self._proc: Optional[Any] = None
 
-    # -------------------------------------------------------------- lifecycle
     async def start(self) -> EngineInfo:
         """Spawn the engine and wait until it has loaded; raises RuntimeError with the engine's reason."""
         import zmq.asyncio
@@ -239,7 +236,6 @@ class EngineClient:
             p.kill()
         p.join()
 
-    # -------------------------------------------------------------- requests
     def submit(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, tag: Any) -> None:
         """Queue a request; its outputs arrive in `sink` as (tag, RequestOutput), the engine's refusal as
         (tag, RequestError), the engine's death as (tag, EngineDead). The route is forgotten once it finishes."""
@@ -264,11 +260,6 @@ class EngineClient:
                 pass
         return self.stats
 
-    @property
-    def num_requests(self) -> int:
-        """Requests submitted here whose last output has not arrived yet."""
-        return len(self._routes)
-
     async def flush_cache(self, timeout: float = FLUSH_TIMEOUT_S) -> bool:
         """Empty the engine's prefix cache; False (nothing done) while requests are queued or running. Raises
         EngineDead if the engine is not running, dies meanwhile or does not answer within `timeout` seconds."""
@@ -288,7 +279,6 @@ class EngineClient:
         finally:
             self._flushes.pop(token, None)
 
-    # -------------------------------------------------------------- loops
     async def _send_loop(self) -> None:
         while True:
             msg = await self._outbox.get()

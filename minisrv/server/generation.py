@@ -51,7 +51,6 @@ class Generation:
 
 @dataclass
 class Job:
-    """One engine request: one choice of one prompt."""
 
     index: int  # the choice's index in the response: prompt * n + choice
     rid: str
@@ -61,7 +60,6 @@ class Job:
 
 @dataclass
 class Choice:
-    """One choice's output so far."""
 
     index: int
     prefix: str = ""  # sent before the first token (echoed prompt text); offsets count it

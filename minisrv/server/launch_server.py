@@ -5,12 +5,7 @@ Startup order: bind the port (so a busy port fails in a second, not after the mo
 ready, print one ready line; on its startup error, print it and exit 1. SIGINT/SIGTERM: stop accepting, let running
 requests finish for up to --graceful-shutdown-timeout seconds, then end the rest (streams with a server_shutdown
 error event and [DONE], other requests with a 503; see transport.py); then the engine process is asked to stop,
-terminated if it does not, and reaped; exit code 0.
-
-Exposure: bound to a loopback address (the default), the server answers only requests whose Host is a loopback
-name (--allowed-hosts adds names), and none that carry an Origin (--allowed-origins allows some, and turns on CORS
-for them: preflights answered, Access-Control-Allow-Origin on responses); every POST must be application/json. Request bodies are limited in size (--max-request-bytes) and in the time they take to
-arrive (--request-read-timeout). See gate.py.
+terminated if it does not, and reaped; exit code 0. Who may call and what a body may be: http/policy.py.
 """
 from __future__ import annotations
 

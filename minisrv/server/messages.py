@@ -40,7 +40,6 @@ class EngineInfo:
         return RequestLimits(self.vocab_size, self.max_request_len)
 
 
-# ---------------------------------------------------------------------------------------------- HTTP -> engine
 @dataclass(frozen=True)
 class AddRequest:
     """Queue a request (already validated on the HTTP side; the engine checks it again). PoolingParams in place
@@ -78,7 +77,6 @@ class Shutdown:
 ToEngine = Union[AddRequest, AbortRequest, StatsQuery, FlushCache, Shutdown]
 
 
-# ---------------------------------------------------------------------------------------------- engine -> HTTP
 @dataclass(frozen=True)
 class EngineReady:
     """The model is loaded; the engine reads requests from now on."""

@@ -44,7 +44,6 @@ class TokenClock:
 
 
 class ServerMetrics:
-    """The server's metrics, in a registry of their own."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -102,7 +101,6 @@ class ServerMetrics:
         self.finished.labels(reason=reason).inc()
 
     def exposition(self) -> Tuple[bytes, str]:
-        """The metrics in Prometheus' text format, and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def set_engine_stats(self, stats: Dict[str, Any]) -> None:

@@ -19,7 +19,6 @@ from .plan.prompt import PromptMaker
 
 @dataclass
 class ServerState:
-    """What the routes share."""
 
     client: EngineClient
     served_model_name: str

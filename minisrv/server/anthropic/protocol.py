@@ -244,7 +244,6 @@ def chat_inputs(body: CountTokensRequest, reasoning_parser: bool,
 
 
 def stop_reason(finish_reason: Optional[str], stop_str: Optional[str], tool_calls: bool) -> str:
-    """Anthropic's stop_reason of an engine finish."""
     if finish_reason == "stop" and tool_calls:
         return "tool_use"
     if finish_reason == "stop" and stop_str is not None:

@@ -1,13 +1,11 @@
 """One Messages API answer in Anthropic's shapes: the whole message, and the stream's events.
 
-The output text is read by the plan (plan/answer.py: the thinking split off first where the server has a reasoning
-parser, then the answer read for tool calls). A message's content is, in order, a thinking block (`signature`
+A message's content is, in order, a thinking block (`signature`
 empty: nothing here signs it), a text block, and a tool_use block per call (its `input` the parsed arguments);
 with none of those, one empty text block. A stream carries exactly those blocks: message_start (the message,
 content empty), per block content_block_start / content_block_delta (thinking_delta, text_delta,
 input_json_delta) / content_block_stop, then message_delta (stop_reason, stop_sequence, output_tokens) and
-message_stop; a failure after it began is an `error` event (Anthropic's error body), and there is no [DONE]. As in
-chat's stream, text that may be a tool call is held back until the output ends.
+message_stop; a failure after it began is an `error` event (Anthropic's error body), and there is no [DONE].
 """
 from __future__ import annotations
 
@@ -63,7 +61,6 @@ class MessageRenderer:
                 "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens}}
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Dict[str, Any]:
-        """The response of a request that did not stream."""
         ch = choices[0]
         a = read_answer(ch.text, self.tools, self.reasoning)
         blocks: List[Dict[str, Any]] = []

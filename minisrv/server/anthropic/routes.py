@@ -1,11 +1,7 @@
 """`POST /v1/messages` and `POST /v1/messages/count_tokens`: Anthropic's Messages API on the shared request path.
 
-A request is converted into the plan's inputs (protocol.py) and planned as chat's is (plan/chat.py: the model
-check, tool planning with the tool prompt where the template ignores tools, the chat template, the reasoning plan
-and thinking rule, tokenizing, SamplingParams and their checks); it then takes the engine path every generation
-takes (generation.serve: metrics, aborts when the client leaves, the engine's refusals and failures as
-APIErrors). Only the answer's shapes are its own (render.py). Every error under /v1/messages, the gate's
-included, has Anthropic's shape (errors.py chooses it by path).
+A request is converted into the plan's inputs (protocol.py), planned as chat's is (plan/chat.py) and served by
+generation.serve; only the answer's shapes are its own (render.py).
 
 count_tokens answers `{"input_tokens": N}`: the length of the prompt the same request would be planned into.
 """

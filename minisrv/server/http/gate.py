@@ -13,8 +13,6 @@ client left before any), and not buffer or wrap the streams themselves.
 
 Every response carries `x-request-id` (refusals, 404s and streams included): the client's `X-Request-Id` when it
 is 1 to 128 visible ASCII characters, else a fresh uuid4 hex; the route finds it in `request.state.request_id`.
-
-Who may use the server (Host, Origin, CORS) is policy.py's; how the body is read, body.py's.
 """
 from __future__ import annotations
 

@@ -68,7 +68,6 @@ def requested_headers(scope: Any) -> bytes:
 
 
 def with_headers(send: Callable, extra: Headers) -> Callable:
-    """`send`, adding `extra` to the response's headers."""
     async def send_with_headers(msg: Dict[str, Any]) -> None:
         if msg["type"] == "http.response.start":
             msg = {**msg, "headers": [*msg.get("headers", ()), *extra]}

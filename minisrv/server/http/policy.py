@@ -101,7 +101,6 @@ def normalize_origin(value: str) -> str:
 
 
 def split_list(value: Optional[str]) -> List[str]:
-    """A comma-separated flag value -> its non-empty items."""
     return [x.strip() for x in (value or "").split(",") if x.strip()]
 
 

@@ -20,7 +20,6 @@ MAX_N = 128  # choices per prompt
 MAX_CHOICES = 256  # choices per request, all prompts together (prompts x n): bounds the work one request asks for
 
 
-# ---------------------------------------------------------------------------------------------- errors
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -32,7 +31,6 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-# ---------------------------------------------------------------------------------------------- requests
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -125,7 +123,6 @@ class ChatCompletionRequest(_SamplingFields):
     custom_params: Optional[Dict[str, Any]] = None  # SGLang's; only its thinking_budget is read
 
 
-# ---------------------------------------------------------------------------------------------- responses
 def now() -> int:
     return int(time.time())
 

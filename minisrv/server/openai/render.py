@@ -115,10 +115,8 @@ class CompletionRenderer(OpenAIStream):
 
 @dataclass
 class ChatRenderer(OpenAIStream):
-    """Each choice's text is read by the plan (plan/answer.py): with a reasoning parser the thinking goes to
-    reasoning_content (or stays in content, with separate_reasoning false), and with tools the answer is read back
-    into tool_calls. Streamed, the text that may be a tool call is held back; at the end each call is sent as
-    OpenAI streams it: a delta with its id and name, then one with its arguments."""
+    """Streamed, each tool call is sent as OpenAI streams it: a delta with its id and name, then one with its
+    arguments."""
 
     chunk_type: ClassVar[type] = ChatCompletionChunk
     token_text: Optional[TokenText] = None

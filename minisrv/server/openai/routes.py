@@ -63,7 +63,6 @@ def _stream_usage(body: Any) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
-# ---------------------------------------------------------------------------------------------- /v1/completions
 async def _completions(state: ServerState, body: CompletionRequest, request: Request, large: bool) -> Response:
     _check_common(state, body)
     if body.suffix:
@@ -98,7 +97,6 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     return await serve(state, request, Generation(prompts, params, body.n or 1, echoed), renderer, bool(body.stream))
 
 
-# ---------------------------------------------------------------------------------------------- /v1/chat/completions
 def chat_messages(messages: List[ChatMessage]) -> List[Dict[str, Any]]:
     """The request's messages as the plan takes them: text parts joined, the developer role as system."""
     msgs = []

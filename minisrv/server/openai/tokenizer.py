@@ -12,11 +12,8 @@
   POST /flush_cache                 empty the radix prefix cache: 200 {"flushed": true}, or 400 while requests run
 
 The chat form is planned exactly as /v1/chat/completions plans its messages and tools (plan/chat.py), so its count
-is the prompt length a chat request would have. `max_model_len` is the limit requests are held to (the context
-length, or less when the KV pool is smaller), as in /v1/models. A text longer than that is tokenized all the same
-(lm-eval tokenizes long contexts and truncates them itself). Bodies are read and checked as the other routes' are
-(body.parse_body: strict JSON, a 400 naming the field); large ones, and long texts or token lists, are handled in
-a worker thread so that the event loop keeps serving.
+is the prompt length a chat request would have. A text longer than `max_model_len` is tokenized all the same
+(lm-eval tokenizes long contexts and truncates them itself).
 
 /flush_cache is POST only: a GET that changes state could be sent by any web page (an image's URL carries no
 Origin), and like every POST it must be application/json (its body may be empty or a JSON object).
@@ -129,7 +126,6 @@ def _answer(state: "ServerState", ids: List[int], token_strs: bool) -> Dict[str,
 
 
 def add_tokenizer_routes(app: FastAPI, state: "ServerState") -> None:
-    """Register the routes of this module on `app` (called by create_app)."""
 
     @app.post("/tokenize")
     @app.post("/v1/tokenize")

@@ -14,7 +14,6 @@ from .tools import ToolCall, ToolPlan, content_prefix_len, parse_tool_calls
 
 @dataclass
 class Answer:
-    """A whole output, read."""
 
     reasoning: Optional[str]  # the thinking, stripped (None: it did not think, or no parser)
     raw: str  # the text before the answer as written (the thinking with its tags)

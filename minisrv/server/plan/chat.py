@@ -41,7 +41,6 @@ class ChatInputs:
 
 @dataclass(frozen=True)
 class ChatPlan:
-    """One chat request, planned."""
 
     prompt_ids: List[int]
     params: Optional[SamplingParams]  # None when no sampling fields were given
@@ -51,7 +50,6 @@ class ChatPlan:
 
 
 def prompt_text(maker: PromptMaker, inputs: ChatInputs) -> Tuple[str, ToolPlan]:
-    """The tool plan and the prompt text."""
     tools = plan_tools(inputs.tools, inputs.tool_choice, inputs.functions, inputs.function_call,
                        maker.tool_parser, inputs.parallel_tool_calls)
     if tools.json_schema is not None and any(inputs.sampling and inputs.sampling.get(k) for k in CONSTRAINTS):
@@ -65,7 +63,6 @@ def prompt_text(maker: PromptMaker, inputs: ChatInputs) -> Tuple[str, ToolPlan]:
 
 def finish_plan(maker: PromptMaker, inputs: ChatInputs, text: str, tools: ToolPlan,
                 limits: Optional[RequestLimits]) -> ChatPlan:
-    """The prompt ids and the sampling params of a templated prompt."""
     reasoning, rule = plan_reasoning(maker.reasoning, text, inputs.separate_reasoning, inputs.thinking_budget)
     ids = maker.encode(text, inputs.add_special_tokens, "messages", limits.max_request_len if limits else None)
     params = None

@@ -32,7 +32,6 @@ _BEFORE, _THINKING, _ANSWER = 0, 1, 2  # ReasoningStream's phases
 
 @dataclass
 class Split:
-    """One output, split."""
 
     reasoning: Optional[str]  # the thinking, stripped; None when the output did not think
     answer: str  # what follows it (all of the text when it did not think)
@@ -40,7 +39,6 @@ class Split:
 
 
 def split_reasoning(text: str, mode: str, start: str = START, end: str = END) -> Split:
-    """The whole output text, split."""
     if mode == NONE:
         return Split(None, text)
     body = text.lstrip()

@@ -174,7 +174,6 @@ def chat_tools(tools: Optional[List[Any]]) -> List[Dict[str, Any]]:
 
 
 def tool_namespaces(tools: Optional[List[Any]]) -> Dict[str, str]:
-    """Each namespace's function tool name -> the namespace's name."""
     return {fn["name"]: tool["name"] for tool in tools or [] if isinstance(tool, dict)
             and tool.get("type") == "namespace" and isinstance(tool.get("name"), str)
             and isinstance(tool.get("tools"), list)
@@ -216,7 +215,6 @@ def output_format(text: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def echo_fields(req: ResponsesRequest) -> Dict[str, Any]:
-    """What a response repeats of its request."""
     return {"instructions": req.instructions, "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
             "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
             "text": req.text or {"format": {"type": "text"}},

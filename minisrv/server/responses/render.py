@@ -1,8 +1,6 @@
 """OpenAI's Responses API on the way out: the engine's output in the Responses shapes, whole or streamed.
 
-The output is read by the plan (plan/answer.py: the thinking split off, the tool calls read back); this only
-shapes what it reads. A response's `output` is, in order: a reasoning item
-(when a reasoning parser split off thinking; its text in `content` as reasoning_text, `summary` empty), a message
+A response's `output` is, in order: a reasoning item (when a reasoning parser split off thinking; its text in `content` as reasoning_text, `summary` empty), a message
 item (the answer as one output_text part), and a function_call item per tool call (`call_id` the chat call's id; a
 call to a namespace's function names it as `namespace` beside the function's own name, as Codex CLI requires).
 A response cut off by max_output_tokens is `status: "incomplete"` with `incomplete_details.reason:
@@ -37,7 +35,6 @@ def new_id(prefix: str) -> str:
 
 
 def event_text(event: Dict[str, Any]) -> str:
-    """One server-sent event, named by its type."""
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
 
@@ -105,7 +102,6 @@ class ResponseRenderer:
                 "usage": usage, **self.echo}
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Dict[str, Any]:
-        """The whole response of a request that did not stream."""
         ch = choices[0]
         a = read_answer(ch.text, self.tools, self.reasoning)
         ended = status_of(ch.finish_reason)

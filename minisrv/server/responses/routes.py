@@ -1,12 +1,7 @@
 """`POST /v1/responses`: OpenAI's Responses API, stateless, on the shared request path.
 
-A Responses request is converted into the plan's inputs (protocol.py) and planned as a chat request is
-(plan/chat.py); it then takes the engine path every generation takes (generation.serve: disconnects, errors), and
-its output is rendered straight into the Responses shapes (render.py).
-
-A failure before anything is sent is an HTTP error in OpenAI's shape, its `param` named as the Responses request
-names the field (`input` for the messages, `max_output_tokens`, `text`); one after the stream began is an
-`error` event that ends it. `store: true` is accepted, but nothing is stored (see protocol.py).
+A failure's `param` is named as the Responses request names the field (`input` for the messages,
+`max_output_tokens`, `text`).
 """
 from __future__ import annotations
 
