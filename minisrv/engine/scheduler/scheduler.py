@@ -106,8 +106,11 @@ class Scheduler:
         self.num_constrained -= req.needs_accepted_tokens
 
     def schedule(self) -> Optional[ScheduledBatch]:
-        """Prefill before decode, except that after a chunk of a long prompt the requests that decode take a few
-        steps (DECODE_STEPS_AFTER_CHUNK), so that no request waits for a whole long prompt's prefill."""
+        """Prefill before decode, except that after a chunk of a prompt the requests that decode take turns, so that
+        no request waits for a whole long prompt's prefill: a few steps (DECODE_STEPS_AFTER_CHUNK) where steps are
+        timed to a target (the CPU, whose steps are long), else one step after a chunk of a prompt being scored.
+        On a GPU a chunk left by the prefill budget is followed by more prefill at once: decode turns there would
+        hold back the admission of a full waiting queue, whose prefills the budget splits nearly every step."""
         batch = None
         if self.decode_turns:
             self.decode_turns -= 1
@@ -116,8 +119,11 @@ class Scheduler:
                 self.decode_turns = 0  # nothing decodes
         if batch is None:
             batch = self._schedule_prefill()
-            if batch is not None and not all(batch.samples):
+            if batch is not None and self.step_target_s is not None and not all(batch.samples):
                 self.decode_turns = DECODE_STEPS_AFTER_CHUNK
+            elif batch is not None and any(r.params.prompt_logprobs is not None and not sampled
+                                           for r, sampled in zip(batch.reqs, batch.samples)):
+                self.decode_turns = 1
         if batch is None:
             batch = self._schedule_decode()
         return batch
