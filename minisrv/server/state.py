@@ -77,6 +77,14 @@ class ServerState:
         raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.served_model_name}`.",
                        param="model", code="model_not_found")
 
+    def check_generation_model(self, name: Optional[str]) -> None:
+        """check_model, and a 400 naming the endpoint it serves where this is an embedding model (every text
+        generation API: completions, chat, Responses, Messages)."""
+        self.check_model(name)
+        if self.info.embedding_dim:
+            raise APIError(400, "this model is an embedding model: it serves /v1/embeddings, not completions or chat",
+                           param="model", code="model_is_embedding")
+
     def model_card(self) -> ModelCard:
         # the limit requests are held to: the context length, or less when the KV pool is smaller
         return ModelCard(id=self.served_model_name, created=self.created, root=self.info.model_path,

@@ -12,7 +12,6 @@ from fastapi.responses import JSONResponse, Response
 
 from ..body import parse_body
 from ..generation import Generation, serve
-from ..openai.embeddings import refuse_generation
 from ..plan.chat import plan_chat
 from ..state import ServerState
 from .protocol import CountTokensRequest, MessagesRequest, chat_inputs
@@ -28,16 +27,14 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         body, large = await parse_body(request, CountTokensRequest)
-        state.check_model(body.model)
-        refuse_generation(state)
+        state.check_generation_model(body.model)
         plan = await plan_chat(state.prompts, chat_inputs(body, state.prompts.reasoning is not None),
                                state.info.limits, large)
         return JSONResponse({"input_tokens": len(plan.prompt_ids)})
 
 
 async def _messages(state: ServerState, body: MessagesRequest, request: Request, large: bool) -> Response:
-    state.check_model(body.model)
-    refuse_generation(state)
+    state.check_generation_model(body.model)
     sampling = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k") if getattr(body, k) is not None}
     sampling.update(max_tokens=body.max_tokens, stop=body.stop_sequences or None)
     inputs = chat_inputs(body, state.prompts.reasoning is not None, sampling)

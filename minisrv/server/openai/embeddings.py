@@ -59,13 +59,6 @@ class EmbeddingRequest(BaseModel):
                          "lists")
 
 
-def refuse_generation(state: ServerState) -> None:
-    """Completions and chat on an embedding model: a 400 naming the endpoint it serves."""
-    if state.info.embedding_dim:
-        raise APIError(400, "this model is an embedding model: it serves /v1/embeddings, not completions or chat",
-                       param="model", code="model_is_embedding")
-
-
 def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:

@@ -26,7 +26,6 @@ from ..plan.prompt import ASYNC_ENCODE_CHARS, off_loop
 from ..plan.reasoning_plan import thinking_budget
 from ..plan.sampling import OPENAI_NAMES, fields_named, sampling_fields
 from ..state import ServerState
-from .embeddings import refuse_generation
 from .protocol import MAX_CHOICES, ChatCompletionRequest, ChatMessage, CompletionRequest
 from .render import ChatRenderer, CompletionRenderer
 
@@ -43,15 +42,6 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         return await _chat(state, body, request, large)
 
 
-def _check_common(state: ServerState, body: Any) -> None:
-    state.check_model(body.model)
-    refuse_generation(state)
-    if body.best_of is not None and body.best_of != (body.n or 1):
-        raise APIError(400, "best_of other than n is not supported", param="best_of")
-    if body.stream_options is not None and not body.stream:
-        raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
-
-
 def _check_choices(num_prompts: int, n: int) -> None:
     if num_prompts * n > MAX_CHOICES:
         raise APIError(400, f"a request may ask for at most {MAX_CHOICES} choices in all (prompts x n); this one "
@@ -64,7 +54,7 @@ def _stream_usage(body: Any) -> bool:
 
 
 async def _completions(state: ServerState, body: CompletionRequest, request: Request, large: bool) -> Response:
-    _check_common(state, body)
+    state.check_generation_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     echo_lp = bool(body.echo) and body.logprobs is not None  # the prompt's tokens are scored too
@@ -137,7 +127,7 @@ def chat_inputs(body: ChatCompletionRequest) -> ChatInputs:
 
 
 async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request, large: bool) -> Response:
-    _check_common(state, body)
+    state.check_generation_model(body.model)
     plan = await plan_chat(state.prompts, chat_inputs(body), state.info.limits, large)
     renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", state.served_model_name, state.fingerprint,
                             _stream_usage(body), token_text=state.token_text, logprobs=bool(body.logprobs),

@@ -10,7 +10,6 @@ from fastapi.responses import Response
 
 from ..body import parse_body
 from ..generation import Generation, serve
-from ..openai.embeddings import refuse_generation
 from ..plan.chat import plan_chat
 from ..state import ServerState
 from .protocol import ResponsesRequest, chat_inputs, echo_fields, tool_namespaces
@@ -25,8 +24,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
 
 
 async def respond(state: ServerState, req: ResponsesRequest, request: Request, large: bool) -> Response:
-    state.check_model(req.model)
-    refuse_generation(state)
+    state.check_generation_model(req.model)
     plan = await plan_chat(state.prompts, chat_inputs(req), state.info.limits, large)
     tok = state.tokenizer
 
