@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -218,16 +219,55 @@ def test_engine_failure_streaming_ends_with_error_event(tokenizer, words, path: 
 
 
 def test_engine_refusal_and_death(tokenizer, words) -> None:
+    """Before a stream's first output a refusal or the engine's death is the HTTP error of the same request
+    unstreamed (no stream bytes sent); after it, the stream's last event."""
     refused = ScriptedEngine(lambda rid, p, sp: [RequestError("duplicate request id", "rid", "duplicate")])
     state, app = make_app(tokenizer, refused)
     r = call(app, "/v1/completions", {"prompt": "Hi"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "rid" and r.json()["error"]["code"] == "duplicate"
     assert finished(state, "error") == 1
+    s = call(app, "/v1/completions", {"prompt": "Hi", "stream": True})
+    assert s.status_code == 400 and s.json() == r.json()
     _, app = make_app(tokenizer, ScriptedEngine(lambda rid, p, sp: [EngineDead("the engine process died")]))
     r = call(app, "/v1/completions", {"prompt": "Hi"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
-    ev = events(call(app, "/v1/completions", {"prompt": "Hi", "stream": True}))
+    s = call(app, "/v1/completions", {"prompt": "Hi", "stream": True})
+    assert s.status_code == 503 and s.json() == r.json()
+    hello = words[0]
+    _, app = make_app(tokenizer, ScriptedEngine(lambda rid, p, sp: [output(rid, hello, " Hello", 0, 1),
+                                                                    EngineDead("the engine process died")]))
+    s = call(app, "/v1/completions", {"prompt": "Hi", "stream": True})
+    ev = events(s)
+    assert s.status_code == 200 and ev[0]["choices"][0]["text"] == " Hello"
     assert ev[-2]["error"]["code"] == "engine_unavailable" and ev[-1] == "[DONE]"
+
+
+def test_a_client_gone_before_the_first_output_aborts_its_stream(tokenizer) -> None:
+    """A stream waiting for its request's first output (queued, or its grammar compiling) sends nothing yet; a
+    client that leaves meanwhile gets its engine requests aborted, every choice of them."""
+    engine = ScriptedEngine(lambda rid, p, sp: [])  # the engine never answers
+    state, app = make_app(tokenizer, engine)
+    sent: List[Dict[str, Any]] = []
+    body = json.dumps({"prompt": "Hi", "n": 2, "stream": True}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> Dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(0.05)
+        return {"type": "http.disconnect"}
+
+    async def send(message: Dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"t"), (b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("t", 80)}
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    assert sorted(engine.aborted) == sorted(a.rid for a in engine.submitted) and len(engine.aborted) == 2
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert finished(state, "abort") == 2
 
 
 # ---------------------------------------------------------------------------------------------- validation

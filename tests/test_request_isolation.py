@@ -1,6 +1,6 @@
 """One request never holds up the others: a grammar too costly to compile is refused after the engine's compile
-timeout (an engine output naming the request's field, which the server answers with a 400) while the other
-requests go on."""
+timeout (an engine output naming the request's field, which the server answers with a 400, streamed or not) while
+the other requests go on."""
 from __future__ import annotations
 
 import asyncio
@@ -13,10 +13,14 @@ import pytest
 
 from minisrv import SamplingParams
 from minisrv.engine.request import RequestError, RequestOutput, RequestStatus, prompt_logprob_list
+from minisrv.server.app import create_app
 from minisrv.server.errors import APIError
 from minisrv.server.generation import Job, run_jobs
+from minisrv.server.messages import EngineInfo
+from minisrv.server.state import ServerState
 
 from .helpers import assert_pool_free, make_llm, make_prompts, vocab_of
+from .helpers.local_engine import LocalEngine, call
 
 TENS = r"(t1[0-9])+"
 
@@ -129,6 +133,53 @@ def test_the_server_answers_a_refused_grammar_with_a_400():
         _run(lambda rid: _failed(rid, error="boom"))
     assert e.value.status == 500
 
+
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+REFUSED = [  # one grammar each (a compile in the cache would be served): a schema, a regex, forced tool calls
+    ("/v1/chat/completions", {"messages": ASK, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {**PARAMS, "title": "chat"}}}}),
+    ("/v1/chat/completions", {"messages": ASK, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}]}),
+    ("/v1/completions", {"prompt": "Count:", "regex": "(t3[0-9])+"}),
+    ("/v1/responses", {"input": ASK, "text": {"format": {"type": "json_schema", "name": "x",
+                                                         "schema": {**PARAMS, "title": "responses"}}}}),
+    ("/v1/messages", {"messages": ASK, "tool_choice": {"type": "tool", "name": "get_weather"},
+                      "tools": [{"name": "get_weather", "input_schema": {**PARAMS, "title": "messages"}}]}),
+]
+
+
+@pytest.fixture(scope="module")
+def refusing(tiny_qwen2_tools):
+    """A server app whose engine's compiles never finish within its 0.05 s compile timeout."""
+    from minisrv.engine.engine import Engine
+    engine = Engine(model=tiny_qwen2_tools, attention_backend="torch", dtype="float32", log_level="warning",
+                    max_total_tokens=4096, grammar_compile_timeout=0.05)
+    release = _slowed(engine)
+    yield engine, create_app(ServerState(client=LocalEngine(engine), tokenizer=engine.parts.tokenizer,
+                                         served_model_name="m", info=EngineInfo.from_engine(engine)))
+    release.set()
+
+
+@pytest.mark.parametrize("path,body", REFUSED, ids=[f"{p}-{i}" for i, (p, _) in enumerate(REFUSED)])
+def test_a_refused_grammar_is_the_same_400_streamed_or_not(refusing, path, body):
+    """A stream opens at its request's first output: a grammar refused before it is answered with the HTTP 400
+    (in the API's error shape) that the same request gets unstreamed, not a stream that only carries the error."""
+    engine, app = refusing
+    body = {"model": "m", "max_tokens": 8, **body}
+    whole = call(app, path, body)
+    streamed = call(app, path, {**body, "stream": True})
+    for r in (whole, streamed):
+        assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+    assert streamed.json() == whole.json()
+    if path == "/v1/messages":
+        assert whole.json()["type"] == "error" and whole.json()["error"]["type"] == "invalid_request_error"
+        assert "did not compile within 0.05 s" in whole.json()["error"]["message"]
+    else:
+        err = whole.json()["error"]
+        assert err["param"] == "response_format" and "did not compile within 0.05 s" in err["message"], err
+    assert not engine.has_work()
+    assert_pool_free(engine)
 
 # ---------------------------------------------------------------------------------------------- long prompts
 

@@ -78,7 +78,7 @@ def is_anthropic(path: str) -> bool:
 
 
 class ClientGone(Exception):
-    """The client disconnected before its (non-streaming) answer was ready."""
+    """The client disconnected before its answer began (a whole answer, or a stream's first bytes)."""
 
 
 def error_response(status: int, message: str, type: str = INVALID, param: Optional[str] = None,

@@ -7,7 +7,7 @@ closing events or its error event, a whole response), reading the engine's outpu
 happens here, once: one engine request (a `Job`) per choice of each prompt, the
 seeds of n > 1 choices, submitting them, streaming or collecting their outputs into `Choice`s, usage, metrics,
 aborting what is left when the client goes away, and turning a refusal or failure of the engine into an APIError
-(an HTTP error before a stream begins, an error event after).
+(an HTTP error until a stream begins, at the request's first output; an error event after).
 
 A choice only accumulates what the engine made: its text deltas (`RequestOutput.new_text`, stop strings already
 cut, a possible stop string held back) and its tokens' logprobs at their text offsets.
@@ -131,14 +131,21 @@ async def serve(state: "ServerState", request: Request, gen: Generation, rendere
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     if stream:
+        # The stream opens with the engine's first output of the request (its first token anyway): a request the
+        # engine refuses before it generates anything (a grammar that fails to compile or outlasts its compile
+        # timeout) is answered with its HTTP error, as it is unstreamed, instead of a stream that only fails.
+        steps = run_jobs(state, jobs)
+        first = await unless_disconnected(request, anext(steps, None))
+
         async def events() -> AsyncIterator[str]:
             """Closing this closes run_jobs, which aborts the engine requests left."""
-            for ch in choices:
-                for e in renderer.opening(ch):
-                    yield e
-            try:
-                async with contextlib.aclosing(run_jobs(state, jobs)) as steps:
-                    async for step in steps:
+            async with contextlib.aclosing(steps):
+                for ch in choices:
+                    for e in renderer.opening(ch):
+                        yield e
+                try:
+                    step = first
+                    while step is not None:
                         for index, out in step:
                             ch = choices[index]
                             text, lps = ch.feed(out)
@@ -146,14 +153,15 @@ async def serve(state: "ServerState", request: Request, gen: Generation, rendere
                             if text or lps or finish:
                                 for e in renderer.chunks(ch, text, lps, finish):
                                     yield e
-            except APIError as err:
-                for e in renderer.failed(err):
+                        step = await anext(steps, None)
+                except APIError as err:
+                    for e in renderer.failed(err):
+                        yield e
+                    return
+                for e in renderer.closing(usage()):
                     yield e
-                return
-            for e in renderer.closing(usage()):
-                yield e
 
-        return EventStream(events())
+        return EventStream(events(), closes=steps)
 
     async def collect() -> None:
         async with contextlib.aclosing(run_jobs(state, jobs)) as steps:

@@ -1,17 +1,18 @@
 """Server-sent events, and noticing a client that goes away.
 
 Why the care: a client that disconnects must get its engine requests aborted at once, which frees their KV pages
-for everyone else. Starlette's StreamingResponse notices a disconnect only when a write fails, and a request
-still waiting in the engine's queue writes nothing, so `EventStream` listens for the disconnect itself and
-closes the generator (whose cleanup aborts the requests). A non-streaming request is watched the same way by
-`unless_disconnected`. How a stream's events are framed and how it ends is each API's renderer's (OpenAI's
-streams end with `data: [DONE]`, the Responses and Messages streams with named events).
+for everyone else. Starlette's StreamingResponse notices a disconnect only when a write fails, and a request the
+engine is not answering yet writes nothing, so `EventStream` listens for the disconnect itself and closes the
+generator (whose cleanup aborts the requests). A request whose answer has not begun (a non-streaming one, or a
+stream waiting for its first output) is watched the same way by `unless_disconnected`. How a stream's events are
+framed and how it ends is each API's renderer's (OpenAI's streams end with `data: [DONE]`, the Responses and
+Messages streams with named events).
 """
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 import anyio
 from fastapi import Request
@@ -38,12 +39,13 @@ async def wait_disconnect(receive: Callable) -> None:
 
 class EventStream(StreamingResponse):
     """SSE response that stops (and closes its generator, aborting the engine requests) when the client leaves,
-    also while the request is still queued and nothing is being written."""
+    also while the request is still queued and nothing is being written. `closes`: an async generator that `gen`
+    reads from, closed too (a generator never started does not run its own cleanup when closed)."""
 
-    def __init__(self, gen: AsyncIterator[str]) -> None:
+    def __init__(self, gen: AsyncIterator[str], closes: Optional[AsyncGenerator] = None) -> None:
         super().__init__(gen, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.gen = gen
+        self.gen, self.closes = gen, closes
 
     async def __call__(self, scope: Any, receive: Callable, send: Callable) -> None:
         try:
@@ -64,6 +66,8 @@ class EventStream(StreamingResponse):
                 tg.cancel_scope.cancel()
         finally:
             await self.gen.aclose()  # type: ignore[attr-defined]
+            if self.closes is not None:
+                await self.closes.aclose()
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
