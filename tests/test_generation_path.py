@@ -123,6 +123,13 @@ def test_chat_text_and_logprobs_from_engine_deltas(tokenizer, words) -> None:
     assert [t["token"] for t in ch["logprobs"]["content"]] == [" Hello", " world"]
     assert r.json()["usage"]["completion_tokens"] == 3
     assert finished(state, "stop") == 1
+    ev = events(call(app, "/v1/chat/completions", {"messages": CHAT_Q, "stream": True,
+                                                    "stream_options": {"include_usage": True}}))
+    deltas = [c["delta"] for e in ev[:-2] for c in e["choices"]]
+    assert [d.get("role") for d in deltas].count("assistant") == 1 and ev[0]["choices"][0]["delta"]["role"]
+    assert "".join(d.get("content") or "" for d in deltas) == " Hello world" and ev[-1] == "[DONE]"
+    assert ev[-2]["choices"] == [] and ev[-2]["usage"]["completion_tokens"] == 3
+    assert all(e.get("usage") is None for e in ev[:-2])
 
 
 def test_completion_stream_and_echo(tokenizer, words) -> None:
