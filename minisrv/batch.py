@@ -73,7 +73,8 @@ class ForwardBatch:
     req_rows: torch.Tensor  # [B] int64, rows of the request->token table
     seq_lens: torch.Tensor  # [B] int32, KV length of each request after this step
     cu_seqlens_q: torch.Tensor  # [B+1] int32, prefix sums of extend_lens
-    last_indices: torch.Tensor  # [B] int64, row in T of each request's last token (where logits are taken)
+    logit_rows: torch.Tensor  # [L] int64, rows in T whose logits are taken: each request's last token (L = B) or,
+    #   in a verify step, every token (L = T)
     seq_lens_cpu: List[int]
     extend_lens_cpu: List[int]
     max_seq_len: int

@@ -13,6 +13,7 @@ FP8_DECODE_KERNELS = ("auto", "xqa", "flashinfer")
 QUANTIZATIONS = ("fp8",)  # weight quantisation at load (models/fp8.py)
 GGUF_WEIGHTS = ("auto", "blocks", "float32")  # a GGUF model's weights on the CPU (models/gguf_blocks.py)
 SCHEDULE_POLICIES = ("fcfs",)
+SPECULATIVE_ALGORITHMS = ("NGRAM",)  # engine/speculative/
 
 
 @dataclass
@@ -46,6 +47,12 @@ class EngineConfig:
     tp_size: int = 1  # tensor parallelism: one process per GPU (per CPU process with gloo), rank 0 schedules
     enable_flashinfer_allreduce_fusion: bool = False  # tensor parallel on CUDA: all-reduce + add + RMSNorm fused
     is_embedding: bool = False  # serve as an embedding model (also detected: checkpoints/pooling_config.py)
+    # speculative decoding (engine/speculative/): drafted tokens verified several at a time (see --speculative-*)
+    speculative_algorithm: Optional[str] = None
+    speculative_num_draft_tokens: int = 5  # positions a verify step scores per request: its last token + drafts
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_disable_by_batch_size: Optional[int] = None  # None: the device's default (speculative/speculator.py)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -66,6 +73,18 @@ class EngineConfig:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static must be in (0, 1)")
+        if self.speculative_algorithm is not None:
+            self.speculative_algorithm = self.speculative_algorithm.upper()
+            if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+                raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
+                                 f"got {self.speculative_algorithm!r}")
+            if self.speculative_num_draft_tokens < 2:
+                raise ValueError("speculative_num_draft_tokens must be >= 2 (the last token and at least one draft)")
+            if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
+                raise ValueError("need 1 <= speculative_ngram_min_match_window_size <= "
+                                 "speculative_ngram_max_match_window_size")
+            if self.is_embedding:
+                raise ValueError("speculative decoding is for generation models, not --is-embedding")
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -130,6 +149,20 @@ class EngineConfig:
                        help="serve the model as an embedding model (/v1/embeddings; no completions): last-token "
                             "pooling, normalised, unless its sentence-transformers files say otherwise (detected "
                             "without the flag from those files or a bare-decoder architecture such as Qwen3Model)")
+        p.add_argument("--speculative-algorithm", default=None, type=str.upper, choices=SPECULATIVE_ALGORITHMS,
+                       help="NGRAM: draft by looking the last tokens up in the request's prompt and output (and in "
+                            "recent requests), verify the drafts in one step")
+        p.add_argument("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
+                       help="positions a verify step scores per request: its last token and up to N-1 drafts")
+        p.add_argument("--speculative-ngram-min-match-window-size", type=int,
+                       default=d.speculative_ngram_min_match_window_size,
+                       help="NGRAM: the shortest run of last tokens looked up")
+        p.add_argument("--speculative-ngram-max-match-window-size", type=int,
+                       default=d.speculative_ngram_max_match_window_size,
+                       help="NGRAM: the longest run of last tokens looked up (longest first)")
+        p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                       help="decode without drafts while more than this many requests decode (default: the "
+                            "device's measured break-even)")
         p.add_argument("--log-level", default=d.log_level)
 
     @classmethod

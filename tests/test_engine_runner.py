@@ -16,12 +16,12 @@ def test_step_buffer_fields_round_trip_by_name():
     rows, seq_lens, cu = [3, 5], [3, 9], [0, 3, 5]
     last, pending = [2, 4], [-1, 1]
     slots = torch.tensor([40, 41, 42, 90, 91], dtype=torch.int64)
-    layout = StepLayout(num_tokens=5, batch_size=2, num_pending=2)
-    buf = layout.pack(False, slots, input_ids=ids, positions=pos, req_rows=rows, last_indices=last,
+    layout = StepLayout(num_tokens=5, batch_size=2, num_pending=2, num_logit_rows=2)
+    buf = layout.pack(False, slots, input_ids=ids, positions=pos, req_rows=rows, logit_rows=last,
                       seq_lens=seq_lens, cu_seqlens_q=cu, pending_rows=pending)
     assert buf.dtype == torch.int64 and buf.numel() == 5 + 5 + 2 + 2 + 2 + 3 + 2 + 5
     f = layout.unpack(buf)
-    want = dict(input_ids=ids, positions=pos, req_rows=rows, last_indices=last, seq_lens=seq_lens, cu_seqlens_q=cu,
+    want = dict(input_ids=ids, positions=pos, req_rows=rows, logit_rows=last, seq_lens=seq_lens, cu_seqlens_q=cu,
                 pending_rows=pending, out_cache_loc=slots.tolist())
     assert set(want) == set(FIELDS)
     for name, values in want.items():
@@ -31,8 +31,8 @@ def test_step_buffer_fields_round_trip_by_name():
 
 
 def test_step_buffer_without_pending_inputs():
-    layout = StepLayout(num_tokens=1, batch_size=1, num_pending=0)
-    buf = layout.pack(False, torch.tensor([6]), input_ids=[4], positions=[9], req_rows=[0], last_indices=[0],
+    layout = StepLayout(num_tokens=1, batch_size=1, num_pending=0, num_logit_rows=1)
+    buf = layout.pack(False, torch.tensor([6]), input_ids=[4], positions=[9], req_rows=[0], logit_rows=[0],
                       seq_lens=[10], cu_seqlens_q=[0, 1], pending_rows=[])
     f = layout.unpack(buf)
     assert f.pending_rows.numel() == 0 and f.out_cache_loc.tolist() == [6] and f.seq_lens.tolist() == [10]

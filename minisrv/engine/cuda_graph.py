@@ -48,7 +48,7 @@ class CudaGraphRunner:
         self.req_rows = torch.full((n,), pad_row, **i64)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.last_indices = torch.arange(n, **i64)
+        self.logit_rows = torch.arange(n, **i64)
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: Dict[int, torch.Tensor] = {}
         self.meta: Dict[int, Any] = {}  # batch size -> the attention metadata its graph was captured with
@@ -59,11 +59,11 @@ class CudaGraphRunner:
     def _static_batch(self, bs: int, seq_lens_cpu: List[int]) -> ForwardBatch:
         return ForwardBatch(ForwardMode.DECODE, self.input_ids[:bs], self.positions[:bs], self.out_cache_loc[:bs],
                             self.req_rows[:bs], self.seq_lens[:bs], self.cu_seqlens_q[:bs + 1],
-                            self.last_indices[:bs], seq_lens_cpu, [1] * bs, max(seq_lens_cpu))
+                            self.logit_rows[:bs], seq_lens_cpu, [1] * bs, max(seq_lens_cpu))
 
     def _run(self, fb: ForwardBatch, meta: Any) -> torch.Tensor:
         hidden = self.model(fb.input_ids, fb.positions, AttentionStep(self.backend, meta))
-        return self.model.compute_logits(hidden[fb.last_indices])
+        return self.model.compute_logits(hidden[fb.logit_rows])
 
     @torch.inference_mode()
     def capture(self) -> None:

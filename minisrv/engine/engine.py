@@ -19,12 +19,13 @@ from minisrv.distributed import TensorParallelError, destroy_tensor_parallel
 from minisrv.kvcache.radix import RadixCache
 
 from .grammar import GrammarBackend
-from .model_runner import SampledToken
 from .pooling import PoolingParams, embedding_request
 from .request import (Request, RequestLimits, RequestOutput, SamplingParams, check_request,
                       prompt_logprob_list)
 from .scheduler import Scheduler
 from .setup import build_engine_parts
+from .speculative.speculator import make_speculator
+from .step_results import SampledToken, take_verified
 from .tp_rank import STOP_AND_TEAR_DOWN, STOP_NOW
 from .tp_workers import build_tensor_parallel_parts
 from .text import TextStream, decode_cleans_up
@@ -66,9 +67,11 @@ class Engine:
             atexit.register(self._close_at_exit)  # the ranks are not daemons: they must be told to stop
         self.limits = RequestLimits(parts.args.vocab_size, parts.max_request_len)
         self.cache = None if cfg.disable_radix_cache else RadixCache(parts.allocator, parts.page_size)
+        self.speculator = make_speculator(cfg, parts.device.type)  # None: one token a step
         self.scheduler = Scheduler(parts.allocator, parts.table, parts.page_size, cfg.max_running_requests,
                                    cfg.max_prefill_tokens, cfg.chunked_prefill_size, self.cache,
-                                   step_target_s=CPU_STEP_TARGET_S if parts.device.type == "cpu" else None)
+                                   step_target_s=CPU_STEP_TARGET_S if parts.device.type == "cpu" else None,
+                                   speculator=self.speculator)
         self.overlap = parts.device.type == "cuda" and not cfg.disable_overlap_schedule
         self.num_free_pages_when_idle = parts.allocator.num_free  # all but the CUDA-graph pad page
         self.peak_pages_used = 0
@@ -121,6 +124,9 @@ class Engine:
         processed on the host, so the GPU never waits for the scheduler: the news returned is the previous step's.
         """
         outputs = self._grammars_done() if self._compiling else []
+        if self.speculator is not None and self.runner.num_inflight and \
+                self.speculator.wants_drafts(self.scheduler.running):
+            outputs += self._collect(keep=0)  # drafts are made from every token so far
         batch, launched = None, False
         try:
             batch = self._schedule()
@@ -132,8 +138,9 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - one bad step must not end the engine
             self._check_fatal(e)
             outputs += self._step_failed(batch.reqs if batch is not None else [], e)
-        outputs += self._collect(keep=1 if self.overlap and launched else 0)
-        if launched and not self.overlap and batch.mode is ForwardMode.EXTEND:  # it ran to its end here
+        # a verify step is collected at once: what it keeps decides the next step's inputs
+        outputs += self._collect(keep=1 if self.overlap and launched and batch.drafts is None else 0)
+        if launched and not self.overlap and batch.mode is ForwardMode.EXTEND and batch.drafts is None:
             self.scheduler.extend_took(sum(batch.extend_lens), time.perf_counter() - t0)
         if batch is None:
             self._wait_for_a_compile()
@@ -232,7 +239,16 @@ class Engine:
                 self._check_fatal(step.error)
                 outputs += self._step_failed(step.reqs, step.error)
                 continue
+            for req, drafted, kept in step.verified:
+                if not req.finished:
+                    self.scheduler.verified(req, drafted, kept)
+            if step.verified:
+                self.speculator.step_verified()
             for s in step.tokens:
+                if not s.appended:  # a verified token: it joins its request unless an earlier one ended it
+                    if s.req.finished:
+                        continue
+                    take_verified(s)
                 try:
                     if s.error is not None:  # its grammar rejected the token
                         outputs += self._fail([s.req], s.error)
@@ -313,4 +329,5 @@ class Engine:
             "num_retractions": self.scheduler.num_retractions,
             "cache_tokens": self.cache.num_tokens if self.cache is not None else 0,
             "cached_prompt_tokens": self.num_cached_prompt_tokens,
+            **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }

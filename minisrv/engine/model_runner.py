@@ -30,32 +30,13 @@ from minisrv.utils import to_device
 
 from .pooling import PooledStep, Pooler
 from .prompt_scores import PromptScores, plan_prompt_scores, score_prompt_rows, store_prompt_scores
-from .request import Request, TokenLogprob
+from .request import Request
 from .runner_parts import RunnerParts
 from .sampler import SamplingBatch, sample
+from .speculative.verify import sampling_positions, verified_tokens
+from .step_results import CollectedStep, SampledToken, accept_token, token_logprob
 from .scheduler import ScheduledBatch
 from .step_inputs import StepInputs, StepLayout
-
-
-@dataclass
-class SampledToken:
-    """A token that reached the host, already appended to its request's output_ids and fed to its grammar (token_id
-    None: a request that only scores its prompt, max_tokens 0, reached the end of its prefill)."""
-
-    req: Request
-    token_id: Optional[int]
-    logprob: Optional[TokenLogprob]
-    grammar_ended: bool = False  # its grammar accepted a stop token: the request is complete
-    error: Optional[Exception] = None  # its grammar rejected the token: the request fails
-
-
-@dataclass
-class CollectedStep:
-    """A launched step's results on the host: its tokens, or the error that lost them (for all of `reqs`)."""
-
-    reqs: List[Request]
-    tokens: List[SampledToken]
-    error: Optional[Exception] = None
 
 
 @dataclass
@@ -118,6 +99,12 @@ class ModelRunner:
         seq_lens = [r.num_cached + n for r, n in zip(reqs, ext)]
         if sb.mode is ForwardMode.DECODE:
             ids, pos, pending_rows = self._decode_inputs(reqs)
+        elif sb.drafts is not None:  # a verify step: each request's last token, then its draft
+            ids, pos, pending_rows = [], [], []
+            for r, d in zip(reqs, sb.drafts):
+                assert not r.num_pending, "a verify step needs every token of its requests on the host"
+                ids += [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1], *d]
+                pos.extend(range(r.num_cached, r.num_cached + 1 + len(d)))
         else:
             ids, pos, pending_rows = [], [], []
             for r, n in zip(reqs, ext):
@@ -125,14 +112,15 @@ class ModelRunner:
                 ids.extend(r.all_ids[r.num_cached:r.num_cached + n])
                 pos.extend(range(r.num_cached, r.num_cached + n))
         cu = list(accumulate(ext, initial=0))
-        layout = StepLayout(cu[-1], len(reqs), len(pending_rows))
+        logit_rows = list(range(cu[-1])) if sb.drafts is not None else [c - 1 for c in cu[1:]]
+        layout = StepLayout(cu[-1], len(reqs), len(pending_rows), len(logit_rows))
         ints = layout.pack(self.device.type == "cuda", sb.out_cache_loc, input_ids=ids, positions=pos,
-                           req_rows=[r.row for r in reqs], last_indices=[c - 1 for c in cu[1:]], seq_lens=seq_lens,
+                           req_rows=[r.row for r in reqs], logit_rows=logit_rows, seq_lens=seq_lens,
                            cu_seqlens_q=cu, pending_rows=pending_rows)
         samples = sb.samples
         inp = StepInputs(sb.mode, ints, layout, seq_lens, list(ext),
                          None if all(samples) else [i for i, s in enumerate(samples) if s],
-                         prefix_groups=self._cascade_plan(sb, seq_lens))
+                         prefix_groups=self._cascade_plan(sb, seq_lens), verify=sb.drafts is not None)
         if self.table.journal is not None:
             inp.table_writes = self.table.take_journal()
         return inp
@@ -181,7 +169,7 @@ class ModelRunner:
             req_rows=f.req_rows,
             seq_lens=f.seq_lens,
             cu_seqlens_q=f.cu_seqlens_q,
-            last_indices=f.last_indices,
+            logit_rows=f.logit_rows,
             seq_lens_cpu=inp.seq_lens,
             extend_lens_cpu=inp.extend_lens,
             max_seq_len=max(inp.seq_lens),
@@ -198,7 +186,7 @@ class ModelRunner:
         if fb.is_decode and self.graph_runner is not None and self.graph_runner.can_run(fb):
             return self.graph_runner.replay(fb)
         hidden = self.model(fb.input_ids, fb.positions, self.backend.step(fb))
-        return self.model.compute_logits(hidden[fb.last_indices])
+        return self.model.compute_logits(hidden[fb.logit_rows])
 
     def _forward(self, inp: StepInputs,
                  fb: ForwardBatch) -> Tuple[torch.Tensor, Optional[List[Optional[torch.Tensor]]]]:
@@ -210,7 +198,7 @@ class ModelRunner:
         if inp.score_rows is None:
             return self.forward_logits(fb), None
         hidden = self.model(fb.input_ids, fb.positions, self.backend.step(fb))
-        logits = self.model.compute_logits(hidden[fb.last_indices])
+        logits = self.model.compute_logits(hidden[fb.logit_rows])
         return logits, score_prompt_rows(self.model, hidden, inp)
 
     def _forward_on_all_ranks(self, inp: StepInputs) -> Tuple[torch.Tensor, Optional[List[Optional[torch.Tensor]]]]:
@@ -249,7 +237,8 @@ class ModelRunner:
         if self.pooler is not None:
             self._launch_pooling(sb, inp)
             return
-        scores = plan_prompt_scores(sb.reqs, sb.extend_lens, inp) if inp.mode is ForwardMode.EXTEND else None
+        scores = plan_prompt_scores(sb.reqs, sb.extend_lens, inp) \
+            if inp.mode is ForwardMode.EXTEND and not inp.verify else None
         logits, score_outs = self._forward_on_all_ranks(inp)
         if scores is not None:
             scores.host = [self._to_host(x) for x in score_outs]
@@ -275,11 +264,12 @@ class ModelRunner:
             return
         if inp.sample_rows is not None:
             logits = logits[to_device(inp.sample_rows, torch.int64, logits.device)]
+        rows = sampling if sb.drafts is None else sampling_positions(sampling, sb.drafts)  # a verify step's
         try:
-            ids, lp, top = sample(logits, SamplingBatch.build(sampling, logits.device), self.sampling_kernel)
+            ids, lp, top = sample(logits, SamplingBatch.build(rows, logits.device), self.sampling_kernel)
         except Exception:
             if self.tp.enabled:  # the other ranks wait for this step's ids: send them something, then fail
-                self.tp.broadcast(torch.zeros(len(sampling), dtype=torch.int64, device=self.device))
+                self.tp.broadcast(torch.zeros(len(rows), dtype=torch.int64, device=self.device))
             raise
         self._newest_ids = self.tp.broadcast(ids)  # every rank reads pending decode inputs from these
         outs = [ids, lp, *(top if top is not None else (None, None))]
@@ -287,8 +277,9 @@ class ModelRunner:
         event = self._event()
         for r in sampling:
             r.num_pending += 1
-        self._inflight.append(LaunchedStep(sb, sampling, ids, host, event, {r.rid: k for k, r in enumerate(sampling)},
-                                           scores))
+        # a verify step's next tokens depend on what is kept: nothing reads them on the device (it is collected first)
+        index = {r.rid: k for k, r in enumerate(sampling)} if sb.drafts is None else {}
+        self._inflight.append(LaunchedStep(sb, sampling, ids, host, event, index, scores))
 
     def _event(self) -> Optional[torch.cuda.Event]:
         """A CUDA event recorded after the work queued so far (None on the CPU, where it is already done)."""
@@ -335,6 +326,9 @@ class ModelRunner:
             return CollectedStep(list(step.batch.reqs), [], e)
         finally:
             self.wait_s += time.perf_counter() - t0
+        if step.batch.drafts is not None:
+            tokens, verified = verified_tokens(step.sampling, step.batch.drafts, token_ids, lps, top)
+            return CollectedStep(list(step.batch.reqs), tokens, verified=verified)
         out: List[SampledToken] = [SampledToken(r, None, None) for r in embedded if not r.finished]
         for i, req in enumerate(step.sampling):
             if req.finished:
@@ -344,23 +338,8 @@ class ModelRunner:
                 continue
             tok = token_ids[i]
             req.output_ids.append(tok)
-            lp = None
-            if lps is not None and req.params.logprobs is not None:
-                n_top = req.params.logprobs
-                tops = dict(zip(top[1][i][:n_top], top[0][i][:n_top])) if n_top > 0 and top is not None else {}
-                lp = TokenLogprob(tok, lps[i], tops)
+            lp = token_logprob(req, tok, i, lps, top)
+            if lp is not None:
                 req.logprobs.append(lp)
-            out.append(_accepted(SampledToken(req, tok, lp)))
+            out.append(accept_token(SampledToken(req, tok, lp)))
         return CollectedStep(list(step.batch.reqs), out)
-
-
-def _accepted(s: SampledToken) -> SampledToken:
-    """Feed the token to its request's grammar (the next step's mask is made from the grammar's state); with a
-    thinking model's rule, only the answer's tokens reach the grammar (engine/thinking.py)."""
-    answer = s.req.thinking is None or s.req.thinking.advance(s.token_id)
-    if s.req.grammar is not None and answer:
-        try:
-            s.grammar_ended = s.req.grammar.advance(s.token_id)
-        except Exception as e:  # noqa: BLE001 - fails this request alone
-            s.error = e
-    return s

@@ -18,7 +18,7 @@ from minisrv.utils import host_tensor
 
 # the buffer's fields, in order; seq_lens and cu_seqlens_q are next to each other so that one conversion makes both
 # int32 on the device, and out_cache_loc comes last since it is already a host tensor (the scheduler's slots)
-FIELDS = ("input_ids", "positions", "req_rows", "last_indices", "seq_lens", "cu_seqlens_q", "pending_rows",
+FIELDS = ("input_ids", "positions", "req_rows", "logit_rows", "seq_lens", "cu_seqlens_q", "pending_rows",
           "out_cache_loc")
 
 
@@ -29,7 +29,7 @@ class StepTensors:
     input_ids: torch.Tensor  # [T] int64 (a pending decode input still 0: read from the previous step's ids)
     positions: torch.Tensor  # [T] int64
     req_rows: torch.Tensor  # [B] int64, rows of the request->token table
-    last_indices: torch.Tensor  # [B] int64, row in T of each request's last token
+    logit_rows: torch.Tensor  # [L] int64, rows in T whose logits are taken (each request's last, or all)
     seq_lens: torch.Tensor  # [B] int32, KV length of each request after the step
     cu_seqlens_q: torch.Tensor  # [B+1] int32, prefix sums of extend_lens
     pending_rows: torch.Tensor  # [P] int64, per decode input: its row in the previous step's sampled ids, or -1
@@ -38,16 +38,18 @@ class StepTensors:
 
 @dataclass(frozen=True)
 class StepLayout:
-    """How long each field of FIELDS is in a step of `num_tokens` tokens (T), `batch_size` requests (B) and
-    `num_pending` pending decode inputs (P: 0 unless some input is still on the device)."""
+    """How long each field of FIELDS is in a step of `num_tokens` tokens (T), `batch_size` requests (B),
+    `num_pending` pending decode inputs (P: 0 unless some input is still on the device) and `num_logit_rows` rows
+    whose logits are taken (L: B, or T in a verify step)."""
 
     num_tokens: int
     batch_size: int
     num_pending: int
+    num_logit_rows: int
 
     def sizes(self) -> List[int]:
         t, b, p = self.num_tokens, self.batch_size, self.num_pending
-        return [t, t, b, b, b, b + 1, p, t]
+        return [t, t, b, self.num_logit_rows, b, b + 1, p, t]
 
     def pack(self, pin: bool, out_cache_loc: torch.Tensor, **fields: Sequence[int]) -> torch.Tensor:
         """The host buffer: every field of FIELDS but out_cache_loc given by name as a list, then out_cache_loc
@@ -81,7 +83,10 @@ class StepInputs:
     score_top_n: int = 0
     table_writes: Optional[list] = None  # request->token table writes since the last step (tensor parallel)
     prefix_groups: Optional[PrefixGroups] = None  # a decode step to run as cascade attention (attention/cascade.py)
+    verify: bool = False  # a verify step (engine/speculative/): logits and a sample at every token
 
     @property
     def num_sampled(self) -> int:
+        if self.verify:
+            return self.layout.num_tokens
         return len(self.seq_lens) if self.sample_rows is None else len(self.sample_rows)

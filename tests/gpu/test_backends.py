@@ -123,7 +123,7 @@ def make_batch(mode: ForwardMode, rows: Sequence[int], cached: Sequence[int], ne
         req_rows=torch.tensor(list(rows), dtype=torch.int64, device=dev),
         seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev),
         cu_seqlens_q=cu.to(dev),
-        last_indices=(cu[1:].to(torch.int64) - 1).to(dev),
+        logit_rows=(cu[1:].to(torch.int64) - 1).to(dev),
         seq_lens_cpu=seq,
         extend_lens_cpu=list(new),
         max_seq_len=max(seq),
@@ -233,7 +233,7 @@ def check_cuda_graph_decode(name: str, page_size: int, hq: int, hkv: int, d: int
     for bs in (4, 8):
         cap = ForwardBatch(mode=ForwardMode.DECODE, input_ids=zeros_s[:bs], positions=zeros_s[:bs],
                            out_cache_loc=loc_s[:bs], req_rows=rows_s[:bs], seq_lens=seq_s[:bs],
-                           cu_seqlens_q=cu_s[:bs + 1], last_indices=idx_s[:bs], seq_lens_cpu=[1] * bs,
+                           cu_seqlens_q=cu_s[:bs + 1], logit_rows=idx_s[:bs], seq_lens_cpu=[1] * bs,
                            extend_lens_cpu=[1] * bs, max_seq_len=1)
         metas[bs] = meta = backend.prepare_for_capture(cap)
 

@@ -91,7 +91,7 @@ class SharedPrefixScene:
             req_rows=torch.tensor([self.rows[n] for n in names], **i64),
             seq_lens=torch.tensor(seq, dtype=torch.int32, device=self.device),
             cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32, device=self.device),
-            last_indices=torch.arange(b, **i64),
+            logit_rows=torch.arange(b, **i64),
             seq_lens_cpu=seq,
             extend_lens_cpu=[1] * b,
             max_seq_len=max(seq),

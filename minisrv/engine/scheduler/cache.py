@@ -81,6 +81,19 @@ class CacheManager:
         self.table.write_points([r.row for r in reqs], [r.num_cached for r in reqs], slots)
         return slots
 
+    def verify_pages(self, reqs: List[Request], drafts: List[List[int]]) -> int:
+        """Pages a verify step of reqs takes: those for each request's last token and its draft."""
+        return sum(max(0, self.pages_for(r.num_cached + 1 + len(d)) - len(r.pages)) for r, d in zip(reqs, drafts))
+
+    def rollback(self, req: Request, num_tokens: int) -> None:
+        """The request's last num_tokens computed positions held drafts the target rejected: they no longer count
+        as cached, and the pages past its new end go back (its table entries there are rewritten before use)."""
+        req.num_cached -= num_tokens
+        keep = self.pages_for(req.num_cached)
+        if len(req.pages) > keep:
+            self.alloc.free(req.pages[keep:])
+            del req.pages[keep:]
+
     def release(self, req: Request, keep_kv: bool = True) -> None:
         """Drop a request's pages and row; with the tree on, its computed full pages are kept in the tree first
         (keep_kv False: its KV is not to be trusted, after a failed step)."""

@@ -11,13 +11,16 @@ from minisrv.utils import host_tensor
 
 from ..request import Request
 from .batch import ScheduledBatch
+from ..speculative.speculator import Speculator
 from .cache import CacheManager
 
 
-def decode_batch(running: List[Request], cache: CacheManager,
-                 retract: Callable[[Request], None]) -> Optional[ScheduledBatch]:
+def decode_batch(running: List[Request], cache: CacheManager, retract: Callable[[Request], None],
+                 speculator: Optional[Speculator] = None) -> Optional[ScheduledBatch]:
     """One token for each running request that has all but its last token computed (a request running alone,
-    after a failed step, decodes alone), retracting the newest arrivals while the pool is short of pages."""
+    after a failed step, decodes alone), retracting the newest arrivals while the pool is short of pages. With a
+    speculator whose requests draft, a verify step instead (each request's last token and its draft), where the
+    pool has the pages for it."""
     # a request whose last allowed token is still on the device needs no further step
     reqs = [r for r in running if r.num_cached == r.total_len - 1 and r.num_output_tokens < r.max_new_tokens]
     if not reqs:
@@ -34,6 +37,10 @@ def decode_batch(running: List[Request], cache: CacheManager,
             reqs.remove(victim)
     if not reqs:
         return None
+    drafts = speculator.drafts(reqs) if speculator is not None else None
+    if drafts is not None and cache.verify_pages(reqs, drafts) <= cache.available_pages():
+        slots = torch.cat([cache.place(r, 1 + len(d)) for r, d in zip(reqs, drafts)])
+        return ScheduledBatch(ForwardMode.EXTEND, reqs, [1 + len(d) for d in drafts], slots, drafts=drafts)
     slots = cache.place_decode(reqs)
     n = len(reqs)
     return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * n, host_tensor(slots, torch.int64), [True] * n)

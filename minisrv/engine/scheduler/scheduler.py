@@ -13,6 +13,7 @@ from minisrv.kvcache import PageAllocator, ReqToTokenTable
 from minisrv.kvcache.radix import RadixCache
 
 from ..request import Request, RequestError, RequestStatus
+from ..speculative.speculator import Speculator
 from .batch import ScheduledBatch
 from .cache import CacheManager
 from .decode import decode_batch
@@ -34,10 +35,11 @@ FIRST_TIMED_CHUNK = 256
 class Scheduler:
     def __init__(self, allocator: PageAllocator, table: ReqToTokenTable, page_size: int, max_running: int,
                  max_prefill_tokens: int, chunked_prefill_size: int, tree: Optional[RadixCache] = None,
-                 step_target_s: Optional[float] = None) -> None:
+                 step_target_s: Optional[float] = None, speculator: Optional[Speculator] = None) -> None:
         """step_target_s: where steps run to their end one at a time (the CPU), a long prompt's chunks are sized so
         that a step takes about this long, by the speed of the last extend step (`extend_took`): attention over a
-        long prefix makes later chunks slower, and the step in progress is what a new request waits for."""
+        long prefix makes later chunks slower, and the step in progress is what a new request waits for.
+        speculator: decode steps of few requests verify drafts (engine/speculative/)."""
         self.cache = CacheManager(allocator, table, page_size, tree)
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
@@ -52,6 +54,7 @@ class Scheduler:
         self.decode_turns = 0  # steps that decoding takes before the next chunk of a prompt (see schedule)
         self.step_target_s = step_target_s
         self.extend_tokens_per_s: Optional[float] = None  # the last timed extend step's speed
+        self.speculator = speculator
 
     def add(self, req: Request) -> None:
         if req.rid in self.by_id:
@@ -101,6 +104,8 @@ class Scheduler:
             self.waiting.remove(req)  # retracted while its last token was still on the device
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        if self.speculator is not None:
+            self.speculator.finished(req)
         self.by_id.pop(req.rid, None)
         self.num_penalized -= req.params.has_penalties
         self.num_constrained -= req.needs_accepted_tokens
@@ -167,7 +172,7 @@ class Scheduler:
                               [a.extend_len for a in adder.admitted], torch.cat(slots))
 
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
-        batch = decode_batch(self.running, self.cache, self._retract)
+        batch = decode_batch(self.running, self.cache, self._retract, self.speculator)
         if batch is not None:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return batch
@@ -190,6 +195,12 @@ class Scheduler:
         steps in order, so the next step reads them). An extend step's full pages go into the prefix tree."""
         for r, n in zip(batch.reqs, batch.extend_lens):
             r.num_cached += n
-        if batch.mode is ForwardMode.EXTEND:
+        if batch.mode is ForwardMode.EXTEND and batch.drafts is None:
             for r in batch.reqs:
                 self.cache.cache_prefix(r)
+
+    def verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
+        """A verify step's result for a request still running: the positions of its rejected drafts are given
+        back (committed as cached, they never held its tokens)."""
+        self.cache.rollback(req, num_drafted - num_accepted)
+        self.speculator.verified(req, num_drafted, num_accepted)

@@ -1,0 +1,120 @@
+"""Which requests draft this step, how many tokens, and what came of it.
+
+A verify step scores each drafting request's last token and its drafts in one forward (an extend step of 1 + k
+tokens) and keeps the longest run of drafts the target itself samples, plus the target's next token (verify.py).
+Drafting pays where a step's cost is the weights' read, not the batch's compute: small batches. So speculation is
+off while more than `disable_by_batch_size` requests run, and a request whose drafts keep missing (or who finds
+nothing to propose) backs off for a few steps, doubling each time, so that a request that does not repeat itself
+costs almost nothing. Requests whose next token depends on the previous one being accepted on the host first (a
+grammar's mask, a thinking budget) never draft.
+
+The proposer is any object with `propose(key, tokens, num_draft) -> list` and `release(key, tokens)` (ngram.py's
+NgramProposer; a benchmark may put its own in its place).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Protocol, Sequence
+
+from minisrv.config import EngineConfig
+
+from ..request import Request
+from .ngram import NgramProposer
+
+# the largest decode batch that still drafts, by device, where --speculative-disable-by-batch-size is not given
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"cuda": 32, "cpu": 4}
+MAX_BACKOFF_STEPS = 16  # a request whose drafts keep missing tries again after at most this many steps
+
+
+class Proposer(Protocol):
+    def propose(self, key: str, tokens: Sequence[int], num_draft: int) -> List[int]: ...
+
+    def release(self, key: str, tokens: Sequence[int]) -> None: ...
+
+
+@dataclass
+class SpeculationStats:
+    verify_steps: int = 0
+    verified_requests: int = 0  # requests verified, summed over the steps
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def as_dict(self) -> Dict[str, int]:
+        return {"spec_verify_steps": self.verify_steps, "spec_verified_requests": self.verified_requests,
+                "spec_draft_tokens": self.draft_tokens, "spec_accepted_tokens": self.accepted_tokens}
+
+
+@dataclass
+class _Backoff:
+    misses: int = 0  # drafts in a row that gained nothing
+    resume_at: int = 0  # the speculator's step count from which it drafts again
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, num_draft_tokens: int, disable_by_batch_size: int) -> None:
+        """num_draft_tokens: positions a verify step scores per request (its last token and the drafts)."""
+        self.proposer = proposer
+        self.max_drafts = num_draft_tokens - 1
+        self.disable_by_batch_size = disable_by_batch_size
+        self.stats = SpeculationStats()
+        self._steps = 0
+        self._backoff: Dict[str, _Backoff] = {}
+
+    def _may_draft(self, req: Request) -> bool:
+        b = self._backoff.get(req.rid)
+        return not req.needs_accepted_tokens and (b is None or b.resume_at <= self._steps)
+
+    def wants_drafts(self, running: List[Request]) -> bool:
+        """Whether the next decode step may draft (the engine then brings every token in flight to the host
+        first: drafts are made from them)."""
+        return len(running) <= self.disable_by_batch_size and any(self._may_draft(r) for r in running)
+
+    def drafts(self, reqs: List[Request]) -> Optional[List[List[int]]]:
+        """Each decoding request's draft ([] for one that does not draft this step), or None: none drafts."""
+        if len(reqs) > self.disable_by_batch_size:
+            return None
+        self._steps += 1
+        out: List[List[int]] = []
+        for r in reqs:
+            room = min(self.max_drafts, r.max_new_tokens - r.num_output_tokens - 1)
+            draft = self.proposer.propose(r.rid, r.all_ids, room)[:room] if room > 0 and self._may_draft(r) else []
+            if not draft and room > 0 and self._may_draft(r):
+                self._missed(r.rid)  # nothing to propose: look again in a while
+            out.append(list(draft))
+        return out if any(out) else None
+
+    def verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
+        s = self.stats
+        s.verified_requests += 1
+        s.draft_tokens += num_drafted
+        s.accepted_tokens += num_accepted
+        if num_drafted:
+            if num_accepted:
+                self._backoff.pop(req.rid, None)
+            else:
+                self._missed(req.rid)
+
+    def step_verified(self) -> None:
+        self.stats.verify_steps += 1
+
+    def finished(self, req: Request) -> None:
+        self._backoff.pop(req.rid, None)
+        self.proposer.release(req.rid, req.all_ids)
+
+    def _missed(self, rid: str) -> None:
+        b = self._backoff.setdefault(rid, _Backoff())
+        b.misses += 1
+        b.resume_at = self._steps + min(1 << (b.misses - 1), MAX_BACKOFF_STEPS)
+
+
+def make_speculator(cfg: EngineConfig, device_type: str) -> Optional[Speculator]:
+    """The engine's speculator from its settings (None: speculation off)."""
+    if cfg.speculative_algorithm is None:
+        return None
+    limit = cfg.speculative_disable_by_batch_size
+    if limit is None:
+        limit = DEFAULT_DISABLE_BY_BATCH_SIZE.get(device_type, DEFAULT_DISABLE_BY_BATCH_SIZE["cuda"])
+    drafts = cfg.speculative_num_draft_tokens - 1
+    proposer = NgramProposer(drafts, cfg.speculative_ngram_min_match_window_size,
+                             cfg.speculative_ngram_max_match_window_size)
+    return Speculator(proposer, cfg.speculative_num_draft_tokens, limit)
