@@ -58,6 +58,11 @@ class ServerMetrics:
         self.kv_usage = Gauge("minisrv_kv_cache_usage_ratio", "Share of KV pool pages in use (0..1)", registry=r)
         self.kv_pages_used = Gauge("minisrv_kv_cache_pages_used", "KV pool pages in use", registry=r)
         self.kv_pages_total = Gauge("minisrv_kv_cache_pages_total", "KV pool pages", registry=r)
+        self.spec_accept_rate = Gauge("minisrv_spec_accept_rate",
+                                      "Speculative decoding: share of drafted tokens kept, since start", registry=r)
+        self.spec_accept_length = Gauge("minisrv_spec_accept_length", "Speculative decoding: tokens a request "
+                                        "gains per verify step (kept drafts + the target's own), since start",
+                                        registry=r)
         self.cache_tokens = Gauge("minisrv_prefix_cache_tokens", "Tokens whose KV the radix prefix cache holds",
                                   registry=r)
         self.cached_prompt_tokens = Counter("minisrv_cached_prompt_tokens",
@@ -112,6 +117,10 @@ class ServerMetrics:
         self.kv_pages_used.set(stats.get("kv_pages_used", 0))
         self.kv_pages_total.set(stats.get("kv_pages_total", 0))
         self.cache_tokens.set(stats.get("cache_tokens", 0))
+        if stats.get("spec_verified_requests"):
+            kept, verified = stats["spec_accepted_tokens"], stats["spec_verified_requests"]
+            self.spec_accept_rate.set(kept / max(1, stats["spec_draft_tokens"]))
+            self.spec_accept_length.set((kept + verified) / verified)
         total = stats.get("cached_prompt_tokens")
         if total is not None:
             if total > self._engine_cached_prompt_tokens:

@@ -53,7 +53,7 @@ class EngineWatch:
         def forward_logits(fb):
             out = orig_fwd(fb)
             sb = self._batch
-            if sb is not None:
+            if sb is not None and sb.drafts is None:  # (a verify step's rows include rejected drafts)
                 for i, (r, n) in enumerate(zip(sb.reqs, sb.extend_lens)):
                     self.logits.setdefault(r.rid, []).append((r.num_cached + n - 1, out[i].detach().clone()))
             return out
