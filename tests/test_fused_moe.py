@@ -182,4 +182,3 @@ def test_moe_triton_kernels_under_the_interpreter():
     assert done.stdout.count("moe align") == 14 and done.stdout.count("moe route ") == 11, done.stdout
     assert done.stdout.count("moe router") == 4, done.stdout
     assert done.stdout.count("moe grouped GEMMs") == 40 and done.stdout.count("moe experts") == 40, done.stdout
-    assert done.stdout.count("moe sum + add + norm") == 4, done.stdout

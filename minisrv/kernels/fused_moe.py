@@ -127,12 +127,11 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
 def triton_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
                    w2_scale: Optional[torch.Tensor] = None, config: Optional[MoeConfig] = None,
-                   sum_k: bool = True, aligned: Optional[Aligned] = None) -> torch.Tensor:
+                   aligned: Optional[Aligned] = None) -> torch.Tensor:
     """The fused path on x's device, whatever it is (under TRITON_INTERPRET=1, the CPU too): x bf16 or fp16 with
     unit column stride; w13 and w2 of x's dtype (or FP8, with scales); config: the launch rule's (config_for)
-    unless given. sum_k False: each token's k weighted expert outputs [T, k, H], unsummed (for
-    kernels/moe_sum_norm.py to sum with the norm after them). aligned: the pairs already aligned for the launch
-    rule's block rows (route_and_align). Raises RuntimeError where Triton is missing."""
+    unless given; aligned: the pairs already aligned for the launch rule's block rows (route_and_align). Returns the
+    sum over k, [T, H]. Raises RuntimeError where Triton is missing."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     gemm, align = moe_gemm(), triton_align()
     if gemm is None or align is None:
@@ -142,7 +141,7 @@ def triton_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     fp8 = w13_scale is not None
     n_pairs = t * top_k
     if n_pairs == 0:
-        return x.new_zeros(t, h) if sum_k else x.new_zeros(t, top_k, h)
+        return x.new_zeros(t, h)
     c = config or config_for(n_pairs, num_experts, fp8)
     if aligned is None:
         aligned = align(topk_ids, num_experts, c.block_m)
@@ -153,8 +152,6 @@ def triton_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     out = torch.empty(t, top_k, h, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     gemm(a, a_scale, w2, w2_scale, out.view(n_pairs, h), weights, aligned, 1, False, c)
-    if not sum_k:
-        return out
     return out.view(t, h) if top_k == 1 else out.sum(dim=1)
 
 
@@ -172,12 +169,10 @@ def fused_runs(x: torch.Tensor, w13: torch.Tensor, fp8: bool) -> bool:
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
-                  w2_scale: Optional[torch.Tensor] = None, sum_k: bool = True,
-                  aligned: Optional[Aligned] = None) -> torch.Tensor:
+                  w2_scale: Optional[torch.Tensor] = None, aligned: Optional[Aligned] = None) -> torch.Tensor:
     """experts_reference's result, computed by the Triton kernels where they run (see fused_runs: CUDA with
     bf16/fp16 x; no host sync, so decode steps capture it in CUDA graphs), else by experts_reference (the CPU,
-    float32 models, no Triton). sum_k False: where the Triton kernels run, the k outputs unsummed [T, k, H]
-    (triton_experts); elsewhere the sum [T, H] all the same. aligned: route_and_align's, for the fused path."""
+    float32 models, no Triton). aligned: route_and_align's, for the fused path."""
     if fused_runs(x, w13, w13_scale is not None):
-        return triton_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, sum_k=sum_k, aligned=aligned)
+        return triton_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, aligned=aligned)
     return experts_reference(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)

@@ -22,9 +22,7 @@ from .sharding import ShardPlan
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding, ops: LayerOps,
-                 plan: ShardPlan, tp: TensorParallel, quantization: Optional[str] = None,
-                 after_experts: bool = False) -> None:
-        """after_experts: the layer before this one hands its sparse MLP's output over unsummed."""
+                 plan: ShardPlan, tp: TensorParallel, quantization: Optional[str] = None) -> None:
         super().__init__()
         # with a fused all-reduce + add + norm, o and down return partial sums and the norm after each reduces them
         self.partial = tp.fused_norm is not None
@@ -40,10 +38,9 @@ class DecoderLayer(nn.Module):
         # the norms before qkv and a dense gate_up hand FP8 projections their input quantised (a router takes it
         # unquantised: the fused experts quantise it themselves)
         fp8 = quantization == "fp8"
-        self.input_layernorm = make_norm(args.hidden_size, args.rms_norm_eps, ops, fp8, after_experts)
+        self.input_layernorm = make_norm(args.hidden_size, args.rms_norm_eps, ops, fp8)
         self.post_attention_layernorm = make_norm(args.hidden_size, args.rms_norm_eps, ops, fp8 and not sparse)
         self.tp = tp
-        self.unsummed_out = sparse and self.mlp.sum_in_norm  # the next norm sums the experts' outputs
 
     def forward(self, x, residual, positions, attn):
         """x: the previous layer's output (a partial sum when `partial`, except for the first layer's input,
@@ -90,14 +87,11 @@ class LlamaModel(nn.Module):
         self.embed_tokens = BlockEmbedding(plan.vocab_per_rank, args.hidden_size, block_kernels(ops)) \
             if quantization == "gguf" else VocabEmbedding(plan.vocab_per_rank, args.hidden_size, plan.vocab_start, tp)
         rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, ops)
-        layers = []
-        for i in range(args.num_layers):
-            after_experts = i > 0 and layers[-1].unsummed_out
-            layers.append(DecoderLayer(args, i, rotary, ops, plan, tp, quantization, after_experts))
+        layers = [DecoderLayer(args, i, rotary, ops, plan, tp, quantization) for i in range(args.num_layers)]
         # the C layers have no qkv bias nor q/k norm (a GGUF model in blocks is dense and on one rank)
         kernel = ops.decode_layers if quantization == "gguf" and not (args.qk_norm or args.attention_bias) else None
         self.layers = CpuFusedDecodeLayers(layers, kernel) if kernel is not None else DecoderLayers(layers)
-        self.norm = make_norm(args.hidden_size, args.rms_norm_eps, ops, after_experts=layers[-1].unsummed_out)
+        self.norm = make_norm(args.hidden_size, args.rms_norm_eps, ops)
         self.tp = tp
 
     def forward(self, input_ids, positions, attn):

@@ -11,7 +11,7 @@ experts are float8_e4m3fn with a float32 scale per output row, quantised as they
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,6 @@ from minisrv.kernels.moe_align import Aligned
 from .args import ModelArgs
 from .layer_ops import LayerOps
 from .layers import GatedMLP
-from .norms import UnsummedExperts
 
 
 class Experts(nn.Module):
@@ -61,9 +60,9 @@ class Experts(nn.Module):
         getattr(self, which + "_scale")[expert, row:row + w.shape[0]] = scale.reshape(-1)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                sum_k: bool = True, aligned: Optional[Aligned] = None) -> torch.Tensor:
-        return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_scale, self.w2_scale, sum_k,
-                             aligned)
+                aligned: Optional[Aligned] = None) -> torch.Tensor:
+        return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_scale, self.w2_scale,
+                             aligned=aligned)
 
     def extra_repr(self) -> str:
         e, two_i, h = self.w13.shape
@@ -82,9 +81,7 @@ class ExpertRows:
 
 class SparseMoE(nn.Module):
     """router -> top-k -> experts (-> + sigmoid(shared gate) * shared expert); the partial sums of this rank's
-    share of each expert are all-reduced unless `reduce_output` is False (the norm after it reduces them). With one
-    rank and no shared expert, where the fused experts run, the output is the k expert outputs unsummed
-    (UnsummedExperts): the norm after the layer sums them as it adds the residual (kernels/moe_sum_norm.py)."""
+    share of each expert are all-reduced unless `reduce_output` is False (the norm after it reduces them)."""
 
     def __init__(self, args: ModelArgs, inter: int, shared_inter: int, ops: LayerOps, tp: TensorParallel,
                  quantization: Optional[str], reduce_output: bool) -> None:
@@ -101,7 +98,6 @@ class SparseMoE(nn.Module):
             self.shared_expert = self.shared_expert_gate = None
         self.tp = tp
         self.reduce_output = reduce_output
-        self.sum_in_norm = shared_inter == 0 and not tp.enabled
         self.reset_buffers()
 
     def reset_buffers(self, device: Optional[torch.device] = None) -> None:
@@ -109,7 +105,7 @@ class SparseMoE(nn.Module):
         construction: the loader calls this)."""
         self.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, UnsummedExperts]:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = route_and_align(x, self.gate.weight, self.router_counter, self.top_k, self.renormalize,
                                  self.experts.w13, self.experts.fp8)
         if routed is None:
@@ -117,9 +113,7 @@ class SparseMoE(nn.Module):
             aligned = None
         else:
             topk_weights, topk_ids, aligned = routed
-        out = self.experts(x, topk_weights, topk_ids, sum_k=not self.sum_in_norm, aligned=aligned)
-        if out.dim() == 3:
-            return UnsummedExperts(out)
+        out = self.experts(x, topk_weights, topk_ids, aligned=aligned)
         if self.shared_expert is not None:
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out) if self.reduce_output else out

@@ -3,31 +3,18 @@
 - RMSNorm: norm(x), or with the residual (norm(x + residual), x + residual), through the model's LayerOps.
 - Fp8OutRMSNorm: an FP8 projection takes the output, so on CUDA the norm hands it over quantised per token
   (fp8.Fp8Activations), from one kernel (kernels/fp8_quant.py); elsewhere as RMSNorm.
-- ExpertSumRMSNorm: the norm after a sparse MLP that hands its k expert outputs over unsummed (UnsummedExperts,
-  moe.SparseMoE): on CUDA it sums them in the same kernel as the residual add and the norm
-  (kernels/moe_sum_norm.py); elsewhere torch sums them first. ExpertSumFp8OutRMSNorm: the same before an FP8
-  projection (torch's sum, then the quantised norm).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
 from minisrv.distributed import TensorParallel
 from minisrv.kernels.fp8_quant import fused_quantisers
-from minisrv.kernels.moe_sum_norm import triton_sum_add_rmsnorm
 
 from .layer_ops import LayerOps
-
-
-class UnsummedExperts(NamedTuple):
-    """A sparse MLP's output left as each token's k weighted expert outputs, parts [T, k, H]: the norm after the
-    layer (the next layer's input norm, or the model's final norm: an ExpertSumRMSNorm) sums them as it adds the
-    residual."""
-
-    parts: torch.Tensor
 
 
 class RMSNorm(nn.Module):
@@ -53,30 +40,8 @@ class Fp8OutRMSNorm(RMSNorm):
         return out if residual is None else (out, residual)
 
 
-class ExpertSumRMSNorm(RMSNorm):
-    sum_in_kernel = True  # the sum, the add and the norm in one kernel where it runs
-
-    def forward(self, x, residual: Optional[torch.Tensor] = None):
-        """x: a tensor, or UnsummedExperts."""
-        if isinstance(x, UnsummedExperts):
-            kernel = triton_sum_add_rmsnorm() if self.sum_in_kernel and residual is not None and x.parts.is_cuda \
-                else None
-            if kernel is not None:
-                return kernel(x.parts, residual, self.weight, self.eps), residual
-            x = x.parts.sum(dim=1)
-        return super().forward(x, residual)
-
-
-class ExpertSumFp8OutRMSNorm(ExpertSumRMSNorm, Fp8OutRMSNorm):
-    sum_in_kernel = False  # the sum kernel hands out no FP8: torch sums, the quantising norm follows
-
-
-def make_norm(dim: int, eps: float, ops: LayerOps, quantize_out: bool = False,
-              after_experts: bool = False) -> RMSNorm:
-    """The norm for its place: before an FP8 projection (quantize_out), after a sparse MLP whose output comes
-    unsummed (after_experts)."""
-    if after_experts:
-        return ExpertSumFp8OutRMSNorm(dim, eps, ops) if quantize_out else ExpertSumRMSNorm(dim, eps, ops)
+def make_norm(dim: int, eps: float, ops: LayerOps, quantize_out: bool = False) -> RMSNorm:
+    """The norm for its place: Fp8OutRMSNorm before an FP8 projection (quantize_out), else RMSNorm."""
     return Fp8OutRMSNorm(dim, eps, ops) if quantize_out else RMSNorm(dim, eps, ops)
 
 
