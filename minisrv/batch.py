@@ -80,6 +80,7 @@ class ForwardBatch:
     max_seq_len: int
     # a decode step to run as cascade attention (only ever set for a backend with supports_cascade); it runs eagerly
     prefix_groups: Optional[PrefixGroups] = None
+    verify: bool = False  # an extend step that verifies drafts (engine/speculative/): logits at every token
 
     @property
     def batch_size(self) -> int:

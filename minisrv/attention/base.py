@@ -70,6 +70,11 @@ class AttentionBackend(ABC):
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")
 
+    def verify_backend(self) -> Optional["AttentionBackend"]:
+        """The backend whose `verify_meta` runs verify steps of one query length per request in CUDA graphs
+        (engine/verify_graphs.py), or None: they run eagerly as extend steps."""
+        return None
+
     def prepare_for_capture(self, batch: ForwardBatch) -> Any:
         """Metadata over the backend's static buffers for a graph of batch.batch_size rows; kept for its replays."""
         raise NotImplementedError
@@ -117,6 +122,9 @@ class HybridBackend(AttentionBackend):
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
         self.decode_backend.init_graph_state(max_bs, max_seq_len)
+
+    def verify_backend(self) -> Optional[AttentionBackend]:
+        return self.prefill_backend.verify_backend()  # a verify step is an extend step: the prefill half's
 
     def init_cascade_state(self) -> None:
         self.decode_backend.init_cascade_state()

@@ -74,8 +74,8 @@ class FAMeta:
     loc: torch.Tensor  # [T] slots the step's k/v go to
     page_table: torch.Tensor  # [B, max_pages] int32
     cache_seqlens: torch.Tensor  # [B] int32
-    cu_seqlens_q: Optional[torch.Tensor]  # [B+1] int32 for extend; None for decode
-    max_seqlen_q: int
+    cu_seqlens_q: Optional[torch.Tensor]  # [B+1] int32 for extend; None: every request has max_seqlen_q queries
+    max_seqlen_q: int  # (decode: 1; a verify step in a CUDA graph: its query length)
 
 
 class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
@@ -108,10 +108,10 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
         fp8 = {}
         if self.fp8:
             q, fp8 = self._fp8_args(q, layer_id, meta.page_table.shape[0])
-        if meta.cu_seqlens_q is None:  # decode
-            o = self._attn(q=q.unsqueeze(1), k_cache=k_cache, v_cache=v_cache,
+        if meta.cu_seqlens_q is None:  # decode, or a verify step's queries of one length, [B * Sq] -> [B, Sq]
+            o = self._attn(q=q.view(-1, meta.max_seqlen_q, *q.shape[1:]), k_cache=k_cache, v_cache=v_cache,
                            cache_seqlens=meta.cache_seqlens, page_table=meta.page_table,
-                           softmax_scale=self.scale, causal=True, **fp8).squeeze(1)
+                           softmax_scale=self.scale, causal=True, **fp8).flatten(0, 1)
         else:
             o = self._attn(q=q, k_cache=k_cache, v_cache=v_cache,
                            cache_seqlens=meta.cache_seqlens, page_table=meta.page_table,
@@ -134,3 +134,11 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
     def decode_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> FAMeta:
         """A decode step's metadata over a CUDA graph's static page table (PageTableGraphs)."""
         return FAMeta(loc, table, seq_lens, None, 1)
+
+    def verify_backend(self) -> "FlashAttentionBackend":
+        return self
+
+    def verify_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor, q_len: int) -> FAMeta:
+        """A verify step of q_len queries per request (the last `q_len` positions of each sequence, causal from
+        the bottom right as FA3 aligns them) over a CUDA graph's static page table."""
+        return FAMeta(loc, table, seq_lens, None, q_len)

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps: captured once per batch size, replayed with the batch padded to the next size.
+"""CUDA graphs for decode steps: captured once per batch size, replayed with the batch padded to the next size
+(and, with speculative decoding, verify steps' graphs: verify_graphs.py).
 
 Inputs live in static buffers; before each replay the step's ids, positions, slots and rows are copied in and the
 attention backend copies its metadata into its own static buffers (`prepare_for_replay`). Padding rows decode a
@@ -17,6 +18,8 @@ import torch
 from minisrv.attention.base import AttentionBackend, AttentionStep
 from minisrv.batch import ForwardBatch, ForwardMode
 
+from .verify_graphs import VerifyGraphs
+
 logger = logging.getLogger(__name__)
 
 
@@ -32,7 +35,10 @@ def default_max_bs(device: torch.device) -> int:
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, pad_row: int, pad_slot: int,
-                 max_bs: int, max_seq_len: int, device: torch.device) -> None:
+                 max_bs: int, max_seq_len: int, device: torch.device, verify_q_len: int = 0,
+                 verify_max_bs: int = 0) -> None:
+        """verify_q_len: with speculative decoding, the query length of verify steps (their graphs are captured for
+        batch sizes up to verify_max_bs, where the backend has a verify_backend)."""
         self.model = model
         self.backend = backend
         self.device = device
@@ -54,6 +60,9 @@ class CudaGraphRunner:
         self.meta: Dict[int, Any] = {}  # batch size -> the attention metadata its graph was captured with
         self.mempool = torch.cuda.graph_pool_handle()
         backend.init_graph_state(self.max_bs, max_seq_len)
+        vb = backend.verify_backend() if verify_q_len and verify_max_bs else None
+        self.verify = VerifyGraphs(model, vb, vb.req_to_token, pad_slot, capture_sizes(min(verify_max_bs, max_bs)),
+                                   verify_q_len, max_seq_len, device) if vb is not None else None
         self.capture()
 
     def _static_batch(self, bs: int, seq_lens_cpu: List[int]) -> ForwardBatch:
@@ -72,26 +81,33 @@ class CudaGraphRunner:
         free0 = torch.cuda.mem_get_info(self.device)[0]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        # with tensor parallelism the NCCL watchdog thread queries events while this thread captures: only this
+        # thread's calls must be capturable
+        mode = "thread_local" if getattr(self.model, "tp", None) is not None and self.model.tp.enabled else "global"
+
+        def capture_one(run):
+            run()  # warm-up: lazy kernel selection and allocations happen here
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.mempool, stream=stream, capture_error_mode=mode):
+                out = run()
+            return graph, out
+
         with torch.cuda.stream(stream):
             for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
                 fb = self._static_batch(bs, [1] * bs)
                 meta = self.backend.prepare_for_capture(fb)  # plans happen outside the captured region
-                self._run(fb, meta)  # warm-up: lazy kernel selection and allocations happen here
-                graph = torch.cuda.CUDAGraph()
-                # with tensor parallelism the NCCL watchdog thread queries events while this thread captures:
-                # only this thread's calls must be capturable
-                mode = "thread_local" if getattr(self.model, "tp", None) is not None and self.model.tp.enabled \
-                    else "global"
-                with torch.cuda.graph(graph, pool=self.mempool, stream=stream, capture_error_mode=mode):
-                    self.logits[bs] = self._run(fb, meta)
+                self.graphs[bs], self.logits[bs] = capture_one(lambda: self._run(fb, meta))
                 self.meta[bs] = meta
-                self.graphs[bs] = graph
+            if self.verify is not None:
+                self.verify.capture(capture_one)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.capture_gib = (free0 - torch.cuda.mem_get_info(self.device)[0]) / (1 << 30)
         self.capture_s = round(time.perf_counter() - t0, 2)
-        logger.info("captured %d decode CUDA graphs (batch sizes 1..%d) in %.1fs, %.2f GiB",
-                    len(self.graphs), self.max_bs, self.capture_s, self.capture_gib)
+        logger.info("captured %d decode CUDA graphs (batch sizes 1..%d)%s in %.1fs, %.2f GiB",
+                    len(self.graphs), self.max_bs, "" if self.verify is None else
+                    f" and {len(self.verify.graphs)} verify graphs ({self.verify.q_len} tokens a request)",
+                    self.capture_s, self.capture_gib)
 
     def can_run(self, fb: ForwardBatch) -> bool:
         # a cascade step (prefix_groups set) plans two attention levels of its own: it runs eagerly

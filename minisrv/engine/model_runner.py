@@ -174,6 +174,7 @@ class ModelRunner:
             extend_lens_cpu=inp.extend_lens,
             max_seq_len=max(inp.seq_lens),
             prefix_groups=inp.prefix_groups,
+            verify=inp.verify,
         )
 
     def build_forward_batch(self, sb: ScheduledBatch) -> ForwardBatch:
@@ -183,8 +184,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [B, V] (the head's dtype) at each request's last token of the step."""
-        if fb.is_decode and self.graph_runner is not None and self.graph_runner.can_run(fb):
-            return self.graph_runner.replay(fb)
+        graphs = self.graph_runner
+        if fb.is_decode and graphs is not None and graphs.can_run(fb):
+            return graphs.replay(fb)
+        if fb.verify and graphs is not None and graphs.verify is not None and graphs.verify.can_run(fb):
+            return graphs.verify.replay(fb)
         hidden = self.model(fb.input_ids, fb.positions, self.backend.step(fb))
         return self.model.compute_logits(hidden[fb.logit_rows])
 

@@ -34,6 +34,7 @@ from .runner_parts import RunnerParts
 from .pooling import Pooler
 from .request import Request, SamplingParams
 from .sampler import fused_sampling_kernel
+from .speculative.speculator import speculation_batch_limit
 from .scheduler import ScheduledBatch
 
 logger = logging.getLogger("minisrv")
@@ -296,7 +297,9 @@ def _graph_runner(cfg: EngineConfig, model: torch.nn.Module, backend: Any, pad_r
                   context_length: int, device: torch.device) -> Any:
     from .cuda_graph import CudaGraphRunner, default_max_bs
     max_bs = min(cfg.cuda_graph_max_bs or default_max_bs(device), cfg.max_running_requests)
-    return CudaGraphRunner(model, backend, pad_row, pad_slot, max_bs, context_length, device)
+    verify_q_len = cfg.speculative_num_draft_tokens if cfg.speculative_algorithm is not None else 0
+    return CudaGraphRunner(model, backend, pad_row, pad_slot, max_bs, context_length, device, verify_q_len,
+                           speculation_batch_limit(cfg, device.type))
 
 
 def _cascade_policy(cfg: EngineConfig, backend: Any, backend_name: str, pool: KVPool,

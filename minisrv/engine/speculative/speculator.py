@@ -107,13 +107,20 @@ class Speculator:
         b.resume_at = self._steps + min(1 << (b.misses - 1), MAX_BACKOFF_STEPS)
 
 
+def speculation_batch_limit(cfg: EngineConfig, device_type: str) -> int:
+    """The largest decode batch that drafts (0: speculation off)."""
+    if cfg.speculative_algorithm is None:
+        return 0
+    limit = cfg.speculative_disable_by_batch_size
+    return DEFAULT_DISABLE_BY_BATCH_SIZE.get(device_type, DEFAULT_DISABLE_BY_BATCH_SIZE["cuda"]) \
+        if limit is None else limit
+
+
 def make_speculator(cfg: EngineConfig, device_type: str) -> Optional[Speculator]:
     """The engine's speculator from its settings (None: speculation off)."""
     if cfg.speculative_algorithm is None:
         return None
-    limit = cfg.speculative_disable_by_batch_size
-    if limit is None:
-        limit = DEFAULT_DISABLE_BY_BATCH_SIZE.get(device_type, DEFAULT_DISABLE_BY_BATCH_SIZE["cuda"])
+    limit = speculation_batch_limit(cfg, device_type)
     drafts = cfg.speculative_num_draft_tokens - 1
     proposer = NgramProposer(drafts, cfg.speculative_ngram_min_match_window_size,
                              cfg.speculative_ngram_max_match_window_size)
