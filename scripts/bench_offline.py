@@ -16,7 +16,17 @@ Workloads (`--workload`):
         2 x 512 on a CPU), R requests on each (32; 8 on a CPU) with a random suffix of 16-256 tokens, output
         randint(32, 128) tokens (16 on a CPU; --max-output-len raises the top), temperature 0.6, ignore_eos, the
         requests shuffled with a fixed seed.
-One warm-up generate first; the clock covers one `generate` call.
+  code-edit  a source file and an instruction to rewrite it whole with one small change (rename its first function
+        or class, or add a line to its docstring), so that the answer mostly copies the prompt, as agents that edit
+        files do: --num-prompts (4) Python files of 60-150 lines from minisrv/, chosen with a fixed seed, each in a
+        chat-templated prompt followed by the answer's start (a code fence and the file's first three lines); greedy,
+        up to --max-output-len (1024) tokens, ended by the model's end of turn. Meant
+        for a real model (the default one on a CPU); the share of output tokens inside an 8-gram that also occurs in
+        the prompt (what drafting from the context can propose) is printed.
+One warm-up generate first; the clock covers one `generate` call, or with --sequential one call a request (the clock
+over all of them: single-stream speed). With speculative decoding on (--speculative-algorithm), the output line adds
+the drafts' acceptance rate (accepted / drafted tokens) and the mean accepted length (tokens a request gains per
+verify step, the target's own next token included) over the timed run.
 
 `--json-schema [SCHEMA]` generates every request of the workload under a JSON schema (SamplingParams.json_schema;
 without a value, BENCH_SCHEMA: one object with one string field), to price structured outputs: each step fills
@@ -30,6 +40,7 @@ between the two), and both speeds are printed.
   python scripts/bench_offline.py                                  # default model, CPU workload, HF baseline
   python scripts/bench_offline.py --model /tmp/qwen3 --attention-backend fa,fi   # on a GPU: the nano workload
   python scripts/bench_offline.py --json-schema                    # the same workload, every request constrained
+  python scripts/bench_offline.py --workload code-edit --sequential --speculative-algorithm NGRAM
 """
 from __future__ import annotations
 
@@ -37,7 +48,6 @@ import argparse
 import dataclasses
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -51,49 +61,14 @@ from minisrv.engine.phase_timer import time_phases  # noqa: E402
 from minisrv.engine.request import SamplingParams  # noqa: E402
 from minisrv.utils import freeze_startup_heap  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from offline_workloads import (code_edit_workload, copied_fraction, cpu_workload, nano_workload,  # noqa: E402
+                               prefix_workload, shared_workload)
+
 
 # The schema of --json-schema without a value: a model writes `{"text": "` and then stays inside the string, where
 # nearly every token is allowed, until it writes a quote; the object's grammar work is that of typical JSON output.
 BENCH_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
-
-
-def nano_workload(n: int, in_range, out_range, seed: int = 0):
-    random.seed(seed)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(*in_range))] for _ in range(n)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(*out_range))
-              for _ in range(n)]
-    return prompts, params
-
-
-def shared_workload(n: int, num_systems: int = 8, seed: int = 0):
-    random.seed(seed)
-    systems = [[random.randint(0, 10000) for _ in range(random.randint(800, 1200))] for _ in range(num_systems)]
-    prompts = [systems[i % num_systems] + [random.randint(0, 10000) for _ in range(random.randint(20, 200))]
-               for i in range(n)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(50, 300)) for _ in range(n)]
-    order = list(range(n))
-    random.shuffle(order)
-    return [prompts[i] for i in order], [params[i] for i in order]
-
-
-def prefix_workload(num_prefixes: int, prefix_len: int, per_prefix: int, out_range, seed: int = 0):
-    random.seed(seed)
-    prefixes = [[random.randint(0, 10000) for _ in range(prefix_len)] for _ in range(num_prefixes)]
-    prompts, params = [], []
-    for p in prefixes:
-        for _ in range(per_prefix):
-            prompts.append(p + [random.randint(0, 10000) for _ in range(random.randint(16, 256))])
-            params.append(SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(*out_range)))
-    order = list(range(len(prompts)))
-    random.shuffle(order)
-    return [prompts[i] for i in order], [params[i] for i in order]
-
-
-def cpu_workload(n: int, in_range, out_len: int, seed: int = 0):
-    random.seed(seed)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(*in_range))] for _ in range(n)]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=out_len) for _ in range(n)]
-    return prompts, params
 
 
 def hf_model(llm):
@@ -175,10 +150,29 @@ def print_steps(trace) -> None:
               f"{sum(ts):7.2f}")
 
 
+SPEC_COUNTERS = ("spec_verify_steps", "spec_verified_requests", "spec_draft_tokens", "spec_accepted_tokens")
+
+
+def speculation_stats(eng, before, after):
+    """The speculative counters of engine.stats() over a run (after - before), with the acceptance rate (accepted /
+    drafted tokens) and the mean accepted length (tokens a request gained per verify step, the target's next token
+    included); None where speculation is off."""
+    if getattr(eng, "speculator", None) is None:
+        return None
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
+    return {"spec_algorithm": eng.config.speculative_algorithm,
+            "spec_num_draft_tokens": eng.config.speculative_num_draft_tokens, **d,
+            "spec_acceptance_rate": round(d["spec_accepted_tokens"] / max(d["spec_draft_tokens"], 1), 4),
+            "spec_mean_accepted_length": round((d["spec_accepted_tokens"] + d["spec_verified_requests"])
+                                               / max(d["spec_verified_requests"], 1), 3)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineConfig.add_cli_args(p)
-    p.add_argument("--workload", choices=("auto", "nano", "cpu", "shared", "prefix"), default="auto")
+    p.add_argument("--workload", choices=("auto", "nano", "cpu", "shared", "prefix", "code-edit"), default="auto")
+    p.add_argument("--sequential", action="store_true",
+                   help="one generate call a request, one after another (the clock over all of them)")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--min-input-len", type=int, default=None)
     p.add_argument("--max-input-len", type=int, default=None)
@@ -212,18 +206,22 @@ def main() -> int:
         n = a.num_prompts or 256
         prompts, params = nano_workload(n, (a.min_input_len or 100, a.max_input_len or 1024),
                                         (a.min_output_len or 100, a.max_output_len or 1024))
+    elif workload == "code-edit":
+        n = a.num_prompts or 4
+        prompts, params = [], []  # built from the model's chat template once it is loaded
     else:
         n = a.num_prompts or 32
         prompts, params = cpu_workload(n, (a.min_input_len or 64, a.max_input_len or 256), a.max_output_len or 64)
-
-    if a.json_schema is not None:
-        params = [dataclasses.replace(sp, json_schema=a.json_schema) for sp in params]
 
     from minisrv.llm import LLM
     t_start = time.perf_counter()
     llm = LLM(**vars(EngineConfig.from_args(a)))
     t_ready = time.perf_counter() - t_start
     eng = llm.engine
+    if workload == "code-edit":
+        prompts, params = code_edit_workload(llm, n, a.max_output_len or 1024)
+    if a.json_schema is not None:
+        params = [dataclasses.replace(sp, json_schema=a.json_schema) for sp in params]
     vocab = eng.parts.args.vocab_size
     prompts = [[t % vocab for t in pr] for pr in prompts]
     # warm-up (with the schema: its grammar is compiled here, as a server that has seen it once has it cached)
@@ -240,9 +238,14 @@ def main() -> int:
         import cProfile
         cprof = cProfile.Profile()
         cprof.enable()
+    stats_before = eng.stats()
     t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    if a.sequential:
+        outs = [out for pr, sp in zip(prompts, params) for out in llm.generate([pr], [sp], use_tqdm=False)]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t
+    spec = speculation_stats(eng, stats_before, eng.stats())
     if cprof is not None:
         import pstats
         cprof.disable()
@@ -267,8 +270,11 @@ def main() -> int:
         "host_wait_s": round(eng.runner.wait_s, 3),
         "radix_cache": eng.cache is not None, "cache_hit_rate": round(eng.num_cached_prompt_tokens / in_tokens, 3),
         "cascade_attention": eng.runner.cascade is not None, "cascade_steps": eng.runner.num_cascade_steps,
-        "tp_size": eng.config.tp_size,
+        "tp_size": eng.config.tp_size, "sequential": a.sequential, **(spec or {}),
     }
+    if workload == "code-edit":
+        copied = sum(copied_fraction(o.prompt_token_ids, o.token_ids) * len(o.token_ids) for o in outs)
+        result["copied_8gram_fraction"] = round(copied / max(out_tokens, 1), 3)
     if a.json_schema is not None:
         print(f"workload {workload}, CONSTRAINED: every request under the JSON schema {a.json_schema}; "
               f"{by_grammar} of {n} requests ended by the grammar")
@@ -280,7 +286,14 @@ def main() -> int:
           f"{result['retractions']} retractions; graph capture {result['graph_capture_s']}s; "
           f"host waited for the device {eng.runner.wait_s:.2f}s; prefix cache "
           f"{'hit rate ' + format(result['cache_hit_rate'], '.1%') if eng.cache is not None else 'off'}"
-          + (f"; {result['cascade_steps']} cascade decode steps" if result["cascade_attention"] else ""))
+          + (f"; {result['cascade_steps']} cascade decode steps" if result["cascade_attention"] else "")
+          + (f"; {n} requests one at a time" if a.sequential else "")
+          + (f"; output tokens inside an 8-gram of the prompt {result['copied_8gram_fraction']:.1%}"
+             if workload == "code-edit" else "")
+          + (f"; speculation {spec['spec_algorithm']} ({spec['spec_num_draft_tokens']} tokens scored a request "
+             f"a verify step): acceptance rate {spec['spec_acceptance_rate']:.1%}, mean accepted length "
+             f"{spec['spec_mean_accepted_length']:.2f} over {spec['spec_verify_steps']} verify steps"
+             if spec is not None else ""))
     if a.profile:
         tm = timings
         total = sum(tm.values())

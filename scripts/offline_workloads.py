@@ -1,0 +1,124 @@
+"""The request sets of scripts/bench_offline.py (its docstring says what each one is), built from fixed seeds so that
+every run of a workload asks for the same work."""
+from __future__ import annotations
+
+import os
+import random
+import re
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+from minisrv.engine.request import SamplingParams
+
+Workload = Tuple[List[List[int]], List[SamplingParams]]
+
+
+def nano_workload(n: int, in_range, out_range, seed: int = 0) -> Workload:
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(*in_range))] for _ in range(n)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(*out_range))
+              for _ in range(n)]
+    return prompts, params
+
+
+def shared_workload(n: int, num_systems: int = 8, seed: int = 0) -> Workload:
+    random.seed(seed)
+    systems = [[random.randint(0, 10000) for _ in range(random.randint(800, 1200))] for _ in range(num_systems)]
+    prompts = [systems[i % num_systems] + [random.randint(0, 10000) for _ in range(random.randint(20, 200))]
+               for i in range(n)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(50, 300)) for _ in range(n)]
+    order = list(range(n))
+    random.shuffle(order)
+    return [prompts[i] for i in order], [params[i] for i in order]
+
+
+def prefix_workload(num_prefixes: int, prefix_len: int, per_prefix: int, out_range, seed: int = 0) -> Workload:
+    random.seed(seed)
+    prefixes = [[random.randint(0, 10000) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    prompts, params = [], []
+    for p in prefixes:
+        for _ in range(per_prefix):
+            prompts.append(p + [random.randint(0, 10000) for _ in range(random.randint(16, 256))])
+            params.append(SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(*out_range)))
+    order = list(range(len(prompts)))
+    random.shuffle(order)
+    return [prompts[i] for i in order], [params[i] for i in order]
+
+
+def cpu_workload(n: int, in_range, out_len: int, seed: int = 0) -> Workload:
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(*in_range))] for _ in range(n)]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=out_len) for _ in range(n)]
+    return prompts, params
+
+
+# --- code-edit: rewrite a source file whole with one small change, so that the answer mostly copies the prompt ---
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def code_edit_sources(n: int, min_lines: int = 60, max_lines: int = 150, seed: int = 0) -> List[Tuple[str, str]]:
+    """n (path, text) pairs: Python files of minisrv/ of min_lines..max_lines lines, chosen with a fixed seed from
+    the sorted list (cycled when n is larger than the list)."""
+    files = []
+    for path in sorted((REPO_ROOT / "minisrv").rglob("*.py")):
+        text = path.read_text()
+        if min_lines <= text.count("\n") <= max_lines:
+            files.append((str(path.relative_to(REPO_ROOT)), text))
+    if not files:
+        raise RuntimeError(f"no file of {min_lines}-{max_lines} lines under {REPO_ROOT / 'minisrv'}")
+    order = random.Random(seed).sample(range(len(files)), len(files))
+    return [files[order[i % len(files)]] for i in range(n)]
+
+
+def edit_instruction(path: str, text: str, i: int) -> str:
+    """One small change to ask of file number i: renaming its first function or class, or adding a line to its
+    module docstring, in turn (the docstring line where the file defines no such name)."""
+    funcs = re.findall(r"^\s*def ([A-Za-z_]\w*)\(", text, re.M)
+    classes = re.findall(r"^class ([A-Za-z_]\w*)", text, re.M)
+    kind = i % 3
+    if kind == 0 and funcs:
+        name = next((f for f in funcs if not f.startswith("__")), funcs[0])
+        return f"Rename the function `{name}` to `{name.strip('_')}_renamed`, here and wherever the file uses it."
+    if kind == 1 and classes:
+        return f"Rename the class `{classes[0]}` to `{classes[0]}V2`, here and wherever the file uses it."
+    module = os.path.splitext(path)[0].replace(os.sep, ".")
+    return f"Add the line `Module: {module}.` as the last line of the module docstring."
+
+
+CODE_EDIT_SYSTEM = ("You are a careful code editor. You copy the file exactly, line by line, making only the change "
+                    "asked for.")
+ANSWER_HEAD_LINES = 3  # the file's first lines, given as the start of the answer
+
+
+def code_edit_messages(path: str, text: str, i: int) -> List[Dict[str, str]]:
+    return [{"role": "system", "content": CODE_EDIT_SYSTEM},
+            {"role": "user", "content": f"Here is the file {path}:\n\n```python\n{text}```\n\n"
+                                        f"{edit_instruction(path, text, i)} Change nothing else. Reply with the "
+                                        f"complete rewritten file."}]
+
+
+def code_edit_workload(llm, n: int, max_tokens: int) -> Workload:
+    """Chat-templated prompts for `llm` (minisrv.LLM), each followed by the start of its answer: a code fence and
+    the file's first ANSWER_HEAD_LINES lines (asked cold, a small model such as SmolLM2-135M tends to describe the
+    file or wander off after a few lines; once its answer has started as a copy, it goes on copying). Greedy, ended
+    by the model's end of turn or max_tokens."""
+    prompts = []
+    for i, (path, text) in enumerate(code_edit_sources(n)):
+        head = "".join(text.splitlines(True)[:ANSWER_HEAD_LINES])
+        answer_start = llm.tokenizer("```python\n" + head, add_special_tokens=False).input_ids
+        prompts.append(llm.encode_chat(code_edit_messages(path, text, i)) + answer_start)
+    return prompts, [SamplingParams(temperature=0.0, max_tokens=max_tokens) for _ in prompts]
+
+
+def copied_fraction(prompt: Sequence[int], output: Sequence[int], n: int = 8) -> float:
+    """The share of output tokens that lie inside some n-gram of the output that also occurs in the prompt: how much
+    of the answer copies its input, the part a drafter that looks up the context can propose."""
+    if len(output) < n:
+        return 0.0
+    grams = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
+    covered = [False] * len(output)
+    for i in range(len(output) - n + 1):
+        if tuple(output[i:i + n]) in grams:
+            covered[i:i + n] = [True] * n
+    return sum(covered) / len(output)
