@@ -18,11 +18,12 @@ Workloads (`--workload`):
         requests shuffled with a fixed seed.
   code-edit  a source file and an instruction to rewrite it whole with one small change (rename its first function
         or class, or add a line to its docstring), so that the answer mostly copies the prompt, as agents that edit
-        files do: --num-prompts (4) Python files of 60-150 lines from minisrv/, chosen with a fixed seed, each in a
+        files do: --num-prompts (4) Python files of 60-150 lines from minisrv/ (in their paths' hash order), each in a
         chat-templated prompt followed by the answer's start (a code fence and the file's first three lines); greedy,
-        up to --max-output-len (1024) tokens, ended by the model's end of turn. Meant
-        for a real model (the default one on a CPU); the share of output tokens inside an 8-gram that also occurs in
-        the prompt (what drafting from the context can propose) is printed.
+        up to --max-output-len (1024) tokens, ended by the model's end of turn. Meant for a real model (the default
+        one on a CPU). Printed: the share of output tokens inside an 8-gram that also occurs in the prompt (what
+        drafting from the context can propose, a loop over one line included) and the share copied from the prompt
+        in order (difflib's alignment: a small model's answer often falls into a loop).
 One warm-up generate first; the clock covers one `generate` call, or with --sequential one call a request (the clock
 over all of them: single-stream speed). With speculative decoding on (--speculative-algorithm), the output line adds
 the drafts' acceptance rate (accepted / drafted tokens) and the mean accepted length (tokens a request gains per
@@ -62,8 +63,8 @@ from minisrv.engine.request import SamplingParams  # noqa: E402
 from minisrv.utils import freeze_startup_heap  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from offline_workloads import (code_edit_workload, copied_fraction, cpu_workload, nano_workload,  # noqa: E402
-                               prefix_workload, shared_workload)
+from offline_workloads import (code_edit_workload, copied_fraction, copied_in_order_fraction,  # noqa: E402
+                               cpu_workload, nano_workload, prefix_workload, shared_workload)
 
 
 # The schema of --json-schema without a value: a model writes `{"text": "` and then stays inside the string, where
@@ -153,18 +154,18 @@ def print_steps(trace) -> None:
 SPEC_COUNTERS = ("spec_verify_steps", "spec_verified_requests", "spec_draft_tokens", "spec_accepted_tokens")
 
 
-def speculation_stats(eng, before, after):
-    """The speculative counters of engine.stats() over a run (after - before), with the acceptance rate (accepted /
-    drafted tokens) and the mean accepted length (tokens a request gained per verify step, the target's next token
-    included); None where speculation is off."""
-    if getattr(eng, "speculator", None) is None:
-        return None
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
-    return {"spec_algorithm": eng.config.speculative_algorithm,
-            "spec_num_draft_tokens": eng.config.speculative_num_draft_tokens, **d,
-            "spec_acceptance_rate": round(d["spec_accepted_tokens"] / max(d["spec_draft_tokens"], 1), 4),
-            "spec_mean_accepted_length": round((d["spec_accepted_tokens"] + d["spec_verified_requests"])
-                                               / max(d["spec_verified_requests"], 1), 3)}
+def speculation_counters(before, after):
+    """The speculative counters of engine.stats() over a run: after - before."""
+    return {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
+
+
+def speculation_figures(counters):
+    """The drafts' acceptance rate (accepted / drafted tokens) and the mean accepted length (tokens a request gained
+    per verify step, the target's next token included); None where nothing was drafted or verified."""
+    drafted, accepted, verified = (counters[k] for k in ("spec_draft_tokens", "spec_accepted_tokens",
+                                                         "spec_verified_requests"))
+    return {"acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+            "mean_accepted_length": round((accepted + verified) / verified, 3) if verified else None}
 
 
 def main() -> int:
@@ -245,7 +246,12 @@ def main() -> int:
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t
-    spec = speculation_stats(eng, stats_before, eng.stats())
+    spec = None
+    if getattr(eng, "speculator", None) is not None:
+        counters = speculation_counters(stats_before, eng.stats())
+        spec = {"spec_algorithm": eng.config.speculative_algorithm,
+                "spec_num_draft_tokens": eng.config.speculative_num_draft_tokens, **counters,
+                **{"spec_" + k: v for k, v in speculation_figures(counters).items()}}
     if cprof is not None:
         import pstats
         cprof.disable()
@@ -273,8 +279,10 @@ def main() -> int:
         "tp_size": eng.config.tp_size, "sequential": a.sequential, **(spec or {}),
     }
     if workload == "code-edit":
-        copied = sum(copied_fraction(o.prompt_token_ids, o.token_ids) * len(o.token_ids) for o in outs)
-        result["copied_8gram_fraction"] = round(copied / max(out_tokens, 1), 3)
+        for key, share in (("copied_8gram_fraction", copied_fraction), ("copied_in_order_fraction",
+                                                                         copied_in_order_fraction)):
+            copied = sum(share(o.prompt_token_ids, o.token_ids) * len(o.token_ids) for o in outs)
+            result[key] = round(copied / max(out_tokens, 1), 3)
     if a.json_schema is not None:
         print(f"workload {workload}, CONSTRAINED: every request under the JSON schema {a.json_schema}; "
               f"{by_grammar} of {n} requests ended by the grammar")
@@ -288,11 +296,12 @@ def main() -> int:
           f"{'hit rate ' + format(result['cache_hit_rate'], '.1%') if eng.cache is not None else 'off'}"
           + (f"; {result['cascade_steps']} cascade decode steps" if result["cascade_attention"] else "")
           + (f"; {n} requests one at a time" if a.sequential else "")
-          + (f"; output tokens inside an 8-gram of the prompt {result['copied_8gram_fraction']:.1%}"
-             if workload == "code-edit" else "")
+          + (f"; output tokens inside an 8-gram of the prompt {result['copied_8gram_fraction']:.1%}, copied from "
+             f"it in order {result['copied_in_order_fraction']:.1%}" if workload == "code-edit" else "")
           + (f"; speculation {spec['spec_algorithm']} ({spec['spec_num_draft_tokens']} tokens scored a request "
-             f"a verify step): acceptance rate {spec['spec_acceptance_rate']:.1%}, mean accepted length "
-             f"{spec['spec_mean_accepted_length']:.2f} over {spec['spec_verify_steps']} verify steps"
+             f"a verify step): " + (f"acceptance rate {spec['spec_acceptance_rate']:.1%}, mean accepted length "
+                                    f"{spec['spec_mean_accepted_length']:.2f} over {spec['spec_verify_steps']} "
+                                    f"verify steps" if spec["spec_verify_steps"] else "no verify step")
              if spec is not None else ""))
     if a.profile:
         tm = timings

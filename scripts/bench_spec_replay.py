@@ -42,7 +42,8 @@ import torch  # noqa: E402
 from minisrv.config import EngineConfig  # noqa: E402
 from minisrv.engine.request import SamplingParams  # noqa: E402
 
-SPEC_COUNTERS = ("spec_verify_steps", "spec_verified_requests", "spec_draft_tokens", "spec_accepted_tokens")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_offline import speculation_counters, speculation_figures  # noqa: E402
 
 
 class ReplayProposer:
@@ -98,8 +99,7 @@ def timed_generate(llm, prompts: List[List[int]], output_len: int):
         t = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         dt = time.perf_counter() - t
-    after = eng.stats()
-    return [list(o.token_ids) for o in outs], dt, {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
+    return [list(o.token_ids) for o in outs], dt, speculation_counters(before, eng.stats())
 
 
 def replay_run(llm, prompts: List[List[int]], recorded: List[List[int]], acceptance: float, seed: int = 0):
@@ -109,13 +109,6 @@ def replay_run(llm, prompts: List[List[int]], recorded: List[List[int]], accepta
     llm.engine.speculator.proposer = ReplayProposer({tuple(p): o for p, o in zip(prompts, recorded)}, vocab,
                                                     acceptance, seed)
     return timed_generate(llm, prompts, len(recorded[0]))
-
-
-def speculation_figures(counters: Dict[str, int]) -> Dict[str, float]:
-    drafted, accepted, verified = (counters[k] for k in ("spec_draft_tokens", "spec_accepted_tokens",
-                                                         "spec_verified_requests"))
-    return {"acceptance_rate": round(accepted / drafted, 4) if drafted else None,
-            "mean_accepted_length": round((accepted + verified) / verified, 3) if verified else None}
 
 
 def engine_kwargs(a: argparse.Namespace, speculative: bool) -> dict:

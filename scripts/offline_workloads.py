@@ -2,6 +2,8 @@
 every run of a workload asks for the same work."""
 from __future__ import annotations
 
+import difflib
+import hashlib
 import os
 import random
 import re
@@ -57,9 +59,9 @@ def cpu_workload(n: int, in_range, out_len: int, seed: int = 0) -> Workload:
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def code_edit_sources(n: int, min_lines: int = 60, max_lines: int = 150, seed: int = 0) -> List[Tuple[str, str]]:
-    """n (path, text) pairs: Python files of minisrv/ of min_lines..max_lines lines, chosen with a fixed seed from
-    the sorted list (cycled when n is larger than the list)."""
+def code_edit_sources(n: int, min_lines: int = 60, max_lines: int = 150) -> List[Tuple[str, str]]:
+    """n (path, text) pairs: the Python files of minisrv/ of min_lines..max_lines lines, in the order of their
+    paths' SHA-256 (a file added or removed elsewhere leaves the choice as it was), cycled when n is larger."""
     files = []
     for path in sorted((REPO_ROOT / "minisrv").rglob("*.py")):
         text = path.read_text()
@@ -67,8 +69,8 @@ def code_edit_sources(n: int, min_lines: int = 60, max_lines: int = 150, seed: i
             files.append((str(path.relative_to(REPO_ROOT)), text))
     if not files:
         raise RuntimeError(f"no file of {min_lines}-{max_lines} lines under {REPO_ROOT / 'minisrv'}")
-    order = random.Random(seed).sample(range(len(files)), len(files))
-    return [files[order[i % len(files)]] for i in range(n)]
+    files.sort(key=lambda f: hashlib.sha256(f[0].encode()).hexdigest())
+    return [files[i % len(files)] for i in range(n)]
 
 
 def edit_instruction(path: str, text: str, i: int) -> str:
@@ -86,14 +88,11 @@ def edit_instruction(path: str, text: str, i: int) -> str:
     return f"Add the line `Module: {module}.` as the last line of the module docstring."
 
 
-CODE_EDIT_SYSTEM = ("You are a careful code editor. You copy the file exactly, line by line, making only the change "
-                    "asked for.")
 ANSWER_HEAD_LINES = 3  # the file's first lines, given as the start of the answer
 
 
 def code_edit_messages(path: str, text: str, i: int) -> List[Dict[str, str]]:
-    return [{"role": "system", "content": CODE_EDIT_SYSTEM},
-            {"role": "user", "content": f"Here is the file {path}:\n\n```python\n{text}```\n\n"
+    return [{"role": "user", "content": f"Here is the file {path}:\n\n```python\n{text}```\n\n"
                                         f"{edit_instruction(path, text, i)} Change nothing else. Reply with the "
                                         f"complete rewritten file."}]
 
@@ -113,7 +112,7 @@ def code_edit_workload(llm, n: int, max_tokens: int) -> Workload:
 
 def copied_fraction(prompt: Sequence[int], output: Sequence[int], n: int = 8) -> float:
     """The share of output tokens that lie inside some n-gram of the output that also occurs in the prompt: how much
-    of the answer copies its input, the part a drafter that looks up the context can propose."""
+    of the answer a drafter that looks up the context can propose. A loop over a line of the prompt counts whole."""
     if len(output) < n:
         return 0.0
     grams = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
@@ -122,3 +121,10 @@ def copied_fraction(prompt: Sequence[int], output: Sequence[int], n: int = 8) ->
         if tuple(output[i:i + n]) in grams:
             covered[i:i + n] = [True] * n
     return sum(covered) / len(output)
+
+
+def copied_in_order_fraction(prompt: Sequence[int], output: Sequence[int]) -> float:
+    """The share of output tokens matched, in order, to the prompt's (difflib's matching blocks): the answer's copy
+    of its input, each prompt token counted at most once, so that a loop over one line is not taken for a copy."""
+    blocks = difflib.SequenceMatcher(None, list(prompt), list(output), autojunk=False).get_matching_blocks()
+    return sum(b.size for b in blocks) / max(len(output), 1)

@@ -71,6 +71,14 @@ def test_copied_fraction_counts_output_tokens_inside_prompt_ngrams():
         assert workloads.copied_fraction(prompt, output, n) == pytest.approx(expected)
 
 
+def test_copied_in_order_fraction_counts_a_loop_once():
+    workloads = load_script("offline_workloads")
+    prompt = [9, 1, 2, 3, 4, 5, 9]
+    assert workloads.copied_in_order_fraction(prompt, [1, 2, 3, 4, 5]) == 1.0
+    assert workloads.copied_in_order_fraction(prompt, [1, 2, 3] * 4) == pytest.approx(3 / 12)
+    assert workloads.copied_in_order_fraction(prompt, [7, 1, 2, 8, 4, 5]) == pytest.approx(4 / 6)
+
+
 def test_code_edit_sources_are_fixed_and_of_the_asked_length():
     workloads = load_script("offline_workloads")
     chosen = workloads.code_edit_sources(6)
