@@ -48,19 +48,26 @@ class ReplayProposer:
         pass
 
 
-def run(path, prompts, params, spec=False, corrupt=None, runs=None, optimistic=False, **kw):
+def run(path, prompts, params, spec=False, corrupt=None, runs=None, optimistic=False, overlap=False, **kw):
     """Outputs and stats of one engine's generate, its pool checked after every step (speculation on with `spec`;
     with `runs`, drafts replayed from them; `optimistic`: admission as after a long run of uneventful decoding, so
-    that a small pool runs out and decoding must retract)."""
+    that a small pool runs out and decoding must retract; `overlap`: the next step launched before the previous
+    one's tokens are read, as on a GPU)."""
     llm = make_llm(path, **(SPEC if spec else {}), **kw)
     if optimistic:
         llm.engine.scheduler.new_token_ratio = MIN_NEW_TOKEN_RATIO
     if runs is not None:
         llm.engine.speculator.proposer = ReplayProposer(runs, vocab_of(path), corrupt)
-    watch = EngineWatch(llm.engine)
+    eng = llm.engine
+    eng.overlap = overlap
+    failed = []  # no step may fail (a failed step is retried alone: the tokens would hide it)
+    step_failed = eng._step_failed
+    eng._step_failed = lambda reqs, e: failed.append(e) or step_failed(reqs, e)
+    watch = EngineWatch(eng)
     outs = llm.generate(prompts, params, use_tqdm=False)
     watch.assert_idle()
-    return outs, llm.engine.stats()
+    assert not failed, failed
+    return outs, eng.stats()
 
 
 def replayed(path, prompts, params, corrupt, **kw):
@@ -90,6 +97,17 @@ def test_greedy_tokens_are_the_plain_runs(tiny_model, arch, corrupt):
     else:  # every draft kept: each step gains its drafts and the target's own token
         assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"]
         assert stats["spec_verify_steps"] < 30 / 4
+
+
+@pytest.mark.parametrize("corrupt", [0.5, 1.0])
+def test_with_overlap_drafts_wait_for_every_token(tiny_model, corrupt):
+    """With the next step launched before the previous one's tokens are read, a request whose drafts keep missing
+    backs off and decodes overlapped; when it drafts again its tokens are brought back first (no step fails)."""
+    path = tiny_model("llama")
+    prompts = make_prompts(vocab_of(path), [12, 7], seed=5)
+    plain, spec, stats = replayed(path, prompts, greedy(60), corrupt, overlap=True)
+    same(plain, spec)
+    assert stats["spec_verify_steps"] > 3
 
 
 def test_seeded_sampling_and_logprobs_are_the_plain_runs(tiny_model):
@@ -137,7 +155,7 @@ def test_retraction_prefix_cache_and_chunked_prefill(tiny_model):
     path = tiny_model("llama")
     head = make_prompts(vocab_of(path), [40], seed=2)[0]
     prompts = [head + p for p in make_prompts(vocab_of(path), [30, 45, 20, 38], seed=9)]
-    kw = dict(disable_radix_cache=False, max_total_tokens=300, chunked_prefill_size=32, page_size=4, optimistic=True)
+    kw = dict(disable_radix_cache=False, max_total_tokens=250, chunked_prefill_size=32, page_size=4, optimistic=True)
     params = greedy(60, prompt_logprobs=1)
     plain, spec, stats = replayed(path, prompts, params, corrupt=0.2, **kw)
     same(plain, spec)
@@ -163,6 +181,7 @@ class _Req:
     def __init__(self, rid, needs=False, out=0, max_new=100):
         self.rid, self.needs_accepted_tokens = rid, needs
         self.all_ids, self.num_output_tokens, self.max_new_tokens = [1, 2, 3], out, max_new
+        self.num_pending = 0
 
 
 class _WrongProposer:

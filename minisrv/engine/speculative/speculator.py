@@ -70,17 +70,22 @@ class Speculator:
         return len(running) <= self.disable_by_batch_size and any(self._may_draft(r) for r in running)
 
     def drafts(self, reqs: List[Request]) -> Optional[List[List[int]]]:
-        """Each decoding request's draft ([] for one that does not draft this step), or None: none drafts."""
+        """Each decoding request's draft ([] for one that does not draft this step), or None: none drafts. A
+        request whose newest token is still on the device (wants_drafts said no, so the engine left it there)
+        never drafts: its history is not known yet. A step is counted after the choice, so that wants_drafts
+        before the step and this choice in it agree."""
         if len(reqs) > self.disable_by_batch_size:
             return None
-        self._steps += 1
         out: List[List[int]] = []
         for r in reqs:
             room = min(self.max_drafts, r.max_new_tokens - r.num_output_tokens - 1)
-            draft = self.proposer.propose(r.rid, r.all_ids, room)[:room] if room > 0 and self._may_draft(r) else []
-            if not draft and room > 0 and self._may_draft(r):
-                self._missed(r.rid)  # nothing to propose: look again in a while
-            out.append(list(draft))
+            draft: List[int] = []
+            if room > 0 and not r.num_pending and self._may_draft(r):
+                draft = list(self.proposer.propose(r.rid, r.all_ids, room)[:room])
+                if not draft:
+                    self._missed(r.rid)  # nothing to propose: look again in a while
+            out.append(draft)
+        self._steps += 1
         return out if any(out) else None
 
     def verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
