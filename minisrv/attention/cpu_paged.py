@@ -1,6 +1,6 @@
 """The torch backend's CPU paths: decode that reads K/V in place in the paged pool, prompts packed without padding.
 
-Decode: one query per request; the C kernel (kernels/cpu_attention.py) follows each request's row of the
+Decode: one query per request (and a verify step's few queries per request, each as a decode row); the C kernel (kernels/cpu_attention.py) follows each request's row of the
 request->token table inside the attention, so no request's KV is copied out of the pool and nothing is padded. Its
 metadata (kernels/cpu_decode.DecodeMeta) carries the pool's views, so a model can run the step's layers in one call.
 Extend (prompts, chunks, prompts on a cached prefix): each sequence on its own through torch's SDPA, which on the
@@ -78,6 +78,8 @@ class CpuPagedAttention:
                 return None
             return DecodeMeta(b.out_cache_loc, b.req_rows.long(), b.seq_lens.to(torch.int32), self.flat_k,
                               self.flat_v, self.req_to_token, self.scale)
+        if b.verify and self.kernel is not None:
+            return self._verify_meta(b)
         seqs, start = [], 0
         for row, ext, seq_len in zip(b.req_rows.tolist(), b.extend_lens_cpu, b.seq_lens_cpu):
             slots = mask = None
@@ -88,6 +90,17 @@ class CpuPagedAttention:
             seqs.append(PackedSeq(start, ext, slots, mask))
             start += ext
         return PackedMeta(b.out_cache_loc, tuple(seqs))
+
+    def _verify_meta(self, b: ForwardBatch) -> DecodeMeta:
+        """A verify step as decode rows, one a token: query j of a request whose step ends at length s is a decode
+        query of its table row over s - n + j + 1 keys (all the step's K/V are stored before any is read), so the
+        few queries read K/V in place as decode does, and a model whose decode layers run in one call runs these
+        too."""
+        ext = b.extend_lens_cpu
+        rows = torch.repeat_interleave(b.req_rows.long(), torch.tensor(ext))
+        kv_lens = torch.tensor([s - n + j + 1 for s, n in zip(b.seq_lens_cpu, ext) for j in range(n)],
+                               dtype=torch.int32)
+        return DecodeMeta(b.out_cache_loc, rows, kv_lens, self.flat_k, self.flat_v, self.req_to_token, self.scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta) -> torch.Tensor:
         self.pool.store(layer_id, meta.loc, k, v)
