@@ -56,12 +56,18 @@ def main() -> int:
     weights = [[torch.randn(*s) for _ in range(a.layers)] for s in shapes] + [[torch.randn(*DEFAULT_HEAD)]]
     print(f"{how}; {torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     from minisrv.kernels.cpu_blocks import BlockKernels
-    from minisrv.models.gguf_blocks import GGUFBlocks, pack
+    from minisrv.models.gguf_blocks import packed_shape
     blocks, _ = BlockKernels.load()
-    packed = [[(pack(GGUFBlocks(torch.randint(0, 16, w.shape, dtype=torch.uint8),
-                                torch.rand(w.shape[0], w.shape[1] // 32) * 0.01,
-                                -torch.rand(w.shape[0], w.shape[1] // 32) * 0.05)), w.shape) for w in group]
-              for group in weights] if blocks is not None else None
+
+    def random_records(n: int, k: int) -> torch.Tensor:
+        """Records of random 4-bit values with small scales and offsets (d[4], m[4] float32, then the bytes)."""
+        rec = torch.randint(0, 16, packed_shape(n, k), dtype=torch.uint8)
+        dm = torch.cat([torch.rand(*rec.shape[:2], 4) * 0.01, -torch.rand(*rec.shape[:2], 4) * 0.05], dim=-1)
+        rec[..., :32] = dm.contiguous().view(torch.uint8).view(*rec.shape[:2], 32)
+        return rec
+
+    packed = [[(random_records(*w.shape), w.shape) for w in group] for group in weights] \
+        if blocks is not None else None
 
     def blocks_step(x, w):
         (p_, (n, k)) = w

@@ -13,6 +13,8 @@
 #   serving   bench_serving against a server: plain, half the requests constrained, the reasoning parser off / on
 #   startup   launch to the first chat answer, 0.6B and 8B shapes
 #   profile   where a decode step's time goes (torch profiler; the host's Python) on the three shapes
+#   spec      speculative decoding's verify path at a set acceptance (drafts replayed from a plain run: decode and
+#             verify on FA3, whose rounding matches, so a kept draft is the plain run's token), 0.6B, 8B, MoE half
 #   tp        two GPUs, Llama-3-8B shape: decode steps and the workload at tp 1, tp 2, tp 2 with the fused all-reduce;
 #             the fused all-reduce alone; where a tp 2 step goes
 # Each step's output is appended to $OUT/bench.log, results to $OUT/*.jsonl, and the output tok/s of every step that
@@ -20,7 +22,7 @@
 set -u
 TREES=.
 [ "${1:-}" = --ab ] && { TREES=". .baseline"; shift; }
-[ $# -gt 0 ] || { sed -n 2,19p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,21p "$0"; exit 2; }
 . scripts/gpu_env.sh
 Q=$MINISRV_GPU_CKPT L=/tmp/llama8b M=/tmp/moe JTOK=/tmp/json-tokenizer TTOK=/tmp/think-tokenizer
 
@@ -107,6 +109,11 @@ for suite in "$@"; do case $suite in
     bench profile-8b 300 bench_decode.py --model $L --graphs on --steps 16 --batch-sizes 1,64 --torch-profile
     bench profile-moe 300 bench_decode.py --model $M --graphs on --steps 8 --batch-sizes 1,256 --context 128 --torch-profile
     bench steps-moe 400 $OFFLINE --model $M --steps ;;
+  spec) checkpoints qwen3-0.6b llama3-8b qwen3-30b-a3b-half
+    SPEC="bench_spec_replay.py --attention-backend fa --batch-sizes 1,8,32,64 --acceptance 1.0,0.7,0.0"
+    bench spec-8b 400 $SPEC --model $L --json $OUT/spec.jsonl
+    bench spec-0.6b 300 $SPEC --model $Q --json $OUT/spec.jsonl
+    bench spec-moe 500 $SPEC --model $M --json $OUT/spec.jsonl ;;
   tp) checkpoints llama3-8b
     # FlashInfer's communication kernels (the fused all-reduce) build for minutes: beside the tp 1 runs
     background 600 python3 -c "from flashinfer.comm.trtllm_ar import get_trtllm_comm_module as g; g()" \
