@@ -14,7 +14,7 @@ NgramProposer; a benchmark may put its own in its place).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Protocol, Sequence
+from typing import Dict, List, Optional, Protocol, Sequence, Set
 
 from minisrv.config import EngineConfig
 
@@ -59,6 +59,7 @@ class Speculator:
         self.stats = SpeculationStats()
         self._steps = 0
         self._backoff: Dict[str, _Backoff] = {}
+        self._looked_up: Set[str] = set()  # requests the proposer has seen (their histories go to its store)
 
     def _may_draft(self, req: Request) -> bool:
         b = self._backoff.get(req.rid)
@@ -81,6 +82,7 @@ class Speculator:
             room = min(self.max_drafts, r.max_new_tokens - r.num_output_tokens - 1)
             draft: List[int] = []
             if room > 0 and not r.num_pending and self._may_draft(r):
+                self._looked_up.add(r.rid)
                 draft = list(self.proposer.propose(r.rid, r.all_ids, room)[:room])
                 if not draft:
                     self._missed(r.rid)  # nothing to propose: look again in a while
@@ -103,8 +105,12 @@ class Speculator:
         self.stats.verify_steps += 1
 
     def finished(self, req: Request) -> None:
+        """A request ended. Its history goes to the proposer's store only if it was ever looked up: a request that
+        only ran in large batches (no drafting) costs the engine loop nothing at its end."""
         self._backoff.pop(req.rid, None)
-        self.proposer.release(req.rid, req.all_ids)
+        if req.rid in self._looked_up:
+            self._looked_up.discard(req.rid)
+            self.proposer.release(req.rid, req.all_ids)
 
     def _missed(self, rid: str) -> None:
         b = self._backoff.setdefault(rid, _Backoff())
