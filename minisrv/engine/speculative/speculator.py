@@ -73,15 +73,18 @@ class Speculator:
     def drafts(self, reqs: List[Request]) -> Optional[List[List[int]]]:
         """Each decoding request's draft ([] for one that does not draft this step), or None: none drafts. A
         request whose newest token is still on the device (wants_drafts said no, so the engine left it there)
-        never drafts: its history is not known yet. A step is counted after the choice, so that wants_drafts
-        before the step and this choice in it agree."""
+        never drafts: its history is not known yet, and a verify step takes every input from the host, so then none
+        does. A step is counted after the choice, so that wants_drafts before the step and this choice agree."""
         if len(reqs) > self.disable_by_batch_size:
+            return None
+        if any(r.num_pending for r in reqs):
+            self._steps += 1
             return None
         out: List[List[int]] = []
         for r in reqs:
             room = min(self.max_drafts, r.max_new_tokens - r.num_output_tokens - 1)
             draft: List[int] = []
-            if room > 0 and not r.num_pending and self._may_draft(r):
+            if room > 0 and self._may_draft(r):
                 self._looked_up.add(r.rid)
                 draft = list(self.proposer.propose(r.rid, r.all_ids, room)[:room])
                 if not draft:
