@@ -108,7 +108,7 @@ def test_grammar_request_joining_an_overlapped_batch(qwen3):
     is read back: when launch returns, at most the new step's token is pending), every request gets the tokens it gets
     with overlap off, and once the grammar request is done a step is launched whole again (two tokens pending)."""
     prompts = make_prompts(vocab_of(qwen3), [7, 12], seed=9)
-    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     tens = SamplingParams(temperature=0.0, max_tokens=6, regex=TENS)
     results = {}
     for overlap in (False, True):

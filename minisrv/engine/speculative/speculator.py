@@ -23,7 +23,7 @@ from .ngram import NgramProposer
 
 # the largest decode batch that still drafts, by device, where --speculative-disable-by-batch-size is not given
 DEFAULT_DISABLE_BY_BATCH_SIZE = {"cuda": 32, "cpu": 4}
-MAX_BACKOFF_STEPS = 16  # a request whose drafts keep missing tries again after at most this many steps
+MAX_BACKOFF_STEPS = 64  # a request whose drafts keep missing tries again after at most this many steps
 
 
 class Proposer(Protocol):
