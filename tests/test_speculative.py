@@ -214,6 +214,23 @@ def test_speculator_backs_off_drafts_that_miss_and_skips_what_it_must():
     assert s.drafts([reqs[0]]) == [[7, 7, 7]]
 
 
+def test_adaptive_draft_length_follows_what_was_kept():
+    p = _WrongProposer()
+    s = Speculator(p, num_draft_tokens=5, disable_by_batch_size=4, adaptive_length=True)
+    r = _Req("a")
+    assert s.drafts([r]) == [[7] * 4]
+    s.verified(r, 4, 1)  # one kept: the next draft is two long
+    assert s.drafts([r]) == [[7] * 2]
+    s.verified(r, 2, 2)  # all kept: one longer, up to the most
+    assert s.drafts([r]) == [[7] * 3]
+    s.verified(r, 3, 3)
+    s.verified(r, 4, 4)
+    assert s.drafts([r]) == [[7] * 4]
+    fixed = Speculator(_WrongProposer(), num_draft_tokens=5, disable_by_batch_size=4)
+    fixed.verified(r, 4, 1)
+    assert fixed.drafts([r]) == [[7] * 4]
+
+
 def test_rejected_settings_are_errors_at_start():
     with pytest.raises(ValueError, match="speculative_algorithm"):
         EngineConfig(speculative_algorithm="MEDUSA")

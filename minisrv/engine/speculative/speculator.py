@@ -51,8 +51,11 @@ class _Backoff:
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, num_draft_tokens: int, disable_by_batch_size: int) -> None:
-        """num_draft_tokens: positions a verify step scores per request (its last token and the drafts)."""
+    def __init__(self, proposer: Proposer, num_draft_tokens: int, disable_by_batch_size: int,
+                 adaptive_length: bool = False) -> None:
+        """num_draft_tokens: positions a verify step scores per request (its last token and the drafts).
+        adaptive_length: a request's next draft is as long as its last draft's kept run plus one (up to the most),
+        where a verify step's cost grows with its tokens (the CPU, whose projections are compute-bound)."""
         self.proposer = proposer
         self.max_drafts = num_draft_tokens - 1
         self.disable_by_batch_size = disable_by_batch_size
@@ -60,6 +63,8 @@ class Speculator:
         self._steps = 0
         self._backoff: Dict[str, _Backoff] = {}
         self._looked_up: Set[str] = set()  # requests the proposer has seen (their histories go to its store)
+        self.adaptive_length = adaptive_length
+        self._lengths: Dict[str, int] = {}  # with adaptive_length: each request's next draft length
 
     def _may_draft(self, req: Request) -> bool:
         b = self._backoff.get(req.rid)
@@ -82,7 +87,7 @@ class Speculator:
             return None
         out: List[List[int]] = []
         for r in reqs:
-            room = min(self.max_drafts, r.max_new_tokens - r.num_output_tokens - 1)
+            room = min(self._lengths.get(r.rid, self.max_drafts), r.max_new_tokens - r.num_output_tokens - 1)
             draft: List[int] = []
             if room > 0 and self._may_draft(r):
                 self._looked_up.add(r.rid)
@@ -99,6 +104,8 @@ class Speculator:
         s.draft_tokens += num_drafted
         s.accepted_tokens += num_accepted
         if num_drafted:
+            if self.adaptive_length:
+                self._lengths[req.rid] = min(self.max_drafts, num_accepted + 1)
             if num_accepted:
                 self._backoff.pop(req.rid, None)
             else:
@@ -111,6 +118,7 @@ class Speculator:
         """A request ended. Its history goes to the proposer's store only if it was ever looked up: a request that
         only ran in large batches (no drafting) costs the engine loop nothing at its end."""
         self._backoff.pop(req.rid, None)
+        self._lengths.pop(req.rid, None)
         if req.rid in self._looked_up:
             self._looked_up.discard(req.rid)
             self.proposer.release(req.rid, req.all_ids)
@@ -138,4 +146,4 @@ def make_speculator(cfg: EngineConfig, device_type: str) -> Optional[Speculator]
     drafts = cfg.speculative_num_draft_tokens - 1
     proposer = NgramProposer(drafts, cfg.speculative_ngram_min_match_window_size,
                              cfg.speculative_ngram_max_match_window_size)
-    return Speculator(proposer, cfg.speculative_num_draft_tokens, limit)
+    return Speculator(proposer, cfg.speculative_num_draft_tokens, limit, adaptive_length=device_type == "cpu")
