@@ -210,6 +210,7 @@ def test_speculator_backs_off_drafts_that_miss_and_skips_what_it_must():
             s.verified(reqs[0], len(d[0]), 0)  # every draft missed
     assert tried <= 7  # waits of 1, 2, 4, 8, 16, 32 steps: a few tries in 40 steps
     assert s.drafts([reqs[2]]) is None  # the last allowed token: nothing to draft
+    s.verified(reqs[1], 0, 0)  # verified beside the drafters with no draft of its own (never looked up)
     s.verified(reqs[0], 3, 2)  # a kept draft ends the back-off
     assert s.drafts([reqs[0]]) == [[7, 7, 7]]
 
@@ -227,6 +228,7 @@ def test_adaptive_draft_length_follows_what_was_kept():
     s.verified(r, 4, 4)
     assert s.drafts([r]) == [[7] * 4]
     fixed = Speculator(_WrongProposer(), num_draft_tokens=5, disable_by_batch_size=4)
+    assert fixed.drafts([r]) == [[7] * 4]
     fixed.verified(r, 4, 1)
     assert fixed.drafts([r]) == [[7] * 4]
 

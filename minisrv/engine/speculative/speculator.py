@@ -14,7 +14,7 @@ NgramProposer; a benchmark may put its own in its place).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Protocol, Sequence, Set
+from typing import Dict, List, Optional, Protocol, Sequence
 
 from minisrv.config import EngineConfig
 
@@ -45,7 +45,10 @@ class SpeculationStats:
 
 
 @dataclass
-class _Backoff:
+class _Drafting:
+    """A request the proposer has looked up (its history goes to the proposer's store when it ends)."""
+
+    length: int  # its next draft's length, at most
     misses: int = 0  # drafts in a row that gained nothing
     resume_at: int = 0  # the speculator's step count from which it drafts again
 
@@ -60,15 +63,13 @@ class Speculator:
         self.max_drafts = num_draft_tokens - 1
         self.disable_by_batch_size = disable_by_batch_size
         self.stats = SpeculationStats()
-        self._steps = 0
-        self._backoff: Dict[str, _Backoff] = {}
-        self._looked_up: Set[str] = set()  # requests the proposer has seen (their histories go to its store)
         self.adaptive_length = adaptive_length
-        self._lengths: Dict[str, int] = {}  # with adaptive_length: each request's next draft length
+        self._steps = 0
+        self._requests: Dict[str, _Drafting] = {}
 
     def _may_draft(self, req: Request) -> bool:
-        b = self._backoff.get(req.rid)
-        return not req.needs_accepted_tokens and (b is None or b.resume_at <= self._steps)
+        d = self._requests.get(req.rid)
+        return not req.needs_accepted_tokens and (d is None or d.resume_at <= self._steps)
 
     def wants_drafts(self, running: List[Request]) -> bool:
         """Whether the next decode step may draft (the engine then brings every token in flight to the host
@@ -87,13 +88,14 @@ class Speculator:
             return None
         out: List[List[int]] = []
         for r in reqs:
-            room = min(self._lengths.get(r.rid, self.max_drafts), r.max_new_tokens - r.num_output_tokens - 1)
+            d = self._requests.get(r.rid)
+            room = min(d.length if d is not None else self.max_drafts, r.max_new_tokens - r.num_output_tokens - 1)
             draft: List[int] = []
             if room > 0 and self._may_draft(r):
-                self._looked_up.add(r.rid)
+                d = self._requests.setdefault(r.rid, _Drafting(self.max_drafts))
                 draft = list(self.proposer.propose(r.rid, r.all_ids, room)[:room])
                 if not draft:
-                    self._missed(r.rid)  # nothing to propose: look again in a while
+                    self._missed(d)  # nothing to propose: look again in a while
             out.append(draft)
         self._steps += 1
         return out if any(out) else None
@@ -103,13 +105,14 @@ class Speculator:
         s.verified_requests += 1
         s.draft_tokens += num_drafted
         s.accepted_tokens += num_accepted
-        if num_drafted:
+        if num_drafted:  # (it was looked up: it drafted)
+            d = self._requests[req.rid]
             if self.adaptive_length:
-                self._lengths[req.rid] = min(self.max_drafts, num_accepted + 1)
-            if num_accepted:
-                self._backoff.pop(req.rid, None)
+                d.length = min(self.max_drafts, num_accepted + 1)
+            if num_accepted:  # the back-off ends
+                d.misses = d.resume_at = 0
             else:
-                self._missed(req.rid)
+                self._missed(d)
 
     def step_verified(self) -> None:
         self.stats.verify_steps += 1
@@ -117,16 +120,12 @@ class Speculator:
     def finished(self, req: Request) -> None:
         """A request ended. Its history goes to the proposer's store only if it was ever looked up: a request that
         only ran in large batches (no drafting) costs the engine loop nothing at its end."""
-        self._backoff.pop(req.rid, None)
-        self._lengths.pop(req.rid, None)
-        if req.rid in self._looked_up:
-            self._looked_up.discard(req.rid)
+        if self._requests.pop(req.rid, None) is not None:
             self.proposer.release(req.rid, req.all_ids)
 
-    def _missed(self, rid: str) -> None:
-        b = self._backoff.setdefault(rid, _Backoff())
-        b.misses += 1
-        b.resume_at = self._steps + min(1 << (b.misses - 1), MAX_BACKOFF_STEPS)
+    def _missed(self, d: _Drafting) -> None:
+        d.misses += 1
+        d.resume_at = self._steps + min(1 << (d.misses - 1), MAX_BACKOFF_STEPS)
 
 
 def speculation_batch_limit(cfg: EngineConfig, device_type: str) -> int:
