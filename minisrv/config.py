@@ -13,7 +13,7 @@ FP8_DECODE_KERNELS = ("auto", "xqa", "flashinfer")
 QUANTIZATIONS = ("fp8",)  # weight quantisation at load (models/fp8.py)
 GGUF_WEIGHTS = ("auto", "blocks", "float32")  # a GGUF model's weights on the CPU (models/gguf_blocks.py)
 SCHEDULE_POLICIES = ("fcfs",)
-SPECULATIVE_ALGORITHMS = ("NGRAM",)  # engine/speculative/
+SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE3")  # engine/speculative/
 
 
 @dataclass
@@ -53,6 +53,8 @@ class EngineConfig:
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     speculative_disable_by_batch_size: Optional[int] = None  # None: the device's default (speculative/speculator.py)
+    speculative_draft_model_path: Optional[str] = None  # EAGLE3: the head's directory (models/eagle3.py)
+    speculative_num_steps: Optional[int] = None  # EAGLE3: drafts chained a step (None: num_draft_tokens - 1)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -85,6 +87,18 @@ class EngineConfig:
                                  "speculative_ngram_max_match_window_size")
             if self.is_embedding:
                 raise ValueError("speculative decoding is for generation models, not --is-embedding")
+            eagle = self.speculative_algorithm == "EAGLE3"
+            if eagle != (self.speculative_draft_model_path is not None):
+                raise ValueError("speculative_draft_model_path is EAGLE3's head, which EAGLE3 needs" if eagle else
+                                 "speculative_draft_model_path is EAGLE3's head: pass speculative_algorithm EAGLE3")
+            if self.speculative_num_steps is not None:
+                if not eagle:
+                    raise ValueError("speculative_num_steps is EAGLE3's chain of drafts")
+                if self.speculative_num_steps < 1:
+                    raise ValueError("speculative_num_steps must be >= 1")
+                self.speculative_num_draft_tokens = self.speculative_num_steps + 1  # a chain: one draft a step
+            if eagle and self.tp_size > 1:
+                raise ValueError("EAGLE3 runs with one rank (tp_size 1); NGRAM drafts under tensor parallelism")
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -151,7 +165,12 @@ class EngineConfig:
                             "without the flag from those files or a bare-decoder architecture such as Qwen3Model)")
         p.add_argument("--speculative-algorithm", default=None, type=str.upper, choices=SPECULATIVE_ALGORITHMS,
                        help="NGRAM: draft by looking the last tokens up in the request's prompt and output (and in "
-                            "recent requests), verify the drafts in one step")
+                            "recent requests); EAGLE3: draft with an EAGLE-3 head over the target's hidden states "
+                            "(--speculative-draft-model-path); the drafts are verified in one step")
+        p.add_argument("--speculative-draft-model-path", default=None,
+                       help="EAGLE3: the head's directory (config.json + model.safetensors, the public layout)")
+        p.add_argument("--speculative-num-steps", type=int, default=None,
+                       help="EAGLE3: drafts chained per verify step (sets --speculative-num-draft-tokens to N+1)")
         p.add_argument("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
                        help="positions a verify step scores per request: its last token and up to N-1 drafts")
         p.add_argument("--speculative-ngram-min-match-window-size", type=int,

@@ -36,9 +36,10 @@ def default_max_bs(device: torch.device) -> int:
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, pad_row: int, pad_slot: int,
                  max_bs: int, max_seq_len: int, device: torch.device, verify_q_len: int = 0,
-                 verify_max_bs: int = 0) -> None:
+                 verify_max_bs: int = 0, verify_read_aux: bool = False) -> None:
         """verify_q_len: with speculative decoding, the query length of verify steps (their graphs are captured for
-        batch sizes up to verify_max_bs, where the backend has a verify_backend)."""
+        batch sizes up to verify_max_bs, where the backend has a verify_backend); verify_read_aux: they also give
+        the layer inputs an EAGLE-3 head reads."""
         self.model = model
         self.backend = backend
         self.device = device
@@ -62,7 +63,7 @@ class CudaGraphRunner:
         backend.init_graph_state(self.max_bs, max_seq_len)
         vb = backend.verify_backend() if verify_q_len and verify_max_bs else None
         self.verify = VerifyGraphs(model, vb, vb.req_to_token, pad_slot, capture_sizes(min(verify_max_bs, max_bs)),
-                                   verify_q_len, max_seq_len, device) if vb is not None else None
+                                   verify_q_len, max_seq_len, device, verify_read_aux) if vb is not None else None
         self.capture()
 
     def _static_batch(self, bs: int, seq_lens_cpu: List[int]) -> ForwardBatch:

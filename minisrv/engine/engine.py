@@ -24,6 +24,7 @@ from .request import (Request, RequestLimits, RequestOutput, SamplingParams, che
                       prompt_logprob_list)
 from .scheduler import Scheduler
 from .setup import build_engine_parts
+from .speculative.eagle import EagleProposer
 from .speculative.speculator import make_speculator
 from .step_results import SampledToken, take_verified
 from .tp_rank import STOP_AND_TEAR_DOWN, STOP_NOW
@@ -67,7 +68,12 @@ class Engine:
             atexit.register(self._close_at_exit)  # the ranks are not daemons: they must be told to stop
         self.limits = RequestLimits(parts.args.vocab_size, parts.max_request_len)
         self.cache = None if cfg.disable_radix_cache else RadixCache(parts.allocator, parts.page_size)
-        self.speculator = make_speculator(cfg, parts.device.type)  # None: one token a step
+        # None: one token a step. EAGLE3's proposer reads what the runner keeps of each extend and verify step
+        self.drafter = None if parts.draft_head is None else EagleProposer(
+            parts.draft_head, parts.runner.model.model.embed_tokens, parts.table.table, parts.pool.num_slots,
+            cfg.speculative_num_draft_tokens - 1)
+        self.runner.reads_aux = self.drafter is not None
+        self.speculator = make_speculator(cfg, parts.device.type, self.drafter)
         self.scheduler = Scheduler(parts.allocator, parts.table, parts.page_size, cfg.max_running_requests,
                                    cfg.max_prefill_tokens, cfg.chunked_prefill_size, self.cache,
                                    step_target_s=CPU_STEP_TARGET_S if parts.device.type == "cpu" else None,
@@ -256,6 +262,8 @@ class Engine:
                         outputs.append(self._news(s))
                 except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode the token
                     outputs += self._fail([s.req], e)
+            if step.hidden is not None and self.drafter is not None:  # once the step's tokens joined
+                self.drafter.absorb(step.hidden)
         return outputs
 
     def _news(self, s: SampledToken) -> RequestOutput:

@@ -34,7 +34,7 @@ from .request import Request
 from .runner_parts import RunnerParts
 from .sampler import SamplingBatch, sample
 from .speculative.verify import sampling_positions, verified_tokens
-from .step_results import CollectedStep, SampledToken, accept_token, token_logprob
+from .step_results import CollectedStep, SampledToken, StepHidden, accept_token, token_logprob
 from .scheduler import ScheduledBatch
 from .step_inputs import StepInputs, StepLayout
 
@@ -51,6 +51,7 @@ class LaunchedStep:
     index: Dict[str, int] = field(default_factory=dict)  # rid -> row in `ids`
     prompt_scores: Optional[PromptScores] = None
     pooled: Optional[PooledStep] = None  # an embedding model's step: the vectors it finished
+    hidden: Optional[StepHidden] = None  # what an EAGLE-3 head reads of it
 
     def wait(self) -> Tuple[List[int], Optional[List[float]], Optional[Tuple[List[List[float]], List[List[int]]]]]:
         if self.event is not None:
@@ -82,6 +83,7 @@ class ModelRunner:
         self._inflight: Deque[LaunchedStep] = deque()  # launched and not yet read back, oldest first
         self._read_back: Deque[CollectedStep] = deque()  # read back early by a launch, not yet collected, oldest first
         self._newest_ids: Optional[torch.Tensor] = None  # sampled ids of the newest launched step, on the device
+        self.reads_aux = False  # extend steps keep the layer inputs an EAGLE-3 head reads (LaunchedStep.hidden)
 
     @property
     def parts(self) -> RunnerParts:
@@ -182,35 +184,48 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the forward, on every rank
     @torch.inference_mode()
-    def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [B, V] (the head's dtype) at each request's last token of the step."""
+    def forward_logits(self, fb: ForwardBatch, aux: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+        """Logits [B, V] (the head's dtype) at each request's last token of the step. aux: gets the layer inputs an
+        EAGLE-3 head reads appended, [T, 3 x hidden] for the step's T tokens."""
         graphs = self.graph_runner
         if fb.is_decode and graphs is not None and graphs.can_run(fb):
             return graphs.replay(fb)
-        if fb.verify and graphs is not None and graphs.verify is not None and graphs.verify.can_run(fb):
-            return graphs.verify.replay(fb)
-        hidden = self.model(fb.input_ids, fb.positions, self.backend.step(fb))
+        if fb.verify and graphs is not None and graphs.verify is not None and graphs.verify.can_run(fb) and \
+                (aux is None or graphs.verify.read_aux):
+            logits, read = graphs.verify.replay(fb)
+            if aux is not None:
+                aux.append(read)
+            return logits
+        hidden = self._hidden(fb, aux)
         return self.model.compute_logits(hidden[fb.logit_rows])
 
-    def _forward(self, inp: StepInputs,
-                 fb: ForwardBatch) -> Tuple[torch.Tensor, Optional[List[Optional[torch.Tensor]]]]:
+    def _hidden(self, fb: ForwardBatch, aux: Optional[List[torch.Tensor]]) -> torch.Tensor:
+        read: Optional[List[torch.Tensor]] = [] if aux is not None else None
+        hidden = self.model(fb.input_ids, fb.positions, self.backend.step(fb), read)
+        if aux is not None:
+            aux.append(torch.cat(read, dim=-1))
+        return hidden
+
+    def _forward(self, inp: StepInputs, fb: ForwardBatch, aux: Optional[List[torch.Tensor]] = None
+                 ) -> Tuple[torch.Tensor, Optional[List[Optional[torch.Tensor]]]]:
         """The forward every tensor-parallel rank runs. An embedding model's: the hidden states [T, hidden]
         (pooling.py). A generation model's: logits [B, V] at each request's last token and, when `inp` scores
-        prompt tokens, their logprobs (and top-n) (prompt_scores.py)."""
+        prompt tokens, their logprobs (and top-n) (prompt_scores.py). aux: as forward_logits."""
         if self.pooler is not None:
             return self.model(fb.input_ids, fb.positions, self.backend.step(fb)), None
         if inp.score_rows is None:
-            return self.forward_logits(fb), None
-        hidden = self.model(fb.input_ids, fb.positions, self.backend.step(fb))
+            return self.forward_logits(fb, aux), None
+        hidden = self._hidden(fb, aux)
         logits = self.model.compute_logits(hidden[fb.logit_rows])
         return logits, score_prompt_rows(self.model, hidden, inp)
 
-    def _forward_on_all_ranks(self, inp: StepInputs) -> Tuple[torch.Tensor, Optional[List[Optional[torch.Tensor]]]]:
+    def _forward_on_all_ranks(self, inp: StepInputs, aux: Optional[List[torch.Tensor]] = None
+                              ) -> Tuple[torch.Tensor, Optional[List[Optional[torch.Tensor]]]]:
         """Rank 0's forward, the step's inputs sent to the other ranks first."""
         if self.tp.enabled:
             self.tp.send_object(inp)
         try:
-            return self._forward(inp, self.forward_batch(inp))
+            return self._forward(inp, self.forward_batch(inp), aux)
         except Exception as e:
             if self.tp.enabled:  # the other ranks may wait in a collective this rank never reaches
                 raise TensorParallelError(f"a step failed on rank 0 after the other ranks began it: "
@@ -243,13 +258,17 @@ class ModelRunner:
             return
         scores = plan_prompt_scores(sb.reqs, sb.extend_lens, inp) \
             if inp.mode is ForwardMode.EXTEND and not inp.verify else None
-        logits, score_outs = self._forward_on_all_ranks(inp)
+        aux: Optional[List[torch.Tensor]] = [] if self.reads_aux and inp.mode is ForwardMode.EXTEND else None
+        logits, score_outs = self._forward_on_all_ranks(inp, aux)
         if scores is not None:
             scores.host = [self._to_host(x) for x in score_outs]
         if needs_previous_tokens:
             while self._inflight:
                 self._read_back.append(self._read_oldest())
         self._queue_sampling(sb, inp, logits, scores)
+        if aux:  # what the step's requests were before it (it is committed after launch)
+            self._inflight[-1].hidden = StepHidden(aux[0], list(sb.reqs), [r.num_cached for r in sb.reqs],
+                                                   list(sb.extend_lens))
 
     def _launch_pooling(self, sb: ScheduledBatch, inp: StepInputs) -> None:
         """An embedding model's step: pool its hidden states instead of sampling, and count it as in flight."""
@@ -332,7 +351,7 @@ class ModelRunner:
             self.wait_s += time.perf_counter() - t0
         if step.batch.drafts is not None:
             tokens, verified = verified_tokens(step.sampling, step.batch.drafts, token_ids, lps, top)
-            return CollectedStep(list(step.batch.reqs), tokens, verified=verified)
+            return CollectedStep(list(step.batch.reqs), tokens, verified=verified, hidden=step.hidden)
         out: List[SampledToken] = [SampledToken(r, None, None) for r in embedded if not r.finished]
         for i, req in enumerate(step.sampling):
             if req.finished:
@@ -346,4 +365,4 @@ class ModelRunner:
             if lp is not None:
                 req.logprobs.append(lp)
             out.append(accept_token(SampledToken(req, tok, lp)))
-        return CollectedStep(list(step.batch.reqs), out)
+        return CollectedStep(list(step.batch.reqs), out, hidden=step.hidden)

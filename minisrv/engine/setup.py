@@ -20,6 +20,7 @@ from minisrv.kvcache import KVPool, PageAllocator, ReqToTokenTable, slots_for
 from minisrv.distributed import Rendezvous, TensorParallel, init_tensor_parallel
 from minisrv.kernels.qk_rope_store import warm_up as warm_up_qk_rope_store
 from minisrv.models.args import ModelArgs
+from minisrv.models.eagle3 import Eagle3Head
 from minisrv.models.layer_ops import LayerOps, fused_ops_for
 from minisrv.models.sharding import check_divisible
 from minisrv.models.fp8 import Fp8Linear
@@ -34,6 +35,7 @@ from .runner_parts import RunnerParts
 from .pooling import Pooler
 from .request import Request, SamplingParams
 from .sampler import fused_sampling_kernel
+from .speculative.eagle import load_draft_head
 from .speculative.speculator import speculation_batch_limit
 from .scheduler import ScheduledBatch
 
@@ -103,6 +105,7 @@ class EngineParts:
     pooling: Optional[PoolingConfig] = None  # an embedding model's pooling (None: a generation model)
     staged_kernels: Optional[StagedKernels] = None  # kernels still building, to switch to between steps
     cache_write: Optional[threading.Thread] = None  # a GGUF's first load: the thread writing the cache's file
+    draft_head: Optional[Eagle3Head] = None  # EAGLE3's (engine/speculative/eagle.py)
 
 
 def tp_device(device: torch.device, rank: int, size: int) -> torch.device:
@@ -171,6 +174,8 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
                                                embedding=pooling is not None),
                         cache_dir=cfg.cache_dir, gguf_weights=cfg.gguf_weights)
     model = loaded.model
+    draft_head = load_draft_head(cfg, model, args, context_length, dtype, device) \
+        if cfg.speculative_algorithm == "EAGLE3" else None
     kernels, builds = fused_and_builds.result() if fused_and_builds is not None else (ops.kernels, None)
     t_load = time.perf_counter() - t0
     serving_name = backend_name
@@ -188,6 +193,8 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
     a, plan = args, model.plan
     kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, dtype)
     per_token = KVPool.bytes_per_token(a.num_layers, plan.num_kv_heads, a.head_dim, kv_dtype)
+    if draft_head is not None:  # its one layer's keys and values beside every slot (EagleProposer)
+        per_token += KVPool.bytes_per_token(1, draft_head.config.num_kv_heads, draft_head.config.head_dim, dtype)
     tokens = cfg.max_total_tokens
     if tokens is None:
         tokens = DEFAULT_CPU_POOL_TOKENS if device.type != "cuda" else \
@@ -259,7 +266,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
         eos.add(tokenizer.eos_token_id)
     return EngineParts(device, model_path, args, tokenizer, sorted(eos), dtype, context_length, ps, backend_name,
                        pool, allocator, table, pad_row, runner, max_request_len, pooling=pooling,
-                       staged_kernels=staged_kernels, cache_write=loaded.cache_write)
+                       staged_kernels=staged_kernels, cache_write=loaded.cache_write, draft_head=draft_head)
 
 
 def _fused_and_builds(cfg: EngineConfig, args: ModelArgs, backend_name: str, dtype: torch.dtype,
@@ -299,7 +306,7 @@ def _graph_runner(cfg: EngineConfig, model: torch.nn.Module, backend: Any, pad_r
     max_bs = min(cfg.cuda_graph_max_bs or default_max_bs(device), cfg.max_running_requests)
     verify_q_len = cfg.speculative_num_draft_tokens if cfg.speculative_algorithm is not None else 0
     return CudaGraphRunner(model, backend, pad_row, pad_slot, max_bs, context_length, device, verify_q_len,
-                           speculation_batch_limit(cfg, device.type))
+                           speculation_batch_limit(cfg, device.type), cfg.speculative_algorithm == "EAGLE3")
 
 
 def _cascade_policy(cfg: EngineConfig, backend: Any, backend_name: str, pool: KVPool,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+import torch
+
 from .request import Request, TokenLogprob
 
 
@@ -23,6 +25,17 @@ class SampledToken:
 
 
 @dataclass
+class StepHidden:
+    """What an EAGLE-3 head reads of an extend or verify step (engine/speculative/eagle.py): the target layers'
+    inputs [T, 3 x hidden] of its tokens; request i's rows start at the sum of lens[:i], at position starts[i]."""
+
+    aux: torch.Tensor
+    reqs: List[Request]
+    starts: List[int]
+    lens: List[int]
+
+
+@dataclass
 class CollectedStep:
     """A launched step's results on the host: its tokens, or the error that lost them (for all of `reqs`)."""
 
@@ -30,6 +43,7 @@ class CollectedStep:
     tokens: List[SampledToken]
     error: Optional[Exception] = None
     verified: List[Tuple[Request, int, int]] = field(default_factory=list)  # a verify step's (request, drafted, kept)
+    hidden: Optional[StepHidden] = None
 
 
 def token_logprob(req: Request, tok: int, row: int, lps: Optional[List[float]], top) -> Optional[TokenLogprob]:

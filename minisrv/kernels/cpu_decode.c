@@ -26,10 +26,12 @@ typedef struct {
 /* x [m, hidden]: the embedding in, the last layer's MLP output out; residual [m, hidden]: the residual stream out
    (the model's final add + norm follows in Python). scratch: m * ((hq + 2 hkv) d + hq d + 2 inter + inter) floats.
    pos [m]; loc [m] (each token's pool slot); req_to_token, rows, kv_lens as paged_decode_f32 takes them.
+   aux [m, n_aux * hidden]: the residual stream entering each layer of aux_layers (n_aux 0: none read).
    Returns 0, or -1 where attention could not get its scratch memory. */
 int decode_layers_f32(const DecodeLayer *layer, const DecodeShape *s, float *x, float *residual, float *scratch,
                       int m, const int64_t *pos, const int64_t *loc, const float *cos_sin,
-                      const int32_t *req_to_token, int64_t r2t_stride, const int64_t *rows, const int32_t *kv_lens) {
+                      const int32_t *req_to_token, int64_t r2t_stride, const int64_t *rows, const int32_t *kv_lens,
+                      int n_aux, const int32_t *aux_layers, float *aux) {
     const int H = s->hidden, d = s->d, qkv_w = (s->hq + 2 * s->hkv) * d, att_w = s->hq * d;
     float *qkv = scratch, *att = qkv + (int64_t)m * qkv_w, *gu = att + (int64_t)m * att_w;
     float *act = gu + (int64_t)m * 2 * s->inter;
@@ -40,6 +42,10 @@ int decode_layers_f32(const DecodeLayer *layer, const DecodeShape *s, float *x, 
         } else {
             add_rmsnorm_f32(x, H, residual, H, layer->input_norm, m, H, s->eps);
         }
+        for (int j = 0; j < n_aux; ++j)
+            if (aux_layers[j] == l)
+                for (int t = 0; t < m; ++t)
+                    memcpy(aux + ((int64_t)t * n_aux + j) * H, residual + (int64_t)t * H, sizeof(float) * (size_t)H);
         blocks_matmul(x, H, layer->qkv, qkv, qkv_w, m, qkv_w, H);
         rope_neox_f32(pos, qkv, qkv_w, s->hq, qkv + att_w, qkv_w, s->hkv, d, cos_sin, m);
         for (int t = 0; t < m; ++t) {

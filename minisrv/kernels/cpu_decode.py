@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,7 +50,7 @@ class DecodeLayersKernel:
         self.how = how
         self.fn = lib.decode_layers_f32
         self.fn.restype = ctypes.c_int
-        self.fn.argtypes = [_p, _p, _p, _p, _p, _int, _p, _p, _p, _p, _i64, _p, _p]
+        self.fn.argtypes = [_p, _p, _p, _p, _p, _int, _p, _p, _p, _p, _i64, _p, _p, _int, _p, _p]
         self._table: Optional[Tuple[int, Any, _Shape, List[Any]]] = None
 
     @staticmethod
@@ -81,9 +81,11 @@ class DecodeLayersKernel:
         return self._table[1], self._table[2]
 
     def __call__(self, layers: Any, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                 meta: DecodeMeta) -> Tuple[torch.Tensor, torch.Tensor]:
+                 meta: DecodeMeta, aux_layer_ids: Sequence[int] = (),
+                 aux: Optional[List[torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Run every layer on x [m, hidden] (the embedding; overwritten): (the last layer's output, the residual
-        stream), which the model's final add + norm takes."""
+        stream), which the model's final add + norm takes. aux: gets the residual stream entering each layer of
+        aux_layer_ids appended ([m, hidden] each), as llama.DecoderLayers does."""
         table, shape = self._layers(layers, meta)
         m = x.shape[0]
         x = x.contiguous()
@@ -93,9 +95,15 @@ class DecodeLayersKernel:
         pos = positions.to(torch.int64).contiguous()
         loc = meta.loc.to(torch.int64).contiguous()
         rows, kv_lens = meta.rows.contiguous(), meta.kv_lens.contiguous()
+        ids = sorted(aux_layer_ids) if aux is not None else []
+        layer_ids = torch.tensor(ids, dtype=torch.int32)
+        read = torch.empty(m, len(ids), x.shape[1], dtype=torch.float32)
         rc = self.fn(table, ctypes.byref(shape), x.data_ptr(), residual.data_ptr(), scratch.data_ptr(), m,
                      pos.data_ptr(), loc.data_ptr(), cos_sin.data_ptr(), meta.req_to_token.data_ptr(),
-                     meta.req_to_token.stride(0), rows.data_ptr(), kv_lens.data_ptr())
+                     meta.req_to_token.stride(0), rows.data_ptr(), kv_lens.data_ptr(), len(ids),
+                     layer_ids.data_ptr(), read.data_ptr())
         if rc != 0:
             raise MemoryError("decode attention could not allocate its scratch memory")
+        if aux is not None:
+            aux.extend(read[:, j] for j in range(len(ids)))
         return x, residual

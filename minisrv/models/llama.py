@@ -3,7 +3,7 @@ Mixtral, Qwen2-MoE) share: the differences are fields of ModelArgs, read from co
 architectures). A layer's MLP is dense or sparse (moe.SparseMoE) as the config says for that layer."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -56,11 +56,17 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderLayers(nn.ModuleList):
-    """The decoder's layers, run one after another: (the last one's output, the residual stream)."""
+    """The decoder's layers, run one after another: (the last one's output, the residual stream). A step that
+    passes `aux` gets appended to it the residual stream entering each layer of `aux_layer_ids` (what an EAGLE-3
+    head reads: models/eagle3.py)."""
 
-    def forward(self, x, positions, attn):
+    aux_layer_ids: Tuple[int, ...] = ()
+
+    def forward(self, x, positions, attn, aux: Optional[List[torch.Tensor]] = None):
         residual = None
-        for layer in self:
+        for i, layer in enumerate(self):
+            if aux is not None and i in self.aux_layer_ids:
+                aux.append(x.clone() if residual is None else x + residual)  # (the layers add in place)
             x, residual = layer(x, residual, positions, attn)
         return x, residual
 
@@ -74,10 +80,11 @@ class CpuFusedDecodeLayers(DecoderLayers):
         super().__init__(layers)
         self.kernel = kernel
 
-    def forward(self, x, positions, attn):
+    def forward(self, x, positions, attn, aux: Optional[List[torch.Tensor]] = None):
         if isinstance(attn.meta, DecodeMeta) and self.kernel.takes(x):
-            return self.kernel(self, x, positions, self[0].self_attn.rotary.cos_sin, attn.meta)
-        return super().forward(x, positions, attn)
+            return self.kernel(self, x, positions, self[0].self_attn.rotary.cos_sin, attn.meta,
+                               self.aux_layer_ids if aux is not None else (), aux)
+        return super().forward(x, positions, attn, aux)
 
 
 class LlamaModel(nn.Module):
@@ -94,8 +101,8 @@ class LlamaModel(nn.Module):
         self.norm = make_norm(args.hidden_size, args.rms_norm_eps, ops)
         self.tp = tp
 
-    def forward(self, input_ids, positions, attn):
-        x, residual = self.layers(self.embed_tokens(input_ids), positions, attn)
+    def forward(self, input_ids, positions, attn, aux: Optional[List[torch.Tensor]] = None):
+        x, residual = self.layers(self.embed_tokens(input_ids), positions, attn, aux)
         return reduce_add_norm(self.tp, self.norm, x, residual, self.layers[-1].partial)[0]
 
 
@@ -121,10 +128,18 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(args.hidden_size, self.plan.vocab_per_rank, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Callable) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Callable,
+                aux: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
         """Hidden states [T, hidden] of every token; logits are taken only where they are needed. attn: the step's
-        attention.AttentionStep (backend and this step's metadata)."""
-        return self.model(input_ids, positions, attn)
+        attention.AttentionStep (backend and this step's metadata). aux: see DecoderLayers."""
+        return self.model(input_ids, positions, attn, aux)
+
+    def read_layers(self, layer_ids: Tuple[int, ...]) -> None:
+        """Which layers' input a step that passes `aux` reads (an EAGLE-3 head's)."""
+        if self.tp.enabled or not all(0 <= i < len(self.model.layers) for i in layer_ids):
+            raise ValueError(f"cannot read layers {layer_ids} of a {len(self.model.layers)}-layer model"
+                             + (" under tensor parallelism" if self.tp.enabled else ""))
+        self.model.layers.aux_layer_ids = tuple(layer_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in the head's dtype on every rank (each rank's vocabulary rows, gathered). Not widened to

@@ -50,8 +50,8 @@ class EngineWatch:
             self._check_batch(sb)
             return orig_step(sb, *args, **kwargs)
 
-        def forward_logits(fb):
-            out = orig_fwd(fb)
+        def forward_logits(fb, aux=None):
+            out = orig_fwd(fb, aux)
             sb = self._batch
             if sb is not None and sb.drafts is None:  # (a verify step's rows include rejected drafts)
                 for i, (r, n) in enumerate(zip(sb.reqs, sb.extend_lens)):

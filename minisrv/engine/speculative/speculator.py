@@ -9,7 +9,8 @@ costs almost nothing. Requests whose next token depends on the previous one bein
 grammar's mask, a thinking budget) never draft.
 
 The proposer is any object with `propose(key, tokens, num_draft) -> list` and `release(key, tokens)` (ngram.py's
-NgramProposer; a benchmark may put its own in its place).
+NgramProposer, eagle.py's EagleProposer; a benchmark may put its own in its place). `propose` may return None: it
+needs the target's state at the request's last token first (EAGLE-3), so the request is verified without drafts.
 """
 from __future__ import annotations
 
@@ -21,13 +22,15 @@ from minisrv.config import EngineConfig
 from ..request import Request
 from .ngram import NgramProposer
 
-# the largest decode batch that still drafts, by device, where --speculative-disable-by-batch-size is not given
-DEFAULT_DISABLE_BY_BATCH_SIZE = {"cuda": 32, "cpu": 4}
+# the largest decode batch that still drafts, by device, where --speculative-disable-by-batch-size is not given:
+# where drafts replayed at 70% acceptance still gained on the three GPU shapes and on the default model on the CPU
+# (docs/benchmarks.md, "Speculative decoding")
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"cuda": 8, "cpu": 4}
 MAX_BACKOFF_STEPS = 64  # a request whose drafts keep missing tries again after at most this many steps
 
 
 class Proposer(Protocol):
-    def propose(self, key: str, tokens: Sequence[int], num_draft: int) -> List[int]: ...
+    def propose(self, key: str, tokens: Sequence[int], num_draft: int) -> Optional[List[int]]: ...
 
     def release(self, key: str, tokens: Sequence[int]) -> None: ...
 
@@ -87,18 +90,21 @@ class Speculator:
             self._steps += 1
             return None
         out: List[List[int]] = []
+        refresh = False  # a request is verified without drafts for its proposer to see the target's state
         for r in reqs:
             d = self._requests.get(r.rid)
             room = min(d.length if d is not None else self.max_drafts, r.max_new_tokens - r.num_output_tokens - 1)
             draft: List[int] = []
             if room > 0 and self._may_draft(r):
                 d = self._requests.setdefault(r.rid, _Drafting(self.max_drafts))
-                draft = list(self.proposer.propose(r.rid, r.all_ids, room)[:room])
-                if not draft:
+                proposed = self.proposer.propose(r.rid, r.all_ids, room)
+                refresh |= proposed is None
+                draft = list(proposed[:room]) if proposed is not None else []
+                if proposed is not None and not draft:
                     self._missed(d)  # nothing to propose: look again in a while
             out.append(draft)
         self._steps += 1
-        return out if any(out) else None
+        return out if any(out) or refresh else None
 
     def verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         s = self.stats
@@ -137,12 +143,14 @@ def speculation_batch_limit(cfg: EngineConfig, device_type: str) -> int:
         if limit is None else limit
 
 
-def make_speculator(cfg: EngineConfig, device_type: str) -> Optional[Speculator]:
-    """The engine's speculator from its settings (None: speculation off)."""
+def make_speculator(cfg: EngineConfig, device_type: str, proposer: Optional[Proposer] = None) -> Optional[Speculator]:
+    """The engine's speculator from its settings (None: speculation off). proposer: EAGLE3's, built by the engine
+    (it holds the draft head); NGRAM's is built here."""
     if cfg.speculative_algorithm is None:
         return None
     limit = speculation_batch_limit(cfg, device_type)
     drafts = cfg.speculative_num_draft_tokens - 1
-    proposer = NgramProposer(drafts, cfg.speculative_ngram_min_match_window_size,
-                             cfg.speculative_ngram_max_match_window_size)
+    if proposer is None:
+        proposer = NgramProposer(drafts, cfg.speculative_ngram_min_match_window_size,
+                                 cfg.speculative_ngram_max_match_window_size)
     return Speculator(proposer, cfg.speculative_num_draft_tokens, limit, adaptive_length=device_type == "cpu")
