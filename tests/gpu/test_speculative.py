@@ -47,3 +47,30 @@ def test_verified_tokens_are_the_plain_runs(backend, graphs, kv):
         assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
         if backend == "fa,fi" and graphs:
             assert replays, "no verify step replayed a graph"
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["verify-graphs", "eager"])
+def test_eagle3_tokens_are_the_plain_runs(tmp_path, graphs):
+    """EAGLE3 with a random head for the checkpoint's shape: its drafts are rarely kept, but every step that drafts
+    or refreshes runs the head over the target's layer inputs, read from the verify graphs (or eagerly), and the
+    tokens stay the plain run's up to bf16 near-ties."""
+    from ..helpers.eagle_heads import save_eagle3_head
+    skip_unless_runs("fa,fi")
+    head = save_eagle3_head(str(tmp_path / "head"), CKPT, draft_vocab=4096,
+                            eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 13, 24]})
+    prompts = mixed_prompts(3, 8, 300, seed=5)
+    plain, _, _ = _run(prompts, "fa,fi", graphs)
+    llm = LLM(model=CKPT, attention_backend="fa,fi", dtype="bfloat16", max_total_tokens=65536,
+              disable_cuda_graph=not graphs, cuda_graph_max_bs=64, log_level="warning",
+              speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=3)
+    try:
+        verify = llm.engine.runner.graph_runner.verify if graphs else None
+        assert not graphs or (verify is not None and verify.read_aux)
+        spec = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=2),
+                            use_tqdm=False)
+        stats = llm.engine.stats()
+    finally:
+        del llm
+        free_cuda()
+    assert_same_up_to_ties(plain, spec, f"EAGLE3 graphs={graphs}")
+    assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0
