@@ -110,10 +110,12 @@ for suite in "$@"; do case $suite in
     bench profile-moe 300 bench_decode.py --model $M --graphs on --steps 8 --batch-sizes 1,256 --context 128 --torch-profile
     bench steps-moe 400 $OFFLINE --model $M --steps ;;
   spec) checkpoints qwen3-0.6b llama3-8b qwen3-30b-a3b-half
-    SPEC="bench_spec_replay.py --attention-backend fa --batch-sizes 1,8,32,64 --acceptance 1.0,0.7,0.0"
+    # every batch size drafts (the limit raised) to price verifying there; then batch 64 under the default limit
+    SPEC="bench_spec_replay.py --attention-backend fa --batch-sizes 1,8,32,64 --acceptance 1.0,0.7,0.0 --speculative-disable-by-batch-size 64"
+    bench spec-8b-limit 200 bench_spec_replay.py --attention-backend fa --batch-sizes 64 --acceptance 0.7,0.0 --model $L
     bench spec-8b 400 $SPEC --model $L --json $OUT/spec.jsonl
     bench spec-0.6b 300 $SPEC --model $Q --json $OUT/spec.jsonl
-    bench spec-moe 500 $SPEC --model $M --json $OUT/spec.jsonl ;;
+    bench spec-moe 400 $SPEC --model $M --json $OUT/spec.jsonl ;;
   tp) checkpoints llama3-8b
     # FlashInfer's communication kernels (the fused all-reduce) build for minutes: beside the tp 1 runs
     background 600 python3 -c "from flashinfer.comm.trtllm_ar import get_trtllm_comm_module as g; g()" \
