@@ -72,20 +72,19 @@ from offline_workloads import (code_edit_workload, copied_fraction, copied_in_or
 BENCH_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
 
 
-def hf_model(llm):
-    """HF transformers' model on the same weights and dtype (a GGUF is dequantised by our loader)."""
+def hf_model(path: str, dtype: torch.dtype, device: torch.device):
+    """HF transformers' model on the weights minisrv serves from `path` (a GGUF is dequantised by our loader)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from minisrv.checkpoints.gguf_file import iter_gguf
-    from minisrv.checkpoints.loader import is_gguf, load_hf_config
-    eng = llm.engine
-    if not is_gguf(eng.parts.model_path):
-        return AutoModelForCausalLM.from_pretrained(eng.parts.model_path, dtype=eng.parts.dtype).to(eng.parts.device).eval()
-    cfg = load_hf_config(eng.parts.model_path)
+    from minisrv.checkpoints.loader import is_gguf, load_hf_config, load_model_args
+    if not is_gguf(path):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    cfg = load_hf_config(path)
     config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("_name_or_path",)})
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=eng.parts.dtype)
-    model = model.to_empty(device=eng.parts.device)
-    state = dict(iter_gguf(eng.parts.model_path, eng.parts.args))
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = model.to_empty(device=device)
+    state = dict(iter_gguf(path, load_model_args(path)))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -95,11 +94,11 @@ def hf_model(llm):
         model.tie_weights()
     for m in model.modules():  # the rotary inv_freq buffer was left empty on the meta device
         if hasattr(m, "inv_freq") and hasattr(m, "rope_init_fn"):
-            inv, scale = m.rope_init_fn(m.config, eng.parts.device)
+            inv, scale = m.rope_init_fn(m.config, device)
             m.inv_freq = inv
             m.original_inv_freq = inv
             m.attention_scaling = scale
-    return model.to(eng.parts.dtype).eval()
+    return model.to(dtype).eval()
 
 
 @torch.inference_mode()
@@ -310,7 +309,7 @@ def main() -> int:
         for k, v in sorted(tm.items(), key=lambda kv: -kv[1]):
             print(f"  {k:16s} {v:8.3f}  {100 * v / total:5.1f}%")
     if a.hf if a.hf is not None else (workload == "cpu" and a.json_schema is None):  # HF has no grammar
-        model = hf_model(llm)
+        model = hf_model(eng.parts.model_path, eng.parts.dtype, eng.parts.device)
         out_len = params[0].max_tokens
         hf = hf_single_stream(model, prompts, out_len, eng.parts.device)
         result["hf_single_stream_tok_s"] = round(hf, 1)
