@@ -16,8 +16,9 @@ How:
   self-distillation, so any text serves), and its argmax over the whole vocabulary (what acceptance is scored on).
 - Draft vocabulary: the --draft-vocab-size ids the target predicts most often over the text (topped up with the
   most frequent text tokens, then the lowest ids, to the size asked), in id order; d2t[i] = target id - i.
-- The head starts with the target's lm_head rows of the draft vocabulary and its final norm, so that it first has
-  to learn only to produce something like the target's last hidden state.
+- The head starts with the target's lm_head rows of the draft vocabulary and a tenth of its final norm (so that
+  its first logits are nearly uniform rather than confidently wrong): it first has to learn only to produce
+  something like the target's last hidden state.
 - Training-time test (EAGLE-3), --ttt-steps deep: entry p pairs the target's hidden state at p with the embedding
   of token p + 1 and learns the target's distribution at p + 1 (of token p + 2). Step j >= 1 reruns the head at
   position p + j on its own step j - 1 output of base p (no fc) and the embedding of token p + 1 + j, as chained
@@ -52,35 +53,42 @@ from minisrv.models.eagle3 import Eagle3Config, Eagle3Head, attend  # noqa: E402
 from offline_workloads import REPO_ROOT, code_edit_messages  # noqa: E402
 
 STEP_DECAY = 0.8  # the weight of step j's loss is STEP_DECAY ** j
+NORM_START = 0.1  # the head's final norm starts at this share of the target's: its first logits nearly uniform
 HELD_OUT = 0.1  # the share of sequences scored, not trained on
 
 
 # --- text ---
 
 def training_texts(tokenizer, chars: int, seed: int) -> List[str]:
-    """About `chars` characters of local text: the repository's documentation, then standard-library sources,
-    every second one as a chat-format code-editing sample, in an order fixed by `seed`."""
+    """About `chars` characters of local text, in an order fixed by `seed`: the repository's documentation (up to
+    a fifth of it), then pieces of standard-library sources, every second one as a chat-format code-editing
+    sample."""
+    rng = random.Random(seed)
     docs = [REPO_ROOT / "README.md"] + sorted((REPO_ROOT / "docs").glob("*.md"))
-    texts = [p.read_text() for p in docs if p.is_file()]
+    texts: List[str] = []
+    for doc in rng.sample(docs, len(docs)):
+        room = chars // 5 - sum(map(len, texts))
+        if room <= 0:
+            break
+        texts.append(doc.read_text()[:room])
     stdlib = os.path.dirname(os.__file__)
     files = sorted(os.path.join(d, f) for d, sub, names in os.walk(stdlib)
                    if "site-packages" not in d and "dist-packages" not in d for f in names if f.endswith(".py"))
-    random.Random(seed).shuffle(files)
+    rng.shuffle(files)
     total = sum(map(len, texts))
     for i, path in enumerate(files):
         if total >= chars:
             break
         try:
             with open(path, encoding="utf-8") as f:
-                code = f.read()
+                lines = f.read().splitlines(True)
         except (OSError, UnicodeDecodeError):
             continue
-        lines = code.splitlines(True)
         if len(lines) < 20:
             continue
+        start = rng.randrange(max(1, len(lines) - 150))
+        code = "".join(lines[start:start + (rng.randint(60, 150) if i % 2 else 400)])
         if i % 2:  # a code-editing sample: a piece of the file, and its copy as the answer
-            start = random.Random(seed + i).randrange(max(1, len(lines) - 150))
-            code = "".join(lines[start:start + random.Random(seed - i).randint(60, 150)])
             code = chat_sample(tokenizer, os.path.relpath(path, stdlib), code, i)
         texts.append(code)
         total += len(code)
@@ -274,10 +282,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time test depth (chained drafts)")
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=49152, help="tokens of text in all (held-out split included)")
+    p.add_argument("--max-tokens", type=int, default=32768, help="tokens of text in all (held-out split included)")
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch", type=int, default=4, help="sequences a step")
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--batch", type=int, default=1, help="sequences a step")
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=float, default=0.05, help="share of the steps the learning rate warms up")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -319,7 +327,7 @@ def main(argv: Optional[Sequence[str]] = None, texts: Optional[Sequence[str]] = 
     head = Eagle3Head(head_config(cfg, layers, len(draft_ids)), max_positions)
     with torch.no_grad():
         head.lm_head.weight.copy_(target_rows)
-        head.norm.weight.copy_(model.model.norm.weight.float())
+        head.norm.weight.copy_(NORM_START * model.model.norm.weight.float())
         head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
     del model
 
