@@ -28,7 +28,7 @@ How:
   of a chain of drafts, 1 + sum_j prod_{i<=j} acc_i, is the proxy for the mean tokens a verify step keeps.
 
   python scripts/train_eagle3.py --out /tmp/eagle-smollm2          # the default model, a few minutes on 2 cores
-  minisrv serve --speculative-algorithm EAGLE3 --speculative-draft-model-path /tmp/eagle-smollm2
+  python -m minisrv.launch_server --speculative-algorithm EAGLE3 --speculative-draft-model-path /tmp/eagle-smollm2
 """
 from __future__ import annotations
 
