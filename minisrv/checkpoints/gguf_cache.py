@@ -130,71 +130,40 @@ class GGUFCache:
             return None
         return cfg if isinstance(cfg, dict) else None
 
-    def write_config(self, cfg: Dict[str, Any]) -> None:
-        def write(tmp: str) -> None:
-            with open(tmp, "w") as f:
-                json.dump(cfg, f)
-        self.publish_file(self.config_file, write)
-
     def publish_file(self, final: str, write: Any) -> bool:
-        """Run write(temporary path) and rename the result to `final`; False (logged) if it could not be
-        written: the cache is an aid, a full disk must not stop the server."""
-        tmp = self.begin_file(final)
-        if tmp is None:
-            return False
-        try:
-            write(tmp)
-        except Exception as e:  # noqa: BLE001 - a failed cache write is logged, never fatal
-            logger.warning("GGUF cache: cannot write %s (%s); going on without it", final, e)
-            self.abandon_file(tmp)
-            return False
-        return self.finish_file(tmp, final)
-
-    def begin_file(self, final: str) -> Optional[str]:
-        """A new temporary file beside `final` (None, logged, if the folder cannot be written)."""
-        try:
-            os.makedirs(self.folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{os.path.basename(final)}.")
-            os.close(fd)
-            return tmp
-        except OSError as e:
-            logger.warning("GGUF cache: cannot write in %s (%s); going on without it", self.folder, e)
-            return None
-
-    def finish_file(self, tmp: str, final: str) -> bool:
-        """The complete temporary file renamed to `final` (atomic: readers see the old file or the whole new one),
-        and the entries of this path's older versions removed."""
-        try:
-            os.chmod(tmp, 0o644)  # (mkstemp makes it private)
-            os.replace(tmp, final)
-        except OSError as e:
-            logger.warning("GGUF cache: cannot write %s (%s); going on without it", final, e)
-            self.abandon_file(tmp)
-            return False
-        self.prune_older()
-        return True
-
-    def abandon_file(self, tmp: str) -> None:
-        _remove(tmp)
+        """Run write(temporary path) and rename the result to `final` (atomic: readers see the old file or the whole
+        new one), then prune what it supersedes; False (logged) if it could not be written: the cache is an aid, a
+        full disk must not stop the server."""
+        return self._publish(final, write, folder=False)
 
     def publish_dir(self, final: str, write: Any) -> bool:
-        """As publish_file, for a folder: built under a temporary name, renamed into place unless another process
-        put one there first (then its copy is kept)."""
+        """As publish_file, for a folder (a copy already there, broken or another process's, is replaced)."""
+        return self._publish(final, write, folder=True)
+
+    def _publish(self, final: str, write: Any, folder: bool) -> bool:
         try:
             os.makedirs(self.folder, exist_ok=True)
-            tmp = tempfile.mkdtemp(dir=self.folder, prefix=f".{os.path.basename(final)}.")
+            prefix = f".{os.path.basename(final)}."
+            if folder:
+                tmp = tempfile.mkdtemp(dir=self.folder, prefix=prefix)
+            else:
+                fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=prefix)
+                os.close(fd)
         except OSError as e:
             logger.warning("GGUF cache: cannot write in %s (%s); going on without it", self.folder, e)
             return False
         try:
             write(tmp)
-            os.chmod(tmp, 0o755)  # (mkdtemp makes it private)
-            if os.path.isdir(final):  # a broken copy (we were asked to rebuild it) or another process's
+            os.chmod(tmp, 0o755 if folder else 0o644)  # (mkdtemp / mkstemp make it private)
+            if folder and os.path.isdir(final):
                 shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-        except Exception as e:  # noqa: BLE001 - as publish_file
+            os.replace(tmp, final)
+        except Exception as e:  # noqa: BLE001 - a failed cache write is logged, never fatal
             logger.warning("GGUF cache: cannot write %s (%s); going on without it", final, e)
-            shutil.rmtree(tmp, ignore_errors=True)
+            if folder:
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                _remove(tmp)
             return False
         self.prune_older()
         return True

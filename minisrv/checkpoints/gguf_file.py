@@ -13,7 +13,7 @@ import os
 import re
 import struct
 import sys
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 from gguf import GGUFReader
@@ -21,9 +21,6 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .checkpoint import Unreadable, WeightLoadError, check_tensor_spans, damaged
 from minisrv.models.args import ModelArgs
-
-if TYPE_CHECKING:  # (torch is not imported here: the HTTP process checks a GGUF file without it)
-    import torch
 
 MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp refuses tensors of more dimensions
 MAX_NESTING = 8  # arrays of arrays: deeper than this is garbage, not a model

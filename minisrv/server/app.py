@@ -3,18 +3,31 @@ with every error in its API's shape (errors.py). The chat-shaped APIs share the 
 generation takes one path to the engine and back (generation.py)."""
 from __future__ import annotations
 
-from fastapi import FastAPI
+from typing import Awaitable, Callable
+
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from .anthropic.routes import add_anthropic_routes
+from .anthropic import routes as anthropic
 from .errors import ENGINE_UNAVAILABLE, SERVER, error_response, install_error_handlers
 from .http.gate import Gate
-from .openai.embeddings import add_embedding_routes
+from .openai import routes as openai
+from .openai import tokenizer
+from .openai.embeddings import embeddings
 from .openai.protocol import ModelCard, ModelList
-from .openai.routes import add_openai_routes
-from .openai.tokenizer import add_tokenizer_routes
-from .responses.routes import add_responses_routes
+from .responses.routes import respond
 from .state import ServerState
+
+# each room's routes: (method, paths, handler(state, request))
+ROUTES = [("POST", ("/v1/completions",), openai.completions), ("POST", ("/v1/chat/completions",), openai.chat),
+          ("POST", ("/v1/embeddings",), embeddings), ("POST", ("/v1/responses",), respond),
+          ("POST", ("/v1/messages",), anthropic.messages),
+          ("POST", ("/v1/messages/count_tokens",), anthropic.count_tokens),
+          ("POST", ("/tokenize", "/v1/tokenize"), tokenizer.tokenize),
+          ("POST", ("/detokenize", "/v1/detokenize"), tokenizer.detokenize),
+          ("GET", ("/tokenizer_info",), tokenizer.tokenizer_info),
+          ("GET", ("/get_model_info",), tokenizer.get_model_info),
+          ("POST", ("/flush_cache",), tokenizer.flush_cache)]
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -43,9 +56,13 @@ def create_app(state: ServerState) -> FastAPI:
         state.check_model(model)
         return state.model_card()
 
-    add_openai_routes(app, state)
-    add_tokenizer_routes(app, state)
-    add_embedding_routes(app, state)
-    add_anthropic_routes(app, state)
-    add_responses_routes(app, state)
+    for method, paths, handler in ROUTES:
+        for path in paths:
+            app.add_api_route(path, _endpoint(state, handler), methods=[method], name=handler.__name__)
     return app
+
+
+def _endpoint(state: ServerState, handler: Callable[[ServerState, Request], Awaitable[Response]]) -> Callable:
+    async def endpoint(request: Request) -> Response:
+        return await handler(state, request)
+    return endpoint

@@ -89,14 +89,16 @@ def build_gguf_tokenizer(cls: Any, reader: GGUFReader, folder: str) -> Optional[
     """`cls.from_pretrained(folder, gguf_file=...)` for the file `reader` read, built from its metadata as read
     here; None where this transformers has no such converter or the file is not one this reader handles (the
     caller converts it the slow way)."""
-    try:  # (the names gguf_tokenizer_inputs takes too: a transformers without them converts the slow way)
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (  # noqa: F401
-            _SPECIAL_TOKENS, GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+    try:
+        from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
     except ImportError:
+        return None
+    # (the names gguf_tokenizer_inputs takes too: a transformers without them converts the slow way)
+    if not all(hasattr(mapping, n) for n in ("_SPECIAL_TOKENS", "GGUF_TOKENIZER_MAPPING", "convert_gguf_tokenizer")):
         return None
     metadata = tokenizer_metadata(reader)
     if metadata is None or "general.architecture" not in metadata or "tokenizer.ggml.tokens" not in metadata:
         return None
     architecture, tokenizer_dict, config = gguf_tokenizer_inputs(metadata)
-    backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    backend, extra = mapping.convert_gguf_tokenizer(architecture, tokenizer_dict)
     return cls.from_pretrained(folder, tokenizer_object=backend, **config, **extra)

@@ -7,7 +7,7 @@ count_tokens answers `{"input_tokens": N}`: the length of the prompt the same re
 """
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ..body import parse_body
@@ -18,22 +18,16 @@ from .protocol import CountTokensRequest, MessagesRequest, chat_inputs
 from .render import MessageRenderer
 
 
-def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        body, large = await parse_body(request, MessagesRequest)
-        return await _messages(state, body, request, large)
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request) -> Response:
-        body, large = await parse_body(request, CountTokensRequest)
-        state.check_generation_model(body.model)
-        plan = await plan_chat(state.prompts, chat_inputs(body, state.prompts.reasoning is not None),
-                               state.info.limits, large)
-        return JSONResponse({"input_tokens": len(plan.prompt_ids)})
+async def count_tokens(state: ServerState, request: Request) -> Response:
+    body, large = await parse_body(request, CountTokensRequest)
+    state.check_generation_model(body.model)
+    plan = await plan_chat(state.prompts, chat_inputs(body, state.prompts.reasoning is not None), state.info.limits,
+                           large)
+    return JSONResponse({"input_tokens": len(plan.prompt_ids)})
 
 
-async def _messages(state: ServerState, body: MessagesRequest, request: Request, large: bool) -> Response:
+async def messages(state: ServerState, request: Request) -> Response:
+    body, large = await parse_body(request, MessagesRequest)
     state.check_generation_model(body.model)
     sampling = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k") if getattr(body, k) is not None}
     sampling.update(max_tokens=body.max_tokens, stop=body.stop_sequences or None)

@@ -19,7 +19,7 @@ import uuid
 from typing import Any, List, Literal, Optional, Union
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, field_validator
 
@@ -59,14 +59,8 @@ class EmbeddingRequest(BaseModel):
                          "lists")
 
 
-def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        body, large = await parse_body(request, EmbeddingRequest)
-        return await _embeddings(state, body, request, large)
-
-
-async def _embeddings(state: ServerState, body: EmbeddingRequest, request: Request, large: bool) -> Response:
+async def embeddings(state: ServerState, request: Request) -> Response:
+    body, large = await parse_body(request, EmbeddingRequest)
     state.check_model(body.model)
     info = state.info
     params = PoolingParams(body.dimensions)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Dict, List, Tuple
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from minisrv.engine.grammar_check import check_grammar, constraint_of
@@ -30,18 +30,6 @@ from .protocol import MAX_CHOICES, ChatCompletionRequest, ChatMessage, Completio
 from .render import ChatRenderer, CompletionRenderer
 
 
-def add_openai_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body, large = await parse_body(request, CompletionRequest)
-        return await _completions(state, body, request, large)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body, large = await parse_body(request, ChatCompletionRequest)
-        return await _chat(state, body, request, large)
-
-
 def _check_choices(num_prompts: int, n: int) -> None:
     if num_prompts * n > MAX_CHOICES:
         raise APIError(400, f"a request may ask for at most {MAX_CHOICES} choices in all (prompts x n); this one "
@@ -53,7 +41,8 @@ def _stream_usage(body: Any) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
-async def _completions(state: ServerState, body: CompletionRequest, request: Request, large: bool) -> Response:
+async def completions(state: ServerState, request: Request) -> Response:
+    body, large = await parse_body(request, CompletionRequest)
     state.check_generation_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
@@ -126,7 +115,8 @@ def chat_inputs(body: ChatCompletionRequest) -> ChatInputs:
                       body.separate_reasoning, sampling, param_names=names)
 
 
-async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request, large: bool) -> Response:
+async def chat(state: ServerState, request: Request) -> Response:
+    body, large = await parse_body(request, ChatCompletionRequest)
     state.check_generation_model(body.model)
     plan = await plan_chat(state.prompts, chat_inputs(body), state.info.limits, large)
     renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", state.served_model_name, state.fingerprint,
@@ -134,3 +124,4 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
                             top_logprobs=body.top_logprobs or 0, tools=plan.tools, reasoning=plan.reasoning)
     return await serve(state, request, Generation([plan.prompt_ids], plan.params, body.n or 1), renderer,
                        bool(body.stream))
+

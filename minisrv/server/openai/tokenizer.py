@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, model_validator
 
@@ -125,74 +125,56 @@ def _answer(state: "ServerState", ids: List[int], token_strs: bool) -> Dict[str,
     return out
 
 
-def add_tokenizer_routes(app: FastAPI, state: "ServerState") -> None:
+async def tokenize(state: "ServerState", request: Request) -> JSONResponse:
+    body, large = await parse_body(request, TokenizeRequest)
+    state.check_model(body.model)
+    return JSONResponse(await _tokenize(state, body, large))
 
-    @app.post("/tokenize")
-    @app.post("/v1/tokenize")
-    async def tokenize(request: Request) -> JSONResponse:
-        body, large = await parse_body(request, TokenizeRequest)
-        state.check_model(body.model)
-        return JSONResponse(await _tokenize(state, body, large))
 
-    @app.post("/detokenize")
-    @app.post("/v1/detokenize")
-    async def detokenize(request: Request) -> JSONResponse:
-        body, large = await parse_body(request, DetokenizeRequest)
-        state.check_model(body.model)
-        tok = _tokenizer(state)
-        ids = body.tokens
+async def detokenize(state: "ServerState", request: Request) -> JSONResponse:
+    body, large = await parse_body(request, DetokenizeRequest)
+    state.check_model(body.model)
+    tok = _tokenizer(state)
+    ids = body.tokens
 
-        def decode() -> str:
-            size = len(tok)
-            for i, t in enumerate(ids):
-                if not 0 <= t < size:
-                    raise APIError(400, f"tokens[{i}] = {t} is not in the tokenizer's vocabulary (ids 0 to "
-                                        f"{size - 1})", param="tokens", code="invalid_token_id")
-            return tok.decode(ids)
+    def decode() -> str:
+        size = len(tok)
+        for i, t in enumerate(ids):
+            if not 0 <= t < size:
+                raise APIError(400, f"tokens[{i}] = {t} is not in the tokenizer's vocabulary (ids 0 to {size - 1})",
+                               param="tokens", code="invalid_token_id")
+        return tok.decode(ids)
 
-        return JSONResponse({"prompt": await off_loop(large or len(ids) > INLINE_DECODE_TOKENS, decode)})
+    return JSONResponse({"prompt": await off_loop(large or len(ids) > INLINE_DECODE_TOKENS, decode)})
 
-    @app.get("/tokenizer_info")
-    async def tokenizer_info() -> JSONResponse:
-        tok = _tokenizer(state)
-        return JSONResponse({
-            "tokenizer_class": type(tok).__name__,
-            "tokenizer_path": tokenizer_path(state),
-            "eos_token": tok.eos_token,
-            "eos_token_id": tok.eos_token_id,
-            "bos_token": tok.bos_token,
-            "bos_token_id": tok.bos_token_id,
-            "pad_token": tok.pad_token,
-            "pad_token_id": tok.pad_token_id,
-            "unk_token": tok.unk_token,
-            "chat_template": chat_template_text(tok),
-            # the enforced limit, as max_model_len elsewhere (HF's own value is often a 1e30 placeholder)
-            "model_max_length": state.info.max_request_len,
-            "vocab_size": len(tok),
-        })
 
-    @app.get("/get_model_info")
-    async def get_model_info() -> JSONResponse:
-        _tokenizer(state)
-        info = state.info
-        return JSONResponse({
-            "model_path": info.model_path,
-            "served_model_name": state.served_model_name,
-            "tokenizer_path": tokenizer_path(state),
-            "is_generation": True,
-            "max_model_len": info.max_request_len,
-            "context_length": info.context_length,
-            "vocab_size": info.vocab_size,
-        })
+async def tokenizer_info(state: "ServerState", request: Request) -> JSONResponse:
+    tok = _tokenizer(state)
+    return JSONResponse({
+        "tokenizer_class": type(tok).__name__, "tokenizer_path": tokenizer_path(state),
+        "eos_token": tok.eos_token, "eos_token_id": tok.eos_token_id, "bos_token": tok.bos_token,
+        "bos_token_id": tok.bos_token_id, "pad_token": tok.pad_token, "pad_token_id": tok.pad_token_id,
+        "unk_token": tok.unk_token, "chat_template": chat_template_text(tok),
+        # the enforced limit, as max_model_len elsewhere (HF's own value is often a 1e30 placeholder)
+        "model_max_length": state.info.max_request_len, "vocab_size": len(tok)})
 
-    @app.post("/flush_cache")
-    async def flush_cache(request: Request) -> JSONResponse:
-        if await request.body():
-            await parse_body(request, FlushCacheRequest)
-        try:
-            flushed = await state.client.flush_cache()
-        except EngineDead as e:
-            raise engine_unavailable(str(e)) from None
-        if not flushed:
-            raise APIError(400, "Cache not flushed because there are pending requests", code="requests_pending")
-        return JSONResponse({"flushed": True})
+
+async def get_model_info(state: "ServerState", request: Request) -> JSONResponse:
+    _tokenizer(state)
+    info = state.info
+    return JSONResponse({
+        "model_path": info.model_path, "served_model_name": state.served_model_name,
+        "tokenizer_path": tokenizer_path(state), "is_generation": True, "max_model_len": info.max_request_len,
+        "context_length": info.context_length, "vocab_size": info.vocab_size})
+
+
+async def flush_cache(state: "ServerState", request: Request) -> JSONResponse:
+    if await request.body():
+        await parse_body(request, FlushCacheRequest)
+    try:
+        flushed = await state.client.flush_cache()
+    except EngineDead as e:
+        raise engine_unavailable(str(e)) from None
+    if not flushed:
+        raise APIError(400, "Cache not flushed because there are pending requests", code="requests_pending")
+    return JSONResponse({"flushed": True})

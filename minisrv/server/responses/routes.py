@@ -5,7 +5,7 @@ A failure's `param` is named as the Responses request names the field (`input` f
 """
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from ..body import parse_body
@@ -16,14 +16,8 @@ from .protocol import ResponsesRequest, chat_inputs, echo_fields, tool_namespace
 from .render import ResponseRenderer
 
 
-def add_responses_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        body, large = await parse_body(request, ResponsesRequest)
-        return await respond(state, body, request, large)
-
-
-async def respond(state: ServerState, req: ResponsesRequest, request: Request, large: bool) -> Response:
+async def respond(state: ServerState, request: Request) -> Response:
+    req, large = await parse_body(request, ResponsesRequest)
     state.check_generation_model(req.model)
     plan = await plan_chat(state.prompts, chat_inputs(req), state.info.limits, large)
     tok = state.tokenizer
