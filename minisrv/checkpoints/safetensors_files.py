@@ -8,15 +8,13 @@ from __future__ import annotations
 import glob
 import json
 import os
-import struct
 from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 
 from .checkpoint import StoredTensor, Unreadable, WeightLoadError, check_tensor_spans, damaged
+from .safetensors_stream import read_header
 from minisrv.models.sharding import Slice
-
-MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers too
 
 
 def safetensors_files(path: str) -> List[str]:
@@ -38,23 +36,7 @@ def safetensors_files(path: str) -> List[str]:
 def _tensor_spans(file: str, size: int) -> List[Tuple[str, int, int]]:
     """(tensor name, first byte, end byte) of every tensor, at absolute file offsets, from the header alone."""
     with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise Unreadable(f"the file has {size} bytes, fewer than the 8 of the header length")
-        (hlen,) = struct.unpack("<Q", head)
-        if 8 + hlen > size:
-            raise Unreadable(f"header length {hlen} runs past the end of the file at byte {size}")
-        if hlen > MAX_HEADER:
-            raise Unreadable(f"header length {hlen} is larger than {MAX_HEADER}")
-        raw = f.read(hlen)
-    if len(raw) < hlen:
-        raise Unreadable(f"header length {hlen} runs past the end of the file at byte {8 + len(raw)}")
-    try:
-        header = json.loads(raw)
-    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError
-        raise Unreadable(f"bad JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise Unreadable(f"the header is a JSON {type(header).__name__}, not an object")
+        hlen, header = read_header(f, size, Unreadable)
     spans = []
     for name, info in header.items():
         if name == "__metadata__":

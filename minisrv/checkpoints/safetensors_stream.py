@@ -14,11 +14,12 @@ import math
 import mmap
 import os
 import struct
-from typing import BinaryIO, Dict, List, Optional
+from typing import Any, BinaryIO, Dict, List, Optional, Tuple
 
 import torch
 
 DATA_ALIGN = 4096
+MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers too
 DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
@@ -89,23 +90,35 @@ class BadFile(ValueError):
     """Why a file cannot be mapped as safetensors."""
 
 
+def read_header(f: BinaryIO, size: int, error: type) -> Tuple[int, Dict[str, Any]]:
+    """(header length, header) of the safetensors file `f` of `size` bytes, read from its start; raises `error`
+    saying what is wrong with it."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise error(f"the file has {size} bytes, fewer than the 8 of the header length")
+    (hlen,) = struct.unpack("<Q", head)
+    if 8 + hlen > size:
+        raise error(f"header length {hlen} runs past the end of the file at byte {size}")
+    if hlen > MAX_HEADER:
+        raise error(f"header length {hlen} is larger than {MAX_HEADER}")
+    raw = f.read(hlen)
+    if len(raw) < hlen:
+        raise error(f"header length {hlen} runs past the end of the file at byte {8 + len(raw)}")
+    try:
+        header = json.loads(raw)
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError
+        raise error(f"bad JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise error(f"the header is a JSON {type(header).__name__}, not an object")
+    return hlen, header
+
+
 def map_tensors(path: str) -> Dict[str, torch.Tensor]:
     """name -> tensor, each a view of one private (copy-on-write) memory map of the file. Every header entry is
     checked against the file's size first: a truncated or damaged file is a BadFile, not a crash."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise BadFile(f"{size} bytes, fewer than the 8 of the header length")
-        (hlen,) = struct.unpack("<Q", head)
-        if 8 + hlen > size:
-            raise BadFile(f"header length {hlen} runs past the end of the file at byte {size}")
-        try:
-            header = json.loads(f.read(hlen))
-        except ValueError as e:
-            raise BadFile(f"header is not JSON ({e})") from None
-        if not isinstance(header, dict):
-            raise BadFile("header is not a JSON object")
+        hlen, header = read_header(f, size, BadFile)
         header.pop("__metadata__", None)
         entries = {}
         for name, info in header.items():

@@ -31,6 +31,7 @@ from ..generation import Job, run_jobs
 from ..plan.prompt import ASYNC_ENCODE_CHARS, off_loop
 from ..state import ServerState
 from ..streaming import unless_disconnected
+from .protocol import token_inputs
 
 MAX_INPUTS = 2048  # inputs per request (OpenAI's limit)
 
@@ -46,17 +47,10 @@ class EmbeddingRequest(BaseModel):
 
     @field_validator("input")
     @classmethod
-    def _input_shape(cls, v: Any) -> Union[str, List[str], List[int], List[List[int]]]:
-        def is_ids(x: Any) -> bool:
-            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
+    def _input_shape(cls, v: Any) -> Any:
         if v == "" or v == [] or (isinstance(v, list) and any(x == "" or x == [] for x in v)):
             raise ValueError("input must not be empty, nor hold an empty string or an empty token list")
-        if isinstance(v, str) or (isinstance(v, list) and (all(isinstance(p, str) for p in v) or is_ids(v)
-                                                           or all(is_ids(p) for p in v))):
-            return v
-        raise ValueError("input must be a string, a list of strings, a list of token ids or a list of token-id "
-                         "lists")
+        return token_inputs(v, "input")
 
 
 async def embeddings(state: ServerState, request: Request) -> Response:

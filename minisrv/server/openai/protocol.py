@@ -77,21 +77,21 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt_shape(cls, v: Any) -> Union[str, List[str], List[int], List[List[int]]]:
-        def is_ids(x: Any) -> bool:
-            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    def _prompt_shape(cls, v: Any) -> Any:
+        return token_inputs(v, "prompt")
 
-        if isinstance(v, str):
-            return v
-        if isinstance(v, list) and v:
-            if all(isinstance(p, str) for p in v) or is_ids(v):
-                return v
-            if all(is_ids(p) for p in v):
-                return v
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be empty")
-        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of "
-                         "token-id lists")
+
+def token_inputs(v: Any, what: str) -> Union[str, List[str], List[int], List[List[int]]]:
+    """A prompt (or an embedding's input) as it may come: a string, strings, token ids or token-id lists."""
+    def is_ids(x: Any) -> bool:
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(v, str) or (isinstance(v, list) and v and (all(isinstance(p, str) for p in v) or is_ids(v)
+                                                             or all(is_ids(p) for p in v))):
+        return v
+    if isinstance(v, list) and not v:
+        raise ValueError(f"{what} must not be empty")
+    raise ValueError(f"{what} must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
 class ContentPart(BaseModel):
