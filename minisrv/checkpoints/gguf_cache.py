@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 from minisrv.cache_dirs import cache_root
 
@@ -119,6 +119,22 @@ class GGUFCache:
         finally:
             os.close(fd)  # (releases the lock)
 
+    def read_or_build(self, what: str, read: Callable[[], Any], build: Callable[[], Any],
+                      publish: Callable[[Any], bool]) -> Any:
+        """read() where the entry holds `what`, else build() and publish(value) it, one process at a time (another
+        one building it: wait, then read its result)."""
+        value = read()
+        if value is not None:
+            return value
+        why = self.why_missing(what)  # (before building() makes the entry's folder)
+        with self.building(what):
+            value = read()
+            if value is None:
+                value = build()
+                if publish(value):
+                    logger.info("GGUF cache: %s built from the GGUF file (%s); cached in %s", what, why, self.folder)
+        return value
+
     def read_config(self) -> Optional[Dict[str, Any]]:
         try:
             with open(self.config_file) as f:
@@ -128,7 +144,10 @@ class GGUFCache:
         except (OSError, ValueError) as e:
             logger.warning("GGUF cache: config %s unreadable (%s): rebuilding it", self.config_file, e)
             return None
-        return cfg if isinstance(cfg, dict) else None
+        if isinstance(cfg, dict):
+            logger.info("GGUF cache: config read from %s", self.config_file)
+            return cfg
+        return None
 
     def publish_file(self, final: str, write: Any) -> bool:
         """Run write(temporary path) and rename the result to `final` (atomic: readers see the old file or the whole

@@ -57,22 +57,10 @@ def load_hf_config(path: str, cache_dir: Optional[str] = None) -> Dict[str, Any]
     metadata array), then kept in the GGUF cache (`cache_dir`: see cache_dirs.cache_root)."""
     if is_gguf(path):
         cache = GGUFCache.open(path, cache_dir)
-        cfg = cache.read_config() if cache is not None else None
-        if cfg is not None:
-            logger.info("GGUF cache: config read from %s", cache.config_file)
-            return cfg
         if cache is None:
             return _gguf_hf_config(path)
-        why = cache.why_missing("config")  # (before building() makes the entry's folder)
-        with cache.building("config"):  # one process builds it (two servers may start at once), the other reads it
-            cfg = cache.read_config()
-            if cfg is not None:
-                logger.info("GGUF cache: config read from %s", cache.config_file)
-                return cfg
-            cfg = _gguf_hf_config(path)
-            if cache.publish_file(cache.config_file, lambda tmp: _write_json(tmp, cfg)):
-                logger.info("GGUF cache: config built from the GGUF file (%s); cached in %s", why, cache.config_file)
-        return cfg
+        return cache.read_or_build("config", cache.read_config, lambda: _gguf_hf_config(path),
+                                   lambda cfg: cache.publish_file(cache.config_file, lambda tmp: _write_json(tmp, cfg)))
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"{path} has no config.json (expected a HF model directory or a .gguf file)")
@@ -142,18 +130,8 @@ def load_tokenizer(path: str, tokenizer: Optional[str] = None, cache_dir: Option
     cache = GGUFCache.open(src, cache_dir)
     if cache is None:
         return _converted_tokenizer(src)
-    tok = _cached_tokenizer(cache)
-    if tok is not None:
-        return tok
-    with cache.building("tokenizer"):  # another process converting it: wait, then read its result
-        tok = _cached_tokenizer(cache)
-        if tok is not None:
-            return tok
-        why = cache.why_missing("tokenizer")
-        tok = _converted_tokenizer(src)
-        if cache.publish_dir(cache.tokenizer_dir, tok.save_pretrained):
-            logger.info("GGUF cache: tokenizer built from the GGUF file (%s); cached in %s", why, cache.tokenizer_dir)
-    return tok
+    return cache.read_or_build("tokenizer", lambda: _cached_tokenizer(cache), lambda: _converted_tokenizer(src),
+                               lambda tok: cache.publish_dir(cache.tokenizer_dir, tok.save_pretrained))
 
 
 def load_engine_tokenizer(path: str, tokenizer: Optional[str] = None, cache_dir: Optional[str] = None):

@@ -213,7 +213,7 @@ async def run_jobs(state: "ServerState", jobs: List[Job]) -> AsyncIterator[List[
         for j in jobs:
             client.submit(j.rid, j.prompt_ids, j.params, sink, j.index)
             pending[j.index] = TokenClock(time.perf_counter())
-            m.submitted(len(j.prompt_ids))
+            m.prompt_tokens.inc(len(j.prompt_ids))
         while pending:
             items = [await sink.get()]
             while not sink.empty():

@@ -74,16 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_server_args(args: argparse.Namespace) -> None:
-    if args.max_request_bytes < 1:
-        _fail("--max-request-bytes must be >= 1", 2)
-    if not args.request_read_timeout > 0:
-        _fail("--request-read-timeout must be > 0", 2)
-    if not args.graceful_shutdown_timeout >= 0:
-        _fail("--graceful-shutdown-timeout must be >= 0", 2)
-    if args.limit_concurrency is not None and args.limit_concurrency < 1:
-        _fail("--limit-concurrency must be >= 1", 2)
-    if args.timeout_keep_alive < 1:
-        _fail("--timeout-keep-alive must be >= 1", 2)
+    limit = args.limit_concurrency
+    for ok, rule in ((args.max_request_bytes >= 1, "--max-request-bytes must be >= 1"),
+                     (args.request_read_timeout > 0, "--request-read-timeout must be > 0"),
+                     (args.graceful_shutdown_timeout >= 0, "--graceful-shutdown-timeout must be >= 0"),
+                     (limit is None or limit >= 1, "--limit-concurrency must be >= 1"),
+                     (args.timeout_keep_alive >= 1, "--timeout-keep-alive must be >= 1")):
+        if not ok:
+            _fail(rule, 2)
 
 
 def _fail(msg: str, code: int = 1) -> NoReturn:

@@ -18,7 +18,6 @@ from minisrv.engine.request import RequestLimits, RequestOutput, SamplingParams
 class EngineInfo:
     """What the HTTP side needs to know about the loaded engine; requests are checked against `limits` before
     they are sent, so the engine rarely has to refuse one."""
-
     model_path: str
     backend_name: str
     device: str
@@ -44,7 +43,6 @@ class EngineInfo:
 class AddRequest:
     """Queue a request (already validated on the HTTP side; the engine checks it again). PoolingParams in place
     of SamplingParams: an embedding request (engine/pooling.py)."""
-
     rid: str
     prompt_ids: List[int]
     params: Union[SamplingParams, PoolingParams]
@@ -53,7 +51,6 @@ class AddRequest:
 @dataclass(frozen=True)
 class AbortRequest:
     """Drop a request (its client went away): frees its KV pages."""
-
     rid: str
 
 
@@ -65,7 +62,6 @@ class StatsQuery:
 @dataclass(frozen=True)
 class FlushCache:
     """Empty the radix prefix cache if no request is queued or running; answered by CacheFlushed(token, ...)."""
-
     token: int
 
 
@@ -80,28 +76,24 @@ ToEngine = Union[AddRequest, AbortRequest, StatsQuery, FlushCache, Shutdown]
 @dataclass(frozen=True)
 class EngineReady:
     """The model is loaded; the engine reads requests from now on."""
-
     info: EngineInfo
 
 
 @dataclass(frozen=True)
 class StartupFailed:
     """The engine could not start; `detail` is the exception, one line."""
-
     detail: str
 
 
 @dataclass(frozen=True)
 class StepOutputs:
     """One engine step's news: every request that sampled a token, finished, was aborted or failed."""
-
     outputs: List[RequestOutput]
 
 
 @dataclass(frozen=True)
 class Rejected:
     """The engine refused an AddRequest (a RequestError): the fields of that error."""
-
     rid: str
     message: str
     param: Optional[str] = None
@@ -111,14 +103,12 @@ class Rejected:
 @dataclass(frozen=True)
 class EngineStats:
     """Engine.stats(): running/waiting counts, KV pool use, prefix-cache size and hits."""
-
     stats: Dict[str, Any]
 
 
 @dataclass(frozen=True)
 class CacheFlushed:
     """The answer to FlushCache(token): ok is False when requests were queued or running (nothing was flushed)."""
-
     token: int
     ok: bool
 

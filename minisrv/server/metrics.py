@@ -47,8 +47,8 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("minisrv_requests", "HTTP requests to /v1 routes (and /tokenize, /detokenize), by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
+        self.requests = Counter("minisrv_requests", "HTTP requests to /v1 routes (and /tokenize, /detokenize), by "
+                                "endpoint and status code", ["endpoint", "status"], registry=r)
         self.finished = Counter("minisrv_request_finish", "Engine requests (one per choice) by finish reason",
                                 ["reason"], registry=r)
         self.prompt_tokens = Counter("minisrv_prompt_tokens", "Prompt tokens sent to the engine", registry=r)
@@ -78,9 +78,6 @@ class ServerMetrics:
     def count_http(self, path: str, status: int) -> None:
         if path.startswith("/v1/") or path in UNVERSIONED:
             self.requests.labels(endpoint=endpoint_label(path), status=str(status)).inc()
-
-    def submitted(self, num_prompt_tokens: int) -> None:
-        self.prompt_tokens.inc(num_prompt_tokens)
 
     def tokens(self, clock: TokenClock, k: int, t: float) -> None:
         """k new tokens of one engine request at time t: the first is its TTFT, the rest share the gap."""

@@ -43,10 +43,6 @@ class Gate:
     def __init__(self, app: Any, state: "ServerState") -> None:
         self.app, self.state = app, state
 
-    def refusal(self, scope: Any) -> Optional[APIError]:
-        """Why this request is answered before its route, if it is."""
-        return self.site_refusal(scope) or self.request_refusal(scope)
-
     def site_refusal(self, scope: Any) -> Optional[APIError]:
         """Whether the request's Host and Origin are refused (a 403)."""
         policy: HTTPPolicy = self.state.http

@@ -18,11 +18,6 @@ from .protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLog
 PositionedLogprob = Tuple[TokenLogprob, int]  # a token's logprobs, with the offset of its text in the choice's text
 
 
-def _byte_decoder() -> Dict[str, int]:
-    """Inverse of the GPT-2 byte-level alphabet (each byte 0..255 is shown as one printable character)."""
-    return {c: b for b, c in bytes_to_unicode().items()}
-
-
 class TokenText:
     """Token id -> (display string, raw bytes) for logprobs, cached."""
 
@@ -31,7 +26,8 @@ class TokenText:
         self.cache: Dict[int, Tuple[str, List[int]]] = {}
         pieces = tokenizer.convert_ids_to_tokens(tokenizer(" a", add_special_tokens=False).input_ids)
         self.byte_level = bool(pieces) and pieces[0].startswith("Ġ")
-        self.decoder = _byte_decoder() if self.byte_level else {}
+        # the inverse of the GPT-2 byte-level alphabet (each byte 0..255 shown as one printable character)
+        self.decoder = {c: b for b, c in bytes_to_unicode().items()} if self.byte_level else {}
 
     def get(self, tid: int) -> Tuple[str, List[int]]:
         hit = self.cache.get(tid)
