@@ -1,9 +1,5 @@
-"""An HTTP body parsed and validated against its schema, off the event loop when it is large.
-
-Keeping the event loop free (so /health and the streams of others never wait): a body over INLINE_BODY_BYTES is
-parsed and validated in a worker thread, and the route then plans its prompts there too (the `large` it gets back;
-see plan/prompt.py for texts that grow long in templating).
-"""
+"""An HTTP body parsed and validated against its schema; one over INLINE_BODY_BYTES in a worker thread (and the
+route then plans its prompts there too), so that the event loop stays free for /health and other streams."""
 from __future__ import annotations
 
 import asyncio

@@ -1,18 +1,11 @@
 """The engine in its own process, and the asyncio handle the HTTP side uses to talk to it.
 
-Why a process: the model step holds the CPU/GPU for milliseconds to seconds, and Python's GIL would let it
-stall the event loop (and the event loop would delay steps). Two ZeroMQ PUSH/PULL pipes over ipc:// carry the
-typed messages of messages.py, pickled; sends never block on either side (unbounded high-water marks), so
-neither loop waits on the other. One StepOutputs message per engine step carries every request that has news.
-
-The engine makes each request's text (minisrv.engine.text); this side only routes outputs to the HTTP request
-that waits for them. A request the engine refuses (a RequestError, e.g. a duplicate id) comes back as Rejected
-and reaches its waiter as that RequestError.
-
-Flushing the prefix cache (FlushCache -> CacheFlushed, matched by a token): the engine handles its messages in
-the order they were sent, so a flush that follows an AddRequest is refused (that request is queued), and one
-that follows the AbortRequest of the last running request succeeds.
-"""
+Why a process: a model step holds the CPU/GPU for milliseconds to seconds, and under the GIL it would stall the
+event loop (and the event loop would delay steps). Two ZeroMQ PUSH/PULL pipes over ipc:// carry messages.py's typed
+messages, pickled; sends never block (unbounded high-water marks), so neither loop waits on the other. The engine
+makes each request's text; this side only routes outputs (or a refusal, as its RequestError) to the waiting HTTP
+request. A FlushCache is handled in the order sent: after an AddRequest it is refused (that request is queued),
+after the AbortRequest of the last running request it succeeds."""
 from __future__ import annotations
 
 import asyncio

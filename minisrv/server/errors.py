@@ -35,8 +35,6 @@ from starlette.requests import ClientDisconnect
 
 from minisrv.engine.request import RequestError
 
-from .openai.protocol import ErrorInfo, ErrorResponse
-
 logger = logging.getLogger("minisrv.server")
 
 INVALID = "invalid_request_error"
@@ -60,8 +58,8 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.close = close
 
-    def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+    def body(self) -> Dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def anthropic_body(self) -> Dict[str, Any]:
         kind = ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
@@ -69,7 +67,7 @@ class APIError(Exception):
 
     def response(self, path: str = "") -> JSONResponse:
         """The answer, in the shape of the API that `path` belongs to (see the module docstring)."""
-        body = self.anthropic_body() if is_anthropic(path) else self.body().model_dump()
+        body = self.anthropic_body() if is_anthropic(path) else self.body()
         return JSONResponse(body, status_code=self.status, headers={"Connection": "close"} if self.close else None)
 
 

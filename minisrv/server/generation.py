@@ -1,17 +1,11 @@
 """The one request path of every generation endpoint (completions, chat, Responses, Messages), from planned prompts
 to the HTTP response.
 
-Each endpoint hands over the same thing, a `Generation` (prompt token ids, SamplingParams, n, echoed prompt text),
-and differs only in how it renders it (a `Renderer`: a stream's opening events, the events of an output, its
-closing events or its error event, a whole response), reading the engine's outputs directly. Everything else
-happens here, once: one engine request (a `Job`) per choice of each prompt, the
-seeds of n > 1 choices, submitting them, streaming or collecting their outputs into `Choice`s, usage, metrics,
-aborting what is left when the client goes away, and turning a refusal or failure of the engine into an APIError
-(an HTTP error until a stream begins, at the request's first output; an error event after).
-
-A choice only accumulates what the engine made: its text deltas (`RequestOutput.new_text`, stop strings already
-cut, a possible stop string held back) and its tokens' logprobs at their text offsets.
-"""
+Each endpoint hands over a `Generation` (prompt ids, SamplingParams, n, echoed prompt text) and a `Renderer` (its
+response shapes); everything else happens here, once: one engine request (`Job`) per choice of each prompt, the
+seeds of n > 1 choices, streaming or collecting outputs into `Choice`s, usage, metrics, aborting what is left when
+the client goes away, and a refusal or failure of the engine as an APIError (an HTTP error until a stream begins,
+at the request's first output; an error event after)."""
 from __future__ import annotations
 
 import asyncio

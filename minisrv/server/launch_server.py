@@ -1,12 +1,9 @@
 """`minisrv-server` / `python -m minisrv.launch_server`: the OpenAI-compatible server.
 
-Startup order: bind the port (so a busy port fails in a second, not after the model loads), start serving
-(/health and /v1 answer 503 meanwhile), spawn the engine process and load the tokenizer alongside; on the engine's
-ready, print one ready line; on its startup error, print it and exit 1. SIGINT/SIGTERM: stop accepting, let running
-requests finish for up to --graceful-shutdown-timeout seconds, then end the rest (streams with a server_shutdown
-error event and [DONE], other requests with a 503; see transport.py); then the engine process is asked to stop,
-terminated if it does not, and reaped; exit code 0. Who may call and what a body may be: http/policy.py.
-"""
+Startup: bind the port (a busy port fails at once, not after the model loads), serve (503 meanwhile), spawn the
+engine process and load the tokenizer alongside; print one ready line, or the startup error and exit 1.
+SIGINT/SIGTERM: running requests get --graceful-shutdown-timeout seconds (see http/transport.py), then the engine
+process is asked to stop, terminated if it does not, and reaped; exit code 0."""
 from __future__ import annotations
 
 import argparse

@@ -1,10 +1,6 @@
-"""What the HTTP process and the engine process say to each other, one small dataclass per kind of message.
-
-Why types rather than tuples tagged with a string: a receiver dispatches on the class (`match` / isinstance), so a
-misspelt tag or a field in the wrong position fails where it is made instead of being silently ignored at the
-other end, and each message documents its fields. They travel pickled (`send_pyobj`) over the pipes of
-engine_proc.py, so they hold only plain data, SamplingParams and RequestOutput.
-"""
+"""What the HTTP process and the engine process say to each other, one small dataclass per kind of message: a
+receiver dispatches on the class, so a misspelt tag or a misplaced field fails where it is made. They travel
+pickled over engine_proc.py's pipes, so they hold only plain data, SamplingParams and RequestOutput."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

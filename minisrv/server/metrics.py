@@ -1,17 +1,9 @@
-"""Prometheus metrics of the server (`GET /metrics`): HTTP requests, engine requests by finish reason, token
-counts, latencies, and the engine's load.
+"""Prometheus metrics of the server (`GET /metrics`): HTTP requests, engine requests by finish reason, tokens,
+latencies (observed here as outputs arrive: what a client sees, IPC included), and the engine's load.
 
-Why a registry per server rather than prometheus_client's global one: several apps can live in one process
-(the in-process tests build many), and each must count only its own requests. The engine's gauges come from
-the engine process (EngineClient.fresh_stats), everything else is observed here on the HTTP side as outputs
-arrive, so the latencies are the ones a client sees, IPC included.
-
-The prefix cache: `minisrv_prefix_cache_tokens` (a gauge) is what the radix tree holds now;
-`minisrv_cached_prompt_tokens_total` (a counter) counts prompt tokens whose KV came from the tree instead of being
-computed. The engine reports the latter as a running total since it started (`cached_prompt_tokens`); the counter
-is advanced by the growth of that total since the last report seen here, so it is an ordinary counter (its
-_created time and rate() behave as for the others) and a report that arrives twice counts once.
-"""
+A registry per server, not prometheus_client's global one: the in-process tests build many apps in one process.
+`minisrv_cached_prompt_tokens_total` is advanced by the growth of the engine's running total since the last report
+seen, so it is an ordinary counter and a report that arrives twice counts once."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,13 +1,9 @@
 """Server-sent events, and noticing a client that goes away.
 
-Why the care: a client that disconnects must get its engine requests aborted at once, which frees their KV pages
-for everyone else. Starlette's StreamingResponse notices a disconnect only when a write fails, and a request the
-engine is not answering yet writes nothing, so `EventStream` listens for the disconnect itself and closes the
-generator (whose cleanup aborts the requests). A request whose answer has not begun (a non-streaming one, or a
-stream waiting for its first output) is watched the same way by `unless_disconnected`. How a stream's events are
-framed and how it ends is each API's renderer's (OpenAI's streams end with `data: [DONE]`, the Responses and
-Messages streams with named events).
-"""
+A client that disconnects must get its engine requests aborted at once (freeing their KV pages). Starlette notices
+a disconnect only when a write fails, and a request the engine is not answering yet writes nothing, so
+`EventStream` listens for the disconnect itself and closes the generator (whose cleanup aborts the requests); an
+answer not begun yet is watched the same way by `unless_disconnected`."""
 from __future__ import annotations
 
 import asyncio

@@ -20,6 +20,7 @@ error event and `data: [DONE]`) and every body still being read with a 503. uvic
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from typing import TYPE_CHECKING, Any, List, Optional
 
@@ -68,7 +69,7 @@ def deadline_protocol(read_timeout: float) -> type:
             """A request h11 cannot parse (a malformed head, one over the head size limit): answered in the
             server's error shape with a fresh x-request-id, like every other response, where uvicorn answers plain
             text without one; the connection is closed after it, as uvicorn closes it."""
-            body = APIError(400, msg).body().model_dump_json().encode("utf-8")
+            body = json.dumps(APIError(400, msg).body()).encode("utf-8")
             head = h11.Response(status_code=400, reason=b"Bad Request", headers=[
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode("ascii")),
                 (b"connection", b"close"), (REQUEST_ID, uuid.uuid4().hex.encode("ascii"))])

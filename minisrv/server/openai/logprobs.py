@@ -53,16 +53,23 @@ class TokenText:
         return self.get(tid)[0]
 
 
-def completion_logprobs(tt: TokenText, lps: Sequence[PositionedLogprob], top_n: int) -> CompletionLogprobs:
+def completion_logprobs(tt: TokenText, tokens: Sequence[Tuple[int, Optional[TokenLogprob], int]],
+                        top_n: int) -> CompletionLogprobs:
+    """(token id, its logprobs or None, its text's offset) per token; None (an echoed prompt's first token) is null,
+    as OpenAI and vLLM answer."""
     out = CompletionLogprobs()
-    for lp, offset in lps:
-        s = tt.string(lp.token_id)
+    for tid, lp, offset in tokens:
+        s = tt.string(tid)
         out.tokens.append(s)
-        out.token_logprobs.append(lp.logprob)
+        out.text_offset.append(offset)
+        if lp is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
         top = {tt.string(t): v for t, v in list(lp.top.items())[:top_n]}
         top.setdefault(s, lp.logprob)  # OpenAI: the sampled token is always included
+        out.token_logprobs.append(lp.logprob)
         out.top_logprobs.append(top)
-        out.text_offset.append(offset)
     return out
 
 

@@ -1,4 +1,4 @@
-"""OpenAI request/response schemas (the subset minisrv serves), plus the error shape.
+"""OpenAI request/response schemas (the subset minisrv serves); the error shape is errors.py's.
 
 pydantic checks the shape and types of a request (a failure is a 400 naming the field, see errors.py) and the
 fields only the server knows (n, the logprobs counts, the messages). The ranges of the sampling fields are not
@@ -18,17 +18,6 @@ from minisrv.engine.request import MAX_LOGPROBS
 
 MAX_N = 128  # choices per prompt
 MAX_CHOICES = 256  # choices per request, all prompts together (prompts x n): bounds the work one request asks for
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: Optional[str] = None
-    code: Optional[Union[str, int]] = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
 
 
 class StreamOptions(BaseModel):

@@ -50,37 +50,19 @@ class CompletionRenderer(OpenAIStream):
     logprobs: Optional[int] = None  # the request's `logprobs` (None: none)
     echo_logprobs: bool = False  # echo with logprobs: the prompt's tokens come first, with their logprobs
 
-    def _logprobs(self, lps: Sequence[PositionedLogprob]) -> Optional[CompletionLogprobs]:
+    def _logprobs(self, lps: Sequence[PositionedLogprob], echoed: Optional[Choice] = None
+                  ) -> Optional[CompletionLogprobs]:
+        """The logprobs of `lps`, after those of the prompt's tokens when `echoed` (echo with logprobs)."""
         if self.logprobs is None:
             return None
-        return completion_logprobs(self.token_text, lps, self.logprobs)
-
-    def _prompt_part(self, choice: Choice) -> CompletionLogprobs:
-        """The echoed prompt's tokens: the first has no logprob (null, as OpenAI and vLLM answer)."""
-        out = CompletionLogprobs()
-        offset = 0
-        scored = choice.prompt_logprobs or [None] * len(choice.prompt_ids)
-        for tid, lp in zip(choice.prompt_ids, scored):
-            s = self.token_text.string(tid)
-            out.tokens.append(s)
-            out.text_offset.append(offset)
-            offset += len(s)
-            if lp is None:
-                out.token_logprobs.append(None)
-                out.top_logprobs.append(None)
-            else:
-                top = {self.token_text.string(t): v for t, v in list(lp.top.items())[:self.logprobs]}
-                top.setdefault(s, lp.logprob)
-                out.token_logprobs.append(lp.logprob)
-                out.top_logprobs.append(top)
-        return out
-
-    def _with_prompt(self, choice: Choice, lps: Sequence[PositionedLogprob]) -> CompletionLogprobs:
-        head, tail = self._prompt_part(choice), self._logprobs(lps)
-        return CompletionLogprobs(tokens=head.tokens + tail.tokens,
-                                  token_logprobs=head.token_logprobs + tail.token_logprobs,
-                                  top_logprobs=head.top_logprobs + tail.top_logprobs,
-                                  text_offset=head.text_offset + tail.text_offset)
+        tokens, offset = [], 0
+        if echoed is not None:
+            scored = echoed.prompt_logprobs or [None] * len(echoed.prompt_ids)
+            for tid, lp in zip(echoed.prompt_ids, scored):
+                tokens.append((tid, lp, offset))
+                offset += len(self.token_text.string(tid))
+        tokens += [(lp.token_id, lp, at) for lp, at in lps]
+        return completion_logprobs(self.token_text, tokens, self.logprobs)
 
     def _chunk(self, index: int, text: str, logprobs: Optional[CompletionLogprobs], finish: Optional[str]) -> str:
         return sse(CompletionChunk(id=self.id, created=self.created, model=self.model,
@@ -99,7 +81,7 @@ class CompletionRenderer(OpenAIStream):
         out = []
         if self.echo_logprobs and not choice.opened:
             choice.opened = True
-            out.append(self._chunk(choice.index, choice.prefix, self._prompt_part(choice), None))
+            out.append(self._chunk(choice.index, choice.prefix, self._logprobs([], choice), None))
         if text or logprobs or finish_reason:
             out.append(self._chunk(choice.index, text, self._logprobs(logprobs), finish_reason))
         return out
@@ -108,8 +90,7 @@ class CompletionRenderer(OpenAIStream):
         return CompletionResponse(
             id=self.id, created=self.created, model=self.model, usage=usage, system_fingerprint=self.fingerprint,
             choices=[CompletionChoice(index=ch.index, text=ch.full_text, finish_reason=ch.finish_reason,
-                                      logprobs=(self._with_prompt(ch, ch.logprobs) if self.echo_logprobs
-                                                else self._logprobs(ch.logprobs)))
+                                      logprobs=self._logprobs(ch.logprobs, ch if self.echo_logprobs else None))
                      for ch in choices])
 
 

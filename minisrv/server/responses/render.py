@@ -204,6 +204,6 @@ class ResponseRenderer:
 
     def failed(self, error: APIError) -> List[str]:
         """A failure after the stream began (OpenAI's error body as an `error` event)."""
-        err = error.body().error
-        return [event_text(self._event("error", code=err.code, message=err.message, param=err.param,
-                                       error=err.model_dump()))]
+        err = error.body()["error"]
+        return [event_text(self._event("error", code=err["code"], message=err["message"], param=err["param"],
+                                       error=err))]
