@@ -1,16 +1,12 @@
-"""`POST /v1/messages` and `POST /v1/messages/count_tokens`: Anthropic's Messages API on the shared request path.
-
-A request is converted into the plan's inputs (protocol.py), planned as chat's is (plan/chat.py) and served by
-generation.serve; only the answer's shapes are its own (render.py).
-
-count_tokens answers `{"input_tokens": N}`: the length of the prompt the same request would be planned into.
-"""
+"""`POST /v1/messages` and `/v1/messages/count_tokens`: Anthropic's Messages API, planned as chat is (plan/chat.py)
+and served by generation.serve; only its conversion (protocol.py) and shapes (render.py) are its own. count_tokens
+answers `{"input_tokens": N}`, the length of the prompt the same request would be planned into."""
 from __future__ import annotations
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..body import parse_body
+from ..http.json_body import parse_body
 from ..generation import Generation, serve
 from ..plan.chat import plan_chat
 from ..state import ServerState

@@ -1,4 +1,4 @@
-"""A request body -> the JSON value it holds, strictly, by msgspec.
+"""A request body -> the JSON value it holds, strictly, by msgspec, then its route's schema (`parse_body`).
 
 msgspec parses RFC 8259 JSON and refuses what Python's json module would accept beyond it, or what would fail
 later in a way the client cannot make sense of: NaN / Infinity literals, a number that overflows a float (1e400
@@ -19,19 +19,23 @@ lets go of the parsed value before the GC resumes. The GC switch is process-wide
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import re
 import threading
-from typing import Any, Callable, Iterator, List, Tuple, TypeVar
+from typing import Any, Callable, Iterator, Tuple, TypeVar
 
 import msgspec
 import numpy as np
+from fastapi import Request
+from pydantic import ValidationError
 
-from ..errors import APIError
+from ..errors import APIError, validation_message
 
 MAX_DEPTH = 64
 MAX_CONTAINERS = 100_000  # far more than any request that fits a context
+INLINE_BODY_BYTES = 16384  # larger bodies are parsed, templated and tokenized in a worker thread
 _BOM = b"\xef\xbb\xbf"
 _DECODER = msgspec.json.Decoder()
 _AT_BYTE = re.compile(r"\(byte (\d+)\)")
@@ -124,4 +128,19 @@ def parse(raw: bytes, validate: Callable[[Any], T]) -> T:
     raise err
 
 
-__all__: List[str] = ["MAX_CONTAINERS", "MAX_DEPTH", "decode_json", "parse", "shape"]
+async def parse_body(request: Request, schema: type) -> Tuple[Any, bool]:
+    """A route's JSON body as `schema` (the Gate has checked its type and declared size); also whether it is large:
+    parsed in a worker thread, as the route then plans its prompts (the event loop stays free for /health and the
+    streams of others)."""
+    raw = await request.body()
+
+    def validate(data: Any) -> Any:
+        try:
+            return schema.model_validate(data)
+        except ValidationError as e:
+            msg, param = validation_message(e)
+        raise APIError(400, msg, param=param)  # outside the except: no __context__ holding the input
+
+    if len(raw) > INLINE_BODY_BYTES:
+        return await asyncio.to_thread(parse, raw, validate), True
+    return parse(raw, validate), False

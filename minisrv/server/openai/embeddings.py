@@ -1,17 +1,10 @@
-"""POST /v1/embeddings, OpenAI's shape, on an embedding model (engine/pooling.py); and the refusal of generation
-requests on such a model.
+"""POST /v1/embeddings, OpenAI's shape, on an embedding model (engine/pooling.py).
 
-A server is either an embedding server or a generation server (EngineInfo.embedding_dim says which): asking one for
-what only the other serves is a 400 naming the endpoint to use, never a half-served request. The body's inputs (a
-string, a list of strings, a list of token ids, or a list of token-id lists) are each tokenized (with the
-tokenizer's special tokens, as sentence-transformers does) and checked here with the engine's own check
-(`check_embedding_input`), so an empty, out-of-vocabulary or too-long input is a 400 before anything is queued.
-Each input is one engine request, all submitted at once so that the engine batches their prefills; they travel the
-generation endpoints' path (generation.run_jobs: the engine's refusal, failure or death, the server's stop, and a
-client that leaves are handled there once). `dimensions` truncates the vectors in the engine (then normalises them
-again when the model's are unit length); `encoding_format` "base64" sends each as the base64 of its little-endian
-float32 bytes, as OpenAI does.
-"""
+A server is either an embedding or a generation server (EngineInfo.embedding_dim): asking one for what only the
+other serves is a 400 naming the endpoint to use. Each input is tokenized (with the special tokens, as
+sentence-transformers does) and checked with the engine's own check, so a bad input is a 400 before anything is
+queued; the inputs are then submitted at once (their prefills batch) and travel generation.run_jobs, the
+generation endpoints' path. `encoding_format` "base64" is the base64 of little-endian float32 bytes, as OpenAI's."""
 from __future__ import annotations
 
 import base64
@@ -25,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from minisrv.engine.pooling import PoolingParams, check_embedding_input
 
-from ..body import parse_body
+from ..http.json_body import parse_body
 from ..errors import APIError
 from ..generation import Job, run_jobs
 from ..plan.prompt import ASYNC_ENCODE_CHARS, off_loop

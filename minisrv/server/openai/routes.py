@@ -1,12 +1,8 @@
-"""/v1/completions and /v1/chat/completions: each request checked, converted and handed to the shared path.
-
-A request is validated in full before anything reaches the engine: shape and types by pydantic (protocol.py), values
-by SamplingParams and check_request, the engine's own checks (a RequestError is a 400 naming the field), a
-constraint's grammar parsed (check_grammar). A chat request becomes the plan's ChatInputs (plan/chat.py); a
-completion's prompts are tokenized as they are. Both then take generation.py's path and differ only in their
-renderer (render.py). The server answers to its served model name and to the model path (as given and as
-resolved); a request without `model` goes to the one model, any other name is a 404. A request may ask for at
-most MAX_CHOICES choices (prompts x n)."""
+"""/v1/completions and /v1/chat/completions: each request checked in full before anything reaches the engine
+(pydantic's types, SamplingParams and check_request's values, a constraint's grammar: a 400 naming the field), then
+handed to generation.py's path with its renderer (render.py). A chat request is planned as every chat-shaped API's
+is (plan/chat.py); a completion's prompts are tokenized as they are. A request may ask for at most MAX_CHOICES
+choices (prompts x n)."""
 from __future__ import annotations
 
 import uuid
@@ -18,7 +14,7 @@ from fastapi.responses import Response
 from minisrv.engine.grammar_check import check_grammar, constraint_of
 from minisrv.engine.request import SamplingParams, check_request
 
-from ..body import parse_body
+from ..http.json_body import parse_body
 from ..errors import APIError
 from ..generation import Generation, serve
 from ..plan.chat import ChatInputs, plan_chat

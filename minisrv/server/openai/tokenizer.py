@@ -26,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, model_validator
 
-from ..body import parse_body
+from ..http.json_body import parse_body
 from ..engine_proc import EngineDead
 from ..errors import APIError, engine_unavailable
 from ..plan.chat import ChatInputs, plan_chat

@@ -1,14 +1,10 @@
-"""`POST /v1/responses`: OpenAI's Responses API, stateless, on the shared request path.
-
-A failure's `param` is named as the Responses request names the field (`input` for the messages,
-`max_output_tokens`, `text`).
-"""
+"""`POST /v1/responses`: OpenAI's Responses API, stateless, on the shared request path."""
 from __future__ import annotations
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from ..body import parse_body
+from ..http.json_body import parse_body
 from ..generation import Generation, serve
 from ..plan.chat import plan_chat
 from ..state import ServerState
