@@ -1,22 +1,15 @@
-"""The on-disk cache of what is slow to rebuild from a GGUF file: its HF config, its tokenizer (as a HF tokenizer
-directory) and the loaded model's parameters (a safetensors file, mapped back into the model without a copy).
+"""The on-disk cache of what is slow to rebuild from a GGUF file (seconds each for the default model on 2 cores; tens
+of milliseconds from here): its HF config, its tokenizer (a HF tokenizer folder) and the loaded model's parameters
+(a safetensors file, mapped back into the model without a copy).
 
-Why: transformers builds the config and the tokenizer of a GGUF file by parsing every metadata array (seconds
-each for the default model on 2 cores), and the quantised blocks take seconds to dequantise; read from the cache
-they take tens of milliseconds.
+Where: cache_dirs.cache_root ("off" turns it off), one folder per GGUF path, and in it one per version of the file:
+its fingerprint hashes the cache format, the file's size and modification time, its header, 64 samples of the rest
+and its tail, so a changed file is never read stale; older versions' entries go once the new one is written. The
+parameters are stored as the model holds them (fused, in its dtype, FP8 or not, one rank's shard): one file per set
+of load options and per version of the model code.
 
-Where: `--cache-dir` (EngineConfig.cache_dir), else $MINISRV_CACHE_DIR, else $XDG_CACHE_HOME/minisrv, else
-~/.cache/minisrv; "off" turns the cache off. Under it, one folder per GGUF path (a hash of the absolute path, then
-the file's name), and in it one folder per version of that file: its fingerprint, which hashes the cache format
-(CACHE_FORMAT), the file's size and modification time (ns), its first 4 MiB (the header: metadata and tensor
-table), 64 samples of 4 KiB spread over the rest and its last 64 KiB. A file that changes, even rewritten to the
-same size, gets a new fingerprint, so a stale entry is never read; entries of the path's older versions are removed
-once the new one is written. The parameters are stored as the model holds them (q/k/v and gate/up fused, in the
-model's dtype, FP8 or not, one tensor-parallel rank's shard), so there is one file per set of load options, named
-by them and by a hash of minisrv's model code (models/*.py: a change to how parameters are laid out is a new file).
-
-Every file is written under a temporary name and renamed into place (a tokenizer folder likewise), so a server
-starting beside another never reads a half-written entry; an entry that cannot be read is rebuilt."""
+Every file is written under a temporary name and renamed into place (a folder likewise), so a server starting beside
+another never reads a half-written entry; an entry that cannot be read is rebuilt."""
 from __future__ import annotations
 
 import contextlib

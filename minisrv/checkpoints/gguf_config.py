@@ -1,12 +1,9 @@
-"""A GGUF file's config, as transformers builds it from the file, for the keys minisrv reads, without transformers.
+"""A GGUF file's config as transformers builds it, for the keys minisrv reads, without transformers.
 
-Why: transformers' `AutoConfig.from_pretrained(gguf_file=...)` parses the whole file with gguf's GGUFReader, which
-walks every metadata array element by element (seconds for the default model), and even its fast reader
-and config classes cost a first start seconds of imports. Here the metadata comes from the file's
-header as gguf_file.read_gguf reads it (arrays skipped), renamed as transformers renames it (its
-GGUF_CONFIG_MAPPING, for the architectures listed here), over transformers' config classes' defaults for the keys
-ModelArgs.from_hf_config reads; a key the file has as an array sends the file back to transformers (None here).
-tests/test_gguf_conversion.py checks the ModelArgs of both on GGUF files of each architecture."""
+Why: `AutoConfig.from_pretrained(gguf_file=...)` walks every metadata array element by element (seconds for the
+default model), and its imports cost a first start seconds more. Here the header as gguf_file.read_gguf reads it is
+renamed as transformers' GGUF_CONFIG_MAPPING renames it, over its config classes' defaults; a key the file holds as
+an array sends the file back to transformers. tests/test_gguf_conversion.py checks the ModelArgs of both."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional

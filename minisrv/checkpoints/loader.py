@@ -1,10 +1,6 @@
-"""Checkpoints -> a ready model: the loading sequence. The model is built empty (no weight init), the tensor
-source picked by the checkpoint's format (HF safetensors directory, GGUF file, either of them FP8), its tensors
-written into the parameters one at a time; what was loaded comes back as a `LoadedModel` (the model, the
-checkpoint's K/V scales, the GGUF cache's writer).
-
-The formats, the model's files and the parameter map live beside this module (model_files, safetensors_files,
-gguf_file, fp8_checkpoint, weights); the names callers use are importable from here too."""
+"""Checkpoints -> a ready model: built empty (no weight init), its tensors read from the checkpoint's format (HF
+safetensors directory or GGUF file, either FP8) into the parameters one at a time, returned as a `LoadedModel`.
+The formats live beside this module; the names callers use are importable from here too."""
 from __future__ import annotations
 
 import contextlib
@@ -68,11 +64,10 @@ class LoadedModel:
 
 
 def empty_model(build: ModelBuild, tensors: Optional[Dict[str, torch.Tensor]] = None) -> nn.Module:
-    """The model with its parameters allocated but not filled: built on the meta device (no weight init is run),
-    with `dtype` as torch's default meanwhile so that every layer is made in the model's dtype as it is built (FP8
-    layers keep their float8 weights and float32 scales: a cast afterwards would widen them). Its projections are
-    FP8 layers with quantization "fp8" (filled by the loader, which quantises each tensor as it reads it).
-    `tensors`: the state dict to use as the parameters themselves (a mapped cache file), instead of empty ones."""
+    """The model with its parameters allocated but not filled: built on the meta device with `dtype` as torch's default
+meanwhile, so that every layer is made in the model's dtype (FP8 layers keep their float8 weights and float32
+scales: a cast afterwards would widen them). `tensors`: a state dict to use as the parameters themselves (a mapped
+cache file) instead of empty ones."""
     model = _meta_model(build)
     _materialize(model, build.device, tensors)
     for m in model.modules():  # buffers (rotary cos/sin) were lost on the meta device
@@ -109,14 +104,11 @@ def _materialize(model: nn.Module, device: torch.device, tensors: Optional[Dict[
 
 def load_model(path: str, build: ModelBuild, cache_dir: Optional[str] = None,
                gguf_weights: str = "auto") -> LoadedModel:
-    """Build the model without running any weight init (meta device), then fill it from the checkpoint.
-    `build.tp`: only this rank's shard is read and held. `build.quantization`: "fp8" makes the projection layers
-    FP8 (see models/fp8.py), each checkpoint tensor quantised as it is read; an FP8 checkpoint always loads that
-    way (dequantised, rounded to the model's dtype, requantised per row). `build.embedding`: a checkpoint's lm_head
-    is skipped.
-    `cache_dir`: where a GGUF model's parameters are cached (cache_dirs.cache_root; None: the default).
-    `gguf_weights`: a GGUF model's projections and embedding kept in their blocks on the CPU ("blocks",
-    gguf_blocks.py), dequantised ("float32"), or "auto": blocks where they can be."""
+    """Build the model empty, then fill it from the checkpoint (only this rank's shard under `build.tp`). An FP8
+checkpoint always loads with FP8 projections (dequantised, rounded to the model's dtype, requantised per row), as
+`build.quantization` "fp8" loads any. `cache_dir`: where a GGUF model's parameters are cached (None: the default).
+`gguf_weights`: a GGUF model's projections and embedding kept in their blocks on the CPU ("blocks"), dequantised
+("float32"), or "auto": blocks where they can be."""
     fp8_format = fp8_checkpoint_format(build.args.quantization_config)
     build = replace(build, quantization="fp8" if build.quantization == "fp8" or fp8_format is not None else None)
     if is_gguf(path):

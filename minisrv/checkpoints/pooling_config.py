@@ -1,14 +1,10 @@
-"""Whether a checkpoint is an embedding model, and how its hidden states become one vector: which position(s) are
-pooled (the last token's, or the mean of all) and whether the vector is normalised to length 1.
+"""Whether a checkpoint is an embedding model, and how its hidden states become one vector (the last token's or the
+mean; normalised or not).
 
-Why here, from the files: an embedding checkpoint says so in one of two ways, and the server must not guess when it
-says neither. A sentence-transformers directory lists its modules in `modules.json` (a `Pooling` module, whose
-`config.json` names the mode: `pooling_mode_lasttoken` for Qwen3-Embedding, `pooling_mode_mean_tokens` for
-gte/e5-style models; a `Normalize` module when the vectors are unit length). A config whose architecture is a bare
-decoder (`Qwen3Model`, `Qwen2Model`, `LlamaModel`, `MistralModel`: no LM head) can only be an embedding model;
-without sentence-transformers files it gets Qwen3-Embedding's recipe, last token and normalised, and the log says
-so. `--is-embedding` makes any decoder an embedding model (the same defaults unless the files say otherwise).
-"""
+Read from the files, never guessed: a sentence-transformers directory lists a `Pooling` module in `modules.json`
+(its config.json names the mode; a `Normalize` module means unit length). A bare decoder's architecture
+(`Qwen3Model`, `LlamaModel`, ...: no LM head) can only be an embedding model; without sentence-transformers files it
+gets Qwen3-Embedding's recipe (last token, normalised), and the log says so. `--is-embedding` makes any decoder one."""
 from __future__ import annotations
 
 import json

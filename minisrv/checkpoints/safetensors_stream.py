@@ -1,12 +1,10 @@
 """A safetensors file written one tensor at a time, so that a model's tensors never have to be in memory together
-(safetensors' own save_file takes them all at once), and read back as tensors over a memory map of the file (no
-copy: the pages come from the page cache as they are first touched).
+(safetensors' save_file takes them all at once), and read back as tensors over a memory map of the file (no copy).
 
-The format puts its JSON header before the data, and the header holds every tensor's offsets. The writer leaves
-room for the header first (from the number of tensors expected; the data then starts on a 4 KiB boundary), streams
-the data behind it, then writes the header into the room, padded with spaces (which the format allows). Tensors
-follow one another without gaps, as readers require; a caller that wants every tensor aligned to its element size
-writes the wider dtypes first."""
+The header, which holds every tensor's offsets, comes before the data: the writer leaves room for it (from the
+number of tensors expected; the data starts on a 4 KiB boundary), streams the data, then writes the header into the
+room, padded with spaces. Tensors follow one another without gaps; a caller that wants each aligned to its element
+size writes the wider dtypes first."""
 from __future__ import annotations
 
 import json

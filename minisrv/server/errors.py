@@ -1,26 +1,19 @@
-"""Every failure a client sees, in OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}`.
-
-Why one place: a request can fail in many layers (JSON parsing, pydantic types, SamplingParams and check_request
-ranges, the engine refusing or failing it, the engine process dying, a client that left), and clients such as
-the openai package dispatch on the status and read `param`/`code`; each failure is mapped to its status here once:
+"""Every failure a client sees, in OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}`, mapped
+to its status here once (clients such as the openai package dispatch on the status and read `param`/`code`):
 
   400 invalid_request_error  bad JSON (also NaN/Infinity, nesting over 64 deep, lone surrogates), wrong types
                              (pydantic), out-of-range values (RequestError, with its param), too many choices
   401 / 404                  no API key (gate.py), unknown model or route
-  403                        a Host or Origin this server does not answer (http/policy.py: host_not_allowed,
-                             origin_not_allowed)
-  408 / 413 / 415            the body came too slowly (request_timeout), is too large (request_too_large), is
-                             not application/json (unsupported_media_type); 408 and 413 close the connection
+  403                        a Host or Origin this server does not answer (host_not_allowed, origin_not_allowed)
+  408 / 413 / 415            the body came too slowly, is too large, is not application/json (408 and 413 close
+                             the connection)
   499                        the client left before its answer (nobody reads it; counted in the metrics)
   500 server_error           the engine failed this request, or a bug
-  503 server_error           the engine is loading, stopped or gone (code engine_unavailable), or the server is
-                             shutting down and its grace period is over (code server_shutdown; a stream ends
-                             with that error event and [DONE])
+  503 server_error           the engine is loading, stopped or gone (engine_unavailable), or the shutdown's grace
+                             period is over (server_shutdown; a stream ends with that error event and [DONE])
 
-Under ANTHROPIC_PATH (/v1/messages, Anthropic's Messages API) the same failures, with the same statuses, take
-Anthropic's shape instead: `{"type": "error", "error": {"type": ..., "message": ...}}` (`anthropic_body`); the
-path alone decides, so the gate's refusals and the handlers below answer there in that shape too.
-"""
+Under ANTHROPIC_PATH (/v1/messages) the same failures, with the same statuses, take Anthropic's shape instead
+(`anthropic_body`); the path alone decides, so the gate's refusals answer there in that shape too."""
 from __future__ import annotations
 
 import logging

@@ -1,19 +1,14 @@
 """What every HTTP request passes before its route, and how its body is read.
 
 In order: the `Host` check (403), the `Origin` check (403), a CORS preflight (answered here), the API key (401),
-"engine not ready" (503), a POST's `Content-Type` (415) and declared size (413). Then the route runs with a
-guarded `receive`: the body may not exceed the size limit (413, also for a chunked body without Content-Length)
-and must arrive within the read deadline (408); a shutdown that cuts the server's grace period short answers a body still being read with a 503.
-Every request is counted by endpoint and status code, and an exception no handler took is answered with a 500 in
-OpenAI's shape (Anthropic's under /v1/messages, see errors.py) without dropping the keep-alive connection.
+"engine not ready" (503), a POST's `Content-Type` (415) and declared size (413). The route then reads a guarded
+body: at most the size limit (413, chunked bodies too), within the read deadline (408), a 503 if the shutdown cuts
+it short. Every request is counted by endpoint and status, and an exception no handler took is a 500 in the API's
+error shape without dropping the keep-alive connection. Every response carries `x-request-id`: the client's
+`X-Request-Id` when it is 1 to 128 visible ASCII characters, else a fresh one (`request.state.request_id`).
 
-Why plain ASGI rather than a FastAPI dependency or BaseHTTPMiddleware: it must cover every route, the 404s of
-routes that do not exist included, count the status a streaming response actually started with (or 499 when the
-client left before any), and not buffer or wrap the streams themselves.
-
-Every response carries `x-request-id` (refusals, 404s and streams included): the client's `X-Request-Id` when it
-is 1 to 128 visible ASCII characters, else a fresh uuid4 hex; the route finds it in `request.state.request_id`.
-"""
+Why plain ASGI rather than a FastAPI dependency or BaseHTTPMiddleware: it must cover every route (404s included),
+count the status a stream actually started with (or 499), and not buffer or wrap the streams."""
 from __future__ import annotations
 
 import asyncio

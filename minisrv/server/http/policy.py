@@ -1,21 +1,15 @@
 """Who may use the server and how much a request may send: the Host and Origin rules, CORS, the body limits.
 
-Why the Host, Origin and Content-Type checks (loopback safety, as Ollama and Jupyter do it): without an API key,
-any web page the local user visits could otherwise use the server. A page can POST to 127.0.0.1 without a CORS
-preflight only with a "simple" Content-Type (text/plain, form encodings), so requiring application/json forces a
-preflight, which fails (no CORS headers). A page that rebinds its own DNS name to 127.0.0.1 can read answers, but
-its requests carry its own name in `Host`, which a loopback-bound server refuses. Browsers send `Origin` on
-cross-origin requests; one that is not explicitly allowed is refused.
+Why the Host, Origin and Content-Type checks (loopback safety, as Ollama and Jupyter do it): without an API key, any
+web page the local user visits could otherwise use the server. A page can POST without a CORS preflight only with a
+"simple" Content-Type, so requiring application/json forces a preflight, which fails; a page that rebinds its DNS
+name to 127.0.0.1 sends its own name in `Host`, which a loopback-bound server refuses; a cross-origin `Origin` that
+is not explicitly allowed is refused.
 
-CORS, only with --allowed-origins (otherwise every request with an Origin is refused, preflights included): a
-preflight (`OPTIONS` with `Origin` and `Access-Control-Request-Method`) from an allowed origin is answered here
-with 200, without the API key (browsers send none on a preflight) and whether the engine is ready or not; it
-allows GET, POST and OPTIONS, the headers it asked for (by default Authorization and Content-Type), for
-CORS_MAX_AGE_S seconds, and is not counted in the metrics. Every other response to an allowed origin gets
-`Access-Control-Allow-Origin` (the origin itself and `Vary: Origin`, or `*` when any origin is allowed) and
-exposes `x-request-id` to the page. Requests without an Origin get no CORS headers. The Host check still comes
-first, so a DNS-rebinding page gets no preflight either.
-"""
+CORS, only with --allowed-origins: a preflight from an allowed origin is answered 200 (without the API key, ready or
+not; GET, POST, OPTIONS and the asked headers, for CORS_MAX_AGE_S seconds; not counted in the metrics), and every
+other response to it gets `Access-Control-Allow-Origin` (the origin with `Vary: Origin`, or `*`) and exposes
+`x-request-id`. The Host check still comes first, so a DNS-rebinding page gets no preflight either."""
 from __future__ import annotations
 
 import ipaddress
@@ -106,12 +100,8 @@ def split_list(value: Optional[str]) -> List[str]:
 
 @dataclass(frozen=True)
 class HTTPPolicy:
-    """Who may use the server, and how much a request may send.
-
-    check_host: refuse a Host header that is neither a loopback name nor in `allowed_hosts` (on by default when
-    the server is bound to a loopback address, see `for_bind`). allow_any_origin / allowed_origins: which
-    `Origin` headers are accepted; by default none is (a request without one is not affected).
-    """
+    """Who may use the server, and how much a request may send: `check_host` refuses a Host that is neither a loopback
+name nor allowed (see `for_bind`); `Origin` is accepted only as allowed (a request without one is not affected)."""
 
     check_host: bool = False
     allowed_hosts: Tuple[HostName, ...] = ()
