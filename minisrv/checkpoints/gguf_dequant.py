@@ -1,10 +1,6 @@
-"""GGUF tensors dequantised with vectorised torch, for the block types small models ship in (Q4_0, Q4_1, Q8_0) and
-the float types; any other type goes to gguf's own numpy dequantiser.
-
-Why: gguf's numpy path takes about three times the CPU time (the default model, Q4_1, on one
-core), and this runs on every start that has no cached model. The arithmetic is gguf's, operation for operation
-(float16 scales widened to float32, one multiply, then one add), so the values are the same to the bit
-(tests/test_startup.py checks them against gguf's)."""
+"""GGUF tensors dequantised with vectorised torch for Q4_0, Q4_1, Q8_0 and the float types (gguf's numpy path takes
+about three times the CPU time, on every start without a cached model); other types go to gguf's own. The arithmetic
+is gguf's, operation for operation, so the values are the same to the bit (tests/test_startup.py checks them)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict

@@ -185,11 +185,9 @@ def _converted_tokenizer(src: str):
 
 
 def _generic_gguf_tokenizer_class(reader: Any, folder: str):
-    """The class AutoTokenizer gives a Llama-architecture GGUF file alone in its folder under transformers 5
-    (TokenizersBackend: transformers 5 maps model type llama to no tokenizer class of its own), or None where
-    AutoTokenizer must decide. Why: to choose, AutoTokenizer first builds the file's config with gguf's reader,
-    which parses every metadata array (seconds for the default model); the tokenizer is then built from the metadata
-    as gguf_tokenizer.py reads it. tests/test_startup.py checks the result equals AutoTokenizer's."""
+    """TokenizersBackend where AutoTokenizer would give it (transformers 5, a Llama-architecture GGUF file alone in its
+folder), else None: AutoTokenizer decides. Why: to choose, AutoTokenizer first builds the file's config with gguf's
+reader (seconds for the default model). tests/test_startup.py checks the result equals AutoTokenizer's."""
     if any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer_config.json", "config.json")):
         return None  # AutoTokenizer reads these to choose
     try:  # (not AutoTokenizer's tables: importing them imports transformers' config machinery and torch)
@@ -206,13 +204,11 @@ def _generic_gguf_tokenizer_class(reader: Any, folder: str):
 
 
 def _saved_tokenizer(folder: str, cache_dir: Optional[str] = None):
-    """A tokenizer saved by save_pretrained (a checkpoint's, or a GGUF file's in the cache), loaded as the class
-    AutoTokenizer would load but, where that class is known without them, without AutoTokenizer's tables: importing
-    them imports transformers' config machinery and torch (seconds in the HTTP process, on the path to the first
-    answer). The class is the one tokenizer_config.json names; for a generic name beside a config.json AutoTokenizer
-    takes the model type's class instead (transformers 5: a Qwen3 checkpoint saved as TokenizersBackend loads as
-    Qwen2Tokenizer), which is asked of AutoTokenizer once and remembered (tokenizer_class_cache.py). Folders that
-    name no class, or remote code, go through AutoTokenizer."""
+    """A tokenizer saved by save_pretrained (a checkpoint's, or a GGUF file's in the cache), loaded as AutoTokenizer
+would load it but, where the class is known without them, without AutoTokenizer's tables (importing them imports
+transformers' config machinery and torch: seconds on the path to the first answer). The class is the one
+tokenizer_config.json names, except a generic name beside a config.json, for which AutoTokenizer takes the model
+type's class: asked of AutoTokenizer once and remembered (class_cache.py)."""
     import transformers
     with open(os.path.join(folder, "tokenizer_config.json")) as f:
         config = json.load(f)

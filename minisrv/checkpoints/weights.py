@@ -1,11 +1,8 @@
-"""Checkpoint tensors (under HF names) into our parameters: which tensor goes where, and the checks that every
-expected tensor comes exactly once, with the shape the config implies.
+"""Checkpoint tensors (under HF names) into our parameters: which tensor goes where, each expected exactly once with
+the shape the config implies (a missing, extra, repeated or mis-shaped tensor is an error naming it).
 
-Our model fuses q/k/v and gate/up into one projection each, stacks a layer's experts into two tensors, pads the
-vocabulary for tensor parallelism and holds one rank's shard: the expected-tensor map says, for each HF name, which
-rows of which parameter it fills and which slice of it this rank reads. Mixtral's names (block_sparse_moe, w1/w3/w2)
-are read as the Qwen-MoE names they stand for. A missing, extra, repeated or mis-shaped tensor is an error that
-names it."""
+Our model fuses q/k/v and gate/up, stacks a layer's experts, pads the vocabulary for tensor parallelism and holds one
+rank's shard; Mixtral's names are read as the Qwen-MoE names they stand for."""
 from __future__ import annotations
 
 import re

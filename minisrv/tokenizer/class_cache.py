@@ -1,12 +1,9 @@
 """The transformers class AutoTokenizer gives a checkpoint folder, remembered across starts.
 
-A checkpoint that saved its tokenizer under a generic class name (TokenizersBackend, PreTrainedTokenizerFast) beside
-a config.json gets, from AutoTokenizer, the class of its model type (a Qwen3 checkpoint: Qwen2Tokenizer). Finding
-that class means importing AutoTokenizer's tables, which import transformers' config machinery and torch: seconds in
-the HTTP process, on the path to the first answer. The first start asks AutoTokenizer and writes the class's name
-here; later starts load that class directly. The entry is keyed by the folder and the size and time of change of
-its tokenizer_config.json and config.json, and transformers' version: any change asks AutoTokenizer again.
-"""
+A tokenizer saved under a generic class name beside a config.json gets its model type's class from AutoTokenizer
+(a Qwen3 checkpoint: Qwen2Tokenizer), which costs importing AutoTokenizer's tables (transformers' config machinery
+and torch: seconds on the path to the first answer). An entry is keyed by the folder, the size and time of change of
+its tokenizer_config.json and config.json, and transformers' version."""
 from __future__ import annotations
 
 import hashlib

@@ -1,14 +1,11 @@
 """The engine's tokenizer: the Rust tokenizer (`tokenizers`) read from tokenizer.json for what the engine does with
-every request, and transformers' tokenizer loaded only when something else is asked of it.
-
-Why: the engine streams each request's text through the Rust tokenizer's DecodeStream and needs the end-of-sequence
-id; nothing else on its path needs transformers. Importing transformers and building its tokenizer costs about
-a third of a CPU restart (the Rust tokenizer alone: a small part of that). Grammars (xgrammar reads a transformers
-tokenizer), offline chat templates and encoding go through `hf`, loaded on first use, once, under a lock.
+every request (streaming decode, the eos id), transformers' tokenizer loaded on first use for anything else
+(grammars, offline chat templates, encoding). Why: importing transformers and building its tokenizer costs about a
+third of a CPU restart.
 
 Only for folders whose tokenizer_config.json names transformers' plain fast tokenizer class (what a GGUF file's
-tokenizer becomes; model-specific classes may change the Rust tokenizer when they load, so they are loaded whole),
-with its eos token written there. Anything else gets transformers' tokenizer at once (load_tokenizer)."""
+tokenizer becomes; model-specific classes may change the Rust tokenizer as they load) and its eos token; anything
+else gets transformers' tokenizer at once."""
 from __future__ import annotations
 
 import importlib.metadata

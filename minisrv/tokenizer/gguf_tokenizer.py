@@ -1,13 +1,9 @@
-"""A GGUF file's tokenizer as transformers converts it, without transformers' GGUF reader.
+"""A GGUF file's tokenizer as transformers converts it, without transformers' GGUF reader (whose module imports
+torch: seconds on a first start, in the HTTP process that otherwise never needs it).
 
-Why: on a first start the HTTP process converts the file's vocabulary into a tokenizer, and the first answer waits
-for it. transformers' GGUF reader module imports torch (seconds on a 2-core machine, in a process that otherwise
-never needs it) before it reads anything. Here the tokenizer's metadata is read from the places gguf_file.read_gguf
-found (its reader skips array values), in the form transformers' reader gives it (`get_gguf_tokenizer`'s three
-values), and transformers' own converter (`convert_gguf_tokenizer`) and tokenizer class build the tokenizer from
-it, so the result is transformers' conversion itself. tests/test_gguf_tokenizer.py checks both steps against
-transformers' on gpt2 (byte-level BPE) and llama (sentencepiece) vocabularies.
-"""
+The tokenizer's metadata is read from the places gguf_file.read_gguf found, in the form transformers' reader gives
+it, and transformers' own converter and tokenizer class build the tokenizer from it, so the result is transformers'
+conversion itself (tests/test_gguf_tokenizer.py checks it on gpt2 and llama vocabularies)."""
 from __future__ import annotations
 
 import struct

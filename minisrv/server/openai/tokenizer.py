@@ -97,38 +97,29 @@ def tokenizer_path(state: "ServerState") -> str:
     return getattr(cfg, "tokenizer", None) or state.info.model_path
 
 
-async def _tokenize(state: "ServerState", body: TokenizeRequest, large: bool) -> Dict[str, Any]:
-    """The answer to one /tokenize request: the chat form templated first (in a worker thread for a large
-    body), then the text encoded (in a worker thread for a large body or a long text)."""
+def _answer(state: "ServerState", ids: List[int], token_strs: bool) -> JSONResponse:
+    out: Dict[str, Any] = {"count": len(ids), "max_model_len": state.info.max_request_len, "tokens": ids}
+    if token_strs:
+        out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
+    return JSONResponse(out)
+
+
+async def tokenize(state: "ServerState", request: Request) -> JSONResponse:
+    """The chat form templated first (in a worker thread for a large body), then the text encoded (in a worker
+    thread for a large body or a long text)."""
+    body, large = await parse_body(request, TokenizeRequest)
+    state.check_model(body.model)
     tok = _tokenizer(state)
-    if body.prompt is not None:
-        text = body.prompt
-        add_special = True if body.add_special_tokens is None else body.add_special_tokens
-    else:
+    if body.messages is not None:
         inputs = ChatInputs(chat_messages(body.messages), body.tools, template_kwargs=body.chat_template_kwargs,
                             add_generation_prompt=body.add_generation_prompt,
                             continue_final_message=body.continue_final_message,
                             add_special_tokens=bool(body.add_special_tokens))
         plan = await plan_chat(state.prompts, inputs, None, large)
         return _answer(state, plan.prompt_ids, body.return_token_strs)
-
-    def encode() -> Dict[str, Any]:
-        return _answer(state, tok(text, add_special_tokens=add_special).input_ids, body.return_token_strs)
-
-    return await off_loop(large or len(text) > ASYNC_ENCODE_CHARS, encode)
-
-
-def _answer(state: "ServerState", ids: List[int], token_strs: bool) -> Dict[str, Any]:
-    out: Dict[str, Any] = {"count": len(ids), "max_model_len": state.info.max_request_len, "tokens": ids}
-    if token_strs:
-        out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
-    return out
-
-
-async def tokenize(state: "ServerState", request: Request) -> JSONResponse:
-    body, large = await parse_body(request, TokenizeRequest)
-    state.check_model(body.model)
-    return JSONResponse(await _tokenize(state, body, large))
+    add_special = True if body.add_special_tokens is None else body.add_special_tokens
+    return await off_loop(large or len(body.prompt) > ASYNC_ENCODE_CHARS, lambda: _answer(
+        state, tok(body.prompt, add_special_tokens=add_special).input_ids, body.return_token_strs))
 
 
 async def detokenize(state: "ServerState", request: Request) -> JSONResponse:

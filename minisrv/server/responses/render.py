@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import APIError
 from ..generation import Choice
@@ -47,10 +47,11 @@ def usage_of(u: UsageInfo, reasoning_tokens: int) -> Dict[str, Any]:
             "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, u.completion_tokens)}}
 
 
-def status_of(finish_reason: Optional[str]) -> Dict[str, Any]:
+def status_of(finish_reason: Optional[str]) -> Tuple[str, Optional[Dict[str, Any]]]:
+    """A response's (and its items') status, and its incomplete_details."""
     if finish_reason == "length":
-        return {"status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}}
-    return {"status": "completed", "incomplete_details": None}
+        return "incomplete", {"reason": "max_output_tokens"}
+    return "completed", None
 
 
 def reasoning_item(item_id: str, text: str, status: str) -> Dict[str, Any]:
@@ -104,17 +105,16 @@ class ResponseRenderer:
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Dict[str, Any]:
         ch = choices[0]
         a = read_answer(ch.text, self.tools, self.reasoning)
-        ended = status_of(ch.finish_reason)
-        item_status = "incomplete" if ended["status"] == "incomplete" else "completed"
+        status, incomplete = status_of(ch.finish_reason)
         output = []
         if a.reasoning:
-            output.append(reasoning_item(new_id("rs"), a.reasoning, item_status))
+            output.append(reasoning_item(new_id("rs"), a.reasoning, status))
         if a.content or not (output or a.calls):
-            output.append(message_item(new_id("msg"), a.content or "", item_status))
+            output.append(message_item(new_id("msg"), a.content or "", status))
         for c in a.calls:
-            output.append(call_item(new_id("fc"), c.id, c.name, c.arguments, item_status, self.namespaces))
+            output.append(call_item(new_id("fc"), c.id, c.name, c.arguments, status, self.namespaces))
         used = usage_of(usage, self.count_tokens(a.reasoning) if a.reasoning else 0)
-        return self.frame(output, ended["status"], ended["incomplete_details"], used)
+        return self.frame(output, status, incomplete, used)
 
     def _event(self, kind: str, **fields: Any) -> Dict[str, Any]:
         e = {"type": kind, "sequence_number": self.seq, **fields}
@@ -193,13 +193,13 @@ class ResponseRenderer:
 
     def closing(self, usage: UsageInfo) -> List[str]:
         """The stream's end: what is open closed, then response.completed with the whole response."""
-        ended = status_of(self.finish)
-        out = self._close("incomplete" if ended["status"] == "incomplete" else "completed")
+        status, incomplete = status_of(self.finish)
+        out = self._close(status)
         if not self.output:  # nothing was said at all: an empty message, as the whole response has
             out += self._open("message", message_item(new_id("msg"), "", "in_progress"), text_part(""))
             out += self._close()
         count = self.count_tokens(self.thought) if self.thought else 0
-        r = self.frame(self.output, ended["status"], ended["incomplete_details"], usage_of(usage, count))
+        r = self.frame(self.output, status, incomplete, usage_of(usage, count))
         return [event_text(e) for e in out + [self._event("response.completed", response=r)]]
 
     def failed(self, error: APIError) -> List[str]:
