@@ -1,9 +1,6 @@
-"""What every checkpoint format hands the loader: tensors not yet read (`StoredTensor`), and the one error type
-for weights that cannot be used (`WeightLoadError`), with the check that names a damaged file's first cut tensor.
-
-A tensor-parallel rank reads only its slice of each weight, so a format gives readers, not tensors. A truncated
-file is caught from its header alone, before any tensor is read: a memory-mapped read past the end fails with a
-confusing error, or even returns a short array."""
+"""What every checkpoint format hands the loader: tensors not yet read (`StoredTensor`: a tensor-parallel rank reads
+only its slice), and `WeightLoadError`, with the check that names a damaged file's first cut tensor from its header
+alone (a memory-mapped read past the end fails confusingly, or returns a short array)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple

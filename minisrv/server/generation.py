@@ -171,20 +171,13 @@ async def serve(state: "ServerState", request: Request, gen: Generation, rendere
 
 
 def make_jobs(prefix: str, gen: Generation) -> List[Job]:
-    jobs = []
-    params, n = gen.params, gen.n
-    for p, ids in enumerate(gen.prompts):
-        for j in range(n):
-            pj = choice_params(params, j) if params.seed is not None and j else params
-            index = p * n + j
-            jobs.append(Job(index, f"{prefix}-{index}", ids, pj))
-    return jobs
-
-
-def choice_params(params: SamplingParams, j: int) -> SamplingParams:
-    """With a seed and n > 1, choice j samples with seed + j (wrapping in 64 bits): choices differ yet are
-    reproducible (the other values are not validated again per choice)."""
-    return params.with_seed((params.seed + j + 2 ** 63) % 2 ** 64 - 2 ** 63)
+    """One job per choice of each prompt. With a seed and n > 1, choice j samples with seed + j (wrapping in 64
+    bits): choices differ yet are reproducible (the other values are not validated again per choice)."""
+    p = gen.params
+    per_choice = [p if p.seed is None or j == 0 else p.with_seed((p.seed + j + 2 ** 63) % 2 ** 64 - 2 ** 63)
+                  for j in range(gen.n)]
+    return [Job(i, f"{prefix}-{i}", ids, per_choice[i % gen.n])
+            for i, ids in enumerate(ids for ids in gen.prompts for _ in range(gen.n))]
 
 
 async def run_jobs(state: "ServerState", jobs: List[Job]) -> AsyncIterator[List[Tuple[int, RequestOutput]]]:

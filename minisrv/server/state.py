@@ -35,7 +35,6 @@ class ServerState:
     prompts: Optional[PromptMaker] = None  # the request plan's view of the tokenizer, made by use_tokenizer
     stopping: bool = False  # the shutdown's grace period is over: what still runs is ended (see stop)
     on_stop: Set[Callable[[], None]] = field(default_factory=set)  # what stop() tells
-    prepared_for: Any = None  # the tokenizer use_tokenizer last derived the fields above from
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None and self.info is not None:
@@ -43,7 +42,7 @@ class ServerState:
 
     def attach(self, tokenizer: Any, info: EngineInfo) -> None:
         """The engine is up: from now on requests are served."""
-        if self.prepared_for is not tokenizer:
+        if self.prompts is None or self.prompts.tokenizer is not tokenizer:
             self.use_tokenizer(tokenizer)
         self.info = info
 
@@ -52,7 +51,7 @@ class ServerState:
         token's length alone is a pass over the vocabulary)."""
         # ValueError: a reasoning parser this tokenizer cannot serve
         self.prompts = PromptMaker.of(tokenizer, self.tool_call_parser, self.reasoning_parser)
-        self.tokenizer, self.prepared_for = tokenizer, tokenizer
+        self.tokenizer = tokenizer
         self.token_text = TokenText(tokenizer)
 
     @property

@@ -1,28 +1,20 @@
 """Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`): its request schema, and a request
-turned into the request plan's inputs (plan/chat.py: OpenAI-style chat messages, function tools, a tool_choice, the
-thinking settings), so that templating, tool planning and parsing, the reasoning split and generation are the
-same as chat's.
-
-The conversion, as SGLang's and vLLM's Anthropic endpoints do it:
+turned into the request plan's inputs (plan/chat.py), so that all that follows is chat's. The conversion, as
+SGLang's and vLLM's Anthropic endpoints do it:
   system (a string or text blocks)     -> a first system message
-  a system message inside messages     -> a system message in its place (Claude Code's mid-conversation system
-                                          reminders; plan/prompt.py says what happens where a template refuses it)
+  a system message inside messages     -> a system message in its place (Claude Code's mid-conversation reminders)
   user text blocks                     -> a user message (consecutive text blocks joined)
   user tool_result blocks              -> tool messages {tool_call_id, content}, in their place; is_error
                                           prefixes the content with "Error: "
   assistant text / tool_use blocks     -> one assistant message: content, and tool_calls with JSON arguments
   assistant thinking blocks            -> its reasoning_content (redacted_thinking is dropped)
-  tools [{name, description, input_schema}] -> [{"type": "function", "function": {name, description, parameters}}];
-                                          server tools (a `type` such as web_search_20250305) are left out, with a
-                                          log line: this server cannot run them
+  tools [{name, description, input_schema}] -> function tools; server tools (a `type` such as
+                                          web_search_20250305) are left out, with a log line
   tool_choice auto | any | tool | none -> "auto" | "required" | {"type": "function", ...} | "none";
-                                          disable_parallel_tool_use -> parallel_tool_calls false (one tool_use)
+                                          disable_parallel_tool_use -> parallel_tool_calls false
   thinking enabled {budget_tokens}     -> the thinking budget and enable_thinking true (adaptive: no budget);
-                                          disabled -> enable_thinking false; both only where the server has a
-                                          reasoning parser (otherwise the model does not think: "enabled" is
-                                          ignored)
-Any other block type, another role, or a block in the wrong role is a 400.
-"""
+                                          disabled -> enable_thinking false; both only with a reasoning parser
+Any other block type, another role, or a block in the wrong role is a 400."""
 from __future__ import annotations
 
 import json

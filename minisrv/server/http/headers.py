@@ -16,10 +16,7 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP token (RFC 
 
 
 def header(scope: Any, name: bytes) -> Optional[str]:
-    for k, v in scope.get("headers", ()):
-        if k == name:
-            return v.decode("latin-1")
-    return None
+    return next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == name), None)
 
 
 def header_values(scope: Any, name: bytes) -> List[str]:

@@ -1,10 +1,6 @@
-"""How each endpoint shows its choices: the streamed chunks and the whole response, in OpenAI's shapes.
-
-These are the only places where /v1/completions and /v1/chat/completions differ once their prompts are planned;
-the request path that feeds them is server/generation.py. A streamed completion chunk is a `text_completion` object
-carrying the text delta (an echoed prompt first); a chat stream opens each choice with an assistant role delta,
-then content deltas, then a delta-less chunk with the finish reason.
-"""
+"""/v1/completions' and /v1/chat/completions' renderers (generation.Renderer), in OpenAI's shapes. A completion
+chunk carries a text delta (an echoed prompt first); a chat stream opens each choice with an assistant role delta,
+then content deltas, then a delta-less chunk with the finish reason."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,23 +1,11 @@
 """Routes beside the OpenAI API: the tokenizer (vLLM's shapes), the model's description and the prefix cache
-(SGLang's names).
+(SGLang's names): /tokenize and /detokenize (also under /v1), /tokenizer_info (what lm-evaluation-harness's
+RemoteTokenizer reads), /get_model_info, and POST /flush_cache (200, or 400 while requests run).
 
-  POST /tokenize, /v1/tokenize      {"prompt": str, "add_special_tokens": true}, or the chat form {"messages": [...],
-                                    "tools": [...], "add_generation_prompt": true, "continue_final_message": false,
-                                    "add_special_tokens": false}; both take "model" and "return_token_strs"
-                                    -> {"count", "max_model_len", "tokens"[, "token_strs"]}
-  POST /detokenize, /v1/detokenize  {"tokens": [ids]} -> {"prompt": text}
-  GET  /tokenizer_info              what lm-evaluation-harness's RemoteTokenizer reads (eos/bos/pad tokens, the chat
-                                    template) and the tokenizer's class, size and the length limit
-  GET  /get_model_info              model_path, served_model_name, tokenizer_path, max_model_len, is_generation, ...
-  POST /flush_cache                 empty the radix prefix cache: 200 {"flushed": true}, or 400 while requests run
-
-The chat form is planned exactly as /v1/chat/completions plans its messages and tools (plan/chat.py), so its count
-is the prompt length a chat request would have. A text longer than `max_model_len` is tokenized all the same
-(lm-eval tokenizes long contexts and truncates them itself).
-
-/flush_cache is POST only: a GET that changes state could be sent by any web page (an image's URL carries no
-Origin), and like every POST it must be application/json (its body may be empty or a JSON object).
-"""
+/tokenize's chat form is planned exactly as a chat request's messages and tools are (plan/chat.py), so its count is
+the prompt length a chat request would have; a text longer than max_model_len is tokenized all the same (lm-eval
+truncates long contexts itself). /flush_cache is POST only: a GET that changes state could be sent by any web page
+(an image's URL carries no Origin), and like every POST it must be application/json."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, List, Optional

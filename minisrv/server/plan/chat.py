@@ -1,10 +1,9 @@
 """The request plan: one chat request, whichever API it came by, into what the engine takes and its renderer needs.
 
-Each chat-shaped API converts its request into `ChatInputs` (OpenAI-style messages, function tools, tool_choice,
-template variables, the thinking budget, SamplingParams fields); `plan_chat` makes the rest the same way for all: the
-tool plan (tools.py), the prompt (prompt.py), the reasoning plan and thinking rule (reasoning_plan.py), the prompt
-ids and the SamplingParams, built once and checked against the model. A failure is a RequestError (a 400) naming
-the field as the request names it. Without sampling fields (counting a prompt) it stops after the prompt ids."""
+Each chat-shaped API converts its request into `ChatInputs`; `plan_chat` makes the rest the same way for all: the
+tool plan (tools.py), the prompt (prompt.py), the reasoning plan (reasoning_plan.py), the prompt ids and the
+SamplingParams, checked against the model. A failure is a RequestError (a 400) naming the field as the request
+names it. Without sampling fields (counting a prompt) it stops after the prompt ids."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -77,13 +77,10 @@ class PromptMaker:
     def template(self, messages: List[Dict[str, Any]], tools: Optional[List[Dict[str, Any]]] = None,
                  kwargs: Optional[Dict[str, Any]] = None, add_generation_prompt: bool = True,
                  continue_final_message: bool = False) -> str:
-        """The prompt text of chat messages (content strings; assistant tool_calls with JSON-string arguments, as
-        OpenAI sends them) and function tools. A template that ignores tools gets them in a system prompt.
-
-        A system message may stand anywhere (agent clients put reminders mid-conversation): it is templated in
-        its place. Some templates refuse a system message that is not the first; for those, the later system
-        messages are appended to the first one (or gathered into a new first one), in order, and the prompt is
-        made again: their words reach the model, only no longer at their place."""
+        """The prompt text of chat messages (content strings; assistant tool_calls with JSON-string arguments, as OpenAI
+sends them) and function tools; a template that ignores tools gets them in a system prompt. A system message is
+templated in its place (agent clients put reminders mid-conversation); for a template that refuses a later system
+message, those are joined into the first one and the prompt is made again."""
         if chat_template_text(self.tokenizer) is None:
             raise RequestError("this model's tokenizer has no chat template; use /v1/completions", "messages")
         msgs = _arguments_as_objects(messages)

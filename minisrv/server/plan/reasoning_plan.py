@@ -1,21 +1,16 @@
 """Which reasoning parser the server uses (`--reasoning-parser`), and what it means for one chat request.
 
-At startup, `resolve_reasoning` turns the flag into a `ReasoningFormat`: the style (qwen3 or deepseek_r1) and the
-token ids of `<think>` and `</think>`. `auto` reads the chat template, as SGLang's and vLLM's users otherwise must:
-a template whose generation prompt already ends with `<think>` makes the model start inside its thinking
-(DeepSeek-R1 and its distills, Qwen3-Thinking-2507: deepseek_r1); one that otherwise mentions the tags or
-`enable_thinking` lets the model open it (Qwen3: qwen3); any other template means a model that does not think (no
-parser, nothing changes). The tags must be single tokens whose text survives decoding (not special tokens, which
-skip_special_tokens drops): the engine finds the end of the thinking by token id, to force it (a thinking budget)
-and to start a grammar after it. An explicit parser whose tokenizer lacks them fails the startup; `auto` then
-falls back to no parser, with a warning.
+At startup, `resolve_reasoning` turns the flag into a `ReasoningFormat` (qwen3 or deepseek_r1, and the token ids of
+`<think>` and `</think>`). `auto` reads the chat template: a generation prompt that already ends with `<think>` means
+the model starts inside its thinking (deepseek_r1: DeepSeek-R1 and its distills, Qwen3-Thinking-2507); one that
+otherwise mentions the tags or `enable_thinking` lets the model open it (qwen3); any other means a model that does not
+think. The tags must be single tokens whose text survives decoding: the engine finds the end of the thinking by id,
+to force it (a thinking budget) and to start a grammar after it. An explicit parser whose tokenizer lacks them fails
+the startup; `auto` then falls back to none, with a warning.
 
-Per request, `plan_reasoning` reads the templated prompt: a prompt that ends with `</think>` closed the thinking
-(Qwen3 with enable_thinking false): the output is all answer, and the engine gets no rule; one that ends with
-`<think>` opened it; otherwise the parser's style decides (deepseek_r1: inside, qwen3: the model's choice). The
-engine's part is a ThinkingRule on the request's SamplingParams (engine/thinking.py); the text's part is the
-renderer's `ReasoningPlan` (reasoning.py splits the text).
-"""
+Per request, `plan_reasoning` reads the templated prompt: one that ends with `</think>` closed the thinking (the
+output is all answer, the engine gets no rule), one that ends with `<think>` opened it, otherwise the style decides.
+The engine's part is a ThinkingRule (engine/thinking.py); the text's part is the renderer's `ReasoningPlan`."""
 from __future__ import annotations
 
 import logging

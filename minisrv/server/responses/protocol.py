@@ -1,27 +1,20 @@
 """OpenAI's Responses API (`POST /v1/responses`) on the way in: its request schema, and the request turned into the
-request plan's inputs (plan/chat.py), as a chat completion's are (the route is routes.py, the output's shapes
-render.py).
+request plan's inputs (plan/chat.py), as a chat completion's are.
 
-Stateless, as far as the client can tell: `store: false` is honoured, `store: true` is accepted but nothing is
-stored (SGLang and vLLM keep responses; minisrv keeps nothing), so whatever needs a stored response or conversation
+Stateless: `store: true` is accepted but nothing is stored, so what needs a stored response or conversation
 (`previous_response_id`, `conversation`, `background`) is a 400. The conversion:
-
   instructions                       a system message, first
   input: a string                    one user message
-  input: message items               messages (role user, system, developer or assistant; content a string or text
-                                     parts: input_text, output_text)
+  input: message items               messages (user, system, developer or assistant; text content)
   function_call items                an assistant message's tool_calls (joined to the assistant message before them)
   function_call_output items         tool messages (tool_call_id: the call_id)
-  reasoning items                    dropped (the model's earlier thinking is not templated back, as chat does)
-  tools (function tools)             chat's function tools; tool_choice {type: function, name} its named form
-  a namespace tool group             its function tools, offered as functions (Codex CLI groups its tools so); a
-                                     call to one is answered with the namespace named (render.py)
+  reasoning items                    dropped (earlier thinking is not templated back, as chat does)
+  function tools, tool_choice        chat's function tools and tool_choice
+  a namespace tool group             its function tools (Codex CLI groups its tools so); a call to one is answered
+                                     with the namespace named (render.py)
   hosted tools (web_search, ...)     left out, with a log line: this server cannot run them
-  text.format                        the output constraint (text, json_object, json_schema)
-  max_output_tokens                  max_tokens
-
-Anything else in `input` (images, files, other tools' items) is a 400 naming the item.
-"""
+  text.format, max_output_tokens     the output constraint, max_tokens
+Anything else in `input` is a 400 naming the item; a 400's `param` names the Responses field."""
 from __future__ import annotations
 
 import json
@@ -94,12 +87,10 @@ def chat_inputs(req: ResponsesRequest) -> ChatInputs:
 
 
 def input_messages(items: Union[str, List[Any]]) -> List[Dict[str, Any]]:
-    if isinstance(items, str):
-        if not items:
-            raise APIError(400, "input must not be empty", param="input")
-        return [{"role": "user", "content": items}]
     if not items:
         raise APIError(400, "input must not be empty", param="input")
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
     out: List[Dict[str, Any]] = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):

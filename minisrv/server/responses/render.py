@@ -1,19 +1,14 @@
-"""OpenAI's Responses API on the way out: the engine's output in the Responses shapes, whole or streamed.
+"""OpenAI's Responses API on the way out, whole or streamed.
 
-A response's `output` is, in order: a reasoning item (when a reasoning parser split off thinking; its text in `content` as reasoning_text, `summary` empty), a message
-item (the answer as one output_text part), and a function_call item per tool call (`call_id` the chat call's id; a
-call to a namespace's function names it as `namespace` beside the function's own name, as Codex CLI requires).
-A response cut off by max_output_tokens is `status: "incomplete"` with `incomplete_details.reason:
-"max_output_tokens"`.
+A response's `output` is, in order: a reasoning item (its text as reasoning_text content, `summary` empty), a message
+item (one output_text part), and a function_call item per tool call (a namespace's function names its namespace,
+as Codex CLI requires). One cut off by max_output_tokens is `status: "incomplete"`.
 
-Streamed, `ResponseRenderer` turns the output as it arrives into the Responses events: response.created and
-response.in_progress; per output item output_item.added, then for text content_part.added, the deltas
-(response.reasoning_text.delta / response.output_text.delta) and their .done, content_part.done, or for a call
-function_call_arguments.delta and .done; output_item.done; at the end response.completed with the whole response
-(sent for an incomplete response too, its status saying so: the openai client's stream helper expects it). Each
-event carries `type` and a `sequence_number` counting from 0, and is sent as `event: <type>` + `data: <json>`.
-A failure after the stream began is an `error` event (OpenAI's error body), and the stream ends.
-"""
+Streamed: response.created and response.in_progress; per item output_item.added, then for text content_part.added,
+the deltas and their .done, content_part.done, or for a call function_call_arguments.delta and .done;
+output_item.done; at the end response.completed with the whole response (an incomplete one too: the openai client's
+stream helper expects it). Each event carries `type` and a `sequence_number`; a failure after the stream began is an
+`error` event, and the stream ends."""
 from __future__ import annotations
 
 import json
