@@ -1,11 +1,9 @@
 """A GGUF file (llama.cpp's format) as (HF name, dequantised tensor) pairs, its header checked first.
 
-gguf's own GGUFReader walks the header and the tensor table. Two things are added to it: every read of the header
-is bounds-checked against the file's size, and every tensor's bytes are checked against it before any tensor is
-touched, so a truncated or damaged file is a WeightLoadError that says where it is cut (GGUFReader alone fails on
-one with an IndexError from numpy, or loops on a damaged array length). Array values in the metadata (the
-tokenizer's vocabulary and merges) are skipped, not read: transformers reads them itself for the tokenizer, and
-GGUFReader's walk of them element by element is most of its time (nearly all of it for the default model)."""
+gguf's GGUFReader, with every header read bounds-checked against the file's size and every tensor's bytes checked
+before any is touched, so a truncated or damaged file is a WeightLoadError that says where it is cut (GGUFReader
+alone fails with an IndexError, or loops on a damaged array length). Metadata array values (the vocabulary) are
+skipped, not read: walking them element by element is nearly all of GGUFReader's time for the default model."""
 from __future__ import annotations
 
 import math
@@ -27,11 +25,9 @@ MAX_NESTING = 8  # arrays of arrays: deeper than this is garbage, not a model
 
 
 class _CheckedReader(GGUFReader):
-    """GGUFReader whose header reads stop at the end of the file with the place they were in, which skips the
-    values of metadata arrays, and which checks each tensor's byte span before mapping the tensors. It hooks
-    GGUFReader's own steps (`_get`, `_get_field_parts`, `_get_tensor_info_field`, `_build_tensors`), so
-    tests/test_loader.py compares its table with GGUFReader's.
-    `spans`: (tensor name, first byte, end byte) of every tensor at absolute file offsets."""
+    """GGUFReader with its own steps hooked (`_get`, `_get_field_parts`, `_get_tensor_info_field`, `_build_tensors`;
+tests/test_loader.py compares its table with GGUFReader's). `spans`: (tensor name, first byte, end byte) of every
+tensor at absolute file offsets."""
 
     def __init__(self, path: str) -> None:
         self.path = path

@@ -81,8 +81,12 @@ def _check_server_args(args: argparse.Namespace) -> None:
             _fail(rule, 2)
 
 
+def _say(msg: str) -> None:
+    print(f"minisrv-server: {msg}", file=sys.stderr, flush=True)
+
+
 def _fail(msg: str, code: int = 1) -> NoReturn:
-    print(f"minisrv-server: error: {msg}", file=sys.stderr, flush=True)
+    _say(f"error: {msg}")
     sys.exit(code)
 
 
@@ -199,16 +203,15 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
         if not starting.done():  # uvicorn stopped first: a signal during startup, or it could not serve
             starting.cancel()
             if serving.exception() is not None:
-                print(f"minisrv-server: error: the HTTP server failed: {serving.exception()}", file=sys.stderr,
-                      flush=True)
+                _say(f"error: the HTTP server failed: {serving.exception()}")
                 return 1
-            print("minisrv-server: interrupted during startup", file=sys.stderr, flush=True)
+            _say("interrupted during startup")
             return 130
         try:
             starting.result()
         except Exception as e:  # noqa: BLE001 - any startup failure: reported, then a clean exit
             what = "the engine failed to start" if not client.ready else "cannot load the tokenizer"
-            print(f"minisrv-server: error: {what}: {e}", file=sys.stderr, flush=True)
+            _say(f"error: {what}: {e}")
             server.should_exit = True
             await serving
             return 1
@@ -219,7 +222,7 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
                   f"attention_backend={state.info.backend_name} device={state.info.device}", flush=True)
         await serving
         if client.dead:
-            print("minisrv-server: error: the engine process died", file=sys.stderr, flush=True)
+            _say("error: the engine process died")
             return 1
         return 0
     finally:

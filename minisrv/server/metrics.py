@@ -16,6 +16,14 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/tokenize", "/v1/detokenize",  # labels
              "/v1/messages", "/v1/messages/count_tokens")
 UNVERSIONED = {"/tokenize": "/v1/tokenize", "/detokenize": "/v1/detokenize"}  # the same routes without /v1
+ENGINE_GAUGES = {  # an engine stats key -> its gauge's name and help
+    "num_running": ("minisrv_num_requests_running", "Requests in the running batch"),
+    "num_waiting": ("minisrv_num_requests_waiting", "Requests waiting to be scheduled"),
+    "kv_usage": ("minisrv_kv_cache_usage_ratio", "Share of KV pool pages in use (0..1)"),
+    "kv_pages_used": ("minisrv_kv_cache_pages_used", "KV pool pages in use"),
+    "kv_pages_total": ("minisrv_kv_cache_pages_total", "KV pool pages"),
+    "cache_tokens": ("minisrv_prefix_cache_tokens", "Tokens whose KV the radix prefix cache holds"),
+}
 
 
 def endpoint_label(path: str) -> str:
@@ -45,18 +53,12 @@ class ServerMetrics:
                                 ["reason"], registry=r)
         self.prompt_tokens = Counter("minisrv_prompt_tokens", "Prompt tokens sent to the engine", registry=r)
         self.generation_tokens = Counter("minisrv_generation_tokens", "Tokens generated", registry=r)
-        self.running = Gauge("minisrv_num_requests_running", "Requests in the running batch", registry=r)
-        self.waiting = Gauge("minisrv_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
-        self.kv_usage = Gauge("minisrv_kv_cache_usage_ratio", "Share of KV pool pages in use (0..1)", registry=r)
-        self.kv_pages_used = Gauge("minisrv_kv_cache_pages_used", "KV pool pages in use", registry=r)
-        self.kv_pages_total = Gauge("minisrv_kv_cache_pages_total", "KV pool pages", registry=r)
+        self.engine_gauges = {key: Gauge(name, doc, registry=r) for key, (name, doc) in ENGINE_GAUGES.items()}
         self.spec_accept_rate = Gauge("minisrv_spec_accept_rate",
                                       "Speculative decoding: share of drafted tokens kept, since start", registry=r)
         self.spec_accept_length = Gauge("minisrv_spec_accept_length", "Speculative decoding: tokens a request "
                                         "gains per verify step (kept drafts + the target's own), since start",
                                         registry=r)
-        self.cache_tokens = Gauge("minisrv_prefix_cache_tokens", "Tokens whose KV the radix prefix cache holds",
-                                  registry=r)
         self.cached_prompt_tokens = Counter("minisrv_cached_prompt_tokens",
                                             "Prompt tokens served from the prefix cache (not computed)", registry=r)
         self._engine_cached_prompt_tokens = 0  # the engine's running total, as last seen
@@ -100,12 +102,8 @@ class ServerMetrics:
     def set_engine_stats(self, stats: Dict[str, Any]) -> None:
         if not stats:
             return
-        self.running.set(stats.get("num_running", 0))
-        self.waiting.set(stats.get("num_waiting", 0))
-        self.kv_usage.set(stats.get("kv_usage", 0.0))
-        self.kv_pages_used.set(stats.get("kv_pages_used", 0))
-        self.kv_pages_total.set(stats.get("kv_pages_total", 0))
-        self.cache_tokens.set(stats.get("cache_tokens", 0))
+        for key, gauge in self.engine_gauges.items():
+            gauge.set(stats.get(key, 0))
         if stats.get("spec_verified_requests"):
             kept, verified = stats["spec_accepted_tokens"], stats["spec_verified_requests"]
             self.spec_accept_rate.set(kept / max(1, stats["spec_draft_tokens"]))

@@ -61,16 +61,12 @@ class HostName:
 
 def is_loopback_name(host: HostName) -> bool:
     """localhost, an IPv4 address in 127.0.0.0/8, [::1] (or an IPv4-mapped loopback address)."""
-    if host.name == "localhost":
-        return True
-    return _is_loopback_ip(host.name[1:-1] if host.name.startswith("[") else host.name)
+    return host.name == "localhost" or _is_loopback_ip(host.name[1:-1] if host.name.startswith("[") else host.name)
 
 
 def is_loopback_address(address: str) -> bool:
     """Is a bound address (or the name it was given by) a loopback one?"""
-    if address.lower().rstrip(".") == "localhost":
-        return True
-    return _is_loopback_ip(address.split("%", 1)[0])
+    return address.lower().rstrip(".") == "localhost" or _is_loopback_ip(address.split("%", 1)[0])
 
 
 def _is_loopback_ip(text: str) -> bool:
@@ -80,9 +76,8 @@ def _is_loopback_ip(text: str) -> bool:
         addr = ipaddress.ip_address(text)
     except ValueError:
         return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return addr.ipv4_mapped.is_loopback
-    return addr.is_loopback
+    mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
+    return (mapped or addr).is_loopback
 
 
 def normalize_origin(value: str) -> str:

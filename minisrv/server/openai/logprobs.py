@@ -1,10 +1,6 @@
-"""Logprobs in OpenAI's two shapes: /v1/completions (tokens, token_logprobs, top_logprobs, text_offset) and
-/v1/chat/completions (content: token, logprob, bytes, top_logprobs).
-
-A logprob names its token by the token's own text, which is not a piece of the output text (a byte-level BPE
-token can be half of a UTF-8 character), so it is made here from the vocabulary entry rather than by decoding:
-`TokenText` maps an id to its display string and raw bytes. The output text itself comes from the engine.
-"""
+"""Logprobs in OpenAI's two shapes (/v1/completions', /v1/chat/completions'). A logprob names its token by the
+token's own text, which is not a piece of the output text (a byte-level BPE token can be half of a UTF-8 character),
+so `TokenText` makes it from the vocabulary entry (display string and raw bytes), not by decoding."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple

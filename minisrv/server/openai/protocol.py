@@ -1,12 +1,8 @@
-"""OpenAI request/response schemas (the subset minisrv serves); the error shape is errors.py's.
-
-pydantic checks the shape and types of a request (a failure is a 400 naming the field, see errors.py) and the
-fields only the server knows (n, the logprobs counts, the messages). The ranges of the sampling fields are not
-repeated here: they are SamplingParams.validate's and check_request's (minisrv.engine.request), the one
-validation that the offline API and the engine also use. Unknown fields are ignored, as OpenAI-compatible
-servers usually do; fields that would change the meaning of a request but are not supported (suffix, best_of
-other than n, ...) are refused by the routes.
-"""
+"""OpenAI request/response schemas (the subset minisrv serves). pydantic checks a request's shape and types and the
+fields only the server knows (n, the logprobs counts, the messages); the sampling fields' ranges are
+SamplingParams' and check_request's, the one validation the offline API and the engine also use. Unknown fields are
+ignored, as OpenAI-compatible servers do; unsupported ones that would change a request's meaning are refused by the
+routes."""
 from __future__ import annotations
 
 import time
@@ -207,10 +203,8 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: Optional[str] = None
 
 
-class DeltaMessage(_WithReasoning):
+class DeltaMessage(ChatResponseMessage):
     role: Optional[str] = None
-    content: Optional[str] = None
-    tool_calls: Optional[List[Dict[str, Any]]] = None
 
 
 class ChatStreamChoice(BaseModel):

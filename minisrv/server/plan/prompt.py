@@ -140,16 +140,13 @@ def _call_arguments(call: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def max_token_chars(tokenizer: Any) -> Optional[int]:
-    """The most characters of input text one token can stand for, where the tokenizer makes that provable; None
-    otherwise. Then a text of c characters is at least ceil(c / max_token_chars) tokens.
+    """The most characters of input text one token can stand for, where the tokenizer makes that provable (else None):
+a text of c characters is then at least ceil(c / max_token_chars) tokens.
 
-    Provable for a byte-level BPE without a normalizer (GPT-2, Llama 3, SmolLM2, ...): the text's UTF-8 bytes are
-    split into pieces that keep every byte (ByteLevel, Split and Digits pre-tokenizers, unless a Split removes its
-    matches), each token is one vocabulary entry whose string has one character per byte, and an added token
-    matches its literal content; every character starts in exactly one token and has at least one byte, so a
-    token covers at most as many characters as it has bytes. A fixed ratio would not do: SmolLM2 has a token
-    of a newline and 80 spaces (81 characters). A normalizer (NFC, stripping, ...) can shrink the text, so with
-    one there is no bound."""
+Provable for a byte-level BPE without a normalizer (GPT-2, Llama 3, SmolLM2, ...): pre-tokenizers that keep every
+byte, each token one vocabulary entry of one character per byte, an added token its literal content; so a token
+covers at most as many characters as it has bytes. (A fixed ratio would not do: SmolLM2 has a token of a newline
+and 80 spaces.) A normalizer can shrink the text, so with one there is no bound."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None

@@ -1,25 +1,17 @@
 """A thinking model's output text split into its reasoning and its answer, whole or as it streams.
 
-Qwen3 and DeepSeek-R1 (and its distills) think before they answer, between `<think>` and `</think>`. OpenAI-style
-clients expect the thinking apart from the answer: `message.reasoning_content` (SGLang's and vLLM's name; vLLM's
-newer one, `reasoning`, carries the same text) beside `message.content`, and in a stream the same split delta by
-delta. Where the thinking starts depends on the prompt (reasoning_plan.py decides, per request):
+Qwen3 and DeepSeek-R1 think between `<think>` and `</think>` before they answer; OpenAI-style clients expect the
+thinking apart, as `reasoning_content` (vLLM's newer name: `reasoning`). Where the thinking starts depends on the
+prompt (reasoning_plan.py decides):
+  INSIDE    the prompt opened it (DeepSeek-R1): all before `</think>` is reasoning, all of it when `</think>` never
+            comes (cut off by max_tokens); a `<think>` the model writes anyway at the start is dropped.
+  OPTIONAL  the model decides (Qwen3): it thinks only if its output starts with `<think>`.
+  NONE      the prompt closed it (Qwen3 with enable_thinking false): all answer.
 
-  INSIDE    the prompt opened it (DeepSeek-R1's template ends with `<think>\\n`): the output starts inside the
-            thinking; everything before `</think>` is reasoning, all of it when `</think>` never comes (cut off
-            by max_tokens). A `<think>` the model writes anyway at the start is dropped (older R1 templates).
-  OPTIONAL  the model decides (Qwen3): it thinks only if its output starts with `<think>`; otherwise it is all
-            answer.
-  NONE      the prompt closed it (Qwen3 with enable_thinking false writes an empty think block into the prompt):
-            all answer.
-
-The reasoning is stripped of the whitespace around it, and the answer of the whitespace after `</think>`, as
-SGLang does; `Split.raw` keeps the text before the answer as it was, for `separate_reasoning: false` (SGLang's
-switch that leaves the thinking in content). `ReasoningStream` gives exactly the split of the whole text, in pieces,
-whatever way the text is cut into deltas: a tag may arrive split across deltas (or tokens), so a tail of text that
-could be the start of a tag is held back until the next delta settles it, and trailing whitespace of the reasoning
-is held until more reasoning follows (or dropped with the end of the thinking).
-"""
+The reasoning is stripped of the whitespace around it, the answer of that after `</think>`, as SGLang does;
+`Split.raw` keeps the text before the answer as written (for `separate_reasoning: false`). `ReasoningStream` gives
+exactly the split of the whole text, however it is cut into deltas: a tail that could be a tag's start is held back
+until the next delta settles it, and the reasoning's trailing whitespace until more reasoning follows."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,15 +1,13 @@
 """Tool calling: OpenAI `tools` / `tool_choice` in, the model's tool-call text out as OpenAI `tool_calls`.
 
-The tools go to the chat template as transformers' `apply_chat_template(tools=...)` takes them; what the model writes
-back is parsed by the format its template teaches:
-  hermes       `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3, Hermes models)
-  llama3_json  a bare JSON object `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>` (Llama 3.x)
-chosen by `--tool-call-parser` or, with `auto`, from the chat template. `tool_choice` "required" and a named function
-are enforced with a JSON-schema grammar (as vLLM does): a named function's output is its arguments object, and
-"required" produces a JSON array of {"name", "parameters"} objects, one of the given tools each (exactly one with
-`parallel_tool_calls: false`, which also keeps only the first call of any answer). A call list cut off by
-max_tokens still yields its complete calls.
-"""
+The tools reach the chat template as `apply_chat_template(tools=...)` takes them; the model's calls are parsed in the
+format its template teaches (`--tool-call-parser`, or `auto` from the template): hermes
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3, Hermes) or llama3_json, a bare
+`{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>` (Llama 3.x). `tool_choice` "required" and a
+named function are enforced with a JSON-schema grammar (as vLLM does): a named function's output is its arguments
+object; "required" makes a JSON array of {"name", "parameters"} objects (exactly one with `parallel_tool_calls:
+false`, which also keeps only the first call of any answer). A call list cut off by max_tokens keeps its complete
+calls."""
 from __future__ import annotations
 
 import dataclasses
