@@ -1,8 +1,6 @@
-"""An FP8 checkpoint's tensors read as float values: each float8 weight dequantised with its scale (per tensor,
-per row, or in blocks), to the slice a rank reads; the per-layer K/V scales collected on the side.
-
-The loader then treats them like any other checkpoint's tensors (rounded to the model's dtype and requantised per
-row by the FP8 layers), so one loading path serves FP8 and full-precision checkpoints alike."""
+"""An FP8 checkpoint's tensors read as float values: each float8 weight dequantised with its scale (per tensor, per
+row or in blocks), to the slice a rank reads; K/V scales collected on the side. The loader then treats them as any
+checkpoint's (rounded to the model's dtype, requantised per row by the FP8 layers): one loading path for both."""
 from __future__ import annotations
 
 import re
@@ -39,9 +37,8 @@ class CheckpointKVScales:
 
 def dequantized_fp8(tensors: Iterator[Tuple[str, StoredTensor]], block: Optional[Tuple[int, int]],
                     kv_scales: CheckpointKVScales) -> Iterator[Tuple[str, StoredTensor]]:
-    """The checkpoint's tensors with every float8 weight read as float32 values (its scale applied, to the slice a
-    rank reads); scales are consumed, static activation scales dropped (activations are quantised per token at run
-    time), K/V scales handed to `kv_scales`."""
+    """The checkpoint's tensors with every float8 weight read as float32 values (its scale applied); scales consumed,
+static activation scales dropped (activations are quantised per token), K/V scales handed to `kv_scales`."""
     held = dict(tensors)  # lazy readers: nothing is read yet
     scales: Dict[str, StoredTensor] = {}
     for name in list(held):

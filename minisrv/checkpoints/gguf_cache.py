@@ -60,8 +60,8 @@ class GGUFCache:
 
     @classmethod
     def open(cls, gguf: str, setting: Optional[str]) -> Optional["GGUFCache"]:
-        """The entry for the file as it is now, or None when the cache is off or the file cannot be read (the
-        loader then reports what is wrong with it)."""
+        """The entry for the file as it is now; None when the cache is off or the file cannot be read (the loader then
+says what is wrong with it)."""
         root = cache_root(setting)
         if root is None:
             return None
@@ -97,9 +97,8 @@ class GGUFCache:
 
     @contextlib.contextmanager
     def building(self, what: str) -> Iterator[None]:
-        """Held while `what` is built: a process that needs it too waits, then reads what the first one wrote,
-        instead of converting the same file beside it (the HTTP and engine processes both want the tokenizer;
-        two servers may start at once). Without a writable folder, nothing is held."""
+        """Held while `what` is built, so that a process that needs it too (the HTTP and engine processes both want the
+tokenizer; two servers may start at once) waits and reads the result; without a writable folder, nothing is held."""
         try:
             os.makedirs(self.folder, exist_ok=True)
             fd = os.open(os.path.join(self.folder, f".lock-{what}"), os.O_RDWR | os.O_CREAT, 0o644)

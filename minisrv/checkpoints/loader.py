@@ -54,9 +54,8 @@ class ModelBuild:
 
 @dataclass
 class LoadedModel:
-    """What `load_model` loaded: the model (in eval mode); the checkpoint's per-layer K/V scales (k, v), or None;
-    for a GGUF model's first load, the thread writing its parameters to the cache (join it before the process
-    ends: the next start maps the file), else None."""
+    """What `load_model` loaded: the model (in eval mode); the checkpoint's per-layer K/V scales, or None; on a GGUF
+model's first load, the thread writing its parameters to the cache (join it before the process ends)."""
 
     model: nn.Module
     kv_scales: Optional[Tuple[List[float], List[float]]] = None
@@ -125,9 +124,8 @@ checkpoint always loads with FP8 projections (dequantised, rounded to the model'
 
 
 def _keep_blocks(path: str, build: ModelBuild, setting: str, cache: Optional[GGUFCache]) -> Tuple[bool, Optional[Any]]:
-    """(whether a GGUF model loads with its blocks kept (quantization "gguf"), as `setting` asks and the file
-    allows; the file's header where it was read to decide, for the load to reuse, else None). The reason is logged
-    (or raised, where blocks were asked for) when it cannot."""
+    """Whether a GGUF model keeps its blocks (quantization "gguf"), as `setting` asks and the file allows, and the
+file's header where it was read to decide (else None); why not is logged, or raised where blocks were asked for."""
     if setting == "float32":
         return False, None
     device, tp = build.device, build.tp
@@ -161,9 +159,8 @@ def _cache_options(build: ModelBuild) -> str:
 
 
 def _load_gguf(path: str, build: ModelBuild, cache: Optional[GGUFCache], reader: Optional[Any] = None) -> LoadedModel:
-    """A GGUF model: its parameters mapped from the cache's file for these load options when it has one, else
-    dequantised from the GGUF (one tensor at a time, then sliced for a rank) and written to the cache. `reader`: the
-    file's header if it was read already."""
+    """A GGUF model: mapped from the cache's file for these load options, else dequantised from the GGUF (one tensor at a
+time) and written to the cache. `reader`: the file's header if it was read already."""
     t0 = time.perf_counter()
     if cache is None:
         return LoadedModel(_dequantised_model(path, build, t0, reader))

@@ -42,10 +42,8 @@ def canonical_name(name: str) -> str:
 
 @dataclass
 class Target:
-    """Where a checkpoint tensor goes: rows [row, row + piece's length) of `param` (a fused projection holds
-    several), taken from `piece` of a tensor of shape `full`; through `rows`' load_rows(row, w) instead when the
-    param is an FP8 layer's weight (quantised as it is written), a block layer's records (block_layers.py) or one
-    expert's share of a layer's experts."""
+    """Where a checkpoint tensor goes: rows [row, row + piece's length) of `param`, from `piece` of a tensor of shape
+`full`; through `rows`.load_rows(row, w) instead for an FP8 weight, a block layer's records or one expert's rows."""
 
     param: Optional[torch.Tensor]
     row: int

@@ -168,8 +168,7 @@ class EngineClient:
         """Spawn the engine and wait until it has loaded; raises RuntimeError with the engine's reason."""
         import zmq.asyncio
         self._ctx = zmq.asyncio.Context()
-        in_addr = f"ipc://{self._dir}/in"
-        out_addr = f"ipc://{self._dir}/out"
+        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._send = _socket(self._ctx, zmq.PUSH)
         self._recv = _socket(self._ctx, zmq.PULL)
         self._send.bind(in_addr)

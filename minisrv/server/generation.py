@@ -90,10 +90,9 @@ class Choice:
 
 
 class Renderer(Protocol):
-    """An endpoint's response shapes, made from the choices as the engine's outputs arrive. A stream's events come
-    framed (server-sent event text): `opening` per choice before any token, `chunks` per output that has text,
-    logprobs or an end, then `closing` (it went well) or `failed` (its request failed after it began). `response`
-    is the whole answer of a non-streaming request (a pydantic model or a JSON-able dict)."""
+    """An endpoint's response shapes. A stream's events come framed (SSE text): `opening` per choice before any token,
+`chunks` per output with text, logprobs or an end, then `closing` or `failed` (after it began). `response` is a
+non-streaming request's whole answer (a pydantic model or a JSON-able dict)."""
 
     id: str  # the response id ("cmpl-...", "chatcmpl-...", ...); engine request ids derive from it
 
@@ -181,11 +180,9 @@ def make_jobs(prefix: str, gen: Generation) -> List[Job]:
 
 
 async def run_jobs(state: "ServerState", jobs: List[Job]) -> AsyncIterator[List[Tuple[int, RequestOutput]]]:
-    """Submit all jobs; yield each engine step's outputs as (choice index, output) until all have finished.
-
-    A refusal, the engine's death, a failed request or the server's stop (ServerState.stop) raises an APIError.
-    On exit (done, failed, or a cancelled or closed generator: the client went away) what is left is aborted,
-    without awaiting anything."""
+    """Submit all jobs; yield each engine step's outputs as (choice index, output) until all have finished. A refusal,
+the engine's death, a failed request or the server's stop raises an APIError; on exit (done, failed, or closed: the
+client went away) what is left is aborted, without awaiting anything."""
     client, m = state.client, state.metrics
     sink: asyncio.Queue = asyncio.Queue()
     pending: Dict[int, TokenClock] = {}

@@ -1,5 +1,5 @@
 """What the HTTP routes share: the engine client, the tokenizer, the model's limits, the policy and metrics, and the
-server's stop. tokenizer and info are None while the engine loads (every /v1 route is then a 503)."""
+server's stop (tokenizer and info are None while the engine loads)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -34,9 +34,9 @@ async def wait_disconnect(receive: Callable) -> None:
 
 
 class EventStream(StreamingResponse):
-    """SSE response that stops (and closes its generator, aborting the engine requests) when the client leaves,
-    also while the request is still queued and nothing is being written. `closes`: an async generator that `gen`
-    reads from, closed too (a generator never started does not run its own cleanup when closed)."""
+    """SSE response that stops (closing its generator, which aborts the engine requests) when the client leaves, also
+while nothing is being written. `closes`: an async generator `gen` reads from, closed too (a generator never started
+does not run its own cleanup when closed)."""
 
     def __init__(self, gen: AsyncIterator[str], closes: Optional[AsyncGenerator] = None) -> None:
         super().__init__(gen, media_type="text/event-stream",

@@ -18,9 +18,8 @@ FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 class EngineTokenizer:
-    """A transformers tokenizer, as far as any caller can tell: `backend_tokenizer`, `eos_token_id` and
-    `clean_up_tokenization_spaces` come from the folder's files; every other attribute (and calling it) from the
-    transformers tokenizer `load_hf()` returns, built on first use."""
+    """A transformers tokenizer as far as any caller can tell: `backend_tokenizer`, `eos_token_id` and
+`clean_up_tokenization_spaces` from the folder's files, everything else from `load_hf()`'s, built on first use."""
 
     def __init__(self, backend: Any, eos_token_id: Optional[int], clean_up_tokenization_spaces: bool,
                  load_hf: Callable[[], Any]) -> None:

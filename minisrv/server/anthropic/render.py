@@ -1,12 +1,7 @@
-"""One Messages API answer in Anthropic's shapes: the whole message, and the stream's events.
-
-A message's content is, in order, a thinking block (`signature`
-empty: nothing here signs it), a text block, and a tool_use block per call (its `input` the parsed arguments);
-with none of those, one empty text block. A stream carries exactly those blocks: message_start (the message,
-content empty), per block content_block_start / content_block_delta (thinking_delta, text_delta,
-input_json_delta) / content_block_stop, then message_delta (stop_reason, stop_sequence, output_tokens) and
-message_stop; a failure after it began is an `error` event (Anthropic's error body), and there is no [DONE].
-"""
+"""One Messages API answer in Anthropic's shapes. A message's content is a thinking block (`signature` empty),
+a text block and a tool_use block per call, in that order (none of those: one empty text block). A stream carries
+those blocks: message_start, per block content_block_start / _delta / _stop, then message_delta and message_stop;
+a failure after it began is an `error` event, and there is no [DONE]."""
 from __future__ import annotations
 
 import json
@@ -35,10 +30,6 @@ def tool_use_block(call: ToolCall) -> Dict[str, Any]:
             "input": args if isinstance(args, dict) else {}}
 
 
-def new_message_id() -> str:
-    return f"msg_{uuid.uuid4().hex}"
-
-
 @dataclass
 class MessageRenderer:
     """generation.serve's renderer for /v1/messages (one choice): the whole message, or the stream's blocks."""
@@ -47,7 +38,7 @@ class MessageRenderer:
     input_tokens: int
     tools: Optional[ToolPlan] = None
     reasoning: Optional[ReasoningPlan] = None
-    id: str = field(default_factory=new_message_id)
+    id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     # while streaming: the output's reader, the open block (its index, -1: none yet; its type), events to send
     _answer: Optional[AnswerStream] = None
     _index: int = -1

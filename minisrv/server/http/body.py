@@ -16,9 +16,8 @@ def too_large(limit: int) -> APIError:
 
 
 class GuardedBody:
-    """The `receive` a route gets: while the request body is being read, at most `limit` bytes of it (413), all
-    of it within `timeout` seconds of the request's start (408), and a 503 if the server stops meanwhile. Once the
-    body is complete it is `receive` itself (disconnect watchers wait on it, untimed)."""
+    """The `receive` a route gets: while the body is read, at most `limit` bytes (413), all within `timeout` seconds of the
+request's start (408), and a 503 if the server stops meanwhile; once the body is complete, `receive` itself."""
 
     def __init__(self, receive: Callable, state: "ServerState", limit: int, timeout: float) -> None:
         self.receive, self.state, self.limit = receive, state, limit

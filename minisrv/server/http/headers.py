@@ -29,12 +29,9 @@ def is_json(content_type: Optional[str]) -> bool:
 
 
 def declared_length(scope: Any) -> Optional[int]:
-    value = header(scope, b"content-length")
-    if value is None:
-        return None
     try:
-        return int(value.strip())
-    except ValueError:
+        return int((header(scope, b"content-length") or "").strip())
+    except ValueError:  # none, or not a number
         return None
 
 

@@ -1,22 +1,15 @@
 """A request body -> the JSON value it holds, strictly, by msgspec, then its route's schema (`parse_body`).
 
-msgspec parses RFC 8259 JSON and refuses what Python's json module would accept beyond it, or what would fail
-later in a way the client cannot make sense of: NaN / Infinity literals, a number that overflows a float (1e400
-would become inf), lone UTF-16 surrogate escapes (such strings cannot be tokenized or encoded in a response),
-invalid UTF-8. Each is a 400 here that says what is wrong and where. A leading BOM is ignored, as RFC 8259 allows.
+msgspec refuses what Python's json module would accept beyond RFC 8259, or what would fail later in a way the client
+cannot make sense of: NaN / Infinity, a number that overflows a float, lone UTF-16 surrogate escapes, invalid UTF-8;
+each a 400 saying what and where. A leading BOM is ignored, as RFC 8259 allows. What msgspec lacks is checked from
+the bytes first (`shape`): at most MAX_DEPTH levels of nesting (pydantic, the chat template and the grammar compiler
+all walk a value; a schema's compile time grows steeply with its depth), and at most MAX_CONTAINERS arrays/objects
+(msgspec builds them in one call that holds the GIL: millions of `[]` would stall the event loop).
 
-What msgspec lacks is checked here from the body's bytes before it is parsed (`shape`):
-  - nesting: msgspec parses values as deep as the interpreter's recursion limit, and every later step that walks
-    a value would then have to cope with it: pydantic, the chat template, and the grammar compiler, whose time to
-    compile a response_format schema grows steeply with its depth. At most MAX_DEPTH levels of arrays/objects.
-  - containers: msgspec builds all of a body's lists and dicts in one call that holds the GIL, so a body of
-    millions of `[]`, well within the size limit, would stall the event loop (/health and every stream) however
-    fast the parser. At most MAX_CONTAINERS arrays/objects.
-
-The cyclic GC. Every list msgspec makes is tracked, and a body of many sets off full collections while it is
-parsed, each walking the whole heap with the GIL held; `parse` pauses the GC while it parses and validates, and
-lets go of the parsed value before the GC resumes. The GC switch is process-wide, so the pause is counted.
-"""
+The cyclic GC: a body of many lists sets off full collections while it is parsed, each walking the whole heap with
+the GIL held, so `parse` pauses the GC (process-wide, so the pause is counted) and lets go of the parsed value
+before it resumes."""
 from __future__ import annotations
 
 import asyncio

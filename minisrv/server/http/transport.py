@@ -1,22 +1,16 @@
-"""What minisrv adds to uvicorn: a deadline for a request to arrive, a shutdown that ends what it cuts off, and
-the server's error shape with an x-request-id for what the protocol itself refuses (--limit-concurrency's 503, an
-unparsable request's 400), where uvicorn answers plain text without one.
+"""What minisrv adds to uvicorn: a deadline for a request to arrive, a shutdown that ends what it cuts off, and the
+server's error shape with an x-request-id for what the protocol itself refuses (--limit-concurrency's 503, an
+unparsable request's 400), where uvicorn answers plain text.
 
-Read deadline. uvicorn (0.5x, h11) closes a keep-alive connection that stays idle for `timeout_keep_alive`, but
-any byte that arrives cancels that timer, and a fresh connection has none: a client that sends half a request
-head, or one byte now and then, holds its connection (and, with --limit-concurrency, a slot) forever. h11 caps
-how large a request head may grow (uvicorn's `h11_max_incomplete_event_size`, 16 KiB by default), not how long
-it may take. `deadline_protocol` arms a timer when a connection opens and after each response; if no route is at
-work when it fires (none started, or the last one has answered), the connection is closed. While a route runs it
-times its own body reads (body.GuardedBody, a 408).
+Read deadline. uvicorn closes an idle keep-alive connection, but any byte cancels that timer and a fresh connection
+has none: a client that sends a byte now and then holds its connection (and a --limit-concurrency slot) forever.
+`deadline_protocol` arms a timer when a connection opens and after each response, and closes the connection if no
+route is at work when it fires; a running route times its own body reads (body.GuardedBody, a 408).
 
-Graceful shutdown. On SIGTERM/SIGINT uvicorn stops accepting, closes idle connections and waits for the running
-requests; after its `timeout_graceful_shutdown` it cancels them, which cuts streams off with no last event and
-logs a traceback. `GracefulServer` lets running requests go on for `grace` seconds, then calls
-ServerState.stop(): every generation still running ends with a server_shutdown error (a 503, or a stream's
-error event and `data: [DONE]`) and every body still being read with a 503. uvicorn's own timeout is set
-`END_S` later, a last resort for a client that does not even read its last event.
-"""
+Graceful shutdown. uvicorn waits for running requests, then cancels them: streams end with no last event and a
+traceback is logged. `GracefulServer` gives them `grace` seconds, then calls ServerState.stop(): generations end
+with a server_shutdown error (a 503, or a stream's error event and [DONE]), body reads with a 503. uvicorn's own
+timeout comes END_S later, a last resort for a client that does not read its last event."""
 from __future__ import annotations
 
 import asyncio

@@ -1,7 +1,5 @@
 """One output text read as the plan asked: the thinking split off (reasoning.py), then the answer read for tool calls
-(tools.py), whole (`read_answer`) or as it streams (`AnswerStream`, which holds back text that may still become a
-call: from a possible call's start with tool_choice auto, all of it with a forced call). Every chat-shaped API's
-renderer reads its choices here and only shapes what comes out."""
+(tools.py), whole (`read_answer`) or as it streams (`AnswerStream`, which holds back what may still become a call)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,7 +1,6 @@
-"""An OpenAI-style request's sampling fields as SamplingParams fields: the plain ones, logit_bias, and its one
-output constraint however it is given (response_format, SGLang's regex / ebnf / choices, vLLM's guided_choice and
-structured_outputs). Chat and completions read the same fields; the Responses and Messages APIs name a few of them
-their own way and build the same dict."""
+"""An OpenAI-style request's sampling fields as SamplingParams fields: the plain ones, logit_bias, and its one output
+constraint however it is given (response_format, SGLang's regex / ebnf / choices, vLLM's guided_choice and
+structured_outputs)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,7 +1,5 @@
-"""Tools for a model whose chat template ignores them. Many templates (the default SmolLM2's among them) render the
-same prompt with or without `tools`, so the model never learns of them: `tool_choice: "auto"` can never produce a
-call, and a forced call is made blind. For such a model the tools and the call format go into a system prompt, as
-llama.cpp's server does, in the hermes format (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) that
+"""Tools for a model whose chat template ignores them (the default SmolLM2's among them: the model would never learn
+of them). They and the call format go into a system prompt, as llama.cpp's server does, in the hermes format that
 tools.py reads back."""
 from __future__ import annotations
 
