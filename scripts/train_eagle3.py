@@ -61,8 +61,9 @@ HELD_OUT = 0.1  # the share of sequences scored, not trained on
 
 def training_texts(tokenizer, chars: int, seed: int) -> List[str]:
     """About `chars` characters of local text, in an order fixed by `seed`: the repository's documentation (up to
-    a fifth of it), then pieces of standard-library sources, every second one as a chat-format code-editing
-    sample."""
+    a fifth of it), then pieces of standard-library sources, three in four of them as chat-format code-editing
+    samples short enough that the request and its answer (the piece copied) fall in one training sequence: what the
+    head learns to copy from."""
     rng = random.Random(seed)
     docs = [REPO_ROOT / "README.md"] + sorted((REPO_ROOT / "docs").glob("*.md"))
     texts: List[str] = []
@@ -87,8 +88,9 @@ def training_texts(tokenizer, chars: int, seed: int) -> List[str]:
         if len(lines) < 20:
             continue
         start = rng.randrange(max(1, len(lines) - 150))
-        code = "".join(lines[start:start + (rng.randint(60, 150) if i % 2 else 400)])
-        if i % 2:  # a code-editing sample: a piece of the file, and its copy as the answer
+        chat = i % 4 != 0
+        code = "".join(lines[start:start + (rng.randint(8, 24) if chat else 400)])
+        if chat:  # a code-editing sample: a piece of the file, and its copy as the answer, within one sequence
             code = chat_sample(tokenizer, os.path.relpath(path, stdlib), code, i)
         texts.append(code)
         total += len(code)

@@ -22,11 +22,11 @@ def test_a_step_that_fails_once_is_retried_and_every_request_completes(model):
     orig = eng.runner.forward_logits
     calls = {"n": 0}
 
-    def failing(fb):
+    def failing(*args):
         calls["n"] += 1
         if calls["n"] == 4:
             raise RuntimeError("injected failure")
-        return orig(fb)
+        return orig(*args)
 
     eng.runner.forward_logits = failing
     try:

@@ -35,7 +35,7 @@ def time_phases(engine: Any) -> Dict[str, float]:
     def named(name: str) -> Callable[..., str]:
         return lambda *args: name
 
-    def forward_phase(inp: Any, fb: Optional[Any] = None) -> str:
+    def forward_phase(inp: Any, fb: Optional[Any] = None, aux: Optional[Any] = None) -> str:
         return "forward_decode" if fb.is_decode else "forward_extend"
 
     wrap(engine.scheduler, "schedule", named("schedule"), sync=False)
