@@ -21,10 +21,12 @@ from minisrv.models.fp8 import fp8_checkpoint_format
 from .fp8_checkpoint import CheckpointKVScales, dequantized_fp8
 from minisrv.models.gguf_blocks import blocks_unavailable_here, blocks_unavailable_in
 from .gguf_cache import GGUFCache
+from .int4_formats import int4_tensors
 from minisrv.models.args import ModelArgs
 from .model_files import (default_model_path, is_gguf, load_hf_config, load_model_args, load_tokenizer,
                           resolve_model_path)
 from minisrv.models.registry import model_class
+from minisrv.models.w4a16 import int4_scheme
 from .safetensors_files import iter_safetensors
 from .safetensors_stream import BadFile, SafetensorsStream, map_tensors
 from .weights import load_weights
@@ -40,7 +42,7 @@ __all__ = ["WeightLoadError", "StoredTensor", "default_model_path", "resolve_mod
 class ModelBuild:
     """How a model is built: its shape, dtype and device, the layers' kernels (models/layer_ops.py's LayerOps;
     None: torch's), this rank's place in a tensor-parallel group, the projections' quantization (None, "fp8",
-    "gguf") and whether it is an embedding model (no LM head)."""
+    "gguf", or a 4-bit checkpoint's models/w4a16.Int4Scheme) and whether it is an embedding model (no LM head)."""
 
     args: ModelArgs
     dtype: torch.dtype
@@ -48,7 +50,7 @@ class ModelBuild:
     max_positions: int
     ops: Optional[Any] = None
     tp: Optional[TensorParallel] = None
-    quantization: Optional[str] = None
+    quantization: Optional[Any] = None
     embedding: bool = False
 
 
@@ -105,11 +107,16 @@ def load_model(path: str, build: ModelBuild, cache_dir: Optional[str] = None,
                gguf_weights: str = "auto") -> LoadedModel:
     """Build the model empty, then fill it from the checkpoint (only this rank's shard under `build.tp`). An FP8
 checkpoint always loads with FP8 projections (dequantised, rounded to the model's dtype, requantised per row), as
-`build.quantization` "fp8" loads any. `cache_dir`: where a GGUF model's parameters are cached (None: the default).
+`build.quantization` "fp8" loads any; a 4-bit one (AWQ, GPTQ, compressed-tensors: models/w4a16.py) with 4-bit
+projections. `cache_dir`: where a GGUF model's parameters are cached (None: the default).
 `gguf_weights`: a GGUF model's projections and embedding kept in their blocks on the CPU ("blocks"), dequantised
 ("float32"), or "auto": blocks where they can be."""
-    fp8_format = fp8_checkpoint_format(build.args.quantization_config)
-    build = replace(build, quantization="fp8" if build.quantization == "fp8" or fp8_format is not None else None)
+    int4 = int4_scheme(build.args.quantization_config)
+    if int4 is not None and build.quantization is not None:
+        raise ValueError(f"--quantization {build.quantization} cannot requantise a {int4} checkpoint")
+    fp8_format = fp8_checkpoint_format(build.args.quantization_config) if int4 is None else None
+    build = replace(build, quantization=int4 or ("fp8" if build.quantization == "fp8" or fp8_format is not None
+                                                 else None))
     if is_gguf(path):
         cache = GGUFCache.open(path, cache_dir)
         keep, reader = _keep_blocks(path, build, gguf_weights, cache)
@@ -119,6 +126,8 @@ checkpoint always loads with FP8 projections (dequantised, rounded to the model'
     kv_scales = CheckpointKVScales(build.args.num_layers)
     if fp8_format is not None:
         source = dequantized_fp8(source, None if fp8_format == "tensor" else fp8_format, kv_scales)
+    if int4 is not None:
+        source = int4_tensors(source, int4)
     load_weights(model, source, build.args, model.plan)
     return LoadedModel(model.eval(), kv_scales.complete())
 

@@ -90,11 +90,12 @@ def _write_json(file: str, value: Any) -> None:
 
 def load_model_args(path: str, cache_dir: Optional[str] = None) -> ModelArgs:
     from minisrv.models.fp8 import fp8_checkpoint_format  # (torch: not imported where only the tokenizer is read)
+    from minisrv.models.w4a16 import int4_scheme
     from minisrv.models.registry import model_class
     args = ModelArgs.from_hf_config(load_hf_config(path, cache_dir))
     model_class(args.architecture)  # refuse unknown architectures before touching the weights
-    try:
-        fp8_checkpoint_format(args.quantization_config)  # and quantisation methods that cannot be read
+    try:  # and quantisation methods that cannot be read
+        int4_scheme(args.quantization_config) or fp8_checkpoint_format(args.quantization_config)
     except ValueError as e:
         raise WeightLoadError(f"{path}: {e}") from None
     for eos in _generation_eos_ids(path):  # HF generate stops on these too (e.g. an instruct model's end-of-turn)

@@ -18,6 +18,7 @@ from .checkpoint import StoredTensor, WeightLoadError
 from minisrv.models.fp8 import Fp8Linear
 from minisrv.models.moe import ExpertRows, Experts
 from minisrv.models.sharding import ShardPlan, Slice
+from minisrv.models.w4a16 import W4A16Linear
 
 FUSED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -43,7 +44,8 @@ def canonical_name(name: str) -> str:
 @dataclass
 class Target:
     """Where a checkpoint tensor goes: rows [row, row + piece's length) of `param`, from `piece` of a tensor of shape
-`full`; through `rows`.load_rows(row, w) instead for an FP8 weight, a block layer's records or one expert's rows."""
+`full`; through `rows`.load_rows(row, w) instead for an FP8 weight, a block layer's records, a 4-bit layer's
+(w4a16.py) or one expert's rows."""
 
     param: Optional[torch.Tensor]
     row: int
@@ -64,10 +66,12 @@ def expected_tensors(model: nn.Module, args: ModelArgs, plan: ShardPlan) -> Dict
                 out.update(_expert_targets(owner, module, leaf, args, plan))
             continue
         writer = module if isinstance(module, Fp8Linear) and leaf == "weight" else None
-        if isinstance(module, Fp8Linear) and leaf == "weight_scale":
+        if isinstance(module, Fp8Linear) and leaf == "weight_scale" or \
+                isinstance(module, W4A16Linear) and leaf in ("scales", "zeros", "perm"):
             continue  # written with its weight's rows
         shape = tuple(p.shape)
-        if isinstance(module, BlockLinear) and leaf == "packed":  # the matrix it holds in blocks, by its rows
+        if isinstance(module, BlockLinear) and leaf == "packed" or isinstance(module, W4A16Linear) and \
+                leaf == "qweight":  # the matrix it holds in blocks or in 4 bits, by its rows
             name, shape, writer = f"{owner}.weight", module.weight_shape, module
         width = _mlp_width(name, args)
         rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": width, "up_proj": width}

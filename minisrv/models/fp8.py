@@ -137,6 +137,7 @@ def fp8_checkpoint_format(quantization_config: Optional[dict]) -> Optional[Any]:
     method = quantization_config.get("quant_method")
     if method != "fp8":
         raise ValueError(f"unsupported checkpoint quantization {method!r}: minisrv reads fp8 checkpoints "
-                         "(per-tensor, per-channel or 128x128 block scales) and bf16/fp16/fp32 ones")
+                         "(per-tensor, per-channel or 128x128 block scales), 4-bit awq, gptq and compressed-tensors "
+                         "ones and bf16/fp16/fp32 ones")
     block = quantization_config.get("weight_block_size")
     return tuple(int(b) for b in block) if block else "tensor"

@@ -18,13 +18,17 @@ from .args import ModelArgs
 from .block_layers import BlockLinear, block_kernels
 from .fp8 import Fp8Linear
 from .layer_ops import LayerOps
+from .w4a16 import Int4Scheme, W4A16Linear
 from .norms import RMSNorm
 
 
-def make_linear(in_features: int, out_features: int, bias: bool, quantization: Optional[str],
+def make_linear(in_features: int, out_features: int, bias: bool, quantization: Optional[Any],
                 ops: LayerOps) -> nn.Module:
     """A projection layer: nn.Linear, or with quantization "fp8" an Fp8Linear (fp8.py), with "gguf" a BlockLinear
-    (block_layers.py); on the CPU with its compiled ops, a CpuLinear."""
+    (block_layers.py), with a 4-bit checkpoint's Int4Scheme a W4A16Linear (w4a16.py); on the CPU with its compiled
+    ops, a CpuLinear."""
+    if isinstance(quantization, Int4Scheme):
+        return W4A16Linear(in_features, out_features, bias, quantization)
     if quantization == "fp8":
         return Fp8Linear(in_features, out_features, bias)
     if quantization == "gguf":
