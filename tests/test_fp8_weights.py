@@ -175,14 +175,14 @@ def assert_pool_scales_unused_without_fp8_kv(path: str) -> None:
 
 
 def test_unsupported_quantization_is_refused(tiny_model, tmp_path):
-    dst = str(tmp_path / "awq")
+    dst = str(tmp_path / "bnb")  # (4-bit formats minisrv does not serve: tests/test_w4a16.py)
     shutil.copytree(tiny_model("llama"), dst)
     with open(os.path.join(dst, "config.json")) as f:
         cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(cfg, f)
-    with pytest.raises(WeightLoadError, match="unsupported checkpoint quantization 'awq'"):
+    with pytest.raises(WeightLoadError, match="unsupported checkpoint quantization 'bitsandbytes'"):
         make_llm(dst)
     with pytest.raises(ValueError, match="quantization must be one of"):
         make_llm(tiny_model("llama"), quantization="int4")

@@ -177,5 +177,5 @@ def write_dequantised_checkpoint(src: str, dst: str, weights: Dict[str, torch.Te
     shutil.copytree(src, dst)
     file = os.path.join(dst, "model.safetensors")
     state = load_file(file)
-    state.update({name: w.to(dtype) for name, w in weights.items()})
+    state.update({name: w.to(dtype).contiguous() for name, w in weights.items()})
     save_file(state, file)
