@@ -27,7 +27,7 @@ def quantise(w: torch.Tensor, group: int, symmetric: bool) -> Tuple[torch.Tensor
     wg = w.double().reshape(n, k // g, g)
     if symmetric:
         scales = (wg.abs().amax(-1) / 7.5).clamp_min(1e-8).half()
-        zeros = torch.full(scales.shape, 8, dtype=torch.int64)
+        zeros = torch.full(scales.shape, 8, dtype=torch.int64, device=w.device)
     else:
         lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
         scales = ((hi - lo) / 15).clamp_min(1e-8).half()
@@ -95,6 +95,22 @@ def spec_dequantised(method: str, t: Dict[str, torch.Tensor], v2: bool = False) 
     return (q - z[:, col // g]) * s[:, col // g]
 
 
+def int4_parts(w: torch.Tensor, method: str, group: int, symmetric: bool, perm: Optional[torch.Tensor] = None,
+               v2: bool = False) -> Dict[str, torch.Tensor]:
+    """The stored tensors (by leaf name) of w [N, K] in `method`'s format. perm (GPTQ's act order): the order in
+    which rows of K are quantised, groups of `group` consecutive in it."""
+    if method == "compressed-tensors":
+        return _compressed_tensors_parts(w, group, symmetric)
+    k = w.shape[1]
+    perm = torch.arange(k, device=w.device) if perm is None else perm.to(w.device)
+    q, scales, zeros = quantise(w[:, perm], group, symmetric)  # groups of rows in quantisation order
+    g_idx = torch.empty(k, dtype=torch.long, device=w.device)
+    g_idx[perm] = torch.arange(k, device=w.device) // (group or k)
+    q_rows = torch.empty_like(q)
+    q_rows[:, perm] = q
+    return pack_awq(q_rows, scales, zeros) if method == "awq" else pack_gptq(q_rows, scales, zeros, g_idx, v2)
+
+
 def write_int4_checkpoint(src: str, dst: str, method: str, group: int, symmetric: bool = False,
                           act_order: bool = False, v2: bool = False, seed: int = 0) -> Dict[str, torch.Tensor]:
     """A 4-bit copy of the float checkpoint `src` at `dst` in `method`'s format; returns each projection's
@@ -111,20 +127,10 @@ def write_int4_checkpoint(src: str, dst: str, method: str, group: int, symmetric
             out[name] = w
             continue
         prefix = m.group(1)
-        if method == "compressed-tensors":
-            parts = _compressed_tensors_parts(w, group, symmetric)
-        else:
-            k = w.shape[1]
-            # one activation order per input: q/k/v and gate/up are quantised from the same activations
-            same_input = re.sub(r"\.(q|k|v)_proj$", ".qkv", re.sub(r"\.(gate|up)_proj$", ".gate_up", prefix))
-            perm = orders.setdefault(same_input, torch.randperm(k, generator=gen) if act_order else torch.arange(k))
-            q, scales, zeros = quantise(w[:, perm], group, symmetric)  # groups of rows in activation order
-            g_idx = torch.empty(k, dtype=torch.long)
-            g_idx[perm] = torch.arange(k) // (group or k)
-            q_rows = torch.empty_like(q)
-            q_rows[:, perm] = q
-            parts = pack_awq(q_rows, scales, zeros) if method == "awq" else \
-                pack_gptq(q_rows, scales, zeros, g_idx, v2)
+        # one activation order per input: q/k/v and gate/up are quantised from the same activations
+        same_input = re.sub(r"\.(q|k|v)_proj$", ".qkv", re.sub(r"\.(gate|up)_proj$", ".gate_up", prefix))
+        perm = orders.setdefault(same_input, torch.randperm(w.shape[1], generator=gen)) if act_order else None
+        parts = int4_parts(w, method, group, symmetric, perm, v2)
         for leaf, t in parts.items():
             out[f"{prefix}.{leaf}"] = t.contiguous()
         weights[name] = spec_dequantised(method, parts, v2)
