@@ -190,7 +190,7 @@ def test_partly_quantised_checkpoints_are_refused(tiny_model, tmp_path):
     save_file(state, file)
     with pytest.raises(WeightLoadError, match="'lm_head' is quantised in this checkpoint"):
         make_llm(path)
-    with pytest.raises(ValueError, match="--quantization fp8 cannot requantise a awq 4-bit checkpoint"):
+    with pytest.raises(ValueError, match="--quantization fp8 cannot requantise this awq 4-bit checkpoint"):
         make_llm(path, quantization="fp8")
 
 

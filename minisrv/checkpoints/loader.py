@@ -113,7 +113,7 @@ projections. `cache_dir`: where a GGUF model's parameters are cached (None: the 
 ("float32"), or "auto": blocks where they can be."""
     int4 = int4_scheme(build.args.quantization_config)
     if int4 is not None and build.quantization is not None:
-        raise ValueError(f"--quantization {build.quantization} cannot requantise a {int4} checkpoint")
+        raise ValueError(f"--quantization {build.quantization} cannot requantise this {int4} checkpoint")
     fp8_format = fp8_checkpoint_format(build.args.quantization_config) if int4 is None else None
     build = replace(build, quantization=int4 or ("fp8" if build.quantization == "fp8" or fp8_format is not None
                                                  else None))
