@@ -33,8 +33,8 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, inter: int, quantization: Optional[str] = None) -> None:
         super().__init__()
-        if quantization not in (None, "fp8"):
-            raise ValueError(f"unsupported quantization {quantization!r}")
+        if quantization not in (None, "fp8"):  # (4-bit experts: no grouped-GEMM path yet)
+            raise ValueError(f"unsupported quantization for a mixture of experts' experts: {quantization}")
         self.fp8 = quantization == "fp8"
         self.source_dtype = torch.get_default_dtype()  # the model's dtype: rows are rounded to it before quantising
         dtype = FP8 if self.fp8 else None
