@@ -111,10 +111,10 @@ def _in_order(g_idx: torch.Tensor, group: int, k0: int, k: int, act_order: bool)
     perm = torch.argsort(g_idx, stable=True)
     if not torch.equal(g_idx[perm], torch.arange(g_idx.numel()) // group):
         raise ValueError(f"g_idx does not give every group {group} rows")
+    if torch.equal(perm, torch.arange(g_idx.numel())):
+        return None  # (desc_act with static groups: in order)
     if not act_order:
-        if not torch.equal(perm, torch.arange(g_idx.numel())):
-            raise ValueError("g_idx is in activation order but the config has no desc_act / actorder")
-        return None
+        raise ValueError("g_idx is in activation order but the config has no desc_act / actorder")
     if k0 != 0 or k != g_idx.numel():
         raise ValueError("activation-order (desc_act) weights cannot be split along K between tensor-parallel ranks")
     return perm
