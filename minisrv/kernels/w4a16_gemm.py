@@ -71,12 +71,13 @@ def dequantized_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 
 def config_for(m: int, n: int, k: int, group: int) -> W4A16Config:
-    """Launch parameters for [m, k] x [k, n] with groups of `group` rows. Decode batches: 16-64-row tiles of 64
-    columns, K steps of 128 and K split until about TARGET_PROGRAMS programs run; larger batches: 64 or 128-row
-    tiles of 128 columns, K steps of 64, no split."""
+    """Launch parameters for [m, k] x [k, n] with groups of `group` rows. One row: 128 columns a program on the
+    CUDA cores, K in 8 shares; up to 16 rows: 16-row tiles of 64 columns, K in 8 shares; up to 64: 32-64-row tiles
+    of 64 columns, K split until about TARGET_PROGRAMS programs run; larger batches: 64 or 128-row tiles of 128
+    columns, K steps of 64, no split."""
     if m <= SPLIT_M:
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        block_n, block_k, warps = 64, 128, 4
+        block_m = 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 else 64
+        block_n, block_k, warps = (128 if m == 1 else 64), 128, 4
     else:
         block_m, block_n, block_k = (64 if m <= 128 else 128), 128, 64
         warps = 4 if block_m == 64 else 8
@@ -87,6 +88,8 @@ def config_for(m: int, n: int, k: int, group: int) -> W4A16Config:
     tiles = -(-m // block_m) * -(-n // block_n)
     k_steps = k // block_k
     split = max(1, min(k_steps, TARGET_PROGRAMS // tiles)) if m <= SPLIT_M else 1
+    if m <= 16:  # one row, or a few: K in 8 shares (more programs in flight; H100, the 8B shape's projections)
+        split = min(k_steps, 8)
     return W4A16Config(block_m, block_n, block_k, split, warps, 3)
 
 
@@ -106,9 +109,10 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
+        kw = tl.arange(0, BLOCK_K // 8)
         row_ok = rows < m
         col_ok = cols < n
-        shifts = ((ks % 8) * 4)[:, None]
+        shifts = (tl.arange(0, 8) * 4)[None, :, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         first = pid_k * steps_per_split
         last = tl.minimum(first + steps_per_split, k // BLOCK_K)
@@ -116,14 +120,18 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
             k0 = step * BLOCK_K
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None],
                         other=0.0)
-            words = tl.load(qw_ptr + ((k0 + ks) // 8)[:, None].to(tl.int64) * n + cols[None, :],
+            # each word once: [BLOCK_K / 8, BLOCK_N] words, their 8 nibbles each then laid out as 8 rows of K
+            words = tl.load(qw_ptr + (k0 // 8 + kw)[:, None].to(tl.int64) * n + cols[None, :],
                             mask=col_ok[None, :], other=0)
-            q = (words >> shifts) & 0xF
+            q = tl.reshape((words[:, None, :] >> shifts) & 0xF, (BLOCK_K, BLOCK_N))
             g = k0 // group
             scale = tl.load(s_ptr + g * n + cols, mask=col_ok, other=0.0).to(tl.float32)
             zero = tl.load(z_ptr + g * n + cols, mask=col_ok, other=0).to(tl.int32)
             w = ((q - zero[None, :]).to(tl.float32) * scale[None, :]).to(x.dtype)
-            acc = tl.dot(x, w, acc)
+            if BLOCK_M >= 16:
+                acc = tl.dot(x, w, acc)
+            else:  # a row or a few (tl.dot takes 16 or more): products summed over K on the CUDA cores
+                acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
         out = rows[:, None].to(tl.int64) * n + cols[None, :]
         mask = row_ok[:, None] & col_ok[None, :]
         if SPLIT > 1:

@@ -58,7 +58,8 @@ def main() -> None:
     for m in (1, 5, 64):  # float32 activations
         check(run, m, 72, 128, 64, False, torch.float32)
     for config in (W4A16Config(16, 32, 32, 3, 4, 2), W4A16Config(16, 64, 64, 4, 4, 2),  # split K, odd shares
-                   W4A16Config(32, 32, 16, 1, 4, 2)):
+                   W4A16Config(32, 32, 16, 1, 4, 2),
+                   W4A16Config(1, 64, 32, 2, 4, 2), W4A16Config(2, 32, 64, 1, 4, 2)):  # rows on the CUDA cores
         check(run, 5, 200, 384, 128, False, torch.float16, config)
     print("ok")
 
