@@ -92,12 +92,12 @@ def hf_model(path: str, dtype: torch.dtype, device: torch.device):
         raise RuntimeError(f"HF baseline: missing {missing}, unexpected {unexpected}")
     if config.tie_word_embeddings:
         model.tie_weights()
-    for m in model.modules():  # the rotary inv_freq buffer was left empty on the meta device
-        if hasattr(m, "inv_freq") and hasattr(m, "rope_init_fn"):
-            inv, scale = m.rope_init_fn(m.config, device)
-            m.inv_freq = inv
-            m.original_inv_freq = inv
-            m.attention_scaling = scale
+    for m in model.modules():  # the rotary inv_freq buffer was left empty on the meta device: built afresh
+        if hasattr(m, "inv_freq") and hasattr(m, "config"):
+            with torch.device(device):
+                fresh = type(m)(m.config)
+            m.inv_freq, m.original_inv_freq = fresh.inv_freq, fresh.original_inv_freq
+            m.attention_scaling = fresh.attention_scaling
     return model.to(dtype).eval()
 
 
