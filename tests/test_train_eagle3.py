@@ -105,3 +105,26 @@ def test_first_step_is_the_dense_causal_forward(trained):
         t = tokens.shape[1] - 1
         dense = head.forward_dense(embed[tokens[0, 1:]], aux[0, :t].float(), torch.arange(t))
         torch.testing.assert_close(head.logits(dense), result["head"].logits(steps[0][0]), rtol=1e-5, atol=1e-5)
+
+
+def test_the_target_of_a_gguf_file_writes_minisrvs_tokens(tmp_path):
+    """The trainer reads the target's hidden states from HF transformers on the weights minisrv serves
+    (bench_offline.hf_model): for a GGUF file its greedy tokens and its hidden states are minisrv's own."""
+    import sys
+    from .helpers.gguf_writer import write_gguf
+    from .helpers.tiny_models import greedy, make_llm, make_prompts, vocab_of
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from bench_offline import hf_model
+    hf_dir = build_tiny_model(str(tmp_path / "hf"), "llama", seed=4)
+    gguf = str(tmp_path / "llama.gguf")
+    write_gguf(hf_dir, gguf, "llama")
+    prompt = make_prompts(vocab_of(hf_dir), [9], seed=2)[0]
+    llm = make_llm(gguf, tokenizer=hf_dir, cache_dir="off")
+    ours = llm.generate([prompt], greedy(8), use_tqdm=False)[0].token_ids
+    llm.close()
+    model = hf_model(gguf, torch.float32, torch.device("cpu"))
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(8):
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+    assert ids[0, len(prompt):].tolist() == list(ours)
