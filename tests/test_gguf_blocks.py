@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 import pytest
@@ -28,15 +28,24 @@ def kernels() -> BlockKernels:
 
 
 class RefBlocks(NamedTuple):
-    """A matrix w = d * q + m (q [rows, cols] uint8, d and m float32 [rows, cols / 32]) and, in torch, its records
-    and values: the reference the kernels are held to."""
+    """A matrix w = d * q + m (q [rows, cols] uint8, d and m float32 [rows, cols / 32]; in the groups of 4 rows
+    whose layout is 1, d is the scale of each 32's first 16 columns, m that of the last 16, and m = -32 scale) and,
+    in torch, its records and values: the reference the kernels are held to."""
 
     q: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor
+    layouts: Optional[torch.Tensor] = None
 
     def dequantize(self) -> torch.Tensor:
-        return self.d.repeat_interleave(32, 1) * self.q.float() + self.m.repeat_interleave(32, 1)
+        rows, cols = self.q.shape
+        d, m = torch.stack([self.d, self.d], -1), torch.stack([self.m, self.m], -1)  # [rows, cols / 32, 2 halves]
+        if self.layouts is not None:
+            per16 = self.layouts.repeat_interleave(4).bool()
+            d[per16] = torch.stack([self.d, self.m], -1)[per16]
+            m[per16] = d[per16] * -32.0
+        w = self.q.reshape(rows, cols // 32, 2, 16).float() * d.unsqueeze(-1) + m.unsqueeze(-1)
+        return w.reshape(rows, cols)
 
     def pack(self) -> torch.Tensor:
         """Records [rows / 4, cols / 32, 160]: float32 d[4], m[4], uint8 q[4][32] (cpu_blocks.c's layout)."""
@@ -60,34 +69,40 @@ def ref_read(raw: np.ndarray, kind: str, rows: int, cols: int) -> RefBlocks:
     return RefBlocks(q.reshape(rows, cols), d.reshape(rows, cols // 32), m.reshape(rows, cols // 32))
 
 
-def random_blocks(rows: int, cols: int, seed: int) -> RefBlocks:
+def random_blocks(rows: int, cols: int, seed: int, mixed: bool = False) -> RefBlocks:
+    """mixed: every other group of 4 rows in layout 1 (Q6_K's)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=g)
     d = (torch.randn(rows, cols // 32, generator=g) * 0.01).half().float()  # float16 scales, as a file's
     m = (torch.randn(rows, cols // 32, generator=g) * 0.5).half().float()
-    return RefBlocks(q, d, m)
+    layouts = (torch.arange(rows // 4) % 2).to(torch.uint8) if mixed else None
+    if mixed:  # float16 scales of the size of d
+        m[layouts.repeat_interleave(4).bool()] = (m[layouts.repeat_interleave(4).bool()] * 0.02).half().float()
+    return RefBlocks(q, d, m, layouts)
 
 
+@pytest.mark.parametrize("mixed", [False, True])
 @pytest.mark.parametrize("rows_x", [1, 2, 3, 5, 32, 33, 70])
 @pytest.mark.parametrize("n,k", [(8, 32), (12, 64), (40, 1056), (4, 2080)])
-def test_matmul_matches_float64(kernels, rows_x, n, k):
+def test_matmul_matches_float64(kernels, rows_x, n, k, mixed):
     """One row (the register path), 2-32 rows (the tile path; k past one 1,024-column tile), more than 32 rows
-    (torch's matmul over the dequantised matrix), against float64."""
-    w = random_blocks(n, k, seed=n * k)
+    (torch's matmul over the dequantised matrix), against float64; records of both layouts in one matrix."""
+    w = random_blocks(n, k, seed=n * k, mixed=mixed)
     x = torch.randn(rows_x, k + 3)[:, :k]  # rows further apart than their length
-    got = kernels.matmul(x, w.pack(), n, k)
+    got = kernels.matmul(x, w.pack(), w.layouts, n, k)
     ref = x.double() @ w.dequantize().double().t()
     assert got.shape == (rows_x, n) and got.dtype == torch.float32
     scale = (x.double().abs() @ w.dequantize().double().abs().t()).max().item()
     assert (got.double() - ref).abs().max().item() <= 1e-6 * scale
 
 
-def test_dequant_and_row_lookup_are_exact(kernels):
-    w = random_blocks(36, 96, seed=3)
+@pytest.mark.parametrize("mixed", [False, True])
+def test_dequant_and_row_lookup_are_exact(kernels, mixed):
+    w = random_blocks(36, 96, seed=3, mixed=mixed)
     packed = w.pack()
-    assert torch.equal(kernels.dequant(packed, 36, 96), w.dequantize())
+    assert torch.equal(kernels.dequant(packed, w.layouts, 36, 96), w.dequantize())
     ids = torch.tensor([[0, 35, 7], [4, 4, 18]])
-    assert torch.equal(kernels.rows(packed, ids, 96), w.dequantize()[ids.reshape(-1)])
+    assert torch.equal(kernels.rows(packed, w.layouts, ids, 96), w.dequantize()[ids.reshape(-1)])
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
@@ -105,12 +120,12 @@ def test_blocks_read_from_a_file_equal_gguf_dequantizer(kernels, kind):
     raw = quantize(data, q)
     ref = torch.from_numpy(np.asarray(dequantize(raw, q), dtype=np.float32).reshape(24, 128).copy())
     w = GGUFBlocks(raw, q, 24, 128)
-    packed = torch.empty(6, 4, 160, dtype=torch.uint8)
-    w.pack_into(packed, kernels)
-    assert torch.equal(kernels.dequant(packed, 24, 128), ref)
+    packed, layouts = torch.empty(6, 4, 160, dtype=torch.uint8), torch.ones(6, dtype=torch.uint8)
+    w.pack_into(packed, layouts, kernels)
+    assert torch.equal(kernels.dequant(packed, layouts, 24, 128), ref) and not layouts.any()
     assert torch.equal(packed, ref_read(raw, kind, 24, 128).pack())
     order = torch.arange(24).reshape(2, 6, 2).transpose(1, 2).reshape(-1)
-    w.take_rows(order).take_rows(order.flip(0)).pack_into(packed, kernels)
+    w.take_rows(order).take_rows(order.flip(0)).pack_into(packed, layouts, kernels)
     r = ref_read(raw, kind, 24, 128)
     src = order[order.flip(0)]
     assert torch.equal(packed, RefBlocks(r.q[src], r.d[src], r.m[src]).pack())
@@ -222,9 +237,9 @@ def test_portable_path_matches_float64(tmp_path):
     kernels = BlockKernels(ctypes.CDLL(str(out)), "portable build")
     assert "portable C" in kernels.how
     for rows_x, (n, k) in [(1, (12, 64)), (3, (40, 1056)), (9, (8, 32)), (32, (4, 2080))]:
-        w = random_blocks(n, k, seed=rows_x)
+        w = random_blocks(n, k, seed=rows_x, mixed=rows_x % 2 == 1)
         x = torch.randn(rows_x, k)
-        got = kernels.matmul(x, w.pack(), n, k)
+        got = kernels.matmul(x, w.pack(), w.layouts, n, k)
         ref = x.double() @ w.dequantize().double().t()
         scale = (x.double().abs() @ w.dequantize().double().abs().t()).max().item()
         assert (got.double() - ref).abs().max().item() <= 1e-6 * scale

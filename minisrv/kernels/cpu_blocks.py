@@ -1,6 +1,8 @@
-"""Projections over weights kept in llama.cpp's 32-wide blocks on the CPU (cpu_blocks.c): a Q4_0, Q4_1 or Q8_0 GGUF
-model's projections and embedding stay at 1.25 bytes a weight (models/gguf_blocks.py packs them) instead of 4 as
-float32, with the same weight values. A decode step reads every weight once, so it reads a third of the bytes.
+"""Projections over weights kept in llama.cpp's 32-wide blocks on the CPU (cpu_blocks.c): a GGUF model's projections
+and embedding in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K stay at 1.25 bytes a weight (models/gguf_blocks.py
+packs them) instead of 4 as float32, with the same weight values. A decode step reads every weight once, so it reads
+a third of the bytes. A matrix comes as its records and one layout byte a group of 4 rows (0: d and m per 32
+weights; 1: Q6_K's d per 16, m = -32 d).
 
 Up to MAX_ROWS rows of x go through the kernel; more (a prompt) through torch's matmul over the dequantised
 matrix, which is faster there (the dequantisation is a small part of a prompt's matmul).
@@ -30,11 +32,11 @@ class BlockKernels:
         path.restype = ctypes.c_char_p
         self.how = f"{how}; {path().decode()} path"
         self._matmul = lib.blocks_matmul
-        self._matmul.argtypes = [_p, _i64, _p, _p, _i64, _int, _i64, _i64]
+        self._matmul.argtypes = [_p, _i64, _p, _p, _p, _i64, _int, _i64, _i64]
         self._dequant = lib.blocks_dequant
-        self._dequant.argtypes = [_p, _p, _i64, _i64]
+        self._dequant.argtypes = [_p, _p, _p, _i64, _i64]
         self._rows = lib.blocks_rows
-        self._rows.argtypes = [_p, _p, _i64, _p, _i64]
+        self._rows.argtypes = [_p, _p, _p, _i64, _p, _i64]
         for fn in (self._matmul, self._dequant, self._rows):
             fn.restype = None
         self._pack = lib.blocks_pack
@@ -63,26 +65,37 @@ class BlockKernels:
                       blocks * 32, out.data_ptr()):
             raise ValueError(f"no block form for GGUF type {kind}")
 
-    def matmul(self, x: torch.Tensor, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        """x @ W.T for x [m, k] float32, W [n, k] packed (records [n / 4, k / 32, 160] uint8): float32 [m, n]."""
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, layouts: Optional[torch.Tensor], n: int,
+               k: int) -> torch.Tensor:
+        """x @ W.T for x [m, k] float32, W [n, k] packed (records [n / 4, k / 32, 160] uint8; layouts [n / 4]
+        uint8, None: all 0): float32 [m, n]."""
         x = x if x.stride(-1) == 1 else x.contiguous()
         m = x.shape[0]
         if m > MAX_ROWS:
-            return torch.matmul(x, self.dequant(packed, n, k).t())
+            return torch.matmul(x, self.dequant(packed, layouts, n, k).t())
         y = torch.empty((m, n), dtype=torch.float32)
         if m:
-            self._matmul(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), y.stride(0), m, n, k)
+            self._matmul(x.data_ptr(), x.stride(0), packed.data_ptr(), _ptr(layouts), y.data_ptr(), y.stride(0), m,
+                         n, k)
         return y
 
-    def dequant(self, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    def dequant(self, packed: torch.Tensor, layouts: Optional[torch.Tensor], n: int, k: int) -> torch.Tensor:
         """W as float32 [n, k]."""
         out = torch.empty((n, k), dtype=torch.float32)
-        self._dequant(packed.data_ptr(), out.data_ptr(), n, k)
+        self._dequant(packed.data_ptr(), _ptr(layouts), out.data_ptr(), n, k)
         return out
 
-    def rows(self, packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    def rows(self, packed: torch.Tensor, layouts: Optional[torch.Tensor], ids: torch.Tensor, k: int) -> torch.Tensor:
         """W[ids] as float32 [len(ids), k] (ids: int64, each in [0, n))."""
         ids = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty((ids.numel(), k), dtype=torch.float32)
-        self._rows(packed.data_ptr(), ids.data_ptr(), ids.numel(), out.data_ptr(), k)
+        self._rows(packed.data_ptr(), _ptr(layouts), ids.data_ptr(), ids.numel(), out.data_ptr(), k)
         return out
+
+
+def _ptr(layouts: Optional[torch.Tensor]) -> Optional[int]:
+    if layouts is None:
+        return None
+    if layouts.dtype != torch.uint8 or not layouts.is_contiguous():
+        raise ValueError("block layouts are one contiguous uint8 a group of 4 rows")
+    return layouts.data_ptr()

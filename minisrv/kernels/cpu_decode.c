@@ -14,6 +14,7 @@
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
     const uint8_t *qkv, *o, *gate_up, *down; /* block records (cpu_blocks.c) */
+    const uint8_t *qkv_l, *o_l, *gate_up_l, *down_l; /* their layout bytes, one a group of 4 rows */
     float *k, *v;                         /* the layer's pool, [slots][hkv][d], kv_stride floats a slot */
 } DecodeLayer;
 
@@ -46,7 +47,7 @@ int decode_layers_f32(const DecodeLayer *layer, const DecodeShape *s, float *x, 
             if (aux_layers[j] == l)
                 for (int t = 0; t < m; ++t)
                     memcpy(aux + ((int64_t)t * n_aux + j) * H, residual + (int64_t)t * H, sizeof(float) * (size_t)H);
-        blocks_matmul(x, H, layer->qkv, qkv, qkv_w, m, qkv_w, H);
+        blocks_matmul(x, H, layer->qkv, layer->qkv_l, qkv, qkv_w, m, qkv_w, H);
         rope_neox_f32(pos, qkv, qkv_w, s->hq, qkv + att_w, qkv_w, s->hkv, d, cos_sin, m);
         for (int t = 0; t < m; ++t) {
             const size_t row = sizeof(float) * (size_t)s->hkv * (size_t)d;
@@ -56,11 +57,11 @@ int decode_layers_f32(const DecodeLayer *layer, const DecodeShape *s, float *x, 
         if (paged_decode_f32(qkv, qkv_w, att, layer->k, layer->v, s->kv_stride, req_to_token, r2t_stride, rows,
                              kv_lens, m, s->hq, s->hkv, d, s->scale) != 0)
             return -1;
-        blocks_matmul(att, att_w, layer->o, x, H, m, H, att_w);
+        blocks_matmul(att, att_w, layer->o, layer->o_l, x, H, m, H, att_w);
         add_rmsnorm_f32(x, H, residual, H, layer->post_norm, m, H, s->eps);
-        blocks_matmul(x, H, layer->gate_up, gu, 2 * s->inter, m, 2 * s->inter, H);
+        blocks_matmul(x, H, layer->gate_up, layer->gate_up_l, gu, 2 * s->inter, m, 2 * s->inter, H);
         silu_mul_f32(gu, 2 * s->inter, act, m, s->inter);
-        blocks_matmul(act, s->inter, layer->down, x, H, m, H, s->inter);
+        blocks_matmul(act, s->inter, layer->down, layer->down_l, x, H, m, H, s->inter);
     }
     return 0;
 }

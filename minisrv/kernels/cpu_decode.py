@@ -20,7 +20,7 @@ _i64, _int, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _p), ("o", _p), ("gate_up", _p), ("down", _p),
-                ("k", _p), ("v", _p)]
+                ("qkv_l", _p), ("o_l", _p), ("gate_up_l", _p), ("down_l", _p), ("k", _p), ("v", _p)]
 
 
 class _Shape(ctypes.Structure):
@@ -69,10 +69,10 @@ class DecodeLayersKernel:
             att, mlp = first.self_attn, first.mlp
             table = (_Layer * len(layers))()
             for i, layer in enumerate(layers):
+                projs = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
                 table[i] = _Layer(layer.input_layernorm.weight.data_ptr(),
                                   layer.post_attention_layernorm.weight.data_ptr(),
-                                  layer.self_attn.qkv_proj.packed.data_ptr(), layer.self_attn.o_proj.packed.data_ptr(),
-                                  layer.mlp.gate_up_proj.packed.data_ptr(), layer.mlp.down_proj.packed.data_ptr(),
+                                  *(p.packed.data_ptr() for p in projs), *(p.layouts.data_ptr() for p in projs),
                                   meta.k[i].data_ptr(), meta.v[i].data_ptr())
             shape = _Shape(len(layers), att.o_proj.out_features, att.hq, att.hkv, att.d,
                            mlp.down_proj.in_features, first.input_layernorm.eps, meta.scale,

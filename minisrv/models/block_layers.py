@@ -1,7 +1,8 @@
 """Layers over a GGUF model's weights kept in their blocks on the CPU (gguf_blocks.py, kernels/cpu_blocks.py): the
 projections (BlockLinear) and the token embedding, which doubles as a tied LM head (BlockEmbedding). Each holds one
-parameter, `packed`, the kernels' records; the loader writes it from the checkpoint's blocks (load_rows) under the
-HF name of the matrix it replaces (`<module>.weight`)."""
+parameter, `packed`, the kernels' records, and a buffer, `layouts`, their layout byte per group of 4 rows (a fused
+projection may join tensors of different types); the loader writes both from the checkpoint's blocks (load_rows)
+under the HF name of the matrix it replaces (`<module>.weight`)."""
 from __future__ import annotations
 
 from typing import Any, Tuple
@@ -20,6 +21,7 @@ class BlockLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.packed = nn.Parameter(torch.empty(packed_shape(out_features, in_features), dtype=torch.uint8),
                                    requires_grad=False)
+        self.register_buffer("layouts", torch.zeros(out_features // 4, dtype=torch.uint8))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernels = kernels
 
@@ -30,7 +32,8 @@ class BlockLinear(nn.Module):
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = self.kernels.matmul(x.reshape(-1, self.in_features), self.packed, self.out_features, self.in_features)
+        y = self.kernels.matmul(x.reshape(-1, self.in_features), self.packed, self.layouts, self.out_features,
+                               self.in_features)
         if self.bias is not None:
             y += self.bias
         return y.reshape(*lead, self.out_features)
@@ -45,7 +48,8 @@ class BlockLinear(nn.Module):
         rows = w.shape[0]
         if row % 4 or rows % 4:
             raise ValueError(f"block rows {row}..{row + rows} do not fall on groups of 4")
-        w.pack_into(self.packed.data[row // 4:(row + rows) // 4], self.kernels)
+        w.pack_into(self.packed.data[row // 4:(row + rows) // 4], self.layouts[row // 4:(row + rows) // 4],
+                    self.kernels)
 
 
 class BlockEmbedding(BlockLinear):
@@ -55,7 +59,7 @@ class BlockEmbedding(BlockLinear):
         super().__init__(hidden, rows, False, kernels)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.kernels.rows(self.packed, ids, self.in_features).reshape(*ids.shape, self.in_features)
+        return self.kernels.rows(self.packed, self.layouts, ids, self.in_features).reshape(*ids.shape, self.in_features)
 
 
 def block_kernels(ops: Any) -> Any:

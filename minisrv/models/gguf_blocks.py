@@ -3,7 +3,9 @@ of dequantised to float32: a third of the memory and of the bytes a decode step 
 
 Q4_0, Q4_1 and Q8_0 blocks all read as w = d * q + m with q a byte and (d, m) one float32 pair per 32 weights (Q4_0:
 q in 0..15, m = -8 d; Q8_0: q + 128, m = -128 d). d * q and m are exact in float32 and d * q + m rounds once, as
-gguf's own dequantiser does: the packed weights dequantise to the float32 path's values, to the bit.
+gguf's own dequantiser does: the packed weights dequantise to the float32 path's values, to the bit. The kernels
+pack those three in C; Q5_0, Q5_1 and the k-quants Q4_K, Q5_K and Q6_K (a Q4_K_M file's mix) are repacked in torch
+(gguf_repack.py), Q6_K's 16-weight sub-blocks into records of their own layout.
 
 `blocks_unavailable_here` and `blocks_unavailable_in` say why a model cannot load this way (then it is dequantised
 as before); `GGUFBlocks` is one tensor's blocks as the loader hands them to the layers (block_layers.py), which the
@@ -18,10 +20,12 @@ import torch
 from gguf.constants import GGMLQuantizationType as Q
 
 from .args import ModelArgs
+from .gguf_repack import REPACKERS, repack
 
 BLOCK = 32
 RECORD_BYTES = 160  # kernels/cpu_blocks.py's: 4 rows x 32 columns, float32 d[4], m[4], then uint8 q[4][32]
-BLOCK_TYPES = {Q.Q4_0: "Q4_0", Q.Q4_1: "Q4_1", Q.Q8_0: "Q8_0"}
+PACKED_IN_C = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # kernels/cpu_blocks.c's blocks_pack; the rest: gguf_repack.py
+BLOCK_TYPES = {t: t.name for t in (*PACKED_IN_C, *REPACKERS)}
 
 
 def is_block_matrix(hf_name: str) -> bool:
@@ -48,9 +52,14 @@ class GGUFBlocks:
         src = index if self.src_rows is None else self.src_rows[index]
         return GGUFBlocks(self.data, self.kind, self.rows, self.cols, src)
 
-    def pack_into(self, out: torch.Tensor, kernels: Any) -> None:
-        """Writes the kernels' records of the matrix into out ([rows / 4, cols / 32, 160] uint8), in one pass."""
-        kernels.pack(self.data, int(self.kind), self.src_rows, out)
+    def pack_into(self, out: torch.Tensor, layouts: torch.Tensor, kernels: Any) -> None:
+        """Writes the kernels' records of the matrix into out ([rows / 4, cols / 32, 160] uint8) and their layout
+        bytes into layouts ([rows / 4] uint8)."""
+        if self.kind in PACKED_IN_C:
+            kernels.pack(self.data, int(self.kind), self.src_rows, out)
+            layouts.zero_()
+        else:
+            repack(self.data, self.kind, self.src_rows, out, layouts)
 
 
 def packed_shape(rows: int, cols: int) -> tuple:

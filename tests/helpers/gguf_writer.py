@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
+
+from . import kquant_blocks
 
 LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -30,10 +32,11 @@ def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir: str, out: str, arch: str, quant: Optional[str] = None) -> None:
+def write_gguf(hf_dir: str, out: str, arch: str, quant: Union[None, str, Callable[[str], str]] = None) -> None:
     """arch: llama.cpp's architecture name ("llama", "qwen2", "qwen3", "qwen3moe"; "llama" for Mixtral).
     quant: a block type ("Q4_0", "Q4_1", "Q8_0") for the 2-D matrices (projections, embedding, head), quantised by
-    gguf's own quantiser as llama.cpp's quantize tool would; None: every tensor float32."""
+    gguf's own quantiser as llama.cpp's quantize tool would, or a function of the GGUF tensor name giving each one's
+    type (Q5_0, Q5_1, Q4_K, Q5_K and Q6_K too: kquant_blocks.py's quantiser); None: every tensor float32."""
     import numpy as np
     from gguf import GGUFWriter
     from gguf.constants import GGMLQuantizationType
@@ -71,8 +74,10 @@ def write_gguf(hf_dir: str, out: str, arch: str, quant: Optional[str] = None) ->
         if quant is None or data.ndim != 2:
             w.add_tensor(gguf_name, data)
             return
-        kind = GGMLQuantizationType[quant]
-        w.add_tensor(gguf_name, quantize(data, kind), raw_dtype=kind)
+        name = quant(gguf_name) if callable(quant) else quant
+        kind = GGMLQuantizationType[name]
+        raw = kquant_blocks.quantize(data, name) if name in kquant_blocks.BLOCK else quantize(data, kind)
+        w.add_tensor(gguf_name, raw, raw_dtype=kind)
 
     for name, t in tensors.items():
         if name in top:
