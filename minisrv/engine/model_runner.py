@@ -25,6 +25,7 @@ import torch
 from minisrv.attention.base import AttentionBackend
 from minisrv.batch import ForwardBatch, ForwardMode, PrefixGroups
 from minisrv.distributed import TensorParallel, TensorParallelError
+from minisrv.kernels.cpu_threads import ThreadTuner
 from minisrv.kvcache import KVPool, ReqToTokenTable
 from minisrv.utils import to_device
 
@@ -77,6 +78,7 @@ class ModelRunner:
         self.pool = pool
         self.table = table
         self.device = device
+        self.threads = ThreadTuner(torch.get_num_threads()) if device.type == "cpu" and not self.tp.enabled else None
         self.use_parts(RunnerParts(backend))
         self.num_cascade_steps = 0
         self.wait_s = 0.0  # host time spent waiting for the device's results (the GPU-bound share of a run)
@@ -251,7 +253,14 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, sb: ScheduledBatch, needs_previous_tokens: bool = False) -> None:
         """Queue forward and sampling; copy results to the host without waiting for them. needs_previous_tokens:
-        this step's sampling reads the tokens of the steps still in flight (see the module docstring)."""
+        this step's sampling reads the tokens of the steps still in flight (see the module docstring). On the CPU
+        the step runs on the thread count kernels/cpu_threads.py finds fastest."""
+        if self.threads is None:
+            return self._launch(sb, needs_previous_tokens)
+        with self.threads.step(len(sb.reqs) if sb.mode is ForwardMode.DECODE else None):
+            self._launch(sb, needs_previous_tokens)
+
+    def _launch(self, sb: ScheduledBatch, needs_previous_tokens: bool) -> None:
         inp = self.step_inputs(sb)
         if self.pooler is not None:
             self._launch_pooling(sb, inp)
