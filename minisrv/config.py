@@ -122,10 +122,10 @@ class EngineConfig:
                             "softmax rounded to e4m3, as FA3's FP8 mode does), flashinfer (the decode half's own "
                             "kernel: K/V converted exactly), auto (xqa where it can run)")
         p.add_argument("--gguf-weights", default=d.gguf_weights, choices=GGUF_WEIGHTS,
-                       help="a GGUF model on the CPU: keep its Q4_0/Q4_1/Q8_0 projections and embedding in their "
-                            "blocks (blocks: a third of float32's memory and bytes a decode step reads, the same "
-                            "weight values), dequantise them (float32), or auto: blocks where every one is in such "
-                            "blocks")
+                       help="a GGUF model on the CPU: keep its Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K projections "
+                            "and embedding in block records (blocks: a third of float32's memory and bytes a decode "
+                            "step reads, the same weight values), dequantise them (float32), or auto: blocks where "
+                            "every one is of such a type")
         p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                        help="fp8: quantise the projection weights to float8_e4m3fn at load (per output channel; "
                             "activations per token); FP8 checkpoints are detected without it")

