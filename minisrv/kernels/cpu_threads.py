@@ -18,7 +18,7 @@ import torch
 
 FIRST_INTERVAL = 4  # steps between tries of another count, at first and after a change
 LONGEST_INTERVAL = 4096
-PROBE_SHARE = 0.02  # a losing try is repeated after enough steps that its extra time is at most this share
+PROBE_SHARE = 0.01  # a losing try is repeated after enough steps that its extra time is at most this share
 WIN = 0.9  # a tried count is taken when its step took less than this share of the current count's
 CHANGED = (0.75, 1.5)  # the current count's time moved out of this range of what it was: the load changed
 SMOOTHING = 0.25  # weight of a new time in a count's running mean
