@@ -60,15 +60,18 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def code_edit_sources(n: int, min_lines: int = 60, max_lines: int = 150) -> List[Tuple[str, str]]:
-    """n (path, text) pairs: the Python files of minisrv/ of min_lines..max_lines lines, in the order of their
-    paths' SHA-256 (a file added or removed elsewhere leaves the choice as it was), cycled when n is larger."""
+    """n (path, text) pairs: the Python files of the installed torch package (setup.sh pins its version, so the
+    workload stays the same while minisrv changes; the EAGLE-3 trainer reads the standard library, not these) of
+    min_lines..max_lines lines, in the order of their paths' SHA-256, cycled when n is larger."""
+    import torch
+    root = Path(torch.__file__).resolve().parent
     files = []
-    for path in sorted((REPO_ROOT / "minisrv").rglob("*.py")):
-        text = path.read_text()
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text(errors="replace")
         if min_lines <= text.count("\n") <= max_lines:
-            files.append((str(path.relative_to(REPO_ROOT)), text))
+            files.append(("torch/" + str(path.relative_to(root)), text))
     if not files:
-        raise RuntimeError(f"no file of {min_lines}-{max_lines} lines under {REPO_ROOT / 'minisrv'}")
+        raise RuntimeError(f"no file of {min_lines}-{max_lines} lines under {root}")
     files.sort(key=lambda f: hashlib.sha256(f[0].encode()).hexdigest())
     return [files[i % len(files)] for i in range(n)]
 

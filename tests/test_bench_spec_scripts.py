@@ -84,4 +84,4 @@ def test_code_edit_sources_are_fixed_and_of_the_asked_length():
     chosen = workloads.code_edit_sources(6)
     assert chosen == workloads.code_edit_sources(6)
     assert len({path for path, _ in chosen}) == 6
-    assert all(path.startswith("minisrv/") and 60 <= text.count("\n") <= 150 for path, text in chosen)
+    assert all(path.startswith("torch/") and 60 <= text.count("\n") <= 150 for path, text in chosen)
