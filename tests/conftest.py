@@ -55,3 +55,13 @@ def hardened_server():
     from .helpers.server_process import running
     with running(*HARDENED_SERVER_ARGS) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The CPU block kernels (kernels/cpu_blocks.py); the test is skipped where they do not build."""
+    from minisrv.kernels.cpu_blocks import BlockKernels
+    k, how = BlockKernels.load()
+    if k is None:
+        pytest.skip(f"the CPU block kernels do not build here: {how}")
+    return k

@@ -19,13 +19,6 @@ from .helpers.gguf_writer import write_gguf
 from .helpers.tiny_models import build_tiny_model, make_llm, make_prompts, vocab_of
 
 
-@pytest.fixture(scope="module")
-def kernels() -> BlockKernels:
-    k, how = BlockKernels.load()
-    if k is None:
-        pytest.skip(f"the CPU block kernels do not build here: {how}")
-    return k
-
 
 class RefBlocks(NamedTuple):
     """A matrix w = d * q + m (q [rows, cols] uint8, d and m float32 [rows, cols / 32]; in the groups of 4 rows

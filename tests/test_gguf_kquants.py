@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from minisrv.kernels.cpu_blocks import BlockKernels
 from minisrv.models.block_layers import BlockLinear
 from minisrv.models.gguf_blocks import GGUFBlocks
 
@@ -24,13 +23,6 @@ from .helpers.tiny_models import build_tiny_model, make_llm, make_prompts, vocab
 
 KINDS = list(BLOCK)
 
-
-@pytest.fixture(scope="module")
-def kernels() -> BlockKernels:
-    k, how = BlockKernels.load()
-    if k is None:
-        pytest.skip(f"the CPU block kernels do not build here: {how}")
-    return k
 
 
 def _gguf_type(kind: str):

@@ -123,13 +123,7 @@ def test_generation_matches_hf(tiny_model, tmp_path, fmt, arch):
     llm = make_llm(path)
     layers = llm.engine.parts.args.num_layers
     assert sum(isinstance(m, W4A16Linear) for m in llm.engine.runner.model.modules()) == 4 * layers
-    watch = EngineWatch(llm.engine)
-    outs = llm.generate(prompts, greedy(8), use_tqdm=False)
-    watch.assert_idle()
-    for i, (p, o) in enumerate(zip(prompts, outs)):
-        ref, scores = hf_greedy(reference, p, 8)
-        assert_greedy_matches(o.token_ids, ref, scores, f"{fmt} prompt {i}")
-    assert watch.check_logits(reference) >= len(prompts) * 8
+    assert_as_reference(llm, prompts, reference, fmt)
 
 
 def _with_config(tiny_model, tmp_path, qc: dict) -> str:
@@ -159,6 +153,17 @@ def _with_config(tiny_model, tmp_path, qc: dict) -> str:
 def test_unserved_formats_are_named(tiny_model, tmp_path, qc, named):
     with pytest.raises(WeightLoadError, match=named):
         load_model_args(_with_config(tiny_model, tmp_path, qc))
+
+
+def assert_as_reference(llm, prompts, reference, what: str) -> None:
+    """Greedy tokens as HF's on the float reference, and every step's logits near its, the pool checked."""
+    watch = EngineWatch(llm.engine)
+    outs = llm.generate(prompts, greedy(8), use_tqdm=False)
+    watch.assert_idle()
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        ref, scores = hf_greedy(reference, p, 8)
+        assert_greedy_matches(o.token_ids, ref, scores, f"{what} prompt {i}")
+    assert watch.check_logits(reference) >= len(prompts) * 8
 
 
 def test_detection():
@@ -236,13 +241,7 @@ def test_two_ranks(tiny_model, tmp_path):
     write_dequantised_checkpoint(tiny_model("llama"), reference, spec)
     prompts = make_prompts(vocab_of(path), [5, 30, 12])
     with make_llm(path, tp_size=2) as llm:
-        watch = EngineWatch(llm.engine)
-        outs = llm.generate(prompts, greedy(8), use_tqdm=False)
-        watch.assert_idle()
-    for i, (p, o) in enumerate(zip(prompts, outs)):
-        ref, scores = hf_greedy(reference, p, 8)
-        assert_greedy_matches(o.token_ids, ref, scores, f"tp 2 prompt {i}")
-    assert watch.check_logits(reference) >= len(prompts) * 8
+        assert_as_reference(llm, prompts, reference, "tp 2")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
