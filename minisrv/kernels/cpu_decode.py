@@ -96,14 +96,16 @@ class DecodeLayersKernel:
         loc = meta.loc.to(torch.int64).contiguous()
         rows, kv_lens = meta.rows.contiguous(), meta.kv_lens.contiguous()
         ids = sorted(aux_layer_ids) if aux is not None else []
-        layer_ids = torch.tensor(ids, dtype=torch.int32)
-        read = torch.empty(m, len(ids), x.shape[1], dtype=torch.float32)
+        layer_ids, read = None, None  # a plain decode step reads no layer (null pointers)
+        if ids:
+            layer_ids = torch.tensor(ids, dtype=torch.int32)
+            read = torch.empty(m, len(ids), x.shape[1], dtype=torch.float32)
         rc = self.fn(table, ctypes.byref(shape), x.data_ptr(), residual.data_ptr(), scratch.data_ptr(), m,
                      pos.data_ptr(), loc.data_ptr(), cos_sin.data_ptr(), meta.req_to_token.data_ptr(),
                      meta.req_to_token.stride(0), rows.data_ptr(), kv_lens.data_ptr(), len(ids),
-                     layer_ids.data_ptr(), read.data_ptr())
+                     layer_ids.data_ptr() if ids else None, read.data_ptr() if ids else None)
         if rc != 0:
             raise MemoryError("decode attention could not allocate its scratch memory")
-        if aux is not None:
+        if ids:
             aux.extend(read[:, j] for j in range(len(ids)))
         return x, residual
