@@ -68,6 +68,24 @@ def test_paged_decode_kernel_matches_float64(hq, hkv, d, page_size):
 
 
 @needs_kernel
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 8, 32)])
+def test_paged_decode_kernel_groups_a_verify_steps_queries(hq, hkv, d):
+    """A verify step's queries of one request are consecutive rows with the same request row, each seeing one more
+    key than the last (read as one group, each K/V row once); groups of 1-5 beside single decode rows."""
+    req_lens = [40, 3, 70, 9]
+    per_req = [5, 1, 3, 2]
+    table, req_rows, num_pages = scatter_rows(req_lens, 16, 6, 96, seed=hq)
+    rows = torch.cat([req_rows[i].repeat(n) for i, n in enumerate(per_req)])
+    kv_lens = torch.tensor([n - q + 1 + j for n, q in zip(req_lens, per_req) for j in range(q)], dtype=torch.int32)
+    torch.manual_seed(1)
+    kv = torch.randn(2, num_pages * 16, hkv, d)
+    q = torch.randn(len(rows), hq, d)
+    out = KERNEL(q, kv[0], kv[1], table, rows, kv_lens, d ** -0.5)
+    ref = paged_decode_reference(q, kv[0], kv[1], table, rows, kv_lens, d ** -0.5)
+    assert (out.double() - ref).abs().max() < 2e-6
+
+
+@needs_kernel
 def test_paged_decode_kernel_reads_strided_queries_and_pool_rows():
     """q as a strided view (a fused qkv output's q part) and a pool whose K rows are one half of a [2, ...] tensor."""
     lens = [7, 30]

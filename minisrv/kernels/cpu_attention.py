@@ -14,8 +14,6 @@ import torch
 
 from .cpu_build import load_cpu_library
 
-MAX_GROUP = 64  # query heads per KV head the kernel takes (its per-task buffer)
-
 _c_i64, _c_int, _c_float, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
@@ -36,8 +34,7 @@ class PagedDecodeKernel:
 
     @staticmethod
     def supports(pool_dtype: torch.dtype, kv_dtype: torch.dtype, num_q_heads: int, num_kv_heads: int) -> bool:
-        return (pool_dtype == kv_dtype == torch.float32 and num_q_heads % num_kv_heads == 0
-                and num_q_heads // num_kv_heads <= MAX_GROUP)
+        return pool_dtype == kv_dtype == torch.float32 and num_q_heads % num_kv_heads == 0
 
     def __call__(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, req_to_token: torch.Tensor,
                  rows: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
