@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """A 4-bit copy of a float safetensors checkpoint directory (one file or shards with an index), for benchmarks on
-random or real weights: every decoder projection (`model.layers.*_proj.weight`, experts' included) quantised by
+random or real weights: every decoder projection (`model.layers.*_proj.weight`, a mixture of experts' experts
+included, Mixtral's `experts.*.w1/w2/w3` too; routers stay as they are) quantised by
 round-to-nearest in groups along K and packed as AWQ (GEMM layout), GPTQ (classic or gptq_v2, optionally in a random
 activation order, as desc_act checkpoints are) or compressed-tensors pack-quantized (by the compressed-tensors
 library, which must be installed); the embedding, norms and lm_head are copied as they are. config.json gains the
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -26,9 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from tests.helpers.int4_checkpoints import int4_parts, quantization_config  # noqa: E402
-
-PROJECTION = re.compile(r"^(model\.layers\..*_proj)\.weight$")
+from tests.helpers.int4_checkpoints import PROJECTION, int4_parts, quantization_config, same_input  # noqa: E402
 
 
 def main() -> int:
@@ -67,14 +65,12 @@ def main() -> int:
             for name in f.keys():
                 w = f.get_tensor(name)
                 m = PROJECTION.match(name)
-                if m is None:
+                if m is None or not name.startswith("model.layers."):
                     out[name] = w
                     continue
                 perm = None
                 if a.desc_act:  # q/k/v and gate/up share their input, so their order
-                    same_input = re.sub(r"\.(q|k|v)_proj$", ".qkv", re.sub(r"\.(gate|up)_proj$", ".gate_up",
-                                                                          m.group(1)))
-                    perm = orders.setdefault(same_input, torch.randperm(w.shape[1], generator=gen))
+                    perm = orders.setdefault(same_input(m.group(1)), torch.randperm(w.shape[1], generator=gen))
                 dtype = w.dtype if method == "compressed-tensors" else torch.float32  # (its scales: the model's)
                 parts = int4_parts(w.to(a.device, dtype), method, a.group, a.sym, perm, v2)
                 for leaf, t in parts.items():

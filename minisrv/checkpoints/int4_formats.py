@@ -35,7 +35,7 @@ PARTS = {
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
 }
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8j + AWQ_ORDER[i]
-PROJECTION = re.compile(r"_proj\.weight$")
+PROJECTION = re.compile(r"(_proj|\.experts\.\d+\.w[123])\.weight$")  # (Mixtral's experts: w1, w2, w3)
 
 
 def unpack_columns(words: torch.Tensor, order: Optional[Tuple[int, ...]] = None) -> torch.Tensor:

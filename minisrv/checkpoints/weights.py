@@ -17,8 +17,8 @@ from minisrv.models.block_layers import BlockLinear
 from .checkpoint import StoredTensor, WeightLoadError
 from minisrv.models.fp8 import Fp8Linear
 from minisrv.models.moe import ExpertRows, Experts
+from minisrv.models.w4a16 import W4A16Experts, W4A16Linear
 from minisrv.models.sharding import ShardPlan, Slice
-from minisrv.models.w4a16 import W4A16Linear
 
 FUSED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -58,12 +58,14 @@ def expected_tensors(model: nn.Module, args: ModelArgs, plan: ShardPlan) -> Dict
     """HF name -> where its (slice of the) checkpoint tensor goes in our parameters."""
     q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
     out: Dict[str, Target] = {}
+    for owner, module in model.named_modules():
+        if isinstance(module, (Experts, W4A16Experts)):  # (scales are written with their rows)
+            for which in ("w13", "w2"):
+                out.update(_expert_targets(owner, module, which, args, plan))
     for name, p in model.named_parameters():
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner)
-        if isinstance(module, Experts):
-            if leaf in ("w13", "w2"):  # (their scales are written with their rows)
-                out.update(_expert_targets(owner, module, leaf, args, plan))
+        if isinstance(module, (Experts, W4A16Experts)):
             continue
         writer = module if isinstance(module, Fp8Linear) and leaf == "weight" else None
         if isinstance(module, Fp8Linear) and leaf == "weight_scale" or \
@@ -91,7 +93,7 @@ def expected_tensors(model: nn.Module, args: ModelArgs, plan: ShardPlan) -> Dict
     return out
 
 
-def _expert_targets(owner: str, experts: Experts, which: str, args: ModelArgs,
+def _expert_targets(owner: str, experts: Any, which: str, args: ModelArgs,
                     plan: ShardPlan) -> Dict[str, Target]:
     """The per-expert checkpoint tensors of a layer's stacked `which` (w13: gate then up rows; w2: down)."""
     h, width = args.hidden_size, args.moe_intermediate_size

@@ -14,11 +14,12 @@ looping over experts in torch costs a host sync and ~6 launches per expert; the 
 weights once for all of its tokens, in two launches.
 
 Weights as the model holds them: w13 [E, 2I, H] (each expert's gate rows, then its up rows), w2 [E, H, I]; for FP8,
-float8_e4m3fn with float32 scales per output row, w13_scale [E, 2I] and w2_scale [E, H] ([E, N, 1] is taken too).
+float8_e4m3fn with float32 scales per output row, w13_scale [E, 2I] and w2_scale [E, H] ([E, N, 1] is taken too);
+4-bit (W4A16), kernels/moe_w4a16.py's PackedExperts, w13 of [H, 2I] and w2 of [I, H] matrices, no scales apart.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,9 @@ from minisrv.kernels.fp8_quant import FP8, quantize_tokens
 from minisrv.kernels.moe_align import Aligned, triton_align
 from minisrv.kernels.moe_gemm import MoeConfig, config_for, moe_gemm
 from minisrv.kernels.moe_route import ROUTER_TOKENS, triton_route, triton_router
+from minisrv.kernels.moe_w4a16 import PackedExperts, moe_w4a16_gemm
+
+Weights = Union[torch.Tensor, PackedExperts]  # an expert stack in the model's dtype or FP8, or in 4 bits
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +46,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Tuple[t
 
 
 def route_and_align(x: torch.Tensor, router_weight: torch.Tensor, counter: torch.Tensor, top_k: int,
-                    renormalize: bool, w13: torch.Tensor, fp8: bool
+                    renormalize: bool, w13: Weights, fp8: bool
                     ) -> Optional[Tuple[torch.Tensor, torch.Tensor, Aligned]]:
     """For decode batches of up to ROUTER_TOKENS tokens where the fused experts run: route(x @ router_weight^T)
     and the pairs aligned for the experts' launch rule, in one launch (moe_route.triton_router; `counter` a zeroed
@@ -53,8 +57,15 @@ def route_and_align(x: torch.Tensor, router_weight: torch.Tensor, counter: torch
     router = triton_router()
     if router is None:
         return None
-    c = config_for(x.shape[0] * top_k, w13.shape[0], fp8)
+    c = launch_config(x.shape[0] * top_k, w13, fp8)
     return router(x, router_weight, counter, top_k, renormalize, c.block_m)
+
+
+def launch_config(n_pairs: int, w13: Weights, fp8: bool) -> MoeConfig:
+    """The grouped GEMMs' launch rule (moe_gemm.config_for; 4-bit experts take bf16's)."""
+    if isinstance(w13, PackedExperts):
+        return config_for(n_pairs, w13.num_experts, False)
+    return config_for(n_pairs, w13.shape[0], fp8)
 
 
 def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -68,9 +79,17 @@ def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) 
     return weights, ids.to(torch.int32)
 
 
-def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+def _check_shapes(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor]) -> None:
     t, h = x.shape
+    if isinstance(w13, PackedExperts):
+        if not isinstance(w2, PackedExperts) or w13_scale is not None or w2_scale is not None \
+                or w2.num_experts != w13.num_experts or topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2:
+            raise ValueError("4-bit experts: w13 and w2 both PackedExperts of as many experts, no separate scales, "
+                             f"topk {tuple(topk_weights.shape)} / {tuple(topk_ids.shape)}")
+        w13.check(h, w13.n, "w13")
+        w2.check(w13.n // 2, h, "w2")
+        return
     e, two_i, h13 = w13.shape
     if h13 != h or two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2) or topk_ids.shape != topk_weights.shape \
             or topk_ids.dim() != 2 or topk_ids.shape[0] != t or (w13_scale is None) != (w2_scale is None):
@@ -83,17 +102,19 @@ def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                          f"{tuple(w13_scale.shape)} / {tuple(w2_scale.shape)} (per output row: [E, 2I] / [E, H])")
 
 
-def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+def experts_reference(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
                       w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The experts in torch: for each expert that received a pair, its tokens' rows, the gate/up product, silu(gate)
     * up, the down product, scaled by the routing weights and summed into a float32 accumulator (float64 for
     float64 x); x.dtype out. Products and SiLU-and-mul round to x.dtype as the dense MLP does off CUDA. FP8: each
     product's input quantised per token (quantize_tokens) and the product dequantised in float32 (float64 for
-    float64 x: dequantized_matmul), Fp8Linear's path off CUDA. Syncs with the host (which experts are hit)."""
+    float64 x: dequantized_matmul), Fp8Linear's path off CUDA. 4-bit: each expert dequantised, then multiplied
+    (PackedExperts.product, W4A16Linear's path off CUDA). Syncs with the host (which experts are hit)."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     t, h = x.shape
-    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
+    int4 = isinstance(w13, PackedExperts)
+    num_experts, top_k = (w13.num_experts if int4 else w13.shape[0]), topk_ids.shape[1]
     fp8 = w13_scale is not None
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     if fp8:
@@ -112,37 +133,43 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
         tokens = pairs // top_k
         if fp8:
             gu = dequantized_matmul(xq[tokens], xs[tokens], w13[e], w13_scale[e], acc_dtype).to(x.dtype)
+        elif int4:
+            gu = w13.product(x.index_select(0, tokens), e)
         else:
             gu = x.index_select(0, tokens) @ w13[e].t()
         gate, up = gu.chunk(2, dim=-1)
         act = F.silu(gate) * up
         if fp8:
             y = dequantized_matmul(*quantize_tokens(act), w2[e], w2_scale[e], acc_dtype).to(x.dtype)
+        elif int4:
+            y = w2.product(act, e)
         else:
             y = act @ w2[e].t()
         out.index_add_(0, tokens, y.to(acc_dtype) * weights[pairs, None])
     return out.to(x.dtype)
 
 
-def triton_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+def triton_experts(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
                    w2_scale: Optional[torch.Tensor] = None, config: Optional[MoeConfig] = None,
                    aligned: Optional[Aligned] = None) -> torch.Tensor:
     """The fused path on x's device, whatever it is (under TRITON_INTERPRET=1, the CPU too): x bf16 or fp16 with
-    unit column stride; w13 and w2 of x's dtype (or FP8, with scales); config: the launch rule's (config_for)
+    unit column stride; w13 and w2 of x's dtype (or FP8, with scales, or 4-bit); config: the launch rule's
     unless given; aligned: the pairs already aligned for the launch rule's block rows (route_and_align). Returns the
     sum over k, [T, H]. Raises RuntimeError where Triton is missing."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-    gemm, align = moe_gemm(), triton_align()
+    int4 = isinstance(w13, PackedExperts)
+    gemm, align = (moe_w4a16_gemm() if int4 else moe_gemm()), triton_align()
     if gemm is None or align is None:
         raise RuntimeError("the fused experts need Triton")
     t, h = x.shape
-    num_experts, inter, top_k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
+    num_experts, inter = (w13.num_experts, w2.k) if int4 else (w13.shape[0], w2.shape[2])
+    top_k = topk_ids.shape[1]
     fp8 = w13_scale is not None
     n_pairs = t * top_k
     if n_pairs == 0:
         return x.new_zeros(t, h)
-    c = config or config_for(n_pairs, num_experts, fp8)
+    c = config or launch_config(n_pairs, w13, fp8)
     if aligned is None:
         aligned = align(topk_ids, num_experts, c.block_m)
     a, a_scale = quantize_tokens(x) if fp8 else (x, None)
@@ -155,11 +182,13 @@ def triton_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     return out.view(t, h) if top_k == 1 else out.sum(dim=1)
 
 
-def fused_runs(x: torch.Tensor, w13: torch.Tensor, fp8: bool) -> bool:
+def fused_runs(x: torch.Tensor, w13: Weights, fp8: bool) -> bool:
     """Whether fused_experts takes the fused path for these operands: CUDA, bf16/fp16 activations with unit column
-    stride, weights of x's dtype or FP8 on a GPU with FP8 dots (SM 8.9+), and Triton present."""
+    stride, weights of x's dtype, 4-bit, or FP8 on a GPU with FP8 dots (SM 8.9+), and Triton present."""
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1):
         return False
+    if isinstance(w13, PackedExperts):
+        return moe_w4a16_gemm() is not None and triton_align() is not None
     if fp8 and torch.cuda.get_device_capability(x.device) < (8, 9):
         return False
     if not fp8 and w13.dtype != x.dtype:
@@ -167,7 +196,7 @@ def fused_runs(x: torch.Tensor, w13: torch.Tensor, fp8: bool) -> bool:
     return moe_gemm() is not None and triton_align() is not None
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+def fused_experts(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
                   w2_scale: Optional[torch.Tensor] = None, aligned: Optional[Aligned] = None) -> torch.Tensor:
     """experts_reference's result, computed by the Triton kernels where they run (see fused_runs: CUDA with

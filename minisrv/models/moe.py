@@ -8,10 +8,11 @@ loader fills them from the checkpoint's per-expert tensors one at a time (`Exper
 experts is ever held. Under tensor parallelism each rank holds every expert's slice of the intermediate width (as
 the dense MLP is split): its output is a partial sum, all-reduced like the dense MLP's. With quantization "fp8" the
 experts are float8_e4m3fn with a float32 scale per output row, quantised as they are loaded (as Fp8Linear's rows).
+A 4-bit checkpoint's experts stay in 4 bits (w4a16.W4A16Experts); the router stays in the model's dtype.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from minisrv.kernels.moe_align import Aligned
 from .args import ModelArgs
 from .layer_ops import LayerOps
 from .layers import GatedMLP
+from .w4a16 import Int4Scheme, W4A16Experts
 
 
 class Experts(nn.Module):
@@ -33,7 +35,7 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, inter: int, quantization: Optional[str] = None) -> None:
         super().__init__()
-        if quantization not in (None, "fp8"):  # (4-bit experts: no grouped-GEMM path yet)
+        if quantization not in (None, "fp8"):  # (4-bit experts: W4A16Experts)
             raise ValueError(f"unsupported quantization for a mixture of experts' experts: {quantization}")
         self.fp8 = quantization == "fp8"
         self.source_dtype = torch.get_default_dtype()  # the model's dtype: rows are rounded to it before quantising
@@ -72,7 +74,7 @@ class Experts(nn.Module):
 class ExpertRows:
     """One expert's w13 or w2 as a target the loader writes rows into (weights.Target's `rows`)."""
 
-    def __init__(self, experts: Experts, which: str, expert: int) -> None:
+    def __init__(self, experts: Union[Experts, W4A16Experts], which: str, expert: int) -> None:
         self.experts, self.which, self.expert = experts, which, expert
 
     def load_rows(self, row: int, w: torch.Tensor) -> None:
@@ -89,7 +91,10 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = args.experts_per_token, args.norm_topk_prob
         self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)  # the router, in the model's dtype
-        self.experts = Experts(args.num_experts, args.hidden_size, inter, quantization)
+        if isinstance(quantization, Int4Scheme):
+            self.experts = W4A16Experts(args.num_experts, args.hidden_size, inter, quantization)
+        else:
+            self.experts = Experts(args.num_experts, args.hidden_size, inter, quantization)
         if shared_inter:
             self.shared_expert = GatedMLP(args.hidden_size, shared_inter, ops, tp, quantization,
                                           reduce_output=False)

@@ -4,7 +4,8 @@ served without widening their weights.
 Why: decode reads every weight once per step, so a quarter of bf16's bytes is the other way past the bf16 floor
 (after speculation). The three formats differ only in how they pack the same thing (4-bit integers, a scale and a
 zero point per group of K), so the loader repacks each into one layout (kernels/w4a16_gemm.py describes it;
-checkpoints/int4_formats.py reads the formats) and one layer and one kernel serve them all.
+checkpoints/int4_formats.py reads the formats) and one layer and one kernel serve them all: W4A16Linear for the
+projections, W4A16Experts for a mixture of experts' experts (stacked, for the grouped GEMM of kernels/moe_w4a16.py).
 
 `int4_scheme` reads a checkpoint's `quantization_config`: None where it is not one of these formats, an
 `Int4Scheme` for what is served, a ValueError naming what is not (3- or 8-bit GPTQ, AWQ's GEMV layouts,
@@ -18,6 +19,9 @@ from typing import Any, Dict, NamedTuple, Optional
 import torch
 from torch import nn
 
+from minisrv.kernels.fused_moe import fused_experts
+from minisrv.kernels.moe_align import Aligned
+from minisrv.kernels.moe_w4a16 import PackedExperts
 from minisrv.kernels.w4a16_gemm import dequantized_matmul, w4a16_gemm
 
 INT4_METHODS = ("awq", "gptq", "compressed-tensors")
@@ -133,27 +137,11 @@ class W4A16Linear(nn.Module):
         """The shape of the matrix the checkpoint holds, [N, K] (what the loader checks its tensor against)."""
         return self.out_features, self.in_features
 
-    @torch.no_grad()
     def load_rows(self, row: int, w: Any) -> None:
         """Output columns [row, row + n) (rows of the checkpoint's [N, K] matrix) from an Int4Weight."""
-        if not isinstance(w, Int4Weight):
-            raise ValueError(f"a {self.scheme} layer is loaded from 4-bit tensors only, got {type(w).__name__}")
-        n = w.qweight.shape[1]
-        if w.qweight.shape[0] != self.qweight.shape[0] or w.scales.shape[0] != self.scales.shape[0]:
-            raise ValueError(f"4-bit weight of {w.qweight.shape[0] * 8} rows in {w.scales.shape[0]} groups for a "
-                             f"layer of {self.in_features} in {self.scales.shape[0]}")
-        self.qweight[:, row:row + n] = w.qweight.to(self.qweight.device)
-        self.scales[:, row:row + n] = w.scales.to(self.scales.device, self.scales.dtype)
-        self.zeros[:, row:row + n] = w.zeros.to(self.zeros.device)
-        if (w.perm is None) != (self.perm is None):
-            raise ValueError(f"{self.scheme} weight {'with' if w.perm is not None else 'without'} an activation "
-                             "order, for a layer " + ("with one" if self.perm is not None else "without one"))
-        if w.perm is not None:
-            if self.perm_loaded and not torch.equal(self.perm.cpu(), w.perm.cpu()):
-                raise ValueError("the parts of a fused 4-bit projection (q/k/v or gate/up) have different "
-                                 "activation orders (g_idx)")
-            self.perm.copy_(w.perm)
-            self.perm_loaded = True
+        held = Int4Weight(self.qweight, self.scales, self.zeros, self.perm)
+        load_columns(held, row, w, self.scheme, self.perm_loaded)
+        self.perm_loaded = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)
@@ -171,3 +159,80 @@ class W4A16Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme} groups of "
                 f"{self.group}")
+
+
+@torch.no_grad()
+def load_columns(held: Int4Weight, row: int, w: Any, scheme: Int4Scheme, perm_loaded: bool) -> None:
+    """Columns [row, row + n) of a held 4-bit matrix (a layer's parameters, or one expert's views of them) from an
+    Int4Weight w of n columns; perm_loaded: whether a part of it was loaded before (a fused projection's parts must
+    share their activation order)."""
+    if not isinstance(w, Int4Weight):
+        raise ValueError(f"a {scheme} layer is loaded from 4-bit tensors only, got {type(w).__name__}")
+    n = w.qweight.shape[1]
+    if w.qweight.shape[0] != held.qweight.shape[0] or w.scales.shape[0] != held.scales.shape[0]:
+        raise ValueError(f"4-bit weight of {w.qweight.shape[0] * 8} rows in {w.scales.shape[0]} groups for a "
+                         f"layer of {held.qweight.shape[0] * 8} in {held.scales.shape[0]}")
+    held.qweight[:, row:row + n] = w.qweight.to(held.qweight.device)
+    held.scales[:, row:row + n] = w.scales.to(held.scales.device, held.scales.dtype)
+    held.zeros[:, row:row + n] = w.zeros.to(held.zeros.device)
+    if (w.perm is None) != (held.perm is None):
+        raise ValueError(f"{scheme} weight {'with' if w.perm is not None else 'without'} an activation order, for "
+                         "a layer " + ("with one" if held.perm is not None else "without one"))
+    if w.perm is not None:
+        if perm_loaded and not torch.equal(held.perm.cpu(), w.perm.cpu()):
+            raise ValueError("the parts of a fused 4-bit projection (q/k/v or gate/up) have different activation "
+                             "orders (g_idx)")
+        held.perm.copy_(w.perm)
+
+
+class W4A16Experts(nn.Module):
+    """A mixture of experts' E experts in 4 bits, stacked as the fused experts take them (kernels/moe_w4a16.py):
+    w13 of [H, 2I] matrices (each expert's gate columns, then its up columns) and w2 of [I, H], each as qweight,
+    scales, zeros (and perm, with an activation order: one per expert and matrix). Filled one expert's
+    checkpoint tensor at a time (moe.ExpertRows), as moe.Experts is; each rank holds every expert's share of I."""
+
+    fp8 = False
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, scheme: Int4Scheme) -> None:
+        super().__init__()
+        self.scheme = scheme
+        scale_dtype = scheme.scale_dtype or torch.get_default_dtype()
+        for which, k, n in (("w13", hidden, 2 * inter), ("w2", inter, hidden)):
+            group = scheme.group_size or k
+            if k % group or group % 16:
+                raise ValueError(f"the experts' {k}-wide input (this rank's share) is not whole groups of {group}: "
+                                 f"choose a tp size that splits the {scheme} experts at group boundaries")
+
+            def param(*shape, dtype):
+                return nn.Parameter(torch.empty(num_experts, *shape, dtype=dtype), requires_grad=False)
+            self.register_parameter(f"{which}_qweight", param(k // 8, n, dtype=torch.int32))
+            self.register_parameter(f"{which}_scales", param(k // group, n, dtype=scale_dtype))
+            self.register_parameter(f"{which}_zeros", param(k // group, n, dtype=torch.uint8))
+            self.register_parameter(f"{which}_perm", param(k, dtype=torch.int64) if scheme.act_order else None)
+        self.perm_loaded = set()  # (which, expert) whose activation order is loaded
+
+    @property
+    def w13(self) -> PackedExperts:
+        return self.packed("w13")
+
+    @property
+    def w2(self) -> PackedExperts:
+        return self.packed("w2")
+
+    def packed(self, which: str) -> PackedExperts:
+        return PackedExperts(*(getattr(self, f"{which}_{part}") for part in ("qweight", "scales", "zeros", "perm")))
+
+    def load_rows(self, which: str, expert: int, row: int, w: Any) -> None:
+        """Checkpoint rows [row, row + n) of one expert's `which` ("w13" or "w2"): its columns, from an
+        Int4Weight."""
+        held = Int4Weight(*(t[expert] if t is not None else None for t in self.packed(which)))
+        load_columns(held, row, w, self.scheme, (which, expert) in self.perm_loaded)
+        self.perm_loaded.add((which, expert))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                aligned: Optional[Aligned] = None) -> torch.Tensor:
+        return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, aligned=aligned)
+
+    def extra_repr(self) -> str:
+        e, h, n = self.w13.num_experts, self.w13.k, self.w13.n
+        return f"experts={e}, hidden={h}, inter={n // 2}, {self.scheme} groups of {self.scheme.group_size or 'K'}"

@@ -4,7 +4,8 @@ compressor); and, for each, the float64 weights an independent reading of the fo
 float copy of the checkpoint holding them (what HF transformers runs as the reference where it cannot load the 4-bit
 file itself).
 
-Every projection (q, k, v, o, gate, up, down) is quantised; the embedding, norms and lm_head stay as they were."""
+Every projection (q, k, v, o, gate, up, down; a mixture of experts' experts, Mixtral's w1/w3/w2 included) is
+quantised; the embedding, norms, routers and lm_head stay as they were."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-PROJECTION = re.compile(r"^(.*_proj)\.weight$")
+PROJECTION = re.compile(r"^(.*(?:_proj|\.experts\.\d+\.w[123]))\.weight$")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
@@ -111,6 +112,12 @@ def int4_parts(w: torch.Tensor, method: str, group: int, symmetric: bool, perm: 
     return pack_awq(q_rows, scales, zeros) if method == "awq" else pack_gptq(q_rows, scales, zeros, g_idx, v2)
 
 
+def same_input(prefix: str) -> str:
+    """The name of the input a projection reads: q/k/v share one, and gate/up (Mixtral's w1/w3) one, so that an
+    activation order is drawn once for each."""
+    return re.sub(r"\.(q|k|v)_proj$", ".qkv", re.sub(r"\.(gate_proj|up_proj|w1|w3)$", ".gate_up", prefix))
+
+
 def write_int4_checkpoint(src: str, dst: str, method: str, group: int, symmetric: bool = False,
                           act_order: bool = False, v2: bool = False, seed: int = 0) -> Dict[str, torch.Tensor]:
     """A 4-bit copy of the float checkpoint `src` at `dst` in `method`'s format; returns each projection's
@@ -127,9 +134,7 @@ def write_int4_checkpoint(src: str, dst: str, method: str, group: int, symmetric
             out[name] = w
             continue
         prefix = m.group(1)
-        # one activation order per input: q/k/v and gate/up are quantised from the same activations
-        same_input = re.sub(r"\.(q|k|v)_proj$", ".qkv", re.sub(r"\.(gate|up)_proj$", ".gate_up", prefix))
-        perm = orders.setdefault(same_input, torch.randperm(w.shape[1], generator=gen)) if act_order else None
+        perm = orders.setdefault(same_input(prefix), torch.randperm(w.shape[1], generator=gen)) if act_order else None
         parts = int4_parts(w, method, group, symmetric, perm, v2)
         for leaf, t in parts.items():
             out[f"{prefix}.{leaf}"] = t.contiguous()
