@@ -7,10 +7,11 @@ CUDA graph holding --iters calls, each call with its own routing so that the exp
 the router top-k's and the alignment kernel's times (and their torch ops'), the expert weight bytes a call touches (distinct experts hit x an expert's bytes,
 averaged over the calls) and the share of --bandwidth that reaches, and experts_reference's time (eager: it syncs
 with the host). --configs times other launch configurations beside the rule's (block_m,block_n,block_k,num_warps,
-num_stages;...), to check or refine config_for.
+num_stages;...), to check or refine config_for. --int4 G: 4-bit experts in groups of G rows (0: one per channel;
+random words, kernels/moe_w4a16.py's layout), their bytes (and their scales' and zeros') the floor's.
 
   python scripts/bench_fused_moe.py [--tokens 1,64,256,2048] [--experts 128 --top-k 8 --hidden 2048 --inter 768]
-                                    [--fp8] [--configs 16,32,128,4,4] [--align]
+                                    [--fp8 | --int4 128] [--configs 16,32,128,4,4] [--align]
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from minisrv.kernels.fused_moe import (experts_reference, route, route_and_align
 from minisrv.kernels.moe_align import align_reference, triton_align  # noqa: E402
 from minisrv.kernels.moe_route import ROUTER_TOKENS  # noqa: E402
 from minisrv.kernels.moe_gemm import MoeConfig, config_for, moe_gemm  # noqa: E402
+from minisrv.kernels.moe_w4a16 import PackedExperts, moe_w4a16_gemm  # noqa: E402
 
 
 def eager_us(fn, repeat: int) -> float:
@@ -53,16 +55,26 @@ def products_us(x, w13, w2, s13, s2, routing, c: MoeConfig, a) -> tuple:
     launch configuration c: to choose each product's configuration (their shares of the floor: 2/3 and 1/3)."""
     weights, ids = routing
     t, k = ids.shape
-    aligned = triton_align()(ids, w13.shape[0], c.block_m)
-    gemm = moe_gemm()
+    int4 = isinstance(w13, PackedExperts)
+    aligned = triton_align()(ids, w13.num_experts if int4 else w13.shape[0], c.block_m)
+    gemm = moe_w4a16_gemm() if int4 else moe_gemm()
     a1, a1s = quantize_tokens(x) if s13 is not None else (x, None)
-    act = torch.empty(t * k, w2.shape[2], dtype=x.dtype, device=x.device)
+    act = torch.empty(t * k, w2.k if int4 else w2.shape[2], dtype=x.dtype, device=x.device)
     gemm(a1, a1s, w13, s13, act, None, aligned, k, True, c)
     a2, a2s = quantize_tokens(act) if s13 is not None else (act, None)
     out = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
     flat = weights.reshape(-1).contiguous()
     return (graph_us(lambda: gemm(a1, a1s, w13, s13, act, None, aligned, k, True, c), a.iters, a.repeat),
             graph_us(lambda: gemm(a2, a2s, w2, s2, out, flat, aligned, 1, False, c), a.iters, a.repeat))
+
+
+def random_int4(e: int, k: int, n: int, group: int) -> PackedExperts:
+    """E random 4-bit [k, n] weights (random words: every nibble a value) with scales of a unit-variance product."""
+    groups = k // (group or k)
+    qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (e, k // 8, n), dtype=torch.int32, device="cuda")
+    scales = torch.full((e, groups, n), 0.3 * k ** -0.5, dtype=torch.float16, device="cuda")
+    zeros = torch.full((e, groups, n), 8, dtype=torch.uint8, device="cuda")
+    return PackedExperts(qweight, scales, zeros)
 
 
 def main() -> int:
@@ -73,6 +85,8 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=768, help="each expert's intermediate width")
     p.add_argument("--fp8", action="store_true", help="FP8 (W8A8) expert weights")
+    p.add_argument("--int4", type=int, default=None, metavar="GROUP",
+                   help="4-bit (W4A16) expert weights in groups of GROUP rows (0: per channel)")
     p.add_argument("--configs", default="", help="more launch configurations to time, ';'-separated")
     p.add_argument("--routings", type=int, default=8, help="distinct routings cycled through")
     p.add_argument("--no-reference", action="store_true", help="skip timing experts_reference")
@@ -92,9 +106,14 @@ def main() -> int:
         q2, s2 = quantize_rows(w2.reshape(-1, inter))
         w13, w2, s13, s2 = q13.view(e, 2 * inter, h), q2.view(e, h, inter), s13.view(e, -1), s2.view(e, -1)
     expert_bytes = 3 * h * inter * w13.element_size()
+    kind = "FP8" if a.fp8 else "bf16"
+    if a.int4 is not None:
+        w13, w2 = random_int4(e, h, 2 * inter, a.int4), random_int4(e, inter, h, a.int4)
+        expert_bytes = sum(t[0].numel() * t.element_size() for w in (w13, w2) for t in w[:3])  # one expert
+        kind = f"4-bit, groups of {a.int4 or 'K'}"
     extra = [MoeConfig(*(int(v) for v in c.split(","))) for c in a.configs.split(";") if c]
     align = triton_align()
-    print(f"{torch.cuda.get_device_name()}; E={e} top-{k} H={h} I={inter} {'FP8' if a.fp8 else 'bf16'}; us per "
+    print(f"{torch.cuda.get_device_name()}; E={e} top-{k} H={h} I={inter} {kind}; us per "
           f"call (median of {a.repeat} x {a.iters}), % of {a.bandwidth / 1e12:.2f} TB/s over the expert bytes hit")
     for t in (int(v) for v in a.tokens.split(",")):
         x = torch.randn(t, h, device="cuda").bfloat16()

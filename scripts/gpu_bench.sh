@@ -15,6 +15,8 @@
 #   profile   where a decode step's time goes (torch profiler; the host's Python) on the three shapes
 #   spec      speculative decoding's verify path at a set acceptance (drafts replayed from a plain run: decode and
 #             verify on FA3, whose rounding matches, so a kept draft is the plain run's token), 0.6B, 8B, MoE half
+#   int4-moe  the Qwen3-30B-A3B half shape with GPTQ 4-bit experts (group 128, written from the bf16 one): the
+#             experts' 4-bit grouped GEMM alone, the offline workload and decode steps
 #   tp        two GPUs, Llama-3-8B shape: decode steps and the workload at tp 1, tp 2, tp 2 with the fused all-reduce;
 #             the fused all-reduce alone; where a tp 2 step goes
 # Each step's output is appended to $OUT/bench.log, results to $OUT/*.jsonl, and the output tok/s of every step that
@@ -22,7 +24,7 @@
 set -u
 TREES=.
 [ "${1:-}" = --ab ] && { TREES=". .baseline"; shift; }
-[ $# -gt 0 ] || { sed -n 2,21p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,23p "$0"; exit 2; }
 . scripts/gpu_env.sh
 Q=$MINISRV_GPU_CKPT L=/tmp/llama8b M=/tmp/moe JTOK=/tmp/json-tokenizer TTOK=/tmp/think-tokenizer
 
@@ -116,6 +118,12 @@ for suite in "$@"; do case $suite in
     bench spec-8b 400 $SPEC --model $L --json $OUT/spec.jsonl
     bench spec-0.6b 300 $SPEC --model $Q --json $OUT/spec.jsonl
     bench spec-moe 400 $SPEC --model $M --json $OUT/spec.jsonl ;;
+  int4-moe) checkpoints qwen3-30b-a3b-half
+    grep -q quantization_config $M-gptq/config.json 2>/dev/null || { rm -rf $M-gptq
+      step make-moe-gptq 600 python3 scripts/make_int4_checkpoint.py $M $M-gptq --format gptq --group 128 --sym; }
+    bench fused-moe-int4 200 bench_fused_moe.py --int4 128 --tokens 1,8,64,256,2048
+    bench moe-gptq 400 $OFFLINE --model $M-gptq
+    bench decode-moe-gptq 300 $DECODE --model $M-gptq --batch-sizes 1,64,256 --repeats 3 --context 128 ;;
   tp) checkpoints llama3-8b
     # FlashInfer's communication kernels (the fused all-reduce) build for minutes: beside the tp 1 runs
     background 600 python3 -c "from flashinfer.comm.trtllm_ar import get_trtllm_comm_module as g; g()" \

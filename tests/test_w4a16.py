@@ -199,13 +199,6 @@ def test_partly_quantised_checkpoints_are_refused(tiny_model, tmp_path):
         make_llm(path, quantization="fp8")
 
 
-def test_four_bit_experts_are_refused(tiny_model, tmp_path):
-    path = str(tmp_path / "moe")
-    write_int4_checkpoint(tiny_model("qwen3_moe"), path, "gptq", 32, True)
-    with pytest.raises(ValueError, match="unsupported quantization for a mixture of experts' experts: gptq 4-bit"):
-        make_llm(path)
-
-
 def test_layer_against_float64():
     """W4A16Linear's product (the CPU path) with a bias and an activation order, filled in two column blocks as a
     fused projection is, against x @ W + b in float64."""

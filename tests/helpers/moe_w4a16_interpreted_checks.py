@@ -28,10 +28,11 @@ BOUND = 3e-3  # of the largest output
 
 
 class RandomExperts:
-    """E random 4-bit [k, n] matrices: their values, scales and zeros (and perm) as drawn, and packed."""
+    """E random 4-bit [k, n] matrices: their values, scales and zeros (and perm) as drawn (on the CPU, then moved to
+    `device`), and packed."""
 
     def __init__(self, num_experts: int, k: int, n: int, group: int, symmetric: bool, act_order: bool,
-                 gen: torch.Generator, scale_dtype: torch.dtype = torch.float16) -> None:
+                 gen: torch.Generator, scale_dtype: torch.dtype = torch.float16, device: str = "cpu") -> None:
         groups = k // (group or k)
         self.values = torch.randint(0, 16, (num_experts, k, n), generator=gen, dtype=torch.uint8)
         # each column's scale spread over [1/4, 4] of its neighbours': a scale read for the wrong column is off O(1)
@@ -42,11 +43,12 @@ class RandomExperts:
             torch.randint(0, 16, (num_experts, groups, n), generator=gen, dtype=torch.uint8)
         self.perm = torch.stack([torch.randperm(k, generator=gen) for _ in range(num_experts)]) if act_order \
             else None
+        self.values, self.scales, self.zeros = self.values.to(device), self.scales.to(device), self.zeros.to(device)
+        self.perm = self.perm.to(device) if act_order else None
 
-    def packed(self, device: str = "cpu") -> PackedExperts:
+    def packed(self) -> PackedExperts:
         qweight = torch.stack([pack_rows(v) for v in self.values])
-        parts = (qweight, self.scales, self.zeros, self.perm)
-        return PackedExperts(*(t.to(device).contiguous() if t is not None else None for t in parts))
+        return PackedExperts(qweight, self.scales, self.zeros, self.perm)
 
     def float64(self, e: int) -> torch.Tensor:
         """Expert e's W [k, n] in float64, rows in the layer's order."""
