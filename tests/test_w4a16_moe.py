@@ -7,7 +7,7 @@ packing, compressed-tensors' own compressor); routers stay in the model's dtype.
   specification exactly (the experts stay 4-bit: int32 words, no float copy);
 - greedy tokens and every step's logits as HF transformers' (float64) on a float copy holding those weights;
 - tp 2 over gloo splits the packed experts (gate/up by columns, down by rows of K at group boundaries);
-- a share of an expert that is not whole groups is refused with the reason;
+- a share of an expert that is not whole groups, and a 4-bit router, are refused with the reason;
 - the grouped 4-bit kernel under Triton's interpreter (helpers/moe_w4a16_interpreted_checks.py).
 """
 from __future__ import annotations
@@ -20,12 +20,12 @@ import sys
 import pytest
 import torch
 
-from minisrv.checkpoints.loader import ModelBuild, load_model, load_model_args
+from minisrv.checkpoints.loader import ModelBuild, WeightLoadError, load_model, load_model_args
 from minisrv.kernels.w4a16_gemm import dequantize
 from minisrv.models.w4a16 import Int4Scheme, W4A16Experts, W4A16Linear
 
 from .helpers import make_llm, make_prompts, vocab_of
-from .helpers.int4_checkpoints import write_dequantised_checkpoint, write_int4_checkpoint
+from .helpers.int4_checkpoints import int4_parts, write_dequantised_checkpoint, write_int4_checkpoint
 from .test_w4a16 import assert_as_reference
 
 needs_ct = pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") is None,
@@ -119,6 +119,20 @@ def test_a_share_of_whole_groups_is_required():
         W4A16Experts(4, 64, 48, Int4Scheme("gptq", 32, True))
     with pytest.raises(ValueError, match="not whole groups of 8"):
         W4A16Experts(4, 64, 48, Int4Scheme("gptq", 8, True))
+
+
+def test_a_quantised_router_is_refused(tiny_model, tmp_path):
+    """A router stored in 4 bits is named (the router is kept in the model's dtype)."""
+    from safetensors.torch import load_file, save_file
+    path, _ = _write(tiny_model, tmp_path, "qwen3_moe-gptq-g32-sym-desc_act")
+    file = os.path.join(path, "model.safetensors")
+    state = load_file(file)
+    router = "model.layers.0.mlp.gate"
+    for leaf, t in int4_parts(state.pop(f"{router}.weight"), "gptq", 32, True).items():
+        state[f"{router}.{leaf}"] = t.contiguous()
+    save_file(state, file)
+    with pytest.raises(WeightLoadError, match=f"'{router}' is quantised in this checkpoint"):
+        make_llm(path)
 
 
 @pytest.mark.slow  # spawns a tensor-parallel rank

@@ -52,7 +52,7 @@ def int4_tensors(tensors: Iterator[Tuple[str, StoredTensor]],
                  scheme: Int4Scheme) -> Iterator[Tuple[str, StoredTensor]]:
     """The checkpoint's tensors with each 4-bit matrix's parts read as one `<module>.weight` of shape [N, K]
     whose reader returns an Int4Weight; other tensors as they are. A projection the checkpoint left unquantised
-    and a quantised lm_head or embedding are errors naming them (their layers are built for one kind)."""
+    and a quantised lm_head, embedding or router are errors naming them (their layers are built for one kind)."""
     held = dict(tensors)  # lazy readers: nothing is read yet
     parts: Dict[str, Dict[str, StoredTensor]] = {}
     for name in list(held):
@@ -66,9 +66,9 @@ def int4_tensors(tensors: Iterator[Tuple[str, StoredTensor]],
         yield name, stored
     read = {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors}[scheme.method]
     for module, p in parts.items():
-        if module.endswith(("lm_head", "embed_tokens")):
-            raise WeightLoadError(f"{module!r} is quantised in this checkpoint: minisrv keeps lm_head and the "
-                                  "embedding in 16 bits")
+        if module.endswith(("lm_head", "embed_tokens", ".gate", "shared_expert_gate")):
+            raise WeightLoadError(f"{module!r} is quantised in this checkpoint: minisrv keeps lm_head, the "
+                                  "embedding and the experts' routers in 16 bits")
         try:
             shape, reader = read(p, scheme)
         except KeyError as e:

@@ -84,7 +84,8 @@ def _check_shapes(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torc
     t, h = x.shape
     if isinstance(w13, PackedExperts):
         if not isinstance(w2, PackedExperts) or w13_scale is not None or w2_scale is not None \
-                or w2.num_experts != w13.num_experts or topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2:
+                or w2.num_experts != w13.num_experts or topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 \
+                or topk_ids.shape[0] != t:
             raise ValueError("4-bit experts: w13 and w2 both PackedExperts of as many experts, no separate scales, "
                              f"topk {tuple(topk_weights.shape)} / {tuple(topk_ids.shape)}")
         w13.check(h, w13.n, "w13")
