@@ -8,11 +8,13 @@ layout every 4-bit checkpoint format is repacked into at load (checkpoints/int4_
 Packing along K keeps a program's loads contiguous along N (its output columns), and a K step of the kernel
 (BLOCK_K rows, BLOCK_K dividing G) falls inside one group, so it reads one row of scales and zeros.
 
-One Triton kernel serves every batch: each program dequantises a [BLOCK_K, BLOCK_N] tile in registers (never a
-bf16 weight in memory) and feeds it to tl.dot (tensor cores). Decode batches (M <= SPLIT_M) have too few output
-tiles to occupy the GPU, so the K loop is split over programs whose float32 partial sums are added afterwards
-(deterministic, no atomics, capturable in CUDA graphs); prefill batches tile M and N with one program a tile.
-Off CUDA (and as the tests' reference) the same arithmetic runs in torch: `dequantize` then a matmul.
+Two Triton kernels, neither with a bf16 weight in memory: a few rows (decode) on the CUDA cores, all rows in one
+program, products accumulated per K slice and summed over K once at the end; more rows on the tensor cores, each
+program dequantising a [BLOCK_K, BLOCK_N] tile in registers for tl.dot. Both read a nibble as float32 by placing it
+under the exponent of 2^23 (no integer conversion). Decode batches have too few output tiles to occupy the GPU,
+so K is split over programs; the last program of a tile adds the float32 partial sums in a fixed order (the same
+result at every run, eager or in a CUDA graph). Off CUDA (and as the tests' reference) the same arithmetic runs in
+torch: `dequantize` then a matmul.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 
 from minisrv.kernels.triton_launcher import triton_launcher
 
+GEMV_M = 1  # batches up to this many rows run on the CUDA cores' kernel
 SPLIT_M = 64  # batches up to this many rows split K over programs
 TARGET_PROGRAMS = 264  # split-K aims at this many programs (two per SM of an H100)
 
@@ -71,13 +74,15 @@ def dequantized_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 
 def config_for(m: int, n: int, k: int, group: int) -> W4A16Config:
-    """Launch parameters for [m, k] x [k, n] with groups of `group` rows. One row: 128 columns a program on the
-    CUDA cores, K in 8 shares; up to 16 rows: 16-row tiles of 64 columns, K in 8 shares; up to 64: 32-64-row tiles
-    of 64 columns, K split until about TARGET_PROGRAMS programs run; larger batches: 64 or 128-row tiles of 128
-    columns, K steps of 64, no split."""
-    if m <= SPLIT_M:
-        block_m = 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 else 64
-        block_n, block_k, warps = (128 if m == 1 else 64), 128, 4
+    """Launch parameters for [m, k] x [k, n] with groups of `group` rows. One row: the CUDA cores' kernel, 256
+    columns and K steps of 32 a program, K in up to 32 shares (short programs, many in flight); up to SPLIT_M rows:
+    16-64-row tiles of 64 columns on the tensor cores, K split until about TARGET_PROGRAMS programs run; more:
+    64 or 128-row tiles of 128 columns, K steps of 64, no split."""
+    if m <= GEMV_M:
+        block_m, block_n, block_k, warps = 1, 256, 32, 2
+    elif m <= SPLIT_M:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        block_n, block_k, warps = 64, 128, 4
     else:
         block_m, block_n, block_k = (64 if m <= 128 else 128), 128, 64
         warps = 4 if block_m == 64 else 8
@@ -85,12 +90,11 @@ def config_for(m: int, n: int, k: int, group: int) -> W4A16Config:
         block_k //= 2
     if block_k < 16:
         raise ValueError(f"4-bit group of {group} rows: the kernel needs groups of a multiple of 16")
-    tiles = -(-m // block_m) * -(-n // block_n)
-    k_steps = k // block_k
-    split = max(1, min(k_steps, TARGET_PROGRAMS // tiles)) if m <= SPLIT_M else 1
-    if m <= 16:  # one row, or a few: K in 8 shares (more programs in flight; H100, the 8B shape's projections)
-        split = min(k_steps, 8)
-    return W4A16Config(block_m, block_n, block_k, split, warps, 3)
+    tiles = (1 if m <= GEMV_M else -(-m // block_m)) * -(-n // block_n)
+    split = max(1, min(k // block_k, -(-TARGET_PROGRAMS // tiles))) if m <= SPLIT_M else 1
+    if m <= GEMV_M:  # many short programs: K in up to 32 shares
+        split = min(k // block_k, 32)
+    return W4A16Config(block_m, block_n, block_k, split, warps, 2 if m <= GEMV_M else 3)
 
 
 @triton_launcher
@@ -99,45 +103,82 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
     is missing."""
 
     @triton.jit
-    def w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, m, n, k, group, steps_per_split, stride_xm,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    def w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, m, n, k, group, steps_per_split,
+                          stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          SPLIT: tl.constexpr):
         """Program (pid_m, pid_n, pid_k): output tile (pid_m, pid_n) over K steps [pid_k * steps_per_split, +
-        steps_per_split). SPLIT > 1: y_ptr is float32 [SPLIT, m, n] partial sums, else y [m, n]."""
+        steps_per_split). SPLIT > 1: ws_ptr holds [tiles, SPLIT, BLOCK_M * BLOCK_N] float32 partial sums and
+        cnt_ptr a zeroed int32 counter per tile."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
+        KW: tl.constexpr = BLOCK_K // 8
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
-        kw = tl.arange(0, BLOCK_K // 8)
+        kw = tl.arange(0, KW)
         row_ok = rows < m
         col_ok = cols < n
-        shifts = (tl.arange(0, 8) * 4)[None, :, None]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         first = pid_k * steps_per_split
         last = tl.minimum(first + steps_per_split, k // BLOCK_K)
-        for step in range(first, last):
-            k0 = step * BLOCK_K
-            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None],
-                        other=0.0)
-            # each word once: [BLOCK_K / 8, BLOCK_N] words, their 8 nibbles each then laid out as 8 rows of K
-            words = tl.load(qw_ptr + (k0 // 8 + kw)[:, None].to(tl.int64) * n + cols[None, :],
-                            mask=col_ok[None, :], other=0)
-            q = tl.reshape((words[:, None, :] >> shifts) & 0xF, (BLOCK_K, BLOCK_N))
-            g = k0 // group
-            scale = tl.load(s_ptr + g * n + cols, mask=col_ok, other=0.0).to(tl.float32)
-            zero = tl.load(z_ptr + g * n + cols, mask=col_ok, other=0).to(tl.int32)
-            w = ((q - zero[None, :]).to(tl.float32) * scale[None, :]).to(x.dtype)
-            if BLOCK_M >= 16:
+        if BLOCK_M >= 16:  # tensor cores: each step's weight tile dequantised in registers for tl.dot
+            shifts = (tl.arange(0, 8) * 4)[None, :, None]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for step in range(first, last):
+                k0 = step * BLOCK_K
+                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :],
+                            mask=row_ok[:, None], other=0.0)
+                words = tl.load(qw_ptr + (k0 // 8 + kw)[:, None].to(tl.int64) * n + cols[None, :],
+                                mask=col_ok[None, :], other=0)
+                g = k0 // group
+                scale = tl.load(s_ptr + g * n + cols, mask=col_ok, other=0.0).to(tl.float32)
+                zero_magic = tl.load(z_ptr + g * n + cols, mask=col_ok, other=0).to(tl.float32) + 8388608.0
+                # the nibble under float32's exponent of 2^23 reads as 2^23 + q: one subtraction of 2^23 + zero
+                # gives q - zero exactly, with no integer-to-float conversion (a quarter of the FMA rate)
+                bits = (((words[:, None, :] >> shifts) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+                w = ((tl.reshape(bits, (BLOCK_K, BLOCK_N)) - zero_magic[None, :]) * scale[None, :]).to(x.dtype)
                 acc = tl.dot(x, w, acc)
-            else:  # a row or a few (tl.dot takes 16 or more): products summed over K on the CUDA cores
-                acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+        else:  # CUDA cores: each thread holds whole columns of the tile, so the sum over K stays in the thread
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            shifts = (tl.arange(0, 8) * 4)[None, :, None]
+            for step in range(first, last):
+                k0 = step * BLOCK_K
+                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :],
+                            mask=row_ok[:, None], other=0.0).to(tl.float32)
+                words = tl.load(qw_ptr + (k0 // 8 + kw)[:, None].to(tl.int64) * n + cols[None, :],
+                                mask=col_ok[None, :], other=0)
+                g = k0 // group
+                scale = tl.load(s_ptr + g * n + cols, mask=col_ok, other=0.0).to(tl.float32)
+                zero_magic = tl.load(z_ptr + g * n + cols, mask=col_ok, other=0).to(tl.float32) + 8388608.0
+                bits = (((words[:, None, :] >> shifts) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+                q = tl.reshape(bits, (BLOCK_K, BLOCK_N)) - zero_magic[None, :]
+                acc += tl.sum(x[:, :, None] * q[None, :, :], axis=1) * scale[None, :]
         out = rows[:, None].to(tl.int64) * n + cols[None, :]
         mask = row_ok[:, None] & col_ok[None, :]
-        if SPLIT > 1:
-            tl.store(y_ptr + pid_k.to(tl.int64) * m * n + out, acc, mask=mask)
-        else:
+        if SPLIT == 1:
             tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            # each split leaves its partial in the workspace; the last to arrive (a counter per tile) adds them in
+            # split order (the same sum at every run, eager or graphed), writes y and resets the counter
+            tile = pid_m * tl.num_programs(1) + pid_n
+            here = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            tl.store(ws_ptr + (tile * SPLIT + pid_k).to(tl.int64) * (BLOCK_M * BLOCK_N) + here, acc)
+            tl.debug_barrier()  # every thread's partial is stored before the counter says so
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if arrived == SPLIT - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for part_k in range(SPLIT):
+                    total += tl.load(ws_ptr + (tile * SPLIT + part_k).to(tl.int64) * (BLOCK_M * BLOCK_N) + here,
+                                     cache_modifier=".cg")
+                tl.store(y_ptr + out, total.to(y_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+
+    counters: dict = {}  # per device: zeroed int32 counters for split-K tiles, each reset by its last program
+
+    def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+        have = counters.get(device)
+        if have is None or have.numel() < tiles:
+            have = counters[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        return have
 
     def run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
             config: Optional[W4A16Config] = None) -> torch.Tensor:
@@ -145,21 +186,25 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
         n = qweight.shape[1]
         group = k // scales.shape[0]
         c = config or config_for(m, n, k, group)
-        if (qweight.shape[0] * 8 != k or group % c.block_k or x.stride(1) != 1
+        gemv = c.block_m < 16
+        if (qweight.shape[0] * 8 != k or group % c.block_k or x.stride(1) != 1 or (gemv and m > c.block_m)
                 or not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous())):
             raise ValueError(f"W4A16 GEMM operands: x {tuple(x.shape)} (column stride {x.stride(1)}), qweight "
-                             f"{tuple(qweight.shape)}, scales {tuple(scales.shape)}, K step {c.block_k}")
+                             f"{tuple(qweight.shape)}, scales {tuple(scales.shape)}, config {tuple(c)}")
         steps = k // c.block_k
         per_split = -(-steps // c.split_k)
         split = -(-steps // per_split)
+        grid_m, grid_n = (1 if gemv else triton.cdiv(m, c.block_m)), triton.cdiv(n, c.block_n)
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         if split > 1:
-            y = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+            ws = torch.empty((grid_m * grid_n * split * c.block_m * c.block_n,), dtype=torch.float32,
+                             device=x.device)
+            cnt = tile_counters(x.device, grid_m * grid_n)
         else:
-            y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n), split)
-        w4a16_gemm_kernel[grid](x, qweight, scales, zeros, y, m, n, k, group, per_split, x.stride(0),
-                                BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=split,
-                                num_warps=c.num_warps, num_stages=c.num_stages)
-        return y.sum(dim=0).to(x.dtype) if split > 1 else y
+            ws = cnt = y
+        w4a16_gemm_kernel[(grid_m, grid_n, split)](x, qweight, scales, zeros, y, ws, cnt, m, n, k, group, per_split, x.stride(0),
+                     BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=split,
+                     num_warps=c.num_warps, num_stages=c.num_stages)
+        return y
 
     return run
