@@ -14,6 +14,7 @@ from minisrv.engine.request import MAX_LOGPROBS
 
 MAX_N = 128  # choices per prompt
 MAX_CHOICES = 256  # choices per request, all prompts together (prompts x n): bounds the work one request asks for
+OPTIONAL_MESSAGE_KEYS = ("function_call", "reasoning_content", "reasoning")  # left out of a message when None
 
 
 class StreamOptions(BaseModel):
@@ -130,6 +131,18 @@ class CompletionLogprobs(BaseModel):
     text_offset: List[int] = Field(default_factory=list)
 
 
+class _Envelope(BaseModel):
+    """What every completion response and stream chunk carries around its choices."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=now)
+    model: str
+    choices: List[Any]
+    usage: Optional[UsageInfo] = None
+    system_fingerprint: Optional[str] = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -137,14 +150,11 @@ class CompletionChoice(BaseModel):
     finish_reason: Optional[str] = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Envelope):
+    """A whole /v1/completions answer, and also each of its stream's chunks (the same shape)."""
+
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
     choices: List[CompletionChoice]
-    usage: Optional[UsageInfo] = None
-    system_fingerprint: Optional[str] = None
 
 
 class TopLogprob(BaseModel):
@@ -161,29 +171,25 @@ class ChatLogprobs(BaseModel):
     content: Optional[List[ChatTokenLogprob]] = None
 
 
-class _WithReasoning(BaseModel):
-    """A message or delta that may carry a thinking model's reasoning, under SGLang's and vLLM's name and under
+class ChatResponseMessage(BaseModel):
+    """A message, or a delta, that may carry a thinking model's reasoning, under SGLang's and vLLM's name and under
     vLLM's newer one, or a legacy `functions` request's function_call; these keys are left out where there is none,
     so that other responses keep their shape."""
 
-    reasoning_content: Optional[str] = None
-    reasoning: Optional[str] = None
-    function_call: Optional[Dict[str, Any]] = None
-
-    @model_serializer(mode="wrap")
-    def _drop_empty_reasoning(self, handler: Any) -> Dict[str, Any]:
-        d = handler(self)
-        for key in ("function_call", "reasoning_content", "reasoning"):  # after the message's own fields
-            value = d.pop(key, None)
-            if value is not None:
-                d[key] = value
-        return d
-
-
-class ChatResponseMessage(_WithReasoning):
-    role: str = "assistant"
+    role: Optional[str] = "assistant"
     content: Optional[str] = None
     tool_calls: Optional[List[Dict[str, Any]]] = None
+    function_call: Optional[Dict[str, Any]] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_extras(self, handler: Any) -> Dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None or k not in OPTIONAL_MESSAGE_KEYS}
+
+
+class DeltaMessage(ChatResponseMessage):
+    role: Optional[str] = None
 
 
 class ChatChoice(BaseModel):
@@ -193,18 +199,10 @@ class ChatChoice(BaseModel):
     finish_reason: Optional[str] = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now)
-    model: str
     choices: List[ChatChoice]
     usage: UsageInfo
-    system_fingerprint: Optional[str] = None
-
-
-class DeltaMessage(ChatResponseMessage):
-    role: Optional[str] = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -214,18 +212,9 @@ class ChatStreamChoice(BaseModel):
     finish_reason: Optional[str] = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=now)
-    model: str
     choices: List[ChatStreamChoice]
-    usage: Optional[UsageInfo] = None
-    system_fingerprint: Optional[str] = None
-
-
-# a streamed completion chunk has exactly the shape of a whole response (object "text_completion")
-CompletionChunk = CompletionResponse
 
 
 class ModelCard(BaseModel):

@@ -4,7 +4,7 @@ then content deltas, then a delta-less chunk with the finish reason."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence
 
 from ..errors import APIError
 from ..generation import Choice
@@ -14,8 +14,8 @@ from ..plan.tools import ToolPlan
 from ..streaming import SSE_DONE, sse
 from .logprobs import PositionedLogprob, TokenText, chat_logprobs, completion_logprobs
 from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatResponseMessage,
-                       ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse,
-                       DeltaMessage, UsageInfo, now)
+                       ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionResponse, DeltaMessage,
+                       UsageInfo, now)
 
 
 @dataclass
@@ -29,7 +29,7 @@ class OpenAIStream:
     include_usage: bool = False  # stream_options.include_usage
     created: int = field(default_factory=now)
 
-    chunk_type: ClassVar[type] = CompletionChunk  # a stream chunk's class; its last one carries the usage
+    chunk_type: ClassVar[type] = CompletionResponse  # a stream chunk's class; its last one carries the usage
 
     def closing(self, usage: UsageInfo) -> List[str]:
         last = self.chunk_type(id=self.id, created=self.created, model=self.model, choices=[], usage=usage,
@@ -61,7 +61,7 @@ class CompletionRenderer(OpenAIStream):
         return completion_logprobs(self.token_text, tokens, self.logprobs)
 
     def _chunk(self, index: int, text: str, logprobs: Optional[CompletionLogprobs], finish: Optional[str]) -> str:
-        return sse(CompletionChunk(id=self.id, created=self.created, model=self.model,
+        return sse(CompletionResponse(id=self.id, created=self.created, model=self.model,
                                    system_fingerprint=self.fingerprint,
                                    choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                              finish_reason=finish)]))
@@ -121,68 +121,47 @@ class ChatRenderer(OpenAIStream):
             stream = self._streams[choice.index] = AnswerStream(self.tools, self.reasoning)
         d = stream.feed(text, finish_reason is not None)
         out, index = [], choice.index
-        thought = None
-        if self.reasoning is not None and self.reasoning.separate and d.reasoning:
-            thought = DeltaMessage(reasoning_content=d.reasoning, reasoning=d.reasoning)
-        elif self.reasoning is not None and not self.reasoning.separate and d.raw:
-            thought = DeltaMessage(content=d.raw)  # the thinking stays in content, before the answer
-        if thought is not None:
-            out.append(self._chunk(index, thought, logprobs, None))
+        if d.reasoning:
+            out.append(self._chunk(index, DeltaMessage(reasoning_content=d.reasoning, reasoning=d.reasoning),
+                                   logprobs, None))
             logprobs = []
         if d.content or logprobs:
             out.append(self._chunk(index, DeltaMessage(content=d.content), logprobs, None))
         if not finish_reason:
             return out
-        if not d.calls:
-            return out + [self._chunk(index, DeltaMessage(), [], finish_reason)]
-        if self.tools.legacy:  # one call, as message.function_call: its name, then its arguments
-            call = d.calls[0]
-            return out + [self._chunk(index, DeltaMessage(function_call={"name": call.name, "arguments": ""}), [],
-                                      None),
-                          self._chunk(index, DeltaMessage(function_call={"arguments": call.arguments}), [], None),
-                          self._chunk(index, DeltaMessage(), [], _call_finish(finish_reason, legacy=True))]
-        for i, call in enumerate(d.calls):
-            opening = call.to_openai(i)
-            opening["function"] = {"name": call.name, "arguments": ""}
-            out.append(self._chunk(index, DeltaMessage(tool_calls=[opening]), [], None))
-            out.append(self._chunk(index, DeltaMessage(tool_calls=[
-                {"index": i, "function": {"arguments": call.arguments}}]), [], None))
-        return out + [self._chunk(index, DeltaMessage(), [], _call_finish(finish_reason))]
-
-    def _message(self, ch: Choice) -> Tuple[Any, Optional[str]]:
-        a = read_answer(ch.text, self.tools, self.reasoning)
-        head, reasoning, content, calls = "", None, a.content, a.calls
-        if self.reasoning is not None:
-            if self.reasoning.separate:
-                reasoning = a.reasoning or None
+        legacy = bool(d.calls) and self.tools.legacy
+        for i, call in enumerate(d.calls[:1] if legacy else d.calls):  # its id and name, then its arguments
+            if legacy:  # one call, as message.function_call
+                opening, rest = {"function_call": {"name": call.name, "arguments": ""}}, \
+                    {"function_call": {"arguments": call.arguments}}
             else:
-                head = a.raw  # the thinking stays in content, before the answer
-        if head:
-            content = head + (content or "")
-        elif reasoning is not None and not content:
-            content = None  # it only thought (cut off by max_tokens, or an answer of tool calls)
-        legacy = bool(calls) and self.tools.legacy
-        message = ChatResponseMessage(content=content, tool_calls=None if legacy else
-                                      [c.to_openai() for c in calls] or None,
-                                      function_call={"name": calls[0].name, "arguments": calls[0].arguments}
-                                      if legacy else None, reasoning_content=reasoning, reasoning=reasoning)
-        return message, _call_finish(ch.finish_reason, legacy) if calls else ch.finish_reason
+                opening = {"tool_calls": [{**call.to_openai(i), "function": {"name": call.name, "arguments": ""}}]}
+                rest = {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}
+            out += [self._chunk(index, DeltaMessage(**opening), [], None),
+                    self._chunk(index, DeltaMessage(**rest), [], None)]
+        return out + [self._chunk(index, DeltaMessage(), [], _finish(finish_reason, d.calls, legacy))]
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any:
         out = []
         for ch in choices:
-            message, finish = self._message(ch)
-            out.append(ChatChoice(index=ch.index, message=message, finish_reason=finish,
+            a = read_answer(ch.text, self.tools, self.reasoning)
+            legacy = bool(a.calls) and self.tools.legacy
+            message = ChatResponseMessage(
+                content=a.content, tool_calls=None if legacy else [c.to_openai() for c in a.calls] or None,
+                function_call={"name": a.calls[0].name, "arguments": a.calls[0].arguments} if legacy else None,
+                reasoning_content=a.reasoning or None, reasoning=a.reasoning or None)
+            out.append(ChatChoice(index=ch.index, message=message, finish_reason=_finish(ch.finish_reason, a.calls,
+                                                                                         legacy),
                                   logprobs=(chat_logprobs(self.token_text, ch.logprobs, self.top_logprobs)
                                             if self.logprobs else None)))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage,
                                       system_fingerprint=self.fingerprint, choices=out)
 
 
-def _call_finish(engine_reason: Optional[str], legacy: bool = False) -> Optional[str]:
-    """The finish_reason of a choice that made tool calls: "tool_calls" ("function_call" for a legacy functions
+def _finish(engine_reason: Optional[str], calls: Sequence[Any], legacy: bool) -> Optional[str]:
+    """A choice's finish_reason. One that made tool calls: "tool_calls" ("function_call" for a legacy functions
     request) when the model ended its output, but "length" (or whatever else ended it) when it was cut off, since
     then the last call's arguments may be cut off too and the client must be able to tell."""
-    if engine_reason != "stop":
+    if not calls or engine_reason != "stop":
         return engine_reason
     return "function_call" if legacy else "tool_calls"

@@ -1,5 +1,7 @@
 """One output text read as the plan asked: the thinking split off (reasoning.py), then the answer read for tool calls
-(tools.py), whole (`read_answer`) or as it streams (`AnswerStream`, which holds back what may still become a call)."""
+(tools.py), whole (`read_answer`) or as it streams (`AnswerStream`, which holds back what may still become a call).
+With `separate_reasoning: false` the thinking is not split off: it stays in the content, as written, before the
+answer."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,11 +14,11 @@ from .tools import ToolCall, ToolPlan, content_prefix_len, parse_tool_calls
 
 @dataclass
 class Answer:
+    """A whole output, or what one piece of a streamed one adds (`calls` only with the last piece)."""
 
-    reasoning: Optional[str]  # the thinking, stripped (None: it did not think, or no parser)
-    raw: str  # the text before the answer as written (the thinking with its tags)
-    content: Optional[str]  # the answer less its tool calls (None: nothing but calls)
-    calls: List[ToolCall]
+    reasoning: Optional[str] = None  # the thinking, stripped (None: it did not think, or it is not split off)
+    content: Optional[str] = ""  # the answer less its tool calls (None: it only thought, or nothing but calls)
+    calls: List[ToolCall] = field(default_factory=list)
 
 
 def tools_on(tools: Optional[ToolPlan]) -> bool:
@@ -24,25 +26,23 @@ def tools_on(tools: Optional[ToolPlan]) -> bool:
 
 
 def read_answer(text: str, tools: Optional[ToolPlan], reasoning: Optional[ReasoningPlan]) -> Answer:
-    thought, raw, answer = None, "", text
+    thought, head, answer = None, "", text
     if reasoning is not None:
         split = reasoning.split(text)
-        thought, raw, answer = split.reasoning, split.raw, split.answer
+        answer = split.answer
+        if reasoning.separate:
+            thought = split.reasoning
+        else:
+            head = split.raw
     content: Optional[str] = answer
     calls: List[ToolCall] = []
     if tools_on(tools):
         content, calls = parse_tool_calls(answer, tools)
-    return Answer(thought, raw, content, calls)
-
-
-@dataclass
-class Delta:
-    """What one piece of output text adds (empty where it adds nothing); `calls` only with the last piece."""
-
-    reasoning: str = ""
-    raw: str = ""  # text before the answer, as written
-    content: str = ""
-    calls: List[ToolCall] = field(default_factory=list)
+    if head:
+        content = head + (content or "")
+    elif thought and not content:
+        content = None
+    return Answer(thought, content, calls)
 
 
 class AnswerStream:
@@ -51,14 +51,19 @@ class AnswerStream:
     def __init__(self, tools: Optional[ToolPlan], reasoning: Optional[ReasoningPlan]) -> None:
         self.tools = tools if tools_on(tools) else None
         self.split: Optional[ReasoningStream] = reasoning.stream() if reasoning is not None else None
+        self.separate = reasoning is None or reasoning.separate
         self.answer = ""  # the answer so far (after the thinking)
         self.sent = 0  # characters of the answer given out as content
 
-    def feed(self, text: str, final: bool) -> Delta:
-        out = Delta()
+    def feed(self, text: str, final: bool) -> Answer:
+        out, head = Answer(reasoning=""), ""
         if self.split is not None:
             piece = self.split.feed(text, final=final)
-            out.reasoning, out.raw, text = piece.reasoning, piece.raw, piece.answer
+            text = piece.answer
+            if self.separate:
+                out.reasoning = piece.reasoning
+            else:
+                head = piece.raw
         self.answer += text
         plan = self.tools
         if plan is None:
@@ -71,4 +76,5 @@ class AnswerStream:
             content, out.calls = parse_tool_calls(self.answer, plan)
             out.content = (content or "")[self.sent:] if out.calls else self.answer[self.sent:]
         self.sent += len(out.content)
+        out.content = head + out.content
         return out
