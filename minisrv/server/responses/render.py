@@ -22,7 +22,13 @@ from ..openai.logprobs import PositionedLogprob
 from ..openai.protocol import UsageInfo
 from ..plan.answer import AnswerStream, read_answer
 from ..plan.reasoning_plan import ReasoningPlan
-from ..plan.tools import ToolPlan
+from ..plan.tools import ToolCall, ToolPlan
+
+
+ID_PREFIX = {"reasoning": "rs", "message": "msg", "call": "fc"}  # an output item's kind -> its id's prefix
+EVENTS = {"reasoning": "response.reasoning_text", "message": "response.output_text",  # its text's events
+          "call": "response.function_call_arguments"}
+TEXT_EXTRA = {"reasoning": {"content_index": 0}, "message": {"content_index": 0, "logprobs": []}, "call": {}}
 
 
 def new_id(prefix: str) -> str:
@@ -49,26 +55,26 @@ def status_of(finish_reason: Optional[str]) -> Tuple[str, Optional[Dict[str, Any
     return "completed", None
 
 
-def reasoning_item(item_id: str, text: str, status: str) -> Dict[str, Any]:
-    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}] if text or status != "in_progress" else []}
-
-
-def text_part(text: str) -> Dict[str, Any]:
+def content_part(kind: str, text: str) -> Dict[str, Any]:
+    if kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def message_item(item_id: str, text: str, status: str) -> Dict[str, Any]:
-    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
-            "content": [text_part(text)] if status != "in_progress" else []}
-
-
-def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str,
-              namespaces: Dict[str, str]) -> Dict[str, Any]:
-    item = {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+def output_item(kind: str, item_id: str, text: str, status: str, call: Optional[ToolCall] = None,
+                namespaces: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """An output item of `kind` (reasoning, message or call) holding `text` (a call's arguments); one in progress
+    has no content yet."""
+    if kind == "reasoning":
+        return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+                "content": [content_part(kind, text)] if text or status != "in_progress" else []}
+    if kind == "message":
+        return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+                "content": [content_part(kind, text)] if status != "in_progress" else []}
+    item = {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name, "arguments": text,
             "status": status}
-    if name in namespaces:
-        item["namespace"] = namespaces[name]
+    if call.name in (namespaces or {}):
+        item["namespace"] = namespaces[call.name]
     return item
 
 
@@ -87,7 +93,7 @@ class ResponseRenderer:
         self.answer = AnswerStream(tools, reasoning)
         self.seq = 0
         self.output: List[Dict[str, Any]] = []  # finished items
-        self.open: Optional[Dict[str, Any]] = None  # the item being streamed: its kind, id and text so far
+        self.open: Optional[Dict[str, Any]] = None  # the item being streamed: its kind, id, call and text so far
         self.finish: Optional[str] = None
         self.thought = ""
 
@@ -101,13 +107,12 @@ class ResponseRenderer:
         ch = choices[0]
         a = read_answer(ch.text, self.tools, self.reasoning)
         status, incomplete = status_of(ch.finish_reason)
-        output = []
-        if a.reasoning:
-            output.append(reasoning_item(new_id("rs"), a.reasoning, status))
-        if a.content or not (output or a.calls):
-            output.append(message_item(new_id("msg"), a.content or "", status))
-        for c in a.calls:
-            output.append(call_item(new_id("fc"), c.id, c.name, c.arguments, status, self.namespaces))
+        items = [("reasoning", a.reasoning, None)] if a.reasoning else []
+        if a.content or not (a.reasoning or a.calls):
+            items.append(("message", a.content or "", None))
+        items += [("call", c.arguments, c) for c in a.calls]
+        output = [output_item(kind, new_id(ID_PREFIX[kind]), text, status, call, self.namespaces)
+                  for kind, text, call in items]
         used = usage_of(usage, self.count_tokens(a.reasoning) if a.reasoning else 0)
         return self.frame(output, status, incomplete, used)
 
@@ -121,67 +126,53 @@ class ResponseRenderer:
         return [event_text(e) for e in (self._event("response.created", response=r),
                                         self._event("response.in_progress", response=r))]
 
-    def _open(self, kind: str, item: Dict[str, Any], part: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
-        self.open = {"kind": kind, "id": item["id"], "text": "", "item": item}
-        out = [self._event("response.output_item.added", output_index=len(self.output), item=item)]
-        if part is not None:
-            out.append(self._event("response.content_part.added", output_index=len(self.output), item_id=item["id"],
-                                   content_index=0, part=part))
+    def _item(self, status: str) -> Dict[str, Any]:
+        o = self.open
+        return output_item(o["kind"], o["id"], o["text"], status, o["call"], self.namespaces)
+
+    def _open(self, kind: str, call: Optional[ToolCall] = None) -> List[Dict[str, Any]]:
+        out = self._close()
+        item_id = new_id(ID_PREFIX[kind])
+        self.open = {"kind": kind, "id": item_id, "text": "", "call": call}
+        out.append(self._event("response.output_item.added", output_index=len(self.output),
+                               item=self._item("in_progress")))
+        if kind != "call":
+            out.append(self._event("response.content_part.added", output_index=len(self.output), item_id=item_id,
+                                   content_index=0, part=content_part(kind, "")))
         return out
 
+    def _add(self, kind: str, delta: str, call: Optional[ToolCall] = None) -> List[Dict[str, Any]]:
+        """`delta` added to the open item of `kind` (a new one, where another is open or this is a new call)."""
+        out = self._open(kind, call) if self.open is None or self.open["kind"] != kind or call is not None else []
+        self.open["text"] += delta
+        return out + [self._event(EVENTS[kind] + ".delta", output_index=len(self.output), item_id=self.open["id"],
+                                  delta=delta, **TEXT_EXTRA[kind])]
+
     def _close(self, status: str = "completed") -> List[Dict[str, Any]]:
-        o, out = self.open, []
+        o = self.open
         if o is None:
-            return out
-        at = dict(output_index=len(self.output), item_id=o["id"])
-        if o["kind"] == "reasoning":
-            item = reasoning_item(o["id"], o["text"], status)
-            part = {"type": "reasoning_text", "text": o["text"]}
-            out.append(self._event("response.reasoning_text.done", content_index=0, text=o["text"], **at))
-            out.append(self._event("response.content_part.done", content_index=0, part=part, **at))
-        elif o["kind"] == "message":
-            item = message_item(o["id"], o["text"], status)
-            out.append(self._event("response.output_text.done", content_index=0, text=o["text"], logprobs=[], **at))
-            out.append(self._event("response.content_part.done", content_index=0, part=text_part(o["text"]), **at))
+            return []
+        kind, text, at = o["kind"], o["text"], dict(output_index=len(self.output), item_id=o["id"])
+        if kind == "call":
+            out = [self._event(EVENTS[kind] + ".done", arguments=text, **at)]
         else:
-            item = call_item(o["id"], o["item"]["call_id"], o["item"]["name"], o["text"], status, self.namespaces)
-            out.append(self._event("response.function_call_arguments.done", arguments=o["text"], **at))
+            out = [self._event(EVENTS[kind] + ".done", text=text, **TEXT_EXTRA[kind], **at),
+                   self._event("response.content_part.done", content_index=0, part=content_part(kind, text), **at)]
+        item = self._item(status)
         out.append(self._event("response.output_item.done", output_index=len(self.output), item=item))
         self.output.append(item)
         self.open = None
         return out
 
-    def _text(self, kind: str, delta: str) -> List[Dict[str, Any]]:
-        out: List[Dict[str, Any]] = []
-        if self.open is None or self.open["kind"] != kind:
-            out += self._close()
-            if kind == "reasoning":
-                out += self._open(kind, reasoning_item(new_id("rs"), "", "in_progress"),
-                                  {"type": "reasoning_text", "text": ""})
-            else:
-                out += self._open(kind, message_item(new_id("msg"), "", "in_progress"), text_part(""))
-        self.open["text"] += delta
-        at = dict(output_index=len(self.output), item_id=self.open["id"], content_index=0, delta=delta)
-        if kind == "reasoning":
-            self.thought += delta
-            return out + [self._event("response.reasoning_text.delta", **at)]
-        return out + [self._event("response.output_text.delta", logprobs=[], **at)]
-
     def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
                finish_reason: Optional[str]) -> List[str]:
         d = self.answer.feed(text, finish_reason is not None)
-        out: List[Dict[str, Any]] = []
-        if d.reasoning:
-            out += self._text("reasoning", d.reasoning)
+        self.thought += d.reasoning or ""
+        out = self._add("reasoning", d.reasoning) if d.reasoning else []
         if d.content:
-            out += self._text("message", d.content)
+            out += self._add("message", d.content)
         for call in d.calls:  # a call opens with its id and name, then its arguments
-            out += self._close()
-            item = call_item(new_id("fc"), call.id, call.name, "", "in_progress", self.namespaces)
-            out += self._open("call", item, None)
-            self.open["text"] = call.arguments
-            out.append(self._event("response.function_call_arguments.delta", output_index=len(self.output),
-                                   item_id=self.open["id"], delta=call.arguments))
+            out += self._add("call", call.arguments, call)
         if finish_reason:
             self.finish = finish_reason
         return [event_text(e) for e in out]
@@ -191,8 +182,7 @@ class ResponseRenderer:
         status, incomplete = status_of(self.finish)
         out = self._close(status)
         if not self.output:  # nothing was said at all: an empty message, as the whole response has
-            out += self._open("message", message_item(new_id("msg"), "", "in_progress"), text_part(""))
-            out += self._close()
+            out += self._open("message") + self._close()
         count = self.count_tokens(self.thought) if self.thought else 0
         r = self.frame(self.output, status, incomplete, usage_of(usage, count))
         return [event_text(e) for e in out + [self._event("response.completed", response=r)]]
