@@ -125,7 +125,7 @@ def test_tools_reach_a_model_whose_template_ignores_them(tiny_qwen2_tools):
     import copy
 
     from minisrv.engine.engine import Engine
-    from minisrv.server.plan.tool_prompt import template_reads_tools
+    from minisrv.server.plan.prompt import template_reads_tools
     engine = Engine(model=tiny_qwen2_tools, attention_backend="torch", dtype="float32", log_level="warning",
                     max_total_tokens=4096)
     plain = copy.deepcopy(engine.parts.tokenizer)

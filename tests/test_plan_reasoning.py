@@ -1,6 +1,6 @@
 """Thinking models, the pure parts: the reasoning split (server/plan/reasoning.py), the engine's thinking rule
 (engine/thinking.py: the budget, where the answer starts), the parser's choice and a request's plan
-(server/plan/reasoning_plan.py). The splitter is checked against hand-written splits and, on every way of cutting a
+(the same module). The splitter is checked against hand-written splits and, on every way of cutting a
 text into deltas, against the split of the whole text. Through the chat endpoint: test_reasoning_chat.py.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from minisrv.engine.request import RequestError, SamplingParams
 from minisrv.engine.thinking import ThinkingRule, ThinkingState
-from minisrv.server.plan.reasoning import INSIDE, NONE, OPTIONAL, ReasoningStream, split_reasoning
-from minisrv.server.plan.reasoning_plan import plan_reasoning, resolve_reasoning, thinking_budget
+from minisrv.server.plan.reasoning import (INSIDE, NONE, OPTIONAL, ReasoningStream, plan_reasoning, resolve_reasoning,
+                                          split_reasoning, thinking_budget)
 
 THINK, END = 49152, 49153  # the ids helpers/tiny_qwen3_thinking.py's tokenizer gives <think> and </think>
 

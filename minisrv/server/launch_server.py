@@ -16,7 +16,7 @@ import sys
 from typing import List, NoReturn, Optional
 
 from minisrv.config import EngineConfig, setup_logging
-from minisrv.server.plan.reasoning_plan import PARSERS as REASONING_PARSERS
+from minisrv.server.plan.reasoning import PARSERS as REASONING_PARSERS
 from minisrv.server.plan.tools import PARSERS
 
 from .http.policy import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S, HTTPPolicy, split_list

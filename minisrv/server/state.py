@@ -31,7 +31,7 @@ class ServerState:
     created: int = field(default_factory=now)
     token_text: Optional[TokenText] = None
     tool_call_parser: str = "auto"  # hermes | llama3_json | auto (from the chat template); see plan/tools.py
-    reasoning_parser: Optional[str] = None  # qwen3 | deepseek_r1 | auto | None (plan/reasoning_plan.py)
+    reasoning_parser: Optional[str] = None  # qwen3 | deepseek_r1 | auto | None (plan/reasoning.py)
     prompts: Optional[PromptMaker] = None  # the request plan's view of the tokenizer, made by use_tokenizer
     stopping: bool = False  # the shutdown's grace period is over: what still runs is ended (see stop)
     on_stop: Set[Callable[[], None]] = field(default_factory=set)  # what stop() tells

@@ -14,7 +14,7 @@ from ..generation import Choice
 from ..openai.logprobs import PositionedLogprob
 from ..openai.protocol import UsageInfo
 from ..plan.answer import AnswerStream, read_answer
-from ..plan.reasoning_plan import ReasoningPlan
+from ..plan.reasoning import ReasoningPlan
 from ..plan.tools import ToolCall, ToolPlan
 from ..streaming import sse
 from .protocol import stop_reason

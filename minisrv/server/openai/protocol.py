@@ -103,7 +103,7 @@ class ChatCompletionRequest(_SamplingFields):
     functions: Optional[List[Any]] = None  # the legacy form of tools / tool_choice, mapped onto them
     function_call: Optional[Any] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None  # extra template variables ({"enable_thinking": false})
-    # thinking models (server/plan/reasoning_plan.py): the thinking apart from content, and its budget in tokens
+    # thinking models (server/plan/reasoning.py): the thinking apart from content, and its budget in tokens
     separate_reasoning: StrictBool = True
     thinking_budget: Optional[StrictInt] = None
     custom_params: Optional[Dict[str, Any]] = None  # SGLang's; only its thinking_budget is read

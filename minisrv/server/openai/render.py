@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence
 from ..errors import APIError
 from ..generation import Choice
 from ..plan.answer import AnswerStream, read_answer
-from ..plan.reasoning_plan import ReasoningPlan
+from ..plan.reasoning import ReasoningPlan
 from ..plan.tools import ToolPlan
 from ..streaming import SSE_DONE, sse
 from .logprobs import PositionedLogprob, TokenText, chat_logprobs, completion_logprobs

@@ -19,7 +19,7 @@ from ..errors import APIError
 from ..generation import Generation, serve
 from ..plan.chat import ChatInputs, plan_chat
 from ..plan.prompt import ASYNC_ENCODE_CHARS, off_loop
-from ..plan.reasoning_plan import thinking_budget
+from ..plan.reasoning import thinking_budget
 from ..plan.sampling import OPENAI_NAMES, fields_named, sampling_fields
 from ..state import ServerState
 from .protocol import MAX_CHOICES, ChatCompletionRequest, ChatMessage, CompletionRequest

@@ -19,7 +19,7 @@ from ..engine_proc import EngineDead
 from ..errors import APIError, engine_unavailable
 from ..plan.chat import ChatInputs, plan_chat
 from ..plan.prompt import ASYNC_ENCODE_CHARS, off_loop
-from ..plan.reasoning_plan import chat_template_text
+from ..plan.reasoning import chat_template_text
 from .protocol import ChatMessage
 from .routes import chat_messages
 

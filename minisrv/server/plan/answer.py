@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from .reasoning import ReasoningStream
-from .reasoning_plan import ReasoningPlan
+from .reasoning import ReasoningPlan, ReasoningStream
 from .tools import ToolCall, ToolPlan, content_prefix_len, parse_tool_calls
 
 

@@ -1,7 +1,7 @@
 """The request plan: one chat request, whichever API it came by, into what the engine takes and its renderer needs.
 
 Each chat-shaped API converts its request into `ChatInputs`; `plan_chat` makes the rest the same way for all: the
-tool plan (tools.py), the prompt (prompt.py), the reasoning plan (reasoning_plan.py), the prompt ids and the
+tool plan (tools.py), the prompt (prompt.py), the reasoning plan (reasoning.py), the prompt ids and the
 SamplingParams, checked against the model. A failure is a RequestError (a 400) naming the field as the request
 names it. Without sampling fields (counting a prompt) it stops after the prompt ids."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from minisrv.engine.grammar_check import check_grammar
 from minisrv.engine.request import RequestError, RequestLimits, SamplingParams, check_request
 
 from .prompt import ASYNC_ENCODE_CHARS, PromptMaker, off_loop
-from .reasoning_plan import ReasoningPlan, plan_reasoning
+from .reasoning import ReasoningPlan, plan_reasoning
 from .sampling import CONSTRAINTS, fields_named
 from .tools import ToolPlan, plan_tools
 

@@ -15,8 +15,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from minisrv.engine.request import RequestError
 
-from .reasoning_plan import ReasoningFormat, chat_template_text, resolve_reasoning
-from .tool_prompt import template_reads_tools, with_tool_prompt
+from .reasoning import ReasoningFormat, chat_template_text, resolve_reasoning
 from .tools import parser_for
 
 logger = logging.getLogger("minisrv.server")
@@ -24,6 +23,14 @@ logger = logging.getLogger("minisrv.server")
 ASYNC_ENCODE_CHARS = 16384  # longer texts are tokenized in a worker thread
 # names a client's chat_template_kwargs may not use: the template's own inputs, set by the server
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "chat_template", "tools", "documents"})
+# tools for a template that ignores them (the default SmolLM2's among them: the model would never learn of them): they
+# and the call format go into a system prompt, as llama.cpp's server does, in the hermes format tools.py reads back
+PROBE_MESSAGES = [{"role": "user", "content": "What is the weather?"}]
+PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_tool_name", "description": "probe",
+                                                  "parameters": {"type": "object", "properties": {}}}}]
+TOOL_INSTRUCTIONS = ("You may call the functions below. To call one, answer with only\n"
+                "<tool_call>\n{\"name\": <function name>, \"arguments\": <arguments as a JSON object>}\n</tool_call>\n"
+                "(one block per call). Otherwise, answer normally.\n\nFunctions:\n")
 
 
 async def off_loop(offload: bool, fn: Callable[[], Any]) -> Any:
@@ -38,7 +45,7 @@ class PromptMaker:
     tokenizer: Any
     tool_parser: str = "hermes"  # the tool-call format the template teaches (tools.py)
     reasoning: Optional[ReasoningFormat] = None  # the reasoning parser, None: the model's thinking stays as text
-    tools_in_template: bool = True  # False: the template ignores tools; they go in a system prompt (tool_prompt.py)
+    tools_in_template: bool = True  # False: the template ignores tools; they go in a system prompt (with_tool_prompt)
     max_token_chars: Optional[int] = None  # see max_token_chars(); None: no early length check
 
     @classmethod
@@ -166,3 +173,28 @@ and 80 spaces.) A normalizer can shrink the text, so with one there is no bound.
         return max([len(s) for s in vocab] + [len(a.encode("utf-8")) for a in added])
     except Exception:  # noqa: BLE001 - an unexpected tokenizer: no early check, tokenizing still works
         return None
+
+
+def template_reads_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template puts the tools it is given into the prompt (a probe rendered with and
+    without one tool). A template that fails on the probe counts as reading them: nothing is added then."""
+    try:
+        plain = tokenizer.apply_chat_template(PROBE_MESSAGES, add_generation_prompt=True, tokenize=False)
+        with_tools = tokenizer.apply_chat_template(PROBE_MESSAGES, add_generation_prompt=True, tokenize=False,
+                                                   tools=PROBE_TOOLS)
+    except Exception:  # noqa: BLE001 - no template, or one that needs other messages: leave tools to it
+        return True
+    return plain != with_tools
+
+
+def with_tool_prompt(messages: List[Dict[str, Any]], tools: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The messages with the tools and the call format in the system prompt (added to the first system message, or
+    a new one first)."""
+    listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    text = TOOL_INSTRUCTIONS + listing
+    out = [dict(m) for m in messages]
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = f"{out[0].get('content') or ''}\n\n{text}".lstrip()
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out

@@ -10,8 +10,7 @@ false`, which also keeps only the first call of any answer). A call list cut off
 calls."""
 from __future__ import annotations
 
-import dataclasses
-
+import functools
 import json
 import re
 import uuid
@@ -22,7 +21,7 @@ from minisrv.engine.grammar_check import grammar_error
 from minisrv.engine.request import RequestError
 
 PARSERS = ("auto", "hermes", "llama3_json")
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+HERMES_OPEN = "<tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
@@ -89,12 +88,6 @@ def plan_tools(tools: Optional[List[Any]], tool_choice: Any, functions: Optional
     `parallel`: the request's parallel_tool_calls (None: not given, calls may be parallel)."""
     if parallel is not None and not tools and not functions:
         raise RequestError("parallel_tool_calls is only allowed when tools are given", "parallel_tool_calls")
-    plan = _plan_tools(tools, tool_choice, functions, function_call, parser, parallel is not False)
-    return dataclasses.replace(plan, legacy=True) if functions is not None else plan
-
-
-def _plan_tools(tools: Optional[List[Any]], tool_choice: Any, functions: Optional[List[Any]],
-                function_call: Any, parser: str, parallel: bool) -> ToolPlan:
     if functions is not None:
         if tools is not None:
             raise RequestError("give tools or the legacy functions, not both", "functions")
@@ -104,10 +97,11 @@ def _plan_tools(tools: Optional[List[Any]], tool_choice: Any, functions: Optiona
                 {"type": "function", "function": {"name": (function_call or {}).get("name")}}
     elif function_call is not None:
         raise RequestError("function_call needs functions", "function_call")
+    plan = functools.partial(ToolPlan, parser=parser, legacy=functions is not None, parallel=parallel is not False)
     if not tools:
         if tool_choice is not None:  # as OpenAI answers, "none" and "auto" included
             raise RequestError("tool_choice is only allowed when tools are given", "tool_choice")
-        return ToolPlan(None, "off", [], parser=parser, parallel=parallel)
+        return plan(None, "off", [])
     if not isinstance(tools, list):
         raise RequestError("tools must be a list", "tools")
     fns = [_function_of(t, i) for i, t in enumerate(tools)]
@@ -116,25 +110,21 @@ def _plan_tools(tools: Optional[List[Any]], tool_choice: Any, functions: Optiona
         raise RequestError("tool names must be unique", "tools")
     template_tools = [{"type": "function", "function": f} for f in fns]
     choice = "auto" if tool_choice is None else tool_choice
-    if choice == "none":
-        return ToolPlan(None, "off", names, parser=parser, parallel=parallel)
-    if choice == "auto":
-        return ToolPlan(template_tools, "auto", names, parser=parser, parallel=parallel)
+    if choice in ("none", "auto"):
+        return plan(None if choice == "none" else template_tools, "off" if choice == "none" else "auto", names)
     if choice == "required":
         any_call = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": f["parameters"]},
                      "required": ["name", "parameters"]} for f in fns]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": any_call}}
-        if not parallel:
+        if parallel is False:
             schema["maxItems"] = 1
-        return ToolPlan(template_tools, "required", names, json.dumps(schema), parser=parser, parallel=parallel)
+        return plan(template_tools, "required", names, json.dumps(schema))
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in names:
             raise RequestError(f"tool_choice names the function {name!r}, which is not among the tools",
                                "tool_choice")
-        params = fns[names.index(name)]["parameters"]
-        return ToolPlan(template_tools, "named", names, json.dumps(params), named=name, parser=parser,
-                        parallel=parallel)
+        return plan(template_tools, "named", names, json.dumps(fns[names.index(name)]["parameters"]), named=name)
     raise RequestError("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                        "\"function\": {\"name\": ...}}", "tool_choice")
 
