@@ -30,6 +30,8 @@ logger = logging.getLogger("minisrv.server")
 
 # the stop_reason of an engine finish_reason (a "stop" that matched a stop string is "stop_sequence")
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
+USER_BLOCKS = ("text", "tool_result")  # the content blocks each role may send
+ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
 
 
 class AnthropicMessage(BaseModel):
@@ -92,71 +94,52 @@ def text_blocks(content: Any, where: str) -> str:
     return "\n".join(parts)
 
 
-def _user_messages(content: Any, where: str) -> List[Dict[str, Any]]:
+def _chat_messages(role: str, content: Any, where: str) -> List[Dict[str, Any]]:
+    """One user or assistant message as chat messages: a user's text blocks (consecutive ones joined) and tool
+    results in their order; an assistant's text, tool calls and thinking as one message."""
     if isinstance(content, str):
-        return [{"role": "user", "content": content}]
+        return [{"role": role, "content": content}]
+    own = USER_BLOCKS if role == "user" else ASSISTANT_BLOCKS
     out: List[Dict[str, Any]] = []
-    texts: List[str] = []
-
-    def flush() -> None:
-        if texts:
-            out.append({"role": "user", "content": "\n".join(texts)})
-            texts.clear()
-
-    for j, block in enumerate(content):
-        at = f"{where}.content[{j}]"
-        kind = _block_type(block, at)
-        if kind == "text":
-            texts.append(_text_of(block, at))
-        elif kind == "tool_result":
-            flush()
-            call_id = block.get("tool_use_id")
-            if not isinstance(call_id, str):
-                raise _bad(f"{at}: a tool_result block needs a string tool_use_id")
-            result = text_blocks(block.get("content", ""), f"{at}.content")
-            if block.get("is_error"):
-                result = "Error: " + result
-            out.append({"role": "tool", "tool_call_id": call_id, "content": result})
-        elif kind in ("tool_use", "thinking", "redacted_thinking"):
-            raise _bad(f"{at}: a {kind} block belongs in an assistant message")
-        else:
-            raise _bad(f"{at}: unsupported content block type {kind!r}")
-    flush()
-    return out
-
-
-def _assistant_message(content: Any, where: str) -> Dict[str, Any]:
-    if isinstance(content, str):
-        return {"role": "assistant", "content": content}
     texts: List[str] = []
     thinking: List[str] = []
     calls: List[Dict[str, Any]] = []
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = _block_type(block, at)
+        if kind not in own:
+            if kind in USER_BLOCKS + ASSISTANT_BLOCKS:
+                raise _bad(f"{at}: a {kind} block belongs in {'an assistant' if role == 'user' else 'a user'} "
+                           "message")
+            raise _bad(f"{at}: unsupported content block type {kind!r}")
         if kind == "text":
             texts.append(_text_of(block, at))
+        elif kind == "tool_result":
+            if texts:
+                out.append({"role": "user", "content": "\n".join(texts)})
+                texts = []
+            call_id = block.get("tool_use_id")
+            if not isinstance(call_id, str):
+                raise _bad(f"{at}: a tool_result block needs a string tool_use_id")
+            result = text_blocks(block.get("content", ""), f"{at}.content")
+            out.append({"role": "tool", "tool_call_id": call_id,
+                        "content": "Error: " + result if block.get("is_error") else result})
         elif kind == "tool_use":
             name, call_id, args = block.get("name"), block.get("id"), block.get("input", {})
             if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(args, dict):
                 raise _bad(f"{at}: a tool_use block needs a string id and name and an object input")
             calls.append({"id": call_id, "type": "function",
                           "function": {"name": name, "arguments": json.dumps(args)}})
-        elif kind == "thinking":
-            if isinstance(block.get("thinking"), str):
-                thinking.append(block["thinking"])
-        elif kind == "redacted_thinking":
-            continue
-        elif kind == "tool_result":
-            raise _bad(f"{at}: a tool_result block belongs in a user message")
-        else:
-            raise _bad(f"{at}: unsupported content block type {kind!r}")
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):  # redacted_thinking is dropped
+            thinking.append(block["thinking"])
+    if role == "user":
+        return out + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
     msg: Dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if calls:
         msg["tool_calls"] = calls
     if thinking:
         msg["reasoning_content"] = "\n".join(thinking)
-    return msg
+    return [msg]
 
 
 def _tools(tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[str, Any]]]:
@@ -220,12 +203,10 @@ def chat_inputs(body: CountTokensRequest, reasoning_parser: bool,
             messages.append({"role": "system", "content": system})
     for i, msg in enumerate(body.messages):
         where = f"messages[{i}]"
-        if msg.role == "user":
-            messages += _user_messages(msg.content, where)
-        elif msg.role == "system":
+        if msg.role == "system":
             messages.append({"role": "system", "content": text_blocks(msg.content, f"{where}.content")})
         else:
-            messages.append(_assistant_message(msg.content, where))
+            messages += _chat_messages(msg.role, msg.content, where)
     tools = _tools(body.tools)
     choice, parallel = _tool_choice(body.tool_choice)
     if body.tools and not tools:  # all of them left out: nothing to choose among
