@@ -1,6 +1,6 @@
-"""What one request may send and hold (server/http/body.py, the gate's limits): the body's size (413, from its
-Content-Length or as a chunked body arrives), the choices cap, the enforced length limit that /v1/models reports,
-and /health answering fast from another connection while the server handles the heaviest bodies.
+"""What one request may send and hold (server/http/gate.py: its limits, the guarded body): the body's size (413,
+from its Content-Length or as a chunked body arrives), the choices cap, the enforced length limit that /v1/models
+reports, and /health answering fast from another connection while the server handles the heaviest bodies.
 """
 from __future__ import annotations
 

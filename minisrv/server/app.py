@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from .anthropic import routes as anthropic
-from .errors import ENGINE_UNAVAILABLE, SERVER, error_response, install_error_handlers
+from .errors import engine_unavailable, install_error_handlers
 from .http.gate import Gate
 from .openai import routes as openai
 from .openai import tokenizer
@@ -39,7 +39,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def health() -> Response:
         if state.ready:
             return JSONResponse({"status": "ok"})
-        return error_response(503, "the engine is not ready", SERVER, code=ENGINE_UNAVAILABLE)
+        return engine_unavailable().response()
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -72,18 +72,13 @@ class ClientGone(Exception):
     """The client disconnected before its answer began (a whole answer, or a stream's first bytes)."""
 
 
-def error_response(status: int, message: str, type: str = INVALID, param: Optional[str] = None,
-                   code: Optional[str] = None, path: str = "") -> JSONResponse:
-    return APIError(status, message, type, param, code).response(path)
-
-
 def from_request_error(e: RequestError) -> APIError:
     """A request that cannot be served as asked (SamplingParams, check_request, or the engine's refusal)."""
     return APIError(400, str(e), param=e.param, code=e.code)
 
 
-def engine_unavailable(message: str = "") -> APIError:
-    return APIError(503, message or "the engine is not available", SERVER, code=ENGINE_UNAVAILABLE)
+def engine_unavailable(message: str = "the engine is not ready (still loading, or stopped)") -> APIError:
+    return APIError(503, message, SERVER, code=ENGINE_UNAVAILABLE)
 
 
 def server_shutdown(close: bool = False) -> APIError:
@@ -115,32 +110,26 @@ def validation_message(exc: Union[RequestValidationError, ValidationError]) -> T
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer every exception that leaves a route in OpenAI's shape (Anthropic's under ANTHROPIC_PATH)."""
+    """Answer every exception that leaves a route in OpenAI's shape (Anthropic's under ANTHROPIC_PATH); a client
+    that left gets a 499."""
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return e.response(request.url.path)
+    async def answer(request: Request, e: Exception) -> Response:
+        if isinstance(e, (ClientGone, ClientDisconnect)):  # ClientDisconnect: gone while its body was being read
+            return Response(status_code=499)
+        if isinstance(e, APIError):
+            error = e
+        elif isinstance(e, RequestError):
+            error = from_request_error(e)
+        elif isinstance(e, RequestValidationError):
+            msg, param = validation_message(e)
+            error = APIError(400, msg, param=param)
+        elif isinstance(e, StarletteHTTPException):
+            error = APIError(e.status_code, str(e.detail), INVALID if e.status_code < 500 else SERVER)
+        else:
+            logger.exception("unhandled error on %s", request.url.path)
+            error = APIError(500, f"internal server error: {type(e).__name__}: {e}", SERVER)
+        return error.response(request.url.path)
 
-    @app.exception_handler(RequestError)
-    async def _request_error(request: Request, e: RequestError) -> JSONResponse:
-        return from_request_error(e).response(request.url.path)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        msg, param = validation_message(e)
-        return error_response(400, msg, param=param, path=request.url.path)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(e.status_code, str(e.detail), INVALID if e.status_code < 500 else SERVER,
-                              path=request.url.path)
-
-    @app.exception_handler(ClientGone)
-    @app.exception_handler(ClientDisconnect)  # gone while its body was being read
-    async def _gone(request: Request, e: Exception) -> Response:
-        return Response(status_code=499)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
-        return error_response(500, f"internal server error: {type(e).__name__}: {e}", SERVER, path=request.url.path)
+    for kind in (APIError, RequestError, RequestValidationError, StarletteHTTPException, ClientGone,
+                 ClientDisconnect, Exception):
+        app.add_exception_handler(kind, answer)

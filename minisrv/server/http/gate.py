@@ -15,8 +15,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
-from ..errors import ENGINE_UNAVAILABLE, SERVER, APIError, error_response
-from .body import GuardedBody, too_large
+from ..errors import SERVER, APIError, engine_unavailable, server_shutdown
 from .headers import (JSON_MEDIA_TYPE, authorized, declared_length, has_body, header, header_values, is_json,
                       is_preflight, request_id, requested_headers, with_headers)
 from .policy import REQUEST_ID, Headers, HTTPPolicy
@@ -61,8 +60,7 @@ class Gate:
                                  "(or 'x-api-key: <key>').",
                             code="invalid_api_key")
         if not self.state.ready and (path.startswith("/v1/") or path in ENGINE_PATHS):
-            return APIError(503, "the engine is not ready (still loading, or stopped)", SERVER,
-                            code=ENGINE_UNAVAILABLE)
+            return engine_unavailable()
         if scope.get("method") in BODY_METHODS:
             ctype = header(scope, b"content-type")
             if not is_json(ctype):
@@ -115,7 +113,7 @@ class Gate:
             if status["code"] != 499:
                 raise  # the response has begun: nothing else can be said on it
             status["code"] = 500
-            await error_response(500, "internal server error", SERVER, path=path)(scope, receive, send)
+            await APIError(500, "internal server error", SERVER).response(path)(scope, receive, send)
         finally:
             metrics.count_http(path, status["code"])
 
@@ -131,3 +129,60 @@ class Gate:
             headers.append((b"connection", b"close"))  # the body is not read
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b""})
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
+                    code="request_too_large", close=True)
+
+
+class GuardedBody:
+    """The `receive` a route gets: while the body is read, at most `limit` bytes (413), all within `timeout` seconds of the
+request's start (408), and a 503 if the server stops meanwhile; once the body is complete, `receive` itself."""
+
+    def __init__(self, receive: Callable, state: "ServerState", limit: int, timeout: float) -> None:
+        self.receive, self.state, self.limit = receive, state, limit
+        self.loop = asyncio.get_running_loop()
+        self.deadline = self.loop.time() + timeout
+        self.timeout = timeout
+        self.received = 0
+        self.complete = False
+
+    async def __call__(self) -> Dict[str, Any]:
+        if self.complete:
+            return await self.receive()
+        if self.state.stopping:
+            raise server_shutdown(close=True)
+        remaining = self.deadline - self.loop.time()
+        if remaining <= 0:
+            raise self.timed_out()
+        part = asyncio.ensure_future(self.receive())
+        stop = self.loop.create_future()
+
+        def on_stop() -> None:
+            if not stop.done():
+                stop.set_result(None)
+
+        self.state.on_stop.add(on_stop)
+        try:
+            done, _ = await asyncio.wait({part, stop}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.state.on_stop.discard(on_stop)
+            stop.cancel()
+            if not part.done():
+                part.cancel()
+        if part not in done:
+            raise server_shutdown(close=True) if stop in done else self.timed_out()
+        msg = part.result()
+        if msg["type"] == "http.request":
+            self.received += len(msg.get("body", b""))
+            if self.received > self.limit:
+                raise too_large(self.limit)
+            self.complete = not msg.get("more_body", False)
+        else:  # http.disconnect
+            self.complete = True
+        return msg
+
+    def timed_out(self) -> APIError:
+        return APIError(408, f"the request body did not arrive within {self.timeout:g} seconds",
+                        code="request_timeout", close=True)

@@ -5,7 +5,7 @@ unparsable request's 400), where uvicorn answers plain text.
 Read deadline. uvicorn closes an idle keep-alive connection, but any byte cancels that timer and a fresh connection
 has none: a client that sends a byte now and then holds its connection (and a --limit-concurrency slot) forever.
 `deadline_protocol` arms a timer when a connection opens and after each response, and closes the connection if no
-route is at work when it fires; a running route times its own body reads (body.GuardedBody, a 408).
+route is at work when it fires; a running route times its own body reads (gate.GuardedBody, a 408).
 
 Graceful shutdown. uvicorn waits for running requests, then cancels them: streams end with no last event and a
 traceback is logged. `GracefulServer` gives them `grace` seconds, then calls ServerState.stop(): generations end

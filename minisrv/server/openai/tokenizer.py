@@ -75,7 +75,7 @@ def _tokenizer(state: "ServerState") -> Any:
     """The tokenizer, or a 503 (the Gate answers so before a route while the engine loads; this covers a route
     that was already running)."""
     if state.tokenizer is None or state.info is None:
-        raise engine_unavailable("the engine is not ready (still loading, or stopped)")
+        raise engine_unavailable()
     return state.tokenizer
 
 
