@@ -13,7 +13,7 @@ import pytest
 from minisrv.engine.request import RequestError, SamplingParams
 from minisrv.engine.thinking import ThinkingRule, ThinkingState
 from minisrv.server.plan.reasoning import (INSIDE, NONE, OPTIONAL, ReasoningStream, plan_reasoning, resolve_reasoning,
-                                          split_reasoning, thinking_budget)
+                                          thinking_budget)
 
 THINK, END = 49152, 49153  # the ids helpers/tiny_qwen3_thinking.py's tokenizer gives <think> and </think>
 
@@ -31,9 +31,25 @@ THINK, END = 49152, 49153  # the ids helpers/tiny_qwen3_thinking.py's tokenizer 
     (NONE, "<think>x</think>y", None, "<think>x</think>y"),  # the prompt closed the thinking
 ])
 def test_split_whole_texts(mode: str, text: str, reasoning: Optional[str], answer: str) -> None:
-    s = split_reasoning(text, mode)
-    assert (s.reasoning, s.answer) == (reasoning, answer)
-    assert s.raw + s.answer == text  # separate_reasoning false shows this
+    for split in (split_reasoning(text, mode), _streamed(mode, [text])):  # the reference, and one final delta
+        assert (split[0] if split[3] else None, split[1]) == (reasoning, answer)
+        assert split[2] + split[1] == text  # separate_reasoning false shows this
+
+
+def split_reasoning(text: str, mode: str) -> Tuple[str, str, str, bool]:
+    """The reference split of a whole text: (reasoning, answer, the text before the answer, whether it thought)."""
+    if mode == NONE:
+        return "", text, "", False
+    body = text.lstrip()
+    if body.startswith("<think>"):
+        body = body[len("<think>"):]
+    elif mode == OPTIONAL:
+        return "", text, "", False
+    at = body.find("</think>")
+    if at < 0:  # cut off inside the thinking: all of it is reasoning
+        return body.strip(), "", text, True
+    answer = body[at + len("</think>"):].lstrip()
+    return body[:at].strip(), answer, text[:len(text) - len(answer)], True
 
 
 TEXTS = ["<think>abc</think>ans", "  <think>\n a b \n</think>\n\n answer x ", "<think>abc", "abc</think>x", "<thi",
@@ -55,8 +71,7 @@ def test_stream_equals_whole_however_cut(mode: str) -> None:
     """Every text, one character a delta and in random cuts: the pieces join to the whole text's split."""
     rng = random.Random(7)
     for text in TEXTS:
-        whole = split_reasoning(text, mode)
-        expect = (whole.reasoning or "", whole.answer, whole.raw, whole.reasoning is not None)
+        expect = split_reasoning(text, mode)
         cuts = [list(text) or [""]] + [_random_cut(rng, text) for _ in range(60)]
         for parts in cuts:
             assert _streamed(mode, parts) == expect, (text, parts)

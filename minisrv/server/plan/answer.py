@@ -15,7 +15,7 @@ from .tools import ToolCall, ToolPlan, content_prefix_len, parse_tool_calls
 class Answer:
     """A whole output, or what one piece of a streamed one adds (`calls` only with the last piece)."""
 
-    reasoning: Optional[str] = None  # the thinking, stripped (None: it did not think, or it is not split off)
+    reasoning: str = ""  # the thinking, stripped (none where it is not split off)
     content: Optional[str] = ""  # the answer less its tool calls (None: it only thought, or nothing but calls)
     calls: List[ToolCall] = field(default_factory=list)
 
@@ -25,23 +25,11 @@ def tools_on(tools: Optional[ToolPlan]) -> bool:
 
 
 def read_answer(text: str, tools: Optional[ToolPlan], reasoning: Optional[ReasoningPlan]) -> Answer:
-    thought, head, answer = None, "", text
-    if reasoning is not None:
-        split = reasoning.split(text)
-        answer = split.answer
-        if reasoning.separate:
-            thought = split.reasoning
-        else:
-            head = split.raw
-    content: Optional[str] = answer
-    calls: List[ToolCall] = []
-    if tools_on(tools):
-        content, calls = parse_tool_calls(answer, tools)
-    if head:
-        content = head + (content or "")
-    elif thought and not content:
-        content = None
-    return Answer(thought, content, calls)
+    """A whole output: read as a stream of one piece."""
+    a = AnswerStream(tools, reasoning).feed(text, final=True)
+    if not a.content and (a.reasoning or a.calls):
+        a.content = None
+    return a
 
 
 class AnswerStream:
@@ -55,7 +43,7 @@ class AnswerStream:
         self.sent = 0  # characters of the answer given out as content
 
     def feed(self, text: str, final: bool) -> Answer:
-        out, head = Answer(reasoning=""), ""
+        out, head = Answer(), ""
         if self.split is not None:
             piece = self.split.feed(text, final=final)
             text = piece.answer

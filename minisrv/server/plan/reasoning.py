@@ -8,18 +8,20 @@ prompt (`plan_reasoning` decides, below):
   OPTIONAL  the model decides (Qwen3): it thinks only if its output starts with `<think>`.
   NONE      the prompt closed it (Qwen3 with enable_thinking false): all answer.
 
-The reasoning is stripped of the whitespace around it, the answer of that after `</think>`, as SGLang does;
-`Split.raw` keeps the text before the answer as written (for `separate_reasoning: false`). `ReasoningStream` gives
-exactly the split of the whole text, however it is cut into deltas: a tail that could be a tag's start is held back
-until the next delta settles it, and the reasoning's trailing whitespace until more reasoning follows.
+The reasoning is stripped of the whitespace around it, the answer of that after `</think>`, as SGLang does; `raw`
+keeps the text before the answer as written (for `separate_reasoning: false`). `ReasoningStream` splits a text as it
+arrives, and gives the same split however the text is cut into deltas (a whole text is one final delta): a tail that
+could be a tag's start is held back until the next delta settles it, and the reasoning's trailing whitespace until
+more reasoning follows.
 
-Which parser the server uses (`--reasoning-parser`), and what it means for one chat request: at startup, `resolve_reasoning` turns the flag into a `ReasoningFormat` (qwen3 or deepseek_r1, and the token ids of
-`<think>` and `</think>`). `auto` reads the chat template: a generation prompt that already ends with `<think>` means
-the model starts inside its thinking (deepseek_r1: DeepSeek-R1 and its distills, Qwen3-Thinking-2507); one that
-otherwise mentions the tags or `enable_thinking` lets the model open it (qwen3); any other means a model that does not
-think. The tags must be single tokens whose text survives decoding: the engine finds the end of the thinking by id,
-to force it (a thinking budget) and to start a grammar after it. An explicit parser whose tokenizer lacks them fails
-the startup; `auto` then falls back to none, with a warning.
+Which parser the server uses (`--reasoning-parser`), and what it means for one chat request: at startup,
+`resolve_reasoning` turns the flag into a `ReasoningFormat` (qwen3 or deepseek_r1, and the token ids of `<think>` and
+`</think>`). `auto` reads the chat template: a generation prompt that already ends with `<think>` means the model
+starts inside its thinking (deepseek_r1: DeepSeek-R1 and its distills, Qwen3-Thinking-2507); one that otherwise
+mentions the tags or `enable_thinking` lets the model open it (qwen3); any other means a model that does not think.
+The tags must be single tokens whose text survives decoding: the engine finds the end of the thinking by id, to force
+it (a thinking budget) and to start a grammar after it. An explicit parser whose tokenizer lacks them fails the
+startup; `auto` then falls back to none, with a warning.
 
 Per request, `plan_reasoning` reads the templated prompt: one that ends with `</think>` closed the thinking (the
 output is all answer, the engine gets no rule), one that ends with `<think>` opened it, otherwise the style decides.
@@ -36,29 +38,6 @@ from minisrv.engine.thinking import ThinkingRule
 START, END = "<think>", "</think>"
 INSIDE, OPTIONAL, NONE = "inside", "optional", "none"  # where the output's thinking starts (see above)
 _BEFORE, _THINKING, _ANSWER = 0, 1, 2  # ReasoningStream's phases
-
-
-@dataclass
-class Split:
-
-    reasoning: Optional[str]  # the thinking, stripped; None when the output did not think
-    answer: str  # what follows it (all of the text when it did not think)
-    raw: str = ""  # the text before the answer as written (tags, whitespace): text == raw + answer
-
-
-def split_reasoning(text: str, mode: str, start: str = START, end: str = END) -> Split:
-    if mode == NONE:
-        return Split(None, text)
-    body = text.lstrip()
-    if body.startswith(start):
-        body = body[len(start):]
-    elif mode == OPTIONAL:
-        return Split(None, text)
-    at = body.find(end)
-    if at < 0:  # cut off inside the thinking: all of it is reasoning
-        return Split(body.strip(), "", text)
-    answer = body[at + len(end):].lstrip()
-    return Split(body[:at].strip(), answer, text[:len(text) - len(answer)])
 
 
 @dataclass
@@ -82,7 +61,7 @@ def _partial(text: str, tag: str) -> int:
 
 class ReasoningStream:
     """Splits one output as its text arrives: `feed` each delta (final=True with the last), collect the pieces.
-    The pieces of each part, joined, are that part of `split_reasoning` of the whole text."""
+    However the text is cut, the pieces of each part join to the same split (a whole text: one final feed)."""
 
     def __init__(self, mode: str, start: str = START, end: str = END) -> None:
         self.mode, self.start, self.end = mode, start, end
@@ -184,9 +163,6 @@ class ReasoningPlan:
     separate: bool = True  # separate_reasoning: false leaves the thinking in content
     start: str = START
     end: str = END
-
-    def split(self, text: str) -> Split:
-        return split_reasoning(text, self.mode, self.start, self.end)
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self.mode, self.start, self.end)
