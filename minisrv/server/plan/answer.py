@@ -37,7 +37,7 @@ class AnswerStream:
 
     def __init__(self, tools: Optional[ToolPlan], reasoning: Optional[ReasoningPlan]) -> None:
         self.tools = tools if tools_on(tools) else None
-        self.split: Optional[ReasoningStream] = reasoning.stream() if reasoning is not None else None
+        self.split = ReasoningStream(reasoning.mode) if reasoning is not None else None
         self.separate = reasoning is None or reasoning.separate
         self.answer = ""  # the answer so far (after the thinking)
         self.sent = 0  # characters of the answer given out as content

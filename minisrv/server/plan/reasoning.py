@@ -63,8 +63,8 @@ class ReasoningStream:
     """Splits one output as its text arrives: `feed` each delta (final=True with the last), collect the pieces.
     However the text is cut, the pieces of each part join to the same split (a whole text: one final feed)."""
 
-    def __init__(self, mode: str, start: str = START, end: str = END) -> None:
-        self.mode, self.start, self.end = mode, start, end
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
         self.phase = _ANSWER if mode == NONE else _BEFORE
         self.thought = False  # whether the output has a thinking part
         self.answer = ""  # the answer so far
@@ -74,7 +74,7 @@ class ReasoningStream:
         self._answer_lead = False  # whitespace at the answer's start is dropped (after `</think>`)
 
     def feed(self, text: str, final: bool = False) -> Piece:
-        if not self._buf and not final and self.phase != _BEFORE and self.end[0] not in text:
+        if not self._buf and not final and self.phase != _BEFORE and END[0] not in text:
             # the usual piece: nothing held back, and no tag can start in it (the general loop below gives the same)
             if self.phase == _THINKING:
                 reasoning: List[str] = []
@@ -91,24 +91,24 @@ class ReasoningStream:
             buf = self._buf
             if self.phase == _BEFORE:
                 body = buf.lstrip()
-                if body.startswith(self.start):
-                    cut = len(buf) - len(body) + len(self.start)
+                if body.startswith(START):
+                    cut = len(buf) - len(body) + len(START)
                     raw.append(buf[:cut])
                     self._buf, self.phase, self.thought = buf[cut:], _THINKING, True
                     continue
-                if not final and self.start.startswith(body):  # nothing yet, or a `<think>` arriving
+                if not final and START.startswith(body):  # nothing yet, or a `<think>` arriving
                     break
                 self.phase = _THINKING if self.mode == INSIDE else _ANSWER
                 self.thought = self.mode == INSIDE
                 continue
             if self.phase == _THINKING:
-                at = buf.find(self.end)
+                at = buf.find(END)
                 if at >= 0:
                     self._think(buf[:at], reasoning, closing=True)
-                    raw.append(buf[:at + len(self.end)])
-                    self._buf, self.phase, self._answer_lead = buf[at + len(self.end):], _ANSWER, True
+                    raw.append(buf[:at + len(END)])
+                    self._buf, self.phase, self._answer_lead = buf[at + len(END):], _ANSWER, True
                     continue
-                take = buf[:len(buf) - (0 if final else _partial(buf, self.end))]
+                take = buf[:len(buf) - (0 if final else _partial(buf, END))]
                 self._think(take, reasoning, closing=final)
                 raw.append(take)
                 self._buf = buf[len(take):]
@@ -151,8 +151,6 @@ class ReasoningFormat:
     name: str  # qwen3 | deepseek_r1
     start_id: int
     end_id: int
-    start: str = START
-    end: str = END
 
 
 @dataclass(frozen=True)
@@ -161,11 +159,6 @@ class ReasoningPlan:
 
     mode: str  # reasoning.INSIDE | OPTIONAL | NONE
     separate: bool = True  # separate_reasoning: false leaves the thinking in content
-    start: str = START
-    end: str = END
-
-    def stream(self) -> ReasoningStream:
-        return ReasoningStream(self.mode, self.start, self.end)
 
 
 def chat_template_text(tokenizer: Any) -> Optional[str]:
@@ -247,13 +240,13 @@ def plan_reasoning(fmt: Optional[ReasoningFormat], prompt: str, separate: bool,
             raise RequestError("thinking_budget needs a server started with --reasoning-parser", "thinking_budget")
         return None, None
     tail = prompt.rstrip()
-    if tail.endswith(fmt.end):
+    if tail.endswith(END):
         mode = NONE
-    elif tail.endswith(fmt.start) or STARTS_INSIDE[fmt.name]:
+    elif tail.endswith(START) or STARTS_INSIDE[fmt.name]:
         mode = INSIDE
     else:
         mode = OPTIONAL
-    plan = ReasoningPlan(mode, separate, fmt.start, fmt.end)
+    plan = ReasoningPlan(mode, separate)
     if mode == NONE:
         return plan, None
     return plan, ThinkingRule(fmt.end_id, fmt.start_id, mode == INSIDE, budget)
