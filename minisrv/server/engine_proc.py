@@ -149,7 +149,6 @@ class EngineClient:
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        self.info: Optional[EngineInfo] = None
         self.stats: Dict[str, Any] = {}
         self.ready = False
         self.dead = False
@@ -181,19 +180,17 @@ class EngineClient:
             if await self._recv.poll(200):
                 msg = await self._recv.recv_pyobj()
                 if isinstance(msg, EngineReady):
-                    self.info = msg.info
                     break
                 if isinstance(msg, StartupFailed):
                     await self._reap()
                     raise RuntimeError(msg.detail)
             elif not self._proc.is_alive():
-                code = self._proc.exitcode
-                raise RuntimeError(f"the engine process exited during startup (exit code {code})")
+                raise RuntimeError(f"the engine process exited during startup (exit code {self._proc.exitcode})")
         self.ready = True
         self._tasks = [asyncio.create_task(self._recv_loop(), name="engine-recv"),
                        asyncio.create_task(self._send_loop(), name="engine-send"),
                        asyncio.create_task(self._watchdog(), name="engine-watchdog")]
-        return self.info
+        return msg.info
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Ask the engine to stop, then terminate/kill it if it does not; always reaps it (no zombie)."""

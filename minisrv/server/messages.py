@@ -107,6 +107,3 @@ class CacheFlushed:
     """The answer to FlushCache(token): ok is False when requests were queued or running (nothing was flushed)."""
     token: int
     ok: bool
-
-
-FromEngine = Union[EngineReady, StartupFailed, StepOutputs, Rejected, EngineStats, CacheFlushed]

@@ -69,7 +69,6 @@ class CompletionRenderer(OpenAIStream):
     def opening(self, choice: Choice) -> List[str]:
         if self.echo_logprobs or not choice.prefix:
             return []  # with prompt logprobs the echo waits for them (they come with the first output)
-        choice.opened = True
         return [self._chunk(choice.index, choice.prefix, None, None)]
 
     def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],

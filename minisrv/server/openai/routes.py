@@ -77,18 +77,14 @@ def chat_messages(messages: List[ChatMessage]) -> List[Dict[str, Any]]:
     msgs = []
     for i, msg in enumerate(messages):
         d = msg.model_dump(exclude_none=True)
-        content = msg.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(400, f"messages[{i}]: only text content parts are supported, got {part.type!r}",
-                                   param="messages")
-                parts.append(part.text)
-            content = "".join(parts)
-        d["content"] = content or ""
-        if d["role"] == "developer":
-            d["role"] = "system"
+        if isinstance(msg.content, list):
+            other = next((part.type for part in msg.content if part.type != "text" or part.text is None), None)
+            if other is not None:
+                raise APIError(400, f"messages[{i}]: only text content parts are supported, got {other!r}",
+                               param="messages")
+            d["content"] = "".join(part.text for part in msg.content)
+        d["content"] = d.get("content") or ""
+        d["role"] = "system" if d["role"] == "developer" else d["role"]
         msgs.append(d)
     return msgs
 

@@ -61,15 +61,11 @@ class ResponsesRequest(BaseModel):
 
 def chat_inputs(req: ResponsesRequest) -> ChatInputs:
     """The plan's inputs for a Responses request; raises a 400 (APIError) for what cannot be served."""
-    if req.previous_response_id is not None:
-        raise APIError(400, "previous_response_id needs a stored response, and this server stores none: send the "
-                            "whole conversation in input", param="previous_response_id")
-    if req.conversation is not None:
-        raise APIError(400, "conversation needs stored conversations, and this server stores none: send the whole "
-                            "conversation in input", param="conversation")
-    if req.background:
-        raise APIError(400, "background responses need stored responses, and this server stores none",
-                       param="background")
+    for param, why in (("previous_response_id", "needs a stored response"), ("conversation",
+                       "needs stored conversations"), ("background", "responses need stored responses")):
+        if getattr(req, param) not in (None, False):
+            hint = "" if param == "background" else ": send the whole conversation in input"
+            raise APIError(400, f"{param} {why}, and this server stores none{hint}", param=param)
     messages: List[Dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
