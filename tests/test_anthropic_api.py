@@ -14,7 +14,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from minisrv.server.anthropic.protocol import CountTokensRequest, chat_inputs
+from minisrv.server.anthropic.routes import CountTokensRequest, chat_inputs
 from minisrv.server.errors import APIError
 from minisrv.server.messages import EngineInfo
 from minisrv.server.app import create_app

@@ -15,8 +15,8 @@ from typing import Any, Dict, List
 import pytest
 
 from minisrv.engine.request import RequestError
-from minisrv.server.anthropic.protocol import CountTokensRequest
-from minisrv.server.anthropic.protocol import chat_inputs as anthropic_inputs
+from minisrv.server.anthropic.routes import CountTokensRequest
+from minisrv.server.anthropic.routes import chat_inputs as anthropic_inputs
 from minisrv.server.app import create_app
 from minisrv.server.generation import Choice
 from minisrv.server.messages import EngineInfo
@@ -25,8 +25,8 @@ from minisrv.server.openai.protocol import UsageInfo
 from minisrv.server.plan.answer import read_answer
 from minisrv.server.plan.prompt import PromptMaker
 from minisrv.server.plan.tools import parse_tool_calls, plan_tools
-from minisrv.server.responses.protocol import ResponsesRequest
-from minisrv.server.responses.protocol import chat_inputs as responses_inputs
+from minisrv.server.responses.routes import ResponsesRequest
+from minisrv.server.responses.routes import chat_inputs as responses_inputs
 from minisrv.server.state import ServerState
 
 from .helpers.local_engine import LocalEngine, call, events

@@ -20,7 +20,7 @@ from minisrv.server.messages import EngineInfo
 from minisrv.server.generation import Choice
 from minisrv.server.openai.protocol import UsageInfo
 from minisrv.server.plan.tools import plan_tools
-from minisrv.server.responses.protocol import ResponsesRequest, chat_inputs, echo_fields
+from minisrv.server.responses.routes import ResponsesRequest, chat_inputs, echo_fields
 from minisrv.server.responses.render import ResponseRenderer
 from minisrv.server.app import create_app
 from minisrv.server.state import ServerState

@@ -17,7 +17,17 @@ from ..plan.answer import AnswerStream, read_answer
 from ..plan.reasoning import ReasoningPlan
 from ..plan.tools import ToolCall, ToolPlan
 from ..streaming import sse
-from .protocol import stop_reason
+
+# the stop_reason of an engine finish_reason (a "stop" that matched a stop string is "stop_sequence")
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
+
+
+def stop_reason(finish_reason: Optional[str], stop_str: Optional[str], tool_calls: bool) -> str:
+    if finish_reason == "stop" and tool_calls:
+        return "tool_use"
+    if finish_reason == "stop" and stop_str is not None:
+        return "stop_sequence"
+    return STOP_REASONS.get(finish_reason or "stop", "end_turn")
 
 
 def tool_use_block(call: ToolCall) -> Dict[str, Any]:
