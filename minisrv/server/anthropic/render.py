@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import APIError
 from ..generation import Choice
@@ -22,12 +22,14 @@ from ..streaming import sse
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
 
 
-def stop_reason(finish_reason: Optional[str], stop_str: Optional[str], tool_calls: bool) -> str:
+def stop_reason(finish_reason: Optional[str], stop_str: Optional[str], tool_calls: bool
+                ) -> Tuple[str, Optional[str]]:
+    """A message's stop_reason and stop_sequence."""
     if finish_reason == "stop" and tool_calls:
-        return "tool_use"
+        return "tool_use", None
     if finish_reason == "stop" and stop_str is not None:
-        return "stop_sequence"
-    return STOP_REASONS.get(finish_reason or "stop", "end_turn")
+        return "stop_sequence", stop_str
+    return STOP_REASONS.get(finish_reason or "stop", "end_turn"), None
 
 
 def tool_use_block(call: ToolCall) -> Dict[str, Any]:
@@ -55,30 +57,24 @@ class MessageRenderer:
     _open: Optional[str] = None
     _events: List[Dict[str, Any]] = field(default_factory=list)
 
-    def message(self, content: List[Dict[str, Any]], reason: Optional[str], stop_sequence: Optional[str],
+    def message(self, content: List[Dict[str, Any]], stop: Tuple[Optional[str], Optional[str]],
                 output_tokens: int) -> Dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": reason, "stop_sequence": stop_sequence,
+                "stop_reason": stop[0], "stop_sequence": stop[1],
                 "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens}}
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Dict[str, Any]:
         ch = choices[0]
         a = read_answer(ch.text, self.tools, self.reasoning)
-        blocks: List[Dict[str, Any]] = []
-        if a.reasoning:
-            blocks.append({"type": "thinking", "thinking": a.reasoning, "signature": ""})
-        if a.content:
-            blocks.append({"type": "text", "text": a.content})
+        blocks = [{"type": "thinking", "thinking": a.reasoning, "signature": ""}] if a.reasoning else []
+        blocks += [{"type": "text", "text": a.content}] if a.content else []
         blocks += [tool_use_block(c) for c in a.calls]
-        if not blocks:
-            blocks.append({"type": "text", "text": ""})
-        reason = stop_reason(ch.finish_reason, ch.stop_str, bool(a.calls))
-        return self.message(blocks, reason, ch.stop_str if reason == "stop_sequence" else None,
-                            ch.num_output_tokens)
+        return self.message(blocks or [{"type": "text", "text": ""}],
+                            stop_reason(ch.finish_reason, ch.stop_str, bool(a.calls)), ch.num_output_tokens)
 
     def opening(self, choice: Choice) -> List[str]:
         self._answer = AnswerStream(self.tools, self.reasoning)
-        return [sse({"type": "message_start", "message": self.message([], None, None, 0)}, "message_start"),
+        return [sse({"type": "message_start", "message": self.message([], (None, None), 0)}, "message_start"),
                 sse({"type": "ping"}, "ping")]
 
     def closing(self, usage: UsageInfo) -> List[str]:
@@ -122,12 +118,9 @@ class MessageRenderer:
             if self._index < 0:  # nothing was said: one empty text block, as the whole message has
                 self._start({"type": "text", "text": ""})
             self._close()
-            reason = stop_reason(finish_reason, choice.stop_str, bool(d.calls))
-            self._events.append({
-                "type": "message_delta",
-                "delta": {"stop_reason": reason,
-                          "stop_sequence": choice.stop_str if reason == "stop_sequence" else None},
-                "usage": {"output_tokens": choice.num_output_tokens}})
+            reason, sequence = stop_reason(finish_reason, choice.stop_str, bool(d.calls))
+            self._events.append({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                 "usage": {"output_tokens": choice.num_output_tokens}})
             self._events.append({"type": "message_stop"})
         out, self._events = self._events, []
         return [sse(data, data["type"]) for data in out]
