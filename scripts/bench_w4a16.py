@@ -76,8 +76,8 @@ def main() -> int:
                             a.iters, a.repeat)
             rule = config_for(m, n, k, a.group or k)
             line = f"{shape:>11} m={m:4d}: floor {floor:6.1f} us; bf16 {bf16:7.1f}"
-            # (a CUDA-cores configuration takes at most its block_m rows)
-            for c in [rule] + [c for c in extra if c != rule and (c.block_m >= 16 or c.block_m >= m)]:
+            # (a CUDA-cores configuration takes at most its block_m rows; block_m 0 dequantises for torch's matmul)
+            for c in [rule] + [c for c in extra if c != rule and (c.block_m in (0, m) or c.block_m >= 16)]:
                 out = run(x, *q4, config=c)
                 diff = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 us = graph_us(lambda c=c: run(x, *copies4[next(calls) % len(copies4)], config=c), a.iters, a.repeat)

@@ -15,6 +15,8 @@
 #   profile   where a decode step's time goes (torch profiler; the host's Python) on the three shapes
 #   spec      speculative decoding's verify path at a set acceptance (drafts replayed from a plain run: decode and
 #             verify on FA3, whose rounding matches, so a kept draft is the plain run's token), 0.6B, 8B, MoE half
+#   int4      the Llama-3-8B shape as GPTQ 4-bit (group 128, written from the bf16 one): the kernel alone, decode
+#             steps and the offline workload (64 and 256 requests) against bf16
 #   int4-moe  the Qwen3-30B-A3B half shape with GPTQ 4-bit experts (group 128, written from the bf16 one): the
 #             experts' 4-bit grouped GEMM alone, the offline workload and decode steps
 #   tp        two GPUs, Llama-3-8B shape: decode steps and the workload at tp 1, tp 2, tp 2 with the fused all-reduce;
@@ -118,6 +120,13 @@ for suite in "$@"; do case $suite in
     bench spec-8b 400 $SPEC --model $L --json $OUT/spec.jsonl
     bench spec-0.6b 300 $SPEC --model $Q --json $OUT/spec.jsonl
     bench spec-moe 400 $SPEC --model $M --json $OUT/spec.jsonl ;;
+  int4) checkpoints llama3-8b
+    [ -f $L-gptq/config.json ] || step make-8b-gptq 300 python3 scripts/make_int4_checkpoint.py $L $L-gptq --format gptq --group 128
+    bench w4a16-kernel 300 bench_w4a16.py --ms 1,2,4,16,64,256,1024,2048 --configs "0,128,64,1,4,1;128,128,64,1,8,3"
+    for model in $L-gptq $L; do tag=$([ $model = $L ] && echo bf16 || echo gptq)
+      bench decode-8b-$tag 300 $DECODE --model $model --batch-sizes 1,2,4,16,64
+      bench llama8b-64-$tag 300 $OFFLINE --model $model --num-prompts 64
+      bench llama8b-256-$tag 300 $OFFLINE --model $model; done ;;
   int4-moe) checkpoints qwen3-30b-a3b-half
     grep -q quantization_config $M-gptq/config.json 2>/dev/null || { rm -rf $M-gptq
       step make-moe-gptq 600 python3 scripts/make_int4_checkpoint.py $M $M-gptq --format gptq --group 128 --sym; }

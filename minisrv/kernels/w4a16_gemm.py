@@ -8,12 +8,15 @@ layout every 4-bit checkpoint format is repacked into at load (checkpoints/int4_
 Packing along K keeps a program's loads contiguous along N (its output columns), and a K step of the kernel
 (BLOCK_K rows, BLOCK_K dividing G) falls inside one group, so it reads one row of scales and zeros.
 
-Two Triton kernels, neither with a bf16 weight in memory: a few rows (decode) on the CUDA cores, all rows in one
-program, products accumulated per K slice and summed over K once at the end; more rows on the tensor cores, each
-program dequantising a [BLOCK_K, BLOCK_N] tile in registers for tl.dot. Both read a nibble as float32 by placing it
-under the exponent of 2^23 (no integer conversion). Decode batches have too few output tiles to occupy the GPU,
-so K is split over programs; the last program of a tile adds the float32 partial sums in a fixed order (the same
-result at every run, eager or in a CUDA graph). Off CUDA (and as the tests' reference) the same arithmetic runs in
+Up to DEQUANTIZE_M rows, one Triton kernel with no bf16 weight in memory: one or two rows (decode) on the CUDA
+cores, each thread holding whole columns of its tile so that the sum over K stays in the thread; more rows on the
+tensor cores, each program dequantising a [BLOCK_K, BLOCK_N] tile in registers for tl.dot. Both read a nibble as
+float32 by placing it under the exponent of 2^23 (no integer conversion). Decode batches have too few output tiles
+to occupy the GPU, so K is split over programs; the last program of a tile adds the float32 partial sums in a fixed
+order (the same result at every run, eager or in a CUDA graph). Larger batches (prefill) dequantise the weight into
+a transient bf16 buffer for torch's matmul, as vLLM's AWQ path does past 256 tokens: there the matmul's own tiling
+reuses each weight across many rows better than a fused kernel's dequantisation does.
+Off CUDA (and as the tests' reference) the same arithmetic runs in
 torch: `dequantize` then a matmul.
 """
 from __future__ import annotations
@@ -25,13 +28,14 @@ import torch
 
 from minisrv.kernels.triton_launcher import triton_launcher
 
-GEMV_M = 1  # batches up to this many rows run on the CUDA cores' kernel
+GEMV_M = 2  # batches up to this many rows run on the CUDA cores' kernel
 SPLIT_M = 64  # batches up to this many rows split K over programs
 TARGET_PROGRAMS = 264  # split-K aims at this many programs (two per SM of an H100)
+DEQUANTIZE_M = 512  # batches from this many rows dequantise the weight for torch's matmul
 
 
 class W4A16Config(NamedTuple):
-    """Launch parameters."""
+    """Launch parameters. block_m 0: dequantise W whole in [block_k, block_n] tiles, then torch's matmul."""
 
     block_m: int
     block_n: int
@@ -74,12 +78,15 @@ def dequantized_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 
 def config_for(m: int, n: int, k: int, group: int) -> W4A16Config:
-    """Launch parameters for [m, k] x [k, n] with groups of `group` rows. One row: the CUDA cores' kernel, 256
-    columns and K steps of 32 a program, K in up to 32 shares (short programs, many in flight); up to SPLIT_M rows:
-    16-64-row tiles of 64 columns on the tensor cores, K split until about TARGET_PROGRAMS programs run; more:
-    64 or 128-row tiles of 128 columns, K steps of 64, no split."""
-    if m <= GEMV_M:
-        block_m, block_n, block_k, warps = 1, 256, 32, 2
+    """Launch parameters for [m, k] x [k, n] with groups of `group` rows. Up to GEMV_M rows: the CUDA cores'
+    kernel, 256 columns and K steps of 32 a program, K in up to 32 shares (short programs, many in flight); up to
+    SPLIT_M rows: 16-64-row tiles of 64 columns on the tensor cores, K split (in 8 up to 16 rows, else until about
+    TARGET_PROGRAMS programs run); up to DEQUANTIZE_M: 64 or 128-row tiles of 128 columns, K steps of 64; more
+    rows: the weight dequantised whole for torch's matmul, whose tiles reuse it better."""
+    if m >= DEQUANTIZE_M:
+        block_m, block_n, block_k, warps = 0, 128, 64, 4
+    elif m <= GEMV_M:
+        block_m, block_n, block_k, warps = m, 256, 32, 2
     elif m <= SPLIT_M:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
         block_n, block_k, warps = 64, 128, 4
@@ -90,11 +97,14 @@ def config_for(m: int, n: int, k: int, group: int) -> W4A16Config:
         block_k //= 2
     if block_k < 16:
         raise ValueError(f"4-bit group of {group} rows: the kernel needs groups of a multiple of 16")
-    tiles = (1 if m <= GEMV_M else -(-m // block_m)) * -(-n // block_n)
-    split = max(1, min(k // block_k, -(-TARGET_PROGRAMS // tiles))) if m <= SPLIT_M else 1
-    if m <= GEMV_M:  # many short programs: K in up to 32 shares
-        split = min(k // block_k, 32)
-    return W4A16Config(block_m, block_n, block_k, split, warps, 2 if m <= GEMV_M else 3)
+    if block_m == 0:
+        return W4A16Config(0, block_n, block_k, 1, warps, 1)
+    if m <= GEMV_M:
+        return W4A16Config(block_m, block_n, block_k, min(k // block_k, 32), warps, 2)
+    tiles = -(-m // block_m) * -(-n // block_n)
+    split = 1 if m > SPLIT_M else min(k // block_k, 8) if m <= 16 else \
+        max(1, min(k // block_k, -(-TARGET_PROGRAMS // tiles)))
+    return W4A16Config(block_m, block_n, block_k, split, warps, 3)
 
 
 @triton_launcher
@@ -172,6 +182,24 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
                 tl.store(y_ptr + out, total.to(y_ptr.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(cnt_ptr + tile, 0)
 
+    @triton.jit
+    def w4a16_dequantize_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, n, group, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr):
+        """W [K, N] in w_ptr's dtype, a [BLOCK_K, BLOCK_N] tile a program (for large batches' matmul)."""
+        k0 = tl.program_id(0) * BLOCK_K
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        words = tl.load(qw_ptr + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[:, None].to(tl.int64) * n + cols[None, :],
+                        mask=col_ok[None, :], other=0)
+        g = k0 // group
+        scale = tl.load(s_ptr + g * n + cols, mask=col_ok, other=0.0).to(tl.float32)
+        zero_magic = tl.load(z_ptr + g * n + cols, mask=col_ok, other=0).to(tl.float32) + 8388608.0
+        shifts = (tl.arange(0, 8) * 4)[None, :, None]
+        bits = (((words[:, None, :] >> shifts) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+        w = (tl.reshape(bits, (BLOCK_K, BLOCK_N)) - zero_magic[None, :]) * scale[None, :]
+        out = (k0 + tl.arange(0, BLOCK_K))[:, None].to(tl.int64) * n + cols[None, :]
+        tl.store(w_ptr + out, w.to(w_ptr.dtype.element_ty), mask=col_ok[None, :])
+
     counters: dict = {}  # per device: zeroed int32 counters for split-K tiles, each reset by its last program
 
     def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
@@ -186,6 +214,14 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
         n = qweight.shape[1]
         group = k // scales.shape[0]
         c = config or config_for(m, n, k, group)
+        if c.block_m == 0:  # a large batch: the weight dequantised whole, then the library's matmul
+            if group % c.block_k:
+                raise ValueError(f"W4A16 dequantisation: groups of {group} rows, K step {c.block_k}")
+            w = torch.empty((k, n), dtype=x.dtype, device=x.device)
+            w4a16_dequantize_kernel[(k // c.block_k, triton.cdiv(n, c.block_n))](
+                qweight, scales, zeros, w, n, group, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                num_warps=c.num_warps, num_stages=c.num_stages)
+            return x @ w
         gemv = c.block_m < 16
         if (qweight.shape[0] * 8 != k or group % c.block_k or x.stride(1) != 1 or (gemv and m > c.block_m)
                 or not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous())):
@@ -202,9 +238,9 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
             cnt = tile_counters(x.device, grid_m * grid_n)
         else:
             ws = cnt = y
-        w4a16_gemm_kernel[(grid_m, grid_n, split)](x, qweight, scales, zeros, y, ws, cnt, m, n, k, group, per_split, x.stride(0),
-                     BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=split,
-                     num_warps=c.num_warps, num_stages=c.num_stages)
+        w4a16_gemm_kernel[(grid_m, grid_n, split)](
+            x, qweight, scales, zeros, y, ws, cnt, m, n, k, group, per_split, x.stride(0), BLOCK_M=c.block_m,
+            BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=split, num_warps=c.num_warps, num_stages=c.num_stages)
         return y
 
     return run

@@ -58,13 +58,14 @@ def check_w4a16_gemm() -> None:
     """y = x W for a 4-bit W (kernels/w4a16_gemm.py) against the float64 product of its dequantised weight: the
     CUDA cores' kernel (1, 3 and 5 rows in tiles of 1, 4 and 8) and the tensor cores' (3 to 70 rows), K whole and
     split over programs (the last program of a tile adding the partials), groups of 32 to 128 rows and one per
-    column, output widths that are not multiples of the tile, float16 activations (the interpreter's bfloat16
+    column, output widths that are not multiples of the tile, a batch past DEQUANTIZE_M (the weight dequantised for
+    torch's matmul), float16 activations (the interpreter's bfloat16
     products are not the GPU's)."""
     run = w4a16_gemm()
     assert run is not None, "Triton is missing"
     torch.manual_seed(0)
     for m, n, k, group in [(1, 96, 256, 64), (3, 64, 256, 128), (5, 80, 128, 32), (20, 64, 256, 64),
-                           (70, 136, 128, 128), (1, 48, 128, 0)]:
+                           (70, 136, 128, 128), (1, 48, 128, 0), (520, 72, 128, 64)]:
         groups = k // (group or k)
         q = torch.randint(0, 16, (k, n), dtype=torch.uint8)
         scales = (torch.rand(groups, n) * 0.01 + 0.001).half()
@@ -73,7 +74,7 @@ def check_w4a16_gemm() -> None:
         x = torch.randn(m, k).half()
         ref = x.double() @ dequantize(qw, scales, zeros, torch.float64)
         rule = config_for(m, n, k, group or k)
-        configs = [rule, rule._replace(split_k=3), rule._replace(split_k=1)]
+        configs = [rule] if rule.block_m == 0 else [rule, rule._replace(split_k=3), rule._replace(split_k=1)]
         if m <= 8:  # the CUDA cores' kernel with several rows (the rule gives it one)
             configs.append(W4A16Config(1 << (m - 1).bit_length(), 64, 32, 3, 2, 2))
         for c in configs:
