@@ -31,7 +31,7 @@ from minisrv.kernels.triton_launcher import triton_launcher
 GEMV_M = 2  # batches up to this many rows run on the CUDA cores' kernel
 SPLIT_M = 64  # batches up to this many rows split K over programs
 TARGET_PROGRAMS = 264  # split-K aims at this many programs (two per SM of an H100)
-DEQUANTIZE_M = 512  # batches from this many rows dequantise the weight for torch's matmul
+DEQUANTIZE_M = 128  # batches from this many rows dequantise the weight for torch's matmul
 
 
 class W4A16Config(NamedTuple):
