@@ -36,19 +36,9 @@ def constraint(body: Any) -> Dict[str, Any]:
     kw: Dict[str, Any] = {}
     rf = body.response_format
     if rf is not None:
-        kind = rf.get("type", "text")
-        if kind == "json_object":
-            kw["json_object"] = True
-        elif kind == "json_schema":
-            spec = rf.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, dict):
-                raise RequestError("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
-                                   "\"schema\": {...}}}", "response_format")
-            kw["json_schema"] = json.dumps(schema)
-        elif kind != "text":
-            raise RequestError(f"response_format type must be text, json_object or json_schema, got {kind!r}",
-                               "response_format")
+        spec = rf.get("json_schema")
+        kw.update(output_format(rf.get("type", "text"), spec.get("schema") if isinstance(spec, dict) else None,
+                                "response_format", "{\"json_schema\": {\"name\": ..., \"schema\": {...}}}"))
     if body.regex is not None:
         kw["regex"] = body.regex
     if body.ebnf is not None:
@@ -62,6 +52,21 @@ def constraint(body: Any) -> Dict[str, Any]:
             raise RequestError("give choices or ebnf, not both", "ebnf")
         kw["ebnf"] = choice
     return kw
+
+
+def output_format(kind: Any, schema: Any, where: str, schema_shape: str) -> Dict[str, Any]:
+    """An output format (text, json_object or json_schema with its schema) as SamplingParams' constraint fields;
+    `where`: the request's field (a 400 names its top-level one), `schema_shape`: where in it the schema goes."""
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_object": True}
+    param = where.split(".")[0]
+    if kind != "json_schema":
+        raise RequestError(f"{where} type must be text, json_object or json_schema, got {kind!r}", param)
+    if not isinstance(schema, dict):
+        raise RequestError(f"{where} json_schema needs {schema_shape}", param)
+    return {"json_schema": json.dumps(schema)}
 
 
 def _vllm_structured_outputs(spec: Dict[str, Any], kw: Dict[str, Any], guided_choice: Any) -> Any:

@@ -29,6 +29,7 @@ from ..errors import APIError
 from ..generation import Generation, serve
 from ..http.json_body import parse_body
 from ..plan.chat import ChatInputs, plan_chat
+from ..plan.sampling import output_format
 from ..state import ServerState
 from .render import ResponseRenderer
 
@@ -78,7 +79,10 @@ def chat_inputs(req: ResponsesRequest) -> ChatInputs:
     messages += input_messages(req.input)
     if not any(m["role"] != "system" for m in messages):
         raise APIError(400, "input must hold at least one message or item", param="input")
-    sampling: Dict[str, Any] = {"max_tokens": req.max_output_tokens, **output_format(req.text)}
+    fmt = (req.text or {}).get("format")
+    fmt = {"type": "text"} if fmt is None else fmt if isinstance(fmt, dict) else {}
+    sampling = {"max_tokens": req.max_output_tokens,
+                **output_format(fmt.get("type"), fmt.get("schema"), "text.format", "a schema object")}
     sampling.update({k: getattr(req, k) for k in ("temperature", "top_p") if getattr(req, k) is not None})
     tools = chat_tools(req.tools)
     choice = None if req.tool_choice is None else chat_tool_choice(req.tool_choice)
@@ -190,21 +194,6 @@ def chat_tool_choice(choice: Any) -> Any:
         return {"type": "function", "function": {"name": choice["name"]}}
     raise APIError(400, "tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\": "
                         "...}", param="tool_choice")
-
-
-def output_format(text: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """text.format as SamplingParams' constraint fields (none: plain text)."""
-    fmt = (text or {}).get("format")
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if fmt is None or kind == "text":
-        return {}
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        if not isinstance(fmt.get("schema"), dict):
-            raise APIError(400, "text.format json_schema needs a schema object", param="text")
-        return {"json_schema": json.dumps(fmt["schema"])}
-    raise APIError(400, f"text.format type must be text, json_object or json_schema, got {kind!r}", param="text")
 
 
 def echo_fields(req: ResponsesRequest) -> Dict[str, Any]:
