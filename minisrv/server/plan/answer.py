@@ -20,10 +20,6 @@ class Answer:
     calls: List[ToolCall] = field(default_factory=list)
 
 
-def tools_on(tools: Optional[ToolPlan]) -> bool:
-    return tools is not None and tools.active
-
-
 def read_answer(text: str, tools: Optional[ToolPlan], reasoning: Optional[ReasoningPlan]) -> Answer:
     """A whole output: read as a stream of one piece."""
     a = AnswerStream(tools, reasoning).feed(text, final=True)
@@ -36,7 +32,7 @@ class AnswerStream:
     """One output read as it arrives: `feed` each text delta, final=True with the last."""
 
     def __init__(self, tools: Optional[ToolPlan], reasoning: Optional[ReasoningPlan]) -> None:
-        self.tools = tools if tools_on(tools) else None
+        self.tools = tools if tools is not None and tools.mode != "off" else None
         self.split = ReasoningStream(reasoning.mode) if reasoning is not None else None
         self.separate = reasoning is None or reasoning.separate
         self.answer = ""  # the answer so far (after the thinking)

@@ -45,7 +45,6 @@ class ChatPlan:
     params: Optional[SamplingParams]  # None when no sampling fields were given
     tools: ToolPlan
     reasoning: Optional[ReasoningPlan]  # how the output text is split (None: no reasoning parser)
-    text: str  # the prompt text
 
 
 def prompt_text(maker: PromptMaker, inputs: ChatInputs) -> Tuple[str, ToolPlan]:
@@ -71,7 +70,7 @@ def finish_plan(maker: PromptMaker, inputs: ChatInputs, text: str, tools: ToolPl
         if limits is not None:
             check_request(ids, params, limits, "messages")
         check_grammar(params)
-    return ChatPlan(ids, params, tools, reasoning, text)
+    return ChatPlan(ids, params, tools, reasoning)
 
 
 async def plan_chat(maker: PromptMaker, inputs: ChatInputs, limits: Optional[RequestLimits],

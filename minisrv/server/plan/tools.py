@@ -14,7 +14,7 @@ import functools
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from minisrv.engine.grammar_check import grammar_error
@@ -30,18 +30,12 @@ _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 class ToolCall:
     name: str
     arguments: str  # a JSON string, as OpenAI sends it
-    id: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.id:
-            self.id = f"call_{uuid.uuid4().hex[:24]}"
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
     def to_openai(self, index: Optional[int] = None) -> Dict[str, Any]:
-        d: Dict[str, Any] = {"id": self.id, "type": "function",
-                             "function": {"name": self.name, "arguments": self.arguments}}
-        if index is not None:
-            d["index"] = index
-        return d
+        """The call as an entry of OpenAI's tool_calls (a streamed one carries its index first)."""
+        return {**({} if index is None else {"index": index}), "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass
@@ -57,10 +51,6 @@ class ToolPlan:
     parser: str = "hermes"
     legacy: bool = False  # asked with the legacy functions: the call is answered as message.function_call
     parallel: bool = True  # False: at most one call (parallel_tool_calls false)
-
-    @property
-    def active(self) -> bool:
-        return self.mode != "off"
 
 
 def _function_of(tool: Any, i: int) -> Dict[str, Any]:
