@@ -11,7 +11,6 @@ stream helper expects it). Each event carries `type` and a `sequence_number`; a 
 `error` event, and the stream ends."""
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -23,6 +22,7 @@ from ..openai.protocol import UsageInfo
 from ..plan.answer import AnswerStream, read_answer
 from ..plan.reasoning import ReasoningPlan
 from ..plan.tools import ToolCall, ToolPlan
+from ..streaming import sse
 
 
 ID_PREFIX = {"reasoning": "rs", "message": "msg", "call": "fc"}  # an output item's kind -> its id's prefix
@@ -35,8 +35,8 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def event_text(event: Dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+def framed(events: List[Dict[str, Any]]) -> List[str]:
+    return [sse(e, e["type"]) for e in events]
 
 
 def usage_of(u: UsageInfo, reasoning_tokens: int) -> Dict[str, Any]:
@@ -123,8 +123,7 @@ class ResponseRenderer:
 
     def opening(self, choice: Choice) -> List[str]:
         r = self.frame([], "in_progress")
-        return [event_text(e) for e in (self._event("response.created", response=r),
-                                        self._event("response.in_progress", response=r))]
+        return framed([self._event("response.created", response=r), self._event("response.in_progress", response=r)])
 
     def _item(self, status: str) -> Dict[str, Any]:
         o = self.open
@@ -175,7 +174,7 @@ class ResponseRenderer:
             out += self._add("call", call.arguments, call)
         if finish_reason:
             self.finish = finish_reason
-        return [event_text(e) for e in out]
+        return framed(out)
 
     def closing(self, usage: UsageInfo) -> List[str]:
         """The stream's end: what is open closed, then response.completed with the whole response."""
@@ -185,10 +184,9 @@ class ResponseRenderer:
             out += self._open("message") + self._close()
         count = self.count_tokens(self.thought) if self.thought else 0
         r = self.frame(self.output, status, incomplete, usage_of(usage, count))
-        return [event_text(e) for e in out + [self._event("response.completed", response=r)]]
+        return framed(out + [self._event("response.completed", response=r)])
 
     def failed(self, error: APIError) -> List[str]:
         """A failure after the stream began (OpenAI's error body as an `error` event)."""
         err = error.body()["error"]
-        return [event_text(self._event("error", code=err["code"], message=err["message"], param=err["param"],
-                                       error=err))]
+        return framed([self._event("error", code=err["code"], message=err["message"], param=err["param"], error=err)])
