@@ -31,10 +31,13 @@ class OpenAIStream:
 
     chunk_type: ClassVar[type] = CompletionResponse  # a stream chunk's class; its last one carries the usage
 
+    def frame(self, kind: type, choices: List[Any], usage: Optional[UsageInfo] = None) -> Any:
+        """A response or chunk of class `kind` around `choices`."""
+        return kind(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
+                    system_fingerprint=self.fingerprint)
+
     def closing(self, usage: UsageInfo) -> List[str]:
-        last = self.chunk_type(id=self.id, created=self.created, model=self.model, choices=[], usage=usage,
-                               system_fingerprint=self.fingerprint)
-        return ([sse(last)] if self.include_usage else []) + [SSE_DONE]
+        return ([sse(self.frame(self.chunk_type, [], usage))] if self.include_usage else []) + [SSE_DONE]
 
     def failed(self, error: APIError) -> List[str]:
         return [sse(error.body()), SSE_DONE]
@@ -61,10 +64,8 @@ class CompletionRenderer(OpenAIStream):
         return completion_logprobs(self.token_text, tokens, self.logprobs)
 
     def _chunk(self, index: int, text: str, logprobs: Optional[CompletionLogprobs], finish: Optional[str]) -> str:
-        return sse(CompletionResponse(id=self.id, created=self.created, model=self.model,
-                                   system_fingerprint=self.fingerprint,
-                                   choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                             finish_reason=finish)]))
+        return sse(self.frame(CompletionResponse, [CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                                    finish_reason=finish)]))
 
     def opening(self, choice: Choice) -> List[str]:
         if self.echo_logprobs or not choice.prefix:
@@ -82,11 +83,10 @@ class CompletionRenderer(OpenAIStream):
         return out
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any:
-        return CompletionResponse(
-            id=self.id, created=self.created, model=self.model, usage=usage, system_fingerprint=self.fingerprint,
-            choices=[CompletionChoice(index=ch.index, text=ch.full_text, finish_reason=ch.finish_reason,
-                                      logprobs=self._logprobs(ch.logprobs, ch if self.echo_logprobs else None))
-                     for ch in choices])
+        return self.frame(CompletionResponse, [
+            CompletionChoice(index=ch.index, text=ch.full_text, finish_reason=ch.finish_reason,
+                             logprobs=self._logprobs(ch.logprobs, ch if self.echo_logprobs else None))
+            for ch in choices], usage)
 
 
 @dataclass
@@ -105,10 +105,8 @@ class ChatRenderer(OpenAIStream):
     def _chunk(self, index: int, delta: DeltaMessage, lps: Sequence[PositionedLogprob],
                finish: Optional[str]) -> str:
         logprobs = chat_logprobs(self.token_text, lps, self.top_logprobs) if self.logprobs and lps else None
-        return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                       system_fingerprint=self.fingerprint, choices=[
-                                           ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
-                                                            finish_reason=finish)]))
+        return sse(self.frame(ChatCompletionChunk, [ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                                                     finish_reason=finish)]))
 
     def opening(self, choice: Choice) -> List[str]:
         return [self._chunk(choice.index, DeltaMessage(role="assistant", content=""), [], None)]
@@ -153,8 +151,7 @@ class ChatRenderer(OpenAIStream):
                                                                                          legacy),
                                   logprobs=(chat_logprobs(self.token_text, ch.logprobs, self.top_logprobs)
                                             if self.logprobs else None)))
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage,
-                                      system_fingerprint=self.fingerprint, choices=out)
+        return self.frame(ChatCompletionResponse, out, usage)
 
 
 def _finish(engine_reason: Optional[str], calls: Sequence[Any], legacy: bool) -> Optional[str]:
