@@ -129,8 +129,8 @@ class ChatRenderer(OpenAIStream):
         legacy = bool(d.calls) and self.tools.legacy
         for i, call in enumerate(d.calls[:1] if legacy else d.calls):  # its id and name, then its arguments
             if legacy:  # one call, as message.function_call
-                opening, rest = {"function_call": {"name": call.name, "arguments": ""}}, \
-                    {"function_call": {"arguments": call.arguments}}
+                opening = {"function_call": {"name": call.name, "arguments": ""}}
+                rest = {"function_call": {"arguments": call.arguments}}
             else:
                 opening = {"tool_calls": [{**call.to_openai(i), "function": {"name": call.name, "arguments": ""}}]}
                 rest = {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}
@@ -147,10 +147,9 @@ class ChatRenderer(OpenAIStream):
                 content=a.content, tool_calls=None if legacy else [c.to_openai() for c in a.calls] or None,
                 function_call={"name": a.calls[0].name, "arguments": a.calls[0].arguments} if legacy else None,
                 reasoning_content=a.reasoning or None, reasoning=a.reasoning or None)
-            out.append(ChatChoice(index=ch.index, message=message, finish_reason=_finish(ch.finish_reason, a.calls,
-                                                                                         legacy),
-                                  logprobs=(chat_logprobs(self.token_text, ch.logprobs, self.top_logprobs)
-                                            if self.logprobs else None)))
+            lps = chat_logprobs(self.token_text, ch.logprobs, self.top_logprobs) if self.logprobs else None
+            out.append(ChatChoice(index=ch.index, message=message, logprobs=lps,
+                                  finish_reason=_finish(ch.finish_reason, a.calls, legacy)))
         return self.frame(ChatCompletionResponse, out, usage)
 
 
