@@ -83,22 +83,16 @@ class MessageRenderer:
     def failed(self, error: APIError) -> List[str]:
         return [sse(error.anthropic_body(), "error")]
 
-    def _close(self) -> None:
-        if self._open is not None:
-            self._events.append({"type": "content_block_stop", "index": self._index})
-            self._open = None
-
-    def _start(self, block: Dict[str, Any]) -> None:
-        self._close()
-        self._index += 1
-        self._open = block["type"]
-        self._events.append({"type": "content_block_start", "index": self._index, "content_block": block})
-
-    def _delta(self, kind: str, delta: Dict[str, Any]) -> None:
-        if self._open != kind:
-            self._start({"type": kind, "thinking": "", "signature": ""} if kind == "thinking"
-                        else {"type": "text", "text": ""})
-        self._events.append({"type": "content_block_delta", "index": self._index, "delta": delta})
+    def _block(self, block: Dict[str, Any], delta: Optional[Dict[str, Any]] = None) -> None:
+        """`delta` added to the open block, `block` opened first where another type is open (or none; a tool_use
+        block is always a new one)."""
+        if self._open != block["type"] or block["type"] == "tool_use":
+            if self._open is not None:
+                self._events.append({"type": "content_block_stop", "index": self._index})
+            self._index, self._open = self._index + 1, block["type"]
+            self._events.append({"type": "content_block_start", "index": self._index, "content_block": block})
+        if delta is not None:
+            self._events.append({"type": "content_block_delta", "index": self._index, "delta": delta})
 
     def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
                finish_reason: Optional[str]) -> List[str]:
@@ -106,18 +100,18 @@ class MessageRenderer:
         final = finish_reason is not None
         d = self._answer.feed(text, final)
         if d.reasoning:
-            self._delta("thinking", {"type": "thinking_delta", "thinking": d.reasoning})
+            self._block({"type": "thinking", "thinking": "", "signature": ""},
+                        {"type": "thinking_delta", "thinking": d.reasoning})
         if d.content:
-            self._delta("text", {"type": "text_delta", "text": d.content})
+            self._block({"type": "text", "text": ""}, {"type": "text_delta", "text": d.content})
         for call in d.calls:
             block = tool_use_block(call)
-            self._start({**block, "input": {}})
-            self._events.append({"type": "content_block_delta", "index": self._index,
-                                 "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
+            self._block({**block, "input": {}},
+                        {"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
         if final:
             if self._index < 0:  # nothing was said: one empty text block, as the whole message has
-                self._start({"type": "text", "text": ""})
-            self._close()
+                self._block({"type": "text", "text": ""})
+            self._events.append({"type": "content_block_stop", "index": self._index})
             reason, sequence = stop_reason(finish_reason, choice.stop_str, bool(d.calls))
             self._events.append({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                  "usage": {"output_tokens": choice.num_output_tokens}})
