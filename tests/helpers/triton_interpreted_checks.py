@@ -1,4 +1,4 @@
-"""The Triton kernels of the FP8 and 4-bit paths run by Triton's interpreter on the CPU (TRITON_INTERPRET=1, set before
+"""The Triton kernels of the FP8 path run by Triton's interpreter on the CPU (TRITON_INTERPRET=1, set before
 Triton is imported: hence a script of its own, run by tests/test_triton_kernels_on_cpu.py in a fresh process).
 
 What the interpreter can check here: the kernels' indexing, masking, tiling over K and the scaling arithmetic, for
@@ -24,7 +24,6 @@ from minisrv.kernels.fp8_quant import (FP8, add_norm_reference, quantize_rows, s
 from minisrv.kernels.qk_rope_store import reference as qk_rope_store_reference  # noqa: E402
 from minisrv.kernels.qk_rope_store import triton_qk_rope_store  # noqa: E402
 from minisrv.models.layers import RotaryEmbedding  # noqa: E402
-from minisrv.kernels.w4a16_gemm import W4A16Config, config_for, dequantize, pack_rows, w4a16_gemm  # noqa: E402
 from minisrv.models.norms import RMSNorm  # noqa: E402
 
 
@@ -52,37 +51,6 @@ def check_small_m_fp8_gemm() -> None:
             # largest output here): the bound is the GPU test's; a wrong index, mask or scale is off by O(1)
             assert err <= 1e-2, f"{n}x{k} m={m} {tuple(config)}: {err:.2e} from float64"
             print(f"small-M FP8 GEMM {n}x{k} m={m} {tuple(config)}: max error {err:.1e} of the largest output")
-
-
-def check_w4a16_gemm() -> None:
-    """y = x W for a 4-bit W (kernels/w4a16_gemm.py) against the float64 product of its dequantised weight: the
-    CUDA cores' kernel (1, 3 and 5 rows in tiles of 1, 4 and 8) and the tensor cores' (3 to 70 rows), K whole and
-    split over programs (the last program of a tile adding the partials), groups of 32 to 128 rows and one per
-    column, output widths that are not multiples of the tile, a batch past DEQUANTIZE_M (the weight dequantised for
-    torch's matmul), float16 activations (the interpreter's bfloat16
-    products are not the GPU's)."""
-    run = w4a16_gemm()
-    assert run is not None, "Triton is missing"
-    torch.manual_seed(0)
-    for m, n, k, group in [(1, 96, 256, 64), (3, 64, 256, 128), (5, 80, 128, 32), (20, 64, 256, 64),
-                           (70, 136, 128, 128), (1, 48, 128, 0), (520, 72, 128, 64)]:
-        groups = k // (group or k)
-        q = torch.randint(0, 16, (k, n), dtype=torch.uint8)
-        scales = (torch.rand(groups, n) * 0.01 + 0.001).half()
-        zeros = torch.randint(0, 16, (groups, n), dtype=torch.uint8)
-        qw = pack_rows(q)
-        x = torch.randn(m, k).half()
-        ref = x.double() @ dequantize(qw, scales, zeros, torch.float64)
-        rule = config_for(m, n, k, group or k)
-        configs = [rule] if rule.block_m == 0 else [rule, rule._replace(split_k=3), rule._replace(split_k=1)]
-        if m <= 8:  # the CUDA cores' kernel with several rows (the rule gives it one)
-            configs.append(W4A16Config(1 << (m - 1).bit_length(), 64, 32, 3, 2, 2))
-        for c in configs:
-            y = run(x, qw, scales, zeros, config=c)
-            err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
-            assert err < 1e-3, (m, n, k, group, c, err)
-            print(f"W4A16 GEMM {n}x{k} m={m} group {group or 'column'} {tuple(c)}: max error {err:.1e} of the "
-                  f"largest output")
 
 
 def check_fused_quantisers() -> None:
@@ -168,5 +136,4 @@ if __name__ == "__main__":
     check_small_m_fp8_gemm()
     check_fused_quantisers()
     check_qk_rope_store()
-    check_w4a16_gemm()
     print("ok")

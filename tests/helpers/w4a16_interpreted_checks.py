@@ -1,10 +1,11 @@
 """The W4A16 GEMM (minisrv/kernels/w4a16_gemm.py) run by Triton's interpreter on the CPU (TRITON_INTERPRET=1, set
 before Triton is imported: hence a script of its own, run by tests/test_w4a16.py in a fresh process).
 
-Checked against the float64 product of the dequantised weight (x @ ((q - zero) * scale)): row counts of one decode
-token, a few, a full split-K batch and a tiled prefill batch (1, 5, 64, 100); group sizes 32, 64, 128 and one per
+Checked against the float64 product of the dequantised weight (x @ ((q - zero) * scale)): row counts of the CUDA
+cores' kernel, a few, a full split-K batch, a tiled batch and one dequantised whole (1, 2, 5, 64, 100, 130); group sizes 32, 64, 128 and one per
 channel; symmetric (zeros 8) and asymmetric zero points; output widths that are not a multiple of the tile; the
-launch rules' own configurations and forced ones (split K over 1, 3 and 4 programs, K steps smaller than a group);
+launch rules' own configurations and forced ones (split K over 1, 3 and 4 programs, K steps smaller than a group,
+several rows on the CUDA cores, a dequantisation tile smaller than the rule's);
 float16 and float32 activations (the interpreter's bfloat16 products are not the GPU's: bfloat16 is checked on the
 GPU, tests/gpu/test_w4a16.py). Prints one line per check; raises AssertionError on the first failure."""
 from __future__ import annotations
@@ -53,13 +54,14 @@ def main() -> None:
     assert run is not None, "Triton is missing"
     for group in (32, 64, 128, 0):
         for symmetric in (True, False):
-            for m in (1, 5, 64, 100):
+            for m in (1, 2, 5, 64, 100, 130):
                 check(run, m, 96, 256, group, symmetric, torch.float16)
     for m in (1, 5, 64):  # float32 activations
         check(run, m, 72, 128, 64, False, torch.float32)
     for config in (W4A16Config(16, 32, 32, 3, 4, 2), W4A16Config(16, 64, 64, 4, 4, 2),  # split K, odd shares
                    W4A16Config(32, 32, 16, 1, 4, 2),
-                   W4A16Config(1, 64, 32, 2, 4, 2), W4A16Config(2, 32, 64, 1, 4, 2)):  # rows on the CUDA cores
+                   W4A16Config(8, 64, 32, 2, 2, 2), W4A16Config(8, 32, 64, 1, 4, 2),  # rows on the CUDA cores
+                   W4A16Config(0, 64, 32, 1, 4, 1)):  # dequantised for torch's matmul
         check(run, 5, 200, 384, 128, False, torch.float16, config)
     print("ok")
 
