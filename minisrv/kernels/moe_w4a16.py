@@ -115,10 +115,11 @@ def moe_w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., None]:
             for part in tl.static_range(1 + SILU):  # the gate's columns, then (SILU) the up's
                 c = cols + part * n
                 words = tl.load(words_at + c[None, :], mask=col_ok[None, :], other=0)
-                q = tl.reshape((words[:, None, :] >> shifts) & 0xF, (BLOCK_K, BLOCK_N))
+                # a nibble under float32's exponent of 2^23 reads as 2^23 + q (kernels/w4a16_gemm.py)
+                bits = (((words[:, None, :] >> shifts) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
                 scale = tl.load(s_ptr + g + c, mask=col_ok, other=0.0).to(tl.float32)
-                zero = tl.load(z_ptr + g + c, mask=col_ok, other=0).to(tl.int32)
-                w = ((q - zero[None, :]).to(tl.float32) * scale[None, :]).to(a.dtype)
+                zero_magic = tl.load(z_ptr + g + c, mask=col_ok, other=0).to(tl.float32) + 8388608.0
+                w = ((tl.reshape(bits, (BLOCK_K, BLOCK_N)) - zero_magic[None, :]) * scale[None, :]).to(a.dtype)
                 if part == 0:
                     acc = tl.dot(a, w, acc)
                 else:
