@@ -112,3 +112,41 @@ def test_default_model_in_one_call_equals_python_layers():
     finally:
         fast.close()
         slow.close()
+
+
+@pytest.mark.slow
+def test_eagle_reads_of_the_c_layers_equal_the_python_layers(tmp_path):
+    """EAGLE-3 reads the residual stream entering three layers of every extend and verify step; in one C call the
+    decode layers write it as a side output: the same tensors as the Python layers' (and the same outputs)."""
+    from .helpers.eagle_heads import save_eagle3_head
+    hf = build_tiny_model(str(tmp_path / "hf"), "llama", num_hidden_layers=3)  # (the head reads three layers)
+    gguf = str(tmp_path / "llama-q8.gguf")
+    write_gguf(hf, gguf, "llama", quant="Q8_0")
+    head = save_eagle3_head(str(tmp_path / "head"), hf, seed=1, draft_vocab=200)
+    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=3,
+                speculative_disable_by_batch_size=8)
+    runs = []
+    for python in (False, True):
+        llm = make_llm(gguf, tokenizer=hf, cache_dir="off", **spec)
+        if not python and not _in_one_call(llm):
+            llm.close()
+            pytest.skip("the CPU block kernels did not build here")
+        if python:
+            read = _model(llm).layers.aux_layer_ids
+            _python_layers(llm)
+            _model(llm).layers.aux_layer_ids = read
+        seen, absorb = [], llm.engine.drafter.absorb
+
+        def record(step, seen=seen, absorb=absorb):
+            seen.append(step.aux.clone())
+            absorb(step)
+        llm.engine.drafter.absorb = record
+        try:
+            runs.append((_outputs(llm, make_prompts(vocab_of(hf), [9, 5]), n=12), seen))
+        finally:
+            llm.close()
+    (out_c, seen_c), (out_py, seen_py) = runs
+    assert out_c[0] == out_py[0]
+    assert len(seen_c) == len(seen_py) > 2 and any(a.shape[0] < 9 for a in seen_c)  # verify steps too
+    for a, b in zip(seen_c, seen_py):
+        assert a.shape == b.shape and (a - b).abs().max() < 1e-4

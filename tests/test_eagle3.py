@@ -122,6 +122,11 @@ def test_errors_at_start(target, head, tmp_path):
     save_file(tensors, os.path.join(broken, "model.safetensors"))
     with pytest.raises(ValueError, match="fc.weight"):
         make_llm(target, **eagle(broken))
+    for ids in ([-1, 0], [0, 1, 3], [1, 0, 2]):  # two layers read, a layer past the target's 3, out of order
+        odd = save_eagle3_head(str(tmp_path / f"reads{len(ids)}{ids[-1]}"), target,
+                               eagle_config={"eagle_aux_hidden_state_layer_ids": ids})
+        with pytest.raises(ValueError, match="distinct layers in increasing order among the target's 3"):
+            make_llm(target, **eagle(odd))
     with open(os.path.join(head, "config.json")) as f:
         assert json.load(f)["architectures"] == ["LlamaForCausalLMEagle3"]
     for bad, why in [(dict(speculative_algorithm="EAGLE3"), "EAGLE3 needs"),

@@ -44,8 +44,10 @@ def load_draft_head(cfg: EngineConfig, model: torch.nn.Module, args: ModelArgs, 
         raise ValueError(f"the EAGLE-3 head {path} drafts over a vocabulary of {c.vocab_size} tokens; the target "
                          f"model's has {args.vocab_size}: a head trained for another model")
     layers = c.layers_read(args.num_layers)
-    if list(layers) != sorted(set(layers)):
-        raise ValueError(f"the EAGLE-3 head {path} reads layers {layers}: expected them in increasing order")
+    reads = head.fc.in_features // c.target_hidden_size
+    if len(layers) != reads or list(layers) != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= args.num_layers:
+        raise ValueError(f"the EAGLE-3 head {path} reads the inputs of layers {list(layers)}: expected {reads} "
+                         f"distinct layers in increasing order among the target's {args.num_layers}")
     model.read_layers(layers)
     return head
 
