@@ -130,38 +130,25 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
         col_ok = cols < n
         first = pid_k * steps_per_split
         last = tl.minimum(first + steps_per_split, k // BLOCK_K)
-        if BLOCK_M >= 16:  # tensor cores: each step's weight tile dequantised in registers for tl.dot
-            shifts = (tl.arange(0, 8) * 4)[None, :, None]
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for step in range(first, last):
-                k0 = step * BLOCK_K
-                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :],
-                            mask=row_ok[:, None], other=0.0)
-                words = tl.load(qw_ptr + (k0 // 8 + kw)[:, None].to(tl.int64) * n + cols[None, :],
-                                mask=col_ok[None, :], other=0)
-                g = k0 // group
-                scale = tl.load(s_ptr + g * n + cols, mask=col_ok, other=0.0).to(tl.float32)
-                zero_magic = tl.load(z_ptr + g * n + cols, mask=col_ok, other=0).to(tl.float32) + 8388608.0
-                # the nibble under float32's exponent of 2^23 reads as 2^23 + q: one subtraction of 2^23 + zero
-                # gives q - zero exactly, with no integer-to-float conversion (a quarter of the FMA rate)
-                bits = (((words[:, None, :] >> shifts) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-                w = ((tl.reshape(bits, (BLOCK_K, BLOCK_N)) - zero_magic[None, :]) * scale[None, :]).to(x.dtype)
-                acc = tl.dot(x, w, acc)
-        else:  # CUDA cores: each thread holds whole columns of the tile, so the sum over K stays in the thread
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            shifts = (tl.arange(0, 8) * 4)[None, :, None]
-            for step in range(first, last):
-                k0 = step * BLOCK_K
-                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :],
-                            mask=row_ok[:, None], other=0.0).to(tl.float32)
-                words = tl.load(qw_ptr + (k0 // 8 + kw)[:, None].to(tl.int64) * n + cols[None, :],
-                                mask=col_ok[None, :], other=0)
-                g = k0 // group
-                scale = tl.load(s_ptr + g * n + cols, mask=col_ok, other=0.0).to(tl.float32)
-                zero_magic = tl.load(z_ptr + g * n + cols, mask=col_ok, other=0).to(tl.float32) + 8388608.0
-                bits = (((words[:, None, :] >> shifts) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-                q = tl.reshape(bits, (BLOCK_K, BLOCK_N)) - zero_magic[None, :]
-                acc += tl.sum(x[:, :, None] * q[None, :, :], axis=1) * scale[None, :]
+        shifts = (tl.arange(0, 8) * 4)[None, :, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in range(first, last):
+            k0 = step * BLOCK_K
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :],
+                        mask=row_ok[:, None], other=0.0)
+            words = tl.load(qw_ptr + (k0 // 8 + kw)[:, None].to(tl.int64) * n + cols[None, :],
+                            mask=col_ok[None, :], other=0)
+            g = k0 // group
+            scale = tl.load(s_ptr + g * n + cols, mask=col_ok, other=0.0).to(tl.float32)
+            zero_magic = tl.load(z_ptr + g * n + cols, mask=col_ok, other=0).to(tl.float32) + 8388608.0
+            # the nibble under float32's exponent of 2^23 reads as 2^23 + q: one subtraction of 2^23 + zero gives
+            # q - zero exactly, with no integer-to-float conversion (a quarter of the FMA rate)
+            bits = (((words[:, None, :] >> shifts) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+            q = tl.reshape(bits, (BLOCK_K, BLOCK_N)) - zero_magic[None, :]
+            if BLOCK_M >= 16:  # tensor cores: the tile dequantised in registers for tl.dot
+                acc = tl.dot(x, (q * scale[None, :]).to(x.dtype), acc)
+            else:  # CUDA cores: each thread holds whole columns of the tile, so the sum over K stays in the thread
+                acc += tl.sum(x.to(tl.float32)[:, :, None] * q[None, :, :], axis=1) * scale[None, :]
         out = rows[:, None].to(tl.int64) * n + cols[None, :]
         mask = row_ok[:, None] & col_ok[None, :]
         if SPLIT == 1:
