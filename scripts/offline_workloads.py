@@ -61,8 +61,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 def code_edit_sources(n: int, min_lines: int = 60, max_lines: int = 150) -> List[Tuple[str, str]]:
     """n (path, text) pairs: the Python files of the installed torch package (setup.sh pins its version, so the
-    workload stays the same while minisrv changes; the EAGLE-3 trainer reads the standard library, not these) of
-    min_lines..max_lines lines, in the order of their paths' SHA-256, cycled when n is larger."""
+    workload stays the same while minisrv changes) of min_lines..max_lines lines, in the order of their paths'
+    SHA-256, cycled when n is larger."""
     import torch
     root = Path(torch.__file__).resolve().parent
     files = []
@@ -91,6 +91,7 @@ def edit_instruction(path: str, text: str, i: int) -> str:
     return f"Add the line `Module: {module}.` as the last line of the module docstring."
 
 
+TRAINER_FIRST_FILE = 64  # the files before this one are left to the benchmark (--num-prompts up to 64)
 ANSWER_HEAD_LINES = 3  # the file's first lines, given as the start of the answer
 
 
@@ -100,13 +101,14 @@ def code_edit_messages(path: str, text: str, i: int) -> List[Dict[str, str]]:
                                         f"complete rewritten file."}]
 
 
-def code_edit_workload(llm, n: int, max_tokens: int) -> Workload:
+def code_edit_workload(llm, n: int, max_tokens: int, first: int = 0) -> Workload:
     """Chat-templated prompts for `llm` (minisrv.LLM), each followed by the start of its answer: a code fence and
     the file's first ANSWER_HEAD_LINES lines (asked cold, a small model such as SmolLM2-135M tends to describe the
     file or wander off after a few lines; once its answer has started as a copy, it goes on copying). Greedy, ended
-    by the model's end of turn or max_tokens."""
+    by the model's end of turn or max_tokens. `first`: the files from that one on (the benchmark takes the first
+    ones; the EAGLE-3 trainer asks from TRAINER_FIRST_FILE on, so that it never sees the benchmark's)."""
     prompts = []
-    for i, (path, text) in enumerate(code_edit_sources(n)):
+    for i, (path, text) in enumerate(code_edit_sources(first + n)[first:], start=first):
         head = "".join(text.splitlines(True)[:ANSWER_HEAD_LINES])
         answer_start = llm.tokenizer("```python\n" + head, add_special_tokens=False).input_ids
         prompts.append(llm.encode_chat(code_edit_messages(path, text, i)) + answer_start)

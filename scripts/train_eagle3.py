@@ -36,7 +36,6 @@ import argparse
 import json
 import math
 import os
-import random
 import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -50,75 +49,11 @@ import torch.nn.functional as F  # noqa: E402
 from minisrv.checkpoints.loader import load_hf_config, load_tokenizer, resolve_model_path  # noqa: E402
 from minisrv.models.args import ModelArgs  # noqa: E402
 from minisrv.models.eagle3 import Eagle3Config, Eagle3Head, attend  # noqa: E402
-from offline_workloads import REPO_ROOT, code_edit_messages  # noqa: E402
+from eagle3_data import TrainingSequence, training_sequences  # noqa: E402
 
 STEP_DECAY = 0.8  # the weight of step j's loss is STEP_DECAY ** j
 NORM_START = 0.1  # the head's final norm starts at this share of the target's: its first logits nearly uniform
 HELD_OUT = 0.1  # the share of sequences scored, not trained on
-
-
-# --- text ---
-
-def training_texts(tokenizer, chars: int, seed: int) -> List[str]:
-    """About `chars` characters of local text, in an order fixed by `seed`: the repository's documentation (up to
-    a fifth of it), then pieces of standard-library sources, three in four of them as chat-format code-editing
-    samples short enough that the request and its answer (the piece copied) fall in one training sequence: what the
-    head learns to copy from."""
-    rng = random.Random(seed)
-    docs = [REPO_ROOT / "README.md"] + sorted((REPO_ROOT / "docs").glob("*.md"))
-    texts: List[str] = []
-    for doc in rng.sample(docs, len(docs)):
-        room = chars // 5 - sum(map(len, texts))
-        if room <= 0:
-            break
-        texts.append(doc.read_text()[:room])
-    stdlib = os.path.dirname(os.__file__)
-    files = sorted(os.path.join(d, f) for d, sub, names in os.walk(stdlib)
-                   if "site-packages" not in d and "dist-packages" not in d for f in names if f.endswith(".py"))
-    rng.shuffle(files)
-    total = sum(map(len, texts))
-    for i, path in enumerate(files):
-        if total >= chars:
-            break
-        try:
-            with open(path, encoding="utf-8") as f:
-                lines = f.read().splitlines(True)
-        except (OSError, UnicodeDecodeError):
-            continue
-        if len(lines) < 20:
-            continue
-        start = rng.randrange(max(1, len(lines) - 150))
-        chat = i % 4 != 0
-        code = "".join(lines[start:start + (rng.randint(8, 24) if chat else 400)])
-        if chat:  # a code-editing sample: a piece of the file, and its copy as the answer, within one sequence
-            code = chat_sample(tokenizer, os.path.relpath(path, stdlib), code, i)
-        texts.append(code)
-        total += len(code)
-    return texts
-
-
-def chat_sample(tokenizer, path: str, code: str, i: int) -> str:
-    messages = code_edit_messages(path, code, i) + [{"role": "assistant", "content": f"```python\n{code}```"}]
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False)
-    return "\n\n".join(m["content"] for m in messages)
-
-
-def token_sequences(tokenizer, texts: Sequence[str], seq_len: int, max_tokens: int, seed: int) -> torch.Tensor:
-    """The texts (shuffled by `seed`) tokenized, joined by the end-of-sequence token and cut into rows of seq_len:
-    [rows, seq_len], at most max_tokens in all."""
-    order = list(texts)
-    random.Random(seed).shuffle(order)
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    stream: List[int] = []
-    for text in order:
-        stream += tokenizer(text, add_special_tokens=False).input_ids + [eos]
-        if len(stream) >= max_tokens:
-            break
-    rows = min(len(stream), max_tokens) // seq_len
-    if rows < 2:
-        raise ValueError(f"the text gives {len(stream)} tokens: fewer than two sequences of {seq_len}")
-    return torch.tensor(stream[:rows * seq_len]).view(rows, seq_len)
 
 
 # --- the target ---
@@ -129,18 +64,26 @@ def layers_read(num_layers: int) -> Tuple[int, int, int]:
 
 
 @torch.no_grad()
-def target_states(model, seqs: torch.Tensor, layers: Sequence[int], batch: int = 4) -> Dict[str, torch.Tensor]:
-    """What training needs of the target, per sequence and position: `aux` [R, S, 3 x hidden] (bfloat16) the
-    residual streams entering `layers`, `final` [R, S, hidden] its last normed hidden state, `argmax` [R, S] its
-    greedy next token over the whole vocabulary."""
-    aux, final, argmax = [], [], []
-    for i in range(0, seqs.shape[0], batch):
-        out = model(seqs[i:i + batch], output_hidden_states=True)
+def target_states(model, seqs: Sequence[TrainingSequence], layers: Sequence[int]) -> Dict[str, List[torch.Tensor]]:
+    """What training needs of the target, a list entry per sequence ([S] or [S, ...] each): `tokens`; `aux`
+    [S, 3 x hidden] (bfloat16) the residual streams entering `layers`; `final` [S, hidden] its last normed hidden
+    state; `argmax` its greedy next token over the whole vocabulary; `scored` (bool) where it is learnt."""
+    data: Dict[str, List[torch.Tensor]] = {"tokens": [], "aux": [], "final": [], "argmax": [], "scored": []}
+    for ids, first in seqs:
+        tokens = torch.tensor(ids)
+        out = model(tokens[None], output_hidden_states=True)
         hs = out.hidden_states
-        aux.append(torch.cat([hs[layer] for layer in layers], dim=-1).to(torch.bfloat16))
-        final.append(hs[-1].float())
-        argmax.append(out.logits.argmax(-1))
-    return {"tokens": seqs, "aux": torch.cat(aux), "final": torch.cat(final), "argmax": torch.cat(argmax)}
+        data["tokens"].append(tokens)
+        data["aux"].append(torch.cat([hs[layer][0] for layer in layers], dim=-1).to(torch.bfloat16))
+        data["final"].append(hs[-1][0].float())
+        data["argmax"].append(out.logits[0].argmax(-1))
+        data["scored"].append(torch.arange(len(ids)) >= first)
+    return data
+
+
+def one_row(data: Dict[str, List[torch.Tensor]], i: int) -> Dict[str, torch.Tensor]:
+    """Sequence i's entries, each as a batch of one."""
+    return {k: v[i][None] for k, v in data.items()}
 
 
 def draft_vocabulary(argmax: torch.Tensor, tokens: torch.Tensor, vocab: int, size: int) -> torch.Tensor:
@@ -205,39 +148,46 @@ def ttt_forward(head: Eagle3Head, embed: torch.Tensor, tokens: torch.Tensor, aux
     return outs
 
 
-def ttt_losses(head: Eagle3Head, outs: List[torch.Tensor], final: torch.Tensor, argmax: torch.Tensor,
-               target_rows: torch.Tensor, draft_ids: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor],
-                                                                             List[torch.Tensor]]:
-    """The weighted loss, and per step its soft cross-entropy and top-1 agreement with the target's argmax (step j
-    of base p is labelled by the target at position p + 1 + j; bases past the end are left out)."""
+def ttt_losses(head: Eagle3Head, outs: List[torch.Tensor], row: Dict[str, torch.Tensor], target_rows: torch.Tensor,
+               draft_ids: torch.Tensor) -> Tuple[torch.Tensor, List[float], List[int], List[int]]:
+    """The weighted loss, and per step its soft cross-entropy, how many drafts agree with the target's argmax and
+    of how many (step j of base p is labelled by the target at position p + 1 + j; bases past the end, and labels
+    at positions not scored, are left out)."""
     b, t = outs[0].shape[:2]
     s = t + 1
     base = torch.arange(t)
-    total, losses, accs = 0.0, [], []
+    total, losses, hits, counts = 0.0, [], [], []
     for j, out in enumerate(outs):
-        at = base + 1 + j
-        valid = at < s
-        at = at[valid]
-        logits = head.logits(out[:, valid])
-        labels = F.softmax(final[:, at] @ target_rows.T, dim=-1)
+        at = (base + 1 + j).clamp(max=s - 1)
+        valid = (base + 1 + j < s) & row["scored"][:, at]
+        count = int(valid.sum())
+        if count == 0:
+            losses.append(0.0), hits.append(0), counts.append(0)
+            continue
+        logits = head.logits(out[valid])
+        labels = F.softmax(row["final"][:, at][valid] @ target_rows.T, dim=-1)
         loss = -(labels * F.log_softmax(logits, dim=-1)).sum(-1).mean()
         total = total + STEP_DECAY ** j * loss
-        losses.append(loss.detach())
-        accs.append((draft_ids[logits.argmax(-1)] == argmax[:, at]).float().mean())
-    return total, losses, accs
+        losses.append(float(loss.detach()))
+        hits.append(int((draft_ids[logits.argmax(-1)] == row["argmax"][:, at][valid]).sum()))
+        counts.append(count)
+    return total, losses, hits, counts
 
 
 @torch.no_grad()
-def evaluate(head, embed, data, rows, target_rows, draft_ids, steps, batch) -> Tuple[float, List[float]]:
-    """Held-out loss and per-step top-1 agreement, averaged over the rows."""
-    loss, accs = 0.0, [0.0] * steps
-    chunks = [rows[i:i + batch] for i in range(0, len(rows), batch)]
-    for r in chunks:
-        outs = ttt_forward(head, embed, data["tokens"][r], data["aux"][r], steps)
-        total, _, acc = ttt_losses(head, outs, data["final"][r], data["argmax"][r], target_rows, draft_ids)
-        loss += float(total) * len(r) / len(rows)
-        accs = [a + float(x) * len(r) / len(rows) for a, x in zip(accs, acc)]
-    return loss, accs
+def evaluate(head, embed, data, rows, target_rows, draft_ids, steps) -> Tuple[float, List[float]]:
+    """Held-out loss (a mean over the sequences, weighted by their positions scored) and per-step top-1 agreement
+    over all their drafts."""
+    loss, weight, hits, counts = 0.0, 0, [0] * steps, [0] * steps
+    for i in rows:
+        row = one_row(data, i)
+        outs = ttt_forward(head, embed, row["tokens"], row["aux"], steps)
+        total, _, hit, count = ttt_losses(head, outs, row, target_rows, draft_ids)
+        loss += float(total) * count[0]
+        weight += count[0]
+        hits = [h + x for h, x in zip(hits, hit)]
+        counts = [c + x for c, x in zip(counts, count)]
+    return loss / max(weight, 1), [h / max(c, 1) for h, c in zip(hits, counts)]
 
 
 def expected_accepted_length(accs: Sequence[float]) -> float:
@@ -281,10 +231,15 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="the head's directory (written)")
     p.add_argument("--model", default=None, help="the target: a GGUF file or a HF directory (default model)")
+    p.add_argument("--data", choices=("generated", "local"), default="generated",
+                   help="generated: the target's answers to chat prompts; local: local files (scripts/eagle3_data.py)")
+    p.add_argument("--code-prompts", type=int, default=48, help="generated: code-edit prompts answered")
+    p.add_argument("--chat-prompts", type=int, default=24, help="generated: general instructions answered")
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="generated: the longest answer")
+    p.add_argument("--seq-len", type=int, default=512, help="local: the rows' length")
+    p.add_argument("--max-tokens", type=int, default=32768, help="local: tokens of text in all (held-out included)")
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time test depth (chained drafts)")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=32768, help="tokens of text in all (held-out split included)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch", type=int, default=1, help="sequences a step")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -296,8 +251,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None, texts: Optional[Sequence[str]] = None) -> Dict:
-    """Train and save a head; returns its figures (and the head). `texts`: the text to train on, instead of the
-    local files."""
+    """Train and save a head; returns its figures (and the head). `texts`: text to train on (packed as --data
+    local packs its files), instead of --data's source."""
     from bench_offline import hf_model
     a = parse_args(argv)
     if a.threads:
@@ -307,25 +262,26 @@ def main(argv: Optional[Sequence[str]] = None, texts: Optional[Sequence[str]] = 
     path = resolve_model_path(a.model)
     cfg = load_hf_config(path)
     tokenizer = load_tokenizer(path)
+    seqs = training_sequences(a, path, tokenizer, texts)
+    t_text = time.perf_counter() - t0
     model = hf_model(path, torch.float32, torch.device("cpu"))
-    if texts is None:
-        texts = training_texts(tokenizer, 6 * a.max_tokens, a.seed)
-    seqs = token_sequences(tokenizer, texts, a.seq_len, a.max_tokens, a.seed)
     layers = layers_read(cfg["num_hidden_layers"])
-    data = target_states(model, seqs, layers, a.batch)
-    t_target = time.perf_counter() - t0
-    print(f"target: {seqs.numel()} tokens ({seqs.shape[0]} sequences of {a.seq_len}), hidden states of layers "
-          f"{layers} in {t_target:.1f} s", flush=True)
+    data = target_states(model, seqs, layers)
+    scored = [int(x.sum()) for x in data["scored"]]
+    t_target = time.perf_counter() - t0 - t_text
+    print(f"text ({a.data if texts is None else 'given'}): {len(seqs)} sequences, {sum(map(len, data['tokens']))} "
+          f"tokens ({sum(scored)} learnt) in {t_text:.0f} s; the target's hidden states of layers {layers} in "
+          f"{t_target:.0f} s", flush=True)
 
-    rows = seqs.shape[0]
+    rows = len(seqs)
     held = max(1, round(HELD_OUT * rows))
     train_rows, eval_rows = list(range(rows - held)), list(range(rows - held, rows))
     # the draft vocabulary is chosen on the training rows only
-    draft_ids = draft_vocabulary(data["argmax"][:rows - held], seqs[:rows - held], cfg["vocab_size"],
-                                 a.draft_vocab_size)
+    draft_ids = draft_vocabulary(torch.cat([data["argmax"][i][data["scored"][i]] for i in train_rows]),
+                                 torch.cat(data["tokens"][:rows - held]), cfg["vocab_size"], a.draft_vocab_size)
     target_rows = model.lm_head.weight.detach()[draft_ids].float()
     embed = model.get_input_embeddings().weight.detach().float()
-    max_positions = a.seq_len + a.ttt_steps
+    max_positions = max(map(len, data["tokens"])) + a.ttt_steps
     head = Eagle3Head(head_config(cfg, layers, len(draft_ids)), max_positions)
     with torch.no_grad():
         head.lm_head.weight.copy_(target_rows)
@@ -333,8 +289,9 @@ def main(argv: Optional[Sequence[str]] = None, texts: Optional[Sequence[str]] = 
         head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
     del model
 
-    covered = float((data["argmax"][rows - held:, :, None] == draft_ids).any(-1).float().mean())
-    before, accs0 = evaluate(head, embed, data, eval_rows, target_rows, draft_ids, a.ttt_steps, a.batch)
+    held_argmax = torch.cat([data["argmax"][i][data["scored"][i]] for i in eval_rows])
+    covered = float((held_argmax[:, None] == draft_ids).any(-1).float().mean())
+    before, accs0 = evaluate(head, embed, data, eval_rows, target_rows, draft_ids, a.ttt_steps)
     print(f"draft vocabulary {len(draft_ids)} ids: they hold the target's argmax at {covered:.1%} of held-out "
           f"positions; held-out loss before training {before:.3f}, top-1 {', '.join(f'{x:.1%}' for x in accs0)}",
           flush=True)
@@ -349,31 +306,36 @@ def main(argv: Optional[Sequence[str]] = None, texts: Optional[Sequence[str]] = 
     for epoch in range(a.epochs):
         order = torch.tensor(train_rows)[torch.randperm(len(train_rows), generator=gen)].tolist()
         for i in range(0, len(order), a.batch):
-            r = order[i:i + a.batch]
-            outs = ttt_forward(head, embed, data["tokens"][r], data["aux"][r], a.ttt_steps)
-            loss, _, accs = ttt_losses(head, outs, data["final"][r], data["argmax"][r], target_rows, draft_ids)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss, hits, counts = 0.0, [0] * a.ttt_steps, [0] * a.ttt_steps
+            for r in order[i:i + a.batch]:  # one sequence at a time (their lengths differ), gradients summed
+                row = one_row(data, r)
+                outs = ttt_forward(head, embed, row["tokens"], row["aux"], a.ttt_steps)
+                total, _, hit, count = ttt_losses(head, outs, row, target_rows, draft_ids)
+                (total / len(order[i:i + a.batch])).backward()
+                loss += float(total.detach()) / len(order[i:i + a.batch])
+                hits = [h + x for h, x in zip(hits, hit)]
+                counts = [c + x for c, x in zip(counts, count)]
             torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
             opt.step()
             sched.step()
             step += 1
-            last_loss = float(loss.detach())
+            last_loss = loss
             first_loss = last_loss if first_loss is None else first_loss
             if step % a.log_every == 0 or step == total_steps:
                 print(f"epoch {epoch + 1} step {step}/{total_steps} loss {last_loss:.3f} top-1 "
-                      f"{' '.join(f'{float(x):.1%}' for x in accs)} lr {sched.get_last_lr()[0]:.2e} "
-                      f"{time.perf_counter() - t1:.0f} s", flush=True)
+                      f"{' '.join(f'{h / max(c, 1):.1%}' for h, c in zip(hits, counts))} "
+                      f"lr {sched.get_last_lr()[0]:.2e} {time.perf_counter() - t1:.0f} s", flush=True)
     t_train = time.perf_counter() - t1
-    after, accs = evaluate(head, embed, data, eval_rows, target_rows, draft_ids, a.ttt_steps, a.batch)
+    after, accs = evaluate(head, embed, data, eval_rows, target_rows, draft_ids, a.ttt_steps)
     save_head(head, a.out, draft_ids, max(max_positions, cfg.get("max_position_embeddings", max_positions)))
     length = expected_accepted_length(accs)
-    trained = len(train_rows) * a.seq_len
+    trained = sum(scored[i] for i in train_rows)
     wall = time.perf_counter() - t0
-    print(f"trained on {trained} tokens x {a.epochs} epochs ({step} steps) in {t_train:.0f} s; target states "
-          f"{t_target:.0f} s; wall time {wall:.0f} s")
-    print(f"held-out ({held * a.seq_len} tokens): loss {before:.3f} -> {after:.3f}; top-1 agreement with the "
-          f"target by draft step: {', '.join(f'{x:.1%}' for x in accs)}")
+    print(f"trained on {trained} tokens x {a.epochs} epochs ({step} steps) in {t_train:.0f} s; text {t_text:.0f} s; "
+          f"target states {t_target:.0f} s; wall time {wall:.0f} s")
+    print(f"held-out ({sum(scored[i] for i in eval_rows)} tokens in {held} sequences): loss {before:.3f} -> "
+          f"{after:.3f}; top-1 agreement with the target by draft step: {', '.join(f'{x:.1%}' for x in accs)}")
     print(f"expected accepted length of a {a.ttt_steps}-draft chain: {length:.2f} tokens a verify step (the "
           f"target's own token plus the drafts kept, if each draft is kept exactly when it is the target's greedy "
           f"choice and step j is right as often as held out); saved to {a.out}")

@@ -98,7 +98,7 @@ def test_training_lowers_the_loss(trained):
 
 def test_first_step_is_the_dense_causal_forward(trained):
     _, out, result = trained
-    tokens, aux, embed = result["tokens"][:1], result["aux"][:1], result["embed"]
+    tokens, aux, embed = result["tokens"][0][None], result["aux"][0][None], result["embed"]
     with torch.no_grad():
         steps = trainer.ttt_forward(result["head"], embed, tokens, aux, 2)
         head = load_eagle3_head(out, 64, torch.float32, torch.device("cpu"))
