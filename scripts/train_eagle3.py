@@ -7,13 +7,14 @@ models only (and cannot be downloaded where there is no network). The head is sm
 from the target alone, so minutes of CPU time give a usable one for a small target such as the default model.
 
 How:
-- Text: local files only: the standard library's Python sources, this repository's README.md and docs/*.md, and
-  chat-format code-editing samples (a source file and an instruction to rewrite it, scripts/offline_workloads.py's
-  prompt, answered with the file itself), packed into sequences of --seq-len tokens.
+- Text (scripts/eagle3_data.py): by default the target's own greedy answers, through minisrv's engine, to chat
+  prompts (the code-edit workload's over torch sources the benchmark does not use, and general instructions); a
+  sequence is a prompt and its answer, and the head learns the answer's positions while attending over the whole
+  (the file an answer copies lies in its prompt). `--data local`: local files packed into rows of --seq-len.
 - The target (HF transformers, float32, on the weights minisrv serves) runs once over every sequence (no grad); kept
   in memory: the residual stream entering layers 2, N // 2 and N - 3 (HF's hidden_states[i]), concatenated (the
   head's input), its final normed hidden state (its logits over the draft vocabulary are the labels:
-  self-distillation, so any text serves), and its argmax over the whole vocabulary (what acceptance is scored on).
+  self-distillation), and its argmax over the whole vocabulary (what acceptance is scored on).
 - Draft vocabulary: the --draft-vocab-size ids the target predicts most often over the text (topped up with the
   most frequent text tokens, then the lowest ids, to the size asked), in id order; d2t[i] = target id - i.
 - The head starts with the target's lm_head rows of the draft vocabulary and a tenth of its final norm (so that

@@ -128,3 +128,30 @@ def test_the_target_of_a_gguf_file_writes_minisrvs_tokens(tmp_path):
         for _ in range(8):
             ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
     assert ids[0, len(prompt):].tolist() == list(ours)
+
+
+def test_generated_sequences_are_the_targets_greedy_answers(tmp_path):
+    """--data generated: each sequence is its prompt and the target's greedy answer (HF transformers' greedy
+    decoding on the same weights as the reference), learnt from the prompt's last position on; its code-edit
+    prompts are over files the benchmark does not ask about."""
+    import transformers
+    import eagle3_data  # on the path the trainer's module put it on
+    from offline_workloads import TRAINER_FIRST_FILE, code_edit_sources
+    from .helpers.tiny_qwen2 import build_tiny_qwen2
+    target = build_tiny_qwen2(str(tmp_path / "target"))
+    seqs = eagle3_data.generated_sequences(target, 1, 2, 6, attention_backend="torch", dtype="float32",
+                                           log_level="warning", disable_radix_cache=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(target)
+    assert len(seqs) == 3
+    for ids, first in seqs:
+        prompt, answer = ids[:first + 1], ids[first + 1:]
+        assert 1 <= len(answer) <= 6
+        with torch.no_grad():
+            reference = model.generate(torch.tensor([prompt]), max_new_tokens=len(answer), do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert answer == reference
+    code = tokenizer.decode(seqs[0][0][:seqs[0][1] + 1])
+    assert f"Here is the file {code_edit_sources(TRAINER_FIRST_FILE + 1)[-1][0]}:" in code
+    assert not any(path in code for path, _ in code_edit_sources(TRAINER_FIRST_FILE))
+    assert eagle3_data.chat_instruction(1) in tokenizer.decode(seqs[2][0])
