@@ -265,14 +265,14 @@ def main(argv: Optional[Sequence[str]] = None, texts: Optional[Sequence[str]] = 
     tokenizer = load_tokenizer(path)
     seqs = training_sequences(a, path, tokenizer, texts)
     t_text = time.perf_counter() - t0
+    print(f"text ({a.data if texts is None else 'given'}): {len(seqs)} sequences, {sum(len(s) for s, _ in seqs)} "
+          f"tokens ({sum(len(s) - first for s, first in seqs)} learnt) in {t_text:.0f} s", flush=True)
     model = hf_model(path, torch.float32, torch.device("cpu"))
     layers = layers_read(cfg["num_hidden_layers"])
     data = target_states(model, seqs, layers)
     scored = [int(x.sum()) for x in data["scored"]]
     t_target = time.perf_counter() - t0 - t_text
-    print(f"text ({a.data if texts is None else 'given'}): {len(seqs)} sequences, {sum(map(len, data['tokens']))} "
-          f"tokens ({sum(scored)} learnt) in {t_text:.0f} s; the target's hidden states of layers {layers} in "
-          f"{t_target:.0f} s", flush=True)
+    print(f"the target's hidden states of layers {layers} in {t_target:.0f} s", flush=True)
 
     rows = len(seqs)
     held = max(1, round(HELD_OUT * rows))
