@@ -21,9 +21,10 @@ Workloads (`--workload`):
         files do: --num-prompts (4) Python files of 60-150 lines of the installed torch package (in their paths' hash
         order; scripts/train_eagle3.py asks about later ones), each in a chat-templated prompt followed by the
         answer's start (a code fence and the file's first three lines); greedy, up to --max-output-len (1024)
-        tokens, ended by the model's end of turn. Meant for a real model (the default one on a CPU). Printed: the share of output tokens inside an 8-gram that also occurs in the prompt (what
-        drafting from the context can propose, a loop over one line included) and the share copied from the prompt
-        in order (difflib's alignment: a small model's answer often falls into a loop).
+        tokens, ended by the model's end of turn. Meant for a real model (the default one on a CPU). Printed: the
+        share of output tokens inside an 8-gram that also occurs in the prompt (what drafting from the context can
+        propose, a loop over one line included) and the share copied from the prompt in order (difflib's alignment:
+        a small model's answer often falls into a loop).
 One warm-up generate first; the clock covers one `generate` call, or with --sequential one call a request (the clock
 over all of them: single-stream speed). With speculative decoding on (--speculative-algorithm), the output line adds
 the drafts' acceptance rate (accepted / drafted tokens) and the mean accepted length (tokens a request gains per
