@@ -27,11 +27,11 @@ CHAT_TASKS = ("Explain {} to a beginner, in a few short paragraphs.",
               "What are the most common mistakes people make with {}? Answer as a numbered list.",
               "Summarize what an expert should know about {} in one paragraph.")
 CHAT_TOPICS = ("binary search", "hash tables", "recursion", "unit testing", "regular expressions", "HTTP requests",
-               "sorting a list in Python", "git branches", "SQL joins", "JSON parsing", "linked lists", "Python classes",
-               "exceptions in Python", "reading a CSV file", "photosynthesis", "the water cycle", "volcanoes",
-               "the solar system", "the French Revolution", "healthy sleep", "baking bread", "learning a language",
-               "climate change", "prime numbers", "the Pythagorean theorem", "saving money", "time management",
-               "the human heart", "electric cars", "the Roman Empire")
+               "sorting a list in Python", "git branches", "SQL joins", "JSON parsing", "linked lists",
+               "Python classes", "exceptions in Python", "reading a CSV file", "photosynthesis", "the water cycle",
+               "volcanoes", "the solar system", "the French Revolution", "healthy sleep", "baking bread",
+               "learning a language", "climate change", "prime numbers", "the Pythagorean theorem", "saving money",
+               "time management", "the human heart", "electric cars", "the Roman Empire")
 
 
 def chat_instruction(i: int) -> str:
