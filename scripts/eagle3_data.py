@@ -12,6 +12,7 @@ prediction the head learns (a TrainingSequence).
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 from typing import List, Optional, Sequence, Tuple
@@ -126,7 +127,14 @@ def training_sequences(args, model: str, tokenizer, texts: Optional[Sequence[str
     """The sequences the trainer's arguments ask for (--data), in an order fixed by --seed; `texts`, where given,
     packed instead of any source."""
     if texts is None and args.data == "generated":
-        seqs = generated_sequences(model, args.code_prompts, args.chat_prompts, args.max_new_tokens)
+        if args.sequences and os.path.exists(args.sequences):
+            with open(args.sequences) as f:
+                seqs = [(ids, first) for ids, first in json.load(f)]
+        else:
+            seqs = generated_sequences(model, args.code_prompts, args.chat_prompts, args.max_new_tokens)
+            if args.sequences:
+                with open(args.sequences, "w") as f:
+                    json.dump(seqs, f)
         random.Random(args.seed).shuffle(seqs)
         return seqs
     if texts is None:

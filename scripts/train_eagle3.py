@@ -237,6 +237,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--code-prompts", type=int, default=48, help="generated: code-edit prompts answered")
     p.add_argument("--chat-prompts", type=int, default=24, help="generated: general instructions answered")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="generated: the longest answer")
+    p.add_argument("--sequences", default=None, help="generated: a JSON file the answers are read from if it "
+                   "exists, else written to (the target's answers, made once for several trainings)")
     p.add_argument("--seq-len", type=int, default=512, help="local: the rows' length")
     p.add_argument("--max-tokens", type=int, default=32768, help="local: tokens of text in all (held-out included)")
     p.add_argument("--draft-vocab-size", type=int, default=8192)
