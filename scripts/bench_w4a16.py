@@ -6,7 +6,8 @@ matmul of the same (dequantised) weight, and the time its 4-bit bytes (weights, 
 rows of K (0: one per output channel). Each product runs --iters times in a CUDA graph, cycling through weight
 copies that together exceed the GPU's L2 cache (as a model's layers do); the median of --repeat replays is reported.
 Each line also gives the kernel's error against the bf16 matmul (relative, Frobenius). --configs times other launch
-configurations beside the rule's (block_m,block_n,block_k,split_k,num_warps,num_stages;...).
+configurations beside the rule's (block_m,block_n,block_k,split_k,num_warps,num_stages;...; block_m under 16: the
+CUDA cores' kernel, which takes at most block_m rows; block_m 0: the weight dequantised for torch's matmul).
 
   python scripts/bench_w4a16.py [--tp 1] [--ms 1,16,64,256] [--group 128] [--configs 16,64,128,4,4,3]
 """
