@@ -201,19 +201,18 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
         n = qweight.shape[1]
         group = k // scales.shape[0]
         c = config or config_for(m, n, k, group)
-        if c.block_m == 0:  # a large batch: the weight dequantised whole, then the library's matmul
-            if group % c.block_k:
-                raise ValueError(f"W4A16 dequantisation: groups of {group} rows, K step {c.block_k}")
+        gemv, whole = 0 < c.block_m < 16, c.block_m == 0
+        if (qweight.shape[0] * 8 != k or group % c.block_k or (x.stride(1) != 1 and not whole)
+                or (gemv and m > c.block_m)
+                or not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous())):
+            raise ValueError(f"W4A16 GEMM operands: x {tuple(x.shape)} (column stride {x.stride(1)}), qweight "
+                             f"{tuple(qweight.shape)}, scales {tuple(scales.shape)}, config {tuple(c)}")
+        if whole:  # a large batch: the weight dequantised whole, then the library's matmul
             w = torch.empty((k, n), dtype=x.dtype, device=x.device)
             w4a16_dequantize_kernel[(k // c.block_k, triton.cdiv(n, c.block_n))](
                 qweight, scales, zeros, w, n, group, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
                 num_warps=c.num_warps, num_stages=c.num_stages)
             return x @ w
-        gemv = c.block_m < 16
-        if (qweight.shape[0] * 8 != k or group % c.block_k or x.stride(1) != 1 or (gemv and m > c.block_m)
-                or not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous())):
-            raise ValueError(f"W4A16 GEMM operands: x {tuple(x.shape)} (column stride {x.stride(1)}), qweight "
-                             f"{tuple(qweight.shape)}, scales {tuple(scales.shape)}, config {tuple(c)}")
         steps = k // c.block_k
         per_split = -(-steps // c.split_k)
         split = -(-steps // per_split)
