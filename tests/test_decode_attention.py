@@ -4,24 +4,18 @@ attention (helpers/decode_attention_checks.py, in a fresh process: the interpret
 Triton is imported). On the GPU: tests/gpu/test_decode_attention.py and the backend cases of test_backends.py."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import pytest
 
 from minisrv.kernels.decode_attention import MAX_SPLITS, splits_for
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "decode_attention_checks.py")
+from .helpers.interpreted import needs_triton, run_checks
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@needs_triton
 def test_decode_attention_under_the_interpreter():
-    done = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.rstrip().endswith("ok"), done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("max error") == 5 and "strided q" in done.stdout
+    out = run_checks("decode_attention_checks.py")
+    assert out.count("max error") == 5 and "strided q" in out
 
 
 def test_split_rule():

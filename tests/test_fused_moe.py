@@ -12,7 +12,6 @@ References, none of them minisrv's code:
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -26,10 +25,10 @@ from minisrv.kernels.fused_moe import experts_reference, fused_experts, route
 from minisrv.kernels.moe_align import align_reference, max_padded
 from minisrv.kernels.moe_gemm import config_for
 
+from .helpers.interpreted import needs_triton, run_checks
 from .helpers.moe_interpreted_checks import check_alignment, experts_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "helpers", "moe_interpreted_checks.py")
 H, INTER = 64, 32
 BOUNDS = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}  # of the largest output
 FP8_LOOSE = 0.2  # FP8 against the unrounded float64 result, of the output's norm: x, the weights and the SiLU
@@ -175,10 +174,9 @@ def test_importing_the_kernels_imports_no_triton():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@needs_triton
 def test_moe_triton_kernels_under_the_interpreter():
-    done = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.rstrip().endswith("ok"), done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("moe align") == 14 and done.stdout.count("moe route ") == 11, done.stdout
-    assert done.stdout.count("moe router") == 4, done.stdout
-    assert done.stdout.count("moe grouped GEMMs") == 40 and done.stdout.count("moe experts") == 40, done.stdout
+    out = run_checks("moe_interpreted_checks.py")
+    assert out.count("moe align") == 14 and out.count("moe route ") == 11, out
+    assert out.count("moe router") == 4, out
+    assert out.count("moe grouped GEMMs") == 40 and out.count("moe experts") == 40, out

@@ -16,8 +16,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -28,6 +26,7 @@ from minisrv.models.w4a16 import Int4Scheme, Int4Weight, W4A16Linear, int4_schem
 
 from .helpers import EngineWatch, assert_greedy_matches, greedy, hf_greedy, make_llm, make_prompts, vocab_of
 from .helpers.int4_checkpoints import spec_dequantised, write_dequantised_checkpoint, write_int4_checkpoint
+from .helpers.interpreted import needs_triton, run_checks
 
 needs_ct = pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") is None,
                               reason="compressed-tensors is not installed")
@@ -237,9 +236,7 @@ def test_two_ranks(tiny_model, tmp_path):
         assert_as_reference(llm, prompts, reference, "tp 2")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@needs_triton
 def test_triton_kernel_under_the_interpreter():
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "w4a16_interpreted_checks.py")
-    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.rstrip().endswith("ok"), done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("W4A16 GEMM") == 57
+    out = run_checks("w4a16_interpreted_checks.py")
+    assert out.count("W4A16 GEMM") == 57

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,6 +24,7 @@ from minisrv.models.w4a16 import Int4Scheme, W4A16Experts, W4A16Linear
 
 from .helpers import make_llm, make_prompts, vocab_of
 from .helpers.int4_checkpoints import int4_parts, write_dequantised_checkpoint, write_int4_checkpoint
+from .helpers.interpreted import needs_triton, run_checks
 from .test_w4a16 import assert_as_reference
 
 needs_ct = pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") is None,
@@ -154,9 +153,7 @@ def test_two_ranks(tiny_model, tmp_path):
         make_llm(path, tp_size=2)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@needs_triton
 def test_triton_kernel_under_the_interpreter():
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "moe_w4a16_interpreted_checks.py")
-    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.rstrip().endswith("ok"), done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("4-bit experts") == 12
+    out = run_checks("moe_w4a16_interpreted_checks.py")
+    assert out.count("4-bit experts") == 12
