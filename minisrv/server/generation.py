@@ -59,6 +59,7 @@ class Choice:
     prefix: str = ""  # sent before the first token (echoed prompt text); offsets count it
     prompt_ids: List[int] = field(default_factory=list)
     text: str = ""  # generated text (without the prefix)
+    token_ids: List[int] = field(default_factory=list)  # generated tokens (a harmony output is read from them)
     logprobs: List[PositionedLogprob] = field(default_factory=list)
     prompt_logprobs: Optional[List[Any]] = None  # TokenLogprob per prompt token (the first None), when asked for
     finish_reason: Optional[str] = None
@@ -75,6 +76,7 @@ class Choice:
         base = len(self.prefix)
         new = [(lp, base + offset) for lp, offset in zip(lps, out.text_offsets)]
         self.text += out.new_text
+        self.token_ids += out.new_token_ids
         self.logprobs += new
         self.num_output_tokens = out.num_output_tokens
         self.num_cached_tokens = out.num_cached_tokens

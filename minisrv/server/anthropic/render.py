@@ -65,7 +65,7 @@ class MessageRenderer:
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Dict[str, Any]:
         ch = choices[0]
-        a = read_answer(ch.text, self.tools, self.reasoning)
+        a = read_answer(ch.text, self.tools, self.reasoning, ch.token_ids)
         blocks = [{"type": "thinking", "thinking": a.reasoning, "signature": ""}] if a.reasoning else []
         blocks += [{"type": "text", "text": a.content}] if a.content else []
         blocks += [tool_use_block(c) for c in a.calls]
@@ -98,7 +98,7 @@ class MessageRenderer:
                finish_reason: Optional[str]) -> List[str]:
         """The stream's blocks for one text delta (with the finish, at the end)."""
         final = finish_reason is not None
-        d = self._answer.feed(text, final)
+        d = self._answer.feed(text, final, choice.token_ids)
         if d.reasoning:
             self._block({"type": "thinking", "thinking": "", "signature": ""},
                         {"type": "thinking_delta", "thinking": d.reasoning})

@@ -15,6 +15,7 @@ same request would be planned into. The conversion, as SGLang's and vLLM's Anthr
                                           disable_parallel_tool_use -> parallel_tool_calls false
   thinking enabled {budget_tokens}     -> the thinking budget and enable_thinking true (adaptive: no budget);
                                           disabled -> enable_thinking false; both only with a reasoning parser
+  output_config.effort                 -> the reasoning effort (read by the harmony format only)
 Any other block type, another role, or a block in the wrong role is a 400."""
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class CountTokensRequest(BaseModel):
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Dict[str, Any]] = None
     thinking: Optional[Dict[str, Any]] = None
+    output_config: Optional[Dict[str, Any]] = None  # only its effort is read (the harmony format's)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -217,8 +219,10 @@ def chat_inputs(body: CountTokensRequest, reasoning_parser: bool,
     if body.tools and not tools:  # all of them left out: nothing to choose among
         tools, choice, parallel = None, None, None
     kwargs, budget = _thinking(body.thinking, reasoning_parser)
+    effort = (body.output_config or {}).get("effort")
     return ChatInputs(messages, tools, choice, parallel, template_kwargs=kwargs, thinking_budget=budget,
-                      sampling=sampling)
+                      reasoning_effort=effort, sampling=sampling,
+                      param_names={"reasoning_effort": "output_config"})
 
 
 async def count_tokens(state: ServerState, request: Request) -> Response:

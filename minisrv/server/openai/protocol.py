@@ -107,6 +107,7 @@ class ChatCompletionRequest(_SamplingFields):
     separate_reasoning: StrictBool = True
     thinking_budget: Optional[StrictInt] = None
     custom_params: Optional[Dict[str, Any]] = None  # SGLang's; only its thinking_budget is read
+    reasoning_effort: Optional[str] = None  # low | medium | high: the harmony format's (gpt-oss); else ignored
 
 
 def now() -> int:

@@ -116,7 +116,7 @@ class ChatRenderer(OpenAIStream):
         stream = self._streams.get(choice.index)
         if stream is None:
             stream = self._streams[choice.index] = AnswerStream(self.tools, self.reasoning)
-        d = stream.feed(text, finish_reason is not None)
+        d = stream.feed(text, finish_reason is not None, choice.token_ids)
         out, index = [], choice.index
         if d.reasoning:
             out.append(self._chunk(index, DeltaMessage(reasoning_content=d.reasoning, reasoning=d.reasoning),
@@ -141,7 +141,7 @@ class ChatRenderer(OpenAIStream):
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any:
         out = []
         for ch in choices:
-            a = read_answer(ch.text, self.tools, self.reasoning)
+            a = read_answer(ch.text, self.tools, self.reasoning, ch.token_ids)
             legacy = bool(a.calls) and self.tools.legacy
             message = ChatResponseMessage(
                 content=a.content, tool_calls=None if legacy else [c.to_openai() for c in a.calls] or None,

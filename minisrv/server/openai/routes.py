@@ -104,7 +104,7 @@ def chat_inputs(body: ChatCompletionRequest) -> ChatInputs:
         budget = thinking_budget(body.thinking_budget, body.custom_params)
     return ChatInputs(chat_messages(body.messages), body.tools, body.tool_choice, body.parallel_tool_calls,
                       body.functions, body.function_call, body.chat_template_kwargs, budget,
-                      body.separate_reasoning, sampling, param_names=names)
+                      body.separate_reasoning, body.reasoning_effort, sampling, param_names=names)
 
 
 async def chat(state: ServerState, request: Request) -> Response:

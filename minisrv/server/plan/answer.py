@@ -1,13 +1,14 @@
 """One output text read as the plan asked: the thinking split off (reasoning.py), then the answer read for tool calls
 (tools.py), whole (`read_answer`) or as it streams (`AnswerStream`, which holds back what may still become a call).
 With `separate_reasoning: false` the thinking is not split off: it stays in the content, as written, before the
-answer."""
+answer. A harmony output (gpt-oss) is read from its token ids instead, by harmony.py's reader, which splits the
+reasoning and the calls off by channel."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
-from .reasoning import ReasoningPlan, ReasoningStream
+from .reasoning import HARMONY, ReasoningPlan, ReasoningStream
 from .tools import ToolCall, ToolPlan, content_prefix_len, parse_tool_calls
 
 
@@ -20,25 +21,38 @@ class Answer:
     calls: List[ToolCall] = field(default_factory=list)
 
 
-def read_answer(text: str, tools: Optional[ToolPlan], reasoning: Optional[ReasoningPlan]) -> Answer:
-    """A whole output: read as a stream of one piece."""
-    a = AnswerStream(tools, reasoning).feed(text, final=True)
+def read_answer(text: str, tools: Optional[ToolPlan], reasoning: Optional[ReasoningPlan],
+                ids: Sequence[int] = ()) -> Answer:
+    """A whole output (its text, and its ids for a harmony one): read as a stream of one piece."""
+    a = AnswerStream(tools, reasoning).feed(text, True, ids)
     if not a.content and (a.reasoning or a.calls):
         a.content = None
     return a
 
 
 class AnswerStream:
-    """One output read as it arrives: `feed` each text delta, final=True with the last."""
+    """One output read as it arrives: `feed` each text delta, final=True with the last, and the output's ids so
+    far (read only for a harmony output)."""
 
     def __init__(self, tools: Optional[ToolPlan], reasoning: Optional[ReasoningPlan]) -> None:
         self.tools = tools if tools is not None and tools.mode != "off" else None
-        self.split = ReasoningStream(reasoning.mode) if reasoning is not None else None
         self.separate = reasoning is None or reasoning.separate
+        self.harmony = None
+        if reasoning is not None and reasoning.mode == HARMONY:
+            from .harmony import HarmonyStream  # openai-harmony is imported where a harmony model is served
+            self.harmony = HarmonyStream(reasoning.encoding, self.tools.names if self.tools else ())
+        self.split = ReasoningStream(reasoning.mode) if reasoning is not None and self.harmony is None else None
         self.answer = ""  # the answer so far (after the thinking)
         self.sent = 0  # characters of the answer given out as content
+        self.seen = 0  # ids read (harmony)
 
-    def feed(self, text: str, final: bool) -> Answer:
+    def feed(self, text: str, final: bool, ids: Sequence[int] = ()) -> Answer:
+        if self.harmony is not None:
+            reasoning, content, calls = self.harmony.feed(ids[self.seen:], final)
+            self.seen = len(ids)
+            if not self.separate:
+                reasoning, content = "", reasoning + content
+            return Answer(reasoning, content, calls if not calls or self.tools.parallel else calls[:1])
         out, head = Answer(), ""
         if self.split is not None:
             piece = self.split.feed(text, final=final)

@@ -1,6 +1,7 @@
 """Texts into prompt token ids, and chat messages into a prompt text: the one place a chat template is applied (every
 API's chat request, /tokenize's chat form, count_tokens and the offline `LLM.chat`: a count is the prompt a
-generation gets). `PromptMaker` holds the tokenizer and what is derived from it once. A text over
+generation gets). `PromptMaker` holds the tokenizer and what is derived from it once; for a gpt-oss model (its
+config's model_type) that is the harmony encoding, which renders its prompts in place of a chat template. A text over
 ASYNC_ENCODE_CHARS is tokenized off the event loop (`off_loop`); one whose length already proves it over the limit
 is refused untokenized (`max_token_chars`). Nothing here imports the HTTP layer."""
 from __future__ import annotations
@@ -10,6 +11,7 @@ import inspect
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
@@ -47,11 +49,16 @@ class PromptMaker:
     reasoning: Optional[ReasoningFormat] = None  # the reasoning parser, None: the model's thinking stays as text
     tools_in_template: bool = True  # False: the template ignores tools; they go in a system prompt (with_tool_prompt)
     max_token_chars: Optional[int] = None  # see max_token_chars(); None: no early length check
+    harmony: Any = None  # gpt-oss's harmony encoding (harmony.py), which makes its prompts and reads its outputs
 
     @classmethod
     def of(cls, tokenizer: Any, tool_call_parser: str = "auto", reasoning_parser: Optional[str] = None
            ) -> "PromptMaker":
         """Derived from the tokenizer; raises ValueError for a reasoning parser it cannot serve."""
+        if model_type(tokenizer) == "gpt_oss":
+            from .harmony import load_encoding  # openai-harmony is imported where a harmony model is served
+            logger.info("chat format: harmony (the tool-call and reasoning parsers are harmony's)")
+            return cls(tokenizer, "harmony", None, True, max_token_chars(tokenizer), load_encoding())
         reasoning = resolve_reasoning(reasoning_parser, tokenizer)
         reads_tools = template_reads_tools(tokenizer)
         logger.info("tools reach the model %s", "through its chat template" if reads_tools else
@@ -113,6 +120,16 @@ message, those are joined into the first one and the prompt is made again."""
             except Exception:  # noqa: BLE001 - the first error says more
                 pass
         raise RequestError(f"chat template failed: {error}", "messages")
+
+
+def model_type(tokenizer: Any) -> Optional[str]:
+    """The model_type in the config.json beside the tokenizer's files, or None."""
+    folder = getattr(tokenizer, "name_or_path", None)
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, TypeError, ValueError, AttributeError):
+        return None
 
 
 def systems_first(messages: List[Dict[str, Any]]) -> Optional[List[Dict[str, Any]]]:

@@ -37,6 +37,7 @@ from minisrv.engine.thinking import ThinkingRule
 
 START, END = "<think>", "</think>"
 INSIDE, OPTIONAL, NONE = "inside", "optional", "none"  # where the output's thinking starts (see above)
+HARMONY = "harmony"  # gpt-oss: the reasoning is a channel of its own, read by id (harmony.py)
 _BEFORE, _THINKING, _ANSWER = 0, 1, 2  # ReasoningStream's phases
 
 
@@ -157,8 +158,9 @@ class ReasoningFormat:
 class ReasoningPlan:
     """How one chat request's output text is split (the renderer's part)."""
 
-    mode: str  # reasoning.INSIDE | OPTIONAL | NONE
+    mode: str  # reasoning.INSIDE | OPTIONAL | NONE | HARMONY
     separate: bool = True  # separate_reasoning: false leaves the thinking in content
+    encoding: Any = None  # HARMONY's: the harmony encoding its reader parses the output ids with
 
 
 def chat_template_text(tokenizer: Any) -> Optional[str]:

@@ -105,7 +105,7 @@ class ResponseRenderer:
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Dict[str, Any]:
         ch = choices[0]
-        a = read_answer(ch.text, self.tools, self.reasoning)
+        a = read_answer(ch.text, self.tools, self.reasoning, ch.token_ids)
         status, incomplete = status_of(ch.finish_reason)
         items = [("reasoning", a.reasoning, None)] if a.reasoning else []
         if a.content or not (a.reasoning or a.calls):
@@ -165,7 +165,7 @@ class ResponseRenderer:
 
     def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
                finish_reason: Optional[str]) -> List[str]:
-        d = self.answer.feed(text, finish_reason is not None)
+        d = self.answer.feed(text, finish_reason is not None, choice.token_ids)
         self.thought += d.reasoning or ""
         out = self._add("reasoning", d.reasoning) if d.reasoning else []
         if d.content:

@@ -36,7 +36,8 @@ from .render import ResponseRenderer
 logger = logging.getLogger("minisrv.server")
 
 # a plan's field, as the Responses request names it (in a 400's param)
-PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "json_schema": "text", "json_object": "text"}
+PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "json_schema": "text", "json_object": "text",
+               "reasoning_effort": "reasoning", "response_format": "text"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 
@@ -58,7 +59,7 @@ class ResponsesRequest(BaseModel):
     text: Optional[Dict[str, Any]] = None
     stream: Optional[StrictBool] = False
     store: Optional[bool] = None
-    reasoning: Optional[Dict[str, Any]] = None  # {effort, summary}: accepted, not used
+    reasoning: Optional[Dict[str, Any]] = None  # {effort, summary}: effort is the harmony format's, summary unused
     metadata: Optional[Dict[str, Any]] = None
     user: Optional[str] = None
     previous_response_id: Optional[str] = None
@@ -89,7 +90,8 @@ def chat_inputs(req: ResponsesRequest) -> ChatInputs:
     parallel = req.parallel_tool_calls
     if req.tools and not tools:  # only hosted tools, all left out: nothing to choose among
         choice = parallel = None
-    return ChatInputs(messages, tools or None, choice, parallel, sampling=sampling, param_names=PARAM_NAMES)
+    return ChatInputs(messages, tools or None, choice, parallel, reasoning_effort=(req.reasoning or {}).get("effort"),
+                      sampling=sampling, param_names=PARAM_NAMES)
 
 
 def input_messages(items: Union[str, List[Any]]) -> List[Dict[str, Any]]:
