@@ -128,5 +128,5 @@ class LLM:
         if self._prompts is None:
             self._prompts = PromptMaker.of(self.tokenizer)
         inputs = ChatInputs(list(messages))
-        text, tools = prompt_text(self._prompts, inputs)
-        return finish_plan(self._prompts, inputs, text, tools, None).prompt_ids
+        prompt, tools = prompt_text(self._prompts, inputs)
+        return finish_plan(self._prompts, inputs, prompt, tools, None).prompt_ids

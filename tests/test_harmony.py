@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List
 
+import openai_harmony as oh
 import pytest
 
-oh = pytest.importorskip("openai_harmony")
+from minisrv.server.plan.harmony import HarmonyStream, load_encoding
 
-from minisrv.server.plan.harmony import HarmonyStream, load_encoding  # noqa: E402
-
-from .helpers.harmony_server import harmony_app  # noqa: E402
-from .helpers.local_engine import call, events  # noqa: E402
+from .helpers.harmony_server import harmony_app
+from .helpers.local_engine import call, events
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -76,7 +75,8 @@ def test_chat_prompts_are_harmonys(app_for) -> None:
     assert call(app, "/v1/chat/completions", {"messages": turns, "tools": CHAT_TOOLS}).status_code == 200
     assert client.prompts[-1] == rendered([tools_developer()] + earlier_turn())
     # an answered turn: its analysis is dropped, as harmony drops it
-    done = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet."},
+    done = [{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet."},
             {"role": "user", "content": "Bye"}]
     assert call(app, "/v1/chat/completions", {"messages": done, "reasoning_effort": "low"}).status_code == 200
     assert client.prompts[-1] == rendered([msg(oh.Role.USER, "Hi"),
@@ -242,6 +242,11 @@ def test_what_harmony_cannot_serve_is_a_400(app_for, path: str, body: Dict[str, 
 
 def test_cut_off_calls_are_dropped_and_broken_output_is_content() -> None:
     enc = load_encoding()
+    # characters cut across tokens come whole
+    text = "Il fait beau à Paris 🌞🌧️ 東京"
+    ids = enc.encode(f"<|channel|>final<|message|>{text}<|return|>", allowed_special="all")
+    stream = HarmonyStream(enc, [])
+    assert "".join(stream.feed([t], k == len(ids) - 1)[1] for k, t in enumerate(ids)) == text
     ids = enc.encode(ANALYSIS + CALL[:-len('"}<|call|>')], allowed_special="all")
     assert HarmonyStream(enc, ["get_weather"]).feed(ids, True) == (REASONING, "", [])
     _, content, calls = HarmonyStream(enc, ["get_weather"]).feed(enc.encode("Just text."), True)
