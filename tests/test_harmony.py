@@ -251,6 +251,8 @@ def test_cut_off_calls_are_dropped_and_broken_output_is_content() -> None:
     assert HarmonyStream(enc, ["get_weather"]).feed(ids, True) == (REASONING, "", [])
     _, content, calls = HarmonyStream(enc, ["get_weather"]).feed(enc.encode("Just text."), True)
     assert (content, calls) == ("Just text.", [])
+    broken = enc.encode("<|channel|>final<|message|>Hi.<|end|> Then no header.", allowed_special="all")
+    assert HarmonyStream(enc, []).feed(broken, True) == ("", "Hi. Then no header.", [])
     # a call to a function the request did not offer is content
     _, content, calls = HarmonyStream(enc, []).feed(enc.encode(ANALYSIS + CALL, allowed_special="all"), True)
     assert (content, calls) == (ARGS, [])
