@@ -30,6 +30,9 @@ from minisrv.kernels.moe_align import Aligned, triton_align
 from minisrv.kernels.moe_gemm import MoeConfig, config_for, moe_gemm
 from minisrv.kernels.moe_route import ROUTER_TOKENS, triton_route, triton_router
 from minisrv.kernels.moe_w4a16 import PackedExperts, moe_w4a16_gemm
+from minisrv.kernels.w4a16_gemm import w4a16_gemm
+
+PAIR_ROWS = 16  # 4-bit experts: up to this many (token, expert) pairs run as rows of the dense 4-bit kernel
 
 Weights = Union[torch.Tensor, PackedExperts]  # an expert stack in the model's dtype or FP8, or in 4 bits
 
@@ -156,7 +159,7 @@ def triton_experts(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: tor
                    aligned: Optional[Aligned] = None) -> torch.Tensor:
     """The fused path on x's device, whatever it is (under TRITON_INTERPRET=1, the CPU too): x bf16 or fp16 with
     unit column stride; w13 and w2 of x's dtype (or FP8, with scales, or 4-bit); config: the launch rule's
-    unless given; aligned: the pairs already aligned for the launch rule's block rows (route_and_align). Returns the
+    unless given (4-bit experts without activation order: up to PAIR_ROWS pairs, a row each, unless given); aligned: the pairs already aligned for the launch rule's block rows (route_and_align). Returns the
     sum over k, [T, H]. Raises RuntimeError where Triton is missing."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     int4 = isinstance(w13, PackedExperts)
@@ -170,6 +173,8 @@ def triton_experts(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: tor
     n_pairs = t * top_k
     if n_pairs == 0:
         return x.new_zeros(t, h)
+    if int4 and config is None and n_pairs <= PAIR_ROWS and w13.perm is None and w2.perm is None:
+        return _experts_by_pair(x, w13, w2, topk_weights, topk_ids)
     c = config or launch_config(n_pairs, w13, fp8)
     if aligned is None:
         aligned = align(topk_ids, num_experts, c.block_m)
@@ -181,6 +186,21 @@ def triton_experts(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: tor
     weights = topk_weights.reshape(-1).float().contiguous()
     gemm(a, a_scale, w2, w2_scale, out.view(n_pairs, h), weights, aligned, 1, False, c)
     return out.view(t, h) if top_k == 1 else out.sum(dim=1)
+
+
+def _experts_by_pair(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> torch.Tensor:
+    """A decode step's few pairs, each a row of the dense 4-bit kernel's CUDA-cores path reading its own expert's
+    weight (kernels/w4a16_gemm.py): no alignment and no padded 16-row blocks, whose tensor-core tiles cost a whole
+    block's dequantisation per expert for one or two rows. The gate/up product rounds to x's dtype before
+    SiLU-and-mul, as experts_reference does."""
+    gemm = w4a16_gemm()
+    t, top_k = topk_ids.shape
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    gate, up = gemm(x, w13.qweight, w13.scales, w13.zeros, ids=ids, top_k=top_k).chunk(2, dim=-1)
+    out = gemm(F.silu(gate) * up, w2.qweight, w2.scales, w2.zeros, ids=ids, top_k=1,
+               row_weights=topk_weights.reshape(-1).float().contiguous())
+    return out.view(t, top_k, -1).sum(dim=1)
 
 
 def fused_runs(x: torch.Tensor, w13: Weights, fp8: bool) -> bool:

@@ -11,7 +11,8 @@ Packing along K keeps a program's loads contiguous along N (its output columns),
 Up to DEQUANTIZE_M rows, one Triton kernel with no bf16 weight in memory: one or two rows (decode) on the CUDA
 cores, each thread holding whole columns of its tile so that the sum over K stays in the thread; more rows on the
 tensor cores, each program dequantising a [BLOCK_K, BLOCK_N] tile in registers for tl.dot. Both read a nibble as
-float32 by placing it under the exponent of 2^23 (no integer conversion). Decode batches have too few output tiles
+float32 by placing its bits under a float's exponent (no integer conversion). The CUDA cores' kernel also serves a
+mixture of experts' decode: one program row per (token, expert) pair, each reading its expert's weight. Decode batches have too few output tiles
 to occupy the GPU, so K is split over programs; the last program of a tile adds the float32 partial sums in a fixed
 order (the same result at every run, eager or in a CUDA graph). Larger batches (prefill) dequantise the weight into
 a transient bf16 buffer for torch's matmul, as vLLM's AWQ path does past 256 tokens: there the matmul's own tiling
@@ -79,14 +80,14 @@ def dequantized_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 def config_for(m: int, n: int, k: int, group: int) -> W4A16Config:
     """Launch parameters for [m, k] x [k, n] with groups of `group` rows. Up to GEMV_M rows: the CUDA cores'
-    kernel, 256 columns and K steps of 32 a program, K in up to 32 shares (short programs, many in flight); up to
+    kernel, 128 columns and K steps of 32 a program (one warp), K in up to 32 shares (short programs, many in flight); up to
     SPLIT_M rows: 16-64-row tiles of 64 columns on the tensor cores, K split (in 8 up to 16 rows, else until about
     TARGET_PROGRAMS programs run); up to DEQUANTIZE_M: 64 or 128-row tiles of 128 columns, K steps of 64; more
     rows: the weight dequantised whole for torch's matmul, whose tiles reuse it better."""
     if m >= DEQUANTIZE_M:
         block_m, block_n, block_k, warps = 0, 128, 64, 4
     elif m <= GEMV_M:
-        block_m, block_n, block_k, warps = m, 256, 32, 2
+        block_m, block_n, block_k, warps = m, 128, 32, 1
     elif m <= SPLIT_M:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
         block_n, block_k, warps = 64, 128, 4
@@ -113,12 +114,14 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
     is missing."""
 
     @triton.jit
-    def w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, m, n, k, group, steps_per_split,
-                          stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          SPLIT: tl.constexpr):
+    def w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, ids_ptr, rw_ptr, m, n, k, group,
+                          steps_per_split, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, TOP_K: tl.constexpr, WEIGHTED: tl.constexpr):
         """Program (pid_m, pid_n, pid_k): output tile (pid_m, pid_n) over K steps [pid_k * steps_per_split, +
         steps_per_split). SPLIT > 1: ws_ptr holds [tiles, SPLIT, BLOCK_M * BLOCK_N] float32 partial sums and
-        cnt_ptr a zeroed int32 counter per tile."""
+        cnt_ptr a zeroed int32 counter per tile. TOP_K > 0 (BLOCK_M 1): row p is a (token, expert) pair of a
+        mixture of experts, reading x's row p // TOP_K and expert ids[p]'s weight of stacked [E, K/8, N] ones.
+        WEIGHTED: row p of the output scaled by rw[p] (float32)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -128,27 +131,45 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
         kw = tl.arange(0, KW)
         row_ok = rows < m
         col_ok = cols < n
+        x_rows = rows
+        if TOP_K > 0:
+            expert = tl.load(ids_ptr + pid_m).to(tl.int64)
+            qw_ptr += expert * (k // 8) * n
+            s_ptr += expert * (k // group) * n
+            z_ptr += expert * (k // group) * n
+            x_rows = rows // TOP_K
         first = pid_k * steps_per_split
         last = tl.minimum(first + steps_per_split, k // BLOCK_K)
         shifts = (tl.arange(0, 8) * 4)[None, :, None]
+        # nibble j of a word rotated to float32's mantissa bits 19-22 (bit 4j to bit 19)
+        rotations = ((51 - tl.arange(0, 8) * 4) % 32).to(tl.uint32)[None, :, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for step in range(first, last):
             k0 = step * BLOCK_K
-            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :],
+            x = tl.load(x_ptr + x_rows[:, None].to(tl.int64) * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :],
                         mask=row_ok[:, None], other=0.0)
             words = tl.load(qw_ptr + (k0 // 8 + kw)[:, None].to(tl.int64) * n + cols[None, :],
                             mask=col_ok[None, :], other=0)
             g = k0 // group
             scale = tl.load(s_ptr + g * n + cols, mask=col_ok, other=0.0).to(tl.float32)
-            zero_magic = tl.load(z_ptr + g * n + cols, mask=col_ok, other=0).to(tl.float32) + 8388608.0
-            # the nibble under float32's exponent of 2^23 reads as 2^23 + q: one subtraction of 2^23 + zero gives
-            # q - zero exactly, with no integer-to-float conversion (a quarter of the FMA rate)
-            bits = (((words[:, None, :] >> shifts) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-            q = tl.reshape(bits, (BLOCK_K, BLOCK_N)) - zero_magic[None, :]
+            zero = tl.load(z_ptr + g * n + cols, mask=col_ok, other=0).to(tl.float32)
             if BLOCK_M >= 16:  # tensor cores: the tile dequantised in registers for tl.dot
+                # the nibble under float32's exponent of 2^23 reads as 2^23 + q: one subtraction of 2^23 + zero
+                # gives q - zero exactly, with no integer-to-float conversion (a quarter of the FMA rate)
+                bits = (((words[:, None, :] >> shifts) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+                q = tl.reshape(bits, (BLOCK_K, BLOCK_N)) - (zero + 8388608.0)[None, :]
                 acc = tl.dot(x, (q * scale[None, :]).to(x.dtype), acc)
             else:  # CUDA cores: each thread holds whole columns of the tile, so the sum over K stays in the thread
-                acc += tl.sum(x.to(tl.float32)[:, :, None] * q[None, :, :], axis=1) * scale[None, :]
+                # a nibble rotated under the exponent of 1 reads as v = 1 + q / 16 (a rotation and one mask, no
+                # subtraction): sum x (q - zero) = 16 sum x v - (16 + zero) sum x, the last sum shared by columns
+                w = words.to(tl.uint32, bitcast=True)[:, None, :]
+                v = (((w << rotations) | (w >> (32 - rotations))) & 0x780000) | 0x3F800000
+                v = tl.reshape(v.to(tl.float32, bitcast=True), (BLOCK_K, BLOCK_N))
+                xf = x.to(tl.float32)
+                xv = tl.sum(xf[:, :, None] * v[None, :, :], axis=1)
+                acc += (16.0 * xv - (16.0 + zero)[None, :] * tl.sum(xf, axis=1)[:, None]) * scale[None, :]
+        if WEIGHTED:  # (of each split's partial sum: the sum of the scaled partials is the scaled sum)
+            acc = acc * tl.load(rw_ptr + rows, mask=row_ok, other=0.0)[:, None]
         out = rows[:, None].to(tl.int64) * n + cols[None, :]
         mask = row_ok[:, None] & col_ok[None, :]
         if SPLIT == 1:
@@ -196,14 +217,19 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
         return have
 
     def run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-            config: Optional[W4A16Config] = None) -> torch.Tensor:
+            config: Optional[W4A16Config] = None, ids: Optional[torch.Tensor] = None, top_k: int = 1,
+            row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """ids (int32 [P], contiguous): a mixture of experts' (token, expert) pairs on the CUDA cores' kernel,
+        qweight/scales/zeros stacked [E, ...]: y [P, N], row p = x[p // top_k] @ W[ids[p]] (times row_weights[p],
+        float32 [P], where given)."""
         m, k = x.shape
-        n = qweight.shape[1]
-        group = k // scales.shape[0]
-        c = config or config_for(m, n, k, group)
+        n = qweight.shape[-1]
+        group = k // scales.shape[-2]
+        pairs = ids is not None
+        c = config or config_for(1 if pairs else m, n, k, group)
         gemv, whole = 0 < c.block_m < 16, c.block_m == 0
-        if (qweight.shape[0] * 8 != k or group % c.block_k or (x.stride(1) != 1 and not whole)
-                or (gemv and m > c.block_m)
+        if (qweight.shape[-2] * 8 != k or group % c.block_k or (x.stride(1) != 1 and not whole)
+                or (gemv and m > c.block_m and not pairs) or (pairs and (c.block_m != 1 or not ids.is_contiguous()))
                 or not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous())):
             raise ValueError(f"W4A16 GEMM operands: x {tuple(x.shape)} (column stride {x.stride(1)}), qweight "
                              f"{tuple(qweight.shape)}, scales {tuple(scales.shape)}, config {tuple(c)}")
@@ -213,11 +239,13 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
                 qweight, scales, zeros, w, n, group, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
                 num_warps=c.num_warps, num_stages=c.num_stages)
             return x @ w
+        rows = ids.numel() if pairs else m
         steps = k // c.block_k
         per_split = -(-steps // c.split_k)
         split = -(-steps // per_split)
-        grid_m, grid_n = (1 if gemv else triton.cdiv(m, c.block_m)), triton.cdiv(n, c.block_n)
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        grid_m = rows if pairs else 1 if gemv else triton.cdiv(m, c.block_m)
+        grid_n = triton.cdiv(n, c.block_n)
+        y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
         if split > 1:
             ws = torch.empty((grid_m * grid_n * split * c.block_m * c.block_n,), dtype=torch.float32,
                              device=x.device)
@@ -225,8 +253,10 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
         else:
             ws = cnt = y
         w4a16_gemm_kernel[(grid_m, grid_n, split)](
-            x, qweight, scales, zeros, y, ws, cnt, m, n, k, group, per_split, x.stride(0), BLOCK_M=c.block_m,
-            BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=split, num_warps=c.num_warps, num_stages=c.num_stages)
+            x, qweight, scales, zeros, y, ws, cnt, ids if pairs else y, row_weights if row_weights is not None
+            else y, rows, n, k, group, per_split, x.stride(0), BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+            BLOCK_K=c.block_k, SPLIT=split, TOP_K=top_k if pairs else 0, WEIGHTED=row_weights is not None,
+            num_warps=c.num_warps, num_stages=c.num_stages)
         return y
 
     return run

@@ -91,18 +91,20 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check(t: int, h: int, inter: int, num_experts: int, top_k: int, group: int, symmetric: bool, act_order: bool,
-          n_pairs_rule: Optional[int] = None) -> None:
-    """triton_experts on the case, with the launch rule's configuration for n_pairs_rule pairs (default: t * k)."""
+          n_pairs_rule: Optional[int] = None, by_pair: bool = False) -> None:
+    """triton_experts on the case, with the launch rule's configuration for n_pairs_rule pairs (default: t * k);
+    by_pair: no configuration given, so that up to PAIR_ROWS pairs run as rows of the dense 4-bit kernel."""
     from minisrv.kernels.fused_moe import experts_reference, launch_config, triton_experts
     x, w13, w2, weights, ids = experts_case(t, h, inter, num_experts, top_k, group, symmetric, act_order,
                                             seed=t * 31 + h + inter + group)
     p13, p2 = w13.packed(), w2.packed()
     c = launch_config(n_pairs_rule or t * top_k, p13, False)  # (K steps halved in the launch to fit a group)
-    got = triton_experts(x.half(), p13, p2, weights, ids, config=c)
+    got = triton_experts(x.half(), p13, p2, weights, ids, config=None if by_pair else c)
     ref = experts_float64(x, w13, w2, weights, ids)
     err = relative_error(got, ref)
     what = (f"H={h} I={inter} E={num_experts} k={top_k} T={t} group={group or 'channel'} "
-            f"{'sym' if symmetric else 'asym'}{' act-order' if act_order else ''} {tuple(c)}")
+            f"{'sym' if symmetric else 'asym'}{' act-order' if act_order else ''} "
+            f"{'by pair' if by_pair else tuple(c)}")
     assert got.dtype == torch.float16 and got.shape == (t, h), (got.dtype, got.shape)
     assert err <= BOUND, f"{what}: error {err:.2e}"
     # the torch path (the CPU's) on the same operands, in float64: the same numbers
@@ -122,6 +124,8 @@ def main() -> None:
         check(40, 128, 64, 4, 2, group, False, False, n_pairs_rule=256)  # prefill blocks (64 rows, 128 columns)
     check(17, 64, 96, 4, 4, 32, False, True, n_pairs_rule=2048)  # large blocks (128 rows); partial tiles
     check(3, 96, 48, 4, 4, 16, True, False)  # N 96 and 48: partial column tiles
+    for t, top_k, group in ((1, 2, 32), (4, 4, 0), (2, 8, 64)):  # decode pairs as rows of the dense kernel
+        check(t, 128, 96, 8, top_k, group, False, False, by_pair=True)
     print(f"({time.time() - start:.0f} s)")
     print("ok")
 

@@ -5,7 +5,8 @@ Checked against the float64 product of the dequantised weight (x @ ((q - zero) *
 cores' kernel, a few, a full split-K batch, a tiled batch and one dequantised whole (1, 2, 5, 64, 100, 130); group sizes 32, 64, 128 and one per
 channel; symmetric (zeros 8) and asymmetric zero points; output widths that are not a multiple of the tile; the
 launch rules' own configurations and forced ones (split K over 1, 3 and 4 programs, K steps smaller than a group,
-several rows on the CUDA cores, a dequantisation tile smaller than the rule's);
+several rows on the CUDA cores, a dequantisation tile smaller than the rule's); a mixture of experts' (token,
+expert) pairs on the CUDA cores' kernel, with and without routing weights;
 float16 and float32 activations (the interpreter's bfloat16 products are not the GPU's: bfloat16 is checked on the
 GPU, tests/gpu/test_w4a16.py). Prints one line per check; raises AssertionError on the first failure."""
 from __future__ import annotations
@@ -49,6 +50,27 @@ def check(run, m: int, n: int, k: int, group: int, symmetric: bool, dtype: torch
           f"{str(dtype)[6:]} {tuple(c)}: max error {err:.1e} of the largest output")
 
 
+def check_pairs(run, top_k: int, weighted: bool, dtype: torch.dtype) -> None:
+    """A mixture of experts' (token, expert) pairs on the CUDA cores' kernel: row p of the output is x[p // top_k]
+    times expert ids[p]'s weight (times row_weights[p])."""
+    e, k, n, tokens = 4, 256, 80, 3
+    parts = [random_weight(k, n, 64, False, torch.float16, seed=j) for j in range(e)]
+    qweight, scales, zeros = (torch.stack([p[i] for p in parts]) for i in range(3))
+    gen = torch.Generator().manual_seed(top_k)
+    ids = torch.randint(0, e, (tokens * top_k,), generator=gen, dtype=torch.int32)
+    x = torch.randn(tokens, k, generator=gen).to(dtype)
+    rw = torch.rand(tokens * top_k, generator=gen) if weighted else None
+    y = run(x, qweight, scales, zeros, ids=ids, top_k=top_k, row_weights=rw)
+    ref = torch.stack([x[p // top_k].double() @ dequantize(*(t[int(ids[p])] for t in (qweight, scales, zeros)),
+                                                          torch.float64) for p in range(ids.numel())])
+    if weighted:
+        ref = ref * rw.double()[:, None]
+    err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+    bound = 2e-3 if dtype == torch.float16 else 1e-5
+    assert y.shape == ref.shape and err <= bound, f"pairs top_k={top_k} weighted={weighted} {dtype}: error {err:.2e}"
+    print(f"W4A16 expert pairs top_k={top_k} weighted={weighted} {str(dtype)[6:]}: max error {err:.1e}")
+
+
 def main() -> None:
     run = w4a16_gemm()
     assert run is not None, "Triton is missing"
@@ -63,6 +85,8 @@ def main() -> None:
                    W4A16Config(8, 64, 32, 2, 2, 2), W4A16Config(8, 32, 64, 1, 4, 2),  # rows on the CUDA cores
                    W4A16Config(0, 64, 32, 1, 4, 1)):  # dequantised for torch's matmul
         check(run, 5, 200, 384, 128, False, torch.float16, config)
+    for top_k, weighted, dtype in ((2, False, torch.float16), (1, True, torch.float32), (3, True, torch.float16)):
+        check_pairs(run, top_k, weighted, dtype)
     print("ok")
 
 
