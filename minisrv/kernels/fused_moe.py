@@ -159,7 +159,8 @@ def triton_experts(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: tor
                    aligned: Optional[Aligned] = None) -> torch.Tensor:
     """The fused path on x's device, whatever it is (under TRITON_INTERPRET=1, the CPU too): x bf16 or fp16 with
     unit column stride; w13 and w2 of x's dtype (or FP8, with scales, or 4-bit); config: the launch rule's
-    unless given (4-bit experts without activation order: up to PAIR_ROWS pairs, a row each, unless given); aligned: the pairs already aligned for the launch rule's block rows (route_and_align). Returns the
+    unless given (4-bit experts without activation order: up to PAIR_ROWS pairs, a row each, unless given);
+    aligned: the pairs already aligned for the launch rule's block rows (route_and_align). Returns the
     sum over k, [T, H]. Raises RuntimeError where Triton is missing."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     int4 = isinstance(w13, PackedExperts)

@@ -12,13 +12,13 @@ Up to DEQUANTIZE_M rows, one Triton kernel with no bf16 weight in memory: one or
 cores, each thread holding whole columns of its tile so that the sum over K stays in the thread; more rows on the
 tensor cores, each program dequantising a [BLOCK_K, BLOCK_N] tile in registers for tl.dot. Both read a nibble as
 float32 by placing its bits under a float's exponent (no integer conversion). The CUDA cores' kernel also serves a
-mixture of experts' decode: one program row per (token, expert) pair, each reading its expert's weight. Decode batches have too few output tiles
-to occupy the GPU, so K is split over programs; the last program of a tile adds the float32 partial sums in a fixed
-order (the same result at every run, eager or in a CUDA graph). Larger batches (prefill) dequantise the weight into
-a transient bf16 buffer for torch's matmul, as vLLM's AWQ path does past 256 tokens: there the matmul's own tiling
-reuses each weight across many rows better than a fused kernel's dequantisation does.
-Off CUDA (and as the tests' reference) the same arithmetic runs in
-torch: `dequantize` then a matmul.
+mixture of experts' decode: one program row per (token, expert) pair, each reading its expert's weight. Decode
+batches have too few output tiles to occupy the GPU, so K is split over programs; the last program of a tile adds
+the float32 partial sums in a fixed order (the same result at every run, eager or in a CUDA graph). Larger batches
+(prefill) dequantise the weight into a transient bf16 buffer for torch's matmul, as vLLM's AWQ path does past 256
+tokens: there the matmul's own tiling reuses each weight across many rows better than a fused kernel's
+dequantisation does. Off CUDA (and as the tests' reference) the same arithmetic runs in torch: `dequantize` then a
+matmul.
 """
 from __future__ import annotations
 
@@ -79,11 +79,11 @@ def dequantized_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 
 def config_for(m: int, n: int, k: int, group: int) -> W4A16Config:
-    """Launch parameters for [m, k] x [k, n] with groups of `group` rows. Up to GEMV_M rows: the CUDA cores'
-    kernel, 128 columns and K steps of 32 a program (one warp), K in up to 32 shares (short programs, many in flight); up to
-    SPLIT_M rows: 16-64-row tiles of 64 columns on the tensor cores, K split (in 8 up to 16 rows, else until about
-    TARGET_PROGRAMS programs run); up to DEQUANTIZE_M: 64 or 128-row tiles of 128 columns, K steps of 64; more
-    rows: the weight dequantised whole for torch's matmul, whose tiles reuse it better."""
+    """Launch parameters for [m, k] x [k, n] with groups of `group` rows. Up to GEMV_M rows: the CUDA cores' kernel,
+    128 columns and K steps of 32 a program (one warp), K in up to 32 shares (short programs, many in flight);
+    up to SPLIT_M rows: 16-64-row tiles of 64 columns on the tensor cores, K split (in 8 up to 16 rows, else
+    until about TARGET_PROGRAMS programs run); up to DEQUANTIZE_M: 64 or 128-row tiles of 128 columns, K steps
+    of 64; more rows: the weight dequantised whole for torch's matmul, whose tiles reuse it better."""
     if m >= DEQUANTIZE_M:
         block_m, block_n, block_k, warps = 0, 128, 64, 4
     elif m <= GEMV_M:
@@ -116,12 +116,14 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
     @triton.jit
     def w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, ids_ptr, rw_ptr, m, n, k, group,
                           steps_per_split, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, TOP_K: tl.constexpr, WEIGHTED: tl.constexpr):
+                          BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, TOP_K: tl.constexpr, WEIGHTED: tl.constexpr,
+                          SILU_INPUT: tl.constexpr):
         """Program (pid_m, pid_n, pid_k): output tile (pid_m, pid_n) over K steps [pid_k * steps_per_split, +
         steps_per_split). SPLIT > 1: ws_ptr holds [tiles, SPLIT, BLOCK_M * BLOCK_N] float32 partial sums and
         cnt_ptr a zeroed int32 counter per tile. TOP_K > 0 (BLOCK_M 1): row p is a (token, expert) pair of a
         mixture of experts, reading x's row p // TOP_K and expert ids[p]'s weight of stacked [E, K/8, N] ones.
-        WEIGHTED: row p of the output scaled by rw[p] (float32)."""
+        WEIGHTED: row p of the output scaled by rw[p] (float32). SILU_INPUT: x's rows are [gate | up], k wide each,
+        and the input is silu(gate) * up (rounded to x's dtype), as a gated MLP's down product takes it."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -146,8 +148,12 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for step in range(first, last):
             k0 = step * BLOCK_K
-            x = tl.load(x_ptr + x_rows[:, None].to(tl.int64) * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :],
-                        mask=row_ok[:, None], other=0.0)
+            x_at = x_ptr + x_rows[:, None].to(tl.int64) * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :]
+            x = tl.load(x_at, mask=row_ok[:, None], other=0.0)
+            if SILU_INPUT:
+                gate = x.to(tl.float32)
+                up = tl.load(x_at + k, mask=row_ok[:, None], other=0.0).to(tl.float32)
+                x = (gate / (1.0 + tl.exp(-gate)) * up).to(x.dtype)
             words = tl.load(qw_ptr + (k0 // 8 + kw)[:, None].to(tl.int64) * n + cols[None, :],
                             mask=col_ok[None, :], other=0)
             g = k0 // group
@@ -218,17 +224,19 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
 
     def run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
             config: Optional[W4A16Config] = None, ids: Optional[torch.Tensor] = None, top_k: int = 1,
-            row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+            row_weights: Optional[torch.Tensor] = None, silu_input: bool = False) -> torch.Tensor:
         """ids (int32 [P], contiguous): a mixture of experts' (token, expert) pairs on the CUDA cores' kernel,
         qweight/scales/zeros stacked [E, ...]: y [P, N], row p = x[p // top_k] @ W[ids[p]] (times row_weights[p],
-        float32 [P], where given)."""
-        m, k = x.shape
+        float32 [P], where given). silu_input: x [M, 2K] holds [gate | up] and the product takes silu(gate) * up
+        (not on the dequantise-whole path)."""
+        m, k = x.shape[0], x.shape[1] // (1 + silu_input)
         n = qweight.shape[-1]
         group = k // scales.shape[-2]
         pairs = ids is not None
         c = config or config_for(1 if pairs else m, n, k, group)
         gemv, whole = 0 < c.block_m < 16, c.block_m == 0
         if (qweight.shape[-2] * 8 != k or group % c.block_k or (x.stride(1) != 1 and not whole)
+                or (silu_input and whole)
                 or (gemv and m > c.block_m and not pairs) or (pairs and (c.block_m != 1 or not ids.is_contiguous()))
                 or not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous())):
             raise ValueError(f"W4A16 GEMM operands: x {tuple(x.shape)} (column stride {x.stride(1)}), qweight "
@@ -256,7 +264,7 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
             x, qweight, scales, zeros, y, ws, cnt, ids if pairs else y, row_weights if row_weights is not None
             else y, rows, n, k, group, per_split, x.stride(0), BLOCK_M=c.block_m, BLOCK_N=c.block_n,
             BLOCK_K=c.block_k, SPLIT=split, TOP_K=top_k if pairs else 0, WEIGHTED=row_weights is not None,
-            num_warps=c.num_warps, num_stages=c.num_stages)
+            SILU_INPUT=silu_input, num_warps=c.num_warps, num_stages=c.num_stages)
         return y
 
     return run
