@@ -3,7 +3,8 @@
 Decode reads K/V in place in the pool through the request->token table; prompts run packed a sequence at a time.
 Both are checked with ragged lengths, pages of 1 and of 16 left partly filled, requests whose rows of the table are
 not in batch order, GQA groups of 1, 3 and 4, and extend batches that mix fresh prompts with prompts on a cached
-prefix; the backend's decode is also checked against its own padded path (the GPU backends' reference).
+prefix; the backend's decode is also checked against its own padded path (the GPU backends' reference). Sliding
+windows shorter than the sequences and soft-capped scores (attention_options.py) are checked on every path.
 """
 from __future__ import annotations
 
@@ -16,18 +17,25 @@ from minisrv.batch import ForwardBatch, ForwardMode
 from minisrv.kernels.cpu_attention import PagedDecodeKernel, paged_decode_reference
 from minisrv.kernels.cpu_decode import DecodeMeta
 from minisrv.kvcache import KVPool
+from minisrv.models.attention_options import LayerAttention
 
 KERNEL, HOW = PagedDecodeKernel.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"the CPU attention kernel cannot be built here: {HOW}")
 
 
-def reference(q, keys, values, q_pos, scale):
-    """Float64 attention of queries [n, Hq, D] at positions q_pos over keys/values [L, Hkv, D] (position = index)."""
+def reference(q, keys, values, q_pos, scale, window=None, softcap=None):
+    """Float64 attention of queries [n, Hq, D] at positions q_pos over keys/values [L, Hkv, D] (position = index):
+    causal, within the last `window` positions, scores soft-capped."""
     g = q.shape[1] // keys.shape[1]
     kk = keys.double().repeat_interleave(g, dim=1)
     vv = values.double().repeat_interleave(g, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
-    s = s.masked_fill(torch.arange(keys.shape[0])[None, None, :] > q_pos[None, :, None], float("-inf"))
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    k_pos = torch.arange(keys.shape[0])[None, None, :]
+    s = s.masked_fill(k_pos > q_pos[None, :, None], float("-inf"))
+    if window:
+        s = s.masked_fill(k_pos <= q_pos[None, :, None] - window, float("-inf"))
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
 
 
@@ -48,28 +56,34 @@ def scatter_rows(lens, page_size, num_rows, width, seed):
     return table, rows, sum(pages_per) + 3
 
 
+WINDOW_SOFTCAP = [(0, 0.0), (16, 0.0), (0, 2.0), (5, 3.0)]  # (window, softcap); 0: none
+
+
 @needs_kernel
+@pytest.mark.parametrize("window,softcap", WINDOW_SOFTCAP)
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 32), (9, 3, 64), (8, 2, 128)])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_paged_decode_kernel_matches_float64(hq, hkv, d, page_size):
+def test_paged_decode_kernel_matches_float64(hq, hkv, d, page_size, window, softcap):
     lens = [1, 17, 5, 64, 33, 2]  # pages of 16 left partly filled; a request with one key
     table, rows, num_pages = scatter_rows(lens, page_size, 9, 80, seed=hq + page_size)
     torch.manual_seed(0)
     kv = torch.randn(2, num_pages * page_size, hkv, d)
     q = torch.randn(len(lens), hq, d)
     kv_lens = torch.tensor(lens, dtype=torch.int32)
-    out = KERNEL(q, kv[0], kv[1], table, rows, kv_lens, d ** -0.5)
-    ref = paged_decode_reference(q, kv[0], kv[1], table, rows, kv_lens, d ** -0.5)
+    out = KERNEL(q, kv[0], kv[1], table, rows, kv_lens, d ** -0.5, window, softcap)
+    ref = paged_decode_reference(q, kv[0], kv[1], table, rows, kv_lens, d ** -0.5, window, softcap)
     assert (out.double() - ref).abs().max() < 2e-6
     for i, n in enumerate(lens):  # and the reference is attention over each request's keys by position
         slots = table[rows[i], :n].long()
-        direct = reference(q[i:i + 1], kv[0][slots], kv[1][slots], torch.tensor([n - 1]), d ** -0.5)
+        direct = reference(q[i:i + 1], kv[0][slots], kv[1][slots], torch.tensor([n - 1]), d ** -0.5, window,
+                           softcap)
         assert torch.allclose(ref[i], direct[0], atol=1e-12)
 
 
 @needs_kernel
+@pytest.mark.parametrize("window,softcap", WINDOW_SOFTCAP)
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 8, 32)])
-def test_paged_decode_kernel_groups_a_verify_steps_queries(hq, hkv, d):
+def test_paged_decode_kernel_groups_a_verify_steps_queries(hq, hkv, d, window, softcap):
     """A verify step's queries of one request are consecutive rows with the same request row, each seeing one more
     key than the last (read as one group, each K/V row once); groups of 1-5 beside single decode rows."""
     req_lens = [40, 3, 70, 9]
@@ -80,8 +94,8 @@ def test_paged_decode_kernel_groups_a_verify_steps_queries(hq, hkv, d):
     torch.manual_seed(1)
     kv = torch.randn(2, num_pages * 16, hkv, d)
     q = torch.randn(len(rows), hq, d)
-    out = KERNEL(q, kv[0], kv[1], table, rows, kv_lens, d ** -0.5)
-    ref = paged_decode_reference(q, kv[0], kv[1], table, rows, kv_lens, d ** -0.5)
+    out = KERNEL(q, kv[0], kv[1], table, rows, kv_lens, d ** -0.5, window, softcap)
+    ref = paged_decode_reference(q, kv[0], kv[1], table, rows, kv_lens, d ** -0.5, window, softcap)
     assert (out.double() - ref).abs().max() < 2e-6
 
 
@@ -106,18 +120,23 @@ def _batch(mode, lens, exts, rows, loc, positions):
                         max(lens))
 
 
+# each layer's attention: plain; a window shorter than most sequences; soft-capped scores with another scale
+LAYERS = (LayerAttention(32 ** -0.5), LayerAttention(32 ** -0.5, window=6), LayerAttention(0.1, softcap=2.0),
+          LayerAttention(32 ** -0.5, window=11, softcap=3.0))
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_backend_extend_packed_then_decode_in_place(page_size):
     """An extend batch mixing fresh prompts with prompts on a cached prefix (and a one-token extend), then a decode
     step over the same requests: each against float64 attention over the request's keys, and the decode against
-    the backend's padded path."""
-    hq, hkv, d, layers = 6, 2, 32, 2
+    the backend's padded path; layers with windows and soft-capping beside a plain one."""
+    hq, hkv, d, layers = 6, 2, 32, len(LAYERS)
     prefix = [0, 13, 0, 40, 7]
     exts = [9, 20, 1, 5, 16]
     lens = [p + e for p, e in zip(prefix, exts)]
     table, rows, num_pages = scatter_rows([n + 1 for n in lens], page_size, 7, 96, seed=page_size)
     pool = KVPool(layers, num_pages, page_size, hkv, d, torch.float32, torch.device("cpu"))
-    backend = TorchNativeBackend(pool, table, hq)
+    backend = TorchNativeBackend(pool, table, hq, LAYERS)
     torch.manual_seed(1)
     keys = {(layer, i): torch.randn(n + 1, hkv, d) for layer in range(layers) for i, n in enumerate(lens)}
     values = {(layer, i): torch.randn(n + 1, hkv, d) for layer in range(layers) for i, n in enumerate(lens)}
@@ -138,8 +157,10 @@ def test_backend_extend_packed_then_decode_in_place(page_size):
         start = 0
         for i, (p, n) in enumerate(zip(prefix, lens)):
             ref = reference(q[start:start + n - p], keys[layer, i][:n], values[layer, i][:n], torch.arange(p, n),
-                            d ** -0.5)
+                            *_options(layer))
             assert (out[start:start + n - p].double() - ref).abs().max() < 2e-6, (layer, i)
+            padded = backend.forward(q, k, v, layer, backend.prepare_padded(ext))[start:start + n - p]
+            assert (padded.double() - ref).abs().max() < 2e-6, (layer, i)
             start += n - p
     # one decode step: every request's next token, its keys read where the steps above stored them
     dec_lens = [n + 1 for n in lens]
@@ -155,9 +176,15 @@ def test_backend_extend_packed_then_decode_in_place(page_size):
         out = step(q, k, v, layer)
         padded = backend.forward(q, k, v, layer, backend.prepare_padded(dec))
         for i, n in enumerate(dec_lens):
-            ref = reference(q[i:i + 1], keys[layer, i][:n], values[layer, i][:n], torch.tensor([n - 1]), d ** -0.5)
+            ref = reference(q[i:i + 1], keys[layer, i][:n], values[layer, i][:n], torch.tensor([n - 1]),
+                            *_options(layer))
             assert (out[i].double() - ref[0]).abs().max() < 2e-6, (layer, i)
         assert (out - padded).abs().max() < 2e-6
+
+
+def _options(layer):
+    a = LAYERS[layer]
+    return a.scale, a.window, a.softcap
 
 
 def test_fp8_pool_keeps_the_padded_path():

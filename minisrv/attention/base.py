@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
 import torch
 
 from minisrv.batch import ForwardBatch
+from minisrv.models.attention_options import LayerAttention, plain_layers
 
 if TYPE_CHECKING:
     from minisrv.kvcache import KVPool
@@ -21,18 +22,23 @@ class AttentionBackend(ABC):
     """One backend serves every layer of one model over one KV pool.
 
     A step's metadata is a value: `prepare` returns it and every layer's `forward` takes it, so nothing about a step
-    lives on the backend between calls (two steps can be in flight at once under overlap scheduling).
+    lives on the backend between calls (two steps can be in flight at once under overlap scheduling). `layers`: each
+    layer's window, scale and soft-cap (models/attention_options.py; None: plain causal attention everywhere); the
+    registry creates a backend only for a model whose features it serves.
     """
 
     name: str = "base"
 
-    def __init__(self, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int) -> None:
+    def __init__(self, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int,
+                 layers: Optional[Sequence[LayerAttention]] = None) -> None:
         self.pool = pool
         self.req_to_token = req_to_token  # [max_rows, max_context] int32: (row, position) -> slot
         self.num_q_heads = num_q_heads
         self.num_kv_heads = pool.num_kv_heads
         self.head_dim = pool.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.layers = tuple(layers) if layers is not None else plain_layers(pool.num_layers, self.head_dim)
+        if len(self.layers) != pool.num_layers:
+            raise ValueError(f"{len(self.layers)} layers' attention options for a pool of {pool.num_layers} layers")
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> Any:

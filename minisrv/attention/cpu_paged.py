@@ -6,7 +6,9 @@ metadata (kernels/cpu_decode.DecodeMeta) carries the pool's views, so a model ca
 Extend (prompts, chunks, prompts on a cached prefix): each sequence on its own through torch's SDPA, which on the
 CPU runs its flash kernel; a sequence with no cached prefix attends to the step's own K/V (no pool read at all),
 one with a prefix to its K/V gathered from the pool under a causal mask aligned to its last position. The GQA
-group is a stride-0 view of K/V (SDPA's `enable_gqa` takes its slower math path on the CPU).
+group is a stride-0 view of K/V (SDPA's `enable_gqa` takes its slower math path on the CPU). Layers with a sliding
+window get their own mask (planned once per step for each window the model has); soft-capped scores, which SDPA does
+not take, are computed in torch (`attend`).
 
 These paths serve float32/bfloat16/float16 pools; an FP8 pool, or a decode without the compiled kernel, keeps the
 padded path of torch_native.py.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from minisrv.batch import ForwardBatch
 from minisrv.kernels.cpu_attention import PagedDecodeKernel
 from minisrv.kernels.cpu_decode import DecodeMeta
+from minisrv.models.attention_options import LayerAttention
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +35,8 @@ class PackedSeq:
     start: int  # first row of the sequence in the step's tokens
     length: int  # its query tokens
     slots: Optional[torch.Tensor]  # [kv_len] its keys' slots when it extends a cached prefix; None without one
-    mask: Optional[torch.Tensor]  # [length, kv_len] bool, True where a query sees a key (with a prefix only)
+    # window -> [length, kv_len] bool, True where a query sees a key; None: causal over the step's own keys
+    masks: Dict[Optional[int], Optional[torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -44,18 +48,20 @@ class PackedMeta:
 class CpuPagedAttention:
     """Plans and runs the CPU paths for one backend's pool; `prepare` returns None for a step they do not serve."""
 
-    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, scale: float,
+    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, layers: Sequence[LayerAttention],
                  kernel: Optional[PagedDecodeKernel]) -> None:
         self.pool = pool
         self.req_to_token = req_to_token
         self.num_q_heads = num_q_heads
-        self.scale = scale
+        self.layers = layers
+        self.windows = sorted({a.window for a in layers}, key=lambda w: w or 0)
         self.kernel = kernel
         layers = range(len(pool.k))  # the pool's per-layer [slots, Hkv, D] views, which decode steps read
         self.flat_k, self.flat_v = [pool.flat_k(i) for i in layers], [pool.flat_v(i) for i in layers]
 
     @staticmethod
-    def create(pool, req_to_token: torch.Tensor, num_q_heads: int, scale: float) -> Optional["CpuPagedAttention"]:
+    def create(pool, req_to_token: torch.Tensor, num_q_heads: int,
+               layers: Sequence[LayerAttention]) -> Optional["CpuPagedAttention"]:
         """The CPU paths over this pool, or None where the pool is FP8 (the padded path dequantises as it reads)."""
         if pool.quantized:
             return None
@@ -70,24 +76,23 @@ class CpuPagedAttention:
         else:
             logger.info("CPU decode attention: padded torch path (the paged kernel takes float32 pools; this one "
                         "is %s)", pool.kv_dtype)
-        return CpuPagedAttention(pool, req_to_token, num_q_heads, scale, kernel)
+        return CpuPagedAttention(pool, req_to_token, num_q_heads, layers, kernel)
 
     def prepare(self, b: ForwardBatch):
         if b.is_decode:
             if self.kernel is None or b.prefix_groups is not None:
                 return None
             return DecodeMeta(b.out_cache_loc, b.req_rows.long(), b.seq_lens.to(torch.int32), self.flat_k,
-                              self.flat_v, self.req_to_token, self.scale)
+                              self.flat_v, self.req_to_token, self.layers[0].scale)
         if b.verify and self.kernel is not None:
             return self._verify_meta(b)
         seqs, start = [], 0
         for row, ext, seq_len in zip(b.req_rows.tolist(), b.extend_lens_cpu, b.seq_lens_cpu):
-            slots = mask = None
-            if seq_len > ext:  # on a cached prefix: its keys come from the pool
-                slots = self.req_to_token[row, :seq_len].long()
-                q_pos = torch.arange(seq_len - ext, seq_len)
-                mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]
-            seqs.append(PackedSeq(start, ext, slots, mask))
+            # on a cached prefix its keys come from the pool
+            slots = self.req_to_token[row, :seq_len].long() if seq_len > ext else None
+            masks = {w: None if slots is None and (w is None or ext <= w) else window_mask(seq_len, ext, w)
+                     for w in self.windows}
+            seqs.append(PackedSeq(start, ext, slots, masks))
             start += ext
         return PackedMeta(b.out_cache_loc, tuple(seqs))
 
@@ -100,13 +105,15 @@ class CpuPagedAttention:
         rows = torch.repeat_interleave(b.req_rows.long(), torch.tensor(ext))
         kv_lens = torch.tensor([s - n + j + 1 for s, n in zip(b.seq_lens_cpu, ext) for j in range(n)],
                                dtype=torch.int32)
-        return DecodeMeta(b.out_cache_loc, rows, kv_lens, self.flat_k, self.flat_v, self.req_to_token, self.scale)
+        return DecodeMeta(b.out_cache_loc, rows, kv_lens, self.flat_k, self.flat_v, self.req_to_token,
+                          self.layers[0].scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta) -> torch.Tensor:
         self.pool.store(layer_id, meta.loc, k, v)
+        opts = self.layers[layer_id]
         if isinstance(meta, DecodeMeta):
             return self.kernel(q, meta.k[layer_id], meta.v[layer_id], self.req_to_token, meta.rows, meta.kv_lens,
-                               self.scale)
+                               opts.scale, opts.window or 0, opts.softcap or 0.0)
         out = torch.empty(q.shape, dtype=q.dtype)
         hkv = self.pool.num_kv_heads
         g = self.num_q_heads // hkv
@@ -120,7 +127,28 @@ class CpuPagedAttention:
             qs = q[s.start:end].transpose(0, 1).unflatten(0, (hkv, g))
             ks = kk.transpose(0, 1)[:, None].expand(hkv, g, kk.shape[0], kk.shape[2])
             vs = vv.transpose(0, 1)[:, None].expand(hkv, g, vv.shape[0], vv.shape[2])
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, is_causal=s.mask is None,
-                                               scale=self.scale)
+            o = attend(qs, ks, vs, s.masks[opts.window], opts)
             out[s.start:end] = o.flatten(0, 1).transpose(0, 1)
         return out
+
+
+def window_mask(seq_len: int, ext: int, window: Optional[int], device: Optional[torch.device] = None) -> torch.Tensor:
+    """[ext, seq_len] bool: the last `ext` of `seq_len` positions as queries, True where one sees a key (causal, and
+    within its window)."""
+    q_pos = torch.arange(seq_len - ext, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    return mask if window is None else mask & (k_pos > q_pos - window)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+           opts: LayerAttention) -> torch.Tensor:
+    """softmax(q k^T * scale, soft-capped, under `mask`) v over [..., L, D] (mask None: causal from the bottom
+    right); SDPA where there is no soft-cap, else in float32 in torch."""
+    if opts.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=opts.scale)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * opts.scale
+    s = torch.tanh(s / opts.softcap) * opts.softcap
+    if mask is None:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(s.shape[-1] - s.shape[-2])
+    return torch.matmul(s.masked_fill(~mask, float("-inf")).softmax(-1), v.float()).to(v.dtype)

@@ -2,7 +2,8 @@
 
 It is the reference the fast backends are tested against, and the CPU serving path. Each step it gathers every
 request's K/V into a padded [B, max_len] table (once per layer, from indices planned once per step) and runs one
-batched SDPA with a mask that is causal with respect to each request's cached prefix. An FP8 pool's K/V are
+batched SDPA with a mask that is causal with respect to each request's cached prefix (and, for a layer with a
+sliding window, within it: one mask per window the model has). An FP8 pool's K/V are
 dequantised as they are gathered (the pool's `load`), so attention itself runs in the model's dtype on any device.
 
 On the CPU, the paths of cpu_paged.py replace that one where they can: decode reads K/V in place in the pool through
@@ -12,23 +13,23 @@ pools, for decode where the kernel could not be built, and on CUDA, where it is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
-import torch.nn.functional as F
 
 from minisrv.batch import ForwardBatch
 from minisrv.kernels.cpu_decode import DecodeMeta
 
 from .base import AttentionBackend
-from .cpu_paged import CpuPagedAttention, PackedMeta
+from .cpu_paged import CpuPagedAttention, PackedMeta, attend
 
 
 @dataclass(frozen=True)
 class TorchMeta:
     loc: torch.Tensor  # [T] slots the step's k/v go to
     kv_idx: torch.Tensor  # [B, max_k] slots of each request's keys
-    mask: torch.Tensor  # [B, max_q, max_k] causal with respect to each request's cached prefix
+    masks: Dict[Optional[int], torch.Tensor]  # window -> [B, max_q, max_k]: causal with respect to each request's
+    # cached prefix, within the window
     max_q: int
     q_gather: Optional[torch.Tensor]  # padded (i, j) -> token row; None when every request has one query
     out_rows: Optional[torch.Tensor]  # token rows inside the padded output
@@ -37,11 +38,12 @@ class TorchMeta:
 class TorchNativeBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int) -> None:
-        super().__init__(pool, req_to_token, num_q_heads)
+    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, layers=None) -> None:
+        super().__init__(pool, req_to_token, num_q_heads, layers)
+        self.windows = {a.window for a in self.layers}
         self.cpu = None
         if pool.device.type == "cpu":
-            self.cpu = CpuPagedAttention.create(pool, req_to_token, num_q_heads, self.scale)
+            self.cpu = CpuPagedAttention.create(pool, req_to_token, num_q_heads, self.layers)
 
     def prepare(self, b: ForwardBatch):
         if self.cpu is not None:
@@ -66,14 +68,16 @@ class TorchNativeBackend(AttentionBackend):
         jj = torch.minimum(j[None, :], ext_t[:, None] - 1)  # [B, max_q]
         prefix = torch.tensor(b.prefix_lens_cpu, dtype=torch.int64)
         q_pos = (prefix[:, None] + jj).to(dev)
-        mask = torch.arange(max_k, device=dev)[None, None, :] <= q_pos[:, :, None]
+        k_pos = torch.arange(max_k, device=dev)[None, None, :]
+        causal = k_pos <= q_pos[:, :, None]
+        masks = {w: causal if w is None else causal & (k_pos > q_pos[:, :, None] - w) for w in self.windows}
         q_gather = out_rows = None
         if max_q > 1:
             starts = torch.tensor([0] + ext[:-1], dtype=torch.int64).cumsum(0)
             q_gather = (starts[:, None] + jj).reshape(-1).to(dev)
             valid = (j[None, :] < ext_t[:, None]).reshape(-1)
             out_rows = torch.nonzero(valid).squeeze(1).to(dev)
-        return TorchMeta(b.out_cache_loc, kv_idx, mask, max_q, q_gather, out_rows)
+        return TorchMeta(b.out_cache_loc, kv_idx, masks, max_q, q_gather, out_rows)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta) -> torch.Tensor:
@@ -88,7 +92,9 @@ class TorchNativeBackend(AttentionBackend):
         qp = q if meta.q_gather is None else q[meta.q_gather]
         # fold the GQA group into the query length: [B, Hkv, G * max_q, D], no K/V repeat needed
         qp = qp.view(bsz, max_q, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, hkv, g * max_q, d)
-        mask = meta.mask[:, None, None].expand(bsz, 1, g, max_q, meta.mask.shape[-1]).reshape(bsz, 1, g * max_q, -1)
-        o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=mask, scale=self.scale)
+        opts = self.layers[layer_id]
+        mask = meta.masks[opts.window]
+        mask = mask[:, None, None].expand(bsz, 1, g, max_q, mask.shape[-1]).reshape(bsz, 1, g * max_q, -1)
+        o = attend(qp, kk, vv, mask, opts)
         o = o.view(bsz, hkv, g, max_q, d).permute(0, 3, 1, 2, 4).reshape(bsz * max_q, hkv * g, d)
         return o if meta.q_gather is None else o[meta.out_rows]

@@ -2,7 +2,9 @@
 the shape the config implies (a missing, extra, repeated or mis-shaped tensor is an error naming it).
 
 Our model fuses q/k/v and gate/up, stacks a layer's experts, pads the vocabulary for tensor parallelism and holds one
-rank's shard; Mixtral's names are read as the Qwen-MoE names they stand for."""
+rank's shard; Mixtral's names are read as the Qwen-MoE names they stand for, a vision-language checkpoint's language
+model (Gemma3ForConditionalGeneration: `language_model.model.*`, or `model.language_model.*`) as a causal LM's, and
+its vision tower and projector are not read."""
 from __future__ import annotations
 
 import re
@@ -12,7 +14,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 from torch import nn
 
-from minisrv.models.args import ModelArgs
+from minisrv.models.args import VISION_LANGUAGE, ModelArgs
 from minisrv.models.block_layers import BlockLinear
 from .checkpoint import StoredTensor, WeightLoadError
 from minisrv.models.fp8 import Fp8Linear
@@ -27,12 +29,17 @@ FUSED = {
 
 VOCAB_SPLIT = ("model.embed_tokens.weight", "lm_head.weight")  # split by vocabulary rows, padded
 
-ALIASES = [  # Mixtral's tensor names -> the names our expected map uses
+ALIASES = [  # Mixtral's and vision-language models' tensor names -> the names our expected map uses
+    (re.compile(r"^(language_model\.model|model\.language_model)\."), "model."),
+    (re.compile(r"^language_model\.lm_head\."), "lm_head."),
     (re.compile(r"\.block_sparse_moe\."), ".mlp."),
     (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
     (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."),
     (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj."),
 ]
+
+
+VISION_PARTS = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
 
 
 def canonical_name(name: str) -> str:
@@ -135,7 +142,7 @@ def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, StoredTensor]], 
     seen = set()
     for name, stored in tensors:
         name = canonical_name(name)
-        if "rotary_emb.inv_freq" in name:
+        if "rotary_emb.inv_freq" in name or args.architecture in VISION_LANGUAGE and VISION_PARTS.match(name):
             continue
         if name == "lm_head.weight" and "lm_head.weight" not in expected:
             continue  # some checkpoints store the tied head too; an embedding model has none

@@ -6,7 +6,9 @@
    pair is one task: the G = Hq / Hkv query heads of each of its queries share every K and V row it reads, so K and V
    are read exactly once per step and never copied out of the pool. Scores are kept whole per task (two passes:
    scores, then softmax and the weighted sum of V), accumulated in float32. Threads: OpenMP, whose runtime is the
-   one torch has already loaded (the same pool of threads). */
+   one torch has already loaded (the same pool of threads). A sliding window of W tokens (window > 0) keeps a query's
+   last W keys, its own included; soft-capping (softcap > 0) turns each scaled score s into softcap * tanh(s /
+   softcap) before the softmax. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -66,13 +68,17 @@ static inline void prefetch_row(const float *row, int d) {
     for (int c = 0; c < d; c += 16) __builtin_prefetch(row + c);  /* 16 floats: one 64-byte cache line */
 }
 
+/* The first key a query over n keys sees. */
+static inline int first_key(int n, int window) { return window > 0 && n > window ? n - window : 0; }
+
 /* q: [batch] rows of hq * d floats, `q_stride_t` apart; out: [batch, hq, d] contiguous. Consecutive rows with the
    same request row (a verify step's queries: the last token and its drafts) form one group, each query with its own
    kv_len: a task is (group, KV head), so the group's G = Hq / Hkv heads of every query share each K and V row read.
    Returns 0, or -1 when a task could not get its scratch memory (out is then incomplete). */
 int paged_decode_f32(const float *q, int64_t q_stride_t, float *out, const float *k, const float *v,
                      int64_t kv_stride, const int32_t *req_to_token, int64_t r2t_stride, const int64_t *rows,
-                     const int32_t *kv_len, int batch, int hq, int hkv, int d, float scale) {
+                     const int32_t *kv_len, int batch, int hq, int hkv, int d, float scale, int window,
+                     float softcap) {
     const int g = hq / hkv;
     int *first = (int *)malloc(sizeof(int) * (size_t)(batch + 1));  /* group i: rows first[i] .. first[i + 1] - 1 */
     if (first == NULL) return -1;
@@ -93,8 +99,11 @@ int paged_decode_f32(const float *q, int64_t q_stride_t, float *out, const float
         const int grp = task / hkv, h = task % hkv, b0 = first[grp], nq = first[grp + 1] - b0;
         const int32_t *slots = req_to_token + rows[b0] * r2t_stride;
         const int32_t *lens = kv_len + b0;
-        int len = 0;
-        for (int i = 0; i < nq; ++i) len = lens[i] > len ? lens[i] : len;
+        int len = 0, lo = INT32_MAX;
+        for (int i = 0; i < nq; ++i) {
+            len = lens[i] > len ? lens[i] : len;
+            lo = first_key(lens[i], window) < lo ? first_key(lens[i], window) : lo;
+        }
         /* scores of query i's head j at token t: scores[(i * g + j) * len + t] */
         float *scores = (float *)malloc(sizeof(float) * (size_t)g * (size_t)max_cells);
         float *acc = (float *)malloc(sizeof(float) * (size_t)nq * (size_t)g * (size_t)d);
@@ -107,36 +116,40 @@ int paged_decode_f32(const float *q, int64_t q_stride_t, float *out, const float
             continue;
         }
         const int64_t head_off = (int64_t)h * d;
-        for (int t = 0; t < len; ++t) {
+        for (int t = lo; t < len; ++t) {
             if (t + PREFETCH_AHEAD < len)
                 prefetch_row(k + (int64_t)slots[t + PREFETCH_AHEAD] * kv_stride + head_off, d);
             const float *kr = k + (int64_t)slots[t] * kv_stride + head_off;
             for (int i = 0; i < nq; ++i) {
-                if (t >= lens[i]) continue;
+                if (t >= lens[i] || t < first_key(lens[i], window)) continue;
                 const float *qh = q + (int64_t)(b0 + i) * q_stride_t + (int64_t)h * g * d;
-                for (int j = 0; j < g; ++j) scores[(int64_t)(i * g + j) * len + t] = dot(qh + j * d, kr, d) * scale;
+                float *s = scores + (int64_t)i * g * len + t;
+                for (int j = 0; j < g; ++j) s[(int64_t)j * len] = dot(qh + j * d, kr, d) * scale;
+                if (softcap > 0.0f)
+                    for (int j = 0; j < g; ++j) s[(int64_t)j * len] = softcap * tanhf(s[(int64_t)j * len] / softcap);
             }
         }
         for (int c = 0; c < nq * g; ++c) {
-            const int n = lens[c / g];
+            const int n = lens[c / g], t0 = first_key(n, window);
             float *s = scores + (int64_t)c * len;
             float m = -INFINITY;
 #pragma omp simd reduction(max : m)
-            for (int t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
+            for (int t = t0; t < n; ++t) m = s[t] > m ? s[t] : m;
 #pragma omp simd
-            for (int t = 0; t < n; ++t) s[t] = exp_nonpositive(s[t] - m);
+            for (int t = t0; t < n; ++t) s[t] = exp_nonpositive(s[t] - m);
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-            for (int t = 0; t < n; ++t) sum += s[t];
+            for (int t = t0; t < n; ++t) sum += s[t];
             denom[c] = sum;
         }
         memset(acc, 0, sizeof(float) * (size_t)nq * (size_t)g * (size_t)d);
-        for (int t = 0; t < len; ++t) {
+        for (int t = lo; t < len; ++t) {
             if (t + PREFETCH_AHEAD < len)
                 prefetch_row(v + (int64_t)slots[t + PREFETCH_AHEAD] * kv_stride + head_off, d);
             const float *vr = v + (int64_t)slots[t] * kv_stride + head_off;
             for (int c = 0; c < nq * g; ++c) {
-                if (t < lens[c / g]) axpy(acc + (int64_t)c * d, scores[(int64_t)c * len + t], vr, d);
+                const int n = lens[c / g];
+                if (t < n && t >= first_key(n, window)) axpy(acc + (int64_t)c * d, scores[(int64_t)c * len + t], vr, d);
             }
         }
         for (int i = 0; i < nq; ++i) {

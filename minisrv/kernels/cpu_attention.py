@@ -24,7 +24,7 @@ class PagedDecodeKernel:
         self.fn = lib.paged_decode_f32
         self.fn.restype = _c_int
         self.fn.argtypes = [_p, _c_i64, _p, _p, _p, _c_i64, _p, _c_i64, _p, _p, _c_int, _c_int, _c_int, _c_int,
-                            _c_float]
+                            _c_float, _c_int, _c_float]
         self.how = how
 
     @staticmethod
@@ -37,10 +37,12 @@ class PagedDecodeKernel:
         return pool_dtype == kv_dtype == torch.float32 and num_q_heads % num_kv_heads == 0
 
     def __call__(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, req_to_token: torch.Tensor,
-                 rows: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 rows: torch.Tensor, kv_lens: torch.Tensor, scale: float, window: int = 0,
+                 softcap: float = 0.0) -> torch.Tensor:
         """q: [B, Hq, D] float32 (rows may be strided, heads and dims contiguous); k_flat / v_flat: the layer's pool
         [slots, Hkv, D] (rows `stride(0)` apart); req_to_token [rows, ctx] int32; rows [B] int64; kv_lens [B] int32
-        (each request's keys are positions 0 .. kv_len - 1, this step's included). Returns [B, Hq, D]."""
+        (each request's keys are positions 0 .. kv_len - 1, this step's included); window: a query's last `window`
+        keys only (0: all); softcap: scores s -> softcap * tanh(s / softcap) (0: none). Returns [B, Hq, D]."""
         bsz, hq, d = q.shape
         hkv = k_flat.shape[1]
         if q.stride(2) != 1 or q.stride(1) != d:
@@ -55,7 +57,7 @@ class PagedDecodeKernel:
         out = torch.empty((bsz, hq, d), dtype=torch.float32)
         rc = self.fn(q.data_ptr(), q.stride(0), out.data_ptr(), k_flat.data_ptr(), v_flat.data_ptr(),
                      k_flat.stride(0), req_to_token.data_ptr(), req_to_token.stride(0), rows.data_ptr(),
-                     kv_lens.data_ptr(), bsz, hq, hkv, d, scale)
+                     kv_lens.data_ptr(), bsz, hq, hkv, d, scale, window, softcap)
         if rc != 0:
             raise MemoryError("paged decode attention could not allocate its scratch memory")
         return out
@@ -63,15 +65,18 @@ class PagedDecodeKernel:
 
 def paged_decode_reference(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                            req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """The same in float64, a request at a time: what the kernel is tested against."""
     bsz, hq, d = q.shape
     g = hq // k_flat.shape[1]
     out = torch.empty((bsz, hq, d), dtype=torch.float64)
     for b in range(bsz):
-        slots = req_to_token[rows[b], :int(kv_lens[b])].long()
+        n = int(kv_lens[b])
+        slots = req_to_token[rows[b], max(0, n - window) if window else 0:n].long()
         kk = k_flat[slots].double().repeat_interleave(g, dim=1)  # [L, Hq, D]
         vv = v_flat[slots].double().repeat_interleave(g, dim=1)
         s = torch.einsum("hd,lhd->hl", q[b].double(), kk) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
         out[b] = torch.einsum("hl,lhd->hd", s.softmax(-1), vv)
     return out

@@ -1,8 +1,11 @@
 """ModelArgs: the shape of a decoder model, read from a HF config (or a GGUF's metadata through transformers).
 
 One decoder serves every architecture; what differs between them is read here: qkv bias (Qwen2), per-head q/k
-norms (Qwen3), sliding windows (Mistral), and for mixtures of experts which layers are sparse, how many experts,
-how many a token takes, and whether their weights are renormalised (Qwen3-MoE, Mixtral, Qwen2-MoE's shared expert)."""
+norms (Qwen3), which layers have a sliding window (Mistral: all; Gemma 2: every other; Gemma 3: five in six), Gemma's
+ways (the (1 + weight) RMSNorm, norms after attention and around the MLP, the scaled embedding, tanh-GELU, soft-capped
+logits, the query scale, Gemma 3's rope base of its local layers), and for mixtures of experts which layers are sparse,
+how many experts, how many a token takes, and whether their weights are renormalised (Qwen3-MoE, Mixtral, Qwen2-MoE's
+shared expert). Gemma3ForConditionalGeneration is read as its language model (`text_config`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,8 +14,16 @@ from typing import Any, Dict, List, Optional, Tuple
 ARCHITECTURE_OF_MODEL_TYPE = {  # config.json's model_type (what a GGUF's config carries) -> architecture
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
+    "mixtral": "MixtralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
+VISION_LANGUAGE = ("Gemma3ForConditionalGeneration",)  # served as their language model alone
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# what a Gemma3ForConditionalGeneration's text_config leaves out (transformers' Gemma3TextConfig defaults)
+GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                            query_pre_attn_scalar=256, rope_theta=1e6, rope_local_base_freq=1e4, sliding_window=4096,
+                            sliding_window_pattern=6, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                            tie_word_embeddings=True)
 QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 ALWAYS_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")  # their sliding_window applies when set
@@ -42,7 +53,14 @@ class ModelArgs:
     torch_dtype: Optional[str] = None
     eos_token_ids: List[int] = field(default_factory=list)
     bos_token_id: Optional[int] = None
-    sliding_window: Optional[int] = None  # attention window of (some) layers; None: full attention everywhere
+    sliding_window: Optional[int] = None  # attention window of the layers in sliding_layers; None: no window
+    sliding_layers: Tuple[int, ...] = ()
+    attn_logit_softcap: Optional[float] = None  # Gemma 2 (see attention_options.py)
+    query_pre_attn_scalar: Optional[float] = None  # the softmax scale is its inverse square root (None: head_dim's)
+    final_logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    gemma_norms: bool = False  # (1 + weight) RMSNorms, also after attention and around the MLP; embedding * sqrt(hidden)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_tanh (Gemma)
+    local_rope_theta: Optional[float] = None  # Gemma 3's sliding layers: this rope base, without rope_scaling
     quantization_config: Optional[Dict[str, Any]] = None  # a quantised checkpoint's (see fp8.py)
     # mixture of experts (num_experts 0: a dense model)
     num_experts: int = 0
@@ -61,11 +79,18 @@ class ModelArgs:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else ARCHITECTURE_OF_MODEL_TYPE.get(cfg.get("model_type", ""),
                                                                       cfg.get("model_type", "<none>"))
+        if arch == "Gemma3ForConditionalGeneration":  # its language model; the vision tower is not read
+            cfg = {**GEMMA3_TEXT_DEFAULTS, "eos_token_id": cfg.get("eos_token_id"),
+                   "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype"), **cfg.get("text_config", {})}
         base_model = arch in BASE_MODELS
         arch = BASE_MODELS.get(arch, arch)
         heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_scaling") or {})
         params = cfg.get("rope_parameters") or {}  # transformers >= 5 moves rope settings here
+        local_theta = cfg.get("rope_local_base_freq")
+        if "full_attention" in params:  # one set per layer type (Gemma 3)
+            local_theta = params.get("sliding_attention", {}).get("rope_theta", local_theta)
+            params = params["full_attention"]
         theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
         if not rope and params.get("rope_type", "default") != "default":
             rope = {k: v for k, v in params.items() if k != "rope_theta"}
@@ -74,12 +99,7 @@ class ModelArgs:
         eos = cfg.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         dtype = cfg.get("torch_dtype") or cfg.get("dtype")
-        window = cfg.get("sliding_window")
-        if cfg.get("layer_types"):  # transformers >= 5 lists each layer's attention
-            if "sliding_attention" not in cfg["layer_types"]:
-                window = None
-        elif arch not in ALWAYS_WINDOWED and not cfg.get("use_sliding_window", False):
-            window = None  # Qwen2/Qwen3 configs carry a sliding_window that is off unless use_sliding_window
+        window, sliding = cfg.get("sliding_window"), _sliding_layers(arch, cfg)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -99,11 +119,37 @@ class ModelArgs:
             torch_dtype=str(dtype).replace("torch.", "") if dtype else None,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
-            sliding_window=int(window) if window else None,
+            sliding_window=int(window) if window and sliding else None,
+            sliding_layers=sliding if window else (),
+            attn_logit_softcap=cfg.get("attn_logit_softcapping"),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            final_logit_softcap=cfg.get("final_logit_softcapping"),
+            gemma_norms=arch in GEMMA,
+            hidden_act="gelu_tanh" if arch in GEMMA else "silu",
+            local_rope_theta=float(local_theta) if local_theta and arch != "Gemma2ForCausalLM" else None,
             quantization_config=cfg.get("quantization_config") or None,
             base_model=base_model,
             **_experts(arch, cfg),
         )
+
+
+def _sliding_layers(arch: str, cfg: Dict[str, Any]) -> Tuple[int, ...]:
+    """The layers with a sliding window, as transformers reads them: each layer's type where the config lists them
+    (`layer_types`), else Gemma 2's even layers, Gemma 3's all but every `sliding_window_pattern`-th, Mistral's
+    and Mixtral's every layer, and Qwen2/3's layers from max_window_layers on when use_sliding_window is set."""
+    n = cfg["num_hidden_layers"]
+    if cfg.get("layer_types"):
+        return tuple(i for i, t in enumerate(cfg["layer_types"]) if t == "sliding_attention")
+    if arch == "Gemma2ForCausalLM":
+        return tuple(range(0, n, 2))
+    if arch in GEMMA:
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        return tuple(i for i in range(n) if (i + 1) % pattern)
+    if arch in ALWAYS_WINDOWED:
+        return tuple(range(n))
+    if cfg.get("use_sliding_window", False):
+        return tuple(range(int(cfg.get("max_window_layers") or 0), n))
+    return ()
 
 
 def _experts(arch: str, cfg: Dict[str, Any]) -> Dict[str, Any]:

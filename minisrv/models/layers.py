@@ -1,9 +1,10 @@
-"""Layers shared by every decoder model (the norms are in norms.py): projections, rotary embedding, gated SiLU MLP,
+"""Layers shared by every decoder model (the norms are in norms.py): projections, rotary embedding, gated MLP,
 GQA attention, the vocabulary embedding. Under tensor parallelism (`tp`) each holds its rank's shard (sharding.py)
 and combines partial results with one all-reduce; with one rank they call no collective. Their elementwise ops go
 through the model's one LayerOps (layer_ops.py)."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -19,7 +20,7 @@ from .block_layers import BlockLinear, block_kernels
 from .fp8 import Fp8Linear
 from .layer_ops import LayerOps
 from .w4a16 import Int4Scheme, W4A16Linear
-from .norms import RMSNorm
+from .norms import GemmaRMSNorm, make_norm
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, quantization: Optional[Any],
@@ -102,14 +103,15 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul. `inter`: this rank's share of the
-    width; the down projection's partial sums are all-reduced unless `reduce_output` is False (the norm after it
-    then all-reduces them: see reduce_add_norm)."""
+    """down(act(gate(x)) * up(x)), act SiLU or (act "gelu_tanh", Gemma's) tanh-approximated GELU, with gate and up
+    fused into one matmul. `inter`: this rank's share of the width; the down projection's partial sums are
+    all-reduced unless `reduce_output` is False (the norm after it then all-reduces them: see reduce_add_norm)."""
 
     def __init__(self, hidden: int, inter: int, ops: LayerOps, tp: TensorParallel, quantization: Optional[str],
-                 reduce_output: bool) -> None:
+                 reduce_output: bool, act: str = "silu") -> None:
         super().__init__()
         self.ops = ops
+        self.gelu = act == "gelu_tanh"
         self.gate_up_proj = make_linear(hidden, 2 * inter, False, quantization, ops)
         self.down_proj = make_linear(inter, hidden, False, quantization, ops)
         self.tp = tp
@@ -117,7 +119,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
-        if isinstance(self.down_proj, Fp8Linear):  # its input quantised as it is computed
+        if self.gelu:
+            gate, up = gu.chunk(2, dim=-1)
+            out = self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        elif isinstance(self.down_proj, Fp8Linear):  # its input quantised as it is computed
             out = self.down_proj.forward_silu_mul(gu)
         else:
             out = self.down_proj(self.ops.silu_and_mul(gu))
@@ -144,7 +149,8 @@ class VocabEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention: fused qkv projection, optional q/k RMSNorm (Qwen3), rotary, then the backend."""
+    """Grouped-query attention: fused qkv projection, optional q/k RMSNorm (Qwen3, Gemma 3), rotary, then the
+    backend, which knows each layer's window, scale and soft-cap (attention_options.py)."""
 
     def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding, ops: LayerOps, num_heads: int,
                  num_kv_heads: int, tp: TensorParallel, quantization: Optional[str], reduce_output: bool) -> None:
@@ -159,8 +165,9 @@ class Attention(nn.Module):
         self.qkv_proj = make_linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.attention_bias,
                                     quantization, ops)
         self.o_proj = make_linear(self.q_size, args.hidden_size, False, quantization, ops)
-        self.q_norm = RMSNorm(self.d, args.rms_norm_eps, ops) if args.qk_norm else None
-        self.k_norm = RMSNorm(self.d, args.rms_norm_eps, ops) if args.qk_norm else None
+        norm = functools.partial(make_norm, self.d, args.rms_norm_eps, ops, plus_one=args.gemma_norms)
+        self.q_norm = norm() if args.qk_norm else None
+        self.k_norm = norm() if args.qk_norm else None
         self.rotary = rotary
         self.reduce_output = reduce_output
 
@@ -172,7 +179,8 @@ class Attention(nn.Module):
         q = q.reshape(t, self.hq, self.d)
         k = k.reshape(t, self.hkv, self.d)
         v = v.reshape(t, self.hkv, self.d)
-        prep = self.ops.qk_rope_store(qkv)
+        # (the fused kernel's q/k norms scale by their weight, not by 1 + weight)
+        prep = self.ops.qk_rope_store(qkv) if not isinstance(self.q_norm, GemmaRMSNorm) else None
         if prep is not None:  # norms and rotary in place and, where the backend lets it, the store: one kernel
             target = attn.kv_store_target(self.layer_id)
             norm = self.q_norm is not None
@@ -182,7 +190,9 @@ class Attention(nn.Module):
             if target is not None:
                 k = v = None
         else:
-            if self.q_norm is not None:  # per-head norms, on the strided views of the qkv output
+            if isinstance(self.q_norm, GemmaRMSNorm):
+                q, k = self.q_norm(q), self.k_norm(k)
+            elif self.q_norm is not None:  # per-head norms, on the strided views of the qkv output
                 q = self.ops.rmsnorm_heads(q, self.q_norm.weight, self.q_norm.eps)
                 k = self.ops.rmsnorm_heads(k, self.k_norm.weight, self.k_norm.eps)
             q, k = self.rotary(positions, q, k)

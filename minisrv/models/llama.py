@@ -1,8 +1,11 @@
-"""The Llama decoder, which Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral and the mixtures of experts (Qwen3-MoE,
-Mixtral, Qwen2-MoE) share: the differences are fields of ModelArgs, read from config.json (registry.py names the
-architectures). A layer's MLP is dense or sparse (moe.SparseMoE) as the config says for that layer."""
+"""The Llama decoder, which Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral, Gemma 2 and 3 and the mixtures of experts
+(Qwen3-MoE, Mixtral, Qwen2-MoE) share: the differences are fields of ModelArgs, read from config.json (registry.py
+names the architectures). A layer's MLP is dense or sparse (moe.SparseMoE) as the config says for that layer. Gemma's
+layers norm the attention's output before adding it, and the MLP's input and output (`gemma_norms`); each layer's
+window, scale and soft-cap are the attention backend's (attention_options.py)."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -25,7 +28,8 @@ class DecoderLayer(nn.Module):
                  plan: ShardPlan, tp: TensorParallel, quantization: Optional[str] = None) -> None:
         super().__init__()
         # with a fused all-reduce + add + norm, o and down return partial sums and the norm after each reduces them
-        self.partial = tp.fused_norm is not None
+        # (not Gemma's, whose norm after attention takes the whole sum before any add)
+        self.partial = tp.fused_norm is not None and not args.gemma_norms
         self.self_attn = Attention(args, layer_id, rotary, ops, plan.num_heads, plan.num_kv_heads, tp,
                                    quantization, reduce_output=not self.partial)
         sparse = args.is_moe_layer(layer_id)
@@ -34,12 +38,15 @@ class DecoderLayer(nn.Module):
                                  reduce_output=not self.partial)
         else:
             self.mlp = GatedMLP(args.hidden_size, plan.intermediate, ops, tp, quantization,
-                                reduce_output=not self.partial)
+                                reduce_output=not self.partial, act=args.hidden_act)
         # the norms before qkv and a dense gate_up hand FP8 projections their input quantised (a router takes it
         # unquantised: the fused experts quantise it themselves)
-        fp8 = quantization == "fp8"
-        self.input_layernorm = make_norm(args.hidden_size, args.rms_norm_eps, ops, fp8)
-        self.post_attention_layernorm = make_norm(args.hidden_size, args.rms_norm_eps, ops, fp8 and not sparse)
+        fp8, gemma = quantization == "fp8", args.gemma_norms
+        norm = functools.partial(make_norm, args.hidden_size, args.rms_norm_eps, ops, plus_one=gemma)
+        self.input_layernorm = norm(fp8)
+        self.post_attention_layernorm = norm(fp8 and not sparse)
+        self.pre_feedforward_layernorm = norm() if gemma else None
+        self.post_feedforward_layernorm = norm() if gemma else None
         self.tp = tp
 
     def forward(self, x, residual, positions, attn):
@@ -51,6 +58,9 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = reduce_add_norm(self.tp, self.input_layernorm, x, residual, self.partial)
         h = self.self_attn(h, positions, attn)
+        if self.post_feedforward_layernorm is not None:  # Gemma
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
         h, residual = reduce_add_norm(self.tp, self.post_attention_layernorm, h, residual, self.partial)
         return self.mlp(h), residual
 
@@ -94,15 +104,23 @@ class LlamaModel(nn.Module):
         self.embed_tokens = BlockEmbedding(plan.vocab_per_rank, args.hidden_size, block_kernels(ops)) \
             if quantization == "gguf" else VocabEmbedding(plan.vocab_per_rank, args.hidden_size, plan.vocab_start, tp)
         rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, ops)
-        layers = [DecoderLayer(args, i, rotary, ops, plan, tp, quantization) for i in range(args.num_layers)]
-        # the C layers have no qkv bias nor q/k norm (a GGUF model in blocks is dense and on one rank)
-        kernel = ops.decode_layers if quantization == "gguf" and not (args.qk_norm or args.attention_bias) else None
+        local = rotary if args.local_rope_theta is None else \
+            RotaryEmbedding(args.head_dim, max_positions, args.local_rope_theta, None, ops)  # Gemma 3's local layers
+        layers = [DecoderLayer(args, i, local if i in args.sliding_layers else rotary, ops, plan, tp, quantization)
+                  for i in range(args.num_layers)]
+        # the C layers have no qkv bias, q/k norm nor window (a GGUF model in blocks is dense and on one rank)
+        kernel = ops.decode_layers if quantization == "gguf" and not (
+            args.qk_norm or args.attention_bias or args.sliding_layers or args.gemma_norms) else None
         self.layers = CpuFusedDecodeLayers(layers, kernel) if kernel is not None else DecoderLayers(layers)
-        self.norm = make_norm(args.hidden_size, args.rms_norm_eps, ops)
+        self.norm = make_norm(args.hidden_size, args.rms_norm_eps, ops, plus_one=args.gemma_norms)
+        self.embed_scale = args.hidden_size ** 0.5 if args.gemma_norms else None
         self.tp = tp
 
     def forward(self, input_ids, positions, attn, aux: Optional[List[torch.Tensor]] = None):
-        x, residual = self.layers(self.embed_tokens(input_ids), positions, attn, aux)
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # (by the scale rounded to the model's dtype, as transformers does)
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
+        x, residual = self.layers(x, positions, attn, aux)
         return reduce_add_norm(self.tp, self.norm, x, residual, self.layers[-1].partial)[0]
 
 
@@ -154,7 +172,8 @@ class LlamaForCausalLM(nn.Module):
                 torch.matmul(hidden, w.t())
         if self.tp.enabled:
             logits = self.tp.all_gather_last(logits)[:, :self.plan.vocab_size]
-        return logits
+        cap = self.args.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 class LlamaForEmbedding(LlamaForCausalLM):

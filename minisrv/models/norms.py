@@ -3,6 +3,8 @@
 - RMSNorm: norm(x), or with the residual (norm(x + residual), x + residual), through the model's LayerOps.
 - Fp8OutRMSNorm: an FP8 projection takes the output, so on CUDA the norm hands it over quantised per token
   (fp8.Fp8Activations), from one kernel (kernels/fp8_quant.py); elsewhere as RMSNorm.
+- GemmaRMSNorm: Gemma's, which scales by (1 + weight), computed in float32 as transformers does (its checkpoints
+  store the weight less one).
 """
 from __future__ import annotations
 
@@ -40,8 +42,20 @@ class Fp8OutRMSNorm(RMSNorm):
         return out if residual is None else (out, residual)
 
 
-def make_norm(dim: int, eps: float, ops: LayerOps, quantize_out: bool = False) -> RMSNorm:
-    """The norm for its place: Fp8OutRMSNorm before an FP8 projection (quantize_out), else RMSNorm."""
+class GemmaRMSNorm(RMSNorm):
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is not None:
+            x = residual = x + residual
+        xf = x.float()
+        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).type_as(x)
+        return out if residual is None else (out, residual)
+
+
+def make_norm(dim: int, eps: float, ops: LayerOps, quantize_out: bool = False, plus_one: bool = False) -> RMSNorm:
+    """The norm for its place: GemmaRMSNorm where the weight is stored less one (plus_one), Fp8OutRMSNorm before an
+    FP8 projection (quantize_out), else RMSNorm."""
+    if plus_one:
+        return GemmaRMSNorm(dim, eps, ops)
     return Fp8OutRMSNorm(dim, eps, ops) if quantize_out else RMSNorm(dim, eps, ops)
 
 
