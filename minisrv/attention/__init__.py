@@ -8,14 +8,19 @@ what auto picked cannot load it falls back (fa,fi -> fi -> torch) and logs why. 
 its decode steps are faster on mixture-of-experts models, but not by enough end to end to be the default.
 Where fi or triton decodes an FP8 pool, `create_backend` gives decode steps to the xqa backend (xqa.py) as
 `--fp8-decode-kernel` says: `fi` becomes the hybrid fi + xqa, `fa,fi` and `fa,triton` the hybrid fa + xqa.
+Each backend says which of a model's attention features (models/attention_options.py: sliding windows, logit
+soft-capping) it serves; one asked for by name that lacks a feature the model has is refused at start, and auto
+passes over it. (xqa serves neither: such models keep FlashInfer's FP8 decode.)
 """
 from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, FrozenSet, List, Optional, Sequence
 
 import torch
+
+from minisrv.models.attention_options import SOFTCAP, WINDOW, LayerAttention
 
 from .base import AttentionBackend, AttentionStep, HybridBackend
 
@@ -77,12 +82,13 @@ def _triton_missing(sm: Optional[int]) -> Optional[str]:
     return None
 
 
-# name -> (what it lacks on this machine, the module and class that implement it, imported when it is created)
+# name -> (what it lacks on this machine, the module and class that implement it, imported when it is created, the
+# attention features it serves)
 BACKENDS: Dict[str, tuple] = {
-    "torch": (lambda sm: None, "torch_native", "TorchNativeBackend"),
-    "fa": (_fa_missing, "fa", "FlashAttentionBackend"),
-    "fi": (_fi_missing, "fi", "FlashInferBackend"),
-    "triton": (_triton_missing, "triton_decode", "TritonDecodeBackend"),
+    "torch": (lambda sm: None, "torch_native", "TorchNativeBackend", {WINDOW, SOFTCAP}),
+    "fa": (_fa_missing, "fa", "FlashAttentionBackend", {WINDOW, SOFTCAP}),
+    "fi": (_fi_missing, "fi", "FlashInferBackend", {WINDOW, SOFTCAP}),
+    "triton": (_triton_missing, "triton_decode", "TritonDecodeBackend", set()),
 }
 DECODE_ONLY = ("triton",)
 
@@ -105,12 +111,15 @@ def canonical(name: str) -> str:
     return parts[0] if len(parts) == 1 or parts[0] == parts[1] else f"{parts[0]},{parts[1]}"
 
 
-def missing(name: str, sm: Optional[int]) -> Optional[str]:
-    """Why `name` cannot run here, or None if it can."""
+def missing(name: str, sm: Optional[int], features: FrozenSet[str] = frozenset()) -> Optional[str]:
+    """Why `name` cannot run here, or cannot serve a model with these attention features; None if it can."""
     for p in dict.fromkeys(_parts(name)):
         why = BACKENDS[p][0](sm)
         if why:
             return why
+        lacking = sorted(set(features) - BACKENDS[p][3])
+        if lacking:
+            return f"the {p} backend does not serve {' nor '.join(lacking)}, which this model has"
     return None
 
 
@@ -120,41 +129,45 @@ def auto_choice(sm: Optional[int]) -> str:
     return "fa,fi" if sm == 90 else "fi"
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """Turn a user's choice into a backend that can run here, or raise BackendUnavailable saying what is missing."""
+def resolve_backend(name: str, device: torch.device, features: FrozenSet[str] = frozenset()) -> str:
+    """Turn a user's choice into a backend that can run here and serves the model's attention `features`, or raise
+    BackendUnavailable saying what is missing."""
     sm = device_sm(device) if device.type == "cuda" else None
     if name == "auto":
         choice = auto_choice(sm)
-        while (why := missing(choice, sm)) is not None:
+        while (why := missing(choice, sm, features)) is not None:
             nxt = AUTO_FALLBACK[choice]
             logger.warning("attention backend auto: %s cannot run (%s); falling back to %s", choice, why, nxt)
             choice = nxt
         logger.info("attention backend auto resolved to %s (SM %s)", choice, sm)
         return choice
     choice = canonical(name)
-    why = missing(choice, sm)
+    why = missing(choice, sm, features)
     if why is not None:
         raise BackendUnavailable(f"attention backend {choice!r} cannot run: {why}")
     return choice
 
 
 def create_backend(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int,
-                   fp8_decode_kernel: str = "auto") -> AttentionBackend:
+                   fp8_decode_kernel: str = "auto",
+                   layers: Optional[Sequence[LayerAttention]] = None) -> AttentionBackend:
     """Create a resolved backend (see resolve_backend); a hybrid shares the pool between its two halves.
-    fp8_decode_kernel: EngineConfig.fp8_decode_kernel (see the module docstring and xqa.fp8_decode)."""
+    fp8_decode_kernel: EngineConfig.fp8_decode_kernel (see the module docstring and xqa.fp8_decode). layers: each
+    layer's attention options (None: plain causal attention)."""
     parts = _parts(name)
-    prefill = _create(parts[0], pool, req_to_token, num_q_heads)
+    prefill = _create(parts[0], pool, req_to_token, num_q_heads, layers)
     decode = None
     if parts[-1] in ("fi", "triton"):
         from .xqa import fp8_decode
-        decode = fp8_decode(pool, req_to_token, num_q_heads, fp8_decode_kernel)
+        decode = fp8_decode(pool, req_to_token, num_q_heads, fp8_decode_kernel, layers)
     if decode is None:
         if len(parts) == 1 or parts[0] == parts[1]:
             return prefill
-        decode = _create(parts[1], pool, req_to_token, num_q_heads)
+        decode = _create(parts[1], pool, req_to_token, num_q_heads, layers)
     return HybridBackend(prefill, decode)
 
 
-def _create(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int) -> AttentionBackend:
-    _, module, cls = BACKENDS[name]
-    return getattr(importlib.import_module(f".{module}", __name__), cls)(pool, req_to_token, num_q_heads)
+def _create(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int,
+            layers: Optional[Sequence[LayerAttention]]) -> AttentionBackend:
+    _, module, cls, _ = BACKENDS[name]
+    return getattr(importlib.import_module(f".{module}", __name__), cls)(pool, req_to_token, num_q_heads, layers)

@@ -2,7 +2,8 @@
 
 The kernel reads K/V straight from the pool through a page table (page_table.py); new tokens' k/v are stored first.
 Extend batches pass ragged queries through `cu_seqlens_q` with `causal=True`, which FA3 aligns to the bottom right
-(query j of a request with prefix p sees keys 0..p+j), exactly the cached-prefix causal mask.
+(query j of a request with prefix p sees keys 0..p+j), exactly the cached-prefix causal mask. A layer's sliding
+window, soft-cap and scale (attention_options.py) are the call's `window_size`, `softcap` and `softmax_scale`.
 
 With an FP8 pool the kernel runs in its FP8 mode, which takes q, K and V all in float8_e4m3fn (it has no mode with
 a bf16 query over an FP8 cache): q is cast to e4m3 (saturated, no scale: queries normally sit far inside +-448),
@@ -82,9 +83,12 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
     name = "fa"
     supports_cuda_graph = True
 
-    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int) -> None:
-        super().__init__(pool, req_to_token, num_q_heads)
+    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, layers=None) -> None:
+        super().__init__(pool, req_to_token, num_q_heads, layers)
         self._attn = _load_kernel()
+        # each layer's options as the kernel's keyword arguments (the defaults where a layer has none)
+        self.layer_args = [dict(softmax_scale=a.scale, **({"window_size": (a.window_left, 0)} if a.window else {}),
+                                **({"softcap": a.softcap} if a.softcap else {})) for a in self.layers]
         self.page_size = pool.page_size
         self.fp8 = pool.quantized
         if self.fp8 and self.head_dim % 16:
@@ -111,12 +115,12 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
         if meta.cu_seqlens_q is None:  # decode, or a verify step's queries of one length, [B * Sq] -> [B, Sq]
             o = self._attn(q=q.view(-1, meta.max_seqlen_q, *q.shape[1:]), k_cache=k_cache, v_cache=v_cache,
                            cache_seqlens=meta.cache_seqlens, page_table=meta.page_table,
-                           softmax_scale=self.scale, causal=True, **fp8).flatten(0, 1)
+                           causal=True, **self.layer_args[layer_id], **fp8).flatten(0, 1)
         else:
             o = self._attn(q=q, k_cache=k_cache, v_cache=v_cache,
                            cache_seqlens=meta.cache_seqlens, page_table=meta.page_table,
                            cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
-                           softmax_scale=self.scale, causal=True, **fp8)
+                           causal=True, **self.layer_args[layer_id], **fp8)
         return o if o.dtype == out_dtype else o.to(out_dtype)  # FP8 mode answers in bf16
 
     def kv_store_target(self, layer_id: int, meta: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:

@@ -18,6 +18,11 @@ With an FP8 pool the wrappers are planned with `kv_data_type=float8_e4m3fn` and 
 then picks its FA2-style kernels, which convert K/V to q's dtype as they load them), and each run gets the layer's
 scales as the floats `k_scale` and `v_scale`. On Hopper the registry gives such decode steps to xqa.py instead.
 
+Layers whose attention differs (a sliding window, a soft-cap or a scale of their own: attention_options.py) need
+wrappers planned apart (FlashInfer picks its kernel at plan time), so each kind of layer the model has gets its own
+wrapper of each sort, planned over the same pages, and a layer runs on its kind's (Gemma 2 and 3: two). Cascade decode
+serves models of one kind without a window.
+
 CUDA graphs: a FlashInfer decode wrapper in CUDA-graph mode is bound to one batch size (its indptr buffer has
 B+1 entries), so one wrapper is made per captured batch size, all sharing fixed index buffers and the workspace.
 `plan` never runs inside a capture: `prepare_for_capture` plans before the caller starts capturing, and
@@ -42,12 +47,12 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 @dataclass(frozen=True)
 class FIMeta:
     loc: torch.Tensor  # [T] slots the step's k/v go to
-    wrapper: Any  # the FlashInfer wrapper planned for this step (its plan is FlashInfer's own state)
-    kv_indices: torch.Tensor  # this step's page ids, kept alive while the wrapper may read them
+    wrappers: Tuple[Any, ...]  # per kind of layer, its wrapper planned for this step (the plan is FlashInfer's state)
+    kv_indices: torch.Tensor  # this step's page ids, kept alive while the wrappers may read them
 
-    def run(self, q: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor], **scales: float) -> torch.Tensor:
+    def run(self, q: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor], kind: int, **scales: float) -> torch.Tensor:
         """scales: an FP8 pool's k_scale and v_scale."""
-        return self.wrapper.run(q, kv, **scales)
+        return self.wrappers[kind].run(q, kv, **scales)
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,7 @@ class FICascadeMeta:
     inverse: Optional[torch.Tensor]  # [B] int64 cascade row of each batch row
     kv_indices: Tuple[torch.Tensor, torch.Tensor]  # own and shared page ids, kept alive while the wrappers read them
 
-    def run(self, q: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def run(self, q: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor], kind: int = 0) -> torch.Tensor:
         qc = q if self.order is None else q[self.order]
         out, lse = self.own.run(qc, kv, return_lse=True)
         g = self.num_grouped
@@ -79,9 +84,13 @@ class FlashInferBackend(AttentionBackend):
     supports_cascade = True
     decode_kernel = "flashinfer"  # the kernel its decode steps run
 
-    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int) -> None:
-        super().__init__(pool, req_to_token, num_q_heads)
+    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, layers=None) -> None:
+        super().__init__(pool, req_to_token, num_q_heads, layers)
         import flashinfer
+
+        self.kinds = tuple(dict.fromkeys(self.layers))  # each kind of layer's attention, once
+        self.kind_of = [self.kinds.index(a) for a in self.layers]
+        self.supports_cascade = len(self.kinds) == 1 and self.kinds[0].window is None
 
         self._fi = flashinfer
         self.page_size = pool.page_size
@@ -90,12 +99,14 @@ class FlashInferBackend(AttentionBackend):
         self.device = req_to_token.device
         self.use_tensor_cores = num_q_heads // self.num_kv_heads >= 4
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
+        # (a step's wrappers share the workspace: its layers run one after another)
+        self.prefill_wrappers = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+                                 for _ in self.kinds]
+        self.decode_wrappers = [flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores) for _ in self.kinds]
         self.shared_wrapper = None  # the shared level of cascade decode (init_cascade_state)
         # CUDA-graph state
-        self.graph_wrappers: Dict[int, object] = {}
+        self.graph_wrappers: Dict[int, List[Any]] = {}
         self.g_kv_indptr: Optional[torch.Tensor] = None
         # plan() fills pinned host buffers and queues copies from them; with overlap scheduling the next plan
         # can come before the device has run those copies, so each plan first waits for the previous one's
@@ -143,13 +154,14 @@ class FlashInferBackend(AttentionBackend):
         slots = self.req_to_token[rows[entry], col * ps]
         return slots if ps == 1 else slots // ps
 
-    def _plan_decode(self, wrapper, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+    def _plan_decode(self, wrappers: Sequence[Any], kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                      kv_last: torch.Tensor) -> None:
         self._before_plan()
-        wrapper.plan(kv_indptr, kv_indices, kv_last,
-                     self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                     pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.kv_dtype,
-                     sm_scale=self.scale)
+        for wrapper, a in zip(wrappers, self.kinds):
+            wrapper.plan(kv_indptr, kv_indices, kv_last,
+                         self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                         pos_encoding_mode="NONE", window_left=a.window_left, logits_soft_cap=a.softcap,
+                         q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=a.scale)
         self._after_plan()
 
     def prepare(self, b: ForwardBatch) -> Any:
@@ -158,19 +170,17 @@ class FlashInferBackend(AttentionBackend):
         kv_indptr, kv_last, total = self._host_kv_meta(b.seq_lens_cpu)
         kv_indices = self._page_ids(b.req_rows, b.seq_lens, total)
         if b.is_decode:
-            self._plan_decode(self.decode_wrapper, kv_indptr, kv_indices, kv_last)
-            return FIMeta(b.out_cache_loc, self.decode_wrapper, kv_indices)
-        qo = [0]
-        for e in b.extend_lens_cpu:
-            qo.append(qo[-1] + e)
-        qo_indptr = torch.tensor(qo, dtype=torch.int32)
+            self._plan_decode(self.decode_wrappers, kv_indptr, kv_indices, kv_last)
+            return FIMeta(b.out_cache_loc, tuple(self.decode_wrappers), kv_indices)
+        qo_indptr = torch.tensor(_prefix_sums(b.extend_lens_cpu), dtype=torch.int32)
         self._before_plan()
-        self.prefill_wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_last,
-                                  self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                                  causal=True, pos_encoding_mode="NONE", sm_scale=self.scale,
-                                  q_data_type=self.dtype, kv_data_type=self.kv_dtype)
+        for wrapper, a in zip(self.prefill_wrappers, self.kinds):
+            wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_last,
+                         self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                         causal=True, pos_encoding_mode="NONE", sm_scale=a.scale, window_left=a.window_left,
+                         logits_soft_cap=a.softcap, q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         self._after_plan()
-        return FIMeta(b.out_cache_loc, self.prefill_wrapper, kv_indices)
+        return FIMeta(b.out_cache_loc, tuple(self.prefill_wrappers), kv_indices)
 
     def _prepare_cascade(self, b: ForwardBatch, groups: PrefixGroups) -> FICascadeMeta:
         """Plan both levels of a cascade decode step. Every indptr comes from host-side lengths; the page ids are
@@ -200,20 +210,21 @@ class FlashInferBackend(AttentionBackend):
                                             shared_indptr[-1])
         if self.shared_wrapper is None:
             self.init_cascade_state()
-        i32 = torch.int32
+        i32, a = torch.int32, self.kinds[0]  # (cascade steps are planned for a model of one kind without a window)
         self._before_plan()
-        self.decode_wrapper.plan(torch.tensor(own_indptr, dtype=i32), own_indices, torch.tensor(own_last, dtype=i32),
-                                 self.num_q_heads, self.num_kv_heads, self.head_dim, ps,
-                                 pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
-                                 sm_scale=self.scale)
+        self.decode_wrappers[0].plan(torch.tensor(own_indptr, dtype=i32), own_indices,
+                                     torch.tensor(own_last, dtype=i32), self.num_q_heads, self.num_kv_heads,
+                                     self.head_dim, ps, pos_encoding_mode="NONE", logits_soft_cap=a.softcap,
+                                     q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=a.scale)
         self.shared_wrapper.plan(torch.tensor(qo_indptr, dtype=i32), torch.tensor(shared_indptr, dtype=i32),
                                  shared_indices, torch.full((ng,), ps, dtype=i32),
                                  self.num_q_heads, self.num_kv_heads, self.head_dim, ps,
-                                 causal=False, pos_encoding_mode="NONE", sm_scale=self.scale,
+                                 causal=False, pos_encoding_mode="NONE", sm_scale=a.scale, logits_soft_cap=a.softcap,
                                  q_data_type=self.dtype, kv_data_type=self.dtype)
         self._after_plan()
         in_order = order == list(range(bs))
-        return FICascadeMeta(b.out_cache_loc, self.decode_wrapper, self.shared_wrapper, self._fi.merge_state_in_place,
+        return FICascadeMeta(b.out_cache_loc, self.decode_wrappers[0], self.shared_wrapper,
+                             self._fi.merge_state_in_place,
                              groups.num_grouped, None if in_order else order_t, None if in_order else inverse_t,
                              (own_indices, shared_indices))
 
@@ -227,10 +238,11 @@ class FlashInferBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: Any) -> torch.Tensor:
         if k is not None:
             self.pool.store(layer_id, meta.loc, k, v)
-        kv = (self.pool.k[layer_id], self.pool.v[layer_id])
+        kv, kind = (self.pool.k[layer_id], self.pool.v[layer_id]), self.kind_of[layer_id]
         if not self.pool.quantized:
-            return meta.run(q, kv)
-        return meta.run(q, kv, k_scale=self.pool.k_scale_host[layer_id], v_scale=self.pool.v_scale_host[layer_id])
+            return meta.run(q, kv, kind)
+        return meta.run(q, kv, kind, k_scale=self.pool.k_scale_host[layer_id],
+                        v_scale=self.pool.v_scale_host[layer_id])
 
     def kv_store_target(self, layer_id: int, meta: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         return self._pool_target(layer_id, meta.loc)
@@ -245,22 +257,23 @@ class FlashInferBackend(AttentionBackend):
         self.g_kv_last = torch.ones((max_bs,), dtype=torch.int32, device=self.device)
         self.graph_wrappers = {}
 
-    def _graph_wrapper(self, bs: int):
+    def _graph_wrappers(self, bs: int) -> List[Any]:
+        """The batch-size-`bs` graph's wrapper of each kind of layer: all read the same fixed index buffers."""
         w = self.graph_wrappers.get(bs)
         if w is None:
             if self.g_kv_indptr is None:
                 raise RuntimeError("init_graph_state must be called before capture")
             if bs > self.g_max_bs:
                 raise ValueError(f"batch size {bs} exceeds the graph state's max_bs {self.g_max_bs}")
-            w = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            w = [self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
                 paged_kv_indptr_buffer=self.g_kv_indptr[:bs + 1],
                 paged_kv_indices_buffer=self.g_kv_indices,
-                paged_kv_last_page_len_buffer=self.g_kv_last[:bs])
+                paged_kv_last_page_len_buffer=self.g_kv_last[:bs]) for _ in self.kinds]
             self.graph_wrappers[bs] = w
         return w
 
-    def _plan_graph(self, b: ForwardBatch, wrapper, padded_bs: int) -> torch.Tensor:
+    def _plan_graph(self, b: ForwardBatch, wrappers: Sequence[Any], padded_bs: int) -> torch.Tensor:
         bs = b.batch_size
         if padded_bs < bs:
             raise ValueError(f"padded batch size {padded_bs} < batch size {bs}")
@@ -273,19 +286,19 @@ class FlashInferBackend(AttentionBackend):
         kv_indices = self._page_ids(b.req_rows[:bs], b.seq_lens[:bs], real)
         if pad:
             kv_indices = torch.cat([kv_indices, kv_indices.new_zeros(pad)])
-        self._plan_decode(wrapper, kv_indptr, kv_indices, kv_last)
+        self._plan_decode(wrappers, kv_indptr, kv_indices, kv_last)
         return kv_indices
 
     def prepare_for_capture(self, b: ForwardBatch) -> Any:
         """Plan the batch-size-`bs` graph wrapper; call before capture begins (FlashInfer plans on the host)."""
         if not b.is_decode:
             raise ValueError("CUDA graphs capture decode batches only")
-        wrapper = self._graph_wrapper(b.batch_size)
-        return FIMeta(b.out_cache_loc, wrapper, self._plan_graph(b, wrapper, b.batch_size))
+        wrappers = self._graph_wrappers(b.batch_size)
+        return FIMeta(b.out_cache_loc, tuple(wrappers), self._plan_graph(b, wrappers, b.batch_size))
 
     def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: Any) -> None:
-        # the plan copies the page ids into the wrapper's fixed buffer (stream-ordered), which the graph reads
-        self._plan_graph(b, meta.wrapper, padded_bs)
+        # the plan copies the page ids into the wrappers' fixed buffer (stream-ordered), which the graph reads
+        self._plan_graph(b, meta.wrappers, padded_bs)
 
 
 def _prefix_sums(counts: Sequence[int]) -> List[int]:

@@ -35,8 +35,8 @@ class TritonDecodeBackend(PageTableGraphs, AttentionBackend):
     decode_kernel = "triton"
     supports_cuda_graph = True
 
-    def __init__(self, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int) -> None:
-        super().__init__(pool, req_to_token, num_q_heads)
+    def __init__(self, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int, layers=None) -> None:
+        super().__init__(pool, req_to_token, num_q_heads, layers)
         self.kernel = triton_decode_attention()
         if self.kernel is None:
             raise ImportError("the triton decode backend needs Triton")
@@ -56,7 +56,8 @@ class TritonDecodeBackend(PageTableGraphs, AttentionBackend):
         pool = self.pool
         if k is not None:
             pool.store(layer_id, meta.loc, k, v)
-        return self.kernel(q, pool.k[layer_id], pool.v[layer_id], meta.page_table, meta.seq_lens, self.scale,
+        return self.kernel(q, pool.k[layer_id], pool.v[layer_id], meta.page_table, meta.seq_lens,
+                           self.layers[layer_id].scale,
                            pool.k_scale_host[layer_id], pool.v_scale_host[layer_id])
 
     def kv_store_target(self, layer_id: int, meta: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Tuple
 
 import torch
 
 from minisrv.batch import ForwardBatch
+from minisrv.models.attention_options import LayerAttention, features_of
 
 from .base import AttentionBackend
 from .page_table import PageTableGraphs
@@ -43,14 +44,14 @@ class XQAMeta:
     seq_lens: torch.Tensor  # [B] uint32 (a view of int32 lengths)
     kernel: Callable
     workspace: torch.Tensor
-    scale: float  # the softmax scale
 
-    def run(self, q: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor], k_scale: float = 1.0,
+    def run(self, q: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor], scale: float, k_scale: float = 1.0,
             v_scale: float = 1.0) -> torch.Tensor:
+        """scale: the layer's softmax scale."""
         # the kernel reads q (and writes its output, made like q) as contiguous [B, Hq, D]; the model's q is a
         # strided view of the fused qkv projection
         return self.kernel(q.contiguous(), kv, self.workspace, self.page_table, self.seq_lens,
-                           self.page_table.shape[1] * kv[0].shape[1], bmm1_scale=self.scale * k_scale,
+                           self.page_table.shape[1] * kv[0].shape[1], bmm1_scale=scale * k_scale,
                            bmm2_scale=v_scale, kv_layout="NHD")
 
 
@@ -59,8 +60,8 @@ class XQADecodeBackend(PageTableGraphs, AttentionBackend):
     decode_kernel = "xqa"
     supports_cuda_graph = True
 
-    def __init__(self, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int) -> None:
-        super().__init__(pool, req_to_token, num_q_heads)
+    def __init__(self, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int, layers=None) -> None:
+        super().__init__(pool, req_to_token, num_q_heads, layers)
         from flashinfer.decode import xqa_batch_decode_with_kv_cache
         self.kernel = xqa_batch_decode_with_kv_cache
         self.page_size = pool.page_size
@@ -85,11 +86,11 @@ class XQADecodeBackend(PageTableGraphs, AttentionBackend):
         q = torch.zeros((1, self.num_q_heads, self.head_dim), dtype=self.pool.dtype, device=self.device)
         table = torch.zeros((1, 1), dtype=torch.int32, device=self.device)
         seq_lens = torch.ones((1,), dtype=torch.int32, device=self.device)
-        self.decode_meta(table, table, seq_lens).run(q, (self.pool.k[0], self.pool.v[0]))
+        self.decode_meta(table, table, seq_lens).run(q, (self.pool.k[0], self.pool.v[0]), self.layers[0].scale)
         torch.cuda.synchronize(self.device)
 
     def decode_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> XQAMeta:
-        return XQAMeta(loc, table, seq_lens.view(torch.uint32), self.kernel, self.workspace, self.scale)
+        return XQAMeta(loc, table, seq_lens.view(torch.uint32), self.kernel, self.workspace)
 
     def prepare(self, b: ForwardBatch) -> XQAMeta:
         return self.decode_step_meta(b)
@@ -99,15 +100,23 @@ class XQADecodeBackend(PageTableGraphs, AttentionBackend):
         pool = self.pool
         if k is not None:
             pool.store(layer_id, meta.loc, k, v)
-        return meta.run(q, (pool.k[layer_id], pool.v[layer_id]), k_scale=pool.k_scale_host[layer_id],
+        return meta.run(q, (pool.k[layer_id], pool.v[layer_id]), self.layers[layer_id].scale,
+                        k_scale=pool.k_scale_host[layer_id],
                         v_scale=pool.v_scale_host[layer_id])
 
 
-def fp8_decode(pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int,
-               choice: str) -> Optional[XQADecodeBackend]:
+def fp8_decode(pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int, choice: str,
+               layers: Optional[Sequence[LayerAttention]] = None) -> Optional[XQADecodeBackend]:
     """The decode backend for fi decoding over `pool` under `--fp8-decode-kernel choice`: XQA for "xqa" (raises if
-    it cannot run here) and for "auto" where it can run; None (FlashInfer's wrappers) otherwise."""
+    it cannot run here) and for "auto" where it can run; None (FlashInfer's wrappers) otherwise. XQA serves neither
+    sliding windows nor soft-capping."""
     if choice == "flashinfer" or not pool.quantized:
+        return None
+    lacking = features_of(layers or ())
+    if lacking:
+        if choice == "xqa":
+            raise ValueError(f"the xqa FP8 decode kernel does not serve {' nor '.join(sorted(lacking))}, which this "
+                             f"model has: use --fp8-decode-kernel flashinfer")
         return None
     if not XQADecodeBackend.usable(pool, req_to_token.device):
         if choice == "xqa":
@@ -116,7 +125,7 @@ def fp8_decode(pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int,
                              f"size is {pool.page_size}")
         return None
     try:
-        xqa = XQADecodeBackend(pool, req_to_token, num_q_heads)
+        xqa = XQADecodeBackend(pool, req_to_token, num_q_heads, layers)
         xqa.load()
     except Exception as e:  # noqa: BLE001 - e.g. no CUDA compiler for FlashInfer's JIT
         if choice == "xqa":

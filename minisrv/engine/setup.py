@@ -20,6 +20,7 @@ from minisrv.kvcache import KVPool, PageAllocator, ReqToTokenTable, slots_for
 from minisrv.distributed import Rendezvous, TensorParallel, init_tensor_parallel
 from minisrv.kernels.qk_rope_store import warm_up as warm_up_qk_rope_store
 from minisrv.models.args import ModelArgs
+from minisrv.models.attention_options import features_of, layer_attention
 from minisrv.models.eagle3 import Eagle3Head
 from minisrv.models.layer_ops import LayerOps, fused_ops_for
 from minisrv.models.sharding import check_divisible
@@ -68,18 +69,7 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def resolve_context_length(cfg: EngineConfig, args: ModelArgs) -> int:
-    context_length = cfg.context_length or args.max_position_embeddings
-    window = args.sliding_window
-    if window is not None and context_length > window:
-        # attention is full over the whole context here: exact only while sequences fit in the window
-        if cfg.context_length:
-            raise ValueError(f"context length {cfg.context_length} is over the model's sliding window of "
-                             f"{window} tokens; sliding-window attention is not supported, so the context "
-                             f"length can be at most {window}")
-        logger.warning("the model uses sliding-window attention (%d tokens), which is not supported: "
-                       "context length limited to %d", window, window)
-        context_length = window
-    return context_length
+    return cfg.context_length or args.max_position_embeddings
 
 
 @dataclass
@@ -139,7 +129,7 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
     device = resolve_device(cfg)
     model_path = resolve_model_path(cfg.model)
     args = load_model_args(model_path, cfg.cache_dir)
-    backend_name = resolve_backend(cfg.attention_backend, device)
+    backend_name = resolve_backend(cfg.attention_backend, device, features_of(layer_attention(args)))
     if cfg.tp_size > 1:
         device = tp_device(device, tp_rank, cfg.tp_size)
         if device.type == "cuda":
@@ -223,13 +213,14 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
         """The runner's parts with the attention backend asked for (the current one where it is that already), its
         CUDA graphs and cascade decode."""
         backend = current.backend if keep_backend else \
-            create_backend(backend_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel)
+            create_backend(backend_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel, layers)
         graph_runner = _graph_runner(cfg, model, backend, pad_row, pad_page * ps, context_length, device) \
             if graphs and backend.supports_cuda_graph else None
         return replace(current, backend=backend, graph_runner=graph_runner,
                        cascade=_cascade_policy(cfg, backend, backend_name, pool, ps))
 
-    serving = create_backend(serving_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel)
+    layers = layer_attention(args)
+    serving = create_backend(serving_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel, layers)
     runner = ModelRunner(model, serving, pool, table, device, tp, Pooler(pooling) if pooling is not None else None)
     parts = RunnerParts(serving, sampling_kernel=None if sampling_pending else fused_sampling_kernel(device))
     staged_kernels = None
@@ -320,8 +311,8 @@ def _cascade_policy(cfg: EngineConfig, backend: Any, backend_name: str, pool: KV
         backend.init_cascade_state()
         return CascadePolicy(page_size)
     else:
-        logger.warning("--enable-cascade-attention ignored: the %s backend has no cascade decode (fi has)",
-                       backend_name)
+        logger.warning("--enable-cascade-attention ignored: the %s backend has no cascade decode for this model (fi "
+                       "has, for models without sliding windows)", backend_name)
     return None
 
 
@@ -355,7 +346,8 @@ def activation_peak(model: torch.nn.Module, backend_name: str, args: ModelArgs, 
                   kv_dtype)
     table = ReqToTokenTable(1, context_length, device)
     # a prefill step only: no decode kernel to load
-    backend = create_backend(backend_name, pool, table.table, plan.num_heads, fp8_decode_kernel="flashinfer")
+    backend = create_backend(backend_name, pool, table.table, plan.num_heads, fp8_decode_kernel="flashinfer",
+                             layers=layer_attention(args))
     runner = ModelRunner(model, backend, pool, table, device)
     req = Request([0] * n, SamplingParams(max_tokens=1), 1)
     req.row = table.alloc_row()

@@ -24,7 +24,7 @@ GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, num_attention_heads=8, num_key_va
                             query_pre_attn_scalar=256, rope_theta=1e6, rope_local_base_freq=1e4, sliding_window=4096,
                             sliding_window_pattern=6, max_position_embeddings=131072, rms_norm_eps=1e-6,
                             tie_word_embeddings=True)
-QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 ALWAYS_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")  # their sliding_window applies when set
 # a bare decoder without an LM head (what embedding checkpoints such as gte-Qwen name) -> its causal LM's name, so

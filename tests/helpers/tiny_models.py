@@ -1,4 +1,5 @@
-"""Tiny random-weight HF checkpoints of the four dense architectures and the mixtures of experts, with a word-level tokenizer, and the engine and
+"""Tiny random-weight HF checkpoints of the four dense architectures, the mixtures of experts and the models with
+sliding windows, with a word-level tokenizer, and the engine and
 sampling settings the CPU tests run them with."""
 from __future__ import annotations
 
@@ -56,14 +57,39 @@ MOE_SPECS: Dict[str, Tuple[str, dict]] = {
 }
 MOE_ARCHS = list(MOE_SPECS)
 
+# windows (8 tokens) shorter than the test prompts. Gemma 2: every other layer windowed, attention and final logits
+# soft-capped, a query scale of its own (query_pre_attn_scalar); Gemma 3: windowed layers with their own rope base,
+# q/k norms, global layers with linear rope scaling; "gemma3_mm": Gemma 3 inside a Gemma3ForConditionalGeneration, with a
+# vision tower; Mistral windowed everywhere. Soft-caps small enough to change the scores of random weights.
+WINDOW_SPECS: Dict[str, Tuple[str, dict]] = {
+    "gemma2": ("Gemma2Config", dict(vocab_size=320, num_hidden_layers=3, max_position_embeddings=256, sliding_window=8,
+                                    query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+                                    final_logit_softcapping=5.0)),
+    "gemma3": ("Gemma3TextConfig", dict(vocab_size=384, num_hidden_layers=4, max_position_embeddings=256,
+                                        sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16,
+                                        rope_scaling={"rope_type": "linear", "factor": 4.0}, rope_theta=50000.0,
+                                        rope_local_base_freq=500.0)),
+    "gemma3_mm": ("Gemma3Config", dict(vocab_size=256, num_hidden_layers=3, max_position_embeddings=256,
+                                       sliding_window=8, sliding_window_pattern=3, query_pre_attn_scalar=16)),
+    "mistral_window": ("MistralConfig", dict(vocab_size=256, num_hidden_layers=2, max_position_embeddings=256,
+                                             sliding_window=8, tie_word_embeddings=False)),
+}
+WINDOW_ARCHS = list(WINDOW_SPECS)
+
 COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0)
 
 
 def make_config(name: str, **overrides):
     import transformers
-    cls_name, kw = {**TINY_SPECS, **MOE_SPECS}[name]
+    cls_name, kw = {**TINY_SPECS, **MOE_SPECS, **WINDOW_SPECS}[name]
     kw = {**COMMON, **kw, **overrides}
+    if cls_name == "Gemma3Config":  # the language model's config inside a vision-language one
+        text = {k: kw.pop(k) for k in list(kw) if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14)
+        return transformers.Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                                         image_token_index=text["vocab_size"] - 1, **kw)
     return getattr(transformers, cls_name)(**kw)
 
 
@@ -100,10 +126,12 @@ def build_tiny_model(path: str, name: str, seed: int = 0, **config_overrides) ->
     import transformers
     cfg = make_config(name, **config_overrides)
     torch.manual_seed(seed)
-    model = getattr(transformers, type(cfg).__name__.replace("Config", "ForCausalLM"))(cfg)
+    name = {"Gemma3TextConfig": "Gemma3ForCausalLM", "Gemma3Config": "Gemma3ForConditionalGeneration"}.get(
+        type(cfg).__name__, type(cfg).__name__.replace("Config", "ForCausalLM"))
+    model = getattr(transformers, name)(cfg)
     init_weights(model, seed)
     model.save_pretrained(path, safe_serialization=True)
-    write_tokenizer(path, cfg.vocab_size)
+    write_tokenizer(path, cfg.get_text_config().vocab_size)
     return path
 
 
@@ -111,7 +139,8 @@ def build_tiny_model(path: str, name: str, seed: int = 0, **config_overrides) ->
 
 def vocab_of(path: str) -> int:
     with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)["vocab_size"]
+        cfg = json.load(f)
+    return cfg.get("text_config", cfg)["vocab_size"]
 
 
 PROMPT_LENS = [5, 40, 3, 23, 12, 31]
