@@ -79,13 +79,44 @@ def test_sliding_window_read_only_where_it_applies():
     assert ModelArgs.from_hf_config(q).sliding_window is None
     q = Qwen2Config(**base, use_sliding_window=True, sliding_window=1024, max_window_layers=2).to_dict()
     assert "sliding_attention" in q["layer_types"] and ModelArgs.from_hf_config(q).sliding_window == 1024
-    q.pop("layer_types")  # a transformers 4 config
-    assert ModelArgs.from_hf_config(q).sliding_window == 1024
+    assert ModelArgs.from_hf_config(q).sliding_layers == (2, 3)
+    q.pop("layer_types")  # a transformers 4 config: layers from max_window_layers on, as transformers reads it
+    assert ModelArgs.from_hf_config(q).sliding_window == 1024 and ModelArgs.from_hf_config(q).sliding_layers == (2, 3)
     m = MistralConfig(**base, sliding_window=4096).to_dict()
     assert ModelArgs.from_hf_config(m).sliding_window == 4096
+    assert ModelArgs.from_hf_config(m).sliding_layers == (0, 1, 2, 3)
     m = MistralConfig(**base, sliding_window=None).to_dict()
     assert ModelArgs.from_hf_config(m).sliding_window is None
     assert ModelArgs.from_hf_config(make_config("llama").to_dict()).sliding_window is None
+
+
+def test_gemma_configs_as_the_hub_publishes_them():
+    """Gemma 3 4B-27B's config.json (transformers 4.50): a Gemma3ForConditionalGeneration whose text_config leaves
+    most keys to Gemma3TextConfig's defaults, the window pattern as sliding_window_pattern, the two rope bases as
+    rope_theta and rope_local_base_freq; Gemma 2's without layer_types (every other layer windowed)."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "model_type": "gemma3",
+           "torch_dtype": "bfloat16", "vision_config": {"hidden_size": 1152},
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024}}
+    args = ModelArgs.from_hf_config(hub)
+    ref = Gemma3TextConfig(**hub["text_config"])  # what transformers makes of it
+    assert (args.vocab_size, args.num_heads, args.num_kv_heads, args.head_dim) == \
+        (ref.vocab_size, ref.num_attention_heads, ref.num_key_value_heads, ref.head_dim)
+    assert args.sliding_layers == tuple(i for i, t in enumerate(ref.layer_types) if t == "sliding_attention")
+    assert len(args.sliding_layers) == 29 and args.sliding_window == 1024
+    assert args.rope_theta == ref.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    assert args.local_rope_theta == ref.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+    assert args.rope_scaling == {"factor": 8.0, "rope_type": "linear"}
+    assert args.query_pre_attn_scalar == 256 and args.eos_token_ids == [1, 106] and args.torch_dtype == "bfloat16"
+    assert args.tie_word_embeddings and args.qk_norm and args.gemma_norms and args.hidden_act == "gelu_tanh"
+    g2 = Gemma2Config(num_hidden_layers=5, sliding_window=4096).to_dict()
+    g2.pop("layer_types")
+    g2["architectures"] = ["Gemma2ForCausalLM"]
+    args = ModelArgs.from_hf_config(g2)
+    assert args.sliding_layers == (0, 2, 4) and args.attn_logit_softcap == 50.0 and args.final_logit_softcap == 30.0
+    assert args.local_rope_theta is None
 
 
 @pytest.mark.parametrize("scaling", [

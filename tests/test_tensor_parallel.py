@@ -3,8 +3,9 @@
 References: HF transformers in float64 (greedy tokens) and the same engine with one rank (tokens of greedy and
 seeded sampling, prompt logprobs), on tiny random Llama (llama3 rope, untied head), Qwen2 (qkv bias, tied), Qwen3
 (q/k norm), Mistral and mixture-of-experts (Qwen3-MoE, Mixtral, Qwen2-MoE: each expert split by its width)
-checkpoints, plus a model with fewer K/V heads than ranks (replicated K/V) and one whose vocabulary does not split
-evenly (padded).
+checkpoints, plus a model with fewer K/V heads than ranks (replicated K/V), one whose vocabulary does not split
+evenly (padded), and the models with sliding windows shorter than the prompts (Gemma 2, Gemma 3, Gemma 3 in a
+vision-language checkpoint, Mistral).
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def tp_model(tiny_model, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "llama-1kv", "qwen2-oddvocab", "qwen3_moe",
-                                  "mixtral", "qwen2_moe"])
+                                  "mixtral", "qwen2_moe", "gemma2", "gemma3", "gemma3_mm", "mistral_window"])
 def test_two_ranks_give_hf_and_one_rank_tokens(tp_model, name):
     path = tp_model(name)
     prompts = make_prompts(vocab_of(path), [5, 40, 3, 23])

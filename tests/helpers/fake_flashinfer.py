@@ -8,8 +8,9 @@ tensors (a device tensor would make FlashInfer's plan synchronise), page ids are
 request has at least one key (FlashInfer leaves attention over no keys undefined), and q matches the plan. The
 semantics are FlashInfer's: NHD pages [num_pages, page_size, Hkv, D]; request i's keys are its pages in order, all
 full but the last, which holds last_page_len[i]; q head h reads kv head h // (Hq / Hkv); a causal query j of qo_len
-sees keys up to kv_len - qo_len + j; log-sum-exps are base 2, and merge_state_in_place combines two partial
-results of disjoint key sets exactly.
+sees keys up to kv_len - qo_len + j (and, with window_left >= 0, from window_left keys before it: a decode query
+is the last position); logits_soft_cap c turns each scaled score s into c * tanh(s / c); log-sum-exps are base 2,
+and merge_state_in_place combines two partial results of disjoint key sets exactly.
 """
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ class _Paged:
         return cache[pages].reshape(-1, *cache.shape[2:])[:self.kv_lens[i]]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
-            ) -> Tuple[torch.Tensor, torch.Tensor]:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, window_left: int = -1,
+            soft_cap=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """q [n, Hq, D] against k/v [L, Hkv, D] in float64: output [n, Hq, D] and base-2 log-sum-exp [n, Hq]."""
     n, hq, _ = q.shape
     length, hkv, _ = k.shape
@@ -67,10 +68,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     kk = k.double().repeat_interleave(g, dim=1)
     vv = v.double().repeat_interleave(g, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale  # [Hq, n, L]
+    if soft_cap:
+        s = torch.tanh(s / soft_cap) * soft_cap
+    q_pos = (length - n + torch.arange(n))[:, None]
     if causal:
         assert n <= length, "a causal query block longer than its keys"
-        allowed = torch.arange(length)[None, :] <= (length - n + torch.arange(n))[:, None]
-        s = s.masked_fill(~allowed[None], float("-inf"))
+        s = s.masked_fill(~(torch.arange(length)[None, :] <= q_pos)[None], float("-inf"))
+    if window_left >= 0:
+        s = s.masked_fill((torch.arange(length)[None, :] < q_pos - window_left)[None], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # natural log, [Hq, n]
     out = torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), vv)
     return out, (lse / LN2).transpose(0, 1)
@@ -105,7 +110,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
              token_pos_in_items_len: int = 0, max_item_len_ptr=None, seq_lens=None, seq_lens_q=None,
              block_tables=None, max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None,
              disable_split_kv: bool = False) -> None:
-        assert pos_encoding_mode == "NONE" and window_left == -1 and logits_soft_cap is None
+        assert pos_encoding_mode == "NONE" and (window_left == -1 or causal) and logits_soft_cap != 0
         assert custom_mask is None and packed_custom_mask is None and head_dim_vo in (None, head_dim_qk)
         assert isinstance(q_data_type, torch.dtype) and kv_data_type in (None, q_data_type)
         assert num_qo_heads % num_kv_heads == 0
@@ -116,14 +121,14 @@ class BatchPrefillWithPagedKVCacheWrapper:
             assert qo[i + 1] >= qo[i], "qo_indptr decreases"
             assert not causal or qo[i + 1] - qo[i] <= n, "a causal query block longer than its keys"
         self._plan = (qo, paged, num_qo_heads, num_kv_heads, head_dim_qk, causal,
-                      head_dim_qk ** -0.5 if sm_scale is None else sm_scale, q_data_type)
+                      head_dim_qk ** -0.5 if sm_scale is None else sm_scale, q_data_type, window_left, logits_soft_cap)
         self.plans += 1
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None,
             lse=None, return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None, kv_cache_sf=None,
             skip_softmax_threshold_scale_factor=None):
         assert not args and out is None and lse is None and sinks is None and kv_cache_sf is None
-        qo, paged, hq, hkv, d, causal, scale, dtype = self._plan
+        qo, paged, hq, hkv, d, causal, scale, dtype, window_left, soft_cap = self._plan
         assert q.shape == (qo[-1], hq, d) and q.dtype == dtype, \
             f"q {tuple(q.shape)} {q.dtype} does not match the plan ({qo[-1]}, {hq}, {d}) {dtype}"
         k_cache, v_cache = _check_cache(paged_kv_cache, hkv, d, paged.page_size, dtype)
@@ -132,7 +137,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
         for i in range(len(paged.kv_lens)):
             if qo[i + 1] == qo[i]:
                 continue
-            oi, si = _attend(q[qo[i]:qo[i + 1]], paged.keys(i, k_cache), paged.keys(i, v_cache), scale, causal)
+            oi, si = _attend(q[qo[i]:qo[i + 1]], paged.keys(i, k_cache), paged.keys(i, v_cache), scale, causal,
+                             window_left, soft_cap)
             o[qo[i]:qo[i + 1]] = oi.to(q.dtype)
             s[qo[i]:qo[i + 1]] = si.float()
         return (o, s) if return_lse else o
@@ -153,19 +159,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
              q_data_type="float16", kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None,
              rope_scale=None, rope_theta=None, non_blocking: bool = True, block_tables=None, seq_lens=None,
              fixed_split_size=None, disable_split_kv: bool = False, q_len_per_req: int = 1) -> None:
-        assert pos_encoding_mode == "NONE" and window_left == -1 and logits_soft_cap is None and q_len_per_req == 1
+        assert pos_encoding_mode == "NONE" and logits_soft_cap != 0 and q_len_per_req == 1
         assert isinstance(q_data_type, torch.dtype) and kv_data_type in (None, q_data_type) and data_type is None
         assert num_qo_heads % num_kv_heads == 0
         paged = _Paged(indptr, indices, last_page_len, page_size, self.device)
         self._plan = (paged, num_qo_heads, num_kv_heads, head_dim,
-                      head_dim ** -0.5 if sm_scale is None else sm_scale, q_data_type)
+                      head_dim ** -0.5 if sm_scale is None else sm_scale, q_data_type, window_left, logits_soft_cap)
         self.plans += 1
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None,
             lse=None, return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=None,
             skip_softmax_threshold_scale_factor=None, kv_cache_sf=None):
         assert not args and out is None and lse is None and sinks is None and q_len_per_req is None
-        paged, hq, hkv, d, scale, dtype = self._plan
+        paged, hq, hkv, d, scale, dtype, window_left, soft_cap = self._plan
         bs = len(paged.kv_lens)
         assert q.shape == (bs, hq, d) and q.dtype == dtype, \
             f"q {tuple(q.shape)} {q.dtype} does not match the plan ({bs}, {hq}, {d}) {dtype}"
@@ -173,7 +179,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         s = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         for i in range(bs):
-            oi, si = _attend(q[i:i + 1], paged.keys(i, k_cache), paged.keys(i, v_cache), scale, False)
+            oi, si = _attend(q[i:i + 1], paged.keys(i, k_cache), paged.keys(i, v_cache), scale, False, window_left,
+                             soft_cap)
             o[i] = oi[0].to(q.dtype)
             s[i] = si[0].float()
         return (o, s) if return_lse else o
