@@ -3,7 +3,8 @@
 Every case builds a paged pool whose pages are handed out in a shuffled order (so requests' pages are not
 contiguous), fills each request's cached prefix with random K/V, runs one step through the backend under test and
 through the torch backend on an identical copy of the pool, and compares both the attention outputs and what each
-wrote into its pool.
+wrote into its pool. Models with sliding windows and soft-capped scores (attention_options.py) are run the same way,
+their options given to both backends.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from minisrv.attention import create_backend
 from minisrv.batch import ForwardBatch, ForwardMode
 from minisrv.attention.torch_native import TorchNativeBackend
 from minisrv.kvcache import KVPool, PageAllocator, slots_for
+from minisrv.models.attention_options import LayerAttention
 
 from .common import skip_unless_runs
 
@@ -34,6 +36,9 @@ CONFIGS = [(32, 8, 128, torch.bfloat16), (32, 8, 128, torch.float16), (16, 8, 12
            (8, 1, 64, torch.bfloat16), (16, 2, 64, torch.float16)]
 CONFIG_IDS = [f"{hq}-{hkv}-{d}-{'bf16' if dt is torch.bfloat16 else 'fp16'}" for hq, hkv, d, dt in CONFIGS]
 TOL = 1e-2
+# Gemma-like layers: a window of 32 tokens (shorter than most test sequences), soft-capped, with a scale of its own;
+# then a global soft-capped layer
+WINDOWED = (LayerAttention(0.06, window=32, softcap=2.0), LayerAttention(0.06, softcap=2.0))
 
 
 def _dev() -> torch.device:
@@ -144,7 +149,8 @@ def _fused_views(qkv: torch.Tensor, hq: int, hkv: int, d: int):
 
 
 def run_against_torch(name: str, mode: ForwardMode, page_size: int, dtype: torch.dtype, hq: int, hkv: int, d: int,
-                      kv_dtype: Optional[torch.dtype] = None, scales=None, fp8_decode_kernel: str = "flashinfer"):
+                      kv_dtype: Optional[torch.dtype] = None, scales=None, fp8_decode_kernel: str = "flashinfer",
+                      layers: Optional[Sequence[LayerAttention]] = None):
     """One extend (on cached prefixes) or decode step of every layer through backend `name` and through the torch
     backend on a copy of the pool (of `kv_dtype`, with `scales` for an FP8 one). Returns (scene, the copy, outputs,
     the torch backend's outputs, tokens in the step), each output a list over the layers."""
@@ -165,9 +171,9 @@ def run_against_torch(name: str, mode: ForwardMode, page_size: int, dtype: torch
     qkv = [_fused_views(sc.randn(t, (hq + 2 * hkv) * d), hq, hkv, d) for _ in range(NUM_LAYERS)]
 
     ref_pool = sc.clone_pool()
-    backend = create_backend(name, sc.pool, sc.table, hq, fp8_decode_kernel)
+    backend = create_backend(name, sc.pool, sc.table, hq, fp8_decode_kernel, layers)
     out = _run(backend, batch, qkv)
-    ref = _run(TorchNativeBackend(ref_pool, sc.table, hq), batch, qkv)
+    ref = _run(TorchNativeBackend(ref_pool, sc.table, hq, layers), batch, qkv)
     torch.cuda.synchronize()
     return sc, ref_pool, out, ref, t
 
@@ -194,9 +200,29 @@ def test_cuda_graph_decode(name, page_size, hq, hkv, d):
     check_cuda_graph_decode(name, page_size, hq, hkv, d)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
+@pytest.mark.parametrize("name", ["fa", "fi", "fa,fi"])
+def test_windows_and_softcap_match_torch(name, mode, page_size):
+    hq, hkv, d = 16, 8, 128
+    sc, ref_pool, out, ref, t = run_against_torch(name, mode, page_size, torch.bfloat16, hq, hkv, d,
+                                                  layers=WINDOWED)
+    plain = run_against_torch("torch", mode, page_size, torch.bfloat16, hq, hkv, d)[3]
+    for layer in range(NUM_LAYERS):
+        err = _rel_err(out[layer], ref[layer])
+        assert err < TOL, f"layer {layer}: relative error {err:.3g}"
+        assert _rel_err(plain[layer], ref[layer]) > 10 * TOL, "the options should change the output"
+
+
+@pytest.mark.parametrize("name", ["fa", "fi"])
+def test_cuda_graph_decode_with_windows_and_softcap(name):
+    check_cuda_graph_decode(name, 16, 32, 8, 128, layers=WINDOWED)
+
+
 def check_cuda_graph_decode(name: str, page_size: int, hq: int, hkv: int, d: int,
                             kv_dtype: Optional[torch.dtype] = None, scales=None, tol: float = TOL,
-                            fp8_decode_kernel: str = "flashinfer") -> None:
+                            fp8_decode_kernel: str = "flashinfer",
+                            layers: Optional[Sequence[LayerAttention]] = None) -> None:
     """Graph replays against the torch backend on a copy of the pool; `scales` ((k, v) per layer) for FP8 pools."""
     skip_unless_runs(name)
     dtype = torch.bfloat16
@@ -213,7 +239,7 @@ def check_cuda_graph_decode(name: str, page_size: int, hq: int, hkv: int, d: int
     sc.add_request(dummy_row, 1)
     dummy_slot = int(sc.slots[dummy_row][0])
 
-    backend = create_backend(name, sc.pool, sc.table, hq, fp8_decode_kernel)
+    backend = create_backend(name, sc.pool, sc.table, hq, fp8_decode_kernel, layers)
     assert backend.supports_cuda_graph
     max_bs = 8
     backend.init_graph_state(max_bs, MAX_CONTEXT)
@@ -256,7 +282,7 @@ def check_cuda_graph_decode(name: str, page_size: int, hq: int, hkv: int, d: int
         batch = sc.batch(ForwardMode.DECODE, real_rows, [cached[r] for r in real_rows], [1] * n)
         qkv = [(sc.randn(n, hq, d), sc.randn(n, hkv, d), sc.randn(n, hkv, d)) for _ in range(NUM_LAYERS)]
         ref_pool = sc.clone_pool()
-        ref = _run(TorchNativeBackend(ref_pool, sc.table, hq), batch, qkv)
+        ref = _run(TorchNativeBackend(ref_pool, sc.table, hq, layers), batch, qkv)
 
         for layer, (q, k, v) in enumerate(qkv):
             q_s[layer].zero_()
