@@ -1,9 +1,14 @@
 """A decode step's layers in one C call on the CPU (kernels/cpu_decode.c) against the same model running its layers
 one by one in Python (the reference: the same kernels, called through torch): the same greedy tokens and the same
-logprobs, alone and batched, with more sequences than the call takes (those steps run in Python) and fewer."""
+logprobs, alone and batched, with more sequences than the call takes (those steps run in Python) and fewer; with
+every layer windowed (a GGUF Mistral's) too."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+
+from minisrv.attention.torch_native import TorchNativeBackend
 
 from minisrv.models.llama import CpuFusedDecodeLayers, DecoderLayers
 
@@ -73,6 +78,34 @@ def test_layers_in_one_call_equal_the_python_layers(tiny_q8_gguf):
     finally:
         fast.close()
         slow.close()
+
+
+def _windowed(llm, window: int) -> None:
+    """The same engine with every layer's attention windowed, as a GGUF Mistral's is."""
+    eng = llm.engine
+    layers = tuple(dataclasses.replace(a, window=window) for a in eng.runner.backend.layers)
+    backend = TorchNativeBackend(eng.parts.pool, eng.parts.table.table, eng.parts.args.num_heads, layers)
+    eng.runner.use_parts(dataclasses.replace(eng.runner.parts, backend=backend))
+
+
+def test_windowed_layers_in_one_call_equal_the_python_layers(tiny_q8_gguf):
+    hf, gguf = tiny_q8_gguf
+    fast, slow, full = (make_llm(gguf, tokenizer=hf, cache_dir="off") for _ in range(3))
+    try:
+        if not _in_one_call(fast):
+            pytest.skip("the CPU block kernels did not build here")
+        counting = _model(fast).layers.kernel = _Counting(_model(fast).layers.kernel)
+        _python_layers(slow)
+        _windowed(fast, 6)
+        _windowed(slow, 6)
+        prompts = make_prompts(vocab_of(hf), [9, 20])
+        (toks_f, lps_f), (toks_s, lps_s) = _outputs(fast, prompts), _outputs(slow, prompts)
+        assert toks_f == toks_s and counting.calls == 9
+        assert max(abs(a - b) for x, y in zip(lps_f, lps_s) for a, b in zip(x, y)) < 1e-5
+        assert _outputs(full, prompts)[1] != lps_f, "the window should change the outputs"
+    finally:
+        for llm in (fast, slow, full):
+            llm.close()
 
 
 def test_only_dense_llama_style_block_models_take_it(tmp_path, tiny_q8_gguf):

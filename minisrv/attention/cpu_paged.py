@@ -55,6 +55,8 @@ class CpuPagedAttention:
         self.num_q_heads = num_q_heads
         self.layers = layers
         self.windows = sorted({a.window for a in layers}, key=lambda w: w or 0)
+        # what a decode step's layers in one call read (a model whose layers all have the same window only)
+        self.decode_options = (layers[0].scale, layers[0].window or 0)
         self.kernel = kernel
         layers = range(len(pool.k))  # the pool's per-layer [slots, Hkv, D] views, which decode steps read
         self.flat_k, self.flat_v = [pool.flat_k(i) for i in layers], [pool.flat_v(i) for i in layers]
@@ -83,7 +85,7 @@ class CpuPagedAttention:
             if self.kernel is None or b.prefix_groups is not None:
                 return None
             return DecodeMeta(b.out_cache_loc, b.req_rows.long(), b.seq_lens.to(torch.int32), self.flat_k,
-                              self.flat_v, self.req_to_token, self.layers[0].scale)
+                              self.flat_v, self.req_to_token, *self.decode_options)
         if b.verify and self.kernel is not None:
             return self._verify_meta(b)
         seqs, start = [], 0
@@ -106,7 +108,7 @@ class CpuPagedAttention:
         kv_lens = torch.tensor([s - n + j + 1 for s, n in zip(b.seq_lens_cpu, ext) for j in range(n)],
                                dtype=torch.int32)
         return DecodeMeta(b.out_cache_loc, rows, kv_lens, self.flat_k, self.flat_v, self.req_to_token,
-                          self.layers[0].scale)
+                          *self.decode_options)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta) -> torch.Tensor:
         self.pool.store(layer_id, meta.loc, k, v)

@@ -25,7 +25,7 @@ class _Layer(ctypes.Structure):
 
 class _Shape(ctypes.Structure):
     _fields_ = [("layers", _int), ("hidden", _int), ("hq", _int), ("hkv", _int), ("d", _int), ("inter", _int),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_stride", _i64)]
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_stride", _i64), ("window", _int)]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class DecodeMeta:
     v: List[torch.Tensor]
     req_to_token: torch.Tensor
     scale: float
+    window: int = 0  # every layer's sliding window (0: none); the layers in one call serve only such models
 
 
 class DecodeLayersKernel:
@@ -76,7 +77,7 @@ class DecodeLayersKernel:
                                   meta.k[i].data_ptr(), meta.v[i].data_ptr())
             shape = _Shape(len(layers), att.o_proj.out_features, att.hq, att.hkv, att.d,
                            mlp.down_proj.in_features, first.input_layernorm.eps, meta.scale,
-                           meta.k[0].stride(0))
+                           meta.k[0].stride(0), meta.window)
             self._table = (key, table, shape, [meta.k, meta.v])  # the views stay referenced with the table
         return self._table[1], self._table[2]
 

@@ -108,9 +108,11 @@ class LlamaModel(nn.Module):
             RotaryEmbedding(args.head_dim, max_positions, args.local_rope_theta, None, ops)  # Gemma 3's local layers
         layers = [DecoderLayer(args, i, local if i in args.sliding_layers else rotary, ops, plan, tp, quantization)
                   for i in range(args.num_layers)]
-        # the C layers have no qkv bias, q/k norm nor window (a GGUF model in blocks is dense and on one rank)
+        # the C layers have no qkv bias, q/k norm nor soft-cap, and one window for every layer (a GGUF model in
+        # blocks is dense and on one rank)
+        windows_differ = 0 < len(args.sliding_layers) < args.num_layers
         kernel = ops.decode_layers if quantization == "gguf" and not (
-            args.qk_norm or args.attention_bias or args.sliding_layers or args.gemma_norms) else None
+            args.qk_norm or args.attention_bias or args.gemma_norms or windows_differ) else None
         self.layers = CpuFusedDecodeLayers(layers, kernel) if kernel is not None else DecoderLayers(layers)
         self.norm = make_norm(args.hidden_size, args.rms_norm_eps, ops, plus_one=args.gemma_norms)
         self.embed_scale = args.hidden_size ** 0.5 if args.gemma_norms else None
