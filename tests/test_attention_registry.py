@@ -359,3 +359,16 @@ def test_fi_over_an_fp8_pool_where_xqa_cannot_run(fp8_fi, caplog):
     with caplog.at_level(logging.WARNING, logger="minisrv.attention.xqa"):
         assert isinstance(create_backend("fi", pool, table, 4, "auto"), FlashInferBackend)
     assert "XQA decode kernel unavailable (ImportError" in caplog.text
+
+
+def test_xqa_is_not_given_a_windowed_or_soft_capped_model(fp8_fi):
+    """XQA serves neither windows nor soft-capping: `xqa` refuses such a model, `auto` keeps FlashInfer's wrappers."""
+    from minisrv.attention import create_backend
+    from minisrv.attention.fi import FlashInferBackend
+    from minisrv.models.attention_options import LayerAttention
+
+    pool, table = fp8_fi(xqa=True)
+    for layers in ((LayerAttention(0.3, window=8), LayerAttention(0.3)), (LayerAttention(0.3, softcap=5.0),) * 2):
+        with pytest.raises(ValueError, match="xqa FP8 decode kernel does not serve"):
+            create_backend("fi", pool, table, 4, "xqa", layers)
+        assert isinstance(create_backend("fi", pool, table, 4, "auto", layers), FlashInferBackend)
