@@ -127,6 +127,7 @@ def test_layer_options_read_from_the_configs(tiny_model):
     assert g3.local_rope_theta == 500.0 and g3.rope_theta == 50000.0 and g3.rope_scaling["factor"] == 4.0
     mm = load_model_args(tiny_model("gemma3_mm"))
     assert mm.sliding_layers == (0, 1) and mm.vocab_size == 256 and mm.qk_norm and mm.gemma_norms
+    assert (mm.rope_theta, mm.local_rope_theta) == (20000.0, 300.0)
     assert features_of(layer_attention(load_model_args(tiny_model("mistral_window")))) == {WINDOW}
 
 

@@ -20,7 +20,8 @@ ARCHITECTURE_OF_MODEL_TYPE = {  # config.json's model_type (what a GGUF's config
 VISION_LANGUAGE = ("Gemma3ForConditionalGeneration",)  # served as their language model alone
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 # what a Gemma3ForConditionalGeneration's text_config leaves out (transformers' Gemma3TextConfig defaults)
-GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=256,
                             query_pre_attn_scalar=256, rope_theta=1e6, rope_local_base_freq=1e4, sliding_window=4096,
                             sliding_window_pattern=6, max_position_embeddings=131072, rms_norm_eps=1e-6,
                             tie_word_embeddings=True)
@@ -91,7 +92,7 @@ class ModelArgs:
         if "full_attention" in params:  # one set per layer type (Gemma 3)
             local_theta = params.get("sliding_attention", {}).get("rope_theta", local_theta)
             params = params["full_attention"]
-        theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
         if not rope and params.get("rope_type", "default") != "default":
             rope = {k: v for k, v in params.items() if k != "rope_theta"}
         if rope.get("rope_type", rope.get("type", "default")) == "default":
@@ -126,7 +127,7 @@ class ModelArgs:
             final_logit_softcap=cfg.get("final_logit_softcapping"),
             gemma_norms=arch in GEMMA,
             hidden_act="gelu_tanh" if arch in GEMMA else "silu",
-            local_rope_theta=float(local_theta) if local_theta and arch != "Gemma2ForCausalLM" else None,
+            local_rope_theta=float(local_theta) if local_theta else None,
             quantization_config=cfg.get("quantization_config") or None,
             base_model=base_model,
             **_experts(arch, cfg),

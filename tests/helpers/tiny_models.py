@@ -70,7 +70,8 @@ WINDOW_SPECS: Dict[str, Tuple[str, dict]] = {
                                         rope_scaling={"rope_type": "linear", "factor": 4.0}, rope_theta=50000.0,
                                         rope_local_base_freq=500.0)),
     "gemma3_mm": ("Gemma3Config", dict(vocab_size=256, num_hidden_layers=3, max_position_embeddings=256,
-                                       sliding_window=8, sliding_window_pattern=3, query_pre_attn_scalar=16)),
+                                       sliding_window=8, sliding_window_pattern=3, query_pre_attn_scalar=16,
+                                       rope_theta=20000.0, rope_local_base_freq=300.0)),
     "mistral_window": ("MistralConfig", dict(vocab_size=256, num_hidden_layers=2, max_position_embeddings=256,
                                              sliding_window=8, tie_word_embeddings=False)),
 }
