@@ -33,7 +33,7 @@ from minisrv.kernels.fused_moe import (experts_reference, route, route_and_align
 from minisrv.kernels.moe_align import align_reference, triton_align  # noqa: E402
 from minisrv.kernels.moe_route import ROUTER_TOKENS  # noqa: E402
 from minisrv.kernels.moe_gemm import MoeConfig, config_for, moe_gemm  # noqa: E402
-from minisrv.kernels.moe_w4a16 import PackedExperts, moe_w4a16_gemm  # noqa: E402
+from minisrv.kernels.moe_w4a16 import PackedExperts  # noqa: E402
 
 
 def eager_us(fn, repeat: int) -> float:
@@ -57,7 +57,7 @@ def products_us(x, w13, w2, s13, s2, routing, c: MoeConfig, a) -> tuple:
     t, k = ids.shape
     int4 = isinstance(w13, PackedExperts)
     aligned = triton_align()(ids, w13.num_experts if int4 else w13.shape[0], c.block_m)
-    gemm = moe_w4a16_gemm() if int4 else moe_gemm()
+    gemm = moe_gemm()
     a1, a1s = quantize_tokens(x) if s13 is not None else (x, None)
     act = torch.empty(t * k, w2.k if int4 else w2.shape[2], dtype=x.dtype, device=x.device)
     gemm(a1, a1s, w13, s13, act, None, aligned, k, True, c)

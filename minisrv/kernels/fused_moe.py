@@ -29,7 +29,7 @@ from minisrv.kernels.fp8_quant import FP8, quantize_tokens
 from minisrv.kernels.moe_align import Aligned, triton_align
 from minisrv.kernels.moe_gemm import MoeConfig, config_for, moe_gemm
 from minisrv.kernels.moe_route import ROUTER_TOKENS, triton_route, triton_router
-from minisrv.kernels.moe_w4a16 import PackedExperts, moe_w4a16_gemm
+from minisrv.kernels.moe_w4a16 import PackedExperts
 from minisrv.kernels.w4a16_gemm import w4a16_gemm
 
 PAIR_ROWS = 16  # 4-bit experts: up to this many (token, expert) pairs run as rows of the dense 4-bit kernel
@@ -164,7 +164,7 @@ def triton_experts(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: tor
     sum over k, [T, H]. Raises RuntimeError where Triton is missing."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     int4 = isinstance(w13, PackedExperts)
-    gemm, align = (moe_w4a16_gemm() if int4 else moe_gemm()), triton_align()
+    gemm, align = moe_gemm(), triton_align()
     if gemm is None or align is None:
         raise RuntimeError("the fused experts need Triton")
     t, h = x.shape
@@ -210,7 +210,7 @@ def fused_runs(x: torch.Tensor, w13: Weights, fp8: bool) -> bool:
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1):
         return False
     if isinstance(w13, PackedExperts):
-        return moe_w4a16_gemm() is not None and triton_align() is not None
+        return moe_gemm() is not None and triton_align() is not None
     if fp8 and torch.cuda.get_device_capability(x.device) < (8, 9):
         return False
     if not fp8 and w13.dtype != x.dtype:

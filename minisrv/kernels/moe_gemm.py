@@ -7,7 +7,10 @@ are two launches of it:
   written to row p of [T*k, H] (summed over k by the caller).
 FP8 (W8A8): A and B in float8_e4m3fn, the dot accumulating in float32, the tile scaled by a_scale[row] *
 b_scale[e, col] (a scale per token and per output row of the weight, as Fp8Linear's), before SiLU and the routing
-weight.
+weight. 4-bit (W4A16, kernels/moe_w4a16.py's PackedExperts): each program dequantises a [BLOCK_K, BLOCK_N] tile of
+its expert in registers from a [BLOCK_K / 8, BLOCK_N] block of words (BLOCK_K, halved until it divides the group,
+reads one row of scales and zeros a step) and feeds it to tl.dot: no weight wider than 4 bits goes to memory; with an
+activation order, A's columns are gathered through the expert's perm.
 
 Programs whose block lies past the padded total (the grid is sized for the most blocks T, k and E can take) exit
 after one load, so the grid is fixed by the shapes and the launch is captured in CUDA graphs.
@@ -15,11 +18,12 @@ after one load, so the grid is fixed by the shapes and the launch is captured in
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
 from minisrv.kernels.moe_align import Aligned
+from minisrv.kernels.moe_w4a16 import PackedExperts
 from minisrv.kernels.triton_launcher import triton_launcher
 
 
@@ -59,13 +63,17 @@ def moe_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., None]:
     where Triton is missing."""
 
     @triton.jit
-    def moe_grouped_gemm(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, weights_ptr, sorted_ptr, expert_ids_ptr,
-                         num_padded_ptr, n_pairs, n, k, stride_am, stride_be, stride_bn, stride_bk, stride_se,
-                         stride_cm, TOP_K: tl.constexpr, SILU: tl.constexpr, FP8: tl.constexpr, WEIGHTED: tl.constexpr,
+    def moe_grouped_gemm(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, zeros_ptr, perm_ptr, c_ptr, weights_ptr,
+                         sorted_ptr, expert_ids_ptr, num_padded_ptr, n_pairs, n, k, group, stride_am, stride_be,
+                         stride_bn, stride_bk, stride_se, stride_cm, TOP_K: tl.constexpr, SILU: tl.constexpr,
+                         FP8: tl.constexpr, INT4: tl.constexpr, PERM: tl.constexpr, WEIGHTED: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Program pid: block pid // tiles of the aligned pairs, output columns (pid % tiles) * BLOCK_N onwards.
         A's row of pair p is p // TOP_K (gate/up: the token; down: TOP_K = 1, the pair's own row). SILU: columns
-        [0, n) are gate, [n, 2n) up, and the output is n wide."""
+        [0, n) are gate, [n, 2n) up, and the output is n wide. INT4: B is kernels/moe_w4a16.py's 4-bit layout
+        (b_ptr the words, b_scale_ptr the groups' scales, zeros_ptr their zeros; BLOCK_K divides the group), each
+        [BLOCK_K, BLOCK_N] tile dequantised in registers before the dot; PERM: A's columns read through the
+        expert's activation order."""
         pid = tl.program_id(0)
         tiles = tl.cdiv(n, BLOCK_N)
         block = pid // tiles
@@ -78,20 +86,32 @@ def moe_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., None]:
         cols = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n
         ks = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
-        b_ptrs = b_ptr + expert * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+        shifts = (tl.arange(0, 8) * 4)[None, :, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):
             k_ok = ks < k - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
-            if SILU:
-                b_up = tl.load(b_ptrs + n * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                up = tl.dot(a, b_up, up)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * stride_bk
+            a_cols = tl.load(perm_ptr + expert * k + k0 + ks) if PERM else k0 + ks
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + a_cols[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            for part in tl.static_range(1 + SILU):  # the gate's columns, then (SILU) the up's
+                c = cols + part * n
+                if INT4:
+                    words = tl.load(b_ptr + expert * stride_be + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[:, None]
+                                    * stride_bk + c[None, :], mask=col_ok[None, :], other=0)
+                    g = expert * stride_se + (k0 // group) * stride_bk + c
+                    scale = tl.load(b_scale_ptr + g, mask=col_ok, other=0.0).to(tl.float32)
+                    zero_magic = tl.load(zeros_ptr + g, mask=col_ok, other=0).to(tl.float32) + 8388608.0
+                    # a nibble under float32's exponent of 2^23 reads as 2^23 + q (kernels/w4a16_gemm.py)
+                    bits = (((words[:, None, :] >> shifts) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+                    b = ((tl.reshape(bits, (BLOCK_K, BLOCK_N)) - zero_magic[None, :]) * scale[None, :]).to(a.dtype)
+                else:
+                    b = tl.load(b_ptr + expert * stride_be + (k0 + ks)[:, None] * stride_bk + c[None, :] * stride_bn,
+                                mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                if part == 0:
+                    acc = tl.dot(a, b, acc)
+                else:
+                    up = tl.dot(a, b, up)
         if FP8:
             a_scale = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)[:, None]
             scale_ptrs = b_scale_ptr + expert * stride_se + cols
@@ -105,29 +125,47 @@ def moe_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., None]:
         out_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + cols[None, :]
         tl.store(out_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
-    def run(a: torch.Tensor, a_scale: Optional[torch.Tensor], b: torch.Tensor, b_scale: Optional[torch.Tensor],
-            out: torch.Tensor, weights: Optional[torch.Tensor], aligned: Aligned, top_k: int, silu: bool,
-            config: MoeConfig) -> None:
+    def run(a: torch.Tensor, a_scale: Optional[torch.Tensor], b: Union[torch.Tensor, PackedExperts],
+            b_scale: Optional[torch.Tensor], out: torch.Tensor, weights: Optional[torch.Tensor], aligned: Aligned,
+            top_k: int, silu: bool, config: MoeConfig) -> None:
         """out[p] = (silu(gate) * up if silu else the product) of A's row p // top_k and expert e(p)'s B, times
         weights[p] if weights is given, for every aligned pair p. a [rows, K] with unit column stride; b [E, N, K]
-        (N = 2 * out's width if silu); a_scale float32 [rows] or [rows, 1] and b_scale float32 [E, N] for FP8
-        operands; out [T*k, n] with unit column stride; weights float32, contiguous [T*k]."""
+        (N = 2 * out's width if silu) or 4-bit PackedExperts of [K, N] matrices (contiguous, no b_scale); a_scale
+        float32 [rows] or [rows, 1] and b_scale float32 [E, N] for FP8 operands; out [T*k, n] with unit column
+        stride; weights float32, contiguous [T*k]."""
         n = out.shape[1]
         k = a.shape[1]
-        if a.stride(1) != 1 or out.stride(1) != 1 or b.shape[1] != (2 * n if silu else n) or b.shape[2] != k:
+        width = 2 * n if silu else n
+        int4 = isinstance(b, PackedExperts)
+        if a.stride(1) != 1 or out.stride(1) != 1 or (not int4 and (b.shape[1] != width or b.shape[2] != k)):
             raise ValueError(f"grouped GEMM operands: a {tuple(a.shape)} (column stride {a.stride(1)}), b "
                              f"{tuple(b.shape)}, out {tuple(out.shape)} (column stride {out.stride(1)}), silu {silu}")
-        fp8 = b_scale is not None
-        if fp8:
-            b_scale = b_scale.reshape(b.shape[0], -1)
-            if b_scale.stride(1) != 1:
-                b_scale = b_scale.contiguous()
+        block_k = config.block_k
+        if int4:
+            if a_scale is not None or b_scale is not None:
+                raise ValueError("4-bit experts take 16-bit activations and no separate weight scales")
+            b.check(k, width, "grouped GEMM operand")
+            if not all(t.is_contiguous() for t in b if t is not None):
+                raise ValueError("4-bit grouped GEMM operands: the experts' tensors must be contiguous")
+            while b.group % block_k:  # (groups are multiples of 16: b.check)
+                block_k //= 2
+            # words [E, K/8, W]; scales and zeros [E, K/G, W]: a row of either is W apart
+            tensors, group, strides = b, b.group, (b.qweight.stride(0), 1, width, b.scales.stride(0))
+        else:
+            if b_scale is not None:
+                b_scale = b_scale.reshape(b.shape[0], -1)
+                if b_scale.stride(1) != 1:
+                    b_scale = b_scale.contiguous()
+            tensors, group = (b, b_scale if b_scale is not None else a, a, None), 1
+            strides = (b.stride(0), b.stride(1), b.stride(2), b_scale.stride(0) if b_scale is not None else 0)
+        words, scales, zeros, perm = tensors
         grid = (aligned.expert_ids.numel() * triton.cdiv(n, config.block_n),)
-        moe_grouped_gemm[grid](a, a_scale if fp8 else a, b, b_scale if fp8 else a, out,
-                               weights if weights is not None else a, aligned.sorted_pairs, aligned.expert_ids,
-                               aligned.num_padded, out.shape[0], n, k, a.stride(0), b.stride(0), b.stride(1),
-                               b.stride(2), b_scale.stride(0) if fp8 else 0, out.stride(0), TOP_K=top_k, SILU=silu,
-                               FP8=fp8, WEIGHTED=weights is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                               BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+        moe_grouped_gemm[grid](a, a_scale if a_scale is not None else a, words, scales, zeros,
+                               perm if perm is not None else a, out, weights if weights is not None else a,
+                               aligned.sorted_pairs, aligned.expert_ids, aligned.num_padded, out.shape[0], n, k, group,
+                               a.stride(0), *strides, out.stride(0), TOP_K=top_k, SILU=silu,
+                               FP8=b_scale is not None and not int4, INT4=int4, PERM=perm is not None,
+                               WEIGHTED=weights is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                               BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages)
 
     return run

@@ -5,7 +5,7 @@ Why: decode reads every weight once per step, so a quarter of bf16's bytes is th
 (after speculation). The three formats differ only in how they pack the same thing (4-bit integers, a scale and a
 zero point per group of K), so the loader repacks each into one layout (kernels/w4a16_gemm.py describes it;
 checkpoints/int4_formats.py reads the formats) and one layer and one kernel serve them all: W4A16Linear for the
-projections, W4A16Experts for a mixture of experts' experts (stacked, for the grouped GEMM of kernels/moe_w4a16.py).
+projections, W4A16Experts for a mixture of experts' experts (stacked, kernels/moe_w4a16.py's layout).
 
 `int4_scheme` reads a checkpoint's `quantization_config`: None where it is not one of these formats, an
 `Int4Scheme` for what is served, a ValueError naming what is not (3- or 8-bit GPTQ, AWQ's GEMV layouts,

@@ -1,4 +1,4 @@
-"""The 4-bit experts' grouped GEMM (minisrv/kernels/moe_w4a16.py, driven by fused_moe.triton_experts) run by Triton's
+"""The 4-bit experts' grouped GEMM (minisrv/kernels/moe_gemm.py's INT4 path, driven by fused_moe.triton_experts) run by Triton's
 interpreter on the CPU (TRITON_INTERPRET=1, set before Triton is imported: hence a script of its own, run by
 tests/test_w4a16_moe.py in a fresh process). Also imported by tests/gpu/test_w4a16_moe.py for its operands and
 reference (importing it does not switch the interpreter on; running it does).
@@ -114,8 +114,8 @@ def check(t: int, h: int, inter: int, num_experts: int, top_k: int, group: int, 
 
 
 def main() -> None:
-    from minisrv.kernels.moe_w4a16 import moe_w4a16_gemm
-    assert moe_w4a16_gemm() is not None, "Triton is missing"
+    from minisrv.kernels.moe_gemm import moe_gemm
+    assert moe_gemm() is not None, "Triton is missing"
     start = time.time()
     for group, symmetric, act_order in ((32, False, False), (64, True, False), (16, False, True), (0, False, False)):
         for t in (1, 5):
