@@ -58,9 +58,10 @@ def test_silu_and_mul():
     assert torch.allclose(OPS.silu_and_mul(wide).double(), F.silu(g) * u, rtol=2e-6, atol=1e-6)
 
 
-def test_rope_in_place_matches_the_layers_rotary():
+@pytest.mark.parametrize("rotary_dim", [64, 48])  # 48: partial rotary, the last 16 dims of each head pass through
+def test_rope_in_place_matches_the_layers_rotary(rotary_dim):
     torch.manual_seed(3)
-    plain = RotaryEmbedding(64, 512, 10000.0, None)
+    plain = RotaryEmbedding(64, 512, 10000.0, None, rotary_dim=rotary_dim)
     qkv = torch.randn(6, (9 + 2 * 3) * 64)
     q, k = qkv[:, :9 * 64].view(6, 9, 64), qkv[:, 9 * 64:12 * 64].view(6, 3, 64)
     v_before = qkv[:, 12 * 64:].clone()
@@ -68,8 +69,8 @@ def test_rope_in_place_matches_the_layers_rotary():
     cos, sin = plain.cos_sin[pos].double().unsqueeze(1).chunk(2, dim=-1)
 
     def rot(x):
-        x1, x2 = x.double().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        x1, x2 = x[..., :rotary_dim].double().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotary_dim:].double()], dim=-1)
 
     want_q, want_k = rot(q), rot(k)
     OPS.apply_rope_with_cos_sin_cache_inplace(pos, q.reshape(6, -1), k.reshape(6, -1), 64, plain.cos_sin, True)

@@ -3,8 +3,9 @@ the shape the config implies (a missing, extra, repeated or mis-shaped tensor is
 
 Our model fuses q/k/v and gate/up, stacks a layer's experts, pads the vocabulary for tensor parallelism and holds one
 rank's shard; Mixtral's names are read as the Qwen-MoE names they stand for, a vision-language checkpoint's language
-model (Gemma3ForConditionalGeneration: `language_model.model.*`, or `model.language_model.*`) as a causal LM's, and
-its vision tower and projector are not read."""
+model (Gemma3ForConditionalGeneration: `language_model.model.*`, or `model.language_model.*`) as a causal LM's (its
+vision tower and projector are not read), and a checkpoint's own fused qkv_proj and gate_up_proj (Phi-3's) as the
+q/k/v and gate/up tensors they join (split_fused)."""
 from __future__ import annotations
 
 import re
@@ -134,14 +135,44 @@ def _unsharded_shape(name: str, shape: Tuple[int, ...], args: ModelArgs) -> Tupl
     return shape
 
 
+def split_fused(tensors: Iterator[Tuple[str, StoredTensor]],
+                args: ModelArgs) -> Iterator[Tuple[str, StoredTensor]]:
+    """The checkpoint's tensors with each fused qkv_proj / gate_up_proj one (Phi-3's) as its q, k, v / gate, up row
+    ranges under their own names: each tensor-parallel rank then reads only its heads of each and its share of
+    gate and of up, as from a checkpoint that stores them apart."""
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    for name, stored in tensors:
+        fused = next((f for f in FUSED if f in name.split(".")), None)
+        if fused is None:
+            yield name, stored
+            continue
+        rows = stored.shape[0]
+        sizes = (q, kv, kv) if fused == "qkv_proj" else (rows // 2, rows // 2)
+        if sum(sizes) != rows:
+            raise WeightLoadError(f"tensor {name!r} has shape {tuple(stored.shape)}: {rows} rows, expected "
+                                  f"{sum(sizes)}")
+        start = 0
+        for sub, n in zip(FUSED[fused], sizes):
+            yield name.replace(fused, sub), _row_range(stored, start, n)
+            start += n
+
+
+def _row_range(stored: StoredTensor, start: int, rows: int) -> StoredTensor:
+    """Rows [start, start + rows) of `stored`, read (or a rank's row slice of them read) from it alone."""
+    def read(piece: Optional[Slice]) -> Any:
+        if piece is not None and piece.dim != 0:
+            raise WeightLoadError(f"a fused tensor's part is split by rows only, not by dim {piece.dim}")
+        return stored.read(Slice(0, start + piece.start, piece.length) if piece else Slice(0, start, rows))
+    return StoredTensor((rows,) + tuple(stored.shape[1:]), read)
+
+
 def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, StoredTensor]], args: ModelArgs,
                  plan: Optional[ShardPlan] = None) -> None:
     """Fill the model's parameters (this rank's shard under `plan`) from (HF name, stored tensor) pairs."""
     plan = plan or ShardPlan.of(args)
     expected = expected_tensors(model, args, plan)
     seen = set()
-    for name, stored in tensors:
-        name = canonical_name(name)
+    for name, stored in split_fused(((canonical_name(n), t) for n, t in tensors), args):
         if "rotary_emb.inv_freq" in name or args.architecture in VISION_LANGUAGE and VISION_PARTS.match(name):
             continue
         if name == "lm_head.weight" and "lm_head.weight" not in expected:

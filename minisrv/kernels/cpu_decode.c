@@ -49,7 +49,7 @@ int decode_layers_f32(const DecodeLayer *layer, const DecodeShape *s, float *x, 
                 for (int t = 0; t < m; ++t)
                     memcpy(aux + ((int64_t)t * n_aux + j) * H, residual + (int64_t)t * H, sizeof(float) * (size_t)H);
         blocks_matmul(x, H, layer->qkv, layer->qkv_l, qkv, qkv_w, m, qkv_w, H);
-        rope_neox_f32(pos, qkv, qkv_w, s->hq, qkv + att_w, qkv_w, s->hkv, d, cos_sin, m);
+        rope_neox_f32(pos, qkv, qkv_w, s->hq, qkv + att_w, qkv_w, s->hkv, d, d, cos_sin, m);
         for (int t = 0; t < m; ++t) {
             const size_t row = sizeof(float) * (size_t)s->hkv * (size_t)d;
             memcpy(layer->k + loc[t] * s->kv_stride, qkv + (int64_t)t * qkv_w + att_w, row);

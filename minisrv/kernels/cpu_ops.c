@@ -52,13 +52,14 @@ void silu_mul_f32(const float *gu, int64_t gu_stride, float *out, int64_t rows, 
 }
 
 /* Neox rotary in place on q [T, hq, d] and k [T, hkv, d] (heads and dims contiguous, rows `*_stride` apart) at
-   positions pos[T]; cos_sin[p] = cos(p f_0..f_{d/2-1}) | sin(...). */
+   positions pos[T], turning the first rd dims of each head (rd < d: partial rotary, the rest pass through);
+   cos_sin[p] = cos(p f_0..f_{rd/2-1}) | sin(...). */
 void rope_neox_f32(const int64_t *pos, float *q, int64_t q_stride, int hq, float *k, int64_t k_stride, int hkv,
-                   int d, const float *cos_sin, int64_t tokens) {
-    const int half = d / 2;
+                   int d, int rd, const float *cos_sin, int64_t tokens) {
+    const int half = rd / 2;
 #pragma omp parallel for if (tokens * (hq + hkv) * d > 32768)
     for (int64_t t = 0; t < tokens; ++t) {
-        const float *c = cos_sin + pos[t] * d, *s = c + half;
+        const float *c = cos_sin + pos[t] * rd, *s = c + half;
         for (int h = 0; h < hq + hkv; ++h) {
             float *x = h < hq ? q + t * q_stride + (int64_t)h * d : k + t * k_stride + (int64_t)(h - hq) * d;
 #pragma omp simd

@@ -55,7 +55,7 @@ class CpuFusedOps:
         self._silu_mul = lib.silu_mul_f32
         self._silu_mul.argtypes = [_p, _i64, _p, _i64, _int]
         self._rope = lib.rope_neox_f32
-        self._rope.argtypes = [_p, _p, _i64, _int, _p, _i64, _int, _int, _p, _i64]
+        self._rope.argtypes = [_p, _p, _i64, _int, _p, _i64, _int, _int, _int, _p, _i64]
         for fn in (self._norm, self._add_norm, self._silu_mul, self._rope):
             fn.restype = None
 
@@ -114,19 +114,20 @@ class CpuFusedOps:
 
     def apply_rope_with_cos_sin_cache_inplace(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                               head_size: int, cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
-        """q [T, Hq * D], k [T, Hkv * D] rotated in place at `positions`; cos_sin_cache [P, D] float32."""
+        """q [T, Hq * D], k [T, Hkv * D] rotated in place at `positions`; cos_sin_cache [P, R] float32, turning the
+        first R <= D dims of each head (as FlashInfer's)."""
         if not is_neox:
             raise ValueError("only neox-style rotary")
-        t = q.shape[0]
+        t, r = q.shape[0], cos_sin_cache.shape[1]
         if (_rows_ok(q) and _rows_ok(k) and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()
                 and positions.dtype == torch.int64 and positions.is_contiguous()):
             self._rope(positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1] // head_size, k.data_ptr(),
-                       k.stride(0), k.shape[1] // head_size, head_size, cos_sin_cache.data_ptr(), t)
+                       k.stride(0), k.shape[1] // head_size, head_size, r, cos_sin_cache.data_ptr(), t)
             return
-        half = head_size // 2
+        half = r // 2
         cos = cos_sin_cache[positions, :half].unsqueeze(1)
         sin = cos_sin_cache[positions, half:].unsqueeze(1)
         for x in (q, k):
-            xv = x.view(t, -1, head_size)
+            xv = x.view(t, -1, head_size)[..., :r]
             x1, x2 = xv.float().chunk(2, dim=-1)
             xv.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))

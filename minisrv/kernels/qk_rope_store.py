@@ -112,10 +112,12 @@ def triton_qk_rope_store(triton: ModuleType, tl: ModuleType) -> Callable[..., No
     return run
 
 
-def fused_qk_rope_store(qkv: torch.Tensor) -> Optional[Callable[..., None]]:
+def fused_qk_rope_store(qkv: torch.Tensor, cos_sin: torch.Tensor, head_dim: int) -> Optional[Callable[..., None]]:
     """The launcher where it runs for this qkv output (CUDA, Triton present), else None (the caller takes the
-    separate norm, rotary and store)."""
-    return triton_qk_rope_store() if qkv.is_cuda else None
+    separate norm, rotary and store). None also for a partial rotary (cos_sin narrower than a head, Phi-4-mini's):
+    the kernel turns whole heads, and such models take FlashInfer's rotary, which turns the cache's width of each
+    head, and the backend's store."""
+    return triton_qk_rope_store() if qkv.is_cuda and cos_sin.shape[-1] == head_dim else None
 
 
 def warm_up(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,

@@ -1,11 +1,11 @@
 """ModelArgs: the shape of a decoder model, read from a HF config (or a GGUF's metadata through transformers).
 
 One decoder serves every architecture; what differs between them is read here: qkv bias (Qwen2), per-head q/k
-norms (Qwen3), which layers have a sliding window (Mistral: all; Gemma 2: every other; Gemma 3: five in six), Gemma's
-ways (the (1 + weight) RMSNorm, norms after attention and around the MLP, the scaled embedding, tanh-GELU, soft-capped
-logits, the query scale, Gemma 3's rope base of its local layers), and for mixtures of experts which layers are sparse,
-how many experts, how many a token takes, and whether their weights are renormalised (Qwen3-MoE, Mixtral, Qwen2-MoE's
-shared expert). Gemma3ForConditionalGeneration is read as its language model (`text_config`)."""
+norms (Qwen3), which layers have a sliding window (Mistral, Phi-3: all; Gemma 2: every other; Gemma 3: five in six),
+Gemma's ways (the (1 + weight) RMSNorm, norms after attention and around the MLP, the scaled embedding, tanh-GELU,
+soft-capped logits, the query scale, Gemma 3's rope base of its local layers), LongRoPE and partial rotary (Phi-3,
+Phi-4), and for mixtures of experts which layers are sparse, how many experts, how many a token takes, and whether
+their weights are renormalised (Qwen3-MoE, Mixtral, Qwen2-MoE's shared expert). Gemma3ForConditionalGeneration is read as its language model (`text_config`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,7 +15,7 @@ ARCHITECTURE_OF_MODEL_TYPE = {  # config.json's model_type (what a GGUF's config
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-    "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma3": "Gemma3ForConditionalGeneration", "phi3": "Phi3ForCausalLM",
 }
 VISION_LANGUAGE = ("Gemma3ForConditionalGeneration",)  # served as their language model alone
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -27,7 +27,8 @@ GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_si
                             tie_word_embeddings=True)
 QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-ALWAYS_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")  # their sliding_window applies when set
+# their sliding_window applies when set (transformers masks Phi-3's, e.g. Phi-3-mini-4k's 2047, whenever it is set)
+ALWAYS_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 # a bare decoder without an LM head (what embedding checkpoints such as gte-Qwen name) -> its causal LM's name, so
 # that the rest of the config is read as that model's; ModelArgs.base_model remembers it
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
@@ -46,7 +47,7 @@ class ModelArgs:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: Optional[Dict[str, Any]]
+    rope_scaling: Optional[Dict[str, Any]]  # (LongRoPE's with its original_max_position_embeddings and factor)
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False
@@ -71,6 +72,12 @@ class ModelArgs:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none), scaled by a sigmoid gate
     moe_layers: Tuple[int, ...] = ()  # the sparse layers; the others have a dense MLP
     base_model: bool = False  # the config names a bare decoder (Qwen3Model, ...): an embedding model, no LM head
+    partial_rotary_factor: float = 1.0  # the share of each head's dims the rotary turns (Phi-4-mini: 0.75)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each q/k head that the rotary turns (the rest pass through), as transformers has it."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id in self.moe_layers
@@ -95,8 +102,11 @@ class ModelArgs:
         theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
         if not rope and params.get("rope_type", "default") != "default":
             rope = {k: v for k, v in params.items() if k != "rope_theta"}
-        if rope.get("rope_type", rope.get("type", "default")) == "default":
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind == "default":
             rope = {}
+        elif arch == "Phi3ForCausalLM" and kind in ("su", "yarn", "longrope"):  # older Phi-3 names for LongRoPE
+            rope = _longrope(rope, cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         dtype = cfg.get("torch_dtype") or cfg.get("dtype")
@@ -130,6 +140,7 @@ class ModelArgs:
             local_rope_theta=float(local_theta) if local_theta else None,
             quantization_config=cfg.get("quantization_config") or None,
             base_model=base_model,
+            partial_rotary_factor=float(cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))),
             **_experts(arch, cfg),
         )
 
@@ -151,6 +162,17 @@ def _sliding_layers(arch: str, cfg: Dict[str, Any]) -> Tuple[int, ...]:
     if cfg.get("use_sliding_window", False):
         return tuple(range(int(cfg.get("max_window_layers") or 0), n))
     return ()
+
+
+def _longrope(rope: Dict[str, Any], cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """A LongRoPE scaling with what its cos/sin need: original_max_position_embeddings (the top-level config's in
+    Phi-3 configs) and `factor`, from which the attention factor comes where the config gives none (transformers
+    takes max_position_embeddings / original_max_position_embeddings then)."""
+    original = rope.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    if not original:
+        raise ValueError("a longrope rope scaling needs original_max_position_embeddings")
+    factor = rope.get("factor") or cfg.get("max_position_embeddings", original) / original
+    return dict(rope, rope_type="longrope", original_max_position_embeddings=int(original), factor=factor)
 
 
 def _experts(arch: str, cfg: Dict[str, Any]) -> Dict[str, Any]:

@@ -97,17 +97,23 @@ class LayerOps:
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
              cos_sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Neox rotary of q [T, Hq, D] and k [T, Hkv, D] at `positions`; with the kernels in place (k and v then
-        stay side by side in the qkv output: one scatter stores both). cos_sin [P, D]: the rotary's float32 cache,
-        each position's cos then its sin."""
+        stay side by side in the qkv output: one scatter stores both). cos_sin [P, R]: the rotary's float32 cache,
+        each position's cos then its sin, for the first R dims of each head (R < D: partial rotary, the rest pass
+        through; FlashInfer's rotary takes R from the cache's width as the CPU's does)."""
         if self.kernels is not None:
             t = q.shape[0]
             qf, kf = q.reshape(t, -1), k.reshape(t, -1)
             self.kernels.apply_rope_with_cos_sin_cache_inplace(positions, qf, kf, q.shape[-1], cos_sin, True)
             return qf.view_as(q), kf.view_as(k)
-        c, s = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        return _rotate(q, c, s), _rotate(k, c, s)
+        c, s = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, R/2] each
+        r = cos_sin.shape[-1]
+        if r == q.shape[-1]:
+            return _rotate(q, c, s), _rotate(k, c, s)
+        return (torch.cat([_rotate(q[..., :r], c, s), q[..., r:]], dim=-1),
+                torch.cat([_rotate(k[..., :r], c, s), k[..., r:]], dim=-1))
 
-    def qk_rope_store(self, qkv: torch.Tensor) -> Optional[Callable[..., None]]:
+    def qk_rope_store(self, qkv: torch.Tensor, cos_sin: torch.Tensor,
+                      head_dim: int) -> Optional[Callable[..., None]]:
         """The attention layer's q/k norms, rotary and KV store in one kernel (kernels/qk_rope_store.py) where it
-        runs beside the kernels (CUDA with Triton); None elsewhere."""
-        return fused_qk_rope_store(qkv) if self.kernels is not None else None
+        runs beside the kernels (CUDA with Triton) for this rotary; None elsewhere."""
+        return fused_qk_rope_store(qkv, cos_sin, head_dim) if self.kernels is not None else None

@@ -54,14 +54,30 @@ class CpuLinear(nn.Linear):
         return linear(x, self.weight, self.bias, self.small)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]]) -> torch.Tensor:
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: Optional[Dict[str, Any]],
+                  max_positions: int) -> Tuple[torch.Tensor, float]:
+    """The rotary's inverse frequencies and the factor its cos and sin are scaled by (1 but for LongRoPE).
+
+    LongRoPE has two sets of per-frequency factors: transformers takes the long ones for a forward pass over more
+    than original_max_position_embeddings positions, else the short ones, and keeps the keys it cached with the
+    other set when a sequence crosses that length. Here the set is chosen once, by the context served
+    (`max_positions`), as vLLM does: long where the context reaches past the original length, so that every
+    prompt longer than it gets transformers' numbers and a sequence's cached keys never mix the two sets."""
     # on the CPU whatever the default device (see RotaryEmbedding.reset_buffers)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    powers = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim)
+    inv_freq = 1.0 / powers
     if not scaling:
-        return inv_freq
+        return inv_freq, 1.0
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "longrope":
+        original = scaling["original_max_position_embeddings"]
+        factors = scaling["long_factor" if max_positions > original else "short_factor"]
+        factor, attention = scaling["factor"], scaling.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu") * powers), attention
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -72,30 +88,33 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Dict[str, Any]]
         smooth = (old_ctx / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, longrope")
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary (rotate halves), with a cos/sin cache over every position of the context."""
+    """Neox-style rotary (rotate halves) of each head's first `rotary_dim` dims (all of them unless the model's
+    rotary is partial), with a cos/sin cache over every position of the context."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[Dict[str, Any]],
-                 ops: Optional[LayerOps] = None) -> None:
+                 ops: Optional[LayerOps] = None, rotary_dim: Optional[int] = None) -> None:
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.rotary_dim = rotary_dim or head_dim
         self.ops = ops if ops is not None else LayerOps()
         self.reset_buffers()
 
     def reset_buffers(self, device: Optional[torch.device] = None) -> None:
         """(Re)compute the float32 cos/sin cache (after meta-device construction, or a dtype cast)."""
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        inv_freq, scale = rope_inv_freq(self.rotary_dim, self.theta, self.scaling, self.max_positions)
         target = device if device is not None else torch.empty(0).device  # None: the default device
         # a model built on the meta device gets CPU-computed placeholders: meta's arange goes through torch's
         # Python references, whose first use imports torch._dynamo (seconds); the loader recomputes them anyway
         t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu" if target.type == "meta" else target)
         freqs = torch.outer(t, inv_freq.to(t.device))
-        # [P, D] float32: each position's cos, then its sin
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(target), persistent=False)
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        # [P, rotary_dim] float32: each position's cos, then its sin
+        self.register_buffer("cos_sin", (cos_sin * scale if scale != 1.0 else cos_sin).to(target), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D]."""
@@ -180,7 +199,8 @@ class Attention(nn.Module):
         k = k.reshape(t, self.hkv, self.d)
         v = v.reshape(t, self.hkv, self.d)
         # (the fused kernel's q/k norms scale by their weight, not by 1 + weight)
-        prep = self.ops.qk_rope_store(qkv) if not isinstance(self.q_norm, GemmaRMSNorm) else None
+        prep = self.ops.qk_rope_store(qkv, self.rotary.cos_sin, self.d) \
+            if not isinstance(self.q_norm, GemmaRMSNorm) else None
         if prep is not None:  # norms and rotary in place and, where the backend lets it, the store: one kernel
             target = attn.kv_store_target(self.layer_id)
             norm = self.q_norm is not None

@@ -1,8 +1,9 @@
-"""The Llama decoder, which Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral, Gemma 2 and 3 and the mixtures of experts
-(Qwen3-MoE, Mixtral, Qwen2-MoE) share: the differences are fields of ModelArgs, read from config.json (registry.py
-names the architectures). A layer's MLP is dense or sparse (moe.SparseMoE) as the config says for that layer. Gemma's
-layers norm the attention's output before adding it, and the MLP's input and output (`gemma_norms`); each layer's
-window, scale and soft-cap are the attention backend's (attention_options.py)."""
+"""The Llama decoder, which Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral, Gemma 2 and 3, Phi-3/Phi-4 (LongRoPE,
+partial rotary) and the mixtures of experts (Qwen3-MoE, Mixtral, Qwen2-MoE) share: the differences are fields of
+ModelArgs, read from config.json (registry.py names the architectures). A layer's MLP is dense or sparse
+(moe.SparseMoE) as the config says for that layer. Gemma's layers norm the attention's output before adding it, and
+the MLP's input and output (`gemma_norms`); each layer's window, scale and soft-cap are the attention backend's
+(attention_options.py)."""
 from __future__ import annotations
 
 import functools
@@ -103,16 +104,18 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = BlockEmbedding(plan.vocab_per_rank, args.hidden_size, block_kernels(ops)) \
             if quantization == "gguf" else VocabEmbedding(plan.vocab_per_rank, args.hidden_size, plan.vocab_start, tp)
-        rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, ops)
+        rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, ops,
+                                 args.rotary_dim)
         local = rotary if args.local_rope_theta is None else \
             RotaryEmbedding(args.head_dim, max_positions, args.local_rope_theta, None, ops)  # Gemma 3's local layers
         layers = [DecoderLayer(args, i, local if i in args.sliding_layers else rotary, ops, plan, tp, quantization)
                   for i in range(args.num_layers)]
-        # the C layers have no qkv bias, q/k norm nor soft-cap, and one window for every layer (a GGUF model in
-        # blocks is dense and on one rank)
+        # the C layers have no qkv bias, q/k norm, soft-cap nor partial rotary, and one window for every layer (a
+        # GGUF model in blocks is dense and on one rank)
         windows_differ = 0 < len(args.sliding_layers) < args.num_layers
         kernel = ops.decode_layers if quantization == "gguf" and not (
-            args.qk_norm or args.attention_bias or args.gemma_norms or windows_differ) else None
+            args.qk_norm or args.attention_bias or args.gemma_norms or windows_differ
+            or args.rotary_dim != args.head_dim) else None
         self.layers = CpuFusedDecodeLayers(layers, kernel) if kernel is not None else DecoderLayers(layers)
         self.norm = make_norm(args.hidden_size, args.rms_norm_eps, ops, plus_one=args.gemma_norms)
         self.embed_scale = args.hidden_size ** 0.5 if args.gemma_norms else None

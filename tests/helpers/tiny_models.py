@@ -1,6 +1,6 @@
-"""Tiny random-weight HF checkpoints of the four dense architectures, the mixtures of experts and the models with
-sliding windows, with a word-level tokenizer, and the engine and
-sampling settings the CPU tests run them with."""
+"""Tiny random-weight HF checkpoints of the four dense architectures, the mixtures of experts, the models with
+sliding windows and Phi-3/Phi-4, with a word-level tokenizer, and the engine and sampling settings the CPU tests run
+them with."""
 from __future__ import annotations
 
 import json
@@ -77,13 +77,27 @@ WINDOW_SPECS: Dict[str, Tuple[str, dict]] = {
 }
 WINDOW_ARCHS = list(WINDOW_SPECS)
 
+# Phi-3/Phi-4 (Phi3ForCausalLM: fused qkv_proj and gate_up_proj). "phi3": Phi-3-mini-4k's shape of config (full
+# rotary, no scaling, untied); "phi4_mini": Phi-4-mini's (LongRoPE, rotary over 0.75 of each head, tied), with an
+# original context of 32 positions that the test prompts cross.
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 2.0],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}
+PHI_SPECS: Dict[str, Tuple[str, dict]] = {
+    "phi3": ("Phi3Config", dict(vocab_size=320, num_hidden_layers=2, max_position_embeddings=256,
+                                tie_word_embeddings=False)),
+    "phi4_mini": ("Phi3Config", dict(vocab_size=384, num_hidden_layers=2, max_position_embeddings=256,
+                                     original_max_position_embeddings=32, partial_rotary_factor=0.75,
+                                     rope_parameters=dict(LONGROPE), tie_word_embeddings=True)),
+}
+PHI_ARCHS = list(PHI_SPECS)
+
 COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0)
 
 
 def make_config(name: str, **overrides):
     import transformers
-    cls_name, kw = {**TINY_SPECS, **MOE_SPECS, **WINDOW_SPECS}[name]
+    cls_name, kw = {**TINY_SPECS, **MOE_SPECS, **WINDOW_SPECS, **PHI_SPECS}[name]
     kw = {**COMMON, **kw, **overrides}
     if cls_name == "Gemma3Config":  # the language model's config inside a vision-language one
         text = {k: kw.pop(k) for k in list(kw) if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
