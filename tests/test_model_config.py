@@ -137,7 +137,21 @@ def test_rope_frequencies_match_hf(scaling, theta, head_dim):
         ref = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     else:
         ref, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, torch.device("cpu"))
-    ours = rope_inv_freq(head_dim, theta, None if scaling is None else {k: v for k, v in params.items()
-                                                                      if k != "rope_theta"})
-    assert ours.shape == ref.shape
+    ours, scale = rope_inv_freq(head_dim, theta, None if scaling is None else {k: v for k, v in params.items()
+                                                                             if k != "rope_theta"}, 4096)
+    assert ours.shape == ref.shape and scale == 1.0
     assert torch.allclose(ours.double(), ref.double(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("context", [32, 33, 256])  # the short factors up to the original 32 positions
+@pytest.mark.parametrize("overrides", [{}, {"factor": 4.0}, {"attention_factor": 1.5}])
+def test_longrope_frequencies_and_attention_factor_match_hf(context, overrides):
+    """Phi-3's LongRoPE over 0.75 of each head: transformers' inverse frequencies for a sequence of `context`
+    positions and its attention factor (given, from `factor`, or from max / original positions)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    cfg = make_config("phi4_mini")
+    cfg.rope_parameters.update(overrides)
+    ref, ref_scale = ROPE_INIT_FUNCTIONS["longrope"](cfg, torch.device("cpu"), seq_len=context)
+    args = ModelArgs.from_hf_config(cfg.to_dict())
+    ours, scale = rope_inv_freq(args.rotary_dim, args.rope_theta, args.rope_scaling, context)
+    assert torch.equal(ours, ref) and scale == pytest.approx(ref_scale, rel=1e-12)
