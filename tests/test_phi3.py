@@ -164,3 +164,25 @@ def test_fused_tensors_are_read_as_their_parts():
     with pytest.raises(WeightLoadError, match="120 rows, expected 128"):
         list(split_fused(iter([("model.layers.0.self_attn.qkv_proj.weight", StoredTensor.in_memory(qkv[:120]))]),
                          args))
+
+
+@pytest.mark.parametrize("name", PHIS)
+def test_gguf_file_as_llama_cpp_writes_it(tiny_model, tmp_path, name):
+    """A phi3 GGUF (fused attn_qkv and ffn_up, the rotary width, LongRoPE's factors as tensors): float32, its
+    config and greedy tokens those of the HF checkpoint it was written from; Q8_0, kept in blocks, the tokens of
+    the same file dequantised."""
+    from .helpers.gguf_writer import write_gguf
+    hf = tiny_model(name)
+    f32, q8 = str(tmp_path / "f32.gguf"), str(tmp_path / "q8.gguf")
+    write_gguf(hf, f32, "phi3")
+    write_gguf(hf, q8, "phi3", quant="Q8_0")
+    want, got = load_model_args(hf), load_model_args(f32)
+    assert (got.architecture, got.rotary_dim, got.sliding_window) == (want.architecture, want.rotary_dim, None)
+    if want.rope_scaling:
+        assert got.rope_scaling["long_factor"] == pytest.approx(want.rope_scaling["long_factor"], rel=1e-6)
+    prompts = make_prompts(vocab_of(hf), LONG_PROMPTS[:2], seed=8)
+    _check_greedy(hf, make_llm(f32, tokenizer=hf, cache_dir="off"), prompts, 8, f"{name} GGUF")
+    blocks = make_llm(q8, tokenizer=hf, cache_dir="off", gguf_weights="blocks")
+    dense = make_llm(q8, tokenizer=hf, cache_dir="off", gguf_weights="float32")
+    assert [o.token_ids for o in blocks.generate(prompts, greedy(8), use_tqdm=False)] == \
+        [o.token_ids for o in dense.generate(prompts, greedy(8), use_tqdm=False)]

@@ -3,7 +3,11 @@
 Why: `AutoConfig.from_pretrained(gguf_file=...)` walks every metadata array element by element (seconds for the
 default model), and its imports cost a first start seconds more. Here the header as gguf_file.read_gguf reads it is
 renamed as transformers' GGUF_CONFIG_MAPPING renames it, over its config classes' defaults; a key the file holds as
-an array sends the file back to transformers. tests/test_gguf_conversion.py checks the ModelArgs of both."""
+an array sends the file back to transformers. tests/test_gguf_conversion.py checks the ModelArgs of both.
+
+A phi3 file (Phi-3, Phi-4) is read further than transformers reads it: its rotary width (partial rotary) and
+LongRoPE, whose factors llama.cpp writes as two tensors (longrope_config); tests/test_phi3.py checks it against the
+HF checkpoint the file was written from."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
@@ -12,7 +16,7 @@ from gguf import GGUFReader, GGUFValueType
 
 # llama.cpp architecture -> transformers' model_type, for the models minisrv serves from GGUF files
 FAST_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
-                      "qwen3moe": "qwen3_moe"}
+                      "qwen3moe": "qwen3_moe", "phi3": "phi3"}
 _COMMON_KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
                 "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
                 "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
@@ -25,6 +29,9 @@ KEYS = {  # <model_type>.<gguf key> -> config key, as transformers' GGUF_CONFIG_
     "qwen2": _COMMON_KEYS, "qwen3": _COMMON_KEYS,
     "qwen2_moe": {**_COMMON_KEYS, **_EXPERT_KEYS},
     "qwen3_moe": {**_COMMON_KEYS, **_EXPERT_KEYS, "attention.key_length": "head_dim"},
+    # (sliding_window 0: none, as llama.cpp writes Phi-4's)
+    "phi3": {**_COMMON_KEYS, "rope.dimension_count": "rotary_dims", "attention.sliding_window": "sliding_window",
+             "rope.scaling.original_context_length": "original_max_position_embeddings"},
 }
 TOKENIZER_KEYS = {"ggml.bos_token_id": "bos_token_id", "ggml.eos_token_id": "eos_token_id"}
 _QWEN = dict(max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=None,
@@ -42,6 +49,8 @@ DEFAULTS = {  # transformers' config classes' defaults (5.x) for the keys ModelA
     # norm_topk_prob: transformers' GGUF_CONFIG_DEFAULTS_MAPPING sets it for qwen3_moe files
     "qwen3_moe": dict(_QWEN, attention_bias=False, intermediate_size=6144, num_experts_per_tok=8,
                       moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    "phi3": dict(max_position_embeddings=4096, original_max_position_embeddings=4096, rope_theta=10000.0,
+                 rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=32000, tie_word_embeddings=False, sliding_window=None),
 }
 
 
@@ -78,6 +87,9 @@ def gguf_model_config(reader: GGUFReader) -> Optional[Dict[str, Any]]:
             return None
         if value is not None:
             cfg[config_key] = value
+    rotary_dims = cfg.pop("rotary_dims", None)
+    if rotary_dims and model_type == "phi3":
+        cfg["partial_rotary_factor"] = rotary_dims / (cfg["hidden_size"] // cfg["num_attention_heads"])
     if "head_dim" not in cfg and model_type == "llama" and cfg.get("num_attention_heads"):
         cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
     if "vocab_size" not in cfg:  # as transformers: the vocabulary's length
@@ -86,3 +98,17 @@ def gguf_model_config(reader: GGUFReader) -> Optional[Dict[str, Any]]:
             return None
         cfg["vocab_size"] = int(tokens.parts[4][0])  # an array field's parts: key length, key, type, item type, count
     return cfg
+
+
+def longrope_config(reader: GGUFReader, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """A phi3 file's config with its LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini), whose factors llama.cpp writes as
+    the tensors rope_factors_long / rope_factors_short, and its attention factor as phi3.rope.scaling.attn_factor."""
+    factors = {t.name: t.data for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if cfg.get("model_type") != "phi3" or not factors:
+        return cfg
+    rope = {"rope_type": "longrope", "long_factor": [float(x) for x in factors["rope_factors_long.weight"]],
+            "short_factor": [float(x) for x in factors["rope_factors_short.weight"]]}
+    attention = _scalar(reader, "phi3.rope.scaling.attn_factor")
+    if isinstance(attention, float):
+        rope["attention_factor"] = attention
+    return dict(cfg, rope_scaling=rope)

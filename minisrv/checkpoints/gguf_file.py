@@ -170,6 +170,7 @@ NAMES = [  # llama.cpp's tensor names -> HF's
     (r"^blk\.(\d+)\.attn_k\.(weight|bias)$", r"model.layers.\1.self_attn.k_proj.\2"),
     (r"^blk\.(\d+)\.attn_v\.(weight|bias)$", r"model.layers.\1.self_attn.v_proj.\2"),
     (r"^blk\.(\d+)\.attn_output\.weight$", r"model.layers.\1.self_attn.o_proj.weight"),
+    (r"^blk\.(\d+)\.attn_qkv\.weight$", r"model.layers.\1.self_attn.qkv_proj.weight"),  # phi3's, fused
     (r"^blk\.(\d+)\.attn_q_norm\.weight$", r"model.layers.\1.self_attn.q_norm.weight"),
     (r"^blk\.(\d+)\.attn_k_norm\.weight$", r"model.layers.\1.self_attn.k_norm.weight"),
     (r"^blk\.(\d+)\.ffn_gate\.weight$", r"model.layers.\1.mlp.gate_proj.weight"),
@@ -182,6 +183,7 @@ NAMES = [  # llama.cpp's tensor names -> HF's
 # a layer's experts stacked in one 3-D tensor [E, rows, cols]: read as each expert's HF tensor
 EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 PERMUTED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")  # llama.cpp's "llama" architecture
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def hf_name(gguf_name: str) -> str:
@@ -207,7 +209,7 @@ def iter_gguf(path: str, args: ModelArgs, reader: Optional[GGUFReader] = None,
         name = hf_name(t.name)
         experts = EXPERTS.match(t.name)
         if not name and not experts:
-            if t.name == "rope_freqs.weight":  # llama3 frequencies: recomputed from the config instead
+            if t.name in ROPE_TENSORS:  # llama3's frequencies, phi3's LongRoPE factors: read into the config
                 continue
             raise WeightLoadError(f"unexpected tensor {t.name!r} in {path}")
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
@@ -223,6 +225,8 @@ def iter_gguf(path: str, args: ModelArgs, reader: Optional[GGUFReader] = None,
             for e in range(w.shape[0]):
                 yield f"model.layers.{layer}.mlp.experts.{e}.{kind}_proj.weight", w[e]
             continue
+        if args.architecture == "Phi3ForCausalLM" and name.endswith(".up_proj.weight"):
+            name = name.replace(".up_proj.", ".gate_up_proj.")  # phi3's ffn_up holds gate then up
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = args.num_heads if "q_proj" in name else args.num_kv_heads
             order = torch.arange(shape[0]).reshape(heads, shape[0] // heads // 2, 2).transpose(1, 2).reshape(-1)

@@ -69,7 +69,7 @@ def load_hf_config(path: str, cache_dir: Optional[str] = None) -> Dict[str, Any]
 
 
 def _gguf_hf_config(path: str) -> Dict[str, Any]:
-    from .gguf_config import gguf_model_config
+    from .gguf_config import gguf_model_config, longrope_config
     from .gguf_file import has_tensor, moe_config, read_gguf
     reader = read_gguf(path)  # a damaged file fails here with a clear message, not deep inside transformers
     folder = os.path.dirname(path) or "."
@@ -80,7 +80,7 @@ def _gguf_hf_config(path: str) -> Dict[str, Any]:
     cfg["_name_or_path"] = folder  # (as AutoConfig sets it)
     cfg["tie_word_embeddings"] = not has_tensor(reader, "output.weight")
     # as JSON has it (id2label's keys become strings), as a directory's config.json reads and as the cache keeps it
-    return json.loads(json.dumps(moe_config(reader, cfg)))
+    return json.loads(json.dumps(moe_config(reader, longrope_config(reader, cfg))))
 
 
 def _write_json(file: str, value: Any) -> None:

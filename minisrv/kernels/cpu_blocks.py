@@ -51,16 +51,18 @@ class BlockKernels:
     def pack(self, raw: np.ndarray, kind: int, src_rows: Optional[torch.Tensor], out: torch.Tensor) -> None:
         """Writes out (records [n / 4, k / 32, 160] uint8, contiguous) from a GGUF tensor's blocks: raw, the file's
         bytes of a [rows, k] matrix (ggml type `kind`: Q4_0, Q4_1 or Q8_0), row r of W being the file's row
-        src_rows[r] (int64; None: row r)."""
+        src_rows[r] (int64; None: row r; W may take some of the file's rows: a fused matrix's part)."""
         n, blocks = out.shape[0] * 4, out.shape[1]
         if not (out.is_contiguous() and out.dtype == torch.uint8 and raw.flags["C_CONTIGUOUS"]):
             raise ValueError("blocks_pack needs contiguous bytes in and out")
-        if raw.nbytes != n * blocks * BLOCK_BYTES.get(int(kind), -1):
+        row_bytes = blocks * BLOCK_BYTES.get(int(kind), -1)
+        file_rows = raw.nbytes // row_bytes if row_bytes > 0 else -1
+        if raw.nbytes != file_rows * row_bytes or (src_rows is None and file_rows != n):
             raise ValueError(f"{raw.nbytes} bytes of GGUF type {kind} for a [{n}, {blocks * 32}] matrix")
         if src_rows is not None:
             src_rows = src_rows.to(torch.int64).contiguous()
-            if src_rows.numel() != n:
-                raise ValueError(f"{src_rows.numel()} source rows for {n} rows")
+            if src_rows.numel() != n or n and not 0 <= int(src_rows.min()) <= int(src_rows.max()) < file_rows:
+                raise ValueError(f"{src_rows.numel()} source rows for {n} rows of the file's {file_rows}")
         if self._pack(raw.ctypes.data, kind, src_rows.data_ptr() if src_rows is not None else None, n,
                       blocks * 32, out.data_ptr()):
             raise ValueError(f"no block form for GGUF type {kind}")

@@ -35,8 +35,9 @@ def is_block_matrix(hf_name: str) -> bool:
 
 @dataclass
 class GGUFBlocks:
-    """One tensor's blocks as the loader hands them to the layers: the file's bytes of a [rows, cols] matrix (gguf's
-    reader's view, not read yet), its block type, and the file's row each row comes from (None: in order)."""
+    """One tensor's blocks as the loader hands them to the layers: the file's bytes of a matrix (gguf's reader's
+    view, not read yet), its block type, its shape [rows, cols], and the file's row each row comes from (None: in
+    order, all of the file's rows)."""
 
     data: Any
     kind: Q
@@ -50,7 +51,13 @@ class GGUFBlocks:
 
     def take_rows(self, index: torch.Tensor) -> "GGUFBlocks":
         src = index if self.src_rows is None else self.src_rows[index]
-        return GGUFBlocks(self.data, self.kind, self.rows, self.cols, src)
+        return GGUFBlocks(self.data, self.kind, len(index), self.cols, src)
+
+    def narrow(self, dim: int, start: int, length: int) -> "GGUFBlocks":
+        """Rows [start, start + length): one part of a fused matrix (a phi3 file's attn_qkv, ffn_up)."""
+        if dim != 0:
+            raise ValueError("blocks are taken by rows only")
+        return self.take_rows(torch.arange(start, start + length))
 
     def pack_into(self, out: torch.Tensor, layouts: torch.Tensor, kernels: Any) -> None:
         """Writes the kernels' records of the matrix into out ([rows / 4, cols / 32, 160] uint8) and their layout

@@ -1,7 +1,8 @@
 """A tiny HF checkpoint written as a GGUF file the way llama.cpp's converter writes one: float32 tensors under
 llama.cpp's names, Llama-architecture q/k rows permuted for its rotary, and a MoE layer's experts stacked into one
 3-D tensor each (ffn_gate_exps / ffn_up_exps / ffn_down_exps, router ffn_gate_inp, expert_count metadata). Mixtral is
-written as llama.cpp writes it: architecture "llama" with experts."""
+written as llama.cpp writes it: architecture "llama" with experts; Phi-3 as "phi3", with its fused attn_qkv and
+ffn_up, its rotary width, and LongRoPE's factors as tensors."""
 from __future__ import annotations
 
 import json
@@ -22,6 +23,7 @@ LAYER_NAMES = {
     "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",  # phi3's fused
 }
 EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 EXPERT_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
@@ -65,6 +67,8 @@ def write_gguf(hf_dir: str, out: str, arch: str, quant: Union[None, str, Callabl
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    if arch == "phi3":
+        _phi3_metadata(w, cfg)
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     stacked = {}  # (layer, kind) -> {expert: tensor}
@@ -101,3 +105,21 @@ def write_gguf(hf_dir: str, out: str, arch: str, quant: Union[None, str, Callabl
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _phi3_metadata(w, cfg: dict) -> None:
+    """What convert_hf_to_gguf.py's Phi3MiniModel writes beyond the common keys."""
+    import math
+
+    import numpy as np
+    rope = cfg["rope_parameters"]
+    original = rope.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg["hidden_size"])
+                               // cfg["num_attention_heads"])
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    if rope.get("long_factor"):
+        scale = cfg["max_position_embeddings"] / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
