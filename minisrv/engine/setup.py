@@ -279,8 +279,9 @@ def _fused_and_builds(cfg: EngineConfig, args: ModelArgs, backend_name: str, dty
     except Exception as e:  # noqa: BLE001 - then each module is built on first use, as without the builds
         logger.warning("FlashInfer's modules are built on first use, not ahead (%s: %s)", type(e).__name__, e)
         return fused, None
-    jobs["triton"] = functools.partial(warm_up_qk_rope_store, device, dtype, hq, hkv, args.head_dim, args.qk_norm,
-                                       store=kv_dtype == dtype)
+    if args.rotary_dim == args.head_dim:  # (a partial rotary does not take the fused kernel: qk_rope_store.py)
+        jobs["triton"] = functools.partial(warm_up_qk_rope_store, device, dtype, hq, hkv, args.head_dim,
+                                           args.qk_norm, store=kv_dtype == dtype)
     return fused, KernelBuilds(jobs)
 
 
