@@ -5,7 +5,8 @@ norms (Qwen3), which layers have a sliding window (Mistral, Phi-3: all; Gemma 2:
 Gemma's ways (the (1 + weight) RMSNorm, norms after attention and around the MLP, the scaled embedding, tanh-GELU,
 soft-capped logits, the query scale, Gemma 3's rope base of its local layers), LongRoPE and partial rotary (Phi-3,
 Phi-4), and for mixtures of experts which layers are sparse, how many experts, how many a token takes, and whether
-their weights are renormalised (Qwen3-MoE, Mixtral, Qwen2-MoE's shared expert). Gemma3ForConditionalGeneration is read as its language model (`text_config`)."""
+their weights are renormalised (Qwen3-MoE, Mixtral, Qwen2-MoE's shared expert). Gemma3ForConditionalGeneration is
+read as its language model (`text_config`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
