@@ -23,8 +23,8 @@ LAYER_NAMES = {
     "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
-    "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",  # phi3's fused
 }
+PHI3_FUSED = {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
 EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 EXPERT_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
@@ -97,7 +97,7 @@ def write_gguf(hf_dir: str, out: str, arch: str, quant: Union[None, str, Callabl
             t = llama_cpp_permute(t, cfg["num_attention_heads"])
         elif arch == "llama" and rest == "self_attn.k_proj.weight":
             t = llama_cpp_permute(t, cfg["num_key_value_heads"])
-        add(f"blk.{parts[2]}.{LAYER_NAMES[rest]}", t)
+        add(f"blk.{parts[2]}.{LAYER_NAMES.get(rest) or PHI3_FUSED[rest]}", t)
     for (layer, kind), by_expert in sorted(stacked.items()):
         t = torch.stack([by_expert[e] for e in range(len(by_expert))])
         w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", np.ascontiguousarray(t.numpy()))
