@@ -3,6 +3,7 @@ sliding windows and Phi-3/Phi-4, with a word-level tokenizer, and the engine and
 them with."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -98,7 +99,7 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_
 def make_config(name: str, **overrides):
     import transformers
     cls_name, kw = {**TINY_SPECS, **MOE_SPECS, **WINDOW_SPECS, **PHI_SPECS}[name]
-    kw = {**COMMON, **kw, **overrides}
+    kw = copy.deepcopy({**COMMON, **kw, **overrides})  # (a config class may change its rope dict in place)
     if cls_name == "Gemma3Config":  # the language model's config inside a vision-language one
         text = {k: kw.pop(k) for k in list(kw) if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
         vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
