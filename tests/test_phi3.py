@@ -4,7 +4,7 @@ transformers' own Phi3ForCausalLM: "phi3" (fused qkv_proj and gate_up_proj, full
 
 Greedy tokens and the logits of every computed row, batched and alone, chunked prefill, the prefix cache on, two
 tensor-parallel ranks over gloo; the short factors where the served context stays within the original one; the
-config as Phi-3 and Phi-4 checkpoints on the hub write it; Phi-3's sliding window."""
+config as Phi-3 and Phi-4 checkpoints on the hub write it; Phi-3's sliding window; llama.cpp's phi3 GGUF files."""
 from __future__ import annotations
 
 import pytest
@@ -131,7 +131,8 @@ def test_config_as_the_hub_writes_it(tiny_model):
 
 def test_phi3_sliding_window_is_applied_as_transformers_applies_it(tmp_path):
     """transformers masks Phi-3's sliding window whenever the config sets it (its logits past the window differ
-    from the same weights' without one), so the context is capped at the window, within which outputs equal HF's."""
+    from the same weights' without one): every layer is windowed here too, with prompts longer than the window,
+    batched and in chunks across its edge."""
     from transformers import AutoModelForCausalLM
     path = build_tiny_model(str(tmp_path / "window"), "phi3", seed=4, sliding_window=16)
     ids = make_prompts(vocab_of(path), [30], seed=2)[0]
@@ -141,9 +142,14 @@ def test_phi3_sliding_window_is_applied_as_transformers_applies_it(tmp_path):
         full = unwindowed(torch.tensor([ids])).logits[0]
     windowed = hf_logits(path, ids)
     assert rel_err(full[:16], windowed[:16]) < 1e-9 and rel_err(full[16:], windowed[16:]) > 1e-3
-    llm = make_llm(path, page_size=4)
-    assert llm.engine.parts.context_length == 16
-    _check_greedy(path, llm, make_prompts(vocab_of(path), [8], seed=41), 8, "inside the sliding window")
+    assert load_model_args(path).sliding_layers == (0, 1)
+    prompts = make_prompts(vocab_of(path), [30, 8, 45], seed=41)
+    for kw in (dict(page_size=4), dict(chunked_prefill_size=8, max_prefill_tokens=16, page_size=3)):
+        llm = make_llm(path, **kw)
+        watch = EngineWatch(llm.engine)
+        _check_greedy(path, llm, prompts, 8, f"past the sliding window {kw}")
+        assert watch.check_logits(path) >= len(prompts) * 8
+        assert_pool_free(llm.engine)
 
 
 def test_fused_tensors_are_read_as_their_parts():
