@@ -148,7 +148,7 @@ class ModelArgs:
 
 def _sliding_layers(arch: str, cfg: Dict[str, Any]) -> Tuple[int, ...]:
     """The layers with a sliding window, as transformers reads them: each layer's type where the config lists them
-    (`layer_types`), else Gemma 2's even layers, Gemma 3's all but every `sliding_window_pattern`-th, Mistral's
+    (`layer_types`), else Gemma 2's even layers, Gemma 3's all but every `sliding_window_pattern`-th, Mistral's,
     Mixtral's and Phi-3's every layer, and Qwen2/3's layers from max_window_layers on when use_sliding_window is set."""
     n = cfg["num_hidden_layers"]
     if cfg.get("layer_types"):
