@@ -141,8 +141,12 @@ def test_backends_lacking_a_feature_are_refused_and_auto_passes_them(monkeypatch
         resolve_backend("fa,triton", cpu, frozenset({WINDOW}))
     with pytest.raises(BackendUnavailable, match="attention logit soft-capping"):
         resolve_backend("fa,triton", cpu, frozenset({SOFTCAP}))
-    for name in ("torch", "fa", "fi", "fa,fi"):
+    for name in ("torch", "fi"):
         assert resolve_backend(name, cpu, frozenset({WINDOW, SOFTCAP})) == name
+    for name in ("fa", "fa,fi"):  # FA3 serves windows; soft-capping (which builds may leave out) goes to fi
+        assert resolve_backend(name, cpu, frozenset({WINDOW})) == name
+        with pytest.raises(BackendUnavailable, match="fa backend does not serve attention logit soft-capping"):
+            resolve_backend(name, cpu, frozenset({WINDOW, SOFTCAP}))
     assert resolve_backend("auto", cpu, frozenset({WINDOW, SOFTCAP})) == "torch"
 
 

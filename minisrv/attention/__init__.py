@@ -86,7 +86,8 @@ def _triton_missing(sm: Optional[int]) -> Optional[str]:
 # attention features it serves)
 BACKENDS: Dict[str, tuple] = {
     "torch": (lambda sm: None, "torch_native", "TorchNativeBackend", {WINDOW, SOFTCAP}),
-    "fa": (_fa_missing, "fa", "FlashAttentionBackend", {WINDOW, SOFTCAP}),
+    # (FA3 builds may leave tanh soft-capping out, as upstream's FLASHATTENTION_DISABLE_SOFTCAP does: left to fi)
+    "fa": (_fa_missing, "fa", "FlashAttentionBackend", {WINDOW}),
     "fi": (_fi_missing, "fi", "FlashInferBackend", {WINDOW, SOFTCAP}),
     "triton": (_triton_missing, "triton_decode", "TritonDecodeBackend", set()),
 }

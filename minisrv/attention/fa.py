@@ -3,7 +3,8 @@
 The kernel reads K/V straight from the pool through a page table (page_table.py); new tokens' k/v are stored first.
 Extend batches pass ragged queries through `cu_seqlens_q` with `causal=True`, which FA3 aligns to the bottom right
 (query j of a request with prefix p sees keys 0..p+j), exactly the cached-prefix causal mask. A layer's sliding
-window, soft-cap and scale (attention_options.py) are the call's `window_size`, `softcap` and `softmax_scale`.
+window and scale (attention_options.py) are the call's `window_size` and `softmax_scale`; soft-capped models go to fi
+(the registry's features: FA3 builds may leave soft-capping out).
 
 With an FP8 pool the kernel runs in its FP8 mode, which takes q, K and V all in float8_e4m3fn (it has no mode with
 a bf16 query over an FP8 cache): q is cast to e4m3 (saturated, no scale: queries normally sit far inside +-448),
@@ -87,8 +88,8 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
         super().__init__(pool, req_to_token, num_q_heads, layers)
         self._attn = _load_kernel()
         # each layer's options as the kernel's keyword arguments (the defaults where a layer has none)
-        self.layer_args = [dict(softmax_scale=a.scale, **({"window_size": (a.window_left, 0)} if a.window else {}),
-                                **({"softcap": a.softcap} if a.softcap else {})) for a in self.layers]
+        self.layer_args = [dict(softmax_scale=a.scale, **({"window_size": (a.window_left, 0)} if a.window else {}))
+                           for a in self.layers]
         self.page_size = pool.page_size
         self.fp8 = pool.quantized
         if self.fp8 and self.head_dim % 16:

@@ -90,10 +90,10 @@ def moe_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., None]:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):
-            k_ok = ks < k - k0
+            k_ok = ks < k - k0  # (4-bit: K is whole groups of whole steps)
+            a_ok = row_ok[:, None] if INT4 else row_ok[:, None] & k_ok[None, :]
             a_cols = tl.load(perm_ptr + expert * k + k0 + ks) if PERM else k0 + ks
-            a = tl.load(a_ptr + a_rows[:, None] * stride_am + a_cols[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + a_cols[None, :], mask=a_ok, other=0.0)
             for part in tl.static_range(1 + SILU):  # the gate's columns, then (SILU) the up's
                 c = cols + part * n
                 if INT4:
