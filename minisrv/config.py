@@ -11,7 +11,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model's dtype
 FP8_DECODE_KERNELS = ("auto", "xqa", "flashinfer")
 QUANTIZATIONS = ("fp8",)  # weight quantisation at load (models/fp8.py)
-GGUF_WEIGHTS = ("auto", "blocks", "float32")  # a GGUF model's weights on the CPU (models/gguf_blocks.py)
+GGUF_WEIGHTS = ("auto", "blocks", "float32")  # a GGUF model's weights (models/gguf_blocks.py, gguf_planes.py)
 SCHEDULE_POLICIES = ("fcfs",)
 SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE3")  # engine/speculative/
 
@@ -122,10 +122,11 @@ class EngineConfig:
                             "softmax rounded to e4m3, as FA3's FP8 mode does), flashinfer (the decode half's own "
                             "kernel: K/V converted exactly), auto (xqa where it can run)")
         p.add_argument("--gguf-weights", default=d.gguf_weights, choices=GGUF_WEIGHTS,
-                       help="a GGUF model on the CPU: keep its Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K projections "
-                            "and embedding in block records (blocks: a third of float32's memory and bytes a decode "
-                            "step reads, the same weight values), dequantise them (float32), or auto: blocks where "
-                            "every one is of such a type")
+                       help="a GGUF model: keep its Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K projections, embedding "
+                            "and head in their blocks (blocks: on the CPU as block records, a third of float32's "
+                            "memory and bytes a decode step reads; on CUDA as the 4-bit GEMM's planes, the file's "
+                            "bytes), dequantise them to the model's dtype (float32), or auto: blocks where every "
+                            "one is of such a type")
         p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                        help="fp8: quantise the projection weights to float8_e4m3fn at load (per output channel; "
                             "activations per token); FP8 checkpoints are detected without it")

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -142,6 +142,17 @@ class TensorParallel:
             import torch.distributed as dist
             dist.all_reduce(x, group=self.group)
         return x
+
+    def embed_rows(self, ids: torch.Tensor, start: int, rows: int,
+                   lookup: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The embedding of ids from a table split by vocabulary rows: lookup(local ids) reads this rank's rows
+        [start, start + rows); ids outside them contribute zeros, and the all-reduce sums each token's one row."""
+        if not self.enabled:
+            return lookup(ids)
+        local = ids - start
+        outside = (local < 0) | (local >= rows)
+        out = lookup(local.masked_fill(outside, 0))
+        return self.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on each rank -> [..., size * n], rank r's part at columns [r*n, (r+1)*n)."""

@@ -17,6 +17,8 @@
 #             verify on FA3, whose rounding matches, so a kept draft is the plain run's token), 0.6B, 8B, MoE half
 #   int4      the Llama-3-8B shape as GPTQ 4-bit (group 128, written from the bf16 one): the kernel alone, decode
 #             steps and the offline workload (64 and 256 requests) against bf16
+#   gguf      the Llama-3-8B shape as a random GGUF in Q4_K_M's mix, kept in its blocks: resident bytes against the
+#             file's, decode steps and the offline workload (64 requests)
 #   int4-moe  the Qwen3-30B-A3B half shape with GPTQ 4-bit experts (group 128, written from the bf16 one): the
 #             experts' 4-bit grouped GEMM alone, the offline workload and decode steps
 #   tp        two GPUs, Llama-3-8B shape: decode steps and the workload at tp 1, tp 2, tp 2 with the fused all-reduce;
@@ -26,7 +28,7 @@
 set -u
 TREES=.
 [ "${1:-}" = --ab ] && { TREES=". .baseline"; shift; }
-[ $# -gt 0 ] || { sed -n 2,23p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,25p "$0"; exit 2; }
 . scripts/gpu_env.sh
 Q=$MINISRV_GPU_CKPT L=/tmp/llama8b M=/tmp/moe JTOK=/tmp/json-tokenizer TTOK=/tmp/think-tokenizer
 
@@ -127,6 +129,11 @@ for suite in "$@"; do case $suite in
       bench decode-8b-$tag 300 $DECODE --model $model --batch-sizes 1,2,4,16,64
       bench llama8b-64-$tag 300 $OFFLINE --model $model --num-prompts 64
       bench llama8b-256-$tag 300 $OFFLINE --model $model; done ;;
+  gguf) G=/tmp/llama8b-q4_k_m.gguf
+    [ -f $G ] || step make-8b-gguf 300 python3 scripts/make_gguf_checkpoint.py $G
+    step gguf-resident 300 python3 scripts/make_gguf_checkpoint.py $G --resident
+    bench decode-8b-gguf 300 $DECODE --model $G --batch-sizes 1,2,4,16,64
+    bench llama8b-64-gguf 300 $OFFLINE --model $G --num-prompts 64 ;;
   int4-moe) checkpoints qwen3-30b-a3b-half
     grep -q quantization_config $M-gptq/config.json 2>/dev/null || { rm -rf $M-gptq
       step make-moe-gptq 600 python3 scripts/make_int4_checkpoint.py $M $M-gptq --format gptq --group 128 --sym; }

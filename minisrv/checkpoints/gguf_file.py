@@ -198,7 +198,8 @@ def iter_gguf(path: str, args: ModelArgs, reader: Optional[GGUFReader] = None,
     """Dequantised tensors under HF names, one at a time. llama.cpp stores Llama's q/k rows interleaved for its
     rotary; that is undone so that our neox-style rotary (HF's) applies. `reader`: the file's read_gguf, if the
     caller has it. `blocks`: the projections, embedding and head come as their blocks (gguf_blocks.GGUFBlocks, for
-    a model built with quantization "gguf"; gguf_blocks.blocks_unavailable_in has checked their types)."""
+    a model built with quantization "gguf" or "gguf-planes"; gguf_blocks.blocks_unavailable_in has checked their
+    types)."""
     import torch
 
     from minisrv.models.gguf_blocks import GGUFBlocks, is_block_matrix

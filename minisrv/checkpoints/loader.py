@@ -22,6 +22,7 @@ from .fp8_checkpoint import CheckpointKVScales, dequantized_fp8
 from minisrv.models.gguf_blocks import blocks_unavailable_here, blocks_unavailable_in
 from .gguf_cache import GGUFCache
 from .int4_formats import int4_tensors
+from minisrv.kernels.w4a16_gemm import w4a16_gemm
 from minisrv.models.args import ModelArgs
 from .model_files import (default_model_path, is_gguf, load_hf_config, load_model_args, load_tokenizer,
                           resolve_model_path)
@@ -109,8 +110,9 @@ def load_model(path: str, build: ModelBuild, cache_dir: Optional[str] = None,
 checkpoint always loads with FP8 projections (dequantised, rounded to the model's dtype, requantised per row), as
 `build.quantization` "fp8" loads any; a 4-bit one (AWQ, GPTQ, compressed-tensors: models/w4a16.py) with 4-bit
 projections. `cache_dir`: where a GGUF model's parameters are cached (None: the default).
-`gguf_weights`: a GGUF model's projections and embedding kept in their blocks on the CPU ("blocks"), dequantised
-("float32"), or "auto": blocks where they can be."""
+`gguf_weights`: a GGUF model's projections and embedding kept in their blocks ("blocks": on the CPU as the C kernels'
+records, on CUDA as the W4A16 GEMM's planes), dequantised ("float32": to the model's dtype), or "auto": blocks where
+they can be."""
     int4 = int4_scheme(build.args.quantization_config)
     if int4 is not None and build.quantization is not None:
         raise ValueError(f"--quantization {build.quantization} cannot requantise this {int4} checkpoint")
@@ -119,8 +121,8 @@ projections. `cache_dir`: where a GGUF model's parameters are cached (None: the 
                                                  else None))
     if is_gguf(path):
         cache = GGUFCache.open(path, cache_dir)
-        keep, reader = _keep_blocks(path, build, gguf_weights, cache)
-        return _load_gguf(path, replace(build, quantization="gguf") if keep else build, cache, reader)
+        blocks, reader = _keep_blocks(path, build, gguf_weights, cache)
+        return _load_gguf(path, replace(build, quantization=blocks) if blocks else build, cache, reader)
     model = empty_model(build)
     source = iter_safetensors(path)
     kv_scales = CheckpointKVScales(build.args.num_layers)
@@ -132,31 +134,36 @@ projections. `cache_dir`: where a GGUF model's parameters are cached (None: the 
     return LoadedModel(model.eval(), kv_scales.complete())
 
 
-def _keep_blocks(path: str, build: ModelBuild, setting: str, cache: Optional[GGUFCache]) -> Tuple[bool, Optional[Any]]:
-    """Whether a GGUF model keeps its blocks (quantization "gguf"), as `setting` asks and the file allows, and the
-file's header where it was read to decide (else None); why not is logged, or raised where blocks were asked for."""
+def _keep_blocks(path: str, build: ModelBuild, setting: str,
+                 cache: Optional[GGUFCache]) -> Tuple[Optional[str], Optional[Any]]:
+    """The quantization a GGUF model keeps its blocks in ("gguf" on the CPU, "gguf-planes" on CUDA) or None, as
+`setting` asks and the file allows, and the file's header where it was read to decide (else None); why not is
+logged, or raised where blocks were asked for."""
     if setting == "float32":
-        return False, None
+        return None, None
     device, tp = build.device, build.tp
-    kernels = build.ops.block_kernels if device.type == "cpu" and build.ops is not None else None
+    gpu = device.type == "cuda"
+    kernels = w4a16_gemm() if gpu else build.ops.block_kernels if device.type == "cpu" and build.ops is not None \
+        else None
     why = blocks_unavailable_here(build.args, device, build.dtype, tp is not None and tp.enabled, build.quantization,
                                   kernels)
+    kind = "gguf-planes" if gpu else "gguf"
     if why is None:
-        cached = cache is not None and os.path.isfile(cache.model_file(_cache_options(replace(build,
-                                                                                             quantization="gguf"))))
+        cached = not gpu and cache is not None and os.path.isfile(cache.model_file(_cache_options(
+            replace(build, quantization=kind))))
         if setting == "auto" and cached:
-            return True, None  # cached in blocks: this file was found fit for them before (no header read)
+            return kind, None  # cached in blocks: this file was found fit for them before (no header read)
         from .gguf_file import hf_name, read_gguf
         reader = read_gguf(path)
-        why = blocks_unavailable_in(reader, hf_name)
+        why = blocks_unavailable_in(reader, hf_name, gpu)
     if why is None:
-        logger.info("GGUF weights kept in their blocks (1.25 bytes a weight; %s)", kernels.how)
-        return True, reader
+        logger.info("GGUF weights kept in their blocks (%s)", "planes for the W4A16 GEMM" if gpu else
+                    f"1.25 bytes a weight; {kernels.how}")
+        return kind, reader
     if setting == "blocks":
         raise ValueError(f"--gguf-weights blocks: cannot keep this model's blocks: {why}")
-    if device.type == "cpu":
-        logger.info("GGUF weights dequantised to %s: %s", str(build.dtype).replace("torch.", ""), why)
-    return False, None
+    logger.info("GGUF weights dequantised to %s: %s", str(build.dtype).replace("torch.", ""), why)
+    return None, None
 
 
 def _cache_options(build: ModelBuild) -> str:
@@ -171,7 +178,7 @@ def _load_gguf(path: str, build: ModelBuild, cache: Optional[GGUFCache], reader:
     """A GGUF model: mapped from the cache's file for these load options, else dequantised from the GGUF (one tensor at a
 time) and written to the cache. `reader`: the file's header if it was read already."""
     t0 = time.perf_counter()
-    if cache is None:
+    if cache is None or build.quantization == "gguf-planes":  # planes: made from the file's blocks as fast as read
         return LoadedModel(_dequantised_model(path, build, t0, reader))
     options = _cache_options(build)
     file = cache.model_file(options)
@@ -212,7 +219,7 @@ def _dequantised_model(path: str, build: ModelBuild, t0: float, reader: Optional
     if reader is None:  # (the blocks check may have read it) a truncated or damaged file is refused here
         reader = read_gguf(path)
     model = empty_model(build)
-    blocks = build.quantization == "gguf"
+    blocks = build.quantization in ("gguf", "gguf-planes")
     load_weights(model, ((n, StoredTensor.in_memory(w)) for n, w in iter_gguf(path, build.args, reader, blocks)),
                  build.args, model.plan)
     logger.info("GGUF cache: parameters %s from the GGUF file in %.2fs", "read in blocks" if blocks else "dequantised",

@@ -20,6 +20,7 @@ from minisrv.models.block_layers import BlockLinear
 from .checkpoint import StoredTensor, WeightLoadError
 from minisrv.models.fp8 import Fp8Linear
 from minisrv.models.moe import ExpertRows, Experts
+from minisrv.models.planes_layers import PlanesLinear
 from minisrv.models.w4a16 import W4A16Experts, W4A16Linear
 from minisrv.models.sharding import ShardPlan, Slice
 
@@ -70,7 +71,10 @@ def expected_tensors(model: nn.Module, args: ModelArgs, plan: ShardPlan) -> Dict
         if isinstance(module, (Experts, W4A16Experts)):  # (scales are written with their rows)
             for which in ("w13", "w2"):
                 out.update(_expert_targets(owner, module, which, args, plan))
-    for name, p in model.named_parameters():
+    # a GGUF layer on the GPU makes its parameters as its tensors arrive: its matrix is named for the module
+    matrices = [(f"{owner}.weight", None) for owner, module in model.named_modules()
+                if isinstance(module, PlanesLinear)]
+    for name, p in list(model.named_parameters()) + matrices:
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner)
         if isinstance(module, (Experts, W4A16Experts)):
@@ -79,9 +83,11 @@ def expected_tensors(model: nn.Module, args: ModelArgs, plan: ShardPlan) -> Dict
         if isinstance(module, Fp8Linear) and leaf == "weight_scale" or \
                 isinstance(module, W4A16Linear) and leaf in ("scales", "zeros", "perm"):
             continue  # written with its weight's rows
-        shape = tuple(p.shape)
+        if isinstance(module, PlanesLinear) and p is not None and leaf != "bias":
+            continue  # its planes (a model loaded before)
+        shape = tuple(p.shape) if p is not None else None
         if isinstance(module, BlockLinear) and leaf == "packed" or isinstance(module, W4A16Linear) and \
-                leaf == "qweight":  # the matrix it holds in blocks or in 4 bits, by its rows
+                leaf == "qweight" or p is None:  # the matrix it holds in blocks or in 4 bits, by its rows
             name, shape, writer = f"{owner}.weight", module.weight_shape, module
         width = _mlp_width(name, args)
         rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": width, "up_proj": width}
@@ -187,7 +193,10 @@ def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, StoredTensor]], 
             raise WeightLoadError(f"tensor {name!r} has shape {shape}, expected {t.full}")
         if name in seen:
             raise WeightLoadError(f"tensor {name!r} appears twice in the checkpoint")
-        w = stored.read(t.piece)
+        try:
+            w = stored.read(t.piece)
+        except ValueError as e:  # a share the format cannot be split into (a GGUF tensor's blocks)
+            raise WeightLoadError(f"tensor {name!r}: {e}") from None
         with torch.no_grad():
             if t.rows is not None:
                 t.rows.load_rows(t.row, w)

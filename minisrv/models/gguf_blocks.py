@@ -16,10 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 
 from .args import ModelArgs
+from .gguf_planes import PLANE_FORMATS
 from .gguf_repack import REPACKERS, repack
 
 BLOCK = 32
@@ -54,10 +57,17 @@ class GGUFBlocks:
         return GGUFBlocks(self.data, self.kind, len(index), self.cols, src)
 
     def narrow(self, dim: int, start: int, length: int) -> "GGUFBlocks":
-        """Rows [start, start + length): one part of a fused matrix (a phi3 file's attn_qkv, ffn_up)."""
-        if dim != 0:
-            raise ValueError("blocks are taken by rows only")
-        return self.take_rows(torch.arange(start, start + length))
+        """Rows (dim 0: one part of a fused matrix, as a phi3 file's attn_qkv and ffn_up, or a tensor-parallel
+        rank's share) or columns (dim 1, whole blocks only: a rank's share of K) [start, start + length)."""
+        if dim == 0:
+            return self.take_rows(torch.arange(start, start + length))
+        per, size = GGML_QUANT_SIZES[Q(int(self.kind))]
+        if start % per or length % per:
+            raise ValueError(f"columns {start}..{start + length} of a {Q(int(self.kind)).name} matrix split its "
+                             f"{per}-weight blocks: choose a tp size that gives each rank whole blocks")
+        raw = np.asarray(self.data, dtype=np.uint8).reshape(-1, self.cols // per * size)
+        return GGUFBlocks(raw[:, start // per * size:(start + length) // per * size], self.kind, self.rows, length,
+                          self.src_rows)
 
     def pack_into(self, out: torch.Tensor, layouts: torch.Tensor, kernels: Any) -> None:
         """Writes the kernels' records of the matrix into out ([rows / 4, cols / 32, 160] uint8) and their layout
@@ -75,9 +85,16 @@ def packed_shape(rows: int, cols: int) -> tuple:
 
 def blocks_unavailable_here(args: ModelArgs, device: torch.device, dtype: torch.dtype, tp_enabled: bool,
                             quantization: Optional[str], kernels: Optional[Any]) -> Optional[str]:
-    """Why no GGUF model can keep its blocks in this setting, or None if one can (the file is checked apart)."""
+    """Why no GGUF model can keep its blocks in this setting, or None if one can (the file is checked apart). On
+    CUDA `kernels` is the W4A16 GEMM's launcher (planes_layers.py), on the CPU the block kernels."""
+    if device.type == "cuda":
+        why = "a mixture of experts" if args.num_experts else None
+        if dtype not in (torch.bfloat16, torch.float16):
+            why = f"the model runs in {dtype}, the GPU's block kernel takes 16-bit activations"
+        return why or (f"--quantization {quantization}" if quantization is not None else None) or \
+            (None if kernels is not None else "Triton is missing")
     if device.type != "cpu":
-        return "the block kernels are the CPU's"
+        return "blocks are kept on the CPU and on CUDA"
     if dtype != torch.float32:
         return f"the model runs in {dtype}, the block kernels compute in float32"
     if quantization is not None:
@@ -91,15 +108,16 @@ def blocks_unavailable_here(args: ModelArgs, device: torch.device, dtype: torch.
     return None
 
 
-def blocks_unavailable_in(reader: Any, hf_name: Callable[[str], str]) -> Optional[str]:
-    """Why this GGUF file's matrices cannot be kept in blocks, or None if they can. hf_name: a tensor's HF name by
-    its GGUF name (gguf_file.hf_name)."""
+def blocks_unavailable_in(reader: Any, hf_name: Callable[[str], str], gpu: bool = False) -> Optional[str]:
+    """Why this GGUF file's matrices cannot be kept in blocks (on the GPU: as planes), or None if they can.
+    hf_name: a tensor's HF name by its GGUF name (gguf_file.hf_name)."""
+    types = {t: Q(t).name for t in PLANE_FORMATS} if gpu else BLOCK_TYPES
     for t in reader.tensors:
         if not is_block_matrix(hf_name(t.name)):
             continue
         rows = int(t.shape[-1])
-        if t.tensor_type not in BLOCK_TYPES:
-            return f"{t.name} is {t.tensor_type.name} (blocks are kept for {', '.join(BLOCK_TYPES.values())})"
-        if rows % 4:
+        if t.tensor_type not in types:
+            return f"{t.name} is {t.tensor_type.name} (blocks are kept for {', '.join(types.values())})"
+        if rows % 4 and not gpu:
             return f"{t.name} has {rows} rows (a multiple of 4 is needed)"
     return None

@@ -32,7 +32,7 @@ def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
     return b[..., at:at + 2].contiguous().view(torch.float16).float()
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+def nibbles(qs: torch.Tensor) -> torch.Tensor:
     """[..., 16] bytes -> [..., 32]: the low nibbles first, then the high ones."""
     return torch.cat([qs & 15, qs >> 4], dim=-1)
 
@@ -44,20 +44,22 @@ def _bits(b: torch.Tensor, width: int, step: int, mask: int) -> torch.Tensor:
     return (b.unsqueeze(-2) >> shifts) & mask
 
 
+def q5_values(b: torch.Tensor, at: int) -> torch.Tensor:
+    """Q5_0/Q5_1's 32 5-bit values from the uint32 qh at byte `at` and the 16 bytes of nibbles after it."""
+    high = _bits(b[..., at:at + 4], 8, 1, 1).transpose(-1, -2).flatten(-2)  # bit 8 i + j: weight 8 i + j
+    return nibbles(b[..., at + 4:at + 20]) | (high << 4)
+
+
 def _q5_0(b: torch.Tensor) -> Scales:
     d = _f16(b, 0)
-    high = _bits(b[..., 2:6], 8, 1, 1).transpose(-1, -2).flatten(-2)  # bit 8 i + j: weight 8 i + j
-    q = _nibbles(b[..., 6:22]) | (high << 4)
-    return d[..., 0], d[..., 0] * -16.0, q, 0
+    return d[..., 0], d[..., 0] * -16.0, q5_values(b, 2), 0
 
 
 def _q5_1(b: torch.Tensor) -> Scales:
-    high = _bits(b[..., 4:8], 8, 1, 1).transpose(-1, -2).flatten(-2)
-    q = _nibbles(b[..., 8:24]) | (high << 4)
-    return _f16(b, 0)[..., 0], _f16(b, 2)[..., 0], q, 0
+    return _f16(b, 0)[..., 0], _f16(b, 2)[..., 0], q5_values(b, 4), 0
 
 
-def _scale_min_k4(s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def scale_min_k4(s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """12 bytes -> the 8 sub-blocks' 6-bit scales and mins (ggml's get_scale_min_k4)."""
     lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = torch.cat([lo & 63, (hi & 15) | ((lo >> 2) & 48)], dim=-1)
@@ -66,33 +68,42 @@ def _scale_min_k4(s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def _k_scales(b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    sc, mn = _scale_min_k4(b[..., 4:16])
+    sc, mn = scale_min_k4(b[..., 4:16])
     return _f16(b, 0) * sc.float(), -(_f16(b, 2) * mn.float())
 
 
-def _k_low(qs: torch.Tensor) -> torch.Tensor:
+def k_low(qs: torch.Tensor) -> torch.Tensor:
     """Q4_K/Q5_K's 128 bytes of nibbles -> the 8 sub-blocks' low 4 bits, [..., 8, 32]."""
     qs = qs.unflatten(-1, (4, 1, 32))
     return torch.cat([qs & 15, qs >> 4], dim=-2).flatten(-3, -2)
 
 
+def q5_k_values(b: torch.Tensor) -> torch.Tensor:
+    """Q5_K's 8 sub-blocks' 5-bit values, [..., 8, 32]."""
+    return k_low(b[..., 48:176]) | (_bits(b[..., 16:48], 8, 1, 1) << 4)
+
+
+def q6_k_values(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K's 256 6-bit values as [..., 8, 32]."""
+    ql = b[..., :128].unflatten(-1, (2, 1, 64))
+    low = torch.cat([ql & 15, ql >> 4], dim=-2).flatten(-2)  # [.., 2 halves, 128]
+    high = _bits(b[..., 128:192].unflatten(-1, (2, 32)), 8, 2, 3).flatten(-2)  # [.., 2, 128]
+    return (low | (high << 4)).flatten(-2).unflatten(-1, (8, 32))
+
+
 def _q4_k(b: torch.Tensor) -> Scales:
     d, m = _k_scales(b)
-    return d, m, _k_low(b[..., 16:144]), 0
+    return d, m, k_low(b[..., 16:144]), 0
 
 
 def _q5_k(b: torch.Tensor) -> Scales:
     d, m = _k_scales(b)
-    return d, m, _k_low(b[..., 48:176]) | (_bits(b[..., 16:48], 8, 1, 1) << 4), 0
+    return d, m, q5_k_values(b), 0
 
 
 def _q6_k(b: torch.Tensor) -> Scales:
-    ql = b[..., :128].unflatten(-1, (2, 1, 64))
-    low = torch.cat([ql & 15, ql >> 4], dim=-2).flatten(-2)  # [.., 2 halves, 128]
-    high = _bits(b[..., 128:192].unflatten(-1, (2, 32)), 8, 2, 3).flatten(-2)  # [.., 2, 128]
-    q = (low | (high << 4)).flatten(-2).unflatten(-1, (8, 32))
     d = (_f16(b, 208) * b[..., 192:208].contiguous().view(torch.int8).float()).unflatten(-1, (8, 2))
-    return d[..., 0], d[..., 1], q, 1
+    return d[..., 0], d[..., 1], q6_k_values(b), 1
 
 
 REPACKERS: Dict[int, Tuple[int, int, Callable[[torch.Tensor], Scales]]] = {

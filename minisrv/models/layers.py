@@ -19,6 +19,7 @@ from .args import ModelArgs
 from .block_layers import BlockLinear, block_kernels
 from .fp8 import Fp8Linear
 from .layer_ops import LayerOps
+from .planes_layers import PlanesLinear
 from .w4a16 import Int4Scheme, W4A16Linear
 from .norms import GemmaRMSNorm, make_norm
 
@@ -26,14 +27,17 @@ from .norms import GemmaRMSNorm, make_norm
 def make_linear(in_features: int, out_features: int, bias: bool, quantization: Optional[Any],
                 ops: LayerOps) -> nn.Module:
     """A projection layer: nn.Linear, or with quantization "fp8" an Fp8Linear (fp8.py), with "gguf" a BlockLinear
-    (block_layers.py), with a 4-bit checkpoint's Int4Scheme a W4A16Linear (w4a16.py); on the CPU with its compiled
-    ops, a CpuLinear."""
+    (block_layers.py) and "gguf-planes" a PlanesLinear (planes_layers.py): a GGUF model's blocks on the CPU and
+    the GPU; with a 4-bit checkpoint's Int4Scheme a W4A16Linear (w4a16.py); on the CPU with its compiled ops, a
+    CpuLinear."""
     if isinstance(quantization, Int4Scheme):
         return W4A16Linear(in_features, out_features, bias, quantization)
     if quantization == "fp8":
         return Fp8Linear(in_features, out_features, bias)
     if quantization == "gguf":
         return BlockLinear(in_features, out_features, bias, block_kernels(ops))
+    if quantization == "gguf-planes":
+        return PlanesLinear(in_features, out_features, bias)
     if quantization is not None:
         raise ValueError(f"unsupported quantization {quantization!r}")
     small = ops.small_batch_linear
@@ -159,12 +163,7 @@ class VocabEmbedding(nn.Module):
         self.tp = tp
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if not self.tp.enabled:
-            return F.embedding(ids, self.weight)
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+        return self.tp.embed_rows(ids, self.start, self.weight.shape[0], lambda i: F.embedding(i, self.weight))
 
 
 class Attention(nn.Module):

@@ -20,6 +20,7 @@ from .block_layers import BlockEmbedding, BlockLinear, block_kernels
 from .layer_ops import LayerOps
 from .layers import Attention, GatedMLP, RotaryEmbedding, VocabEmbedding
 from .moe import SparseMoE
+from .planes_layers import PlanesEmbedding, PlanesLinear
 from .norms import make_norm, reduce_add_norm
 from .sharding import ShardPlan
 
@@ -102,8 +103,12 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, max_positions: int, ops: LayerOps, plan: ShardPlan,
                  tp: TensorParallel, quantization: Optional[str] = None) -> None:
         super().__init__()
-        self.embed_tokens = BlockEmbedding(plan.vocab_per_rank, args.hidden_size, block_kernels(ops)) \
-            if quantization == "gguf" else VocabEmbedding(plan.vocab_per_rank, args.hidden_size, plan.vocab_start, tp)
+        if quantization == "gguf":
+            self.embed_tokens = BlockEmbedding(plan.vocab_per_rank, args.hidden_size, block_kernels(ops))
+        elif quantization == "gguf-planes":
+            self.embed_tokens = PlanesEmbedding(plan.vocab_per_rank, args.hidden_size, plan.vocab_start, tp)
+        else:
+            self.embed_tokens = VocabEmbedding(plan.vocab_per_rank, args.hidden_size, plan.vocab_start, tp)
         rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, ops,
                                  args.rotary_dim)
         local = rotary if args.local_rope_theta is None else \
@@ -136,7 +141,8 @@ class LlamaForCausalLM(nn.Module):
         tp: this rank's place in a tensor-parallel group; the model holds that rank's shard (sharding.py).
         quantization: "fp8" for FP8 projections (qkv, o, gate_up, down; see fp8.py), the embedding, norms and
         lm_head staying in the model's dtype; "gguf" for a GGUF model's projections, embedding and lm_head kept in
-        their blocks on the CPU (block_layers.py); None for the model's dtype."""
+        their blocks on the CPU (block_layers.py), "gguf-planes" on the GPU (planes_layers.py); None for the
+        model's dtype."""
         super().__init__()
         self.args = args
         self.tp = tp or TensorParallel.single()
@@ -148,6 +154,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         elif quantization == "gguf":
             self.lm_head = BlockLinear(args.hidden_size, self.plan.vocab_per_rank, False, block_kernels(self.ops))
+        elif quantization == "gguf-planes":
+            self.lm_head = PlanesLinear(args.hidden_size, self.plan.vocab_per_rank, False)
         else:
             self.lm_head = nn.Linear(args.hidden_size, self.plan.vocab_per_rank, bias=False)
 
@@ -169,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
         float32 here (a pass over [N, vocab]): a greedy step's argmax is exact on them; the sampler widens where it
         computes."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        if isinstance(head, BlockLinear):
+        if isinstance(head, (BlockLinear, PlanesLinear)):
             logits = head.project(hidden)
         else:
             w, small = head.weight, self.small_batch_linear

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 BLOCK = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+LEGACY = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}  # random_blocks makes these too
 
 
 def _half(b: np.ndarray) -> np.ndarray:
@@ -62,14 +63,16 @@ def dequantize_f64(raw: np.ndarray, kind: str, rows: int, cols: int) -> np.ndarr
     return y.reshape(rows, cols)
 
 
-def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Random bytes as blocks of `kind`, their float16 scales finite (some subnormal, some zero)."""
-    per, size = BLOCK[kind]
+def random_blocks(kind: str, rows: int, cols: int, seed: int, small: bool = False) -> np.ndarray:
+    """Random bytes as blocks of `kind`, their float16 scales finite (some subnormal, some zero; `small`: about
+    0.01, so that products stay well within float16)."""
+    per, size = {**BLOCK, **LEGACY}[kind]
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, (rows * cols // per, size), dtype=np.uint8)
-    scales = {"Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[kind]
+    scales = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[kind]
     for at in scales:
-        h = (rng.standard_normal(len(b)) * np.exp(rng.uniform(-18, 4, len(b)))).astype(np.float16)
+        spread = 0.01 if small else np.exp(rng.uniform(-18, 4, len(b)))
+        h = (rng.standard_normal(len(b)) * spread).astype(np.float16)
         h[::17] = 0
         b[:, at:at + 2] = h.view(np.uint8).reshape(-1, 2)
     return b.reshape(rows, -1)
