@@ -107,6 +107,7 @@ class PlanesEmbedding(PlanesLinear):
         planes = self.parts[0][1]
 
         def lookup(local: torch.Tensor) -> torch.Tensor:
-            rows = dequantize_planes(planes.columns(local.reshape(-1))).t()
-            return rows.to(self.dtype).reshape(*local.shape, self.in_features)
+            # (contiguous: the kernels after the embedding, a GPU norm's above all, take rows of unit stride)
+            rows = dequantize_planes(planes.columns(local.reshape(-1))).to(self.dtype).t().contiguous()
+            return rows.reshape(*local.shape, self.in_features)
         return self.tp.embed_rows(ids, self.start, planes.low.shape[1], lookup)
