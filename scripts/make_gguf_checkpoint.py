@@ -45,12 +45,13 @@ def add_tokenizer(w, vocab: int) -> None:
     alphabet = sorted(set(bytes_to_unicode().values()))
     special = {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128009: "<|eot_id|>"}
     g = "\u0120"  # the byte alphabet's space
-    tokens = alphabet + [g + "w"] + [special.get(i, f"<w{i}>") for i in range(len(alphabet) + 1, vocab)]
+    tokens = alphabet + [g + "w", g + "t"] + [special.get(i, f"<w{i}>") for i in range(len(alphabet) + 2, vocab)]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("llama-bpe")
     w.add_token_list(tokens)
     w.add_token_types([3 if i in special else 1 for i in range(vocab)])
-    w.add_token_merges([g + " w"])  # (a BPE needs one merge at least)
+    # two merges at least: a reader that unwraps one-element arrays (transformers' GGUF reader) would get a string
+    w.add_token_merges([g + " w", g + " t"])
     w.add_bos_token_id(min(128000, vocab - 2))
     w.add_eos_token_id(min(128001, vocab - 1))
 
