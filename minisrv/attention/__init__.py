@@ -9,8 +9,10 @@ its decode steps are faster on mixture-of-experts models, but not by enough end 
 Where fi or triton decodes an FP8 pool, `create_backend` gives decode steps to the xqa backend (xqa.py) as
 `--fp8-decode-kernel` says: `fi` becomes the hybrid fi + xqa, `fa,fi` and `fa,triton` the hybrid fa + xqa.
 Each backend says which of a model's attention features (models/attention_options.py: sliding windows, logit
-soft-capping) it serves; one asked for by name that lacks a feature the model has is refused at start, and auto
-passes over it. (xqa serves neither: such models keep FlashInfer's FP8 decode.)
+soft-capping, learned sinks) it serves; one asked for by name that lacks a feature the model has is refused at start,
+and auto passes over it. (xqa serves none: such models keep FlashInfer's FP8 decode.) Sinks (gpt-oss) are served by
+torch alone, on the GPU too: FlashInfer's fa2/fa3 wrappers take them only through a JIT variant of the prefill
+wrapper (BatchAttentionWithAttentionSinkWrapper), not its decode wrappers nor CUDA-graph ones.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Dict, FrozenSet, List, Optional, Sequence
 
 import torch
 
-from minisrv.models.attention_options import SOFTCAP, WINDOW, LayerAttention
+from minisrv.models.attention_options import SINKS, SOFTCAP, WINDOW, LayerAttention
 
 from .base import AttentionBackend, AttentionStep, HybridBackend
 
@@ -85,7 +87,7 @@ def _triton_missing(sm: Optional[int]) -> Optional[str]:
 # name -> (what it lacks on this machine, the module and class that implement it, imported when it is created, the
 # attention features it serves)
 BACKENDS: Dict[str, tuple] = {
-    "torch": (lambda sm: None, "torch_native", "TorchNativeBackend", {WINDOW, SOFTCAP}),
+    "torch": (lambda sm: None, "torch_native", "TorchNativeBackend", {WINDOW, SOFTCAP, SINKS}),
     # (FA3 builds may leave tanh soft-capping out, as upstream's FLASHATTENTION_DISABLE_SOFTCAP does: left to fi)
     "fa": (_fa_missing, "fa", "FlashAttentionBackend", {WINDOW}),
     "fi": (_fi_missing, "fi", "FlashInferBackend", {WINDOW, SOFTCAP}),

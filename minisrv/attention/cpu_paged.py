@@ -7,8 +7,8 @@ Extend (prompts, chunks, prompts on a cached prefix): each sequence on its own t
 CPU runs its flash kernel; a sequence with no cached prefix attends to the step's own K/V (no pool read at all),
 one with a prefix to its K/V gathered from the pool under a causal mask aligned to its last position. The GQA
 group is a stride-0 view of K/V (SDPA's `enable_gqa` takes its slower math path on the CPU). Layers with a sliding
-window get their own mask (planned once per step for each window the model has); soft-capped scores, which SDPA does
-not take, are computed in torch (`attend`).
+window get their own mask (planned once per step for each window the model has); soft-capped scores and sinks, which
+SDPA does not take, are computed in torch (`attend`).
 
 These paths serve float32/bfloat16/float16 pools; an FP8 pool, or a decode without the compiled kernel, keeps the
 padded path of torch_native.py.
@@ -58,6 +58,7 @@ class CpuPagedAttention:
         # what a decode step's layers in one call read (a model whose layers all have the same window only)
         self.decode_options = (layers[0].scale, layers[0].window or 0)
         self.kernel = kernel
+        self.sinks = [a.sinks_tensor(torch.device("cpu")) for a in layers]  # each layer's, [Hq] float32 or None
         layers = range(len(pool.k))  # the pool's per-layer [slots, Hkv, D] views, which decode steps read
         self.flat_k, self.flat_v = [pool.flat_k(i) for i in layers], [pool.flat_v(i) for i in layers]
 
@@ -115,10 +116,12 @@ class CpuPagedAttention:
         opts = self.layers[layer_id]
         if isinstance(meta, DecodeMeta):
             return self.kernel(q, meta.k[layer_id], meta.v[layer_id], self.req_to_token, meta.rows, meta.kv_lens,
-                               opts.scale, opts.window or 0, opts.softcap or 0.0)
+                               opts.scale, opts.window or 0, opts.softcap or 0.0, self.sinks[layer_id])
         out = torch.empty(q.shape, dtype=q.dtype)
         hkv = self.pool.num_kv_heads
         g = self.num_q_heads // hkv
+        sinks = self.sinks[layer_id]
+        sinks = sinks.view(hkv, g, 1, 1) if sinks is not None else None
         for s in meta.seqs:
             end = s.start + s.length
             if s.slots is None:
@@ -129,7 +132,7 @@ class CpuPagedAttention:
             qs = q[s.start:end].transpose(0, 1).unflatten(0, (hkv, g))
             ks = kk.transpose(0, 1)[:, None].expand(hkv, g, kk.shape[0], kk.shape[2])
             vs = vv.transpose(0, 1)[:, None].expand(hkv, g, vv.shape[0], vv.shape[2])
-            o = attend(qs, ks, vs, s.masks[opts.window], opts)
+            o = attend(qs, ks, vs, s.masks[opts.window], opts, sinks)
             out[s.start:end] = o.flatten(0, 1).transpose(0, 1)
         return out
 
@@ -144,13 +147,19 @@ def window_mask(seq_len: int, ext: int, window: Optional[int], device: Optional[
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-           opts: LayerAttention) -> torch.Tensor:
+           opts: LayerAttention, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(q k^T * scale, soft-capped, under `mask`) v over [..., L, D] (mask None: causal from the bottom
-    right); SDPA where there is no soft-cap, else in float32 in torch."""
-    if opts.softcap is None:
+    right); SDPA where there is neither a soft-cap nor sinks, else in float32 in torch. sinks: float32, the scores'
+    shape but for their last dim ([..., Lq, 1]): each row's sink logit, in its softmax's denominator only."""
+    if opts.softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=opts.scale)
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * opts.scale
-    s = torch.tanh(s / opts.softcap) * opts.softcap
+    if opts.softcap is not None:
+        s = torch.tanh(s / opts.softcap) * opts.softcap
     if mask is None:
         mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(s.shape[-1] - s.shape[-2])
-    return torch.matmul(s.masked_fill(~mask, float("-inf")).softmax(-1), v.float()).to(v.dtype)
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # the sink as one more column of the softmax, dropped after it
+        s = torch.cat([s, sinks.expand(*s.shape[:-1], 1)], dim=-1)
+    p = s.softmax(-1)
+    return torch.matmul(p[..., :v.shape[-2]] if sinks is not None else p, v.float()).to(v.dtype)

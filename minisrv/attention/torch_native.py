@@ -41,6 +41,7 @@ class TorchNativeBackend(AttentionBackend):
     def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, layers=None) -> None:
         super().__init__(pool, req_to_token, num_q_heads, layers)
         self.windows = {a.window for a in self.layers}
+        self.sinks = [a.sinks_tensor(pool.device) for a in self.layers]  # each layer's, [Hq] float32 or None
         self.cpu = None
         if pool.device.type == "cpu":
             self.cpu = CpuPagedAttention.create(pool, req_to_token, num_q_heads, self.layers)
@@ -95,6 +96,9 @@ class TorchNativeBackend(AttentionBackend):
         opts = self.layers[layer_id]
         mask = meta.masks[opts.window]
         mask = mask[:, None, None].expand(bsz, 1, g, max_q, mask.shape[-1]).reshape(bsz, 1, g * max_q, -1)
-        o = attend(qp, kk, vv, mask, opts)
+        sinks = self.sinks[layer_id]  # [Hq] -> the folded rows' [1, Hkv, G * max_q, 1]
+        sinks = sinks.view(1, hkv, g, 1).expand(1, hkv, g, max_q).reshape(1, hkv, g * max_q, 1) \
+            if sinks is not None else None
+        o = attend(qp, kk, vv, mask, opts, sinks)
         o = o.view(bsz, hkv, g, max_q, d).permute(0, 3, 1, 2, 4).reshape(bsz * max_q, hkv * g, d)
         return o if meta.q_gather is None else o[meta.out_rows]

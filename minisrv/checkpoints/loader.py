@@ -21,6 +21,7 @@ from minisrv.models.fp8 import fp8_checkpoint_format
 from .fp8_checkpoint import CheckpointKVScales, dequantized_fp8
 from minisrv.models.gguf_blocks import blocks_unavailable_here, blocks_unavailable_in
 from .gguf_cache import GGUFCache
+from .gpt_oss_experts import gpt_oss_experts
 from .int4_formats import int4_tensors
 from minisrv.kernels.w4a16_gemm import w4a16_gemm
 from minisrv.models.args import ModelArgs
@@ -109,16 +110,21 @@ def load_model(path: str, build: ModelBuild, cache_dir: Optional[str] = None,
     """Build the model empty, then fill it from the checkpoint (only this rank's shard under `build.tp`). An FP8
 checkpoint always loads with FP8 projections (dequantised, rounded to the model's dtype, requantised per row), as
 `build.quantization` "fp8" loads any; a 4-bit one (AWQ, GPTQ, compressed-tensors: models/w4a16.py) with 4-bit
-projections. `cache_dir`: where a GGUF model's parameters are cached (None: the default).
+projections; gpt-oss's MXFP4 experts stay in MXFP4 on CUDA and are dequantised elsewhere.
+`cache_dir`: where a GGUF model's parameters are cached (None: the default).
 `gguf_weights`: a GGUF model's projections and embedding kept in their blocks ("blocks": on the CPU as the C kernels'
 records, on CUDA as the W4A16 GEMM's planes), dequantised ("float32": to the model's dtype), or "auto": blocks where
 they can be."""
-    int4 = int4_scheme(build.args.quantization_config)
-    if int4 is not None and build.quantization is not None:
-        raise ValueError(f"--quantization {build.quantization} cannot requantise this {int4} checkpoint")
-    fp8_format = fp8_checkpoint_format(build.args.quantization_config) if int4 is None else None
+    qc = build.args.quantization_config
+    mxfp4 = (qc or {}).get("quant_method") == "mxfp4"  # gpt-oss's experts (gpt_oss_experts.py)
+    int4 = None if mxfp4 else int4_scheme(qc)
+    if (int4 is not None or mxfp4) and build.quantization is not None:
+        raise ValueError(f"--quantization {build.quantization} cannot requantise this {int4 or 'mxfp4'} checkpoint")
+    fp8_format = fp8_checkpoint_format(qc) if int4 is None and not mxfp4 else None
     build = replace(build, quantization=int4 or ("fp8" if build.quantization == "fp8" or fp8_format is not None
                                                  else None))
+    if mxfp4 and build.device.type == "cuda":  # kept in 4 bits (the CPU's dequantised to the model's dtype)
+        build = replace(build, quantization="mxfp4")
     if is_gguf(path):
         cache = GGUFCache.open(path, cache_dir)
         blocks, reader = _keep_blocks(path, build, gguf_weights, cache)
@@ -130,6 +136,8 @@ they can be."""
         source = dequantized_fp8(source, None if fp8_format == "tensor" else fp8_format, kv_scales)
     if int4 is not None:
         source = int4_tensors(source, int4)
+    if build.args.architecture == "GptOssForCausalLM":
+        source = gpt_oss_experts(source, keep_mxfp4=build.quantization == "mxfp4")
     load_weights(model, source, build.args, model.plan)
     return LoadedModel(model.eval(), kv_scales.complete())
 

@@ -5,7 +5,7 @@ Our model fuses q/k/v and gate/up, stacks a layer's experts, pads the vocabulary
 rank's shard; Mixtral's names are read as the Qwen-MoE names they stand for, a vision-language checkpoint's language
 model (Gemma3ForConditionalGeneration: `language_model.model.*`, or `model.language_model.*`) as a causal LM's (its
 vision tower and projector are not read), and a checkpoint's own fused qkv_proj and gate_up_proj (Phi-3's) as the
-q/k/v and gate/up tensors they join (split_fused)."""
+q/k/v and gate/up tensors they join (split_fused); gpt-oss's stacked experts come per expert (gpt_oss_experts.py)."""
 from __future__ import annotations
 
 import re
@@ -38,6 +38,7 @@ ALIASES = [  # Mixtral's and vision-language models' tensor names -> the names o
     (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
     (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."),
     (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj."),
+    (re.compile(r"\.mlp\.router\."), ".mlp.gate."),  # gpt-oss's
 ]
 
 
@@ -109,20 +110,26 @@ def expected_tensors(model: nn.Module, args: ModelArgs, plan: ShardPlan) -> Dict
 
 def _expert_targets(owner: str, experts: Any, which: str, args: ModelArgs,
                     plan: ShardPlan) -> Dict[str, Target]:
-    """The per-expert checkpoint tensors of a layer's stacked `which` (w13: gate then up rows; w2: down)."""
+    """The per-expert checkpoint tensors of a layer's stacked `which` (w13: gate then up rows; w2: down), and their
+    biases where the experts have them."""
     h, width = args.hidden_size, args.moe_intermediate_size
+    bias = getattr(experts, which + "_bias", None)
     out: Dict[str, Target] = {}
     for e in range(args.num_experts):
         rows = ExpertRows(experts, which, e)
         if which == "w2":
             hf = f"{owner}.{e}.down_proj.weight"
             out[hf] = Target(None, 0, (h, width), plan.slice_for(hf), rows)
+            if bias is not None:
+                out[f"{owner}.{e}.down_proj.bias"] = Target(bias[e], 0, (h,), None)
             continue
         row = 0
         for sub in ("gate_proj", "up_proj"):
             hf = f"{owner}.{e}.{sub}.weight"
             piece = plan.slice_for(hf)
             out[hf] = Target(None, row, (width, h), piece, rows)
+            if bias is not None:
+                out[f"{owner}.{e}.{sub}.bias"] = Target(bias[e], row, (width,), piece)
             row += piece.length if piece is not None else width
     return out
 
@@ -197,6 +204,8 @@ def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, StoredTensor]], 
             w = stored.read(t.piece)
         except ValueError as e:  # a share the format cannot be split into (a GGUF tensor's blocks)
             raise WeightLoadError(f"tensor {name!r}: {e}") from None
+        if plan.rank and plan.bias_on_rank_zero(name):
+            w = torch.zeros_like(w)
         with torch.no_grad():
             if t.rows is not None:
                 t.rows.load_rows(t.row, w)

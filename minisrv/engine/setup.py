@@ -219,7 +219,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
         return replace(current, backend=backend, graph_runner=graph_runner,
                        cascade=_cascade_policy(cfg, backend, backend_name, pool, ps))
 
-    layers = layer_attention(args)
+    layers = layer_attention(args, model.attention_sinks())
     serving = create_backend(serving_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel, layers)
     runner = ModelRunner(model, serving, pool, table, device, tp, Pooler(pooling) if pooling is not None else None)
     parts = RunnerParts(serving, sampling_kernel=None if sampling_pending else fused_sampling_kernel(device))
@@ -348,7 +348,7 @@ def activation_peak(model: torch.nn.Module, backend_name: str, args: ModelArgs, 
     table = ReqToTokenTable(1, context_length, device)
     # a prefill step only: no decode kernel to load
     backend = create_backend(backend_name, pool, table.table, plan.num_heads, fp8_decode_kernel="flashinfer",
-                             layers=layer_attention(args))
+                             layers=layer_attention(args, model.attention_sinks()))
     runner = ModelRunner(model, backend, pool, table, device)
     req = Request([0] * n, SamplingParams(max_tokens=1), 1)
     req.row = table.alloc_row()

@@ -8,7 +8,8 @@
    scores, then softmax and the weighted sum of V), accumulated in float32. Threads: OpenMP, whose runtime is the
    one torch has already loaded (the same pool of threads). A sliding window of W tokens (window > 0) keeps a query's
    last W keys, its own included; soft-capping (softcap > 0) turns each scaled score s into softcap * tanh(s /
-   softcap) before the softmax. */
+   softcap) before the softmax; sinks (not NULL: a logit per query head) join each softmax's maximum and denominator
+   as a key without a value would. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -78,7 +79,7 @@ static inline int first_key(int n, int window) { return window > 0 && n > window
 int paged_decode_f32(const float *q, int64_t q_stride_t, float *out, const float *k, const float *v,
                      int64_t kv_stride, const int32_t *req_to_token, int64_t r2t_stride, const int64_t *rows,
                      const int32_t *kv_len, int batch, int hq, int hkv, int d, float scale, int window,
-                     float softcap) {
+                     float softcap, const float *sinks) {
     const int g = hq / hkv;
     int *first = (int *)malloc(sizeof(int) * (size_t)(batch + 1));  /* group i: rows first[i] .. first[i + 1] - 1 */
     if (first == NULL) return -1;
@@ -132,12 +133,13 @@ int paged_decode_f32(const float *q, int64_t q_stride_t, float *out, const float
         for (int c = 0; c < nq * g; ++c) {
             const int n = lens[c / g], t0 = first_key(n, window);
             float *s = scores + (int64_t)c * len;
-            float m = -INFINITY;
+            const float sink = sinks != NULL ? sinks[h * g + c % g] : -INFINITY;
+            float m = sink;
 #pragma omp simd reduction(max : m)
             for (int t = t0; t < n; ++t) m = s[t] > m ? s[t] : m;
 #pragma omp simd
             for (int t = t0; t < n; ++t) s[t] = exp_nonpositive(s[t] - m);
-            float sum = 0.0f;
+            float sum = sinks != NULL ? exp_nonpositive(sink - m) : 0.0f;
 #pragma omp simd reduction(+ : sum)
             for (int t = t0; t < n; ++t) sum += s[t];
             denom[c] = sum;

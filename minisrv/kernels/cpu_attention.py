@@ -24,7 +24,7 @@ class PagedDecodeKernel:
         self.fn = lib.paged_decode_f32
         self.fn.restype = _c_int
         self.fn.argtypes = [_p, _c_i64, _p, _p, _p, _c_i64, _p, _c_i64, _p, _p, _c_int, _c_int, _c_int, _c_int,
-                            _c_float, _c_int, _c_float]
+                            _c_float, _c_int, _c_float, _p]
         self.how = how
 
     @staticmethod
@@ -38,11 +38,12 @@ class PagedDecodeKernel:
 
     def __call__(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, req_to_token: torch.Tensor,
                  rows: torch.Tensor, kv_lens: torch.Tensor, scale: float, window: int = 0,
-                 softcap: float = 0.0) -> torch.Tensor:
+                 softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q: [B, Hq, D] float32 (rows may be strided, heads and dims contiguous); k_flat / v_flat: the layer's pool
         [slots, Hkv, D] (rows `stride(0)` apart); req_to_token [rows, ctx] int32; rows [B] int64; kv_lens [B] int32
         (each request's keys are positions 0 .. kv_len - 1, this step's included); window: a query's last `window`
-        keys only (0: all); softcap: scores s -> softcap * tanh(s / softcap) (0: none). Returns [B, Hq, D]."""
+        keys only (0: all); softcap: scores s -> softcap * tanh(s / softcap) (0: none); sinks: float32 [Hq], each
+        head's sink logit (None: none). Returns [B, Hq, D]."""
         bsz, hq, d = q.shape
         hkv = k_flat.shape[1]
         if q.stride(2) != 1 or q.stride(1) != d:
@@ -54,10 +55,14 @@ class PagedDecodeKernel:
         if req_to_token.stride(1) != 1:
             raise ValueError("req_to_token rows must be contiguous")
         rows, kv_lens = rows.contiguous(), kv_lens.contiguous()
+        if sinks is not None and (sinks.dtype != torch.float32 or sinks.numel() != hq):
+            raise ValueError(f"sinks: float32 [{hq}], got {sinks.dtype} {tuple(sinks.shape)}")
+        sinks = sinks.contiguous() if sinks is not None else None
         out = torch.empty((bsz, hq, d), dtype=torch.float32)
         rc = self.fn(q.data_ptr(), q.stride(0), out.data_ptr(), k_flat.data_ptr(), v_flat.data_ptr(),
                      k_flat.stride(0), req_to_token.data_ptr(), req_to_token.stride(0), rows.data_ptr(),
-                     kv_lens.data_ptr(), bsz, hq, hkv, d, scale, window, softcap)
+                     kv_lens.data_ptr(), bsz, hq, hkv, d, scale, window, softcap,
+                     sinks.data_ptr() if sinks is not None else None)
         if rc != 0:
             raise MemoryError("paged decode attention could not allocate its scratch memory")
         return out
@@ -65,8 +70,10 @@ class PagedDecodeKernel:
 
 def paged_decode_reference(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                            req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor,
-                           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """The same in float64, a request at a time: what the kernel is tested against."""
+                           scale: float, window: int = 0, softcap: float = 0.0,
+                           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The same in float64, a request at a time: what the kernel is tested against (a sink as one more score whose
+    weight is dropped)."""
     bsz, hq, d = q.shape
     g = hq // k_flat.shape[1]
     out = torch.empty((bsz, hq, d), dtype=torch.float64)
@@ -78,5 +85,7 @@ def paged_decode_reference(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.
         s = torch.einsum("hd,lhd->hl", q[b].double(), kk) * scale
         if softcap:
             s = torch.tanh(s / softcap) * softcap
-        out[b] = torch.einsum("hl,lhd->hd", s.softmax(-1), vv)
+        if sinks is not None:
+            s = torch.cat([s, sinks.double()[:, None]], dim=1)
+        out[b] = torch.einsum("hl,lhd->hd", s.softmax(-1)[:, :len(slots)], vv)
     return out

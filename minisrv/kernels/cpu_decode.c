@@ -56,7 +56,7 @@ int decode_layers_f32(const DecodeLayer *layer, const DecodeShape *s, float *x, 
             memcpy(layer->v + loc[t] * s->kv_stride, qkv + (int64_t)t * qkv_w + att_w + s->hkv * d, row);
         }
         if (paged_decode_f32(qkv, qkv_w, att, layer->k, layer->v, s->kv_stride, req_to_token, r2t_stride, rows,
-                             kv_lens, m, s->hq, s->hkv, d, s->scale, s->window, 0.0f) != 0)
+                             kv_lens, m, s->hq, s->hkv, d, s->scale, s->window, 0.0f, NULL) != 0)
             return -1;
         blocks_matmul(att, att_w, layer->o, layer->o_l, x, H, m, H, att_w);
         add_rmsnorm_f32(x, H, residual, H, layer->post_norm, m, H, s->eps);

@@ -15,7 +15,9 @@ weights once for all of its tokens, in two launches.
 
 Weights as the model holds them: w13 [E, 2I, H] (each expert's gate rows, then its up rows), w2 [E, H, I]; for FP8,
 float8_e4m3fn with float32 scales per output row, w13_scale [E, 2I] and w2_scale [E, H] ([E, N, 1] is taken too);
-4-bit (W4A16), kernels/moe_w4a16.py's PackedExperts, w13 of [H, 2I] and w2 of [I, H] matrices, no scales apart.
+4-bit (W4A16), kernels/moe_w4a16.py's PackedExperts, w13 of [H, 2I] and w2 of [I, H] matrices, no scales apart;
+MXFP4, its Mxfp4Experts, w13 of [2I, H] and w2 of [H, I] rows. gpt-oss's experts add biases to both products
+(w13_bias [E, 2I], w2_bias [E, H]) and take the clamped SwiGLU (moe_gemm.ClampedSwiGLU) for SiLU-and-mul.
 """
 from __future__ import annotations
 
@@ -27,14 +29,14 @@ import torch.nn.functional as F
 from minisrv.kernels.fp8_gemm import dequantized_matmul
 from minisrv.kernels.fp8_quant import FP8, quantize_tokens
 from minisrv.kernels.moe_align import Aligned, triton_align
-from minisrv.kernels.moe_gemm import MoeConfig, config_for, moe_gemm
+from minisrv.kernels.moe_gemm import ClampedSwiGLU, MoeConfig, config_for, moe_gemm
 from minisrv.kernels.moe_route import ROUTER_TOKENS, triton_route, triton_router
-from minisrv.kernels.moe_w4a16 import PackedExperts
+from minisrv.kernels.moe_w4a16 import Mxfp4Experts, PackedExperts
 from minisrv.kernels.w4a16_gemm import w4a16_gemm
 
 PAIR_ROWS = 16  # 4-bit experts: up to this many (token, expert) pairs run as rows of the dense 4-bit kernel
 
-Weights = Union[torch.Tensor, PackedExperts]  # an expert stack in the model's dtype or FP8, or in 4 bits
+Weights = Union[torch.Tensor, PackedExperts, Mxfp4Experts]  # an expert stack in the model's dtype or FP8, or 4 bits
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +68,7 @@ def route_and_align(x: torch.Tensor, router_weight: torch.Tensor, counter: torch
 
 def launch_config(n_pairs: int, w13: Weights, fp8: bool) -> MoeConfig:
     """The grouped GEMMs' launch rule (moe_gemm.config_for; 4-bit experts take bf16's)."""
-    if isinstance(w13, PackedExperts):
+    if isinstance(w13, (PackedExperts, Mxfp4Experts)):
         return config_for(n_pairs, w13.num_experts, False)
     return config_for(n_pairs, w13.shape[0], fp8)
 
@@ -85,6 +87,13 @@ def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) 
 def _check_shapes(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor]) -> None:
     t, h = x.shape
+    if isinstance(w13, Mxfp4Experts):
+        if not isinstance(w2, Mxfp4Experts) or w13_scale is not None or w2_scale is not None \
+                or w2.num_experts != w13.num_experts or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != t:
+            raise ValueError("MXFP4 experts: w13 and w2 both Mxfp4Experts of as many experts, no separate scales")
+        w13.check(h, w13.n, "w13")
+        w2.check(w13.n // 2, h, "w2")
+        return
     if isinstance(w13, PackedExperts):
         if not isinstance(w2, PackedExperts) or w13_scale is not None or w2_scale is not None \
                 or w2.num_experts != w13.num_experts or topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 \
@@ -108,17 +117,19 @@ def _check_shapes(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torc
 
 def experts_reference(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
-                      w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      w2_scale: Optional[torch.Tensor] = None, w13_bias: Optional[torch.Tensor] = None,
+                      w2_bias: Optional[torch.Tensor] = None, swiglu: Optional[ClampedSwiGLU] = None) -> torch.Tensor:
     """The experts in torch: for each expert that received a pair, its tokens' rows, the gate/up product, silu(gate)
     * up, the down product, scaled by the routing weights and summed into a float32 accumulator (float64 for
     float64 x); x.dtype out. Products and SiLU-and-mul round to x.dtype as the dense MLP does off CUDA. FP8: each
     product's input quantised per token (quantize_tokens) and the product dequantised in float32 (float64 for
     float64 x: dequantized_matmul), Fp8Linear's path off CUDA. 4-bit: each expert dequantised, then multiplied
-    (PackedExperts.product, W4A16Linear's path off CUDA). Syncs with the host (which experts are hit)."""
+    (PackedExperts.product, W4A16Linear's path off CUDA; MXFP4 alike). Biases are added to each product in x.dtype,
+    and `swiglu` replaces SiLU-and-mul, as transformers' gpt-oss does. Syncs with the host (which experts are hit)."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     t, h = x.shape
-    int4 = isinstance(w13, PackedExperts)
-    num_experts, top_k = (w13.num_experts if int4 else w13.shape[0]), topk_ids.shape[1]
+    packed = isinstance(w13, (PackedExperts, Mxfp4Experts))
+    num_experts, top_k = (w13.num_experts if packed else w13.shape[0]), topk_ids.shape[1]
     fp8 = w13_scale is not None
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     if fp8:
@@ -137,18 +148,22 @@ def experts_reference(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: 
         tokens = pairs // top_k
         if fp8:
             gu = dequantized_matmul(xq[tokens], xs[tokens], w13[e], w13_scale[e], acc_dtype).to(x.dtype)
-        elif int4:
+        elif packed:
             gu = w13.product(x.index_select(0, tokens), e)
         else:
             gu = x.index_select(0, tokens) @ w13[e].t()
+        if w13_bias is not None:
+            gu = gu + w13_bias[e].to(gu.dtype)
         gate, up = gu.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        act = swiglu(gate, up) if swiglu is not None else F.silu(gate) * up
         if fp8:
             y = dequantized_matmul(*quantize_tokens(act), w2[e], w2_scale[e], acc_dtype).to(x.dtype)
-        elif int4:
+        elif packed:
             y = w2.product(act, e)
         else:
             y = act @ w2[e].t()
+        if w2_bias is not None:
+            y = y + w2_bias[e].to(y.dtype)
         out.index_add_(0, tokens, y.to(acc_dtype) * weights[pairs, None])
     return out.to(x.dtype)
 
@@ -156,36 +171,39 @@ def experts_reference(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: 
 def triton_experts(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
                    w2_scale: Optional[torch.Tensor] = None, config: Optional[MoeConfig] = None,
-                   aligned: Optional[Aligned] = None) -> torch.Tensor:
+                   aligned: Optional[Aligned] = None, w13_bias: Optional[torch.Tensor] = None,
+                   w2_bias: Optional[torch.Tensor] = None, swiglu: Optional[ClampedSwiGLU] = None) -> torch.Tensor:
     """The fused path on x's device, whatever it is (under TRITON_INTERPRET=1, the CPU too): x bf16 or fp16 with
     unit column stride; w13 and w2 of x's dtype (or FP8, with scales, or 4-bit); config: the launch rule's
     unless given (4-bit experts without activation order: up to PAIR_ROWS pairs, a row each, unless given);
     aligned: the pairs already aligned for the launch rule's block rows (route_and_align). Returns the
-    sum over k, [T, H]. Raises RuntimeError where Triton is missing."""
+    sum over k, [T, H]. Biases and swiglu as experts_reference's. Raises RuntimeError where Triton is missing."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     int4 = isinstance(w13, PackedExperts)
     gemm, align = moe_gemm(), triton_align()
     if gemm is None or align is None:
         raise RuntimeError("the fused experts need Triton")
     t, h = x.shape
-    num_experts, inter = (w13.num_experts, w2.k) if int4 else (w13.shape[0], w2.shape[2])
+    num_experts, inter = (w13.num_experts, w2.k) if int4 or isinstance(w13, Mxfp4Experts) else \
+        (w13.shape[0], w2.shape[2])
     top_k = topk_ids.shape[1]
     fp8 = w13_scale is not None
     n_pairs = t * top_k
     if n_pairs == 0:
         return x.new_zeros(t, h)
-    if int4 and config is None and n_pairs <= PAIR_ROWS and w13.perm is None and w2.perm is None:
+    if int4 and config is None and n_pairs <= PAIR_ROWS and w13.perm is None and w2.perm is None \
+            and w13_bias is None and swiglu is None:
         return _experts_by_pair(x, w13, w2, topk_weights, topk_ids)
     c = config or launch_config(n_pairs, w13, fp8)
     if aligned is None:
         aligned = align(topk_ids, num_experts, c.block_m)
     a, a_scale = quantize_tokens(x) if fp8 else (x, None)
     act = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
-    gemm(a, a_scale, w13, w13_scale, act, None, aligned, top_k, True, c)
+    gemm(a, a_scale, w13, w13_scale, act, None, aligned, top_k, True, c, w13_bias, swiglu)
     a, a_scale = quantize_tokens(act) if fp8 else (act, None)
     out = torch.empty(t, top_k, h, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    gemm(a, a_scale, w2, w2_scale, out.view(n_pairs, h), weights, aligned, 1, False, c)
+    gemm(a, a_scale, w2, w2_scale, out.view(n_pairs, h), weights, aligned, 1, False, c, w2_bias)
     return out.view(t, h) if top_k == 1 else out.sum(dim=1)
 
 
@@ -209,7 +227,7 @@ def fused_runs(x: torch.Tensor, w13: Weights, fp8: bool) -> bool:
     stride, weights of x's dtype, 4-bit, or FP8 on a GPU with FP8 dots (SM 8.9+), and Triton present."""
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1):
         return False
-    if isinstance(w13, PackedExperts):
+    if isinstance(w13, (PackedExperts, Mxfp4Experts)):
         return moe_gemm() is not None and triton_align() is not None
     if fp8 and torch.cuda.get_device_capability(x.device) < (8, 9):
         return False
@@ -220,10 +238,13 @@ def fused_runs(x: torch.Tensor, w13: Weights, fp8: bool) -> bool:
 
 def fused_experts(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
-                  w2_scale: Optional[torch.Tensor] = None, aligned: Optional[Aligned] = None) -> torch.Tensor:
+                  w2_scale: Optional[torch.Tensor] = None, aligned: Optional[Aligned] = None,
+                  w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None,
+                  swiglu: Optional[ClampedSwiGLU] = None) -> torch.Tensor:
     """experts_reference's result, computed by the Triton kernels where they run (see fused_runs: CUDA with
     bf16/fp16 x; no host sync, so decode steps capture it in CUDA graphs), else by experts_reference (the CPU,
     float32 models, no Triton). aligned: route_and_align's, for the fused path."""
+    extra = dict(w13_bias=w13_bias, w2_bias=w2_bias, swiglu=swiglu)
     if fused_runs(x, w13, w13_scale is not None):
-        return triton_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, aligned=aligned)
-    return experts_reference(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+        return triton_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, aligned=aligned, **extra)
+    return experts_reference(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, **extra)

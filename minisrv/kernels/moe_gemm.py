@@ -10,7 +10,11 @@ b_scale[e, col] (a scale per token and per output row of the weight, as Fp8Linea
 weight. 4-bit (W4A16, kernels/moe_w4a16.py's PackedExperts): each program dequantises a [BLOCK_K, BLOCK_N] tile of
 its expert in registers from a [BLOCK_K / 8, BLOCK_N] block of words (BLOCK_K, halved until it divides the group,
 reads one row of scales and zeros a step) and feeds it to tl.dot: no weight wider than 4 bits goes to memory; with an
-activation order, A's columns are gathered through the expert's perm.
+activation order, A's columns are gathered through the expert's perm. MXFP4 (kernels/moe_w4a16.py's Mxfp4Experts):
+the tile from [BLOCK_K / 2, BLOCK_N] bytes of the rows of W, each e2m1 nibble made a float32 by bit arithmetic and
+scaled by its 32 values' e8m0 exponent (2^(s - 127), also made from bits), exact in the activations' dtype.
+gpt-oss's experts: biases added to each product before the activation and the routing weight (BIAS), and the
+clamped SwiGLU (CLAMP, ClampedSwiGLU) in place of SiLU-and-mul.
 
 Programs whose block lies past the padded total (the grid is sized for the most blocks T, k and E can take) exit
 after one load, so the grid is fixed by the shapes and the launch is captured in CUDA graphs.
@@ -23,8 +27,20 @@ from typing import Callable, NamedTuple, Optional, Union
 import torch
 
 from minisrv.kernels.moe_align import Aligned
-from minisrv.kernels.moe_w4a16 import PackedExperts
+from minisrv.kernels.moe_w4a16 import Mxfp4Experts, PackedExperts
 from minisrv.kernels.triton_launcher import triton_launcher
+
+
+class ClampedSwiGLU(NamedTuple):
+    """gpt-oss's activation of its experts' gate/up product: min(gate, limit) * sigmoid(alpha * min(gate, limit)) *
+    (clamp(up, -limit, limit) + 1)."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
 
 
 class MoeConfig(NamedTuple):
@@ -63,17 +79,20 @@ def moe_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., None]:
     where Triton is missing."""
 
     @triton.jit
-    def moe_grouped_gemm(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, zeros_ptr, perm_ptr, c_ptr, weights_ptr,
+    def moe_grouped_gemm(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, zeros_ptr, perm_ptr, c_ptr, weights_ptr, bias_ptr,
                          sorted_ptr, expert_ids_ptr, num_padded_ptr, n_pairs, n, k, group, stride_am, stride_be,
-                         stride_bn, stride_bk, stride_se, stride_cm, TOP_K: tl.constexpr, SILU: tl.constexpr,
-                         FP8: tl.constexpr, INT4: tl.constexpr, PERM: tl.constexpr, WEIGHTED: tl.constexpr,
+                         stride_bn, stride_bk, stride_se, stride_cm, stride_bias, alpha, limit, TOP_K: tl.constexpr,
+                         SILU: tl.constexpr, FP8: tl.constexpr, INT4: tl.constexpr, MXFP4: tl.constexpr,
+                         PERM: tl.constexpr, WEIGHTED: tl.constexpr, BIAS: tl.constexpr, CLAMP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Program pid: block pid // tiles of the aligned pairs, output columns (pid % tiles) * BLOCK_N onwards.
         A's row of pair p is p // TOP_K (gate/up: the token; down: TOP_K = 1, the pair's own row). SILU: columns
         [0, n) are gate, [n, 2n) up, and the output is n wide. INT4: B is kernels/moe_w4a16.py's 4-bit layout
         (b_ptr the words, b_scale_ptr the groups' scales, zeros_ptr their zeros; BLOCK_K divides the group), each
         [BLOCK_K, BLOCK_N] tile dequantised in registers before the dot; PERM: A's columns read through the
-        expert's activation order."""
+        expert's activation order. MXFP4: b_ptr the bytes [E, N, K/2] (rows stride_bn apart), b_scale_ptr the
+        exponents [E, N, K/32]. BIAS: bias_ptr [E, N] (rows stride_bias apart) added to the product; CLAMP: the
+        clamped SwiGLU with alpha and limit."""
         pid = tl.program_id(0)
         tiles = tl.cdiv(n, BLOCK_N)
         block = pid // tiles
@@ -91,7 +110,7 @@ def moe_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., None]:
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):
             k_ok = ks < k - k0  # (4-bit: K is whole groups of whole steps)
-            a_ok = row_ok[:, None] if INT4 else row_ok[:, None] & k_ok[None, :]
+            a_ok = row_ok[:, None] if INT4 or MXFP4 else row_ok[:, None] & k_ok[None, :]
             a_cols = tl.load(perm_ptr + expert * k + k0 + ks) if PERM else k0 + ks
             a = tl.load(a_ptr + a_rows[:, None] * stride_am + a_cols[None, :], mask=a_ok, other=0.0)
             for part in tl.static_range(1 + SILU):  # the gate's columns, then (SILU) the up's
@@ -105,6 +124,19 @@ def moe_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., None]:
                     # a nibble under float32's exponent of 2^23 reads as 2^23 + q (kernels/w4a16_gemm.py)
                     bits = (((words[:, None, :] >> shifts) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
                     b = ((tl.reshape(bits, (BLOCK_K, BLOCK_N)) - zero_magic[None, :]) * scale[None, :]).to(a.dtype)
+                elif MXFP4:
+                    row = expert * stride_be + c[None, :] * stride_bn
+                    pairs8 = tl.load(b_ptr + row + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[:, None],
+                                     mask=col_ok[None, :], other=0).to(tl.uint32)
+                    q = tl.reshape((pairs8[:, None, :] >> (tl.arange(0, 2) * 4)[None, :, None]) & 0xF,
+                                   (BLOCK_K, BLOCK_N))  # row 2j + i: nibble i of byte j
+                    e, m = (q >> 1) & 3, q & 1  # e2m1 -> float32 bits: exponent e - 1 (e > 0), else m * 0.5
+                    bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23)) | ((q & 8) << 28)
+                    s8 = tl.load(b_scale_ptr + expert * stride_se + c[None, :] * (k // 32)
+                                 + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[:, None], mask=col_ok[None, :], other=0)
+                    scale = (s8.to(tl.uint32) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127)
+                    b = tl.reshape(tl.reshape(bits.to(tl.float32, bitcast=True), (BLOCK_K // 32, 32, BLOCK_N))
+                                   * scale[:, None, :], (BLOCK_K, BLOCK_N)).to(a.dtype)
                 else:
                     b = tl.load(b_ptr + expert * stride_be + (k0 + ks)[:, None] * stride_bk + c[None, :] * stride_bn,
                                 mask=k_ok[:, None] & col_ok[None, :], other=0.0)
@@ -118,35 +150,53 @@ def moe_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., None]:
             acc = acc * a_scale * tl.load(scale_ptrs, mask=col_ok, other=0.0)[None, :]
             if SILU:
                 up = up * a_scale * tl.load(scale_ptrs + n, mask=col_ok, other=0.0)[None, :]
-        if SILU:
+        if BIAS:
+            bias_ptrs = bias_ptr + expert * stride_bias + cols
+            acc += tl.load(bias_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            if SILU:
+                up += tl.load(bias_ptrs + n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if CLAMP:
+            acc = tl.minimum(acc, limit)
+            acc = acc / (1.0 + tl.exp(-alpha * acc)) * (tl.minimum(tl.maximum(up, -limit), limit) + 1.0)
+        elif SILU:
             acc = acc / (1.0 + tl.exp(-acc)) * up
         if WEIGHTED:
             acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
         out_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + cols[None, :]
         tl.store(out_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
-    def run(a: torch.Tensor, a_scale: Optional[torch.Tensor], b: Union[torch.Tensor, PackedExperts],
+    def run(a: torch.Tensor, a_scale: Optional[torch.Tensor], b: Union[torch.Tensor, PackedExperts, Mxfp4Experts],
             b_scale: Optional[torch.Tensor], out: torch.Tensor, weights: Optional[torch.Tensor], aligned: Aligned,
-            top_k: int, silu: bool, config: MoeConfig) -> None:
+            top_k: int, silu: bool, config: MoeConfig, bias: Optional[torch.Tensor] = None,
+            swiglu: Optional[ClampedSwiGLU] = None) -> None:
         """out[p] = (silu(gate) * up if silu else the product) of A's row p // top_k and expert e(p)'s B, times
         weights[p] if weights is given, for every aligned pair p. a [rows, K] with unit column stride; b [E, N, K]
-        (N = 2 * out's width if silu) or 4-bit PackedExperts of [K, N] matrices (contiguous, no b_scale); a_scale
-        float32 [rows] or [rows, 1] and b_scale float32 [E, N] for FP8 operands; out [T*k, n] with unit column
-        stride; weights float32, contiguous [T*k]."""
+        (N = 2 * out's width if silu), 4-bit PackedExperts of [K, N] matrices or Mxfp4Experts of [N, K] ones
+        (contiguous, no b_scale); a_scale float32 [rows] or [rows, 1] and b_scale float32 [E, N] for FP8 operands;
+        out [T*k, n] with unit column stride; weights float32, contiguous [T*k]; bias [E, N] with unit column
+        stride, added to the product; swiglu: the clamped SwiGLU in place of SiLU-and-mul (with silu)."""
         n = out.shape[1]
         k = a.shape[1]
         width = 2 * n if silu else n
-        int4 = isinstance(b, PackedExperts)
-        if a.stride(1) != 1 or out.stride(1) != 1 or (not int4 and (b.shape[1] != width or b.shape[2] != k)):
+        int4, mxfp4 = isinstance(b, PackedExperts), isinstance(b, Mxfp4Experts)
+        if a.stride(1) != 1 or out.stride(1) != 1 or (bias is not None and (bias.stride(1) != 1
+                                                                              or bias.shape[1] != width)) \
+                or (not int4 and not mxfp4 and (b.shape[1] != width or b.shape[2] != k)):
             raise ValueError(f"grouped GEMM operands: a {tuple(a.shape)} (column stride {a.stride(1)}), b "
                              f"{tuple(b.shape)}, out {tuple(out.shape)} (column stride {out.stride(1)}), silu {silu}")
         block_k = config.block_k
-        if int4:
+        if int4 or mxfp4:
             if a_scale is not None or b_scale is not None:
                 raise ValueError("4-bit experts take 16-bit activations and no separate weight scales")
             b.check(k, width, "grouped GEMM operand")
             if not all(t.is_contiguous() for t in b if t is not None):
                 raise ValueError("4-bit grouped GEMM operands: the experts' tensors must be contiguous")
+        if mxfp4:  # bytes [E, N, K/2], exponents [E, N, K/32]: a row of W is K/2 bytes
+            while k % block_k:  # whole steps of a power of two (K is whole 32s: b.check)
+                block_k //= 2
+            tensors, group, strides = (b.blocks, b.scales, a, None), 32, (b.blocks.stride(0), k // 2, 1,
+                                                                          b.scales.stride(0))
+        elif int4:
             while b.group % block_k:  # (groups are multiples of 16: b.check)
                 block_k //= 2
             # words [E, K/8, W]; scales and zeros [E, K/G, W]: a row of either is W apart
@@ -162,10 +212,12 @@ def moe_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., None]:
         grid = (aligned.expert_ids.numel() * triton.cdiv(n, config.block_n),)
         moe_grouped_gemm[grid](a, a_scale if a_scale is not None else a, words, scales, zeros,
                                perm if perm is not None else a, out, weights if weights is not None else a,
-                               aligned.sorted_pairs, aligned.expert_ids, aligned.num_padded, out.shape[0], n, k, group,
-                               a.stride(0), *strides, out.stride(0), TOP_K=top_k, SILU=silu,
-                               FP8=b_scale is not None and not int4, INT4=int4, PERM=perm is not None,
-                               WEIGHTED=weights is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                               bias if bias is not None else a, aligned.sorted_pairs, aligned.expert_ids,
+                               aligned.num_padded, out.shape[0], n, k, group, a.stride(0), *strides, out.stride(0),
+                               bias.stride(0) if bias is not None else 0, *(swiglu or (1.0, 0.0)), TOP_K=top_k,
+                               SILU=silu, FP8=b_scale is not None and not int4 and not mxfp4, INT4=int4, MXFP4=mxfp4,
+                               PERM=perm is not None, WEIGHTED=weights is not None, BIAS=bias is not None,
+                               CLAMP=swiglu is not None and silu, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                                BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages)
 
     return run

@@ -4,8 +4,9 @@ One decoder serves every architecture; what differs between them is read here: q
 norms (Qwen3), which layers have a sliding window (Mistral, Phi-3: all; Gemma 2: every other; Gemma 3: five in six),
 Gemma's ways (the (1 + weight) RMSNorm, norms after attention and around the MLP, the scaled embedding, tanh-GELU,
 soft-capped logits, the query scale, Gemma 3's rope base of its local layers), LongRoPE and partial rotary (Phi-3,
-Phi-4), and for mixtures of experts which layers are sparse, how many experts, how many a token takes, and whether
-their weights are renormalised (Qwen3-MoE, Mixtral, Qwen2-MoE's shared expert). Gemma3ForConditionalGeneration is
+Phi-4), gpt-oss's attention sinks, output bias and YaRN rope, and for mixtures of experts which layers are sparse,
+how many experts, how many a token takes, and whether their weights are renormalised (Qwen3-MoE, Mixtral, Qwen2-MoE's
+shared expert, gpt-oss's biased router and experts with their clamped SwiGLU). Gemma3ForConditionalGeneration is
 read as its language model (`text_config`)."""
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ ARCHITECTURE_OF_MODEL_TYPE = {  # config.json's model_type (what a GGUF's config
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-    "gemma3": "Gemma3ForConditionalGeneration", "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration", "phi3": "Phi3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
 }
 VISION_LANGUAGE = ("Gemma3ForConditionalGeneration",)  # served as their language model alone
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -74,6 +75,11 @@ class ModelArgs:
     moe_layers: Tuple[int, ...] = ()  # the sparse layers; the others have a dense MLP
     base_model: bool = False  # the config names a bare decoder (Qwen3Model, ...): an embedding model, no LM head
     partial_rotary_factor: float = 1.0  # the share of each head's dims the rotary turns (Phi-4-mini: 0.75)
+    attention_sinks: bool = False  # a learned sink logit per head (gpt-oss: attention_options.py)
+    o_proj_bias: bool = False  # the attention's output projection has a bias (gpt-oss)
+    expert_bias: bool = False  # the router and the experts' gate/up and down products have biases (gpt-oss)
+    swiglu_limit: Optional[float] = None  # gpt-oss's clamped SwiGLU (kernels/moe_gemm.ClampedSwiGLU); None: SiLU
+    swiglu_alpha: float = 1.702
 
     @property
     def rotary_dim(self) -> int:
@@ -142,6 +148,7 @@ class ModelArgs:
             quantization_config=cfg.get("quantization_config") or None,
             base_model=base_model,
             partial_rotary_factor=float(cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))),
+            **(_gpt_oss(cfg) if arch == "GptOssForCausalLM" else {}),
             **_experts(arch, cfg),
         )
 
@@ -176,15 +183,23 @@ def _longrope(rope: Dict[str, Any], cfg: Dict[str, Any]) -> Dict[str, Any]:
     return dict(rope, rope_type="longrope", original_max_position_embeddings=int(original), factor=factor)
 
 
+def _gpt_oss(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """gpt-oss's own fields: sinks, biases on the attention's output, the router and the experts, the clamped
+    SwiGLU (its windowed layers come from layer_types; YaRN from its rope settings)."""
+    return dict(attention_sinks=True, o_proj_bias=bool(cfg.get("attention_bias", True)), expert_bias=True,
+                swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
+
+
 def _experts(arch: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """The mixture-of-experts fields of a config (none for a dense one). Mixtral: every layer sparse, experts as wide
-    as intermediate_size, weights renormalised. Qwen2/3-MoE: layer i is sparse unless it is in mlp_only_layers or
+    """The mixture-of-experts fields of a config (none for a dense one). Mixtral and gpt-oss: every layer sparse,
+    experts as wide as intermediate_size, weights renormalised (gpt-oss's softmax over its top-k logits is that).
+    Qwen2/3-MoE: layer i is sparse unless it is in mlp_only_layers or
     (i + 1) is not a multiple of decoder_sparse_step; renormalised when norm_topk_prob."""
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     if not experts:
         return {}
     layers = cfg["num_hidden_layers"]
-    if arch == "MixtralForCausalLM":
+    if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
         return dict(num_experts=experts, experts_per_token=int(cfg.get("num_experts_per_tok", 2)),
                     moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
                     moe_layers=tuple(range(layers)))

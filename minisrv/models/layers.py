@@ -93,7 +93,34 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: Optional[Dict[str, Any
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, longrope")
+    if kind == "yarn":
+        return _yarn(rotary_dim, theta, scaling, powers)
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, longrope, yarn")
+
+
+def _yarn(dim: int, theta: float, scaling: Dict[str, Any], powers: torch.Tensor) -> Tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss), as transformers computes it: frequencies turning fewer than beta_slow times over the original
+    context are interpolated (divided by `factor`), those turning more than beta_fast times kept, a linear ramp
+    between (its ends floored and ceiled with `truncate`, transformers' default); cos and sin scaled by the attention
+    factor, the config's or 0.1 ln(factor) + 1 (the mscale ratio where mscale and mscale_all_dim are given)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(m) / mscale(m_all) if m and m_all else mscale()
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = (torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low if high != low else 0.001)
+    extrapolation = 1 - ramp.clamp(0, 1)
+    return (1.0 / (factor * powers)) * (1 - extrapolation) + (1.0 / powers) * extrapolation, float(attention)
 
 
 class RotaryEmbedding(nn.Module):
@@ -168,7 +195,7 @@ class VocabEmbedding(nn.Module):
 
 class Attention(nn.Module):
     """Grouped-query attention: fused qkv projection, optional q/k RMSNorm (Qwen3, Gemma 3), rotary, then the
-    backend, which knows each layer's window, scale and soft-cap (attention_options.py)."""
+    backend, which knows each layer's window, scale, soft-cap and sinks (attention_options.py)."""
 
     def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding, ops: LayerOps, num_heads: int,
                  num_kv_heads: int, tp: TensorParallel, quantization: Optional[str], reduce_output: bool) -> None:
@@ -182,7 +209,9 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
         self.qkv_proj = make_linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.attention_bias,
                                     quantization, ops)
-        self.o_proj = make_linear(self.q_size, args.hidden_size, False, quantization, ops)
+        self.o_proj = make_linear(self.q_size, args.hidden_size, args.o_proj_bias, quantization, ops)
+        # gpt-oss's sink logit of each of this rank's heads, which the backend reads (attention_options.py)
+        self.sinks = nn.Parameter(torch.empty(self.hq), requires_grad=False) if args.attention_sinks else None
         norm = functools.partial(make_norm, self.d, args.rms_norm_eps, ops, plus_one=args.gemma_norms)
         self.q_norm = norm() if args.qk_norm else None
         self.k_norm = norm() if args.qk_norm else None

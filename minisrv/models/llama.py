@@ -32,14 +32,15 @@ class DecoderLayer(nn.Module):
         # with a fused all-reduce + add + norm, o and down return partial sums and the norm after each reduces them
         # (not Gemma's, whose norm after attention takes the whole sum before any add)
         self.partial = tp.fused_norm is not None and not args.gemma_norms
+        projections = None if quantization == "mxfp4" else quantization  # ("mxfp4": the experts alone)
         self.self_attn = Attention(args, layer_id, rotary, ops, plan.num_heads, plan.num_kv_heads, tp,
-                                   quantization, reduce_output=not self.partial)
+                                   projections, reduce_output=not self.partial)
         sparse = args.is_moe_layer(layer_id)
         if sparse:
             self.mlp = SparseMoE(args, plan.moe_intermediate, plan.shared_intermediate, ops, tp, quantization,
                                  reduce_output=not self.partial)
         else:
-            self.mlp = GatedMLP(args.hidden_size, plan.intermediate, ops, tp, quantization,
+            self.mlp = GatedMLP(args.hidden_size, plan.intermediate, ops, tp, projections,
                                 reduce_output=not self.partial, act=args.hidden_act)
         # the norms before qkv and a dense gate_up hand FP8 projections their input quantised (a router takes it
         # unquantised: the fused experts quantise it themselves)
@@ -140,9 +141,9 @@ class LlamaForCausalLM(nn.Module):
         """ops: the elementwise kernels every layer shares (layer_ops.LayerOps; None: torch's).
         tp: this rank's place in a tensor-parallel group; the model holds that rank's shard (sharding.py).
         quantization: "fp8" for FP8 projections (qkv, o, gate_up, down; see fp8.py), the embedding, norms and
-        lm_head staying in the model's dtype; "gguf" for a GGUF model's projections, embedding and lm_head kept in
-        their blocks on the CPU (block_layers.py), "gguf-planes" on the GPU (planes_layers.py); None for the
-        model's dtype."""
+        lm_head staying in the model's dtype; "mxfp4" for a mixture's experts kept in MXFP4 (moe.py); "gguf" for
+        a GGUF model's projections, embedding and lm_head kept in their blocks on the CPU (block_layers.py),
+        "gguf-planes" on the GPU (planes_layers.py); None for the model's dtype."""
         super().__init__()
         self.args = args
         self.tp = tp or TensorParallel.single()
@@ -164,6 +165,12 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] of every token; logits are taken only where they are needed. attn: the step's
         attention.AttentionStep (backend and this step's metadata). aux: see DecoderLayers."""
         return self.model(input_ids, positions, attn, aux)
+
+    def attention_sinks(self) -> Optional[List[torch.Tensor]]:
+        """Each layer's sink logits (this rank's heads), for a model with sinks (attention_options.layer_attention)."""
+        if not self.args.attention_sinks:
+            return None
+        return [layer.self_attn.sinks.detach() for layer in self.model.layers]
 
     def read_layers(self, layer_ids: Tuple[int, ...]) -> None:
         """Which layers' input a step that passes `aux` reads (an EAGLE-3 head's)."""

@@ -7,7 +7,9 @@
 - The embedding and lm_head are split by vocabulary rows, padded to a multiple of the rank count.
 - K/V heads are split across ranks, or replicated when there are fewer K/V heads than ranks (each rank then holds
   the one K/V head its query heads read).
-- Norms are replicated.
+- Norms are replicated; gpt-oss's attention sinks are split with their heads.
+- Biases follow their rows (q, k, v, gate, up); a row-parallel layer's (o's and down's, gpt-oss) is added by rank 0
+  alone, since every rank's product is a partial sum (`bias_on_rank_zero`).
 """
 from __future__ import annotations
 
@@ -72,6 +74,10 @@ class ShardPlan:
         if self.size == 1:
             return None
         d = self.head_dim
+        if hf_name.endswith(".sinks"):
+            return Slice(0, self.head_start, self.num_heads)
+        if self.bias_on_rank_zero(hf_name):
+            return None
         last = hf_name.rsplit(".", 2)[-2]  # "model.layers.0.self_attn.q_proj.weight" -> "q_proj"
         if last == "q_proj":
             return Slice(0, self.head_start * d, self.num_heads * d)
@@ -87,6 +93,11 @@ class ShardPlan:
         if last in ("embed_tokens", "lm_head"):
             return Slice(0, self.vocab_start, self.vocab_rows)
         return None
+
+    @staticmethod
+    def bias_on_rank_zero(hf_name: str) -> bool:
+        """Whether `hf_name` is a row-parallel layer's bias, held whole and added by rank 0 alone (zeros elsewhere)."""
+        return hf_name.endswith((".o_proj.bias", ".down_proj.bias"))
 
     def mlp_share(self, hf_name: str):
         """(start, width) of this rank's slice of the MLP that `hf_name` belongs to: an expert's, the shared
