@@ -16,7 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from .helpers.tiny_models import ARCHS, MOE_ARCHS, PHI_ARCHS, WINDOW_ARCHS, build_tiny_model  # noqa: E402
+from .helpers.tiny_models import (ARCHS, GPT_OSS_ARCHS, MOE_ARCHS, PHI_ARCHS, WINDOW_ARCHS,  # noqa: E402
+                                  build_tiny_model)
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +28,7 @@ def tiny_model(tmp_path_factory):
     def get(name: str) -> str:
         if name not in cache:
             path = str(tmp_path_factory.mktemp(f"tiny-{name}"))
-            seed = (ARCHS + MOE_ARCHS + WINDOW_ARCHS + PHI_ARCHS).index(name) + 1
+            seed = (ARCHS + MOE_ARCHS + WINDOW_ARCHS + PHI_ARCHS + GPT_OSS_ARCHS).index(name) + 1
             cache[name] = build_tiny_model(path, name, seed=seed)
         return cache[name]
 

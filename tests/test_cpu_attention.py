@@ -23,9 +23,10 @@ KERNEL, HOW = PagedDecodeKernel.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"the CPU attention kernel cannot be built here: {HOW}")
 
 
-def reference(q, keys, values, q_pos, scale, window=None, softcap=None):
+def reference(q, keys, values, q_pos, scale, window=None, softcap=None, sinks=None):
     """Float64 attention of queries [n, Hq, D] at positions q_pos over keys/values [L, Hkv, D] (position = index):
-    causal, within the last `window` positions, scores soft-capped."""
+    causal, within the last `window` positions, scores soft-capped, each head's sink logit (a sequence of Hq) a
+    column of the softmax whose weight goes nowhere."""
     g = q.shape[1] // keys.shape[1]
     kk = keys.double().repeat_interleave(g, dim=1)
     vv = values.double().repeat_interleave(g, dim=1)
@@ -36,6 +37,9 @@ def reference(q, keys, values, q_pos, scale, window=None, softcap=None):
     s = s.masked_fill(k_pos > q_pos[None, :, None], float("-inf"))
     if window:
         s = s.masked_fill(k_pos <= q_pos[None, :, None] - window, float("-inf"))
+    if sinks is not None:
+        sink = torch.tensor(sinks, dtype=torch.float64)[:, None, None].expand(s.shape[0], s.shape[1], 1)
+        return torch.einsum("hqk,khd->qhd", torch.cat([s, sink], -1).softmax(-1)[..., :-1], vv)
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
 
 
@@ -100,6 +104,32 @@ def test_paged_decode_kernel_groups_a_verify_steps_queries(hq, hkv, d, window, s
 
 
 @needs_kernel
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 32), (8, 2, 64)])
+def test_paged_decode_kernel_with_sinks_matches_float64(hq, hkv, d, window):
+    """gpt-oss's sinks: a logit per query head in each softmax's denominator (large and small against the scores,
+    so that they move the output), with and without a window, verify groups beside single rows."""
+    req_lens, per_req = [1, 40, 9, 70], [1, 3, 1, 2]
+    table, req_rows, num_pages = scatter_rows(req_lens, 16, 6, 96, seed=hq + window)
+    rows = torch.cat([req_rows[i].repeat(n) for i, n in enumerate(per_req)])
+    kv_lens = torch.tensor([n - q + 1 + j for n, q in zip(req_lens, per_req) for j in range(q)], dtype=torch.int32)
+    torch.manual_seed(2)
+    kv = torch.randn(2, num_pages * 16, hkv, d)
+    q = torch.randn(len(rows), hq, d)
+    sinks = torch.linspace(-3.0, 4.0, hq)
+    out = KERNEL(q, kv[0], kv[1], table, rows, kv_lens, d ** -0.5, window, 0.0, sinks)
+    ref = paged_decode_reference(q, kv[0], kv[1], table, rows, kv_lens, d ** -0.5, window, 0.0, sinks)
+    assert (out.double() - ref).abs().max() < 2e-6
+    plain = paged_decode_reference(q, kv[0], kv[1], table, rows, kv_lens, d ** -0.5, window)
+    assert (plain - ref).abs().max() > 0.05  # the sinks matter here
+    for i, (row, n) in enumerate(zip(rows.tolist(), kv_lens.tolist())):  # against attention by position
+        slots = table[row, :n].long()
+        direct = reference(q[i:i + 1], kv[0][slots], kv[1][slots], torch.tensor([n - 1]), d ** -0.5, window,
+                           sinks=sinks.tolist())
+        assert torch.allclose(ref[i], direct[0], atol=1e-12)
+
+
+@needs_kernel
 def test_paged_decode_kernel_reads_strided_queries_and_pool_rows():
     """q as a strided view (a fused qkv output's q part) and a pool whose K rows are one half of a [2, ...] tensor."""
     lens = [7, 30]
@@ -120,16 +150,19 @@ def _batch(mode, lens, exts, rows, loc, positions):
                         max(lens))
 
 
-# each layer's attention: plain; a window shorter than most sequences; soft-capped scores with another scale
+# each layer's attention: plain; a window shorter than most sequences; soft-capped scores with another scale; sinks
+# (of the 6 query heads), with a window and without
+SINKS = (-2.0, 0.5, 3.0, 1.0, -0.5, 2.0)
 LAYERS = (LayerAttention(32 ** -0.5), LayerAttention(32 ** -0.5, window=6), LayerAttention(0.1, softcap=2.0),
-          LayerAttention(32 ** -0.5, window=11, softcap=3.0))
+          LayerAttention(32 ** -0.5, window=11, softcap=3.0), LayerAttention(32 ** -0.5, window=6, sinks=SINKS),
+          LayerAttention(32 ** -0.5, sinks=SINKS))
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_backend_extend_packed_then_decode_in_place(page_size):
     """An extend batch mixing fresh prompts with prompts on a cached prefix (and a one-token extend), then a decode
     step over the same requests: each against float64 attention over the request's keys, and the decode against
-    the backend's padded path; layers with windows and soft-capping beside a plain one."""
+    the backend's padded path; layers with windows, soft-capping and sinks beside a plain one."""
     hq, hkv, d, layers = 6, 2, 32, len(LAYERS)
     prefix = [0, 13, 0, 40, 7]
     exts = [9, 20, 1, 5, 16]
@@ -184,7 +217,7 @@ def test_backend_extend_packed_then_decode_in_place(page_size):
 
 def _options(layer):
     a = LAYERS[layer]
-    return a.scale, a.window, a.softcap
+    return a.scale, a.window, a.softcap, a.sinks
 
 
 def test_fp8_pool_keeps_the_padded_path():

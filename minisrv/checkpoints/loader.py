@@ -117,10 +117,10 @@ records, on CUDA as the W4A16 GEMM's planes), dequantised ("float32": to the mod
 they can be."""
     qc = build.args.quantization_config
     mxfp4 = (qc or {}).get("quant_method") == "mxfp4"  # gpt-oss's experts (gpt_oss_experts.py)
-    int4 = None if mxfp4 else int4_scheme(qc)
+    int4 = int4_scheme(qc)
     if (int4 is not None or mxfp4) and build.quantization is not None:
         raise ValueError(f"--quantization {build.quantization} cannot requantise this {int4 or 'mxfp4'} checkpoint")
-    fp8_format = fp8_checkpoint_format(qc) if int4 is None and not mxfp4 else None
+    fp8_format = fp8_checkpoint_format(qc) if int4 is None else None
     build = replace(build, quantization=int4 or ("fp8" if build.quantization == "fp8" or fp8_format is not None
                                                  else None))
     if mxfp4 and build.device.type == "cuda":  # kept in 4 bits (the CPU's dequantised to the model's dtype)

@@ -143,6 +143,8 @@ def _unsharded_shape(name: str, shape: Tuple[int, ...], args: ModelArgs) -> Tupl
     """The checkpoint shape of a parameter that is not fused (row-parallel ones are split by columns)."""
     if name.endswith("o_proj.weight"):
         return (shape[0], args.num_heads * args.head_dim)
+    if name.endswith(".sinks"):  # (split with the heads)
+        return (args.num_heads,)
     if name.endswith("down_proj.weight"):
         return (shape[0], _mlp_width(name, args))
     return shape

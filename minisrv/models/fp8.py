@@ -130,14 +130,15 @@ class Fp8Linear(nn.Module):
 
 
 def fp8_checkpoint_format(quantization_config: Optional[dict]) -> Optional[Any]:
-    """For a checkpoint's `quantization_config`: None when it is not quantised; the block shape (bh, bw) or
-    "tensor" (per-tensor or per-row scales) for an `fp8` one. Other methods raise ValueError naming them."""
-    if not quantization_config:
+    """For a checkpoint's `quantization_config`: None when it is not quantised, or only gpt-oss's experts are
+    (mxfp4: checkpoints/gpt_oss_experts.py); the block shape (bh, bw) or "tensor" (per-tensor or per-row scales)
+    for an `fp8` one. Other methods raise ValueError naming them."""
+    method = (quantization_config or {}).get("quant_method")
+    if not quantization_config or method == "mxfp4":
         return None
-    method = quantization_config.get("quant_method")
     if method != "fp8":
         raise ValueError(f"unsupported checkpoint quantization {method!r}: minisrv reads fp8 checkpoints "
                          "(per-tensor, per-channel or 128x128 block scales), 4-bit awq, gptq and compressed-tensors "
-                         "ones and bf16/fp16/fp32 ones")
+                         "ones, gpt-oss's mxfp4 experts and bf16/fp16/fp32 ones")
     block = quantization_config.get("weight_block_size")
     return tuple(int(b) for b in block) if block else "tensor"

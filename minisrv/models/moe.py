@@ -139,7 +139,7 @@ class SparseMoE(nn.Module):
         self.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routed = None if self.gate.bias is not None or getattr(self.experts, "mxfp4", False) else \
+        routed = None if self.gate.bias is not None else \
             route_and_align(x, self.gate.weight, self.router_counter, self.top_k, self.renormalize,
                             self.experts.w13, self.experts.fp8)  # (the one-launch router takes no bias)
         if routed is None:

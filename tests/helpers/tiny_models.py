@@ -1,5 +1,5 @@
 """Tiny random-weight HF checkpoints of the four dense architectures, the mixtures of experts, the models with
-sliding windows and Phi-3/Phi-4, with a word-level tokenizer, and the engine and sampling settings the CPU tests run
+sliding windows, Phi-3/Phi-4 and gpt-oss, with a word-level tokenizer, and the engine and sampling settings the CPU tests run
 them with."""
 from __future__ import annotations
 
@@ -92,13 +92,25 @@ PHI_SPECS: Dict[str, Tuple[str, dict]] = {
 }
 PHI_ARCHS = list(PHI_SPECS)
 
+# gpt-oss (GptOssForCausalLM): windowed (8 tokens) and full layers alternating, sinks, biases everywhere, YaRN as
+# gpt-oss sets it (truncate off) over an original context of 32 positions, 4 experts of width 64 (whole 32s for MXFP4
+# on each of two ranks), top-2, a SwiGLU limit the random products cross
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 32}
+GPT_OSS_SPECS: Dict[str, Tuple[str, dict]] = {
+    "gpt_oss": ("GptOssConfig", dict(vocab_size=320, num_hidden_layers=3, max_position_embeddings=256,
+                                     intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                                     sliding_window=8, swiglu_limit=1.0, rope_parameters=dict(YARN))),
+}
+GPT_OSS_ARCHS = list(GPT_OSS_SPECS)
+
 COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0)
 
 
 def make_config(name: str, **overrides):
     import transformers
-    cls_name, kw = {**TINY_SPECS, **MOE_SPECS, **WINDOW_SPECS, **PHI_SPECS}[name]
+    cls_name, kw = {**TINY_SPECS, **MOE_SPECS, **WINDOW_SPECS, **PHI_SPECS, **GPT_OSS_SPECS}[name]
     kw = copy.deepcopy({**COMMON, **kw, **overrides})  # (a config class may change its rope dict in place)
     if cls_name == "Gemma3Config":  # the language model's config inside a vision-language one
         text = {k: kw.pop(k) for k in list(kw) if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
@@ -110,8 +122,8 @@ def make_config(name: str, **overrides):
 
 
 def init_weights(model: torch.nn.Module, seed: int, std: float = 0.15) -> None:
-    """Weights large enough that greedy choices are rarely near-ties; norms and biases randomised too, so the
-    tests notice if one of them is dropped or applied to the wrong tensor."""
+    """Weights large enough that greedy choices are rarely near-ties; norms, biases and attention sinks randomised
+    too (sinks as large as scores), so the tests notice if one of them is dropped or applied to the wrong tensor."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -119,6 +131,8 @@ def init_weights(model: torch.nn.Module, seed: int, std: float = 0.15) -> None:
                 p.copy_(1.0 + 0.3 * (torch.rand(p.shape, generator=g) - 0.5))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("sinks"):
+                p.copy_(1.5 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(std * torch.randn(p.shape, generator=g))
 
