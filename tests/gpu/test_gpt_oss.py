@@ -1,0 +1,93 @@
+"""gpt-oss on a CUDA GPU: its experts in the grouped GEMM at gpt-oss-20b's shape (hidden 2880, width 2880, top-4; 16
+experts to keep the float64 reference small), in bfloat16 and kept in MXFP4, with biases and the clamped SwiGLU,
+against float64 from the specification (helpers/gpt_oss_interpreted_checks.py), eager and replayed from a CUDA
+graph; end to end, a tiny gpt-oss (transformers' layout, and MXFP4 experts kept in 4 bits) in bf16 on the torch
+backend (the one that serves sinks) against HF transformers in float64, and fi refused for it."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from minisrv import LLM, SamplingParams
+from minisrv.attention import BackendUnavailable
+from minisrv.kernels.fused_moe import fused_experts, fused_runs
+from minisrv.kernels.moe_w4a16 import Mxfp4Experts
+
+from ..helpers import build_tiny_model, hf_logits, make_prompts, vocab_of
+from .common import free_cuda
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+E, TOP_K, HIDDEN, INTER = 16, 4, 2880, 2880
+BOUND = 2e-2  # of the largest output: bfloat16 rounding of the tile and of the activation (2^-9 each)
+
+
+def _load_checks():
+    """helpers/gpt_oss_interpreted_checks.py by path (the helpers package imports the CPU suite's dependencies)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers",
+                        "gpt_oss_interpreted_checks.py")
+    spec = importlib.util.spec_from_file_location("gpt_oss_interpreted_checks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CHECKS = _load_checks()
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+@pytest.mark.parametrize("t", [1, 7, 64, 700])
+def test_experts_match_float64(mxfp4, t):
+    x, w13, w2, b13, b2, weights, ids = CHECKS.case(t, HIDDEN, INTER, E, TOP_K, mxfp4, True, seed=t)
+    ref = CHECKS.experts_float64(x, CHECKS.dense_float64(w13), CHECKS.dense_float64(w2), b13.bfloat16(),
+                                 b2.bfloat16(), weights, ids, CHECKS.SWIGLU)
+    dev = torch.device("cuda")
+    if mxfp4:
+        w13, w2 = (Mxfp4Experts(w.blocks.to(dev), w.scales.to(dev)) for w in (w13, w2))
+    else:
+        w13, w2 = w13.to(dev).bfloat16(), w2.to(dev).bfloat16()
+    xb = x.to(dev).bfloat16()
+    assert fused_runs(xb, w13, False)
+    args = (xb, w13, w2, weights.to(dev), ids.to(dev))
+    extra = dict(w13_bias=b13.to(dev).bfloat16(), w2_bias=b2.to(dev).bfloat16(), swiglu=CHECKS.SWIGLU)
+    got = fused_experts(*args, **extra)
+    err = CHECKS.relative_error(got, ref)
+    assert err <= BOUND, f"{'MXFP4' if mxfp4 else 'bf16'} T={t}: error {err:.2e}"
+    graph, static = torch.cuda.CUDAGraph(), None
+    fused_experts(*args, **extra)  # warm
+    with torch.cuda.graph(graph):
+        static = fused_experts(*args, **extra)
+    graph.replay()
+    assert torch.equal(static, got)
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_tiny_gpt_oss_on_the_torch_backend_matches_hf(tmp_path_factory, mxfp4):
+    from ..helpers.gpt_oss_checkpoints import write_mxfp4_pair
+    path = build_tiny_model(str(tmp_path_factory.mktemp("gpt-oss")), "gpt_oss", seed=3, hidden_size=256,
+                            head_dim=64, intermediate_size=128)
+    ref = path
+    if mxfp4:
+        root = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+        path, ref = write_mxfp4_pair(path, str(root / "mxfp4"), str(root / "twin"))
+    with pytest.raises(BackendUnavailable, match="sinks"):
+        LLM(model=path, attention_backend="fi", dtype="bfloat16", log_level="warning")
+    prompts = make_prompts(vocab_of(path), [40, 90, 9], seed=5)  # past the 8-token window but one
+    llm = LLM(model=path, attention_backend="auto", dtype="bfloat16", page_size=1, log_level="warning")
+    try:
+        assert llm.engine.runner.backend.name == "torch"
+        experts = llm.engine.runner.model.model.layers[0].mlp.experts
+        assert experts.mxfp4 == mxfp4
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    finally:
+        del llm
+        free_cuda()
+    for p, o in zip(prompts, outs):
+        logits = hf_logits(ref, p + o.token_ids).float()
+        at = logits[len(p) - 1:len(p) - 1 + len(o.token_ids)]
+        chosen = at.gather(1, torch.tensor(o.token_ids)[:, None]).squeeze(1)
+        gap = (at.max(dim=1).values - chosen).max().item()
+        assert gap <= 0.1, f"a generated token is {gap:.3f} logits below HF's argmax"
