@@ -14,8 +14,9 @@ import torch
 from .gpt_oss_interpreted_checks import random_mxfp4
 
 STACKED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
-MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                                    "model.embed_tokens", "lm_head"]}
+MXFP4_CONFIG = {"quant_method": "mxfp4",  # as gpt-oss-20b's config.json has it
+                "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                           "model.embed_tokens", "lm_head"]}
 
 
 def write_mxfp4_pair(src: str, dst: str, twin: str, seed: int = 0) -> Tuple[str, str]:

@@ -1,6 +1,6 @@
 """Tiny random-weight HF checkpoints of the four dense architectures, the mixtures of experts, the models with
-sliding windows, Phi-3/Phi-4 and gpt-oss, with a word-level tokenizer, and the engine and sampling settings the CPU tests run
-them with."""
+sliding windows, Phi-3/Phi-4 and gpt-oss, with a word-level tokenizer, and the engine and sampling settings the CPU
+tests run them with."""
 from __future__ import annotations
 
 import copy
