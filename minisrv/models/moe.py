@@ -48,8 +48,8 @@ class Experts(nn.Module):
         self.fp8, self.mxfp4, self.swiglu = quantization == "fp8", quantization == "mxfp4", swiglu
         self.source_dtype = torch.get_default_dtype()  # the model's dtype: rows are rounded to it before quantising
 
-        def param(*shape, dtype=None):
-            return nn.Parameter(torch.empty(num_experts, *shape, dtype=dtype), requires_grad=False)
+        def param(*shape, dtype=None, make=torch.empty):
+            return nn.Parameter(make(num_experts, *shape, dtype=dtype), requires_grad=False)
         if self.mxfp4:
             if hidden % 32 or inter % 32:
                 raise ValueError(f"MXFP4 experts need widths of whole 32s: hidden {hidden}, this rank's {inter}")
@@ -60,8 +60,8 @@ class Experts(nn.Module):
         else:
             dtype = FP8 if self.fp8 else None
             self.w13, self.w2 = param(2 * inter, hidden, dtype=dtype), param(hidden, inter, dtype=dtype)
-            self.w13_scale = param(2 * inter, dtype=torch.float32) if self.fp8 else None
-            self.w2_scale = param(hidden, dtype=torch.float32) if self.fp8 else None
+            self.w13_scale = param(2 * inter, dtype=torch.float32, make=torch.ones) if self.fp8 else None
+            self.w2_scale = param(hidden, dtype=torch.float32, make=torch.ones) if self.fp8 else None
         self.w13_bias = param(2 * inter) if bias else None
         self.w2_bias = param(hidden) if bias else None
 
