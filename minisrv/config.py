@@ -45,6 +45,7 @@ class EngineConfig:
     enable_cascade_attention: bool = False  # decode steps where many requests share long prefixes read them once
     seed: Optional[int] = None  # seeds torch's generator, which unseeded requests draw from
     tp_size: int = 1  # tensor parallelism: one process per GPU (per CPU process with gloo), rank 0 schedules
+    base_gpu_id: int = 0  # the first GPU this engine uses: tp rank r runs on GPU base_gpu_id + r
     enable_flashinfer_allreduce_fusion: bool = False  # tensor parallel on CUDA: all-reduce + add + RMSNorm fused
     is_embedding: bool = False  # serve as an embedding model (also detected: checkpoints/pooling_config.py)
     # speculative decoding (engine/speculative/): drafted tokens verified several at a time (see --speculative-*)
@@ -71,8 +72,8 @@ class EngineConfig:
             raise ValueError("chunked_prefill_size and max_prefill_tokens must be >= 1")
         if self.grammar_compile_timeout <= 0:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
-        if self.tp_size < 1:
-            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.tp_size < 1 or self.base_gpu_id < 0:
+            raise ValueError(f"need tp_size >= 1 and base_gpu_id >= 0, got {self.tp_size} and {self.base_gpu_id}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static must be in (0, 1)")
         if self.speculative_algorithm is not None:
@@ -156,6 +157,8 @@ class EngineConfig:
                        help="seed for requests that give none (reproducible runs of one engine)")
         p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=d.tp_size,
                        help="tensor parallelism: split the model over this many GPUs (one process each)")
+        p.add_argument("--base-gpu-id", type=int, default=d.base_gpu_id,
+                       help="the first GPU used: tensor-parallel rank r runs on GPU base + r (default %(default)s)")
         p.add_argument("--enable-flashinfer-allreduce-fusion", action="store_true",
                        help="tensor parallel on CUDA: decode batches all-reduce, add the residual and RMS-normalise in "
                             "one FlashInfer kernel (peer-to-peer buffers) instead of NCCL and a separate norm (an "

@@ -15,6 +15,7 @@ from .openai import routes as openai
 from .openai import tokenizer
 from .openai.embeddings import embeddings
 from .openai.protocol import ModelCard, ModelList
+from .replicas import Replicas
 from .responses.routes import respond
 from .state import ServerState
 
@@ -26,7 +27,8 @@ ROUTES = [("POST", ("/v1/completions",), openai.completions), ("POST", ("/v1/cha
           ("POST", ("/tokenize", "/v1/tokenize"), tokenizer.tokenize),
           ("POST", ("/detokenize", "/v1/detokenize"), tokenizer.detokenize),
           ("GET", ("/tokenizer_info",), tokenizer.tokenizer_info),
-          ("GET", ("/get_model_info",), tokenizer.get_model_info),
+          ("GET", ("/get_model_info", "/model_info"), tokenizer.get_model_info),
+          ("GET", ("/server_info", "/get_server_info"), tokenizer.server_info),
           ("POST", ("/flush_cache",), tokenizer.flush_cache)]
 
 
@@ -37,13 +39,18 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if state.ready:
-            return JSONResponse({"status": "ok"})
-        return engine_unavailable().response()
+        """200 while any replica serves ("degraded" while others are dead), each replica's state alongside."""
+        if not state.ready:
+            return engine_unavailable().response()
+        replicas = state.client.report() if isinstance(state.client, Replicas) else []
+        ok = all(r["status"] == "ok" for r in replicas)
+        return JSONResponse({"status": "ok" if ok else "degraded", **({"replicas": replicas} if replicas else {})})
 
     @app.get("/metrics")
     async def metrics() -> Response:
         state.metrics.set_engine_stats(await state.client.fresh_stats())
+        if isinstance(state.client, Replicas):
+            state.metrics.set_replicas(state.client.report())
         body, content_type = state.metrics.exposition()
         return Response(body, media_type=content_type)
 

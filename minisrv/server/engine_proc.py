@@ -225,6 +225,15 @@ class EngineClient:
             p.kill()
         p.join()
 
+    @property
+    def load(self) -> int:
+        """Requests of this server the engine holds (queued or running): what it reports, without asking it."""
+        return len(self._routes)
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc is not None else None
+
     def submit(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, tag: Any) -> None:
         """Queue a request; its outputs arrive in `sink` as (tag, RequestOutput), the engine's refusal as
         (tag, RequestError), the engine's death as (tag, EngineDead). The route is forgotten once it finishes."""

@@ -1,7 +1,8 @@
 """`minisrv-server` / `python -m minisrv.launch_server`: the OpenAI-compatible server.
 
 Startup: bind the port (a busy port fails at once, not after the model loads), serve (503 meanwhile), spawn the
-engine process and load the tokenizer alongside; print one ready line, or the startup error and exit 1.
+engine process (one per --dp-size replica: replicas.py) and load the tokenizer alongside; print one ready line, or
+the startup error and exit 1.
 SIGINT/SIGTERM: running requests get --graceful-shutdown-timeout seconds (see http/transport.py), then the engine
 process is asked to stop, terminated if it does not, and reaped; exit code 0."""
 from __future__ import annotations
@@ -33,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minisrv-server",
                                 description="OpenAI-compatible LLM server (flag names follow SGLang's).")
     EngineConfig.add_cli_args(p)
+    p.add_argument("--dp-size", "--dp", dest="dp_size", type=int, default=1,
+                   help="data parallelism: this many engine replicas (each on --tp-size GPUs of its own, tp x dp "
+                        "in all) behind this server; requests go where their prefix is cached, else to the least "
+                        "loaded (default %(default)s)")
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--served-model-name", default=None,
@@ -72,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_server_args(args: argparse.Namespace) -> None:
     limit = args.limit_concurrency
-    for ok, rule in ((args.max_request_bytes >= 1, "--max-request-bytes must be >= 1"),
+    for ok, rule in ((args.dp_size >= 1, "--dp-size must be >= 1"),
+                     (args.max_request_bytes >= 1, "--max-request-bytes must be >= 1"),
                      (args.request_read_timeout > 0, "--request-read-timeout must be > 0"),
                      (args.graceful_shutdown_timeout >= 0, "--graceful-shutdown-timeout must be >= 0"),
                      (limit is None or limit >= 1, "--limit-concurrency must be >= 1"),
@@ -149,7 +155,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, sock: socket.socket,
                  served: str, aliases: List[str], policy: HTTPPolicy) -> int:
-    from .engine_proc import EngineClient
+    from .replicas import Replicas
 
     # uvicorn handles SIGINT/SIGTERM while it runs, restores the handlers it found when it stops, then re-raises the
     # signal; with these no-op handlers underneath, that re-raise (or a second Ctrl-C) cannot cut the engine
@@ -159,7 +165,7 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
 
     # the engine process is spawned first, so that it loads while this process imports the HTTP side and loads the
     # tokenizer (on a small CPU model, both take about as long as the engine's start)
-    client = EngineClient(cfg)
+    client = Replicas(cfg, args.dp_size)
     engine_start = asyncio.create_task(client.start())
     await asyncio.sleep(0)  # start() runs up to the spawn
     import uvicorn
@@ -222,7 +228,7 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
                   f"attention_backend={state.info.backend_name} device={state.info.device}", flush=True)
         await serving
         if client.dead:
-            _say("error: the engine process died")
+            _say("error: the engine process died" if args.dp_size == 1 else "error: every engine replica died")
             return 1
         return 0
     finally:

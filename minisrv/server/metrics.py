@@ -1,5 +1,6 @@
 """Prometheus metrics of the server (`GET /metrics`): HTTP requests, engine requests by finish reason, tokens,
-latencies (observed here as outputs arrive: what a client sees, IPC included), and the engine's load.
+latencies (observed here as outputs arrive: what a client sees, IPC included), and the engine's load (added up over
+the replicas, and each replica's apart).
 
 A registry per server, not prometheus_client's global one: the in-process tests build many apps in one process.
 `minisrv_cached_prompt_tokens_total` is advanced by the growth of the engine's running total since the last report
@@ -7,7 +8,7 @@ seen, so it is an ordinary counter and a report that arrives twice counts once."
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -23,6 +24,13 @@ ENGINE_GAUGES = {  # an engine stats key -> its gauge's name and help
     "kv_pages_used": ("minisrv_kv_cache_pages_used", "KV pool pages in use"),
     "kv_pages_total": ("minisrv_kv_cache_pages_total", "KV pool pages"),
     "cache_tokens": ("minisrv_prefix_cache_tokens", "Tokens whose KV the radix prefix cache holds"),
+}
+
+REPLICA_GAUGES = {  # a key of Replicas.report() -> its gauge (engine replicas: --dp-size)
+    "up": ("minisrv_replica_up", "1 while the engine replica serves"),
+    "requests": ("minisrv_replica_requests", "Requests the server has sent the replica and not seen finish"),
+    "running": ("minisrv_replica_requests_running", "Requests in the replica's running batch"),
+    "waiting": ("minisrv_replica_requests_waiting", "Requests waiting in the replica"),
 }
 
 
@@ -54,6 +62,8 @@ class ServerMetrics:
         self.prompt_tokens = Counter("minisrv_prompt_tokens", "Prompt tokens sent to the engine", registry=r)
         self.generation_tokens = Counter("minisrv_generation_tokens", "Tokens generated", registry=r)
         self.engine_gauges = {key: Gauge(name, doc, registry=r) for key, (name, doc) in ENGINE_GAUGES.items()}
+        self.replica_gauges = {key: Gauge(name, doc, ["replica"], registry=r)
+                               for key, (name, doc) in REPLICA_GAUGES.items()}
         self.spec_accept_rate = Gauge("minisrv_spec_accept_rate",
                                       "Speculative decoding: share of drafted tokens kept, since start", registry=r)
         self.spec_accept_length = Gauge("minisrv_spec_accept_length", "Speculative decoding: tokens a request "
@@ -98,6 +108,12 @@ class ServerMetrics:
 
     def exposition(self) -> Tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def set_replicas(self, report: List[Dict[str, Any]]) -> None:
+        for replica in report:
+            values = dict(replica, up=int(replica["status"] == "ok"))
+            for key, gauge in self.replica_gauges.items():
+                gauge.labels(replica=str(replica["replica"])).set(values[key])
 
     def set_engine_stats(self, stats: Dict[str, Any]) -> None:
         if not stats:

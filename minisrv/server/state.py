@@ -1,4 +1,4 @@
-"""What the HTTP routes share: the engine client, the tokenizer, the model's limits, the policy and metrics, and the
+"""What the HTTP routes share: the engine replicas, the tokenizer, the model's limits, the policy and metrics, and the
 server's stop (tokenizer and info are None while the engine loads)."""
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from typing import Any, Callable, Optional, Sequence, Set
 
 from minisrv import __version__
 
-from .engine_proc import EngineClient
 from .errors import APIError
 from .http.policy import HTTPPolicy
 from .messages import EngineInfo
@@ -15,12 +14,13 @@ from .metrics import ServerMetrics
 from .openai.logprobs import TokenText
 from .openai.protocol import ModelCard, now
 from .plan.prompt import PromptMaker
+from .replicas import Replicas
 
 
 @dataclass
 class ServerState:
 
-    client: EngineClient
+    client: Replicas
     served_model_name: str
     tokenizer: Any = None
     info: Optional[EngineInfo] = None

@@ -28,7 +28,8 @@ logger = logging.getLogger("minisrv.server")
 OPEN_PATHS = ("/health",)  # answered without an API key (load balancers probe it)
 BODY_METHODS = ("POST", "PUT", "PATCH")  # requests whose Content-Type is checked
 # routes outside /v1 that need the loaded engine or its tokenizer: 503 until it is ready, like /v1
-ENGINE_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info", "/get_model_info", "/flush_cache")
+ENGINE_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info", "/get_model_info", "/model_info", "/server_info",
+                "/get_server_info", "/flush_cache")
 CORS_METHODS = b"GET, POST, OPTIONS"
 CORS_MAX_AGE_S = 600
 

@@ -1,6 +1,7 @@
 """Routes beside the OpenAI API: the tokenizer (vLLM's shapes), the model's description and the prefix cache
 (SGLang's names): /tokenize and /detokenize (also under /v1), /tokenizer_info (what lm-evaluation-harness's
-RemoteTokenizer reads), /get_model_info, and POST /flush_cache (200, or 400 while requests run).
+RemoteTokenizer reads), /get_model_info (also /model_info), /server_info (also /get_server_info), and POST
+/flush_cache (200, or 400 while requests run).
 
 /tokenize's chat form is planned exactly as a chat request's messages and tools are (plan/chat.py), so its count is
 the prompt length a chat request would have; a text longer than max_model_len is tokenized all the same (lm-eval
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, model_validator
+
+from minisrv import __version__
 
 from ..http.json_body import parse_body
 from ..engine_proc import EngineDead
@@ -145,6 +148,14 @@ async def get_model_info(state: "ServerState", request: Request) -> JSONResponse
         "model_path": info.model_path, "served_model_name": state.served_model_name,
         "tokenizer_path": tokenizer_path(state), "is_generation": True, "max_model_len": info.max_request_len,
         "context_length": info.context_length, "vocab_size": info.vocab_size})
+
+
+async def server_info(state: "ServerState", request: Request) -> JSONResponse:
+    """SGLang's /server_info, the part that applies: a router in front (sglang-router) names the worker's model by
+    served_model_name."""
+    _tokenizer(state)
+    return JSONResponse({"served_model_name": state.served_model_name, "model_path": state.info.model_path,
+                         "tokenizer_path": tokenizer_path(state), "version": __version__})
 
 
 async def flush_cache(state: "ServerState", request: Request) -> JSONResponse:
