@@ -91,12 +91,16 @@ def test_a_dead_replica_gets_nothing_and_its_prefixes_are_forgotten(replicas) ->
         replicas.submit("none", prefix, GREEDY, asyncio.Queue(), None)
 
 
-def test_stats_add_up_over_the_live_replicas(replicas) -> None:
+def test_stats_and_health_over_the_live_replicas(replicas) -> None:
     for i, c in enumerate(replicas.clients):
         c.stats = {"num_running": i, "kv_pages_used": 10 * i, "kv_pages_total": 100, "kv_usage": 0.1 * i}
     replicas.clients[2].dead = True
     assert replicas.stats == {"num_running": 1, "kv_pages_used": 10, "kv_pages_total": 200, "kv_usage": 0.05}
-    assert [r["status"] for r in replicas.report()] == ["ok", "ok", "dead"]
+    health = replicas.health()
+    assert health["status"] == "degraded" and [r["status"] for r in health["replicas"]] == ["ok", "ok", "dead"]
+    one = Replicas(EngineConfig())
+    assert one.health() == {"status": "ok"}  # one engine: /health as it always was
+    asyncio.run(one.shutdown())
 
 
 # ---- real servers -------------------------------------------------------------------------------------------------

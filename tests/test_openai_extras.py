@@ -1,6 +1,6 @@
 """Routes and headers beside the OpenAI API, against one real server (the default model, an API key, a small KV
 pool, CORS for one origin): the tokenizer endpoints (vLLM's shapes, as lm-eval's remote tokenizer uses them),
-/tokenizer_info and /get_model_info, /flush_cache and the prefix-cache metrics, x-request-id, CORS.
+/tokenizer_info, /get_model_info and /server_info, /flush_cache and the prefix-cache metrics, x-request-id, CORS.
 
 References are independent of the server: token ids and texts come from the HF tokenizer loaded here
 (encode/decode, apply_chat_template), paths from the model resolver, cache hits from repeating a prompt.
@@ -140,6 +140,10 @@ def test_tokenizer_info_and_model_info(http: httpx.Client, tokenizer) -> None:
     assert model["served_model_name"] == card["id"] and model["is_generation"] is True
     assert model["max_model_len"] == card["max_model_len"] == POOL_TOKENS
     assert model["context_length"] >= POOL_TOKENS
+    assert http.get("/model_info").json() == model  # SGLang's newer name
+    for route in ("/server_info", "/get_server_info"):  # what a router in front reads the model's name from
+        server = http.get(route).json()
+        assert (server["served_model_name"], server["model_path"], server["tokenizer_path"]) == (card["id"], path, path)
 
 
 def test_bad_inputs_are_400s(server: Server, http: httpx.Client, tokenizer) -> None:

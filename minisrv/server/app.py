@@ -39,12 +39,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while any replica serves ("degraded" while others are dead), each replica's state alongside."""
         if not state.ready:
             return engine_unavailable().response()
-        replicas = state.client.report() if isinstance(state.client, Replicas) else []
-        ok = all(r["status"] == "ok" for r in replicas)
-        return JSONResponse({"status": "ok" if ok else "degraded", **({"replicas": replicas} if replicas else {})})
+        return JSONResponse(state.client.health() if isinstance(state.client, Replicas) else {"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:

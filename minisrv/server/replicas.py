@@ -169,6 +169,13 @@ class Replicas:
             self.index.forget()
         return flushed
 
+    def health(self) -> Dict[str, Any]:
+        """/health's body while any replica serves: "degraded" while another is dead, and each one's report."""
+        if len(self.clients) == 1:
+            return {"status": "ok"}
+        report = self.report()
+        return {"status": "ok" if all(r["status"] == "ok" for r in report) else "degraded", "replicas": report}
+
     def report(self) -> List[Dict[str, Any]]:
         """Each replica's state for /health and /metrics: ok | dead | unavailable (loading or stopped), its engine
         process, the requests sent to it and those it holds now, and its engine's last reported running and
