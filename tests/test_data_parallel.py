@@ -1,12 +1,14 @@
 """Data parallelism (`--dp-size`): the dispatcher's choices on engine clients that start no process (fast), then real
 servers on the default model: dp 2 answers as dp 1 does and spreads independent requests, a batch sharing a long
 prefix stays on one replica (whose prefix cache then serves it), and a replica killed mid-run is reported by /health
-while its request ends with an error and the other replica serves on."""
+while its request ends with an error and the other replica serves on; one that cannot start fails the start."""
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +21,7 @@ from minisrv.engine.request import SamplingParams
 from minisrv.server.engine_proc import EngineDead
 from minisrv.server.replicas import AFFINITY_SLACK, BLOCK_TOKENS, Replicas
 
-from .helpers.server_process import Server, running
+from .helpers.server_process import Server, free_port, running
 
 httpx = pytest.importorskip("httpx")
 
@@ -200,3 +202,13 @@ def test_a_killed_replica_is_reported_and_its_request_fails_while_the_other_serv
         for t in threads:
             t.join(180)
         assert [r.status_code for r in long_answers] == [503, 200], long_answers[1].text
+
+
+@pytest.mark.slow
+def test_a_replica_that_cannot_start_fails_the_start_by_name() -> None:
+    base = [sys.executable, "-m", "minisrv.launch_server", "--port", str(free_port())]
+    r = subprocess.run(base + ["--dp-size", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--dp-size must be >= 1" in r.stderr, r.stderr
+    r = subprocess.run(base + ["--dp-size", "2", "--attention-backend", "fa", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 1 and "the engine failed to start: replica 0:" in r.stderr, r.stderr

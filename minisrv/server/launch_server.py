@@ -216,7 +216,8 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
         try:
             starting.result()
         except Exception as e:  # noqa: BLE001 - any startup failure: reported, then a clean exit
-            what = "the engine failed to start" if not client.ready else "cannot load the tokenizer"
+            engine_failed = engine_start.done() and not engine_start.cancelled() and engine_start.exception()
+            what = "the engine failed to start" if engine_failed else "cannot load the tokenizer"
             _say(f"error: {what}: {e}")
             server.should_exit = True
             await serving

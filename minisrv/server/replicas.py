@@ -93,12 +93,11 @@ class Replicas:
     @property
     def stats(self) -> Dict[str, Any]:
         """The live replicas' engine stats added up (kv_usage: of all their pages)."""
-        reports = [self.clients[r].stats for r in self.live()]
         if len(self.clients) == 1:
-            return reports[0] if reports else self.clients[0].stats
+            return self.clients[0].stats
         total: Dict[str, Any] = {}
-        for stats in reports:
-            for k, v in stats.items():
+        for r in self.live():
+            for k, v in self.clients[r].stats.items():
                 total[k] = total.get(k, 0) + v
         if total.get("kv_pages_total"):
             total["kv_usage"] = total["kv_pages_used"] / total["kv_pages_total"]
