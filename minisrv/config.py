@@ -45,7 +45,13 @@ class EngineConfig:
     enable_cascade_attention: bool = False  # decode steps where many requests share long prefixes read them once
     seed: Optional[int] = None  # seeds torch's generator, which unseeded requests draw from
     tp_size: int = 1  # tensor parallelism: one process per GPU (per CPU process with gloo), rank 0 schedules
-    base_gpu_id: int = 0  # the first GPU this engine uses: tp rank r runs on GPU base_gpu_id + r
+    base_gpu_id: int = 0  # the first GPU this engine uses: tp rank r runs on GPU base_gpu_id + r % ranks a node
+    # tensor parallelism across machines (docs/tensor-parallel.md): tp_size / nnodes ranks a node; node 0 schedules
+    # and serves, the others run only their ranks; every rank meets at dist_init_addr (host:port, node 0's)
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: Optional[str] = None
+    dist_timeout: int = 600  # seconds: the ranks must all join by then; a collective waiting longer fails
     enable_flashinfer_allreduce_fusion: bool = False  # tensor parallel on CUDA: all-reduce + add + RMSNorm fused
     is_embedding: bool = False  # serve as an embedding model (also detected: checkpoints/pooling_config.py)
     # speculative decoding (engine/speculative/): drafted tokens verified several at a time (see --speculative-*)
@@ -74,6 +80,7 @@ class EngineConfig:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if self.tp_size < 1 or self.base_gpu_id < 0:
             raise ValueError(f"need tp_size >= 1 and base_gpu_id >= 0, got {self.tp_size} and {self.base_gpu_id}")
+        self._check_nodes()
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static must be in (0, 1)")
         if self.speculative_algorithm is not None:
@@ -100,6 +107,24 @@ class EngineConfig:
                 self.speculative_num_draft_tokens = self.speculative_num_steps + 1  # a chain: one draft a step
             if eagle and self.tp_size > 1:
                 raise ValueError("EAGLE3 runs with one rank (tp_size 1); NGRAM drafts under tensor parallelism")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"need nnodes >= 1 and 0 <= node_rank < nnodes, got {self.nnodes}, {self.node_rank}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes})")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
+        if self.nnodes > 1:
+            host, _, port = (self.dist_init_addr or "").rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"nnodes > 1 needs dist_init_addr, node 0's host:port, got {self.dist_init_addr!r}")
+            if self.enable_flashinfer_allreduce_fusion:
+                raise ValueError("--enable-flashinfer-allreduce-fusion needs every rank on one node (nnodes 1)")
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -159,6 +184,16 @@ class EngineConfig:
                        help="tensor parallelism: split the model over this many GPUs (one process each)")
         p.add_argument("--base-gpu-id", type=int, default=d.base_gpu_id,
                        help="the first GPU used: tensor-parallel rank r runs on GPU base + r (default %(default)s)")
+        p.add_argument("--nnodes", type=int, default=d.nnodes,
+                       help="tensor parallelism across this many machines, --tp-size / N ranks (GPUs) on each")
+        p.add_argument("--node-rank", type=int, default=d.node_rank,
+                       help="this machine's place among --nnodes: 0 schedules and serves HTTP, the others run only "
+                            "their ranks (and exit when node 0 stops)")
+        p.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                       help="where every node's ranks meet (node 0 listens there; the same on every node)")
+        p.add_argument("--dist-timeout", type=int, default=d.dist_timeout,
+                       help="seconds for every rank to join (else each node exits with an error), and the longest "
+                            "a collective waits for a peer (default %(default)s)")
         p.add_argument("--enable-flashinfer-allreduce-fusion", action="store_true",
                        help="tensor parallel on CUDA: decode batches all-reduce, add the residual and RMS-normalise in "
                             "one FlashInfer kernel (peer-to-peer buffers) instead of NCCL and a separate norm (an "

@@ -24,16 +24,17 @@ logger = logging.getLogger("minisrv")
 # use it on hosts that have it, and multicast objects can take a shared host's GPUs out of service
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
-# a collective that waits this long for a peer has lost it (a rank that dies is also noticed by its exit)
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+# how long a rank waits for rank 0's next step message: without end (an idle server sends none for hours); a rank
+# that dies is noticed by its exit, a node that vanishes by its heartbeats (engine/node_watch.py)
+IDLE_WAIT = datetime.timedelta(days=365)
 # with --enable-flashinfer-allreduce-fusion, batches of at most this many tokens (decode) all-reduce, add the
 # residual and normalise in one kernel (its buffers: about 4 x 2 x this x hidden x 2 bytes a rank)
 FUSED_NORM_MAX_TOKENS = 512
 
 
 class Rendezvous(NamedTuple):
-    """Where a tensor-parallel group meets (rank 0's tcp:// address), and the number its process groups' names
-    start at.
+    """Where a tensor-parallel group meets (rank 0's tcp:// address), the number its process groups' names start
+    at, and the seconds every rank has to join (also the longest a collective waits for a peer).
 
     Why the number: torch names process groups by a per-process counter that restarts at 0 when the groups are
     destroyed, and torch's symmetric memory keeps what it set up per group name for the life of the process: a
@@ -42,10 +43,11 @@ class Rendezvous(NamedTuple):
 
     address: str
     first_group: int
+    timeout_s: float = 600.0
 
 
-def new_rendezvous(address: str) -> Rendezvous:
-    return Rendezvous(address, _group_counter() or 0)
+def new_rendezvous(address: str, timeout_s: float) -> Rendezvous:
+    return Rendezvous(address, _group_counter() or 0, timeout_s)
 
 
 class SymmetricMemoryUse:
@@ -214,9 +216,15 @@ def init_tensor_parallel(rank: int, size: int, rendezvous: Rendezvous, device: t
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     _set_group_counter(rendezvous.first_group)
-    dist.init_process_group(backend, init_method=rendezvous.address, rank=rank, world_size=size,
-                            timeout=COLLECTIVE_TIMEOUT, **kwargs)
-    control = dist.new_group(list(range(size)), backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    try:
+        dist.init_process_group(backend, init_method=rendezvous.address, rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=rendezvous.timeout_s), **kwargs)
+    except RuntimeError as e:  # torch's DistStoreError, DistNetworkError: a rank (a node) that never came
+        raise TensorParallelError(
+            f"the {size} tensor-parallel ranks did not all join at {rendezvous.address} within "
+            f"{rendezvous.timeout_s:.0f} s ({str(e).strip()}); start every node with the same --tp-size, --nnodes "
+            f"and --dist-init-addr") from e
+    control = dist.new_group(list(range(size)), backend="gloo", timeout=IDLE_WAIT)
     tp = TensorParallel(rank, size, dist.group.WORLD, control)
     tp.all_reduce(torch.zeros(1, device=device))  # NCCL sets up its communicator here, not inside a graph capture
     wants_symmetric_memory = device.type == "cuda" and fused_norm is not None

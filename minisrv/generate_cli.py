@@ -78,6 +78,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from minisrv.llm import LLM
     from minisrv.utils import freeze_startup_heap
     cfg = EngineConfig.from_args(a)
+    if cfg.node_rank > 0:  # node 0 generates; this node runs only its tensor-parallel ranks
+        from minisrv.engine.tp_workers import serve_node
+        return serve_node(cfg)
     llm = LLM(**vars(cfg))
     freeze_startup_heap()
     prompts = []

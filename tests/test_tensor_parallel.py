@@ -22,7 +22,7 @@ from minisrv.models.sharding import ShardingError
 
 from .helpers import (assert_greedy_matches, build_tiny_model, greedy, hf_greedy, make_llm, make_prompts,
                       vocab_of)
-from .helpers.server_process import Server, children, gone
+from .helpers.server_process import Server, gone, spawned_children
 
 httpx = pytest.importorskip("httpx")
 
@@ -32,19 +32,6 @@ VARIANTS = {  # name -> (base architecture, config overrides)
     "llama-1kv": ("llama", dict(num_key_value_heads=1)),  # 1 K/V head, 2 ranks: each rank holds it
     "qwen2-oddvocab": ("qwen2", dict(vocab_size=321)),  # 161 + 160 rows, the last rank padded
 }
-
-
-def spawned_children(pid: int):
-    """Live children of pid started by multiprocessing's spawn (not its resource tracker)."""
-    out = []
-    for c in children(pid):
-        try:
-            with open(f"/proc/{c}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    out.append(c)
-        except OSError:
-            pass
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -224,14 +224,13 @@ class ModelRunner:
     def _forward_on_all_ranks(self, inp: StepInputs, aux: Optional[List[torch.Tensor]] = None
                               ) -> Tuple[torch.Tensor, Optional[List[Optional[torch.Tensor]]]]:
         """Rank 0's forward, the step's inputs sent to the other ranks first."""
-        if self.tp.enabled:
-            self.tp.send_object(inp)
         try:
+            if self.tp.enabled:
+                self.tp.send_object(inp)
             return self._forward(inp, self.forward_batch(inp), aux)
         except Exception as e:
-            if self.tp.enabled:  # the other ranks may wait in a collective this rank never reaches
-                raise TensorParallelError(f"a step failed on rank 0 after the other ranks began it: "
-                                          f"{type(e).__name__}: {e}") from e
+            if self.tp.enabled:  # a rank is gone, or waits in a collective this rank never reaches
+                raise TensorParallelError(f"a tensor-parallel step failed on rank 0: {type(e).__name__}: {e}") from e
             raise
 
     @torch.inference_mode()

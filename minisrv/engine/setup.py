@@ -98,15 +98,16 @@ class EngineParts:
     draft_head: Optional[Eagle3Head] = None  # EAGLE3's (engine/speculative/eagle.py)
 
 
-def tp_device(device: torch.device, rank: int, size: int, base: int = 0) -> torch.device:
-    """Rank r of a tensor-parallel group runs on GPU base + r (or on the CPU, every rank)."""
+def tp_device(device: torch.device, rank: int, per_node: int, base: int = 0) -> torch.device:
+    """Rank r of a tensor-parallel group with `per_node` ranks on each node runs on its node's GPU
+    base + r % per_node (or on the CPU, every rank)."""
     if device.type != "cuda":
         return device
     count = torch.cuda.device_count()
-    if base + size > count:
-        raise ValueError(f"tp size {size} from GPU {base} needs GPUs {base}..{base + size - 1}; "
-                         f"this machine has {count}")
-    return torch.device("cuda", base + rank)
+    if base + per_node > count:
+        raise ValueError(f"{per_node} tensor-parallel ranks a node from GPU {base} need GPUs {base}.."
+                         f"{base + per_node - 1}; this machine has {count}")
+    return torch.device("cuda", base + rank % per_node)
 
 
 def check_tensor_parallel(cfg: EngineConfig) -> None:
@@ -116,7 +117,7 @@ def check_tensor_parallel(cfg: EngineConfig) -> None:
     check_divisible(load_model_args(resolve_model_path(cfg.model), cfg.cache_dir), cfg.tp_size)
     if cfg.enable_flashinfer_allreduce_fusion and device.type != "cuda":
         raise ValueError("--enable-flashinfer-allreduce-fusion needs CUDA devices")
-    tp_device(device, 0, cfg.tp_size, cfg.base_gpu_id)
+    tp_device(device, 0, cfg.ranks_per_node, cfg.base_gpu_id)
 
 
 def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional[Rendezvous] = None,
@@ -132,7 +133,7 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
     args = load_model_args(model_path, cfg.cache_dir)
     backend_name = resolve_backend(cfg.attention_backend, device, features_of(layer_attention(args)))
     if cfg.tp_size > 1 or cfg.base_gpu_id:
-        device = tp_device(device, tp_rank, cfg.tp_size, cfg.base_gpu_id)
+        device = tp_device(device, tp_rank, cfg.ranks_per_node, cfg.base_gpu_id)
         if device.type == "cuda":
             torch.cuda.set_device(device)
     return _build_parts(cfg, tp_rank, rendezvous, device, model_path, args, backend_name, t0, staged)

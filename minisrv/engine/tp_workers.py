@@ -1,11 +1,13 @@
-"""Tensor parallelism's other ranks as processes: ranks 1..N-1, spawned, watched and reaped by rank 0's engine
-(what each of them runs is tp_rank.py).
+"""Tensor parallelism's ranks as processes, each node's own (what each of them runs is tp_rank.py): node 0's rank 0
+(the engine) spawns, watches and reaps ranks 1..n-1; on a node k > 0 (--node-rank), `serve_node` does the same for
+ranks k*n..k*n+n-1 (n = tp_size / nnodes); all of them meet at one rendezvous address.
 
 A rank that fails before it has started (usually a script without an `if __name__ == "__main__":` guard, which
 every spawned rank imports again) makes rank 0 raise at once with the reason and the fix, instead of waiting for a
-rank that will never join. A rank that dies later is noticed by its exit, not by a timeout: rank 0's watcher names
-it, stops the others, and ends the engine with an error (on CUDA a collective waiting for a dead peer never returns,
-so after a grace period the watcher ends rank 0's process itself).
+rank that will never join. A rank that dies later is noticed by its exit, not by a timeout, and a node that is lost
+by its heartbeats (node_watch.py): the watcher names it, stops the local ranks, and ends the engine with an error (on
+CUDA, or with a node lost, a collective waiting for the lost peer may never return, so after a grace period the
+watcher ends rank 0's process itself).
 """
 from __future__ import annotations
 
@@ -16,11 +18,12 @@ import os
 import socket
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 from minisrv.config import EngineConfig
 from minisrv.distributed import NO_MULTICAST_ENV, Rendezvous, TensorParallelError, new_rendezvous
 
+from .node_watch import NodeWatch
 from .setup import EngineParts, build_engine_parts, check_tensor_parallel, resolve_device
 from .tp_rank import rank_main
 
@@ -34,16 +37,18 @@ GUARD_HINT = ("ranks are spawned processes that import the launching script agai
 
 
 class TPWorkers:
-    """The processes of ranks 1..size-1 and a thread that watches them die."""
+    """This node's processes of `ranks` (not rank 0), a thread that watches them die, and on a group of several
+    nodes the watch over the others (`nodes`)."""
 
-    def __init__(self, cfg: EngineConfig, rendezvous: Rendezvous, cuda: bool) -> None:
+    def __init__(self, cfg: EngineConfig, rendezvous: Rendezvous, cuda: bool, ranks: range) -> None:
         for k, v in NO_MULTICAST_ENV.items():  # spawned children inherit the environment
             os.environ.setdefault(k, v)
         ctx = mp.get_context("spawn")
-        self.started = [ctx.Event() for _ in range(1, cfg.tp_size)]  # set by each rank once its imports are done
+        self.ranks = ranks
+        self.started = [ctx.Event() for _ in ranks]  # set by each rank once its imports are done
         self.procs = [ctx.Process(target=rank_main, args=(cfg, rank, rendezvous, os.getpid(), started),
                                   name=f"minisrv-tp{rank}", daemon=False)
-                      for rank, started in zip(range(1, cfg.tp_size), self.started)]
+                      for rank, started in zip(ranks, self.started)]
         for p in self.procs:
             p.start()
         self.cuda = cuda
@@ -53,31 +58,36 @@ class TPWorkers:
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="minisrv-tp-watch", daemon=True)
         self._watcher.start()
+        self.nodes: Optional[NodeWatch] = None  # several nodes: the watch over the others (its owner sets it)
 
     def _watch(self) -> None:
-        live = {p.sentinel: rank for rank, p in enumerate(self.procs, start=1)}
+        live = {p.sentinel: (rank, p) for rank, p in zip(self.ranks, self.procs)}
         while live and not self._stopping.is_set():
-            ended = mp.connection.wait(list(live), timeout=0.5)
-            if self._stopping.is_set():
-                return
-            if not ended:
-                continue
-            rank = live[ended[0]]
-            self.lost = _exited(rank, self.procs[rank - 1], 1.0)
-            logger.error("%s: the engine stops", self.lost)
-            self._kill_all()
-            # a CUDA collective never returns without its peer; before the group has formed, neither does the
-            # rendezvous on any device
-            if (self.cuda or not self.joined.is_set()) and not self.acknowledged.wait(HUNG_RANK0_GRACE_S):
-                logger.error("rank 0 is stuck waiting for the lost rank; ending the engine process")
-                os._exit(1)
+            for sentinel in mp.connection.wait(list(live), timeout=0.5):
+                rank, proc = live.pop(sentinel)
+                proc.join(1.0)
+                if proc.exitcode != 0:  # 0: it was told to stop (see tp_rank.py)
+                    # a CUDA collective never returns without its peer; before the group has formed, neither does
+                    # the rendezvous on any device
+                    return self.lose(_exited(rank, proc, 1.0), self.cuda or not self.joined.is_set())
+
+    def lose(self, reason: str, may_hang: bool) -> None:
+        """The group is broken: say why, kill the local ranks, and if rank 0 `may_hang` in a collective and does not
+        raise the loss (`check`) within a grace period, end its process."""
+        if self._stopping.is_set() or self.lost is not None:
             return
+        self.lost = reason
+        logger.error("%s: the engine stops", reason)
+        self._kill_all()
+        if may_hang and not self.acknowledged.wait(HUNG_RANK0_GRACE_S):
+            logger.error("rank 0 is stuck waiting for what was lost; ending the engine process")
+            os._exit(1)
 
     def wait_started(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Wait until every rank has started (its process imported what it runs); raise TensorParallelError naming
         a rank that exited first, with the usual cause."""
         deadline = time.monotonic() + timeout_s
-        for rank, (proc, started) in enumerate(zip(self.procs, self.started), start=1):
+        for rank, proc, started in zip(self.ranks, self.procs, self.started):
             while not started.wait(0.1):
                 if not proc.is_alive():
                     self.lost = (f"{_exited(rank, proc, 1.0)} before it started (its error is printed above); "
@@ -92,7 +102,7 @@ class TPWorkers:
     def check(self) -> None:
         """Raise TensorParallelError if a rank is gone (a step failure may be its echo)."""
         if self.lost is None:
-            for rank, p in enumerate(self.procs, start=1):
+            for rank, p in zip(self.ranks, self.procs):
                 if not p.is_alive():
                     self.lost = _exited(rank, p, 0.2)
                     break
@@ -115,6 +125,8 @@ class TPWorkers:
             return
         self._stopping.set()
         self.acknowledged.set()  # rank 0 is here, not stuck in a collective
+        if self.nodes is not None:
+            self.nodes.stop()
         if self.lost is None and all(p.is_alive() for p in self.procs):
             try:
                 send_stop()
@@ -138,12 +150,25 @@ def free_tcp_address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+def _rendezvous(cfg: EngineConfig) -> Rendezvous:
+    if cfg.nnodes > 1:  # every node's ranks are new processes: their group names start at 0 (see Rendezvous)
+        return Rendezvous(f"tcp://{cfg.dist_init_addr}", 0, cfg.dist_timeout)
+    return new_rendezvous(f"tcp://{cfg.dist_init_addr}" if cfg.dist_init_addr else free_tcp_address(),
+                          cfg.dist_timeout)
+
+
 def build_tensor_parallel_parts(cfg: EngineConfig) -> EngineParts:
-    """Rank 0 of a tensor-parallel engine: refuse what can be refused, spawn ranks 1..N-1, wait until they have
-    started, then build rank 0's parts (joining the group with them). The ranks are stopped if anything fails."""
+    """Rank 0 of a tensor-parallel engine: refuse what can be refused, spawn this node's ranks 1..n-1, wait until
+    they have started, then build rank 0's parts (joining the group with every node's ranks). The ranks are stopped
+    if anything fails."""
     check_tensor_parallel(cfg)
-    rendezvous = new_rendezvous(free_tcp_address())
-    workers = TPWorkers(cfg, rendezvous, resolve_device(cfg).type == "cuda")
+    if cfg.node_rank > 0:
+        raise ValueError(f"node {cfg.node_rank} runs only its tensor-parallel ranks, no engine: start it with "
+                         f"`python -m minisrv.launch_server ... --node-rank {cfg.node_rank}`")
+    rendezvous = _rendezvous(cfg)
+    workers = TPWorkers(cfg, rendezvous, resolve_device(cfg).type == "cuda", range(1, cfg.ranks_per_node))
+    if cfg.nnodes > 1:
+        workers.nodes = NodeWatch(cfg, lambda why: workers.lose(why, True))
     try:
         workers.wait_started()
         parts = build_engine_parts(cfg, 0, rendezvous)
@@ -153,3 +178,35 @@ def build_tensor_parallel_parts(cfg: EngineConfig) -> EngineParts:
         raise
     parts.workers = workers
     return parts
+
+
+def serve_node(cfg: EngineConfig) -> int:
+    """A node k > 0 of a multi-node group: run its ranks until rank 0 stops them (0: they all exited 0), or until a
+    rank fails or another node is lost (1, after saying why here and to the other nodes)."""
+    check_tensor_parallel(cfg)
+    n = cfg.ranks_per_node
+    ranks = range(cfg.node_rank * n, (cfg.node_rank + 1) * n)
+    logger.warning("node %d of %d: tensor-parallel ranks %d-%d join at %s", cfg.node_rank, cfg.nnodes, ranks[0],
+                   ranks[-1], cfg.dist_init_addr)
+    workers = TPWorkers(cfg, _rendezvous(cfg), resolve_device(cfg).type == "cuda", ranks)
+    workers.acknowledged.set()  # no rank 0 in this process to be stuck in a collective
+    node_lost: List[Tuple[str, float]] = []  # (why, when): rank 0's teardown also ends the store, so the ranks
+    workers.nodes = NodeWatch(cfg, lambda why: node_lost.append((why, time.monotonic())))  # get a moment to end
+    try:
+        workers.wait_started()
+        while workers.lost is None and any(p.exitcode is None for p in workers.procs):
+            if node_lost and time.monotonic() - node_lost[0][1] > STOP_TIMEOUT_S:
+                break
+            workers.joined.wait(0.2)
+    except TensorParallelError:
+        pass
+    except KeyboardInterrupt:
+        node_lost.append(("interrupted", 0.0))
+    why = node_lost[0][0] if node_lost else workers.lost
+    failed = not all(p.exitcode == 0 for p in workers.procs)
+    workers.nodes.stop(why if failed else None)
+    workers.stop(lambda: None, lambda: None)
+    if failed:
+        logger.error("node %d: %s; its ranks are stopped", cfg.node_rank, why or "a rank was stopped")
+        return 1
+    return 0

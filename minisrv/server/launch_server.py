@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_server_args(args: argparse.Namespace) -> None:
     limit = args.limit_concurrency
     for ok, rule in ((args.dp_size >= 1, "--dp-size must be >= 1"),
+                     (args.dp_size == 1 or args.nnodes == 1, "--dp-size > 1 runs on one machine (--nnodes 1)"),
                      (args.max_request_bytes >= 1, "--max-request-bytes must be >= 1"),
                      (args.request_read_timeout > 0, "--request-read-timeout must be > 0"),
                      (args.graceful_shutdown_timeout >= 0, "--graceful-shutdown-timeout must be >= 0"),
@@ -126,6 +127,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     except ValueError as e:
         _fail(str(e), 2)
     _check_server_args(args)
+    if cfg.node_rank > 0:  # node 0 serves; this node runs only its tensor-parallel ranks
+        from minisrv.engine.tp_workers import serve_node
+        sys.exit(serve_node(cfg))
     from minisrv.checkpoints.model_files import resolve_model_path
     try:
         model_path = resolve_model_path(cfg.model)

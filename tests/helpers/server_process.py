@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator, List
+from typing import Dict, Iterator, List, Optional
 
 import pytest
 
@@ -37,17 +37,33 @@ def children(pid: int) -> List[int]:
     return out
 
 
+def spawned_children(pid: int) -> List[int]:
+    """Live children of pid started by multiprocessing's spawn (not its resource tracker)."""
+    out = []
+    for c in children(pid):
+        try:
+            with open(f"/proc/{c}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    out.append(c)
+        except OSError:
+            pass
+    return out
+
+
 def gone(pid: int) -> bool:
     return not os.path.exists(f"/proc/{pid}")  # exited and reaped: a zombie still has its /proc entry
 
 
 class Server:
-    def __init__(self, *extra: str, module: str = "minisrv.launch_server") -> None:
-        """module: what `python -m` runs (a test's own launcher may wrap the server's parts)."""
+    def __init__(self, *extra: str, module: str = "minisrv.launch_server", env: Optional[Dict[str, str]] = None
+                 ) -> None:
+        """module: what `python -m` runs (a test's own launcher may wrap the server's parts); env: variables set
+        for it besides this process's."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", module, "--port", str(self.port), *DEFAULT_ARGS, *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
         self.lines: List[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
 

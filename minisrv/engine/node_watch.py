@@ -1,0 +1,82 @@
+"""Liveness of the nodes of a tensor-parallel group that spans machines (--nnodes > 1).
+
+Why: a rank waits for rank 0's next step without a time limit (an idle server sends none), and a machine or network
+that vanishes closes no socket, so no collective fails. So each node keeps a counter going in torch's TCP store at
+--dist-init-addr (hosted by rank 0's process on node 0) and reads the others'. A node whose counter has started and
+then stands still for NODE_SILENT_S, that wrote why it stopped, or a store that stops answering (node 0 is gone) is
+lost, and the watch says so once (`on_lost`), which ends this node's part of the group.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Callable, Dict, Optional, Tuple
+
+from minisrv.config import EngineConfig
+
+HEARTBEAT_S = 1.0  # each node bumps its counter this often
+NODE_SILENT_S = 30.0  # a node not heard from this long is lost
+
+
+def split_address(address: str) -> Tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class NodeWatch:
+    """This node's heartbeat and its watch over the other nodes, in a thread (see the module's docstring)."""
+
+    def __init__(self, cfg: EngineConfig, on_lost: Callable[[str], None]) -> None:
+        self.node, self.nnodes, self.address = cfg.node_rank, cfg.nnodes, cfg.dist_init_addr
+        self.connect_s = float(cfg.dist_timeout)  # node 0's store may not be up yet: it is up once the group forms
+        self.on_lost = on_lost
+        self._store = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="minisrv-node-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import torch.distributed as dist
+        host, port = split_address(self.address)
+        try:
+            store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=self.connect_s))
+            store.set_timeout(datetime.timedelta(seconds=NODE_SILENT_S))
+        except Exception as e:  # noqa: BLE001 - torch's store errors vary by version
+            return self._lose(f"node 0's store at {self.address} did not answer within {self.connect_s:.0f} s ({e})")
+        with self._lock:
+            self._store = store
+        heard: Dict[int, Tuple[int, float]] = {}  # node -> (its counter, when it last moved)
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                with self._lock:
+                    store.add(f"minisrv/node{self.node}/beats", 1)
+                    counts = {n: store.add(f"minisrv/node{n}/beats", 0) for n in range(self.nnodes) if n != self.node}
+                    why = {n: store.get(f"minisrv/node{n}/lost").decode() for n in counts
+                           if store.check([f"minisrv/node{n}/lost"])}
+            except Exception as e:  # noqa: BLE001 - the store's host process (node 0's rank 0) is gone
+                return self._lose(f"node 0 is gone: its store at {self.address} stopped answering ({e})")
+            now = time.monotonic()
+            for n, count in counts.items():
+                if n in why:
+                    return self._lose(f"node {n} stopped: {why[n]}")
+                if heard.get(n, (None,))[0] != count:
+                    heard[n] = (count, now)
+                elif count and now - heard[n][1] > NODE_SILENT_S:  # (one never heard from: the join's timeout)
+                    return self._lose(f"node {n} has not been heard from for {NODE_SILENT_S:g} s")
+
+    def _lose(self, reason: str) -> None:
+        if not self._stop.is_set():
+            self.on_lost(reason)
+
+    def stop(self, reason: Optional[str] = None) -> None:
+        """Stop beating and watching; `reason`: why this node leaves the group, told to the others."""
+        self._stop.set()
+        if reason is not None and self._store is not None:
+            try:
+                with self._lock:
+                    self._store.set(f"minisrv/node{self.node}/lost", reason)
+            except Exception:  # noqa: BLE001 - node 0 gone too: the others notice by themselves
+                pass
