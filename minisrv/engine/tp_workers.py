@@ -99,12 +99,14 @@ class TPWorkers:
                     self.acknowledged.set()
                     raise TensorParallelError(self.lost)
 
-    def check(self) -> None:
-        """Raise TensorParallelError if a rank is gone (a step failure may be its echo)."""
+    def check(self, wait_s: float = 0.0) -> None:
+        """Raise TensorParallelError if a rank is gone (a step failure may be its echo: its socket closes before
+        its process is seen ended, so a rank that is ending is given `wait_s`)."""
         if self.lost is None:
+            ended = mp.connection.wait([p.sentinel for p in self.procs], wait_s)  # (before it can be reaped)
             for rank, p in zip(self.ranks, self.procs):
-                if not p.is_alive():
-                    self.lost = _exited(rank, p, 0.2)
+                if p.sentinel in ended or not p.is_alive():
+                    self.lost = _exited(rank, p, 1.0)
                     break
         if self.lost is not None:
             self.acknowledged.set()
