@@ -74,9 +74,11 @@ class NodeWatch:
     def stop(self, reason: Optional[str] = None) -> None:
         """Stop beating and watching; `reason`: why this node leaves the group, told to the others."""
         self._stop.set()
-        if reason is not None and self._store is not None:
+        # (the lock is held by a store call waiting on a vanished node 0: not worth waiting for)
+        if reason is not None and self._store is not None and self._lock.acquire(timeout=1.0):
             try:
-                with self._lock:
-                    self._store.set(f"minisrv/node{self.node}/lost", reason)
+                self._store.set(f"minisrv/node{self.node}/lost", reason)
             except Exception:  # noqa: BLE001 - node 0 gone too: the others notice by themselves
                 pass
+            finally:
+                self._lock.release()

@@ -30,7 +30,7 @@ from .tp_rank import rank_main
 logger = logging.getLogger("minisrv")
 
 STOP_TIMEOUT_S = 10.0  # a rank that has not exited this long after being told to stop is killed
-HUNG_RANK0_GRACE_S = 15.0  # CUDA: after a rank died, rank 0 stuck this long in a collective ends its process
+HUNG_RANK0_GRACE_S = 15.0  # after a loss, rank 0 stuck this long in a collective ends its process
 START_TIMEOUT_S = 600.0  # a rank that has neither started (imports done) nor died this long after its spawn is lost
 GUARD_HINT = ("ranks are spawned processes that import the launching script again: if it builds the engine (LLM(...), "
               "Engine(...)) at module level, guard its entry point with `if __name__ == \"__main__\":`")
@@ -52,7 +52,7 @@ class TPWorkers:
         for p in self.procs:
             p.start()
         self.cuda = cuda
-        self.lost: Optional[str] = None  # why the group is broken, once a rank died
+        self.lost: Optional[str] = None  # why the group is broken, once a rank or a node is lost
         self.acknowledged = threading.Event()  # rank 0 raised the loss (it is not stuck in a collective)
         self.joined = threading.Event()  # rank 0's parts are built: the group has formed
         self._stopping = threading.Event()
@@ -102,7 +102,7 @@ class TPWorkers:
     def check(self, wait_s: float = 0.0) -> None:
         """Raise TensorParallelError if a rank is gone (a step failure may be its echo: its socket closes before
         its process is seen ended, so a rank that is ending is given `wait_s`)."""
-        if self.lost is None:
+        if self.lost is None and self.procs:
             ended = mp.connection.wait([p.sentinel for p in self.procs], wait_s)  # (before it can be reaped)
             for rank, p in zip(self.ranks, self.procs):
                 if p.sentinel in ended or not p.is_alive():
@@ -199,7 +199,7 @@ def serve_node(cfg: EngineConfig) -> int:
         while workers.lost is None and any(p.exitcode is None for p in workers.procs):
             if node_lost and time.monotonic() - node_lost[0][1] > STOP_TIMEOUT_S:
                 break
-            workers.joined.wait(0.2)
+            time.sleep(0.2)
     except TensorParallelError:
         pass
     except KeyboardInterrupt:
