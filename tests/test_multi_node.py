@@ -69,10 +69,11 @@ def test_two_nodes_answer_with_the_tokens_of_one_node(tiny_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("killed", ["node 1", "rank 0"])
+@pytest.mark.parametrize("killed", ["node 1", "rank 1", "rank 0"])
 def test_a_node_killed_mid_run_ends_the_other_with_an_error(tiny_model, killed):
     """node 1 (SIGKILL: its rank dies with it): node 0's next step fails, the server answers with an error and
-    exits 1. Node 0's engine (rank 0): node 1 stops its rank and exits 1, saying why."""
+    exits 1. Node 1's rank, node 0 idle: node 1 exits 1 and says why in the store, where node 0's watch reads it and
+    ends node 0. Node 0's engine (rank 0): node 1 stops its rank and exits 1, saying why."""
     path = tiny_model("qwen3")
     node0, node1 = start_nodes(path)
     try:
@@ -87,6 +88,12 @@ def test_a_node_killed_mid_run_ends_the_other_with_an_error(tiny_model, killed):
             assert r.status_code in (500, 503), r.text
             assert wait_exit(node0, 30) == 1
             assert any("tensor-parallel step failed" in line for line in node0.lines), "".join(node0.lines)
+        elif killed == "rank 1":
+            os.kill(rank1, signal.SIGKILL)
+            assert wait_exit(node1, 30) == 1
+            assert wait_exit(node0, 30) == 1
+            assert any("node 1 stopped: tensor-parallel rank 1" in line for line in node0.lines), \
+                "".join(node0.lines)
         else:
             os.kill(engine, signal.SIGKILL)
             assert wait_exit(node1, 30) == 1
@@ -124,6 +131,18 @@ def test_a_node_that_never_comes_ends_the_other_within_the_timeout(tiny_model):
     assert f"did not all join at tcp://127.0.0.1:" in out0 and f"within {JOIN_TIMEOUT_S} s" in out0, out0[-3000:]
     assert "node 1: " in out1 and "ranks are stopped" in out1, out1[-3000:]
     assert took < JOIN_TIMEOUT_S + 40
+
+
+@pytest.mark.slow
+def test_ranks_wait_for_the_next_step_past_the_collective_timeout(tiny_model):
+    """--dist-timeout bounds joining and collectives, not the wait of an idle engine's ranks for rank 0's next
+    step (gloo applies a group's timeout to that wait too: the control group has none)."""
+    path = tiny_model("qwen3")
+    prompts = make_prompts(vocab_of(path), [5, 9])
+    with make_llm(path, tp_size=2, dist_timeout=2) as llm:
+        first = [o.token_ids for o in llm.generate(prompts, greedy(4), use_tqdm=False)]
+        time.sleep(4)
+        assert [o.token_ids for o in llm.generate(prompts, greedy(4), use_tqdm=False)] == first
 
 
 @pytest.fixture

@@ -192,7 +192,7 @@ class Engine:
     def _check_fatal(self, e: Exception) -> None:
         """Re-raise a failure the engine cannot survive; a lost tensor-parallel rank is named (TensorParallelError)."""
         if self.workers is not None:
-            self.workers.check(1.0 if isinstance(e, TensorParallelError) else 0.0)
+            self.workers.check(e)
         if is_device_fault(e):
             raise e
 

@@ -80,7 +80,8 @@ class TPWorkers:
         logger.error("%s: the engine stops", reason)
         self._kill_all()
         if may_hang and not self.acknowledged.wait(HUNG_RANK0_GRACE_S):
-            logger.error("rank 0 is stuck waiting for what was lost; ending the engine process")
+            logger.error("rank 0 has not raised the loss in %.0f s (idle, or stuck in a collective); ending the "
+                         "engine process", HUNG_RANK0_GRACE_S)
             os._exit(1)
 
     def wait_started(self, timeout_s: float = START_TIMEOUT_S) -> None:
@@ -99,15 +100,19 @@ class TPWorkers:
                     self.acknowledged.set()
                     raise TensorParallelError(self.lost)
 
-    def check(self, wait_s: float = 0.0) -> None:
-        """Raise TensorParallelError if a rank is gone (a step failure may be its echo: its socket closes before
-        its process is seen ended, so a rank that is ending is given `wait_s`)."""
+    def check(self, failure: Optional[Exception] = None) -> None:
+        """Raise TensorParallelError if a rank is gone, or if a step's `failure` says the group is broken (a
+        TensorParallelError: a rank ending then is given a moment to be seen gone, as its socket closes before its
+        process can be reaped, so that the error names it)."""
+        broken = isinstance(failure, TensorParallelError)
         if self.lost is None and self.procs:
-            ended = mp.connection.wait([p.sentinel for p in self.procs], wait_s)  # (before it can be reaped)
+            ended = mp.connection.wait([p.sentinel for p in self.procs], 1.0 if broken else 0.0)
             for rank, p in zip(self.ranks, self.procs):
                 if p.sentinel in ended or not p.is_alive():
                     self.lost = _exited(rank, p, 1.0)
                     break
+        if self.lost is None and broken:
+            self.lost = str(failure)  # (a rank on another node, or rank 0's own step): stop() sends it nothing
         if self.lost is not None:
             self.acknowledged.set()
             raise TensorParallelError(self.lost)
@@ -135,8 +140,8 @@ class TPWorkers:
                 teardown()
             except Exception as e:  # noqa: BLE001 - a broken group: the ranks are killed below
                 logger.warning("could not stop the tensor-parallel ranks in order: %s", e)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for p in self.procs:
+        deadline = time.monotonic() + (STOP_TIMEOUT_S if self.lost is None else 0.0)  # a broken group's ranks
+        for p in self.procs:  # do not end by themselves
             p.join(max(0.0, deadline - time.monotonic()))
         self._kill_all()
 
@@ -204,11 +209,13 @@ def serve_node(cfg: EngineConfig) -> int:
         pass
     except KeyboardInterrupt:
         node_lost.append(("interrupted", 0.0))
-    why = node_lost[0][0] if node_lost else workers.lost
     failed = not all(p.exitcode == 0 for p in workers.procs)
-    workers.nodes.stop(why if failed else None)
+    if failed:
+        why = (node_lost[0][0] if node_lost else workers.lost) or "a rank failed"
+        workers.lost = workers.lost or why  # its ranks are killed at once
+        workers.nodes.stop(why)  # told to the other nodes
     workers.stop(lambda: None, lambda: None)
     if failed:
-        logger.error("node %d: %s; its ranks are stopped", cfg.node_rank, why or "a rank was stopped")
+        logger.error("node %d: %s; its ranks are stopped", cfg.node_rank, why)
         return 1
     return 0
