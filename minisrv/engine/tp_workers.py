@@ -63,7 +63,10 @@ class TPWorkers:
     def _watch(self) -> None:
         live = {p.sentinel: (rank, p) for rank, p in zip(self.ranks, self.procs)}
         while live and not self._stopping.is_set():
-            for sentinel in mp.connection.wait(list(live), timeout=0.5):
+            ended = mp.connection.wait(list(live), timeout=0.5)
+            if self._stopping.is_set():
+                return  # stop() reaps them (two threads reaping one child can each see it running a moment)
+            for sentinel in ended:
                 rank, proc = live.pop(sentinel)
                 proc.join(1.0)
                 if proc.exitcode != 0:  # 0: it was told to stop (see tp_rank.py)
