@@ -32,6 +32,8 @@ class EngineConfig:
     context_length: Optional[int] = None  # None: the model's max_position_embeddings
     mem_fraction_static: float = 0.88  # GPU: share of total memory for weights + KV pool
     max_total_tokens: Optional[int] = None  # KV pool size in tokens (CPU default: DEFAULT_CPU_POOL_TOKENS)
+    # windowed layers' tokens / full layers' tokens where the windowed layers keep only their window (kvcache/window.py)
+    swa_full_tokens_ratio: float = 0.8
     max_running_requests: int = 256
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 8192
@@ -83,6 +85,8 @@ class EngineConfig:
         self._check_nodes()
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static must be in (0, 1)")
+        if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
+            raise ValueError("swa_full_tokens_ratio must be in (0, 1]")
         if self.speculative_algorithm is not None:
             self.speculative_algorithm = self.speculative_algorithm.upper()
             if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
@@ -160,7 +164,12 @@ class EngineConfig:
         p.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: 16 on CUDA, 1 on CPU)")
         p.add_argument("--context-length", type=int, default=None)
         p.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
-        p.add_argument("--max-total-tokens", type=int, default=None)
+        p.add_argument("--max-total-tokens", type=int, default=None,
+                       help="KV pool size: the memory this many tokens take in every layer")
+        p.add_argument("--swa-full-tokens-ratio", type=float, default=d.swa_full_tokens_ratio,
+                       help="a model whose sliding-window layers keep only their window (CPU, torch backend): "
+                            "tokens of the windowed layers' pages per token of the full layers' (0 < r <= 1), in "
+                            "the pool's memory")
         p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
         p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
         p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)

@@ -152,12 +152,18 @@ def resolve_backend(name: str, device: torch.device, features: FrozenSet[str] = 
 
 
 def create_backend(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int,
-                   fp8_decode_kernel: str = "auto",
-                   layers: Optional[Sequence[LayerAttention]] = None) -> AttentionBackend:
+                   fp8_decode_kernel: str = "auto", layers: Optional[Sequence[LayerAttention]] = None,
+                   window_table: Optional[torch.Tensor] = None) -> AttentionBackend:
     """Create a resolved backend (see resolve_backend); a hybrid shares the pool between its two halves.
     fp8_decode_kernel: EngineConfig.fp8_decode_kernel (see the module docstring and xqa.fp8_decode). layers: each
-    layer's attention options (None: plain causal attention)."""
+    layer's attention options (None: plain causal attention). window_table: where the pool's windowed layers keep
+    only their window (kvcache/pool.py), the request->token table of their slots; only the torch backend reads such
+    a pool."""
     parts = _parts(name)
+    if window_table is not None:
+        if parts != ["torch"]:
+            raise ValueError(f"the {name} backend reads every layer's K/V through one request->token table")
+        return _create("torch", pool, req_to_token, num_q_heads, layers, window_table=window_table)
     prefill = _create(parts[0], pool, req_to_token, num_q_heads, layers)
     decode = None
     if parts[-1] in ("fi", "triton"):
@@ -171,6 +177,7 @@ def create_backend(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_
 
 
 def _create(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int,
-            layers: Optional[Sequence[LayerAttention]]) -> AttentionBackend:
+            layers: Optional[Sequence[LayerAttention]], **kwargs) -> AttentionBackend:
     _, module, cls, _ = BACKENDS[name]
-    return getattr(importlib.import_module(f".{module}", __name__), cls)(pool, req_to_token, num_q_heads, layers)
+    return getattr(importlib.import_module(f".{module}", __name__), cls)(pool, req_to_token, num_q_heads, layers,
+                                                                         **kwargs)

@@ -48,10 +48,9 @@ class PackedMeta:
 class CpuPagedAttention:
     """Plans and runs the CPU paths for one backend's pool; `prepare` returns None for a step they do not serve."""
 
-    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, layers: Sequence[LayerAttention],
+    def __init__(self, pool, num_q_heads: int, layers: Sequence[LayerAttention],
                  kernel: Optional[PagedDecodeKernel]) -> None:
         self.pool = pool
-        self.req_to_token = req_to_token
         self.num_q_heads = num_q_heads
         self.layers = layers
         self.windows = sorted({a.window for a in layers}, key=lambda w: w or 0)
@@ -63,7 +62,7 @@ class CpuPagedAttention:
         self.flat_k, self.flat_v = [pool.flat_k(i) for i in layers], [pool.flat_v(i) for i in layers]
 
     @staticmethod
-    def create(pool, req_to_token: torch.Tensor, num_q_heads: int,
+    def create(pool, num_q_heads: int,
                layers: Sequence[LayerAttention]) -> Optional["CpuPagedAttention"]:
         """The CPU paths over this pool, or None where the pool is FP8 (the padded path dequantises as it reads)."""
         if pool.quantized:
@@ -79,27 +78,28 @@ class CpuPagedAttention:
         else:
             logger.info("CPU decode attention: padded torch path (the paged kernel takes float32 pools; this one "
                         "is %s)", pool.kv_dtype)
-        return CpuPagedAttention(pool, req_to_token, num_q_heads, layers, kernel)
+        return CpuPagedAttention(pool, num_q_heads, layers, kernel)
 
-    def prepare(self, b: ForwardBatch):
+    def prepare(self, b: ForwardBatch, table: torch.Tensor, loc: torch.Tensor):
+        """The step's plan over `table` (the request->token table of the layers it serves), storing at `loc`."""
         if b.is_decode:
             if self.kernel is None or b.prefix_groups is not None:
                 return None
-            return DecodeMeta(b.out_cache_loc, b.req_rows.long(), b.seq_lens.to(torch.int32), self.flat_k,
-                              self.flat_v, self.req_to_token, *self.decode_options)
+            return DecodeMeta(loc, b.req_rows.long(), b.seq_lens.to(torch.int32), self.flat_k,
+                              self.flat_v, table, *self.decode_options)
         if b.verify and self.kernel is not None:
-            return self._verify_meta(b)
+            return self._verify_meta(b, table, loc)
         seqs, start = [], 0
         for row, ext, seq_len in zip(b.req_rows.tolist(), b.extend_lens_cpu, b.seq_lens_cpu):
             # on a cached prefix its keys come from the pool
-            slots = self.req_to_token[row, :seq_len].long() if seq_len > ext else None
+            slots = table[row, :seq_len].long() if seq_len > ext else None
             masks = {w: None if slots is None and (w is None or ext <= w) else window_mask(seq_len, ext, w)
                      for w in self.windows}
             seqs.append(PackedSeq(start, ext, slots, masks))
             start += ext
-        return PackedMeta(b.out_cache_loc, tuple(seqs))
+        return PackedMeta(loc, tuple(seqs))
 
-    def _verify_meta(self, b: ForwardBatch) -> DecodeMeta:
+    def _verify_meta(self, b: ForwardBatch, table: torch.Tensor, loc: torch.Tensor) -> DecodeMeta:
         """A verify step as decode rows, one a token: query j of a request whose step ends at length s is a decode
         query of its table row over s - n + j + 1 keys (all the step's K/V are stored before any is read), so the
         few queries read K/V in place as decode does, and a model whose decode layers run in one call runs these
@@ -108,14 +108,13 @@ class CpuPagedAttention:
         rows = torch.repeat_interleave(b.req_rows.long(), torch.tensor(ext))
         kv_lens = torch.tensor([s - n + j + 1 for s, n in zip(b.seq_lens_cpu, ext) for j in range(n)],
                                dtype=torch.int32)
-        return DecodeMeta(b.out_cache_loc, rows, kv_lens, self.flat_k, self.flat_v, self.req_to_token,
-                          *self.decode_options)
+        return DecodeMeta(loc, rows, kv_lens, self.flat_k, self.flat_v, table, *self.decode_options)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta) -> torch.Tensor:
         self.pool.store(layer_id, meta.loc, k, v)
         opts = self.layers[layer_id]
         if isinstance(meta, DecodeMeta):
-            return self.kernel(q, meta.k[layer_id], meta.v[layer_id], self.req_to_token, meta.rows, meta.kv_lens,
+            return self.kernel(q, meta.k[layer_id], meta.v[layer_id], meta.req_to_token, meta.rows, meta.kv_lens,
                                opts.scale, opts.window or 0, opts.softcap or 0.0, self.sinks[layer_id])
         out = torch.empty(q.shape, dtype=q.dtype)
         hkv = self.pool.num_kv_heads

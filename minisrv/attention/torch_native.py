@@ -9,11 +9,16 @@ dequantised as they are gathered (the pool's `load`), so attention itself runs i
 On the CPU, the paths of cpu_paged.py replace that one where they can: decode reads K/V in place in the pool through
 a compiled kernel, and prompts run packed, a sequence at a time, without padding. The padded path stays for FP8
 pools, for decode where the kernel could not be built, and on CUDA, where it is the reference.
+
+Where the pool's windowed layers keep only their window (kvcache/pool.py), they have slots of their own, mapped by a
+second request->token table (`window_table`): a step is planned twice, once over each table (`KindMetas`), and each
+layer reads its kind's plan. Keys of a windowed layer before its window hold stale slots there, which the window's
+mask keeps out.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -35,25 +40,52 @@ class TorchMeta:
     out_rows: Optional[torch.Tensor]  # token rows inside the padded output
 
 
+@dataclass(frozen=True)
+class KindMetas:
+    """A step's plan over the full layers' slots and over the windowed layers' own."""
+
+    full: Any
+    window: Any
+
+
 class TorchNativeBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, layers=None) -> None:
+    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, layers=None,
+                 window_table: Optional[torch.Tensor] = None) -> None:
         super().__init__(pool, req_to_token, num_q_heads, layers)
         self.windows = {a.window for a in self.layers}
         self.sinks = [a.sinks_tensor(pool.device) for a in self.layers]  # each layer's, [Hq] float32 or None
+        self.window_table = window_table
         self.cpu = None
         if pool.device.type == "cpu":
-            self.cpu = CpuPagedAttention.create(pool, req_to_token, num_q_heads, self.layers)
+            self.cpu = CpuPagedAttention.create(pool, num_q_heads, self.layers)
 
     def prepare(self, b: ForwardBatch):
+        if self.window_table is None:
+            return self._prepare(b, self.req_to_token, b.out_cache_loc)
+        window = self._prepare(b, self.window_table, self._window_loc(b))
+        if len(self.pool.window_layers) == self.pool.num_layers:
+            return window
+        return KindMetas(self._prepare(b, self.req_to_token, b.out_cache_loc), window)
+
+    def _prepare(self, b: ForwardBatch, table: torch.Tensor, loc: torch.Tensor):
         if self.cpu is not None:
-            meta = self.cpu.prepare(b)
+            meta = self.cpu.prepare(b, table, loc)
             if meta is not None:
                 return meta
-        return self.prepare_padded(b)
+        return self.prepare_padded(b, table, loc)
 
-    def prepare_padded(self, b: ForwardBatch) -> TorchMeta:
+    def _window_loc(self, b: ForwardBatch) -> torch.Tensor:
+        """The windowed layers' slots of the step's tokens: the window table at each token's row and position."""
+        ext = torch.tensor(b.extend_lens_cpu)
+        ends = torch.repeat_interleave(ext.cumsum(0), ext)  # the index past each token's request's last
+        pos = torch.repeat_interleave(torch.tensor(b.seq_lens_cpu), ext) - ends + torch.arange(int(ext.sum()))
+        rows = torch.repeat_interleave(b.req_rows.cpu(), ext)
+        return self.window_table[rows.to(self.window_table.device), pos.to(self.window_table.device)].long()
+
+    def prepare_padded(self, b: ForwardBatch, table: Optional[torch.Tensor] = None,
+                       loc: Optional[torch.Tensor] = None) -> TorchMeta:
         dev = b.input_ids.device
         bsz = b.batch_size
         max_k = b.max_seq_len
@@ -61,7 +93,8 @@ class TorchNativeBackend(AttentionBackend):
         max_q = max(ext)
         if max_q * bsz == 0:
             raise ValueError("empty batch")
-        kv_idx = self.req_to_token[b.req_rows, :max_k].long()  # [B, max_k]
+        table = self.req_to_token if table is None else table
+        kv_idx = table[b.req_rows, :max_k].long()  # [B, max_k]
         # padded query row j of request i sits at absolute position prefix_i + min(j, ext_i - 1): padded rows
         # repeat the last real one, so no row is fully masked, and are dropped afterwards
         ext_t = torch.tensor(ext, dtype=torch.int64)
@@ -78,10 +111,12 @@ class TorchNativeBackend(AttentionBackend):
             q_gather = (starts[:, None] + jj).reshape(-1).to(dev)
             valid = (j[None, :] < ext_t[:, None]).reshape(-1)
             out_rows = torch.nonzero(valid).squeeze(1).to(dev)
-        return TorchMeta(b.out_cache_loc, kv_idx, masks, max_q, q_gather, out_rows)
+        return TorchMeta(b.out_cache_loc if loc is None else loc, kv_idx, masks, max_q, q_gather, out_rows)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta) -> torch.Tensor:
+        if isinstance(meta, KindMetas):
+            meta = meta.window if layer_id in self.pool.window_layers else meta.full
         if isinstance(meta, (DecodeMeta, PackedMeta)):
             return self.cpu.forward(q, k, v, layer_id, meta)
         self.pool.store(layer_id, meta.loc, k, v)

@@ -23,6 +23,7 @@ from .pooling import PoolingParams, embedding_request
 from .request import (Request, RequestLimits, RequestOutput, SamplingParams, check_request,
                       prompt_logprob_list)
 from .scheduler import Scheduler
+from .scheduler.window import WindowPages
 from .setup import build_engine_parts
 from .speculative.eagle import EagleProposer
 from .speculative.speculator import make_speculator
@@ -67,7 +68,8 @@ class Engine:
         if self.workers is not None:
             atexit.register(self._close_at_exit)  # the ranks are not daemons: they must be told to stop
         self.limits = RequestLimits(parts.args.vocab_size, parts.max_request_len)
-        self.cache = None if cfg.disable_radix_cache else RadixCache(parts.allocator, parts.page_size)
+        self.cache = None if cfg.disable_radix_cache else \
+            RadixCache(parts.allocator, parts.page_size, parts.window_allocator)
         # None: one token a step. EAGLE3's proposer reads what the runner keeps of each extend and verify step
         self.drafter = None if parts.draft_head is None else EagleProposer(
             parts.draft_head, parts.runner.model.model.embed_tokens, parts.table.table, parts.pool.num_slots,
@@ -77,7 +79,8 @@ class Engine:
         self.scheduler = Scheduler(parts.allocator, parts.table, parts.page_size, cfg.max_running_requests,
                                    cfg.max_prefill_tokens, cfg.chunked_prefill_size, self.cache,
                                    step_target_s=CPU_STEP_TARGET_S if parts.device.type == "cpu" else None,
-                                   speculator=self.speculator)
+                                   speculator=self.speculator, windows=None if parts.window_rule is None else
+                                   WindowPages(parts.window_allocator, parts.table, parts.window_rule, self.cache))
         self.overlap = parts.device.type == "cuda" and not cfg.disable_overlap_schedule
         self.num_free_pages_when_idle = parts.allocator.num_free  # all but the CUDA-graph pad page
         self.peak_pages_used = 0

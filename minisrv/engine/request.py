@@ -229,6 +229,10 @@ class Request:
     prompt_logprobs: Dict[int, TokenLogprob] = field(default_factory=dict)  # prompt position -> its logprob
     row: int = -1  # row in the request->token table while resident
     pages: List[int] = field(default_factory=list)
+    # a model whose windowed layers keep only their window: beside each page, the windowed page of the same positions
+    # while it may still be read, None before `window_lo` (engine/scheduler/window.py)
+    window_pages: List[Optional[int]] = field(default_factory=list)
+    window_lo: int = 0
     num_cached: int = 0  # tokens whose K/V are in the pool
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     sampling_seed: int = 0  # the request's seed (signed 64-bit), for seeded sampling

@@ -16,7 +16,8 @@ from minisrv.attention import canonical, create_backend, device_sm, missing, res
 from minisrv.batch import ForwardMode
 from minisrv.attention.cascade import CascadePolicy
 from minisrv.config import DEFAULT_CPU_POOL_TOKENS, EngineConfig
-from minisrv.kvcache import KVPool, PageAllocator, ReqToTokenTable, slots_for
+from minisrv.kvcache import KVPool, PageAllocator, ReqToTokenTable, WindowRule, slots_for
+from minisrv.kvcache.window import split_pool_pages, windowed_layers
 from minisrv.distributed import Rendezvous, TensorParallel, init_tensor_parallel
 from minisrv.kernels.qk_rope_store import warm_up as warm_up_qk_rope_store
 from minisrv.models.args import ModelArgs
@@ -96,6 +97,9 @@ class EngineParts:
     staged_kernels: Optional[StagedKernels] = None  # kernels still building, to switch to between steps
     cache_write: Optional[threading.Thread] = None  # a GGUF's first load: the thread writing the cache's file
     draft_head: Optional[Eagle3Head] = None  # EAGLE3's (engine/speculative/eagle.py)
+    # where the windowed layers keep only their window: their pages' allocator and which pages they read
+    window_allocator: Optional[PageAllocator] = None
+    window_rule: Optional[WindowRule] = None
 
 
 def tp_device(device: torch.device, rank: int, per_node: int, base: int = 0) -> torch.device:
@@ -192,8 +196,16 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
         tokens = DEFAULT_CPU_POOL_TOKENS if device.type != "cuda" else \
             _gpu_pool_tokens(cfg, model, serving_name, args, dtype, kv_dtype, ps, context_length, per_token, device)
     tokens = tp.min_over_ranks(tokens)  # every rank holds the same pages (for its own heads)
-    num_pages = max(1, tokens // ps)
-    pool = KVPool(a.num_layers, num_pages, ps, plan.num_kv_heads, a.head_dim, dtype, device, kv_dtype)
+    num_pages, window_pages = max(1, tokens // ps), 0
+    layers = layer_attention(args, model.attention_sinks())
+    # (on the CPU's torch backend: the GPU backends read every layer through the full pages)
+    window_layers, window_rule = windowed_layers([x.window for x in layers], context_length, ps) \
+        if device.type == "cpu" and serving_name == "torch" else (frozenset(), None)
+    if window_layers:  # the same memory, more of it for the full layers
+        num_pages, window_pages = split_pool_pages(tokens, a.num_layers, len(window_layers), cfg.swa_full_tokens_ratio,
+                                                   ps, min(cfg.chunked_prefill_size, context_length) + window_rule.window)
+    pool = KVPool(a.num_layers, num_pages, ps, plan.num_kv_heads, a.head_dim, dtype, device, kv_dtype,
+                  window_layers, window_pages)
     if loaded.kv_scales is not None:  # an FP8 checkpoint's calibrated K/V scales (before any graph is captured)
         if pool.quantized:
             pool.set_scales(*loaded.kv_scales)
@@ -201,7 +213,7 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
             logger.info("the checkpoint's K/V scales are not used: the KV cache is %s (--kv-cache-dtype fp8_e4m3 "
                         "uses them)", str(dtype).replace("torch.", ""))
     allocator = PageAllocator(num_pages)
-    table = ReqToTokenTable(cfg.max_running_requests + 1, context_length, device)
+    table = ReqToTokenTable(cfg.max_running_requests + 1, context_length, device, windowed=bool(window_layers))
     pad_row = table.alloc_row()  # one spare row: CUDA-graph padding rows point at it
     pad_page = None
     max_request_len = min(context_length, pool.num_slots)
@@ -215,14 +227,15 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
         """The runner's parts with the attention backend asked for (the current one where it is that already), its
         CUDA graphs and cascade decode."""
         backend = current.backend if keep_backend else \
-            create_backend(backend_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel, layers)
+            create_backend(backend_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel, layers,
+                           table.window_table)
         graph_runner = _graph_runner(cfg, model, backend, pad_row, pad_page * ps, context_length, device) \
             if graphs and backend.supports_cuda_graph else None
         return replace(current, backend=backend, graph_runner=graph_runner,
                        cascade=_cascade_policy(cfg, backend, backend_name, pool, ps))
 
-    layers = layer_attention(args, model.attention_sinks())
-    serving = create_backend(serving_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel, layers)
+    serving = create_backend(serving_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel, layers,
+                             table.window_table)
     runner = ModelRunner(model, serving, pool, table, device, tp, Pooler(pooling) if pooling is not None else None)
     parts = RunnerParts(serving, sampling_kernel=None if sampling_pending else fused_sampling_kernel(device))
     staged_kernels = None
@@ -245,6 +258,9 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
                 if tp.enabled else "")
     logger.info("KV pool: %d tokens (%d pages of %d), %.2f GiB; context length %d; attention backend %s",
                 pool.num_slots, num_pages, ps, pool.nbytes / GiB, context_length, backend_name)
+    if window_layers:
+        logger.info("KV pool: %d of %d layers keep only their window of %d tokens, in %d tokens of their own",
+                    len(window_layers), a.num_layers, window_rule.window, window_pages * ps)
     if pooling is not None:
         logger.info("embedding model: %s", pooling.describe())
     if pool.quantized:
@@ -259,7 +275,9 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
         eos.add(tokenizer.eos_token_id)
     return EngineParts(device, model_path, args, tokenizer, sorted(eos), dtype, context_length, ps, backend_name,
                        pool, allocator, table, pad_row, runner, max_request_len, pooling=pooling,
-                       staged_kernels=staged_kernels, cache_write=loaded.cache_write, draft_head=draft_head)
+                       staged_kernels=staged_kernels, cache_write=loaded.cache_write, draft_head=draft_head,
+                       window_allocator=PageAllocator(window_pages) if window_layers else None,
+                       window_rule=window_rule)
 
 
 def _fused_and_builds(cfg: EngineConfig, args: ModelArgs, backend_name: str, dtype: torch.dtype,

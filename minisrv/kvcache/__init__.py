@@ -3,5 +3,6 @@ prefix tree. It knows tokens, pages and slots, never requests or their text."""
 from .allocator import PageAllocator
 from .pool import KVPool
 from .req_table import ReqToTokenTable, slots_for
+from .window import WindowRule
 
-__all__ = ["KVPool", "PageAllocator", "ReqToTokenTable", "slots_for"]
+__all__ = ["KVPool", "PageAllocator", "ReqToTokenTable", "slots_for", "WindowRule"]

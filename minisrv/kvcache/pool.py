@@ -9,11 +9,15 @@ layer; whoever reads multiplies back. The scales are 1.0 unless a checkpoint's c
 On the CPU the pool is anonymous memory mapped from the operating system, which hands it out zeroed and takes
 physical pages only as they are first written: a large pool costs nothing at start-up and holds, resident, only the
 pages requests have used (the page allocator hands out low pages first).
+
+A model whose sliding-window layers keep only their window (`window_layers`) holds those layers' K/V in pages of
+their own: `window_pages` of them, fewer than the full layers' pages, with slots of their own that a second
+request->token table maps (req_table.py). Which of a sequence's windowed pages are still read is window.py's rule.
 """
 from __future__ import annotations
 
 import mmap
-from typing import Sequence, Tuple
+from typing import FrozenSet, Sequence, Tuple
 
 import torch
 
@@ -28,10 +32,12 @@ class KVPool:
     `dtype` is what the model computes K/V in; `kv_dtype` is what the pool holds. Scales live twice: `kv_scale`
     [num_layers, 2] (K, V) float32 on the device, for kernels, which take tensors; `k_scale_host` / `v_scale_host`
     as Python floats, for FlashInfer, which folds them into its softmax scale on the host (`set_scales` writes both).
+    A layer of `window_layers` has `window_pages` pages instead of `num_pages`; a layer's slots are its kind's.
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None,
+                 window_layers: FrozenSet[int] = frozenset(), window_pages: int = 0) -> None:
         kv_dtype = dtype if kv_dtype is None else kv_dtype
         if kv_dtype != dtype and kv_dtype not in FP8_KV_DTYPES:
             raise ValueError(f"a KV pool holds the model's dtype or {FP8_KV_DTYPES}, not {kv_dtype}")
@@ -43,8 +49,10 @@ class KVPool:
         self.dtype = dtype
         self.kv_dtype = kv_dtype
         self.device = device
-        shape = (2, num_pages, page_size, num_kv_heads, head_dim)
-        self.kv = [_zeros(shape, kv_dtype, device) for _ in range(num_layers)]
+        self.window_layers = frozenset(window_layers)
+        self.window_pages = window_pages
+        self.kv = [_zeros((2, window_pages if i in self.window_layers else num_pages, page_size, num_kv_heads,
+                           head_dim), kv_dtype, device) for i in range(num_layers)]
         self.k = [kv[0] for kv in self.kv]
         self.v = [kv[1] for kv in self.kv]
         self.kv_scale = torch.ones((num_layers, 2), dtype=torch.float32, device=device)
@@ -65,7 +73,7 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return self.num_slots * self.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype)
+        return sum(kv.numel() for kv in self.kv) * self.kv_dtype.itemsize
 
     def set_scales(self, k_scales: Sequence[float], v_scales: Sequence[float]) -> None:
         """A checkpoint's calibrated per-layer K and V scales; before anything is stored or captured."""

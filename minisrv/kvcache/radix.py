@@ -13,6 +13,10 @@ Invariants:
     so a node with lock count 0 has no user in its subtree, and the pages of such nodes are `evictable_pages`.
   * A node's last-access tick is never older than any of its descendants' (every access refreshes the whole path),
     so evicting least-recently-used leaves first removes deep, cold suffixes before the prefixes they hang from.
+  * With a `window_allocator` (the windowed layers' own pages: pool.py), each node also holds, page for page, the
+    windowed pages of its tokens, or None where it gave one back (`evict_windows`, any node, least recently used
+    first, locked or not: a running request holds its own references to the windowed pages it reads). The tree holds
+    one reference on each it has; a match says which are there, for the caller to shorten it (window.py).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ _serials = itertools.count()
 class RadixNode:
     key: Tuple[int, ...] = ()
     pages: List[int] = field(default_factory=list)
+    window_pages: List[Optional[int]] = field(default_factory=list)  # beside `pages`, with a window allocator
     parent: Optional["RadixNode"] = None
     children: Dict[Hashable, "RadixNode"] = field(default_factory=dict)
     lock_ref: int = 0
@@ -42,15 +47,18 @@ class PrefixMatch:
     pages: List[int]  # the cached prefix's pages, in order
     num_tokens: int  # == len(pages) * page_size
     node: RadixNode  # the deepest node of the match (the root when nothing matched); pass to lock/unlock
+    window_pages: List[Optional[int]] = field(default_factory=list)  # beside pages, with a window allocator
 
 
 class RadixCache:
     """Prefix tree of cached KV pages. Not thread safe: the scheduler owns it."""
 
-    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int,
+                 window_allocator: Optional[PageAllocator] = None) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.allocator = allocator
+        self.window_allocator = window_allocator
         self.page_size = page_size
         self.root = RadixNode()
         self._clock = 0
@@ -66,22 +74,31 @@ class RadixCache:
         and splits the last node if the match ends inside it; changes no reference count."""
         tokens = tuple(token_ids)
         tokens = tokens[: len(tokens) - len(tokens) % self.page_size]
-        pages: List[int] = []
-        node, pos = self._walk(tokens, pages)
-        return PrefixMatch(pages=pages, num_tokens=pos, node=node)
+        path: List[RadixNode] = []
+        node, pos = self._walk(tokens, path)
+        return PrefixMatch([p for n in path for p in n.pages], pos, node, [p for n in path for p in n.window_pages])
 
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> Tuple[int, RadixNode]:
-        """Cache token_ids (a whole number of pages) with their pages. The tree takes one new reference on each
-        page it adopts (those past the already-cached prefix); the caller keeps its own references to all of them.
-        Returns (number of tokens already cached, the node ending at token_ids)."""
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int],
+               window_pages: Sequence[Optional[int]] = ()) -> Tuple[int, RadixNode]:
+        """Cache token_ids (a whole number of pages) with their pages (and, with a window allocator, their windowed
+        pages, None where the caller has none). The tree takes one new reference on each page it adopts (those past
+        the already-cached prefix, and windowed pages where the cached prefix has none); the caller keeps its own
+        references to all of them. Returns (number of tokens already cached, the node ending at token_ids)."""
         tokens = tuple(token_ids)
         if len(tokens) != len(pages) * self.page_size:
             raise ValueError(f"{len(tokens)} tokens do not fill {len(pages)} pages of {self.page_size}")
-        node, pos = self._walk(tokens, None)
+        path: List[RadixNode] = []
+        node, pos = self._walk(tokens, path)
+        new_windows: List[Optional[int]] = []
+        if self.window_allocator is not None:
+            self._fill_windows(path, window_pages)
+            new_windows = list(window_pages[pos // self.page_size:])
+            self.window_allocator.incref([p for p in new_windows if p is not None])
         if pos < len(tokens):
             new_pages = list(pages[pos // self.page_size:])
             self.allocator.incref(new_pages)
-            leaf = RadixNode(key=tokens[pos:], pages=new_pages, parent=node, last_access=self._clock)
+            leaf = RadixNode(key=tokens[pos:], pages=new_pages, window_pages=new_windows, parent=node,
+                             last_access=self._clock)
             node.children[self._child_key(leaf.key)] = leaf
             self.num_pages += len(new_pages)
             self.evictable_pages += len(new_pages)
@@ -119,7 +136,8 @@ class RadixCache:
             take = min(num_pages - released, len(leaf.pages))
             keep = len(leaf.pages) - take
             self.allocator.free(leaf.pages[keep:])
-            leaf.pages = leaf.pages[:keep]
+            self._free_windows(leaf.window_pages[keep:])
+            leaf.pages, leaf.window_pages = leaf.pages[:keep], leaf.window_pages[:keep]
             leaf.key = leaf.key[: keep * self.page_size]
             released += take
             self.num_pages -= take
@@ -133,20 +151,48 @@ class RadixCache:
                     heapq.heappush(heap, (parent.last_access, parent.serial, parent))
         return released
 
+    def evict_windows(self, num_free: int) -> None:
+        """Give back the tree's windowed pages, least recently used node first, until the window allocator has
+        num_free free pages or the tree holds none (a page a request also holds frees nothing yet)."""
+        nodes = sorted((n for n in self._nodes() if any(p is not None for p in n.window_pages)),
+                       key=lambda n: (n.last_access, n.serial))
+        for n in nodes:
+            for i, p in enumerate(n.window_pages):
+                if self.window_allocator.num_free >= num_free:
+                    return
+                if p is not None:
+                    self.window_allocator.free([p])
+                    n.window_pages[i] = None
+
     def reset(self) -> bool:
         """Release every page the tree holds and empty it; refused (False) while any node is locked."""
         if self.root.lock_ref > 0:
             return False
         for n in self._nodes():
             self.allocator.free(n.pages)
+            self._free_windows(n.window_pages)
         self.root = RadixNode()
         self.num_pages = 0
         self.evictable_pages = 0
         return True
 
-    def _walk(self, tokens: Tuple[int, ...], pages: Optional[List[int]]) -> Tuple[RadixNode, int]:
+    def _free_windows(self, window_pages: List[Optional[int]]) -> None:
+        if window_pages:
+            self.window_allocator.free([p for p in window_pages if p is not None])
+
+    def _fill_windows(self, path: List[RadixNode], window_pages: Sequence[Optional[int]]) -> None:
+        """Adopt the caller's windowed pages where the cached nodes of its path gave theirs back."""
+        i = 0
+        for n in path:
+            for j, p in enumerate(n.window_pages):
+                if p is None and window_pages[i + j] is not None:
+                    n.window_pages[j] = window_pages[i + j]
+                    self.window_allocator.incref([n.window_pages[j]])
+            i += len(n.pages)
+
+    def _walk(self, tokens: Tuple[int, ...], path: List[RadixNode]) -> Tuple[RadixNode, int]:
         """Follow tokens down the tree as far as whole pages match, splitting the node where the match ends inside
-        it; refresh LRU times on the way. Appends the matched pages to `pages` if given. Returns (node, tokens)."""
+        it; refresh LRU times on the way. Appends the matched nodes to `path`. Returns (node, tokens)."""
         self._clock += 1
         node, pos = self.root, 0
         node.last_access = self._clock
@@ -158,8 +204,7 @@ class RadixCache:
             if common < len(child.key):
                 child = self._split(child, common)
             child.last_access = self._clock
-            if pages is not None:
-                pages.extend(child.pages)
+            path.append(child)
             node, pos = child, pos + common
         return node, pos
 
@@ -168,10 +213,12 @@ class RadixCache:
         so a caller's lock handle on node still ends where it did. Lock counts and evictable totals are unchanged."""
         parent = node.parent
         assert parent is not None and 0 < at < len(node.key) and at % self.page_size == 0
-        upper = RadixNode(key=node.key[:at], pages=node.pages[: at // self.page_size], parent=parent,
-                          lock_ref=node.lock_ref, last_access=node.last_access)
+        cut = at // self.page_size
+        upper = RadixNode(key=node.key[:at], pages=node.pages[:cut], window_pages=node.window_pages[:cut],
+                          parent=parent, lock_ref=node.lock_ref, last_access=node.last_access)
         parent.children[self._child_key(upper.key)] = upper
-        node.key, node.pages, node.parent = node.key[at:], node.pages[at // self.page_size:], upper
+        node.key, node.pages, node.window_pages, node.parent = \
+            node.key[at:], node.pages[cut:], node.window_pages[cut:], upper
         upper.children[self._child_key(node.key)] = node
         return upper
 

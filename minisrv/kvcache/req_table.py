@@ -11,10 +11,13 @@ from minisrv.utils import ceil_div, host_tensor, to_device
 
 class ReqToTokenTable:
     """Rows of [max_context] slots, one row per live request. With `journal` a list (tensor parallelism's rank 0),
-    every write is also noted there, for the other ranks to replay on their copies before the same step."""
+    every write is also noted there, for the other ranks to replay on their copies before the same step.
+    `windowed`: a second table of the same rows, `window_table`, maps positions to the slots of the windowed layers'
+    own pages (pool.py); a write with `window` True goes there. Its entries before a request's window are stale."""
 
-    def __init__(self, max_rows: int, max_context: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, max_context: int, device: torch.device, windowed: bool = False) -> None:
         self.table = torch.zeros((max_rows, max_context), dtype=torch.int32, device=device)
+        self.window_table = torch.zeros_like(self.table) if windowed else None
         self._free_rows: List[int] = list(range(max_rows - 1, -1, -1))
         self.journal: Optional[List[Tuple[Any, ...]]] = None
 
@@ -30,17 +33,19 @@ class ReqToTokenTable:
     def free_row(self, row: int) -> None:
         self._free_rows.append(row)
 
-    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+    def write(self, row: int, start: int, slots: torch.Tensor, window: bool = False) -> None:
         if self.journal is not None:
-            self.journal.append(("span", row, start, slots))
-        self.table[row, start:start + slots.numel()] = to_device(slots, torch.int32, self.table.device)
+            self.journal.append(("span", row, start, slots, window))
+        table = self.window_table if window else self.table
+        table[row, start:start + slots.numel()] = to_device(slots, torch.int32, table.device)
 
-    def write_points(self, rows: List[int], positions: List[int], slots: List[int]) -> None:
+    def write_points(self, rows: List[int], positions: List[int], slots: List[int], window: bool = False) -> None:
         """table[rows[i], positions[i]] = slots[i], with one host->device copy."""
         if self.journal is not None:
-            self.journal.append(("points", rows, positions, slots))
-        idx = to_device([rows, positions, slots], torch.int64, self.table.device)
-        self.table[idx[0], idx[1]] = idx[2].to(torch.int32)
+            self.journal.append(("points", rows, positions, slots, window))
+        table = self.window_table if window else self.table
+        idx = to_device([rows, positions, slots], torch.int64, table.device)
+        table[idx[0], idx[1]] = idx[2].to(torch.int32)
 
     def take_journal(self) -> List[Tuple[Any, ...]]:
         writes, self.journal = self.journal, []

@@ -1,6 +1,7 @@
 """A request's memory: its KV pages, its row of the request->token table, and its share of the radix prefix tree.
 The scheduler decides who runs; this is how pages and rows are taken, shared and given back. It never touches
-model tensors."""
+model tensors. Where the model's windowed layers keep only their window, `windows` (window.py) keeps their pages
+beside the full ones."""
 from __future__ import annotations
 
 from typing import List, Optional
@@ -12,22 +13,26 @@ from minisrv.kvcache.radix import PrefixMatch, RadixCache
 from minisrv.utils import ceil_div
 
 from ..request import Request
+from .window import WindowPages
 
 
 class CacheManager:
     def __init__(self, allocator: PageAllocator, table: ReqToTokenTable, page_size: int,
-                 tree: Optional[RadixCache]) -> None:
+                 tree: Optional[RadixCache], windows: Optional[WindowPages] = None) -> None:
         self.alloc = allocator
         self.table = table
         self.page_size = page_size
         self.tree = tree  # the radix prefix cache, or None when disabled
+        self.windows = windows
 
     def pages_for(self, num_tokens: int) -> int:
         return ceil_div(num_tokens, self.page_size)
 
     def available_pages(self) -> int:
-        """Pages that can be handed out now: free ones and those only the prefix tree holds."""
-        return self.alloc.num_free + (self.tree.evictable_pages if self.tree is not None else 0)
+        """Pages that can be handed out now: free ones and those only the prefix tree holds (with windowed pages,
+        as many of both: every new page comes with a windowed one)."""
+        full = self.alloc.num_free + (self.tree.evictable_pages if self.tree is not None else 0)
+        return full if self.windows is None else min(full, self.windows.available())
 
     def alloc_pages(self, n: int) -> List[int]:
         """n pages, evicting from the prefix tree what the free ones lack."""
@@ -41,7 +46,12 @@ class CacheManager:
         if self.tree is None or req.solo or req.params.prompt_logprobs is not None or \
                 (req.embedding is not None and req.embedding.mean):
             return None  # prompt logprobs and mean pooling need every prompt position computed
-        m = self.tree.match_prefix(req.all_ids[:req.total_len - 1])
+        ids = req.all_ids[:req.total_len - 1]
+        m = self.tree.match_prefix(ids)
+        if self.windows is not None and m.num_tokens:  # only as far as the windowed K/V it reads is cached
+            usable = self.windows.usable_tokens(m)
+            if usable < m.num_tokens:
+                m = self.tree.match_prefix(ids[:usable])
         return m if m.num_tokens else None
 
     def admit(self, req: Request, match: Optional[PrefixMatch]) -> None:
@@ -53,6 +63,8 @@ class CacheManager:
             self.tree.lock(match.node)
             req.pages, req.cache_node, req.num_cached = list(match.pages), match.node, match.num_tokens
             self.table.write(req.row, 0, slots_for(req.pages, self.page_size, 0, match.num_tokens))
+            if self.windows is not None:
+                self.windows.admit(req, match)
 
     def place(self, req: Request, n: int) -> torch.Tensor:
         """Give req the pages and table entries for its next n tokens; returns their slots."""
@@ -62,6 +74,8 @@ class CacheManager:
             req.pages.extend(self.alloc_pages(extra))
         slots = slots_for(req.pages, self.page_size, start, start + n)
         self.table.write(req.row, start, slots)
+        if self.windows is not None:
+            self.windows.place(req, start, n)
         return slots
 
     def decode_pages(self, reqs: List[Request]) -> int:
@@ -79,6 +93,8 @@ class CacheManager:
                 r.pages.append(fresh.pop())
             slots.append(r.pages[pos // ps] * ps + pos % ps)
         self.table.write_points([r.row for r in reqs], [r.num_cached for r in reqs], slots)
+        if self.windows is not None:
+            self.windows.place_decode(reqs)
         return slots
 
     def verify_pages(self, reqs: List[Request], drafts: List[List[int]]) -> int:
@@ -93,6 +109,8 @@ class CacheManager:
         if len(req.pages) > keep:
             self.alloc.free(req.pages[keep:])
             del req.pages[keep:]
+            if self.windows is not None:
+                self.windows.truncate(req)
 
     def release(self, req: Request, keep_kv: bool = True) -> None:
         """Drop a request's pages and row; with the tree on, its computed full pages are kept in the tree first
@@ -100,12 +118,14 @@ class CacheManager:
         if self.tree is not None:
             full = min(req.num_cached, len(req.prompt_ids) + len(req.output_ids)) // self.page_size
             if keep_kv and full:
-                self.tree.insert(req.all_ids[:full * self.page_size], req.pages[:full])
+                self.tree.insert(req.all_ids[:full * self.page_size], req.pages[:full], req.window_pages[:full])
             if req.cache_node is not None:
                 self.tree.unlock(req.cache_node)
                 req.cache_node = None
         self.alloc.free(req.pages)
         req.pages = []
+        if self.windows is not None:
+            self.windows.truncate(req)
         req.num_cached = 0
         if req.row >= 0:
             self.table.free_row(req.row)
@@ -119,7 +139,7 @@ class CacheManager:
         full = req.num_cached // self.page_size
         if not full:
             return
-        _, node = self.tree.insert(req.all_ids[:full * self.page_size], req.pages[:full])
+        _, node = self.tree.insert(req.all_ids[:full * self.page_size], req.pages[:full], req.window_pages[:full])
         if node is not req.cache_node:
             self.tree.lock(node)
             if req.cache_node is not None:

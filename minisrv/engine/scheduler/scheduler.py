@@ -18,6 +18,7 @@ from .batch import ScheduledBatch
 from .cache import CacheManager
 from .decode import decode_batch
 from .prefill import INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY, PrefillAdder
+from .window import WindowPages
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +36,14 @@ FIRST_TIMED_CHUNK = 256
 class Scheduler:
     def __init__(self, allocator: PageAllocator, table: ReqToTokenTable, page_size: int, max_running: int,
                  max_prefill_tokens: int, chunked_prefill_size: int, tree: Optional[RadixCache] = None,
-                 step_target_s: Optional[float] = None, speculator: Optional[Speculator] = None) -> None:
+                 step_target_s: Optional[float] = None, speculator: Optional[Speculator] = None,
+                 windows: Optional[WindowPages] = None) -> None:
         """step_target_s: where steps run to their end one at a time (the CPU), a long prompt's chunks are sized so
         that a step takes about this long, by the speed of the last extend step (`extend_took`): attention over a
         long prefix makes later chunks slower, and the step in progress is what a new request waits for.
-        speculator: decode steps of few requests verify drafts (engine/speculative/)."""
-        self.cache = CacheManager(allocator, table, page_size, tree)
+        speculator: decode steps of few requests verify drafts (engine/speculative/). windows: the windowed layers'
+        own pages, where they keep only their window (window.py)."""
+        self.cache = CacheManager(allocator, table, page_size, tree, windows)
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk = chunked_prefill_size
@@ -117,6 +120,8 @@ class Scheduler:
         On a GPU a chunk left by the prefill budget is followed by more prefill at once: decode turns there would
         hold back the admission of a full waiting queue, whose prefills the budget splits nearly every step."""
         batch = None
+        if self.cache.windows is not None:  # windowed pages left behind every running request's window go back
+            self.cache.windows.trim(self.running)
         if self.decode_turns:
             self.decode_turns -= 1
             batch = self._schedule_decode()
