@@ -202,8 +202,11 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
     window_layers, window_rule = windowed_layers([x.window for x in layers], context_length, ps) \
         if device.type == "cpu" and serving_name == "torch" else (frozenset(), None)
     if window_layers:  # the same memory, more of it for the full layers
-        num_pages, window_pages = split_pool_pages(tokens, a.num_layers, len(window_layers), cfg.swa_full_tokens_ratio,
-                                                   ps, min(cfg.chunked_prefill_size, context_length) + window_rule.window)
+        w = window_rule.window + ps
+        num_pages, window_pages = split_pool_pages(
+            tokens, a.num_layers, len(window_layers), cfg.swa_full_tokens_ratio, ps,
+            least=min(cfg.chunked_prefill_size, context_length) + 2 * w,
+            most=cfg.max_running_requests * w + cfg.max_prefill_tokens)
     pool = KVPool(a.num_layers, num_pages, ps, plan.num_kv_heads, a.head_dim, dtype, device, kv_dtype,
                   window_layers, window_pages)
     if loaded.kv_scales is not None:  # an FP8 checkpoint's calibrated K/V scales (before any graph is captured)

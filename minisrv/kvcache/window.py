@@ -36,13 +36,15 @@ class WindowRule:
 
 
 def split_pool_pages(tokens: int, num_layers: int, num_window_layers: int, ratio: float, page_size: int,
-                     min_window_tokens: int) -> Tuple[int, int]:
+                     least: int, most: int) -> Tuple[int, int]:
     """(full pages, windowed pages) in the memory a pool of `tokens` in every layer takes: windowed pages `ratio` as
-    many as full ones (SGLang's --swa-full-tokens-ratio), but never fewer than one request's widest step needs,
-    min_window_tokens (its window and a prefill chunk), nor more than the full ones."""
+    many as full ones (SGLang's --swa-full-tokens-ratio) but no more than `most` tokens' worth (what every running
+    request's window and a step's prefill can hold at once: more would only keep cached windows), never fewer than
+    `least` tokens' worth (one request's widest step), nor more than the full ones; the rest of the memory is the
+    full layers'."""
     full_layers = num_layers - num_window_layers
     full = max(1, int(tokens * num_layers / (full_layers + ratio * num_window_layers)) // page_size)
-    window = min(full, max(int(full * ratio), ceil_div(min_window_tokens, page_size) + 1))
+    window = min(full, max(min(int(full * ratio), ceil_div(most, page_size)), ceil_div(least, page_size) + 1))
     if full_layers:  # what the windowed pages left of the memory
         full = max(window, (tokens * num_layers - window * page_size * num_window_layers) // (full_layers * page_size))
     return full, window

@@ -1,5 +1,7 @@
 """An engine watcher that checks the pool's bookkeeping after every step and records each logits row, and the
-checks that a finished engine holds no page."""
+checks that a finished engine holds no page. Where the windowed layers keep only their window (their own pages
+beside the full ones), those pages are checked the same way, and against the window: each running request holds
+exactly the windowed pages its next query's window reaches, and its window table row maps them."""
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Tuple
@@ -22,25 +24,10 @@ class EngineWatch:
         self.partial_extends = 0  # extend rows that stopped short of the end of their sequence (chunked prefill)
         self.reqs: Dict[str, object] = {}  # every request seen in a batch
         self._batch = None
-        alloc = engine.parts.allocator
-        self.outstanding = {p for p in range(alloc.num_pages) if alloc.refcount(p) > 0}
-        orig_alloc, orig_free = alloc.alloc, alloc.free
-
-        def checked_alloc(n):
-            pages = orig_alloc(n)
-            assert len(set(pages)) == len(pages), f"alloc returned a page twice: {pages}"
-            again = self.outstanding.intersection(pages)
-            assert not again, f"pages {sorted(again)} handed out while still in use"
-            self.outstanding.update(pages)
-            return pages
-
-        def checked_free(pages):
-            orig_free(pages)
-            for p in pages:
-                if alloc.refcount(p) == 0:
-                    self.outstanding.discard(p)
-
-        alloc.alloc, alloc.free = checked_alloc, checked_free
+        self.outstanding = _watch_allocator(engine.parts.allocator)
+        self.window_rule = engine.parts.window_rule
+        if self.window_rule is not None:
+            self.window_outstanding = _watch_allocator(engine.parts.window_allocator)
 
         runner = engine.runner
         orig_step, orig_fwd = runner.launch, runner.forward_logits
@@ -86,6 +73,10 @@ class EngineWatch:
             assert all(s // ps in owned for s in mine), f"{r.rid} writes slots outside its own pages"
             expect = [r.pages[p // ps] * ps + p % ps for p in range(r.num_cached, r.num_cached + n)]
             assert mine == expect, f"{r.rid}: slots {mine} are not its positions' slots {expect}"
+        if self.window_rule is not None:  # scheduled: the windowed pages behind each request's window are back
+            for r in self.engine.scheduler.running:
+                lo = min(self.window_rule.first_page(r.num_cached), len(r.window_pages))
+                assert r.window_lo == lo, f"{r.rid} holds windowed pages from {r.window_lo}, its window from {lo}"
 
     def check(self) -> None:
         eng = self.engine
@@ -124,6 +115,35 @@ class EngineWatch:
             f"{alloc.num_pages - len(free) - len(used)} pages are neither free nor in use (leak)"
         assert self.outstanding == used, "allocator and requests disagree about which pages are in use"
         assert len(free_rows) + len(rows) + 1 == table.table.shape[0], "a table row leaked"
+        if self.window_rule is not None:
+            self._check_windows()
+
+    def _check_windows(self) -> None:
+        eng = self.engine
+        alloc, table, ps = eng.parts.window_allocator, eng.parts.table.window_table, eng.parts.page_size
+        tree = tree_pages(eng, window=True)
+        holders: Dict[int, int] = {}
+        for r in eng.scheduler.running:
+            assert len(r.window_pages) == len(r.pages), f"{r.rid}: windowed pages beside {len(r.pages)} pages"
+            assert all((p is None) == (i < r.window_lo) for i, p in enumerate(r.window_pages)), \
+                f"{r.rid}: windowed pages given back out of order"
+            assert r.window_lo <= self.window_rule.first_page(r.num_cached), f"{r.rid}: a windowed page it reads is gone"
+            for i, p in enumerate(r.window_pages[r.window_lo:], r.window_lo):
+                if p in holders:  # shared only as a cached prefix's last window: whole pages, in the tree
+                    assert p in tree and (i + 1) * ps <= r.num_cached, f"windowed page {p} shared by {r.rid}"
+                holders[p] = holders.get(p, 0) + 1
+            start = r.window_lo * ps
+            slots = [r.window_pages[q // ps] * ps + q % ps for q in range(start, r.num_cached)]
+            assert table[r.row, start:r.num_cached].tolist() == slots, f"{r.rid}: window table row disagrees"
+        for p in set(holders) | tree:
+            want = holders.get(p, 0) + (p in tree)
+            assert alloc.refcount(p) == want, f"windowed page {p}: refcount {alloc.refcount(p)}, held {want} times"
+        free = alloc._free
+        assert len(set(free)) == len(free) and not set(free) & (set(holders) | tree), "a windowed page free twice"
+        assert len(free) + len(set(holders) | tree) == alloc.num_pages, "a windowed page leaked"
+        assert self.window_outstanding == set(holders) | tree, "windowed pages in use disagree"
+        held = sum(holders.values())
+        assert eng.scheduler.cache.windows.held == held, f"{eng.scheduler.cache.windows.held} counted, {held} held"
 
     def assert_idle(self) -> None:
         eng = self.engine
@@ -163,15 +183,39 @@ class EngineWatch:
         return count
 
 
-def tree_pages(engine) -> set:
-    """Pages the prefix cache holds (walked independently of its counters)."""
+def _watch_allocator(alloc) -> set:
+    """Wraps alloc's alloc and free to check that no page is handed out twice; returns the set of pages in use,
+    which the wrappers keep up to date."""
+    outstanding = {p for p in range(alloc.num_pages) if alloc.refcount(p) > 0}
+    orig_alloc, orig_free = alloc.alloc, alloc.free
+
+    def checked_alloc(n):
+        pages = orig_alloc(n)
+        assert len(set(pages)) == len(pages), f"alloc returned a page twice: {pages}"
+        again = outstanding.intersection(pages)
+        assert not again, f"pages {sorted(again)} handed out while still in use"
+        outstanding.update(pages)
+        return pages
+
+    def checked_free(pages):
+        orig_free(pages)
+        for p in pages:
+            if alloc.refcount(p) == 0:
+                outstanding.discard(p)
+
+    alloc.alloc, alloc.free = checked_alloc, checked_free
+    return outstanding
+
+
+def tree_pages(engine, window: bool = False) -> set:
+    """Pages (window: windowed pages) the prefix cache holds (walked independently of its counters)."""
     cache = engine.cache
     if cache is None:
         return set()
     pages, todo = set(), [cache.root]
     while todo:
         n = todo.pop()
-        pages.update(n.pages)
+        pages.update(p for p in (n.window_pages if window else n.pages) if p is not None)
         todo.extend(n.children.values())
     return pages
 
@@ -185,3 +229,7 @@ def assert_pool_free(engine) -> None:
     assert engine.parts.allocator.num_free + len(tree) == engine.parts.allocator.num_pages, \
         f"{engine.parts.allocator.num_pages - engine.parts.allocator.num_free - len(tree)} pages still in use"
     assert engine.parts.table.num_free_rows == engine.parts.table.table.shape[0] - 1, "table rows still in use"
+    if engine.parts.window_allocator is not None:
+        tree, alloc = tree_pages(engine, window=True), engine.parts.window_allocator
+        assert all(alloc.refcount(p) == 1 for p in tree), "a cached windowed page is still held by a request"
+        assert alloc.num_free + len(tree) == alloc.num_pages, "windowed pages still in use"

@@ -28,10 +28,13 @@ class CacheManager:
     def pages_for(self, num_tokens: int) -> int:
         return ceil_div(num_tokens, self.page_size)
 
+    def full_pages_available(self) -> int:
+        """Pages that can be handed out now: free ones and those only the prefix tree holds."""
+        return self.alloc.num_free + (self.tree.evictable_pages if self.tree is not None else 0)
+
     def available_pages(self) -> int:
-        """Pages that can be handed out now: free ones and those only the prefix tree holds (with windowed pages,
-        as many of both: every new page comes with a windowed one)."""
-        full = self.alloc.num_free + (self.tree.evictable_pages if self.tree is not None else 0)
+        """Pages that can be handed out now, with as many windowed pages beside them where there are such."""
+        full = self.full_pages_available()
         return full if self.windows is None else min(full, self.windows.available())
 
     def alloc_pages(self, n: int) -> List[int]:

@@ -2,7 +2,8 @@
 
 `PrefillAdder.add` is the rule, one candidate at a time: a request joins when its grammar is ready, a running slot
 and a table row are free, its chunk fits the step's token budget (one chunked request a step), and the pool holds
-its pages plus room for what the running requests and it will still decode.
+its pages plus room for what the running requests and it will still decode (in the windowed layers' own pages too,
+where they keep only their window: there a decoding request takes pages only until it holds its window).
 """
 from __future__ import annotations
 
@@ -56,7 +57,10 @@ class PrefillAdder:
         self.ratio = new_token_ratio
         # pages kept for what the running requests will still decode, then for what this batch claims
         self.reserved = cache.pages_for(int(sum(decode_budget(r) for r in running) * new_token_ratio))
-        self.available = cache.available_pages()
+        self.available = cache.full_pages_available()
+        w = cache.windows
+        self.window_room = None if w is None else w.available() - sum(
+            w.reserve(r, cache.pages_for(int(decode_budget(r) * new_token_ratio))) for r in running)
         self.admitted: List[Admission] = []
         self.num_new = 0
         self.chunked = False  # a request in this batch stops short of its end (one such request a step)
@@ -89,6 +93,13 @@ class PrefillAdder:
         future = self.cache.pages_for(int(decode_budget(req) * self.ratio)) if new else 0
         room = self.available - (held if match is not None else 0)  # a matched prefix stops being evictable
         alone = not self.admitted and not self.num_running and need <= room
+        window_claim = 0
+        if self.window_room is not None:  # its new windowed pages, those of a match's last window, its decode's
+            shared = len(match.pages) - self.cache.windows.rule.first_page(match.num_tokens) if match else 0
+            window_claim = need + shared + min(future, self.cache.windows.span)
+            alone = alone and need + shared <= self.window_room
+            if window_claim > self.window_room and not alone:
+                return False
         if need + self.reserved + future > room and not alone:  # alone: nothing else can free memory
             return False
         if new and self.cache.table.num_free_rows == 0:
@@ -97,6 +108,8 @@ class PrefillAdder:
         if match is not None:
             self.available -= held
         self.reserved += need + future  # claimed by this batch: later candidates must fit in what is left
+        if self.window_room is not None:
+            self.window_room -= window_claim
         self.num_new += new
         self.budget -= n
         return self.budget > 0 and not req.solo

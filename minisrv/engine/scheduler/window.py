@@ -30,6 +30,15 @@ class WindowPages:
     def available(self) -> int:
         return max(self.alloc.num_free, self.alloc.num_pages - self.held)
 
+    @property
+    def span(self) -> int:
+        """The most windowed pages a request holds as it decodes: those its window touches and the next one."""
+        return -(-(self.rule.window - 1) // self.rule.page_size) + 1
+
+    def reserve(self, req: Request, future_pages: int) -> int:
+        """Windowed pages req takes as it decodes future_pages more pages: until it holds its span."""
+        return min(future_pages, max(0, self.span - (len(req.window_pages) - req.window_lo)))
+
     def usable_tokens(self, match: PrefixMatch) -> int:
         """How much of a cached prefix a request can continue from (window.py)."""
         return self.rule.usable_pages(match.window_pages) * self.rule.page_size
