@@ -84,7 +84,7 @@ def same(a, b) -> None:
     assert [o.text for o in a] == [o.text for o in b]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "gemma2"])
 @pytest.mark.parametrize("corrupt", [0.0, 0.3])
 def test_greedy_tokens_are_the_plain_runs(tiny_model, arch, corrupt):
     path = tiny_model(arch)
@@ -149,10 +149,11 @@ def test_max_tokens_inside_a_run(tiny_model, max_tokens):
     assert all(len(o.token_ids) == max_tokens and o.finish_reason == "length" for o in spec)
 
 
-def test_retraction_prefix_cache_and_chunked_prefill(tiny_model):
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_retraction_prefix_cache_and_chunked_prefill(tiny_model, arch):
     """A pool too small for every request (retraction), the prefix cache on with shared prompt heads, prompts in
-    chunks, prompt logprobs: each as without speculation."""
-    path = tiny_model("llama")
+    chunks, prompt logprobs: each as without speculation (gemma2: its windowed layers' own pages too)."""
+    path = tiny_model(arch)
     head = make_prompts(vocab_of(path), [40], seed=2)[0]
     prompts = [head + p for p in make_prompts(vocab_of(path), [30, 45, 20, 38], seed=9)]
     kw = dict(disable_radix_cache=False, max_total_tokens=250, chunked_prefill_size=32, page_size=4, optimistic=True)

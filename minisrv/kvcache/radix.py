@@ -76,7 +76,8 @@ class RadixCache:
         tokens = tokens[: len(tokens) - len(tokens) % self.page_size]
         path: List[RadixNode] = []
         node, pos = self._walk(tokens, path)
-        return PrefixMatch([p for n in path for p in n.pages], pos, node, [p for n in path for p in n.window_pages])
+        return PrefixMatch([p for n in path for p in n.pages], pos, node,
+                           [p for n in path for p in n.window_pages] if self.window_allocator is not None else [])
 
     def insert(self, token_ids: Sequence[int], pages: Sequence[int],
                window_pages: Sequence[Optional[int]] = ()) -> Tuple[int, RadixNode]:

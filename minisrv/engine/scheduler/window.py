@@ -87,8 +87,8 @@ class WindowPages:
         """Windowed pages beside each of req's full pages."""
         n = len(req.pages) - len(req.window_pages)
         if n > 0:
-            if n > self.alloc.num_free and self.tree is not None:
-                self.tree.evict_windows(n)
+            if n > self.alloc.num_free and self.tree is not None:  # (a few more: an eviction walks the tree)
+                self.tree.evict_windows(max(n, self.alloc.num_pages // 64))
             req.window_pages.extend(self.alloc.alloc(n))
             self.held += n
 
