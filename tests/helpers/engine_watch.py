@@ -77,6 +77,12 @@ class EngineWatch:
             for r in self.engine.scheduler.running:
                 lo = min(self.window_rule.first_page(r.num_cached), len(r.window_pages))
                 assert r.window_lo == lo, f"{r.rid} holds windowed pages from {r.window_lo}, its window from {lo}"
+            table, alloc = self.engine.parts.table.window_table, self.engine.parts.window_allocator
+            for r, n in zip(sb.reqs, sb.extend_lens):  # its new K/V go to windowed pages of its own alone
+                pages = {r.window_pages[p // ps] for p in range(r.num_cached, r.num_cached + n)}
+                assert all(alloc.refcount(p) == 1 for p in pages), f"{r.rid} writes a shared windowed page"
+                want = [r.window_pages[p // ps] * ps + p % ps for p in range(r.num_cached, r.num_cached + n)]
+                assert table[r.row, r.num_cached:r.num_cached + n].tolist() == want, f"{r.rid}: window slots"
 
     def check(self) -> None:
         eng = self.engine
