@@ -17,17 +17,11 @@ from minisrv.checkpoints.loader import load_model_args
 from minisrv.models.args import ModelArgs
 from minisrv.models.attention_options import SINKS, WINDOW, features_of, layer_attention
 
-from .helpers import (EngineWatch, assert_greedy_matches, assert_pool_free, greedy, hf_greedy, make_config, make_llm,
-                      make_prompts, vocab_of)
+from .helpers import assert_greedy_matches, greedy, hf_greedy, make_config, make_llm, make_prompts, vocab_of
+from .helpers.engine_modes import ENGINE_MODES, check_mode_against_hf
 from .helpers.interpreted import needs_triton, run_checks
 
 PROMPTS = [30, 5, 19, 44]  # past the 8-token window but one
-MODES = {
-    "alone": None,
-    "batched": dict(page_size=1),
-    "chunked": dict(chunked_prefill_size=8, max_prefill_tokens=16, page_size=3),
-    "prefix_cache": dict(page_size=4, disable_radix_cache=False),
-}
 
 
 @pytest.fixture(scope="module")
@@ -39,37 +33,11 @@ def checkpoints(tiny_model, tmp_path_factory):
     return {"bf16_layout": (hf, hf), "mxfp4": write_mxfp4_pair(hf, str(root / "mxfp4"), str(root / "twin"))}
 
 
-def _check_greedy(ref_path, llm, prompts, n, what):
-    outs = llm.generate(prompts, greedy(n), use_tqdm=False)
-    for i, (p, o) in enumerate(zip(prompts, outs)):
-        ref, scores = hf_greedy(ref_path, p, n)
-        assert_greedy_matches(o.token_ids, ref, scores, f"{what} prompt {i} ({len(p)} tokens)")
-
-
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(ENGINE_MODES))
 @pytest.mark.parametrize("layout", ["bf16_layout", "mxfp4"])
 def test_greedy_and_logits_match_hf(checkpoints, layout, mode):
     path, ref = checkpoints[layout]
-    prompts = make_prompts(vocab_of(path), PROMPTS, seed=5)
-    if mode == "prefix_cache":  # the later prompts share the first one's first 24 tokens
-        prompts = [prompts[0]] + [prompts[0][:24] + p for p in prompts[1:]]
-    llm = make_llm(path, **(MODES[mode] or {}))
-    watch = EngineWatch(llm.engine)
-    if mode == "alone":
-        for p in prompts:
-            _check_greedy(ref, llm, [p], 10, f"{layout} alone")
-    elif mode == "prefix_cache":
-        _check_greedy(ref, llm, prompts[:1], 10, f"{layout} {mode}")
-        _check_greedy(ref, llm, prompts[1:], 10, f"{layout} {mode}")
-        assert llm.engine.num_cached_prompt_tokens >= 3 * 20
-    else:
-        _check_greedy(ref, llm, prompts, 10, f"{layout} {mode}")
-    assert watch.check_logits(ref) >= len(prompts) * 10
-    if mode == "chunked":
-        assert watch.partial_extends > 0, "no prefill was chunked"
-    if mode == "prefix_cache":
-        assert llm.engine.flush_cache()
-    assert_pool_free(llm.engine)
+    check_mode_against_hf(path, ref, make_prompts(vocab_of(path), PROMPTS, seed=5), mode, layout)
 
 
 @pytest.mark.slow

@@ -18,48 +18,17 @@ from minisrv.models.sharding import Slice
 
 from .helpers import (EngineWatch, assert_greedy_matches, assert_pool_free, build_tiny_model, greedy, hf_greedy,
                       hf_logits, make_config, make_llm, make_prompts, rel_err, vocab_of)
+from .helpers.engine_modes import ENGINE_MODES, check_greedy, check_mode_against_hf
 
 PHIS = ["phi3", "phi4_mini"]
 LONG_PROMPTS = [40, 33, 57, 36]  # all past phi4_mini's original 32 positions: transformers takes the long factors
-MODES = {
-    "alone": None,
-    "batched": dict(page_size=1),
-    "chunked": dict(chunked_prefill_size=8, max_prefill_tokens=16, page_size=3),
-    "prefix_cache": dict(page_size=4, disable_radix_cache=False),
-}
 
 
-def _check_greedy(path, llm, prompts, n, what):
-    outs = llm.generate(prompts, greedy(n), use_tqdm=False)
-    for i, (p, o) in enumerate(zip(prompts, outs)):
-        ref, scores = hf_greedy(path, p, n)
-        assert_greedy_matches(o.token_ids, ref, scores, f"{what} prompt {i} ({len(p)} tokens)")
-
-
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(ENGINE_MODES))
 @pytest.mark.parametrize("name", PHIS)
 def test_greedy_and_logits_match_hf(tiny_model, name, mode):
     path = tiny_model(name)
-    prompts = make_prompts(vocab_of(path), LONG_PROMPTS, seed=5)
-    if mode == "prefix_cache":  # the later prompts share the first one's first 24 tokens
-        prompts = [prompts[0]] + [prompts[0][:24] + p for p in prompts[1:]]
-    llm = make_llm(path, **(MODES[mode] or {}))
-    watch = EngineWatch(llm.engine)
-    if mode == "alone":
-        for p in prompts:
-            _check_greedy(path, llm, [p], 10, f"{name} alone")
-    elif mode == "prefix_cache":  # the first prompt's pages cached, then the others read its first 24 tokens
-        _check_greedy(path, llm, prompts[:1], 10, f"{name} {mode}")
-        _check_greedy(path, llm, prompts[1:], 10, f"{name} {mode}")
-        assert llm.engine.num_cached_prompt_tokens >= 3 * 20
-    else:
-        _check_greedy(path, llm, prompts, 10, f"{name} {mode}")
-    assert watch.check_logits(path) >= len(prompts) * 10
-    if mode == "chunked":
-        assert watch.partial_extends > 0, "no prefill was chunked"
-    if mode == "prefix_cache":
-        assert llm.engine.flush_cache()
-    assert_pool_free(llm.engine)
+    check_mode_against_hf(path, path, make_prompts(vocab_of(path), LONG_PROMPTS, seed=5), mode, name)
 
 
 def test_prefill_logits_match_hf_at_every_position(tiny_model):
@@ -85,7 +54,7 @@ def test_short_factors_where_the_context_stays_within_the_original(tiny_model):
     fits what transformers computes with them."""
     path = tiny_model("phi4_mini")
     llm = make_llm(path, context_length=32, page_size=4)
-    _check_greedy(path, llm, make_prompts(vocab_of(path), [5, 20, 12], seed=6), 10, "short factors")
+    check_greedy(path, llm, make_prompts(vocab_of(path), [5, 20, 12], seed=6), 10, "short factors")
     long_llm = make_llm(path)  # a context past 32: the long factors, which HF takes only for longer sequences
     short = make_prompts(vocab_of(path), [12], seed=6)
     assert long_llm.generate(short, greedy(10), use_tqdm=False)[0].token_ids != hf_greedy(path, short[0], 10)[0]
@@ -147,7 +116,7 @@ def test_phi3_sliding_window_is_applied_as_transformers_applies_it(tmp_path):
     for kw in (dict(page_size=4), dict(chunked_prefill_size=8, max_prefill_tokens=16, page_size=3)):
         llm = make_llm(path, **kw)
         watch = EngineWatch(llm.engine)
-        _check_greedy(path, llm, prompts, 8, f"past the sliding window {kw}")
+        check_greedy(path, llm, prompts, 8, f"past the sliding window {kw}")
         assert watch.check_logits(path) >= len(prompts) * 8
         assert_pool_free(llm.engine)
 
@@ -187,7 +156,7 @@ def test_gguf_file_as_llama_cpp_writes_it(tiny_model, tmp_path, name):
     if want.rope_scaling:
         assert got.rope_scaling["long_factor"] == pytest.approx(want.rope_scaling["long_factor"], rel=1e-6)
     prompts = make_prompts(vocab_of(hf), LONG_PROMPTS[:2], seed=8)
-    _check_greedy(hf, make_llm(f32, tokenizer=hf, cache_dir="off"), prompts, 8, f"{name} GGUF")
+    check_greedy(hf, make_llm(f32, tokenizer=hf, cache_dir="off"), prompts, 8, f"{name} GGUF")
     blocks = make_llm(q8, tokenizer=hf, cache_dir="off", gguf_weights="blocks")
     dense = make_llm(q8, tokenizer=hf, cache_dir="off", gguf_weights="float32")
     assert [o.token_ids for o in blocks.generate(prompts, greedy(8), use_tqdm=False)] == \
