@@ -21,6 +21,10 @@
 #             file's, decode steps and the offline workload (64 requests)
 #   int4-moe  the Qwen3-30B-A3B half shape with GPTQ 4-bit experts (group 128, written from the bf16 one): the
 #             experts' 4-bit grouped GEMM alone, the offline workload and decode steps
+#   gpt-oss   gpt-oss-20b with MXFP4 experts (random, scripts/make_hub_checkpoint.py): decode steps at batch 1 and 64,
+#             the offline workload; on the torch attention backend (the one that serves sinks)
+#   gemma3    Gemma-3-12B (random, scripts/make_hub_checkpoint.py): 8 prompts of 32k tokens + 256 output tokens each
+#             (retractions printed), and the KV pool's bytes per token from the engine's start-up log
 #   tp        two GPUs, Llama-3-8B shape: decode steps and the workload at tp 1, tp 2, tp 2 with the fused all-reduce;
 #             the fused all-reduce alone; where a tp 2 step goes
 # Each step's output is appended to $OUT/bench.log, results to $OUT/*.jsonl, and the output tok/s of every step that
@@ -28,7 +32,7 @@
 set -u
 TREES=.
 [ "${1:-}" = --ab ] && { TREES=". .baseline"; shift; }
-[ $# -gt 0 ] || { sed -n 2,25p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,29p "$0"; exit 2; }
 . scripts/gpu_env.sh
 Q=$MINISRV_GPU_CKPT L=/tmp/llama8b M=/tmp/moe JTOK=/tmp/json-tokenizer TTOK=/tmp/think-tokenizer
 
@@ -49,6 +53,10 @@ checkpoints() { local shape dir pids=
     [ -f $dir/config.json ] && continue
     background 600 python3 .gpu-wheels/tools/make_checkpoint.py $dir $shape > /dev/null 2>&1; pids="$pids $BG_PID"; done
   [ -z "$pids" ] || wait $pids; }
+# hub_checkpoint SHAPE DIR: scripts/make_hub_checkpoint.py's random checkpoint (config.json, written last, marks one
+# complete)
+hub_checkpoint() { [ -f $2/config.json ] && return; rm -rf $2
+  step make-$1 600 python3 scripts/make_hub_checkpoint.py $1 $2; }
 # peer NAME CKPT NUM: a peer's offline run of the same workload (carry .peers: ../shared/peers/setup_peers.sh)
 peer() { [ -f .peers/run.sh ] && step "$1-$(basename "$2")" 400 env NUM="$3" bash .peers/run.sh "$1" "$2"; }
 # serve LABEL "SERVER FLAGS" BENCH_SERVING FLAGS...: bench_serving against a server of each tree on the 0.6B shape,
@@ -140,6 +148,18 @@ for suite in "$@"; do case $suite in
     bench fused-moe-int4 200 bench_fused_moe.py --int4 128 --tokens 1,8,64,256,2048
     bench moe-gptq 400 $OFFLINE --model $M-gptq
     bench decode-moe-gptq 300 $DECODE --model $M-gptq --batch-sizes 1,64,256 --repeats 3 --context 128 ;;
+  gpt-oss) O=/tmp/gpt-oss-20b
+    hub_checkpoint gpt-oss-20b $O
+    bench decode-gpt-oss 300 $DECODE --model $O --batch-sizes 1,64 --repeats 3 --attention-backend torch
+    bench gpt-oss 400 $OFFLINE --model $O --attention-backend torch ;;
+  gemma3) G3=/tmp/gemma3-12b
+    hub_checkpoint gemma-3-12b $G3
+    bench gemma3-32k 600 $OFFLINE --model $G3 --num-prompts 8 --min-input-len 32768 --max-input-len 32768 \
+      --min-output-len 256 --max-output-len 256 --log-level info
+    # "KV pool: N tokens (...), X GiB": the pool's bytes over the tokens it holds
+    grep -h "KV pool" /tmp/gpu-step.log | sed -E 's/.*(KV pool.*)/\1/'
+    sed -n -E 's/.*KV pool: ([0-9]+) tokens .*, ([0-9.]+) GiB.*/\1 \2/p' /tmp/gpu-step.log | tail -n 1 |
+      awk '{ printf "KV pool: %.0f bytes per token it holds\n", $2 * 1073741824 / $1 }' ;;
   tp) checkpoints llama3-8b
     # FlashInfer's communication kernels (the fused all-reduce) build for minutes: beside the tp 1 runs
     background 600 python3 -c "from flashinfer.comm.trtllm_ar import get_trtllm_comm_module as g; g()" \

@@ -21,7 +21,7 @@ import json
 import os
 import sys
 import time
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, Tuple
 
 import torch
 
@@ -83,8 +83,8 @@ Spec = Tuple[str, Tuple[int, ...], str]  # name, shape, how it is filled: normal
 def gpt_oss_tensors(c: Dict) -> Iterator[Spec]:
     """gpt-oss's tensors as the hub's checkpoint names and shapes them."""
     h, v, d = c["hidden_size"], c["vocab_size"], c["head_dim"]
-    q, kv, e, i = c["num_attention_heads"] * d, c["num_key_value_heads"] * d, c["num_local_experts"], c[
-        "intermediate_size"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    e, i = c["num_local_experts"], c["intermediate_size"]
     yield "model.embed_tokens.weight", (v, h), "normal"
     for n in range(c["num_hidden_layers"]):
         p = f"model.layers.{n}."
@@ -149,27 +149,26 @@ def write_weights(out: str, specs: Iterator[Spec], device: str) -> int:
     from safetensors.torch import save_file
     gen = torch.Generator(device=device).manual_seed(0)
     shard: Dict[str, torch.Tensor] = {}
-    files: List[Dict[str, torch.Tensor]] = []
-    weight_map, total, t0 = {}, 0, time.time()
+    weight_map: Dict[str, str] = {}
+    files, size, total, t0 = 0, 0, 0, time.time()
 
-    def flush() -> None:
-        nonlocal shard
-        if shard:
-            name = f"model-{len(files) + 1:05d}.safetensors"
-            save_file(shard, os.path.join(out, name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-            files.append({})
-            print(f"{name}: {len(shard)} tensors ({time.time() - t0:.0f}s)", flush=True)
-            shard = {}
-    size = 0
+    def save() -> None:  # the tensors drawn so far as the next shard
+        nonlocal shard, files, size
+        files += 1
+        name = f"model-{files:05d}.safetensors"
+        save_file(shard, os.path.join(out, name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+        print(f"{name}: {len(shard)} tensors ({time.time() - t0:.0f}s)", flush=True)
+        shard, size = {}, 0
+
     for name, shape, how in specs:
         shard[name] = t = fill(shape, how, gen, device)
         size += t.numel() * t.element_size()
         total += t.numel() * t.element_size()
         if size >= SHARD_BYTES:
-            flush()
-            size = 0
-    flush()
+            save()
+    if shard:
+        save()
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     return total
@@ -220,9 +219,9 @@ def main() -> int:
     gpt_oss = a.shape == "gpt-oss-20b"
     t0 = time.time()
     total = write_weights(a.out, (gpt_oss_tensors if gpt_oss else gemma3_tensors)(cfg), a.device)
-    with open(os.path.join(a.out, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
     write_tokenizer(a.out, vocab, specials, cfg, "" if gpt_oss else GEMMA_TEMPLATE)
+    with open(os.path.join(a.out, "config.json"), "w") as f:  # last: a folder with a config is complete
+        json.dump(cfg, f, indent=2)
     print(f"{a.out}: {a.shape}{' (tiny)' if a.tiny else ''}, {total / 1e9:.2f} GB in {time.time() - t0:.0f}s")
     return 0
 
