@@ -135,6 +135,31 @@ def test_a_killed_rank_ends_the_engine_with_an_error_and_no_orphan(tiny_model):
         llm.close()
 
 
+def _sleep() -> None:
+    time.sleep(60)
+
+
+def test_a_rank_reaped_by_two_threads_is_named_with_its_exit_code():
+    """The watcher and a failed step's check may both reap a killed rank at once: the one whose wait finds the child
+    already reaped must still name its exit code (it read None before, now and then, under load)."""
+    import multiprocessing as mp
+    import threading
+
+    from minisrv.engine.tp_workers import _exited
+    ctx = mp.get_context("spawn")
+    for _ in range(10):
+        proc = ctx.Process(target=_sleep, daemon=True)
+        proc.start()
+        said = []
+        threads = [threading.Thread(target=lambda: said.append(_exited(1, proc, 2.0))) for _ in range(2)]
+        os.kill(proc.pid, signal.SIGKILL)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(s.endswith("exited with code -9") for s in said), said
+
+
 def test_server_with_two_ranks_answers_and_a_lost_rank_gives_503s(tiny_model):
     path = tiny_model("qwen3")
     srv = Server("--model", path, "--tp-size", "2", "--attention-backend", "torch", "--dtype", "float32")

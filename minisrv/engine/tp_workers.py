@@ -150,7 +150,12 @@ class TPWorkers:
 
 
 def _exited(rank: int, proc: mp.Process, join_s: float) -> str:
+    """Why `proc` is gone, with its exit code. Two threads (the watcher, `check`) may reap one child: the one whose
+    wait finds it already reaped reads no code until the other has stored it, so the code is awaited up to join_s."""
+    deadline = time.monotonic() + join_s
     proc.join(join_s)
+    while proc.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
 
 
