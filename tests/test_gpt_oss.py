@@ -17,8 +17,8 @@ from minisrv.checkpoints.loader import load_model_args
 from minisrv.models.args import ModelArgs
 from minisrv.models.attention_options import SINKS, WINDOW, features_of, layer_attention
 
-from .helpers import assert_greedy_matches, greedy, hf_greedy, make_config, make_llm, make_prompts, vocab_of
-from .helpers.engine_modes import ENGINE_MODES, check_mode_against_hf
+from .helpers import make_config, make_prompts, vocab_of
+from .helpers.engine_modes import ENGINE_MODES, check_mode_against_hf, check_two_ranks
 from .helpers.interpreted import needs_triton, run_checks
 
 PROMPTS = [30, 5, 19, 44]  # past the 8-token window but one
@@ -46,14 +46,7 @@ def test_two_ranks_give_hf_and_one_rank_tokens(checkpoints, layout):
     """Each rank reads its heads' q, k, v (biases and sinks too) and its share of every expert out of the stacked
     tensors (MXFP4: down's columns in whole blocks of 32); o's and down's biases are added once."""
     path, ref = checkpoints[layout]
-    prompts = make_prompts(vocab_of(path), PROMPTS, seed=7)
-    one = [o.token_ids for o in make_llm(path).generate(prompts, greedy(8), use_tqdm=False)]
-    with make_llm(path, tp_size=2, chunked_prefill_size=16, disable_radix_cache=False) as llm:
-        two = [o.token_ids for o in llm.generate(prompts, greedy(8), use_tqdm=False)]
-    assert two == one
-    for p, toks in zip(prompts, two):
-        want, scores = hf_greedy(ref, p, 8)
-        assert_greedy_matches(toks, want, scores, f"{layout}, tp 2")
+    check_two_ranks(path, ref, make_prompts(vocab_of(path), PROMPTS, seed=7), layout)
 
 
 def test_config_as_the_hub_writes_it(tiny_model):

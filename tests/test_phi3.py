@@ -16,9 +16,9 @@ from minisrv.checkpoints.weights import split_fused
 from minisrv.models.args import ModelArgs
 from minisrv.models.sharding import Slice
 
-from .helpers import (EngineWatch, assert_greedy_matches, assert_pool_free, build_tiny_model, greedy, hf_greedy,
+from .helpers import (EngineWatch, assert_pool_free, build_tiny_model, greedy, hf_greedy,
                       hf_logits, make_config, make_llm, make_prompts, rel_err, vocab_of)
-from .helpers.engine_modes import ENGINE_MODES, check_greedy, check_mode_against_hf
+from .helpers.engine_modes import ENGINE_MODES, check_greedy, check_mode_against_hf, check_two_ranks
 
 PHIS = ["phi3", "phi4_mini"]
 LONG_PROMPTS = [40, 33, 57, 36]  # all past phi4_mini's original 32 positions: transformers takes the long factors
@@ -65,14 +65,7 @@ def test_short_factors_where_the_context_stays_within_the_original(tiny_model):
 def test_two_ranks_give_hf_and_one_rank_tokens(tiny_model, name):
     """Each rank reads its own q, k, v heads and its gate and up halves out of the fused tensors."""
     path = tiny_model(name)
-    prompts = make_prompts(vocab_of(path), LONG_PROMPTS, seed=7)
-    one = [o.token_ids for o in make_llm(path).generate(prompts, greedy(8), use_tqdm=False)]
-    with make_llm(path, tp_size=2, chunked_prefill_size=16, disable_radix_cache=False) as llm:
-        two = [o.token_ids for o in llm.generate(prompts, greedy(8), use_tqdm=False)]
-    assert two == one
-    for p, toks in zip(prompts, two):
-        ref, scores = hf_greedy(path, p, 8)
-        assert_greedy_matches(toks, ref, scores, f"{name}, tp 2")
+    check_two_ranks(path, path, make_prompts(vocab_of(path), LONG_PROMPTS, seed=7), name)
 
 
 def test_config_as_the_hub_writes_it(tiny_model):

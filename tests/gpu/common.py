@@ -66,8 +66,14 @@ def gap_to_hf_argmax(hf, prompt: List[int], token_ids: List[int]) -> float:
     HF's greedy choice (bf16 near-ties make small gaps legitimate)."""
     with torch.inference_mode():
         ref = hf(torch.tensor([prompt + token_ids], device="cuda")).logits[0].float()
-    at = ref[len(prompt) - 1: len(prompt) - 1 + len(token_ids)]
-    chosen = at.gather(1, torch.tensor(token_ids, device="cuda")[:, None]).squeeze(1)
+    return gap_below_argmax(ref, len(prompt), token_ids)
+
+
+def gap_below_argmax(logits: torch.Tensor, prompt_len: int, token_ids: List[int]) -> float:
+    """How far below the argmax the worst of `token_ids` is, in `logits` [prompt_len + len(token_ids), vocab] of
+    the prompt followed by them (row i predicts position i + 1)."""
+    at = logits[prompt_len - 1: prompt_len - 1 + len(token_ids)]
+    chosen = at.gather(1, torch.tensor(token_ids, device=at.device)[:, None]).squeeze(1)
     return (at.max(dim=1).values - chosen).max().item()
 
 

@@ -47,3 +47,14 @@ def check_mode_against_hf(path: str, ref_path: str, prompts: List[List[int]], mo
     if mode == "prefix_cache":
         assert llm.engine.flush_cache()
     assert_pool_free(llm.engine)
+
+
+def check_two_ranks(path: str, ref_path: str, prompts: List[List[int]], what: str) -> None:
+    """Two tensor-parallel ranks (chunked prefill, prefix cache on) give one rank's greedy tokens, and HF's."""
+    one = [o.token_ids for o in make_llm(path).generate(prompts, greedy(8), use_tqdm=False)]
+    with make_llm(path, tp_size=2, chunked_prefill_size=16, disable_radix_cache=False) as llm:
+        two = [o.token_ids for o in llm.generate(prompts, greedy(8), use_tqdm=False)]
+    assert two == one
+    for p, toks in zip(prompts, two):
+        ref, scores = hf_greedy(ref_path, p, 8)
+        assert_greedy_matches(toks, ref, scores, f"{what}, tp 2")
