@@ -239,4 +239,4 @@ def test_two_ranks(tiny_model, tmp_path):
 @needs_triton
 def test_triton_kernel_under_the_interpreter():
     out = run_checks("w4a16_interpreted_checks.py")
-    assert out.count("W4A16 GEMM") == 57 and out.count("W4A16 expert pairs") == 4
+    assert out.count("W4A16 GEMM") == 57 and out.count("W4A16 expert pairs") == 3

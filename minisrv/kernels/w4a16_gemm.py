@@ -176,15 +176,13 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
     def w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, h_ptr, sc_ptr, dm_ptr, y_ptr, ws_ptr, cnt_ptr, ids_ptr, rw_ptr,
                           m, n, k, group, steps_per_split, stride_xm, stride_ym, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, TOP_K: tl.constexpr,
-                          WEIGHTED: tl.constexpr, SILU_INPUT: tl.constexpr, WHOLE: tl.constexpr, SUB: tl.constexpr,
+                          WEIGHTED: tl.constexpr, WHOLE: tl.constexpr, SUB: tl.constexpr,
                           HIGH: tl.constexpr, ZERO: tl.constexpr, SCALED: tl.constexpr, MINS: tl.constexpr):
         """Program (pid_m, pid_n, pid_k): output tile (pid_m, pid_n) over K steps [pid_k * steps_per_split, +
         steps_per_split). SPLIT > 1: ws_ptr holds [tiles, SPLIT, BLOCK_M * BLOCK_N] float32 partial sums and
         cnt_ptr a zeroed int32 counter per tile. TOP_K > 0 (BLOCK_M 1): row p is a (token, expert) pair of a
         mixture of experts, reading x's row p // TOP_K and expert ids[p]'s weight of stacked [E, K/8, N] ones.
-        WEIGHTED: row p of the output scaled by rw[p] (float32). SILU_INPUT: x's rows are [gate | up], k wide each,
-        and the input is silu(gate) * up (rounded to x's dtype), as a gated MLP's down product takes it. WHOLE: the
-        program stores its dequantised [BLOCK_K, BLOCK_N] tiles of W into y [K, N] instead. SUB 0: a 4-bit weight
+        WEIGHTED: row p of the output scaled by rw[p] (float32). WHOLE: the program stores its dequantised [BLOCK_K, BLOCK_N] tiles of W into y [K, N] instead. SUB 0: a 4-bit weight
         (qw, scales s, zeros z); else a GGUF BlockFormat's planes (low qw, d s, mins z, high h, sub-block scales sc,
         dmin dm; group: the rows a d covers)."""
         pid_m = tl.program_id(0)
@@ -214,12 +212,8 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
             words = tl.load(qw_ptr + (k0 // 8 + kw)[:, None].to(tl.int64) * n + cols[None, :],
                             mask=col_ok[None, :], other=0)
             if not WHOLE:
-                x_at = x_ptr + x_rows[:, None].to(tl.int64) * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :]
-                x = tl.load(x_at, mask=row_ok[:, None], other=0.0)
-                if SILU_INPUT:
-                    gate = x.to(tl.float32)
-                    up = tl.load(x_at + k, mask=row_ok[:, None], other=0.0).to(tl.float32)
-                    x = (gate / (1.0 + tl.exp(-gate)) * up).to(x.dtype)
+                x = tl.load(x_ptr + x_rows[:, None].to(tl.int64) * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :],
+                            mask=row_ok[:, None], other=0.0)
             if SUB == 0:  # a 4-bit weight: one group a step
                 g = k0 // group
                 scale = tl.load(s_ptr + g * n + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -309,12 +303,11 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
     def run(x: torch.Tensor, weight: Any, scales: Optional[torch.Tensor] = None,
             zeros: Optional[torch.Tensor] = None, config: Optional[W4A16Config] = None,
             out: Optional[torch.Tensor] = None, ids: Optional[torch.Tensor] = None, top_k: int = 1,
-            row_weights: Optional[torch.Tensor] = None, silu_input: bool = False) -> torch.Tensor:
+            row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """ids (int32 [P], contiguous): a mixture of experts' (token, expert) pairs on the CUDA cores' kernel,
         qweight/scales/zeros stacked [E, ...]: y [P, N], row p = x[p // top_k] @ W[ids[p]] (times row_weights[p],
-        float32 [P], where given). silu_input: x [M, 2K] holds [gate | up] and the product takes silu(gate) * up
-        (not on the dequantise-whole path)."""
-        m, k = x.shape[0], x.shape[1] // (1 + silu_input)
+        float32 [P], where given)."""
+        m, k = x.shape
         blocks = weight if isinstance(weight, BlockPlanes) else None
         pairs = ids is not None
         if blocks is not None:
@@ -335,7 +328,7 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
         if (qweight.shape[-2] * 8 != k or (blocks is None and group % c.block_k) or k % c.block_k
                 or c.block_k % step or (x.stride(1) != 1 and not whole) or (gemv and m > c.block_m and not pairs)
                 or (pairs and (blocks is not None or c.block_m != 1 or not ids.is_contiguous()))
-                or (out is not None and out.stride(1) != 1) or (silu_input and whole)
+                or (out is not None and out.stride(1) != 1)
                 or not all(t.is_contiguous() for t in (qweight, scales, zeros, high, sub_scales, dmin))):
             raise ValueError(f"W4A16 GEMM operands: x {tuple(x.shape)} (column stride {x.stride(1)}), weight "
                              f"{tuple(qweight.shape)}, scales {tuple(scales.shape)}, config {tuple(c)}")
@@ -344,7 +337,7 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
             w = torch.empty((k, n), dtype=x.dtype, device=x.device)
             w4a16_gemm_kernel[(1, triton.cdiv(n, c.block_n), k // c.block_k)](
                 x, *args, w, w, w, w, w, 0, n, k, group, 1, 0, n, BLOCK_M=1, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                SPLIT=1, TOP_K=0, WEIGHTED=False, SILU_INPUT=False, WHOLE=True, **kinds, num_warps=c.num_warps,
+                SPLIT=1, TOP_K=0, WEIGHTED=False, WHOLE=True, **kinds, num_warps=c.num_warps,
                 num_stages=c.num_stages)
             return x @ w if out is None else out.copy_(x @ w)
         rows = ids.numel() if pairs else m
@@ -363,8 +356,7 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
         w4a16_gemm_kernel[(grid_m, grid_n, split)](
             x, *args, y, ws, cnt, ids if pairs else y, row_weights if row_weights is not None else y, rows, n, k,
             group, per_split, x.stride(0), y.stride(0), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-            SPLIT=split, TOP_K=top_k if pairs else 0, WEIGHTED=row_weights is not None, SILU_INPUT=silu_input,
-            WHOLE=False, **kinds, num_warps=c.num_warps, num_stages=c.num_stages)
+            SPLIT=split, TOP_K=top_k if pairs else 0, WEIGHTED=row_weights is not None, WHOLE=False, **kinds, num_warps=c.num_warps, num_stages=c.num_stages)
         return y
 
     return run

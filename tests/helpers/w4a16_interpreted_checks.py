@@ -50,28 +50,24 @@ def check(run, m: int, n: int, k: int, group: int, symmetric: bool, dtype: torch
           f"{str(dtype)[6:]} {tuple(c)}: max error {err:.1e} of the largest output")
 
 
-def check_pairs(run, top_k: int, weighted: bool, dtype: torch.dtype, silu_input: bool = False) -> None:
+def check_pairs(run, top_k: int, weighted: bool, dtype: torch.dtype) -> None:
     """A mixture of experts' (token, expert) pairs on the CUDA cores' kernel: row p of the output is x[p // top_k]
-    times expert ids[p]'s weight (times row_weights[p]); silu_input: x's rows are [gate | up] and the product
-    takes silu(gate) * up."""
+    times expert ids[p]'s weight (times row_weights[p])."""
     e, k, n, tokens = 4, 256, 80, 3
     parts = [random_weight(k, n, 64, False, torch.float16, seed=j) for j in range(e)]
     qweight, scales, zeros = (torch.stack([p[i] for p in parts]) for i in range(3))
     gen = torch.Generator().manual_seed(top_k)
     ids = torch.randint(0, e, (tokens * top_k,), generator=gen, dtype=torch.int32)
-    x = torch.randn(tokens, k * (1 + silu_input), generator=gen).to(dtype)
+    x = torch.randn(tokens, k, generator=gen).to(dtype)
     rw = torch.rand(tokens * top_k, generator=gen) if weighted else None
-    y = run(x, qweight, scales, zeros, ids=ids, top_k=top_k, row_weights=rw, silu_input=silu_input)
-    a = x.double()
-    if silu_input:
-        a = (torch.nn.functional.silu(a[:, :k]) * a[:, k:]).to(dtype).double()  # rounded as the kernel's input
-    ref = torch.stack([a[p // top_k] @ dequantize(*(t[int(ids[p])] for t in (qweight, scales, zeros)),
+    y = run(x, qweight, scales, zeros, ids=ids, top_k=top_k, row_weights=rw)
+    ref = torch.stack([x[p // top_k].double() @ dequantize(*(t[int(ids[p])] for t in (qweight, scales, zeros)),
                                                           torch.float64) for p in range(ids.numel())])
     if weighted:
         ref = ref * rw.double()[:, None]
     err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
     bound = 2e-3 if dtype == torch.float16 else 1e-5
-    what = f"top_k={top_k} weighted={weighted} silu_input={silu_input} {str(dtype)[6:]}"
+    what = f"top_k={top_k} weighted={weighted} {str(dtype)[6:]}"
     assert y.shape == ref.shape and err <= bound, f"pairs {what}: error {err:.2e}"
     print(f"W4A16 expert pairs {what}: max error {err:.1e}")
 
@@ -90,9 +86,8 @@ def main() -> None:
                    W4A16Config(8, 64, 32, 2, 2, 2), W4A16Config(8, 32, 64, 1, 4, 2),  # rows on the CUDA cores
                    W4A16Config(0, 64, 32, 1, 4, 1)):  # dequantised for torch's matmul
         check(run, 5, 200, 384, 128, False, torch.float16, config)
-    for top_k, weighted, dtype, silu_input in ((2, False, torch.float16, False), (1, True, torch.float32, True),
-                                               (3, True, torch.float16, False), (1, True, torch.float16, True)):
-        check_pairs(run, top_k, weighted, dtype, silu_input)
+    for top_k, weighted, dtype in ((2, False, torch.float16), (1, True, torch.float32), (3, True, torch.float16)):
+        check_pairs(run, top_k, weighted, dtype)
     print("ok")
 
 
