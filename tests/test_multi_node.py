@@ -8,6 +8,7 @@ import concurrent.futures
 import os
 import queue
 import signal
+import subprocess
 import time
 
 import pytest
@@ -39,8 +40,12 @@ def complete(node0: Server, prompt, max_tokens: int) -> httpx.Response:
     return httpx.post(node0.url + "/v1/completions", json=body, timeout=60)
 
 
-def wait_exit(node: Server, timeout_s: float) -> int:
-    code = node.proc.wait(timeout_s)
+def wait_exit(node: Server, timeout_s: float, *others: Server) -> int:
+    """node's exit code; a node still running after timeout_s fails the test, showing what every node printed."""
+    try:
+        code = node.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {timeout_s:g} s:\n" + "\n---\n".join("".join(n.lines) for n in (node, *others)))
     time.sleep(0.2)  # its last lines
     return code
 
@@ -90,8 +95,8 @@ def test_a_node_killed_mid_run_ends_the_other_with_an_error(tiny_model, killed):
             assert any("tensor-parallel step failed" in line for line in node0.lines), "".join(node0.lines)
         elif killed == "rank 1":
             os.kill(rank1, signal.SIGKILL)
-            assert wait_exit(node1, 30) == 1
-            assert wait_exit(node0, 30) == 1
+            assert wait_exit(node1, 30, node0) == 1, "".join(node1.lines)
+            assert wait_exit(node0, 30, node1) == 1
             assert any("node 1 stopped: tensor-parallel rank 1" in line for line in node0.lines), \
                 "".join(node0.lines)
         else:

@@ -17,6 +17,7 @@ from minisrv.config import EngineConfig
 
 HEARTBEAT_S = 1.0  # each node bumps its counter this often
 NODE_SILENT_S = 30.0  # a node not heard from this long is lost
+STOP_CONNECT_S = 5.0  # a node leaving before its watch reached node 0's store tries this long to say why
 
 
 def split_address(address: str) -> Tuple[str, int]:
@@ -37,13 +38,17 @@ class NodeWatch:
         self._thread = threading.Thread(target=self._run, name="minisrv-node-watch", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _connect(self, timeout_s: float):
         import torch.distributed as dist
         host, port = split_address(self.address)
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        store.set_timeout(datetime.timedelta(seconds=NODE_SILENT_S))
+        return store
+
+    def _run(self) -> None:
         try:
-            store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=self.connect_s))
-            store.set_timeout(datetime.timedelta(seconds=NODE_SILENT_S))
+            store = self._connect(self.connect_s)
         except Exception as e:  # noqa: BLE001 - torch's store errors vary by version
             return self._lose(f"node 0's store at {self.address} did not answer within {self.connect_s:.0f} s ({e})")
         with self._lock:
@@ -75,10 +80,14 @@ class NodeWatch:
         """Stop beating and watching; `reason`: why this node leaves the group, told to the others."""
         self._stop.set()
         # (the lock is held by a store call waiting on a vanished node 0: not worth waiting for)
-        if reason is not None and self._store is not None and self._lock.acquire(timeout=1.0):
-            try:
-                self._store.set(f"minisrv/node{self.node}/lost", reason)
-            except Exception:  # noqa: BLE001 - node 0 gone too: the others notice by themselves
-                pass
-            finally:
-                self._lock.release()
+        if reason is None or not self._lock.acquire(timeout=1.0):
+            return
+        try:
+            store = self._store or self._connect(STOP_CONNECT_S)  # (the watch may not have reached node 0 yet)
+            key = f"minisrv/node{self.node}/lost"
+            store.set(key, reason)
+            store.get(key)  # set is not answered and this node exits next: a round trip sees it stored
+        except Exception:  # noqa: BLE001 - node 0 gone too: the others notice by themselves
+            pass
+        finally:
+            self._lock.release()

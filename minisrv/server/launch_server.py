@@ -129,7 +129,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     _check_server_args(args)
     if cfg.node_rank > 0:  # node 0 serves; this node runs only its tensor-parallel ranks
         from minisrv.engine.tp_workers import serve_node
-        sys.exit(serve_node(cfg))
+        code = serve_node(cfg)
+        logging.shutdown()
+        # not sys.exit: the node watch's thread may sit in a store call, and torch's store aborts the interpreter's
+        # shutdown under it (exit -6 instead of the code)
+        os._exit(code)
     from minisrv.checkpoints.model_files import resolve_model_path
     try:
         model_path = resolve_model_path(cfg.model)
