@@ -22,7 +22,7 @@
 #   int4-moe  the Qwen3-30B-A3B half shape with GPTQ 4-bit experts (group 128, written from the bf16 one): the
 #             experts' 4-bit grouped GEMM alone, the offline workload and decode steps
 #   gpt-oss   gpt-oss-20b with MXFP4 experts (random, scripts/make_hub_checkpoint.py): decode steps at batch 1 and 64,
-#             the offline workload; on the torch attention backend (the one that serves sinks)
+#             the offline workload; on the fa attention backend (FA3's sinks), the decode steps on torch too
 #   gemma3    Gemma-3-12B (random, scripts/make_hub_checkpoint.py): 8 prompts of 32k tokens + 256 output tokens each
 #             (retractions printed), and the KV pool's bytes per token from the engine's start-up log
 #   tp        two GPUs, Llama-3-8B shape: decode steps and the workload at tp 1, tp 2, tp 2 with the fused all-reduce;
@@ -150,8 +150,9 @@ for suite in "$@"; do case $suite in
     bench decode-moe-gptq 300 $DECODE --model $M-gptq --batch-sizes 1,64,256 --repeats 3 --context 128 ;;
   gpt-oss) O=/tmp/gpt-oss-20b
     hub_checkpoint gpt-oss-20b $O
-    bench decode-gpt-oss 300 $DECODE --model $O --batch-sizes 1,64 --repeats 3 --attention-backend torch
-    bench gpt-oss 400 $OFFLINE --model $O --attention-backend torch ;;
+    bench decode-gpt-oss 300 $DECODE --model $O --batch-sizes 1,64 --repeats 3 --attention-backend fa
+    bench decode-gpt-oss-torch 300 $DECODE --model $O --batch-sizes 1,64 --repeats 3 --attention-backend torch
+    bench gpt-oss 400 $OFFLINE --model $O --attention-backend fa ;;
   gemma3) G3=/tmp/gemma3-12b
     hub_checkpoint gemma-3-12b $G3
     bench gemma3-32k 600 $OFFLINE --model $G3 --num-prompts 8 --min-input-len 32768 --max-input-len 32768 \

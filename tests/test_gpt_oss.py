@@ -5,7 +5,7 @@ GptOssForCausalLM and save_pretrained (its stacked expert layout), and on one wi
 Greedy tokens and the logits of every computed row, batched and alone, chunked prefill across the 8-token window,
 the prefix cache on, two tensor-parallel ranks over gloo; the config as the hub writes it; YaRN against transformers;
 MXFP4 dequantisation against transformers' and the specification; experts kept in MXFP4 against dequantised ones;
-the registry giving sinks to torch alone; the grouped GEMM's gpt-oss epilogue and MXFP4 tile under Triton's
+the registry giving sinks to torch and fa; the grouped GEMM's gpt-oss epilogue and MXFP4 tile under Triton's
 interpreter. (The CPU kernel's sinks: tests/test_cpu_attention.py.)"""
 from __future__ import annotations
 
@@ -127,18 +127,20 @@ def test_experts_kept_in_mxfp4_equal_the_dequantised_ones(checkpoints):
         assert torch.allclose(kept.mlp.experts(x, weights, ids), dense.mlp.experts(x, weights, ids), atol=1e-5)
 
 
-def test_sinks_are_served_by_torch_alone(monkeypatch):
-    """FlashInfer, FA3 and the Triton decode kernel are refused for a model with sinks; auto goes to torch."""
+def test_sinks_are_served_by_torch_and_fa(monkeypatch):
+    """FlashInfer and the Triton decode kernel are refused for a model with sinks; auto goes to fa on SM90, to torch
+    where fa cannot run. (fa's calls with sinks against HF: tests/test_fa_backend.py.)"""
     import minisrv.attention as registry
     for name, entry in BACKENDS.items():  # as if every backend could run here
         monkeypatch.setitem(BACKENDS, name, (lambda sm: None, *entry[1:]))
     monkeypatch.setattr(registry, "device_sm", lambda device: 90)
     cuda, sinks = torch.device("cuda"), frozenset({WINDOW, SINKS})
-    for name in ("fa", "fi", "fa,fi", "fa,triton"):
+    for name in ("fi", "fa,fi", "fa,triton"):
         with pytest.raises(BackendUnavailable, match="does not serve learned attention sinks"):
             resolve_backend(name, cuda, sinks)
-    assert resolve_backend("torch", cuda, sinks) == "torch" and resolve_backend("auto", cuda, sinks) == "torch"
-    assert resolve_backend("auto", cuda, frozenset({WINDOW})) == "fa,fi"
+    assert [resolve_backend(n, cuda, sinks) for n in ("torch", "fa", "auto")] == ["torch", "fa", "fa"]
+    monkeypatch.setitem(BACKENDS, "fa", (lambda sm: "no FA3 here", *BACKENDS["fa"][1:]))
+    assert resolve_backend("auto", cuda, sinks) == "torch"
 
 
 @needs_triton

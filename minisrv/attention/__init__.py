@@ -4,15 +4,16 @@ Names: `torch`, `fa`, `fi`, and any hybrid `P,D` (prefill/extend on P, decode on
 (minisrv's own decode kernel, triton_decode.py) decodes only, so it is named as a decode half (`fa,triton`).
 A backend's module is imported only when it is chosen, so `import minisrv` needs no GPU library.
 `auto` resolves by the GPU's SM version: SM100+ -> fi, SM90 -> fa,fi, other CUDA GPUs -> fi, no CUDA -> torch; if
-what auto picked cannot load it falls back (fa,fi -> fi -> torch) and logs why. `fa,triton` is asked for by name:
-its decode steps are faster on mixture-of-experts models, but not by enough end to end to be the default.
+what auto picked cannot load it falls back (fa,fi -> fa -> fi -> torch, passing over a step that fails for the same
+reason) and logs why. `fa,triton` is asked for by name: its decode steps are faster on mixture-of-experts models,
+but not by enough end to end to be the default.
 Where fi or triton decodes an FP8 pool, `create_backend` gives decode steps to the xqa backend (xqa.py) as
 `--fp8-decode-kernel` says: `fi` becomes the hybrid fi + xqa, `fa,fi` and `fa,triton` the hybrid fa + xqa.
 Each backend says which of a model's attention features (models/attention_options.py: sliding windows, logit
 soft-capping, learned sinks) it serves; one asked for by name that lacks a feature the model has is refused at start,
 and auto passes over it. (xqa serves none: such models keep FlashInfer's FP8 decode.) Sinks (gpt-oss) are served by
-torch alone, on the GPU too: FlashInfer's fa2/fa3 wrappers take them only through a JIT variant of the prefill
-wrapper (BatchAttentionWithAttentionSinkWrapper), not its decode wrappers nor CUDA-graph ones.
+torch and fa, not fi: FlashInfer's fa2/fa3 wrappers take them only through a JIT variant of the prefill wrapper
+(BatchAttentionWithAttentionSinkWrapper), not its decode wrappers nor CUDA-graph ones.
 """
 from __future__ import annotations
 
@@ -89,13 +90,13 @@ def _triton_missing(sm: Optional[int]) -> Optional[str]:
 BACKENDS: Dict[str, tuple] = {
     "torch": (lambda sm: None, "torch_native", "TorchNativeBackend", {WINDOW, SOFTCAP, SINKS}),
     # (FA3 builds may leave tanh soft-capping out, as upstream's FLASHATTENTION_DISABLE_SOFTCAP does: left to fi)
-    "fa": (_fa_missing, "fa", "FlashAttentionBackend", {WINDOW}),
+    "fa": (_fa_missing, "fa", "FlashAttentionBackend", {WINDOW, SINKS}),
     "fi": (_fi_missing, "fi", "FlashInferBackend", {WINDOW, SOFTCAP}),
     "triton": (_triton_missing, "triton_decode", "TritonDecodeBackend", set()),
 }
 DECODE_ONLY = ("triton",)
 
-AUTO_FALLBACK = {"fa,fi": "fi", "fi": "torch"}
+AUTO_FALLBACK = {"fa,fi": "fa", "fa": "fi", "fi": "torch"}
 
 
 def _parts(name: str) -> List[str]:
@@ -140,6 +141,8 @@ def resolve_backend(name: str, device: torch.device, features: FrozenSet[str] = 
         choice = auto_choice(sm)
         while (why := missing(choice, sm, features)) is not None:
             nxt = AUTO_FALLBACK[choice]
+            while nxt in AUTO_FALLBACK and missing(nxt, sm, features) == why:  # (fa alone, when fa,fi lacked fa)
+                nxt = AUTO_FALLBACK[nxt]
             logger.warning("attention backend auto: %s cannot run (%s); falling back to %s", choice, why, nxt)
             choice = nxt
         logger.info("attention backend auto resolved to %s (SM %s)", choice, sm)

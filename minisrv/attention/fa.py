@@ -3,8 +3,9 @@
 The kernel reads K/V straight from the pool through a page table (page_table.py); new tokens' k/v are stored first.
 Extend batches pass ragged queries through `cu_seqlens_q` with `causal=True`, which FA3 aligns to the bottom right
 (query j of a request with prefix p sees keys 0..p+j), exactly the cached-prefix causal mask. A layer's sliding
-window and scale (attention_options.py) are the call's `window_size` and `softmax_scale`; soft-capped models go to fi
-(the registry's features: FA3 builds may leave soft-capping out).
+window, scale and learned sinks (attention_options.py) are the call's `window_size`, `softmax_scale` and `sinks`
+(float32 [Hq]: builds made for gpt-oss take them; one without the argument is refused for such a model); soft-capped
+models go to fi (the registry's features: FA3 builds may leave soft-capping out).
 
 With an FP8 pool the kernel runs in its FP8 mode, which takes q, K and V all in float8_e4m3fn (it has no mode with
 a bf16 query over an FP8 cache): q is cast to e4m3 (saturated, no scale: queries normally sit far inside +-448),
@@ -38,11 +39,7 @@ def _load_kernel() -> Callable:
     except (ImportError, OSError) as e:  # absent, or present but its extension does not load here
         errors.append(f"sgl_kernel.flash_attn: {e}")
     else:
-        try:
-            takes_ver = "ver" in inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            takes_ver = False
-        return functools.partial(fn, ver=3) if takes_ver else fn
+        return functools.partial(fn, ver=3) if _takes(fn, "ver") else fn
     try:
         from flash_attn_interface import flash_attn_with_kvcache as fn
     except (ImportError, OSError) as e:
@@ -51,6 +48,13 @@ def _load_kernel() -> Callable:
         return without_custom_op(fn, "_flash_attn_forward")
     raise ImportError("the fa backend needs FlashAttention-3: pip install sgl-kernel (or upstream "
                       "flash_attn_interface); " + "; ".join(errors))
+
+
+def _takes(fn: Callable, argument: str) -> bool:
+    try:
+        return argument in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def without_custom_op(fn: Callable, op_name: str) -> Callable:
@@ -87,8 +91,12 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
     def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, layers=None) -> None:
         super().__init__(pool, req_to_token, num_q_heads, layers)
         self._attn = _load_kernel()
+        if any(a.sinks is not None for a in self.layers) and not _takes(self._attn, "sinks"):
+            raise ValueError("this FlashAttention-3 build takes no attention sinks, which this model has: use "
+                             "--attention-backend torch, or a build made for gpt-oss (sgl-kernel)")
         # each layer's options as the kernel's keyword arguments (the defaults where a layer has none)
-        self.layer_args = [dict(softmax_scale=a.scale, **({"window_size": (a.window_left, 0)} if a.window else {}))
+        self.layer_args = [dict(softmax_scale=a.scale, **({"window_size": (a.window_left, 0)} if a.window else {}),
+                                **({"sinks": a.sinks_tensor(pool.device)} if a.sinks is not None else {}))
                            for a in self.layers]
         self.page_size = pool.page_size
         self.fp8 = pool.quantized

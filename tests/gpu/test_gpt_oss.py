@@ -1,8 +1,9 @@
 """gpt-oss on a CUDA GPU: its experts in the grouped GEMM at gpt-oss-20b's shape (hidden 2880, width 2880, top-4; 16
 experts to keep the float64 reference small), in bfloat16 and kept in MXFP4, with biases and the clamped SwiGLU,
 against float64 from the specification (helpers/gpt_oss_interpreted_checks.py), eager and replayed from a CUDA
-graph; end to end, a tiny gpt-oss (transformers' layout, and MXFP4 experts kept in 4 bits) in bf16 on the torch
-backend (the one that serves sinks) against HF transformers in float64, and fi refused for it."""
+graph; end to end, a tiny gpt-oss (transformers' layout, and MXFP4 experts kept in 4 bits) in bf16 on the backends
+that serve sinks (torch; fa where FA3 is installed, also what auto picks on Hopper) against HF transformers in
+float64, and fi refused for it."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from minisrv import LLM, SamplingParams
-from minisrv.attention import BackendUnavailable
+from minisrv.attention import BackendUnavailable, device_sm, missing
 from minisrv.kernels.fused_moe import fused_experts, fused_runs
 from minisrv.kernels.moe_w4a16 import Mxfp4Experts
 
@@ -64,8 +65,9 @@ def test_experts_match_float64(mxfp4, t):
     assert torch.equal(static, got)
 
 
+@pytest.mark.parametrize("backend", ["torch", "auto"])
 @pytest.mark.parametrize("mxfp4", [False, True])
-def test_tiny_gpt_oss_on_the_torch_backend_matches_hf(tmp_path_factory, mxfp4):
+def test_tiny_gpt_oss_matches_hf(tmp_path_factory, mxfp4, backend):
     from ..helpers.gpt_oss_checkpoints import write_mxfp4_pair
     path = build_tiny_model(str(tmp_path_factory.mktemp("gpt-oss")), "gpt_oss", seed=3, hidden_size=256,
                             head_dim=64, intermediate_size=128)
@@ -76,9 +78,10 @@ def test_tiny_gpt_oss_on_the_torch_backend_matches_hf(tmp_path_factory, mxfp4):
     with pytest.raises(BackendUnavailable, match="sinks"):
         LLM(model=path, attention_backend="fi", dtype="bfloat16", log_level="warning")
     prompts = make_prompts(vocab_of(path), [40, 90, 9], seed=5)  # past the 8-token window but one
-    llm = LLM(model=path, attention_backend="auto", dtype="bfloat16", page_size=1, log_level="warning")
+    llm = LLM(model=path, attention_backend=backend, dtype="bfloat16", page_size=1, log_level="warning")
     try:
-        assert llm.engine.runner.backend.name == "torch"
+        fa_here = missing("fa", device_sm(torch.device("cuda"))) is None
+        assert llm.engine.runner.backend.name == ("fa" if backend == "auto" and fa_here else "torch")
         experts = llm.engine.runner.model.model.layers[0].mlp.experts
         assert experts.mxfp4 == mxfp4
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
