@@ -14,6 +14,8 @@ soft-capping, learned sinks) it serves; one asked for by name that lacks a featu
 and auto passes over it. (xqa serves none: such models keep FlashInfer's FP8 decode.) Sinks (gpt-oss) are served by
 torch and fa, not fi: FlashInfer's fa2/fa3 wrappers take them only through a JIT variant of the prefill wrapper
 (BatchAttentionWithAttentionSinkWrapper), not its decode wrappers nor CUDA-graph ones.
+A pool whose windowed layers keep only their window (kvcache/pool.py) is read through a second request->token table:
+torch and fi read it (`WINDOW_POOL`); a model served by any other backend keeps one full pool.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["AttentionBackend", "AttentionStep", "HybridBackend", "BACKENDS", "resolve_backend", "create_backend",
-           "BackendUnavailable"]
+           "BackendUnavailable", "serves_window_pool"]
 
 
 class BackendUnavailable(RuntimeError):
@@ -95,6 +97,7 @@ BACKENDS: Dict[str, tuple] = {
     "triton": (_triton_missing, "triton_decode", "TritonDecodeBackend", set()),
 }
 DECODE_ONLY = ("triton",)
+WINDOW_POOL = ("torch", "fi")  # the backends that read a pool whose windowed layers keep only their window
 
 AUTO_FALLBACK = {"fa,fi": "fa", "fa": "fi", "fi": "torch"}
 
@@ -125,6 +128,11 @@ def missing(name: str, sm: Optional[int], features: FrozenSet[str] = frozenset()
         if lacking:
             return f"the {p} backend does not serve {' nor '.join(lacking)}, which this model has"
     return None
+
+
+def serves_window_pool(name: str) -> bool:
+    """Whether `name` (each half of a hybrid) reads a pool whose windowed layers keep only their window."""
+    return all(p in WINDOW_POOL for p in _parts(name))
 
 
 def auto_choice(sm: Optional[int]) -> str:
@@ -160,13 +168,15 @@ def create_backend(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_
     """Create a resolved backend (see resolve_backend); a hybrid shares the pool between its two halves.
     fp8_decode_kernel: EngineConfig.fp8_decode_kernel (see the module docstring and xqa.fp8_decode). layers: each
     layer's attention options (None: plain causal attention). window_table: where the pool's windowed layers keep
-    only their window (kvcache/pool.py), the request->token table of their slots; only the torch backend reads such
-    a pool."""
+    only their window (kvcache/pool.py), the request->token table of their slots; only WINDOW_POOL's backends read
+    such a pool (xqa, serving no window, never decodes it)."""
     parts = _parts(name)
     if window_table is not None:
-        if parts != ["torch"]:
+        if not serves_window_pool(name):
             raise ValueError(f"the {name} backend reads every layer's K/V through one request->token table")
-        return _create("torch", pool, req_to_token, num_q_heads, layers, window_table=window_table)
+        halves = [_create(p, pool, req_to_token, num_q_heads, layers, window_table=window_table)
+                  for p in dict.fromkeys(parts)]
+        return halves[0] if len(halves) == 1 else HybridBackend(*halves)
     prefill = _create(parts[0], pool, req_to_token, num_q_heads, layers)
     decode = None
     if parts[-1] in ("fi", "triton"):

@@ -20,13 +20,23 @@ scales as the floats `k_scale` and `v_scale`. On Hopper the registry gives such 
 
 Layers whose attention differs (a sliding window, a soft-cap or a scale of their own: attention_options.py) need
 wrappers planned apart (FlashInfer picks its kernel at plan time), so each kind of layer the model has gets its own
-wrapper of each sort, planned over the same pages, and a layer runs on its kind's (Gemma 2 and 3: two). Cascade decode
-serves models of one kind without a window.
+wrapper of each sort, and a layer runs on its kind's (Gemma 2 and 3: two). Cascade decode serves models of one kind
+without a window.
+
+Where the pool's windowed layers keep only their window (kvcache/pool.py), their kinds read pages of their own, which
+the second request->token table (`window_table`) maps: a step lists its pages of each table once (`PageList`), every
+kind's wrapper is planned over its table's list, and the windowed layers store the step's K/V at their own slots. A
+request's windowed pages are listed from the one its first query's window starts in (the widest window's, as
+kvcache/window.py gives the others back): FlashInfer aligns a causal query to the end of its keys, so listing fewer
+leading keys moves no query, and window_left keeps each query within its window. A model without windowed pages
+lists and plans exactly one table, as it would without them.
 
 CUDA graphs: a FlashInfer decode wrapper in CUDA-graph mode is bound to one batch size (its indptr buffer has
-B+1 entries), so one wrapper is made per captured batch size, all sharing fixed index buffers and the workspace.
-`plan` never runs inside a capture: `prepare_for_capture` plans before the caller starts capturing, and
-`prepare_for_replay` re-plans (rewriting those fixed buffers and FlashInfer's own plan buffers) before replay.
+B+1 entries), so one wrapper is made per captured batch size and kind, all sharing the workspace and, per table, fixed
+index buffers. `plan` never runs inside a capture: `prepare_for_capture` plans before the caller starts capturing, and
+`prepare_for_replay` re-plans (rewriting those fixed buffers and FlashInfer's own plan buffers) before replay. The
+windowed layers' slots of a graph's tokens sit in a fixed buffer too, gathered again before each replay from the
+window table at the rows and positions the graph's inputs then hold (padding rows: the pad row's first slot).
 """
 from __future__ import annotations
 
@@ -35,9 +45,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from minisrv.utils import ceil_div, to_device
-
 from minisrv.batch import ForwardBatch, PrefixGroups
+from minisrv.kvcache import WindowRule
+from minisrv.utils import ceil_div, to_device
 
 from .base import AttentionBackend
 
@@ -45,10 +55,20 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
 @dataclass(frozen=True)
+class PageList:
+    """A step's pages of one request->token table in FlashInfer's CSR form."""
+
+    indptr: torch.Tensor  # [B+1] int32 on the host
+    last: torch.Tensor  # [B] int32 on the host: keys on each request's last page
+    indices: torch.Tensor  # page ids, request after request, int32 on the device
+
+
+@dataclass(frozen=True)
 class FIMeta:
     loc: torch.Tensor  # [T] slots the step's k/v go to
+    window_loc: Optional[torch.Tensor]  # [T] the windowed layers' own slots of them (None: the pool has none)
     wrappers: Tuple[Any, ...]  # per kind of layer, its wrapper planned for this step (the plan is FlashInfer's state)
-    kv_indices: torch.Tensor  # this step's page ids, kept alive while the wrappers may read them
+    pages: Tuple[PageList, ...]  # this step's page lists, kept alive while the wrappers may read them
 
     def run(self, q: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor], kind: int, **scales: float) -> torch.Tensor:
         """scales: an FP8 pool's k_scale and v_scale."""
@@ -84,13 +104,23 @@ class FlashInferBackend(AttentionBackend):
     supports_cascade = True
     decode_kernel = "flashinfer"  # the kernel its decode steps run
 
-    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, layers=None) -> None:
+    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, layers=None,
+                 window_table: Optional[torch.Tensor] = None) -> None:
         super().__init__(pool, req_to_token, num_q_heads, layers)
         import flashinfer
 
         self.kinds = tuple(dict.fromkeys(self.layers))  # each kind of layer's attention, once
         self.kind_of = [self.kinds.index(a) for a in self.layers]
         self.supports_cascade = len(self.kinds) == 1 and self.kinds[0].window is None
+        # which kinds read the window table's pages (all of a kind's layers keep their window or none do), and the
+        # widest of their windows, from whose start a request's windowed pages are listed
+        self.window_table = window_table
+        windowed = {self.kind_of[i] for i in pool.window_layers} if window_table is not None else set()
+        if any((k in windowed) != (i in pool.window_layers) for i, k in enumerate(self.kind_of) if windowed):
+            raise ValueError("layers of one kind of attention must all keep only their window, or none")
+        self.windowed = tuple(k in windowed for k in range(len(self.kinds)))
+        self.window = max((self.kinds[k].window for k in windowed), default=None)
+        self.tables = tuple(sorted(set(self.windowed)))  # the tables a step lists pages of: (False,) without windows
 
         self._fi = flashinfer
         self.page_size = pool.page_size
@@ -105,9 +135,11 @@ class FlashInferBackend(AttentionBackend):
         self.decode_wrappers = [flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores) for _ in self.kinds]
         self.shared_wrapper = None  # the shared level of cascade decode (init_cascade_state)
-        # CUDA-graph state
+        # CUDA-graph state: per table, its fixed (indptr, indices, last page length) buffers; per batch size, its
+        # wrappers and the batch whose static inputs its graph reads
         self.graph_wrappers: Dict[int, List[Any]] = {}
-        self.g_kv_indptr: Optional[torch.Tensor] = None
+        self.graph_batches: Dict[int, ForwardBatch] = {}
+        self.g_buffers: Dict[bool, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # plan() fills pinned host buffers and queues copies from them; with overlap scheduling the next plan
         # can come before the device has run those copies, so each plan first waits for the previous one's
         self._plan_done: Optional[torch.cuda.Event] = None
@@ -122,25 +154,32 @@ class FlashInferBackend(AttentionBackend):
         self._plan_done = torch.cuda.Event()
         self._plan_done.record()
 
-    def _host_kv_meta(self, seq_lens: List[int]) -> Tuple[torch.Tensor, torch.Tensor, int]:
-        """kv_indptr [B+1] and kv_last_page_len [B], int32 on the host, and the total page count."""
+    def _page_list(self, b: ForwardBatch, windowed: bool, pad: int = 0) -> PageList:
+        """The step's pages of the full table, or (windowed) of the window table from the page its first query's
+        window starts in; then `pad` padding rows of one key on page 0. Lengths come from the host, page ids are
+        gathered on the device."""
         ps = self.page_size
-        indptr = [0]
-        last = []
-        for s in seq_lens:
+        first = [WindowRule(self.window, ps).first_page(p) for p in b.prefix_lens_cpu] if windowed else None
+        indptr, last = [0], []
+        for i, s in enumerate(b.seq_lens_cpu):
             n = ceil_div(s, ps)
-            indptr.append(indptr[-1] + n)
+            indptr.append(indptr[-1] + n - (first[i] if windowed else 0))
             last.append(s - (n - 1) * ps)
-        return (torch.tensor(indptr, dtype=torch.int32), torch.tensor(last, dtype=torch.int32), indptr[-1])
+        real = indptr[-1]
+        indptr += range(real + 1, real + pad + 1)
+        n_pages = (b.seq_lens.to(torch.int64) + (ps - 1)) // ps  # [B]
+        if windowed:
+            first_t = to_device(first, torch.int64, self.device)
+            indices = self._gather_pages(self.window_table, b.req_rows, first_t, n_pages - first_t, real)
+        else:
+            indices = self._gather_pages(self.req_to_token, b.req_rows, None, n_pages, real)
+        if pad:
+            indices = torch.cat([indices, indices.new_zeros(pad)])
+        i32 = torch.int32
+        return PageList(torch.tensor(indptr, dtype=i32), torch.tensor(last + [1] * pad, dtype=i32), indices)
 
-    def _page_ids(self, rows: torch.Tensor, seq_lens: torch.Tensor, total: int) -> torch.Tensor:
-        """kv_indices [total] int32 on the device: request i contributes req_to_token[row_i, 0:len_i:ps] // ps."""
-        ps = self.page_size
-        n_pages = (seq_lens.to(torch.int64) + (ps - 1)) // ps  # [B]
-        return self._gather_pages(rows, None, n_pages, total)
-
-    def _gather_pages(self, rows: torch.Tensor, first: Optional[torch.Tensor], counts: torch.Tensor,
-                      total: int) -> torch.Tensor:
+    def _gather_pages(self, table: torch.Tensor, rows: torch.Tensor, first: Optional[torch.Tensor],
+                      counts: torch.Tensor, total: int) -> torch.Tensor:
         """kv_indices [total] int32 on the device: entry e contributes its table row rows[e]'s pages first[e] ..
         first[e] + counts[e] - 1 (from page 0 when first is None); repeat_interleave is given the output size, so
         nothing waits for the device."""
@@ -151,36 +190,46 @@ class FlashInferBackend(AttentionBackend):
         col = torch.arange(total, device=dev) - starts[entry]
         if first is not None:
             col = col + first[entry]
-        slots = self.req_to_token[rows[entry], col * ps]
+        slots = table[rows[entry], col * ps]
         return slots if ps == 1 else slots // ps
 
-    def _plan_decode(self, wrappers: Sequence[Any], kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                     kv_last: torch.Tensor) -> None:
+    def _window_loc(self, b: ForwardBatch, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """The windowed layers' slots of the step's tokens: the window table at each token's row and position
+        (written into `out` where given); None where the pool has no windowed pages."""
+        if not any(self.windowed):
+            return None
+        rows = b.req_rows
+        if not b.is_decode:
+            ext = b.cu_seqlens_q[1:] - b.cu_seqlens_q[:-1]
+            rows = torch.repeat_interleave(rows, ext, output_size=b.num_tokens)
+        loc = self.window_table[rows, b.positions]
+        return loc.long() if out is None else out.copy_(loc)
+
+    def _plan(self, wrappers: Sequence[Any], pages: Dict[bool, PageList], qo_indptr: Optional[torch.Tensor]) -> None:
+        """Plan each kind's wrapper over its table's pages: decode wrappers, or (qo_indptr given) prefill ones."""
         self._before_plan()
-        for wrapper, a in zip(wrappers, self.kinds):
-            wrapper.plan(kv_indptr, kv_indices, kv_last,
-                         self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                         pos_encoding_mode="NONE", window_left=a.window_left, logits_soft_cap=a.softcap,
-                         q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=a.scale)
+        for wrapper, a, windowed in zip(wrappers, self.kinds, self.windowed):
+            p = pages[windowed]
+            kv = (p.indptr, p.indices, p.last, self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size)
+            opts = dict(pos_encoding_mode="NONE", window_left=a.window_left, logits_soft_cap=a.softcap,
+                        q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=a.scale)
+            if qo_indptr is None:
+                wrapper.plan(*kv, **opts)
+            else:
+                wrapper.plan(qo_indptr, *kv, causal=True, **opts)
         self._after_plan()
 
     def prepare(self, b: ForwardBatch) -> Any:
         if b.is_decode and b.prefix_groups is not None:
             return self._prepare_cascade(b, b.prefix_groups)
-        kv_indptr, kv_last, total = self._host_kv_meta(b.seq_lens_cpu)
-        kv_indices = self._page_ids(b.req_rows, b.seq_lens, total)
+        pages = {w: self._page_list(b, w) for w in self.tables}
         if b.is_decode:
-            self._plan_decode(self.decode_wrappers, kv_indptr, kv_indices, kv_last)
-            return FIMeta(b.out_cache_loc, tuple(self.decode_wrappers), kv_indices)
-        qo_indptr = torch.tensor(_prefix_sums(b.extend_lens_cpu), dtype=torch.int32)
-        self._before_plan()
-        for wrapper, a in zip(self.prefill_wrappers, self.kinds):
-            wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_last,
-                         self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                         causal=True, pos_encoding_mode="NONE", sm_scale=a.scale, window_left=a.window_left,
-                         logits_soft_cap=a.softcap, q_data_type=self.dtype, kv_data_type=self.kv_dtype)
-        self._after_plan()
-        return FIMeta(b.out_cache_loc, tuple(self.prefill_wrappers), kv_indices)
+            wrappers, qo_indptr = self.decode_wrappers, None
+        else:
+            wrappers, qo_indptr = self.prefill_wrappers, torch.tensor(_prefix_sums(b.extend_lens_cpu),
+                                                                      dtype=torch.int32)
+        self._plan(wrappers, pages, qo_indptr)
+        return FIMeta(b.out_cache_loc, self._window_loc(b), tuple(wrappers), tuple(pages.values()))
 
     def _prepare_cascade(self, b: ForwardBatch, groups: PrefixGroups) -> FICascadeMeta:
         """Plan both levels of a cascade decode step. Every indptr comes from host-side lengths; the page ids are
@@ -204,9 +253,10 @@ class FlashInferBackend(AttentionBackend):
         idx = to_device(order + inverse + first + count + groups.leaders() + list(groups.shared_pages),
                         torch.int64, self.device)
         order_t, inverse_t = idx[:bs], idx[bs:2 * bs]
-        own_indices = self._gather_pages(b.req_rows[order_t], idx[2 * bs:3 * bs], idx[3 * bs:4 * bs],
+        table = self.req_to_token
+        own_indices = self._gather_pages(table, b.req_rows[order_t], idx[2 * bs:3 * bs], idx[3 * bs:4 * bs],
                                          own_indptr[-1])
-        shared_indices = self._gather_pages(b.req_rows[idx[4 * bs:4 * bs + ng]], None, idx[4 * bs + ng:],
+        shared_indices = self._gather_pages(table, b.req_rows[idx[4 * bs:4 * bs + ng]], None, idx[4 * bs + ng:],
                                             shared_indptr[-1])
         if self.shared_wrapper is None:
             self.init_cascade_state()
@@ -236,69 +286,80 @@ class FlashInferBackend(AttentionBackend):
         self._fi.merge_state_in_place(v, s, v.clone(), s.clone())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: Any) -> torch.Tensor:
+        kind = self.kind_of[layer_id]
         if k is not None:
-            self.pool.store(layer_id, meta.loc, k, v)
-        kv, kind = (self.pool.k[layer_id], self.pool.v[layer_id]), self.kind_of[layer_id]
+            self.pool.store(layer_id, self._loc(meta, kind), k, v)
+        kv = (self.pool.k[layer_id], self.pool.v[layer_id])
         if not self.pool.quantized:
             return meta.run(q, kv, kind)
         return meta.run(q, kv, kind, k_scale=self.pool.k_scale_host[layer_id],
                         v_scale=self.pool.v_scale_host[layer_id])
 
+    def _loc(self, meta: Any, kind: int) -> torch.Tensor:
+        return meta.window_loc if self.windowed[kind] else meta.loc
+
     def kv_store_target(self, layer_id: int, meta: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        return self._pool_target(layer_id, meta.loc)
+        return self._pool_target(layer_id, self._loc(meta, self.kind_of[layer_id]))
 
     # -- CUDA graphs (decode) -------------------------------------------------------------------------------
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
         self.g_max_bs = max_bs
         self.g_max_pages = ceil_div(max_seq_len, self.page_size)
-        self.g_kv_indptr = torch.zeros((max_bs + 1,), dtype=torch.int32, device=self.device)
-        self.g_kv_indices = torch.zeros((max_bs * self.g_max_pages,), dtype=torch.int32, device=self.device)
-        self.g_kv_last = torch.ones((max_bs,), dtype=torch.int32, device=self.device)
-        self.graph_wrappers = {}
+        dev = self.device
+        for windowed in self.tables:  # a windowed request lists at most the pages its window touches
+            pages = min(self.g_max_pages, ceil_div(self.window, self.page_size) + 1) if windowed else self.g_max_pages
+            self.g_buffers[windowed] = (torch.zeros((max_bs + 1,), dtype=torch.int32, device=dev),
+                                        torch.zeros((max_bs * pages,), dtype=torch.int32, device=dev),
+                                        torch.ones((max_bs,), dtype=torch.int32, device=dev))
+        self.g_window_loc = torch.zeros((max_bs,), dtype=torch.int64, device=dev) if any(self.windowed) else None
+        self.graph_wrappers, self.graph_batches = {}, {}
 
     def _graph_wrappers(self, bs: int) -> List[Any]:
-        """The batch-size-`bs` graph's wrapper of each kind of layer: all read the same fixed index buffers."""
+        """The batch-size-`bs` graph's wrapper of each kind of layer: each reads its table's fixed index buffers."""
         w = self.graph_wrappers.get(bs)
         if w is None:
-            if self.g_kv_indptr is None:
+            if not self.g_buffers:
                 raise RuntimeError("init_graph_state must be called before capture")
             if bs > self.g_max_bs:
                 raise ValueError(f"batch size {bs} exceeds the graph state's max_bs {self.g_max_bs}")
-            w = [self._fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
-                paged_kv_indptr_buffer=self.g_kv_indptr[:bs + 1],
-                paged_kv_indices_buffer=self.g_kv_indices,
-                paged_kv_last_page_len_buffer=self.g_kv_last[:bs]) for _ in self.kinds]
+            w = []
+            for windowed in self.windowed:
+                indptr, indices, last = self.g_buffers[windowed]
+                w.append(self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+                    paged_kv_indptr_buffer=indptr[:bs + 1], paged_kv_indices_buffer=indices,
+                    paged_kv_last_page_len_buffer=last[:bs]))
             self.graph_wrappers[bs] = w
         return w
 
-    def _plan_graph(self, b: ForwardBatch, wrappers: Sequence[Any], padded_bs: int) -> torch.Tensor:
+    def _plan_graph(self, b: ForwardBatch, wrappers: Sequence[Any], padded_bs: int) -> Tuple[PageList, ...]:
         bs = b.batch_size
         if padded_bs < bs:
             raise ValueError(f"padded batch size {padded_bs} < batch size {bs}")
         if b.max_seq_len > self.g_max_pages * self.page_size:
             raise ValueError(f"sequence length {b.max_seq_len} exceeds the graph's max_seq_len")
-        pad = padded_bs - bs
-        # padding rows: one token on page 0 (any valid page will do; their outputs are dropped)
-        kv_indptr, kv_last, total = self._host_kv_meta(list(b.seq_lens_cpu) + [1] * pad)
-        real = total - pad
-        kv_indices = self._page_ids(b.req_rows[:bs], b.seq_lens[:bs], real)
-        if pad:
-            kv_indices = torch.cat([kv_indices, kv_indices.new_zeros(pad)])
-        self._plan_decode(wrappers, kv_indptr, kv_indices, kv_last)
-        return kv_indices
+        # padding rows: one key on page 0 (any valid page will do; their outputs are dropped)
+        pages = {w: self._page_list(b, w, pad=padded_bs - bs) for w in self.tables}
+        self._plan(wrappers, pages, None)
+        return tuple(pages.values())
 
     def prepare_for_capture(self, b: ForwardBatch) -> Any:
-        """Plan the batch-size-`bs` graph wrapper; call before capture begins (FlashInfer plans on the host)."""
+        """Plan the batch-size-`bs` graph wrappers; call before capture begins (FlashInfer plans on the host)."""
         if not b.is_decode:
             raise ValueError("CUDA graphs capture decode batches only")
-        wrappers = self._graph_wrappers(b.batch_size)
-        return FIMeta(b.out_cache_loc, tuple(wrappers), self._plan_graph(b, wrappers, b.batch_size))
+        bs = b.batch_size
+        wrappers = self._graph_wrappers(bs)
+        self.graph_batches[bs] = b
+        window_loc = None if self.g_window_loc is None else self._window_loc(b, self.g_window_loc[:bs])
+        return FIMeta(b.out_cache_loc, window_loc, tuple(wrappers), self._plan_graph(b, wrappers, bs))
 
     def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: Any) -> None:
-        # the plan copies the page ids into the wrappers' fixed buffer (stream-ordered), which the graph reads
+        # the plans copy the page ids into the wrappers' fixed buffers (stream-ordered), which the graph reads; the
+        # windowed slots are gathered from the graph's inputs, which hold this batch and its padding rows by now
         self._plan_graph(b, meta.wrappers, padded_bs)
+        if meta.window_loc is not None:
+            self._window_loc(self.graph_batches[padded_bs], meta.window_loc)
 
 
 def _prefix_sums(counts: Sequence[int]) -> List[int]:

@@ -12,7 +12,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from minisrv.attention import canonical, create_backend, device_sm, missing, resolve_backend
+from minisrv.attention import canonical, create_backend, device_sm, missing, resolve_backend, serves_window_pool
 from minisrv.batch import ForwardMode
 from minisrv.attention.cascade import CascadePolicy
 from minisrv.config import DEFAULT_CPU_POOL_TOKENS, EngineConfig
@@ -198,17 +198,19 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
     tokens = tp.min_over_ranks(tokens)  # every rank holds the same pages (for its own heads)
     num_pages, window_pages = max(1, tokens // ps), 0
     layers = layer_attention(args, model.attention_sinks())
-    # (on the CPU's torch backend: the GPU backends read every layer through the full pages)
+    # (where every backend this engine serves with reads such a pool; the others read every layer's full pages)
     window_layers, window_rule = windowed_layers([x.window for x in layers], context_length, ps) \
-        if device.type == "cpu" and serving_name == "torch" else (frozenset(), None)
+        if serves_window_pool(serving_name) and serves_window_pool(backend_name) else (frozenset(), None)
     if window_layers:  # the same memory, more of it for the full layers
         w = window_rule.window + ps
         num_pages, window_pages = split_pool_pages(
             tokens, a.num_layers, len(window_layers), cfg.swa_full_tokens_ratio, ps,
             least=min(cfg.chunked_prefill_size, context_length) + 2 * w,
             most=cfg.max_running_requests * w + cfg.max_prefill_tokens)
+    graphs = device.type == "cuda" and not cfg.disable_cuda_graph and pooling is None
+    # (with CUDA graphs, one more windowed page than the allocator hands out: padding rows write into it)
     pool = KVPool(a.num_layers, num_pages, ps, plan.num_kv_heads, a.head_dim, dtype, device, kv_dtype,
-                  window_layers, window_pages)
+                  window_layers, window_pages + (1 if graphs and window_layers else 0))
     if loaded.kv_scales is not None:  # an FP8 checkpoint's calibrated K/V scales (before any graph is captured)
         if pool.quantized:
             pool.set_scales(*loaded.kv_scales)
@@ -220,10 +222,11 @@ def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvou
     pad_row = table.alloc_row()  # one spare row: CUDA-graph padding rows point at it
     pad_page = None
     max_request_len = min(context_length, pool.num_slots)
-    graphs = device.type == "cuda" and not cfg.disable_cuda_graph and pooling is None
     if graphs:  # CUDA-graph padding rows write their dummy K/V into a page of their own
         pad_page = allocator.alloc(1)[0]
         table.write(pad_row, 0, slots_for([pad_page], ps, 0, ps))
+        if window_layers:
+            table.write(pad_row, 0, slots_for([window_pages], ps, 0, ps), window=True)
         max_request_len = min(context_length, pool.num_slots - ps)
 
     def attention_parts(current: RunnerParts, keep_backend: bool) -> RunnerParts:

@@ -10,7 +10,9 @@ semantics are FlashInfer's: NHD pages [num_pages, page_size, Hkv, D]; request i'
 full but the last, which holds last_page_len[i]; q head h reads kv head h // (Hq / Hkv); a causal query j of qo_len
 sees keys up to kv_len - qo_len + j (and, with window_left >= 0, from window_left keys before it: a decode query
 is the last position); logits_soft_cap c turns each scaled score s into c * tanh(s / c); log-sum-exps are base 2,
-and merge_state_in_place combines two partial results of disjoint key sets exactly.
+and merge_state_in_place combines two partial results of disjoint key sets exactly. A decode wrapper in CUDA-graph
+mode checks and copies its plan into the fixed buffers it was made with, as FlashInfer's does, and runs on what
+those buffers hold when it runs (as a replayed graph's kernel would).
 """
 from __future__ import annotations
 
@@ -149,10 +151,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
                  use_tensor_cores: bool = False, paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
                  paged_kv_last_page_len_buffer=None, backend: str = "auto", jit_args=None) -> None:
         assert kv_layout == "NHD" and backend == "auto" and jit_args is None
-        assert not use_cuda_graph, "the stand-in does not do CUDA-graph mode"
         self.device = float_workspace_buffer.device
         self.plans = 0
         self._plan = None
+        self._graph_buffers = None
+        if use_cuda_graph:  # bound to fixed buffers, which plan rewrites and run reads (as a captured kernel does)
+            bufs = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+            assert all(isinstance(b, torch.Tensor) and b.dtype == torch.int32 and b.device == self.device
+                       for b in bufs), "CUDA-graph mode needs int32 index buffers on the workspace's device"
+            self._graph_buffers = bufs
+            self._fixed_batch_size = len(paged_kv_indptr_buffer) - 1
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1, logits_soft_cap=None,
@@ -163,6 +171,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
         assert isinstance(q_data_type, torch.dtype) and kv_data_type in (None, q_data_type) and data_type is None
         assert num_qo_heads % num_kv_heads == 0
         paged = _Paged(indptr, indices, last_page_len, page_size, self.device)
+        if self._graph_buffers is not None:  # FlashInfer's checks and copies in CUDA-graph mode
+            indptr_buf, indices_buf, last_buf = self._graph_buffers
+            if len(last_page_len) != self._fixed_batch_size:
+                raise ValueError(f"The batch size should be fixed in cudagraph mode, the runtime batch size "
+                                 f"{len(last_page_len)}  mismatches the batch size set during initialization "
+                                 f"{self._fixed_batch_size}")
+            if len(indices) > len(indices_buf):
+                raise ValueError("The size of indices should be less than or equal to the allocated buffer")
+            indptr_buf.copy_(indptr)
+            last_buf.copy_(last_page_len)
+            indices_buf[:len(indices)].copy_(indices)
+            paged = page_size  # run reads the buffers as they are by then
         self._plan = (paged, num_qo_heads, num_kv_heads, head_dim,
                       head_dim ** -0.5 if sm_scale is None else sm_scale, q_data_type, window_left, logits_soft_cap)
         self.plans += 1
@@ -172,6 +192,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             skip_softmax_threshold_scale_factor=None, kv_cache_sf=None):
         assert not args and out is None and lse is None and sinks is None and q_len_per_req is None
         paged, hq, hkv, d, scale, dtype, window_left, soft_cap = self._plan
+        if self._graph_buffers is not None:
+            indptr_buf, indices_buf, last_buf = self._graph_buffers
+            indptr = indptr_buf.cpu()
+            paged = _Paged(indptr, indices_buf[:int(indptr[-1])], last_buf.cpu(), paged, self.device)
         bs = len(paged.kv_lens)
         assert q.shape == (bs, hq, d) and q.dtype == dtype, \
             f"q {tuple(q.shape)} {q.dtype} does not match the plan ({bs}, {hq}, {d}) {dtype}"
