@@ -15,7 +15,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from minisrv.attention import create_backend, serves_window_pool
+from minisrv.attention import BACKENDS, HybridBackend, create_backend, serves_window_pool
 from minisrv.engine.cuda_graph import CudaGraphRunner
 from minisrv.kvcache import slots_for
 from minisrv.models.attention_options import layer_attention
@@ -38,20 +38,21 @@ ARCHS = ["gemma2", "gemma3", "mistral_window"]
 
 @pytest.fixture
 def fake_fi(monkeypatch):
+    """FlashInfer's stand-in, and the fi backend allowed on this machine: an engine asked for fi builds its pool and
+    backend as on a GPU (without CUDA graphs)."""
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer)
+    monkeypatch.setitem(BACKENDS, "fi", (lambda sm: None, *BACKENDS["fi"][1:]))
     from minisrv.attention import fi
     monkeypatch.setattr(fi, "WORKSPACE_BYTES", 1024)
     return fi
 
 
-def serve_on_fi(llm):
-    """Give llm's engine the fi backend the registry makes for its windowed pool."""
-    eng, parts = llm.engine, llm.engine.parts
-    assert parts.pool.window_layers, "the engine has no windowed pool"
-    backend = create_backend("fi", parts.pool, parts.table.table, parts.args.num_heads,
-                             layers=layer_attention(parts.args), window_table=parts.table.window_table)
-    eng.runner.use_parts(dataclasses.replace(eng.runner.parts, backend=backend))
-    return backend
+def fi_llm(fi, path, **opts):
+    llm = make_llm(path, attention_backend="fi", **opts)
+    backend = llm.engine.runner.backend
+    assert isinstance(backend, fi.FlashInferBackend) and backend.window_table is llm.engine.parts.table.window_table
+    assert llm.engine.parts.pool.window_layers, "the engine has no windowed pool"
+    return llm, backend
 
 
 def run(llm, prompts, repeat: bool = False) -> Tuple[List[List[int]], Dict[Tuple[int, ...], list]]:
@@ -92,11 +93,10 @@ def test_fi_matches_torch_over_the_window_pool(tiny_model, fake_fi, arch, mode):
     if cached:  # prompts that extend an earlier one's cached pages, past the window
         prompts += [prompts[1][:30] + p for p in make_prompts(vocab_of(path), [4, 11], seed=6)]
     want = run(make_llm(path, **MODES[mode]), prompts, repeat=cached)
-    llm = make_llm(path, **MODES[mode])
-    backend = serve_on_fi(llm)
-    kinds = {a.window is not None for a in backend.kinds}
-    assert backend.windowed == tuple(a.window is not None for a in backend.kinds)
-    assert backend.tables == tuple(sorted(kinds))  # Gemma: both tables; Mistral: the window table alone
+    llm, backend = fi_llm(fake_fi, path, **MODES[mode])
+    windowed = tuple(a.window is not None for a in backend.kinds)
+    assert backend.windowed == windowed  # Gemma: both tables listed each step; Mistral: the window table alone
+    assert backend.tables == tuple(sorted(set(windowed)))
     got = run(llm, prompts, repeat=cached)
     assert_same(got, want, f"{arch}/{mode}")
     if cached:
@@ -115,9 +115,8 @@ def test_windowed_pages_behind_the_window_are_given_back_on_fi(tiny_model, fake_
                 swa_full_tokens_ratio=0.01, disable_radix_cache=False)
     prompts = make_prompts(vocab_of(path), [30, 21, 9, 26, 14, 33], seed=11)
     want = run(make_llm(path, **opts), prompts)
-    llm = make_llm(path, **opts)
+    llm, backend = fi_llm(fake_fi, path, **opts)
     assert llm.engine.parts.window_allocator.num_pages == 14
-    backend = serve_on_fi(llm)
     listed = []
     page_list = backend._page_list
 
@@ -132,7 +131,7 @@ def test_windowed_pages_behind_the_window_are_given_back_on_fi(tiny_model, fake_
 
     backend._page_list = checked_page_list
     assert_same(run(llm, prompts), want, "small windowed pool on fi")
-    assert listed and max(listed) <= 8  # (a chunk of 5 and the 7 keys before it: at most 7 pages of 2)
+    assert listed and max(listed) <= 7  # (a chunk of 5 and the 7 keys before it: at most 7 pages of 2)
     assert len(tree_pages(llm.engine)) > 60 and len(tree_pages(llm.engine, window=True)) <= 14
 
 
@@ -175,8 +174,7 @@ def test_graph_decode_on_fi_matches_torch(tiny_model, fake_fi, monkeypatch, arch
     prompts = make_prompts(vocab_of(path), [5, 40, 3, 23, 12, 31, 9], seed=3)
     params = greedy(MAX_TOKENS, logprobs=5)
     want = make_llm(path, **opts).generate(prompts, params, use_tqdm=False)
-    llm = make_llm(path, **opts)
-    backend = serve_on_fi(llm)
+    llm, backend = fi_llm(fake_fi, path, **opts)
     parts, runner, ps = llm.engine.parts, llm.engine.runner, 4
     # the pad row's pages, as the engine's set-up takes them where it captures graphs
     pad_page, window_pad_page = parts.allocator.alloc(1)[0], parts.window_allocator.alloc(1)[0]
@@ -198,6 +196,34 @@ def test_graph_decode_on_fi_matches_torch(tiny_model, fake_fi, monkeypatch, arch
     assert all(w.plans > 1 for n in used for w in backend.graph_wrappers[n])  # planned at capture, then replays
 
 
-def test_registry_routes_the_window_pool():
+def test_registry_routes_the_window_pool(tiny_model, fake_fi):
+    """torch and fi (and hybrids of the two) read a windowed pool, each half through both tables; the others are
+    refused one, and an engine asked for them keeps one full pool (as fa is here: it cannot serve)."""
     assert serves_window_pool("torch") and serves_window_pool("fi") and serves_window_pool("torch,fi")
     assert not any(serves_window_pool(n) for n in ("fa", "fa,fi", "fi,fa", "fi,triton"))
+    parts = make_llm(tiny_model("gemma2"), page_size=2).engine.parts
+    args = (parts.pool, parts.table.table, parts.args.num_heads)
+    kw = dict(layers=layer_attention(parts.args), window_table=parts.table.window_table)
+    for name in ("fa", "fa,fi", "fi,triton"):
+        with pytest.raises(ValueError, match="reads every layer's K/V through one request->token table"):
+            create_backend(name, *args, **kw)
+    hybrid = create_backend("torch,fi", *args, **kw)
+    assert isinstance(hybrid, HybridBackend) and hybrid.prefill_backend.window_table is parts.table.window_table
+    assert hybrid.decode_backend.tables == (False, True) and hybrid.decode_backend.windowed == (True, False)
+
+
+def test_a_model_without_windows_plans_one_table_as_before(tiny_model, fake_fi):
+    """Without windowed pages, each step lists one table's pages, plans each wrapper once, stores at the step's
+    slots alone; its graphs have one table's buffers."""
+    llm = make_llm(tiny_model("llama"), attention_backend="fi", page_size=2)
+    backend = llm.engine.runner.backend
+    assert backend.window_table is None and backend.tables == (False,) and backend.windowed == (False,)
+    metas = []
+    prepare = backend.prepare
+    backend.prepare = lambda b: metas.append(prepare(b)) or metas[-1]
+    llm.generate(make_prompts(vocab_of(tiny_model("llama")), [5, 9, 3], seed=1), greedy(4), use_tqdm=False)
+    assert metas and all(m.window_loc is None and len(m.pages) == 1 for m in metas)
+    wrappers = backend.decode_wrappers + backend.prefill_wrappers
+    assert sum(w.plans for w in wrappers) == len(metas)
+    backend.init_graph_state(4, 64)
+    assert set(backend.g_buffers) == {False} and backend.g_window_loc is None

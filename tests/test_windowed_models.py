@@ -97,14 +97,15 @@ def fake_fi(monkeypatch):
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_engine_on_fi_matches_hf(tiny_model, fake_fi, arch):
     """The fi backend plans one wrapper of each sort per kind of layer (Gemma: windowed and global), each with its
-    window, soft-cap and scale; the engine on it (decode and extend) gives HF's logits. Cascade decode is refused
-    for a windowed model."""
+    window, soft-cap and scale, the windowed ones over their own pages; the engine on it (decode and extend) gives
+    HF's logits. Cascade decode is refused for a windowed model."""
     path = tiny_model(arch)
     llm = make_llm(path, page_size=4, chunked_prefill_size=8, max_prefill_tokens=8)
     eng = llm.engine
     layers = layer_attention(eng.parts.args)
-    backend = fake_fi.FlashInferBackend(eng.parts.pool, eng.parts.table.table, eng.parts.args.num_heads, layers)
-    assert len(backend.kinds) == 2 and not backend.supports_cascade
+    backend = create_backend("fi", eng.parts.pool, eng.parts.table.table, eng.parts.args.num_heads, layers=layers,
+                             window_table=eng.parts.table.window_table)
+    assert len(backend.kinds) == 2 and not backend.supports_cascade and backend.tables == (False, True)
     eng.runner.use_parts(dataclasses.replace(eng.runner.parts, backend=backend))
     watch = EngineWatch(eng)
     prompts = make_prompts(vocab_of(path), [5, 30, 17], seed=8)

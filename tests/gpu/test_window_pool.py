@@ -1,0 +1,60 @@
+"""Windowed layers that keep only their window, on a CUDA GPU: tiny Gemma 2 and Gemma 3 (heads of 128, windows of 32
+tokens, shorter than the prompts) on FlashInfer over the windowed pool, with CUDA-graph decode, prefill chunks that
+cross the window's edge and prefix-cache hits, give the torch backend's tokens over the same pool (up to bf16
+near-ties), and each running request holds only the windowed pages its window reaches."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisrv import LLM, SamplingParams
+from minisrv.utils import ceil_div
+
+from ..helpers import build_tiny_model, make_prompts, vocab_of
+from .common import assert_same_up_to_ties, free_cuda, skip_unless_runs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+WINDOW, CHUNK, PAGE = 32, 48, 16
+
+
+def _serve(path, backend: str, prompts):
+    llm = LLM(model=path, attention_backend=backend, dtype="bfloat16", page_size=PAGE, chunked_prefill_size=CHUNK,
+              max_prefill_tokens=2 * CHUNK, max_total_tokens=16384, swa_full_tokens_ratio=0.25,
+              log_level="warning")
+    eng = llm.engine
+    held = []  # each step: the most windowed pages a running request holds
+    step = eng.step
+
+    def watched_step():
+        out = step()
+        held.append(max((sum(p is not None for p in r.window_pages) for r in eng.scheduler.running), default=0))
+        return out
+
+    eng.step = watched_step
+    try:
+        assert eng.parts.pool.window_layers, f"{backend}: the pool keeps every layer's K/V"
+        if backend == "fi":
+            assert eng.runner.graph_runner is not None and eng.runner.backend.tables == (False, True)
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs += llm.generate(prompts[-2:], params, use_tqdm=False)  # now from the prefix tree
+        assert eng.num_cached_prompt_tokens > 0
+    finally:
+        llm.close()
+        del llm
+        free_cuda()
+    # a request holds the pages its window and one chunk reach, and the next one
+    assert max(held) <= ceil_div(WINDOW + CHUNK, PAGE) + 1, f"{backend}: windowed pages were not given back"
+    return outs
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_fi_over_the_window_pool_matches_torch(tmp_path_factory, arch):
+    skip_unless_runs("fi")
+    path = build_tiny_model(str(tmp_path_factory.mktemp(arch)), arch, seed=4, head_dim=128, sliding_window=WINDOW)
+    prompts = make_prompts(vocab_of(path), [40, 150, 33, 97, 5, 70], seed=9)
+    prompts += [prompts[1][:120] + p for p in make_prompts(vocab_of(path), [9, 30], seed=10)]
+    want = _serve(path, "torch", prompts)
+    got = _serve(path, "fi", prompts)
+    assert_same_up_to_ties(want, got, f"{arch} on fi against torch")
