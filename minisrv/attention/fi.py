@@ -159,11 +159,12 @@ class FlashInferBackend(AttentionBackend):
         window starts in; then `pad` padding rows of one key on page 0. Lengths come from the host, page ids are
         gathered on the device."""
         ps = self.page_size
-        first = [WindowRule(self.window, ps).first_page(p) for p in b.prefix_lens_cpu] if windowed else None
+        first = [WindowRule(self.window, ps).first_page(p) for p in b.prefix_lens_cpu] if windowed \
+            else [0] * b.batch_size
         indptr, last = [0], []
-        for i, s in enumerate(b.seq_lens_cpu):
+        for s, f in zip(b.seq_lens_cpu, first):
             n = ceil_div(s, ps)
-            indptr.append(indptr[-1] + n - (first[i] if windowed else 0))
+            indptr.append(indptr[-1] + n - f)
             last.append(s - (n - 1) * ps)
         real = indptr[-1]
         indptr += range(real + 1, real + pad + 1)
