@@ -21,14 +21,13 @@ class EngineInfo:
     max_request_len: int
     vocab_size: int
     eos_ids: List[int] = field(default_factory=list)
-    kv_tokens: int = 0
     embedding_dim: int = 0  # an embedding model's vector size (it serves /v1/embeddings only); 0: a generation model
 
     @classmethod
     def from_engine(cls, engine: Any) -> "EngineInfo":
         p = engine.parts
         return cls(str(p.model_path), p.backend_name, str(p.device), p.context_length, p.max_request_len,
-                   p.args.vocab_size, list(p.eos_ids), p.pool.num_slots, p.pooling.dim if p.pooling is not None else 0)
+                   p.args.vocab_size, list(p.eos_ids), p.pooling.dim if p.pooling is not None else 0)
 
     @property
     def limits(self) -> RequestLimits:

@@ -74,14 +74,6 @@ class FlushCacheRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-def _tokenizer(state: "ServerState") -> Any:
-    """The tokenizer, or a 503 (the Gate answers so before a route while the engine loads; this covers a route
-    that was already running)."""
-    if state.tokenizer is None or state.info is None:
-        raise engine_unavailable()
-    return state.tokenizer
-
-
 def tokenizer_path(state: "ServerState") -> str:
     """Where the tokenizer was loaded from: --tokenizer, else the model path (a GGUF file's own vocabulary)."""
     cfg = getattr(state.client, "cfg", None)
@@ -100,7 +92,7 @@ async def tokenize(state: "ServerState", request: Request) -> JSONResponse:
     thread for a large body or a long text)."""
     body, large = await parse_body(request, TokenizeRequest)
     state.check_model(body.model)
-    tok = _tokenizer(state)
+    tok = state.tokenizer
     if body.messages is not None:
         inputs = ChatInputs(chat_messages(body.messages), body.tools, template_kwargs=body.chat_template_kwargs,
                             add_generation_prompt=body.add_generation_prompt,
@@ -116,7 +108,7 @@ async def tokenize(state: "ServerState", request: Request) -> JSONResponse:
 async def detokenize(state: "ServerState", request: Request) -> JSONResponse:
     body, large = await parse_body(request, DetokenizeRequest)
     state.check_model(body.model)
-    tok = _tokenizer(state)
+    tok = state.tokenizer
     ids = body.tokens
 
     def decode() -> str:
@@ -131,7 +123,7 @@ async def detokenize(state: "ServerState", request: Request) -> JSONResponse:
 
 
 async def tokenizer_info(state: "ServerState", request: Request) -> JSONResponse:
-    tok = _tokenizer(state)
+    tok = state.tokenizer
     return JSONResponse({
         "tokenizer_class": type(tok).__name__, "tokenizer_path": tokenizer_path(state),
         "eos_token": tok.eos_token, "eos_token_id": tok.eos_token_id, "bos_token": tok.bos_token,
@@ -142,7 +134,6 @@ async def tokenizer_info(state: "ServerState", request: Request) -> JSONResponse
 
 
 async def get_model_info(state: "ServerState", request: Request) -> JSONResponse:
-    _tokenizer(state)
     info = state.info
     return JSONResponse({
         "model_path": info.model_path, "served_model_name": state.served_model_name,
@@ -153,7 +144,6 @@ async def get_model_info(state: "ServerState", request: Request) -> JSONResponse
 async def server_info(state: "ServerState", request: Request) -> JSONResponse:
     """SGLang's /server_info, the part that applies: a router in front (sglang-router) names the worker's model by
     served_model_name."""
-    _tokenizer(state)
     return JSONResponse({"served_model_name": state.served_model_name, "model_path": state.info.model_path,
                          "tokenizer_path": tokenizer_path(state), "version": __version__})
 
