@@ -52,8 +52,6 @@ async def embeddings(state: ServerState, request: Request) -> Response:
     info = state.info
     params = PoolingParams(body.dimensions)
     raw = body.input
-    if isinstance(raw, str) or isinstance(raw[0], int):
-        raw = [raw]
     if len(raw) > MAX_INPUTS:
         raise APIError(400, f"a request may embed at most {MAX_INPUTS} inputs, got {len(raw)}", param="input")
     if not info.embedding_dim:

@@ -67,13 +67,15 @@ class CompletionRequest(_SamplingFields):
         return token_inputs(v, "prompt")
 
 
-def token_inputs(v: Any, what: str) -> Union[str, List[str], List[int], List[List[int]]]:
-    """A prompt (or an embedding's input) as it may come: a string, strings, token ids or token-id lists."""
+def token_inputs(v: Any, what: str) -> List[Union[str, List[int]]]:
+    """Prompts (or an embedding's inputs) as they may come, a string, strings, token ids or token-id lists, as a
+    list of strings or token-id lists."""
     def is_ids(x: Any) -> bool:
         return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
-    if isinstance(v, str) or (isinstance(v, list) and v and (all(isinstance(p, str) for p in v) or is_ids(v)
-                                                             or all(is_ids(p) for p in v))):
+    if isinstance(v, str) or (isinstance(v, list) and v and is_ids(v)):
+        return [v]
+    if isinstance(v, list) and v and (all(isinstance(p, str) for p in v) or all(is_ids(p) for p in v)):
         return v
     if isinstance(v, list) and not v:
         raise ValueError(f"{what} must not be empty")

@@ -26,13 +26,6 @@ from .protocol import MAX_CHOICES, ChatCompletionRequest, ChatMessage, Completio
 from .render import ChatRenderer, CompletionRenderer
 
 
-def _check_choices(num_prompts: int, n: int) -> None:
-    if num_prompts * n > MAX_CHOICES:
-        raise APIError(400, f"a request may ask for at most {MAX_CHOICES} choices in all (prompts x n); this one "
-                            f"asks for {num_prompts} x {n} = {num_prompts * n}",
-                       param="prompt" if num_prompts > MAX_CHOICES else "n")
-
-
 def _stream_usage(body: Any) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
@@ -46,10 +39,11 @@ async def completions(state: ServerState, request: Request) -> Response:
     with fields_named(OPENAI_NAMES):
         params = SamplingParams(**sampling_fields(body), logprobs=body.logprobs,
                                 prompt_logprobs=body.logprobs if echo_lp else None)
-    raw = body.prompt
-    if isinstance(raw, str) or isinstance(raw[0], int):  # one prompt (the shape is checked by the schema)
-        raw = [raw]
-    _check_choices(len(raw), body.n or 1)
+    raw, n = body.prompt, body.n or 1
+    if len(raw) * n > MAX_CHOICES:
+        raise APIError(400, f"a request may ask for at most {MAX_CHOICES} choices in all (prompts x n); this one "
+                            f"asks for {len(raw)} x {n} = {len(raw) * n}",
+                       param="prompt" if len(raw) > MAX_CHOICES else "n")
     maker, limits = state.prompts, state.info.limits
 
     def prepare() -> Tuple[List[List[int]], List[str]]:
@@ -69,7 +63,7 @@ async def completions(state: ServerState, request: Request) -> Response:
     renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", state.served_model_name, state.fingerprint,
                                   _stream_usage(body), token_text=state.token_text, logprobs=body.logprobs,
                                   echo_logprobs=echo_lp)
-    return await serve(state, request, Generation(prompts, params, body.n or 1, echoed), renderer, bool(body.stream))
+    return await serve(state, request, Generation(prompts, params, n, echoed), renderer, bool(body.stream))
 
 
 def chat_messages(messages: List[ChatMessage]) -> List[Dict[str, Any]]:
