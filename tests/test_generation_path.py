@@ -157,7 +157,7 @@ def test_choice_offsets_count_the_echoed_prompt(words) -> None:
     ch.feed(output("r", world, " world", 6, 2))
     text, lps = ch.feed(output("r", eos, "", 12, 3, "stop"))
     assert text == "" and lps == []
-    assert ch.full_text == "Say: Hello world" and [o for _, o in ch.logprobs] == [4, 10]
+    assert ch.prefix + ch.text == "Say: Hello world" and [o for _, o in ch.logprobs] == [4, 10]
     assert ch.finish_reason == "stop" and ch.num_output_tokens == 3
 
 

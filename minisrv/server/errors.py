@@ -60,12 +60,9 @@ class APIError(Exception):
 
     def response(self, path: str = "") -> JSONResponse:
         """The answer, in the shape of the API that `path` belongs to (see the module docstring)."""
-        body = self.anthropic_body() if is_anthropic(path) else self.body()
+        anthropic = path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+        body = self.anthropic_body() if anthropic else self.body()
         return JSONResponse(body, status_code=self.status, headers={"Connection": "close"} if self.close else None)
-
-
-def is_anthropic(path: str) -> bool:
-    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
 class ClientGone(Exception):

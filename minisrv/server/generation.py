@@ -86,10 +86,6 @@ class Choice:
             self.finish_reason, self.stop_str = out.finish_reason, out.stop_str
         return out.new_text, new
 
-    @property
-    def full_text(self) -> str:
-        return self.prefix + self.text
-
 
 class Renderer(Protocol):
     """An endpoint's response shapes. A stream's events come framed (SSE text): `opening` per choice before any token,

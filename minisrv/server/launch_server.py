@@ -112,10 +112,6 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 def main(argv: Optional[List[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     try:
@@ -233,7 +229,8 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
         while not server.started and not serving.done():
             await asyncio.sleep(0.02)
         if server.started:
-            print(f"minisrv ready: {_url(args.host, args.port)} model={served} "
+            host = f"[{args.host}]" if ":" in args.host else args.host
+            print(f"minisrv ready: http://{host}:{args.port} model={served} "
                   f"attention_backend={state.info.backend_name} device={state.info.device}", flush=True)
         await serving
         if client.dead:

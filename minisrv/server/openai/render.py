@@ -84,7 +84,7 @@ class CompletionRenderer(OpenAIStream):
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any:
         return self.frame(CompletionResponse, [
-            CompletionChoice(index=ch.index, text=ch.full_text, finish_reason=ch.finish_reason,
+            CompletionChoice(index=ch.index, text=ch.prefix + ch.text, finish_reason=ch.finish_reason,
                              logprobs=self._logprobs(ch.logprobs, ch if self.echo_logprobs else None))
             for ch in choices], usage)
 

@@ -7,6 +7,7 @@ is refused untokenized (`max_token_chars`). Nothing here imports the HTTP layer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -149,18 +150,15 @@ def systems_first(messages: List[Dict[str, Any]]) -> Optional[List[Dict[str, Any
 
 def _arguments_as_objects(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Assistant tool_calls carry their arguments as JSON strings (OpenAI); templates expect objects."""
-    return [{**m, "tool_calls": [_call_arguments(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+    def as_object(call: Dict[str, Any]) -> Dict[str, Any]:
+        fn = dict(call.get("function") or {})
+        if isinstance(fn.get("arguments"), str):
+            with contextlib.suppress(ValueError):
+                fn["arguments"] = json.loads(fn["arguments"])
+        return {**call, "function": fn}
+
+    return [{**m, "tool_calls": [as_object(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
             for m in messages]
-
-
-def _call_arguments(call: Dict[str, Any]) -> Dict[str, Any]:
-    fn = dict(call.get("function") or {})
-    if isinstance(fn.get("arguments"), str):
-        try:
-            fn["arguments"] = json.loads(fn["arguments"])
-        except ValueError:
-            pass
-    return {**call, "function": fn}
 
 
 def max_token_chars(tokenizer: Any) -> Optional[int]:
