@@ -134,8 +134,9 @@ class CompletionLogprobs(BaseModel):
     text_offset: List[int] = Field(default_factory=list)
 
 
-class _Envelope(BaseModel):
-    """What every completion response and stream chunk carries around its choices."""
+class Envelope(BaseModel):
+    """A whole /v1/completions or /v1/chat/completions answer, or one of its stream's chunks, around its choices
+    (`object`: text_completion, chat.completion or chat.completion.chunk)."""
 
     id: str
     object: str
@@ -151,13 +152,6 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
-
-
-class CompletionResponse(_Envelope):
-    """A whole /v1/completions answer, and also each of its stream's chunks (the same shape)."""
-
-    object: Literal["text_completion"] = "text_completion"
-    choices: List[CompletionChoice]
 
 
 class TopLogprob(BaseModel):
@@ -202,22 +196,11 @@ class ChatChoice(BaseModel):
     finish_reason: Optional[str] = None
 
 
-class ChatCompletionResponse(_Envelope):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: List[ChatChoice]
-    usage: UsageInfo
-
-
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
-
-
-class ChatCompletionChunk(_Envelope):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: List[ChatStreamChoice]
 
 
 class ModelCard(BaseModel):

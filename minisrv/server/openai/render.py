@@ -13,9 +13,8 @@ from ..plan.reasoning import ReasoningPlan
 from ..plan.tools import ToolPlan
 from ..streaming import SSE_DONE, sse
 from .logprobs import PositionedLogprob, TokenText, chat_logprobs, completion_logprobs
-from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatResponseMessage,
-                       ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionResponse, DeltaMessage,
-                       UsageInfo, now)
+from .protocol import (ChatChoice, ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
+                       DeltaMessage, Envelope, UsageInfo, now)
 
 
 @dataclass
@@ -29,15 +28,15 @@ class OpenAIStream:
     include_usage: bool = False  # stream_options.include_usage
     created: int = field(default_factory=now)
 
-    chunk_type: ClassVar[type] = CompletionResponse  # a stream chunk's class; its last one carries the usage
+    chunk: ClassVar[str] = "text_completion"  # a stream chunk's object; the last one carries the usage
 
-    def frame(self, kind: type, choices: List[Any], usage: Optional[UsageInfo] = None) -> Any:
-        """A response or chunk of class `kind` around `choices`."""
-        return kind(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
-                    system_fingerprint=self.fingerprint)
+    def frame(self, obj: str, choices: List[Any], usage: Optional[UsageInfo] = None) -> Envelope:
+        """A response or chunk (`obj`: its object) around `choices`."""
+        return Envelope(id=self.id, object=obj, created=self.created, model=self.model, choices=choices, usage=usage,
+                        system_fingerprint=self.fingerprint)
 
     def closing(self, usage: UsageInfo) -> List[str]:
-        return ([sse(self.frame(self.chunk_type, [], usage))] if self.include_usage else []) + [SSE_DONE]
+        return ([sse(self.frame(self.chunk, [], usage))] if self.include_usage else []) + [SSE_DONE]
 
     def failed(self, error: APIError) -> List[str]:
         return [sse(error.body()), SSE_DONE]
@@ -64,8 +63,8 @@ class CompletionRenderer(OpenAIStream):
         return completion_logprobs(self.token_text, tokens, self.logprobs)
 
     def _chunk(self, index: int, text: str, logprobs: Optional[CompletionLogprobs], finish: Optional[str]) -> str:
-        return sse(self.frame(CompletionResponse, [CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                                    finish_reason=finish)]))
+        return sse(self.frame(self.chunk, [CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                            finish_reason=finish)]))
 
     def opening(self, choice: Choice) -> List[str]:
         if self.echo_logprobs or not choice.prefix:
@@ -83,7 +82,7 @@ class CompletionRenderer(OpenAIStream):
         return out
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any:
-        return self.frame(CompletionResponse, [
+        return self.frame("text_completion", [
             CompletionChoice(index=ch.index, text=ch.prefix + ch.text, finish_reason=ch.finish_reason,
                              logprobs=self._logprobs(ch.logprobs, ch if self.echo_logprobs else None))
             for ch in choices], usage)
@@ -94,7 +93,7 @@ class ChatRenderer(OpenAIStream):
     """Streamed, each tool call is sent as OpenAI streams it: a delta with its id and name, then one with its
     arguments."""
 
-    chunk_type: ClassVar[type] = ChatCompletionChunk
+    chunk: ClassVar[str] = "chat.completion.chunk"
     token_text: Optional[TokenText] = None
     logprobs: bool = False  # the request's `logprobs`
     top_logprobs: int = 0
@@ -105,8 +104,8 @@ class ChatRenderer(OpenAIStream):
     def _chunk(self, index: int, delta: DeltaMessage, lps: Sequence[PositionedLogprob],
                finish: Optional[str]) -> str:
         logprobs = chat_logprobs(self.token_text, lps, self.top_logprobs) if self.logprobs and lps else None
-        return sse(self.frame(ChatCompletionChunk, [ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
-                                                                     finish_reason=finish)]))
+        return sse(self.frame(self.chunk, [ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                                            finish_reason=finish)]))
 
     def opening(self, choice: Choice) -> List[str]:
         return [self._chunk(choice.index, DeltaMessage(role="assistant", content=""), [], None)]
@@ -150,7 +149,7 @@ class ChatRenderer(OpenAIStream):
             lps = chat_logprobs(self.token_text, ch.logprobs, self.top_logprobs) if self.logprobs else None
             out.append(ChatChoice(index=ch.index, message=message, logprobs=lps,
                                   finish_reason=_finish(ch.finish_reason, a.calls, legacy)))
-        return self.frame(ChatCompletionResponse, out, usage)
+        return self.frame("chat.completion", out, usage)
 
 
 def _finish(engine_reason: Optional[str], calls: Sequence[Any], legacy: bool) -> Optional[str]:
