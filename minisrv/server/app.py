@@ -14,7 +14,6 @@ from .http.gate import Gate
 from .openai import routes as openai
 from .openai import tokenizer
 from .openai.embeddings import embeddings
-from .openai.protocol import ModelCard, ModelList
 from .replicas import Replicas
 from .responses.routes import respond
 from .state import ServerState
@@ -52,13 +51,13 @@ def create_app(state: ServerState) -> FastAPI:
         return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
-    async def models() -> ModelList:
-        return ModelList(data=[state.model_card()])
+    async def models() -> Response:
+        return JSONResponse({"object": "list", "data": [state.model_card()]})
 
     @app.get("/v1/models/{model:path}")
-    async def model(model: str) -> ModelCard:
+    async def model(model: str) -> Response:
         state.check_model(model)
-        return state.model_card()
+        return JSONResponse(state.model_card())
 
     for method, paths, handler in ROUTES:
         for path in paths:

@@ -3,7 +3,7 @@ server's stop (tokenizer and info are None while the engine loads)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Set
+from typing import Any, Callable, Dict, Optional, Sequence, Set
 
 from minisrv import __version__
 
@@ -12,7 +12,7 @@ from .http.policy import HTTPPolicy
 from .messages import EngineInfo
 from .metrics import ServerMetrics
 from .openai.logprobs import TokenText
-from .openai.protocol import ModelCard, now
+from .openai.protocol import now
 from .plan.prompt import PromptMaker
 from .replicas import Replicas
 
@@ -84,7 +84,7 @@ class ServerState:
             raise APIError(400, "this model is an embedding model: it serves /v1/embeddings, not completions or chat",
                            param="model", code="model_is_embedding")
 
-    def model_card(self) -> ModelCard:
-        # the limit requests are held to: the context length, or less when the KV pool is smaller
-        return ModelCard(id=self.served_model_name, created=self.created, root=self.info.model_path,
-                         max_model_len=self.info.max_request_len)
+    def model_card(self) -> Dict[str, Any]:
+        # max_model_len: the limit requests are held to, the context length or less when the KV pool is smaller
+        return {"id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "minisrv",
+                "root": self.info.model_path, "max_model_len": self.info.max_request_len}

@@ -201,17 +201,3 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=now)
-    owned_by: str = "minisrv"
-    root: Optional[str] = None
-    max_model_len: Optional[int] = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: List[ModelCard]
