@@ -34,14 +34,6 @@ REPLICA_GAUGES = {  # a key of Replicas.report() -> its gauge (engine replicas: 
 }
 
 
-def endpoint_label(path: str) -> str:
-    """The endpoint label of a counted path: its route, or "other" (an unknown /v1 path)."""
-    path = UNVERSIONED.get(path, path)
-    if path in ENDPOINTS:
-        return path
-    return "/v1/models" if path.startswith("/v1/models") else "other"
-
-
 @dataclass
 class TokenClock:
     """When one engine request arrived and last produced tokens, for its latency metrics."""
@@ -80,8 +72,11 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
 
     def count_http(self, path: str, status: int) -> None:
+        """A /v1 path's request, labelled by its route ("other": an unknown /v1 path)."""
         if path.startswith("/v1/") or path in UNVERSIONED:
-            self.requests.labels(endpoint=endpoint_label(path), status=str(status)).inc()
+            path = UNVERSIONED.get(path, path)
+            label = path if path in ENDPOINTS else "/v1/models" if path.startswith("/v1/models") else "other"
+            self.requests.labels(endpoint=label, status=str(status)).inc()
 
     def tokens(self, clock: TokenClock, k: int, t: float) -> None:
         """k new tokens of one engine request at time t: the first is its TTFT, the rest share the gap."""

@@ -186,18 +186,14 @@ def _thinking(thinking: Optional[Dict[str, Any]], reasoning_parser: bool) -> Tup
     if thinking is None:
         return {}, None
     kind = thinking.get("type")
-    if kind == "adaptive":  # the model decides how long to think: thinking on, no budget
-        kind = "enabled"
-        thinking = {"type": kind}
-    if kind not in ("enabled", "disabled"):
+    if kind not in ("enabled", "adaptive", "disabled"):
         raise _bad(f"thinking type must be enabled, adaptive or disabled, got {kind!r}", "thinking")
-    budget = thinking.get("budget_tokens")
-    if kind == "enabled" and budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
-                                                     or budget < 0):
+    budget = thinking.get("budget_tokens") if kind == "enabled" else None  # adaptive: the model decides how long
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
         raise _bad("thinking.budget_tokens must be a non-negative integer", "thinking")
     if not reasoning_parser:
         return {}, None  # a model that does not think: nothing to switch
-    return {"enable_thinking": kind == "enabled"}, budget if kind == "enabled" else None
+    return {"enable_thinking": kind != "disabled"}, budget
 
 
 def chat_inputs(body: CountTokensRequest, reasoning_parser: bool,

@@ -88,8 +88,6 @@ def _answer(state: "ServerState", ids: List[int], token_strs: bool) -> JSONRespo
 
 
 async def tokenize(state: "ServerState", request: Request) -> JSONResponse:
-    """The chat form templated first (in a worker thread for a large body), then the text encoded (in a worker
-    thread for a large body or a long text)."""
     body, large = await parse_body(request, TokenizeRequest)
     state.check_model(body.model)
     tok = state.tokenizer

@@ -82,11 +82,6 @@ def _developer(instructions: List[str], tools: Optional[List[Dict[str, Any]]]) -
     return oh.Message.from_role_and_content(oh.Role.DEVELOPER, dev)
 
 
-def _arguments(call: Dict[str, Any]) -> str:
-    args = (call.get("function") or {}).get("arguments")
-    return args if isinstance(args, str) else json.dumps(args if args is not None else {})
-
-
 def _assistant(m: Dict[str, Any]) -> List[Any]:
     """An assistant turn: its reasoning (analysis), its answer (final), then its tool calls (commentary)."""
     out = []
@@ -96,9 +91,11 @@ def _assistant(m: Dict[str, Any]) -> List[Any]:
     if _text(m.get("content")):
         out.append(oh.Message.from_role_and_content(oh.Role.ASSISTANT, _text(m["content"])).with_channel("final"))
     for call in m.get("tool_calls") or []:
-        name = (call.get("function") or {}).get("name", "")
-        out.append(oh.Message.from_role_and_content(oh.Role.ASSISTANT, _arguments(call)).with_channel("commentary")
-                   .with_recipient(CALL_PREFIX + name).with_content_type(JSON_ARGS))
+        fn = call.get("function") or {}
+        args = fn.get("arguments")
+        args = args if isinstance(args, str) else json.dumps(args if args is not None else {})
+        out.append(oh.Message.from_role_and_content(oh.Role.ASSISTANT, args).with_channel("commentary")
+                   .with_recipient(CALL_PREFIX + fn.get("name", "")).with_content_type(JSON_ARGS))
     return out
 
 
