@@ -127,11 +127,10 @@ async def serve(state: "ServerState", request: Request, gen: Generation, rendere
         first = await unless_disconnected(request, anext(steps, None))
 
         async def events() -> AsyncIterator[str]:
-            """Closing this closes run_jobs, which aborts the engine requests left."""
+            """The renderer's events, each call's written at once. Closing this closes run_jobs, which aborts the
+            engine requests left."""
             async with contextlib.aclosing(steps):
-                for ch in choices:
-                    for e in renderer.opening(ch):
-                        yield e
+                yield "".join(e for ch in choices for e in renderer.opening(ch))
                 try:
                     step = first
                     while step is not None:
@@ -140,15 +139,12 @@ async def serve(state: "ServerState", request: Request, gen: Generation, rendere
                             text, lps = ch.feed(out)
                             finish = out.finish_reason if out.finished else None
                             if text or lps or finish:
-                                for e in renderer.chunks(ch, text, lps, finish):
-                                    yield e
+                                yield "".join(renderer.chunks(ch, text, lps, finish))
                         step = await anext(steps, None)
                 except APIError as err:
-                    for e in renderer.failed(err):
-                        yield e
+                    yield "".join(renderer.failed(err))
                     return
-                for e in renderer.closing(usage()):
-                    yield e
+                yield "".join(renderer.closing(usage()))
 
         return EventStream(events(), closes=steps)
 

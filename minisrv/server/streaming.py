@@ -51,7 +51,8 @@ does not run its own cleanup when closed)."""
                         await send({"type": "http.response.start", "status": self.status_code,
                                     "headers": self.raw_headers})
                         async for chunk in self.gen:
-                            await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+                            if chunk:
+                                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
                         await send({"type": "http.response.body", "body": b"", "more_body": False})
                     except OSError:
                         pass
