@@ -108,14 +108,12 @@ class ChatRenderer(OpenAIStream):
                                                             finish_reason=finish)]))
 
     def opening(self, choice: Choice) -> List[str]:
+        self._streams[choice.index] = AnswerStream(self.tools, self.reasoning)
         return [self._chunk(choice.index, DeltaMessage(role="assistant", content=""), [], None)]
 
     def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
                finish_reason: Optional[str]) -> List[str]:
-        stream = self._streams.get(choice.index)
-        if stream is None:
-            stream = self._streams[choice.index] = AnswerStream(self.tools, self.reasoning)
-        d = stream.feed(text, finish_reason is not None, choice.token_ids)
+        d = self._streams[choice.index].feed(text, finish_reason is not None, choice.token_ids)
         out, index = [], choice.index
         if d.reasoning:
             out.append(self._chunk(index, DeltaMessage(reasoning_content=d.reasoning, reasoning=d.reasoning),
