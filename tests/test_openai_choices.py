@@ -62,6 +62,8 @@ def test_choice_grammar_escapes_and_dedups():
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"tool_choice": "none"}, "tool_choice"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"best_of": 2}, "best_of"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_bad_fields_are_400s_and_the_server_keeps_serving(app, body, param):
     r = call(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **body})

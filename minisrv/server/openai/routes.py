@@ -26,13 +26,22 @@ from .protocol import MAX_CHOICES, ChatCompletionRequest, ChatMessage, Completio
 from .render import ChatRenderer, CompletionRenderer
 
 
+def _checked(state: ServerState, body: Any) -> None:
+    """The model, and what both routes refuse beyond the schema."""
+    state.check_generation_model(body.model)
+    if body.best_of is not None and body.best_of != (body.n or 1):
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
+
+
 def _stream_usage(body: Any) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
 async def completions(state: ServerState, request: Request) -> Response:
     body, large = await parse_body(request, CompletionRequest)
-    state.check_generation_model(body.model)
+    _checked(state, body)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     echo_lp = bool(body.echo) and body.logprobs is not None  # the prompt's tokens are scored too
@@ -103,7 +112,7 @@ def chat_inputs(body: ChatCompletionRequest) -> ChatInputs:
 
 async def chat(state: ServerState, request: Request) -> Response:
     body, large = await parse_body(request, ChatCompletionRequest)
-    state.check_generation_model(body.model)
+    _checked(state, body)
     plan = await plan_chat(state.prompts, chat_inputs(body), state.info.limits, large)
     renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", state.served_model_name, state.fingerprint,
                             _stream_usage(body), token_text=state.token_text, logprobs=bool(body.logprobs),
