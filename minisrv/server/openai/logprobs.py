@@ -9,8 +9,6 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from minisrv.engine.request import TokenLogprob
 
-from .protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
-
 PositionedLogprob = Tuple[TokenLogprob, int]  # a token's logprobs, with the offset of its text in the choice's text
 
 
@@ -50,30 +48,27 @@ class TokenText:
 
 
 def completion_logprobs(tt: TokenText, tokens: Sequence[Tuple[int, Optional[TokenLogprob], int]],
-                        top_n: int) -> CompletionLogprobs:
+                        top_n: int) -> Dict[str, List[Any]]:
     """(token id, its logprobs or None, its text's offset) per token; None (an echoed prompt's first token) is null,
     as OpenAI and vLLM answer."""
-    out = CompletionLogprobs()
+    out: Dict[str, List[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, lp, offset in tokens:
         s = tt.string(tid)
-        out.tokens.append(s)
-        out.text_offset.append(offset)
-        if lp is None:
-            out.token_logprobs.append(None)
-            out.top_logprobs.append(None)
-            continue
-        top = {tt.string(t): v for t, v in list(lp.top.items())[:top_n]}
-        top.setdefault(s, lp.logprob)  # OpenAI: the sampled token is always included
-        out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append(top)
+        top = None
+        if lp is not None:
+            top = {tt.string(t): float(v) for t, v in list(lp.top.items())[:top_n]}
+            top.setdefault(s, float(lp.logprob))  # OpenAI: the sampled token is always included
+        out["tokens"].append(s)
+        out["token_logprobs"].append(None if lp is None else float(lp.logprob))
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
     return out
 
 
-def chat_logprobs(tt: TokenText, lps: Sequence[PositionedLogprob], top_n: int) -> ChatLogprobs:
-    content = []
-    for lp, _ in lps:
-        s, b = tt.get(lp.token_id)
-        tops = sorted(lp.top.items(), key=lambda kv: -kv[1])[:top_n]
-        content.append(ChatTokenLogprob(token=s, logprob=lp.logprob, bytes=b, top_logprobs=[
-            TopLogprob(token=tt.get(t)[0], logprob=v, bytes=tt.get(t)[1]) for t, v in tops]))
-    return ChatLogprobs(content=content)
+def chat_logprobs(tt: TokenText, lps: Sequence[PositionedLogprob], top_n: int) -> Dict[str, Any]:
+    def entry(tid: int, logprob: float) -> Dict[str, Any]:
+        s, b = tt.get(tid)
+        return {"token": s, "logprob": float(logprob), "bytes": b}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [
+        entry(t, v) for t, v in sorted(lp.top.items(), key=lambda kv: -kv[1])[:top_n]]} for lp, _ in lps]}

@@ -127,13 +127,6 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
-class CompletionLogprobs(BaseModel):
-    tokens: List[str] = Field(default_factory=list)
-    token_logprobs: List[Optional[float]] = Field(default_factory=list)
-    top_logprobs: List[Optional[Dict[str, float]]] = Field(default_factory=list)
-    text_offset: List[int] = Field(default_factory=list)
-
-
 class Envelope(BaseModel):
     """A whole /v1/completions or /v1/chat/completions answer, or one of its stream's chunks, around its choices
     (`object`: text_completion, chat.completion or chat.completion.chunk)."""
@@ -150,22 +143,8 @@ class Envelope(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: Optional[CompletionLogprobs] = None
+    logprobs: Optional[Dict[str, Any]] = None  # logprobs.completion_logprobs
     finish_reason: Optional[str] = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: Optional[List[int]] = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: List[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: Optional[List[ChatTokenLogprob]] = None
 
 
 class ChatResponseMessage(BaseModel):
@@ -192,12 +171,12 @@ class DeltaMessage(ChatResponseMessage):
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: Optional[ChatLogprobs] = None
+    logprobs: Optional[Dict[str, Any]] = None  # logprobs.chat_logprobs
     finish_reason: Optional[str] = None
 
 
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: Optional[ChatLogprobs] = None
+    logprobs: Optional[Dict[str, Any]] = None
     finish_reason: Optional[str] = None

@@ -13,8 +13,8 @@ from ..plan.reasoning import ReasoningPlan
 from ..plan.tools import ToolPlan
 from ..streaming import SSE_DONE, sse
 from .logprobs import PositionedLogprob, TokenText, chat_logprobs, completion_logprobs
-from .protocol import (ChatChoice, ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
-                       DeltaMessage, Envelope, UsageInfo, now)
+from .protocol import (ChatChoice, ChatResponseMessage, ChatStreamChoice, CompletionChoice, DeltaMessage, Envelope,
+                       UsageInfo, now)
 
 
 @dataclass
@@ -49,7 +49,7 @@ class CompletionRenderer(OpenAIStream):
     echo_logprobs: bool = False  # echo with logprobs: the prompt's tokens come first, with their logprobs
 
     def _logprobs(self, lps: Sequence[PositionedLogprob], echoed: Optional[Choice] = None
-                  ) -> Optional[CompletionLogprobs]:
+                  ) -> Optional[Dict[str, Any]]:
         """The logprobs of `lps`, after those of the prompt's tokens when `echoed` (echo with logprobs)."""
         if self.logprobs is None:
             return None
@@ -62,7 +62,7 @@ class CompletionRenderer(OpenAIStream):
         tokens += [(lp.token_id, lp, at) for lp, at in lps]
         return completion_logprobs(self.token_text, tokens, self.logprobs)
 
-    def _chunk(self, index: int, text: str, logprobs: Optional[CompletionLogprobs], finish: Optional[str]) -> str:
+    def _chunk(self, index: int, text: str, logprobs: Optional[Dict[str, Any]], finish: Optional[str]) -> str:
         return sse(self.frame(self.chunk, [CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                             finish_reason=finish)]))
 
