@@ -35,6 +35,10 @@ from typing import Any, List, Optional, Tuple
 from minisrv.engine.request import RequestError
 from minisrv.engine.thinking import ThinkingRule
 
+logger = logging.getLogger("minisrv.server")
+
+PARSERS = ("qwen3", "deepseek_r1", "auto")
+STARTS_INSIDE = {"qwen3": False, "deepseek_r1": True}  # a style's default, when the prompt says nothing
 START, END = "<think>", "</think>"
 INSIDE, OPTIONAL, NONE = "inside", "optional", "none"  # where the output's thinking starts (see above)
 HARMONY = "harmony"  # gpt-oss: the reasoning is a channel of its own, read by id (harmony.py)
@@ -137,12 +141,6 @@ class ReasoningStream:
         self._ws = "" if closing else text[len(body):]
         if body:
             out.append(body)
-
-
-logger = logging.getLogger("minisrv.server")
-
-PARSERS = ("qwen3", "deepseek_r1", "auto")
-STARTS_INSIDE = {"qwen3": False, "deepseek_r1": True}  # a style's default, when the prompt says nothing
 
 
 @dataclass(frozen=True)

@@ -20,20 +20,15 @@ OPENAI_NAMES = {"json_schema": "response_format", "json_object": "response_forma
 
 
 def sampling_fields(body: Any) -> Dict[str, Any]:
-    """The request's sampling fields, its constraint and logit_bias, as SamplingParams keyword arguments."""
-    kw: Dict[str, Any] = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
+    """The request's sampling fields, logit_bias and its one output constraint (however given) as SamplingParams
+    keyword arguments."""
+    plain = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
     if body.logit_bias:
         try:
-            kw["logit_bias"] = {int(t): v for t, v in body.logit_bias.items()}
+            plain["logit_bias"] = {int(t): v for t, v in body.logit_bias.items()}
         except ValueError:
             raise RequestError("logit_bias keys must be token ids", "logit_bias") from None
-    kw.update(constraint(body))
-    return kw
-
-
-def constraint(body: Any) -> Dict[str, Any]:
-    """response_format (text, json_object, json_schema) and SGLang's regex / ebnf as SamplingParams fields."""
-    kw: Dict[str, Any] = {}
+    kw: Dict[str, Any] = {}  # the constraint
     rf = body.response_format
     if rf is not None:
         spec = rf.get("json_schema")
@@ -51,7 +46,7 @@ def constraint(body: Any) -> Dict[str, Any]:
         if "ebnf" in kw:
             raise RequestError("give choices or ebnf, not both", "ebnf")
         kw["ebnf"] = choice
-    return kw
+    return {**plain, **kw}
 
 
 def output_format(kind: Any, schema: Any, where: str, schema_shape: str) -> Dict[str, Any]:
