@@ -34,7 +34,7 @@ ROUTES = [("POST", ("/v1/completions",), openai.completions), ("POST", ("/v1/cha
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="minisrv", version="0.1.0", docs_url=None, redoc_url=None)
     install_error_handlers(app)
-    app.add_middleware(Gate, state=state)
+    app.add_middleware(Gate, state=state, engine_paths={path for _, paths, _ in ROUTES for path in paths})
 
     @app.get("/health")
     async def health() -> Response:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, Optional
 
 from ..errors import SERVER, APIError, engine_unavailable, server_shutdown
 from .headers import (JSON_MEDIA_TYPE, authorized, declared_length, has_body, header, header_values, is_json,
@@ -27,16 +27,15 @@ logger = logging.getLogger("minisrv.server")
 
 OPEN_PATHS = ("/health",)  # answered without an API key (load balancers probe it)
 BODY_METHODS = ("POST", "PUT", "PATCH")  # requests whose Content-Type is checked
-# routes outside /v1 that need the loaded engine or its tokenizer: 503 until it is ready, like /v1
-ENGINE_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info", "/get_model_info", "/model_info", "/server_info",
-                "/get_server_info", "/flush_cache")
 CORS_METHODS = b"GET, POST, OPTIONS"
 CORS_MAX_AGE_S = 600
 
 
 class Gate:
-    def __init__(self, app: Any, state: "ServerState") -> None:
-        self.app, self.state = app, state
+    """`engine_paths`: routes outside /v1 that need the loaded engine or its tokenizer (503 until it is ready)."""
+
+    def __init__(self, app: Any, state: "ServerState", engine_paths: Collection[str]) -> None:
+        self.app, self.state, self.engine_paths = app, state, engine_paths
 
     def site_refusal(self, scope: Any) -> Optional[APIError]:
         """Whether the request's Host and Origin are refused (a 403)."""
@@ -60,7 +59,7 @@ class Gate:
             return APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' "
                                  "(or 'x-api-key: <key>').",
                             code="invalid_api_key")
-        if not self.state.ready and (path.startswith("/v1/") or path in ENGINE_PATHS):
+        if not self.state.ready and (path.startswith("/v1/") or path in self.engine_paths):
             return engine_unavailable()
         if scope.get("method") in BODY_METHODS:
             ctype = header(scope, b"content-type")
