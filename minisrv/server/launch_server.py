@@ -223,9 +223,7 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
             engine_failed = engine_start.done() and not engine_start.cancelled() and engine_start.exception()
             what = "the engine failed to start" if engine_failed else "cannot load the tokenizer"
             _say(f"error: {what}: {e}")
-            server.should_exit = True
-            await serving
-            return 1
+            return 1  # (the finally below stops the server)
         while not server.started and not serving.done():
             await asyncio.sleep(0.02)
         if server.started:
