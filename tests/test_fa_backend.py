@@ -1,11 +1,11 @@
 """The fa backend (attention/fa.py) on a CPU, its FlashAttention-3 call served by a float64 stand-in with FA3's
 signature (helpers/fake_fa3.py): page tables, lengths and each layer's window, scale and learned sinks reach the
-kernel as FA3 takes them, so gpt-oss (sinks, windowed and full layers), Gemma 3 and a windowed Mistral give HF's
-greedy tokens and logits in decode and chunked extend steps; an FA3 build without `sinks` is refused for gpt-oss;
-auto on an SM90 GPU gives a model with sinks to fa alone (fi lacks sinks), a soft-capped one to fi."""
+kernel as FA3 takes them, so gpt-oss (sinks, windowed and full layers), Gemma 3 and a windowed Mistral, their windowed
+layers keeping only their window, give HF's greedy tokens and logits in decode and chunked extend steps (more modes
+against the torch backend, and CUDA-graph decode: tests/test_fa_window_pool.py); an FA3 build without `sinks` is
+refused for gpt-oss; auto on an SM90 GPU gives a model with sinks to fa alone (fi lacks sinks), a soft-capped one
+to fi."""
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -20,24 +20,26 @@ from .helpers import fake_fa3
 
 @pytest.fixture
 def fake_fa(monkeypatch):
+    """FA3's stand-in, and the fa backend allowed on this machine: an engine asked for fa builds its pool (windowed
+    layers keeping only their window) and backend as on a GPU (without CUDA graphs)."""
     from minisrv.attention import fa
     monkeypatch.setattr(fa, "_load_kernel", lambda: fake_fa3.flash_attn_with_kvcache)
+    monkeypatch.setitem(BACKENDS, "fa", (lambda sm: None, *BACKENDS["fa"][1:]))
     return fa
 
 
-def _on_fa(fa, llm):
-    eng = llm.engine
-    layers = layer_attention(eng.parts.args, eng.runner.model.attention_sinks())
-    backend = fa.FlashAttentionBackend(eng.parts.pool, eng.parts.table.table, eng.parts.args.num_heads, layers)
-    eng.runner.use_parts(dataclasses.replace(eng.runner.parts, backend=backend))
-    return backend
+def fa_llm(fa, path, **opts):
+    llm = make_llm(path, attention_backend="fa", **opts)
+    backend = llm.engine.runner.backend
+    assert isinstance(backend, fa.FlashAttentionBackend) and llm.engine.parts.pool.window_layers
+    assert backend.window_table is llm.engine.parts.table.window_table
+    return llm, backend
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "gemma3", "mistral_window"])
 def test_engine_on_fa_matches_hf(tiny_model, fake_fa, arch):
     path = tiny_model(arch)
-    llm = make_llm(path, page_size=4, chunked_prefill_size=8, max_prefill_tokens=8)
-    backend = _on_fa(fake_fa, llm)
+    llm, backend = fa_llm(fake_fa, path, page_size=4, chunked_prefill_size=8, max_prefill_tokens=8)
     assert any("window_size" in a for a in backend.layer_args)
     assert any("sinks" in a for a in backend.layer_args) == (arch == "gpt_oss")
     watch = EngineWatch(llm.engine)
@@ -54,9 +56,10 @@ def test_a_build_without_sinks_is_refused_for_gpt_oss(tiny_model, fake_fa, monke
                  softmax_scale=None, causal=False, window_size=(-1, -1)):
         raise AssertionError("not called")
     monkeypatch.setattr(fake_fa, "_load_kernel", lambda: no_sinks)
-    llm = make_llm(tiny_model("gpt_oss"))
+    parts = make_llm(tiny_model("gpt_oss")).engine.parts
+    layers = layer_attention(parts.args, [torch.zeros(parts.args.num_heads)] * parts.args.num_layers)
     with pytest.raises(ValueError, match="takes no attention sinks"):
-        _on_fa(fake_fa, llm)
+        fake_fa.FlashAttentionBackend(parts.pool, parts.table.table, parts.args.num_heads, layers)
 
 
 def test_auto_gives_sinks_to_fa_and_soft_caps_to_fi(monkeypatch, caplog):

@@ -197,14 +197,14 @@ def test_graph_decode_on_fi_matches_torch(tiny_model, fake_fi, monkeypatch, arch
 
 
 def test_registry_routes_the_window_pool(tiny_model, fake_fi):
-    """torch and fi (and hybrids of the two) read a windowed pool, each half through both tables; the others are
-    refused one, and an engine asked for them keeps one full pool (as fa is here: it cannot serve)."""
-    assert serves_window_pool("torch") and serves_window_pool("fi") and serves_window_pool("torch,fi")
-    assert not any(serves_window_pool(n) for n in ("fa", "fa,fi", "fi,fa", "fi,triton"))
+    """torch, fa and fi (and hybrids of them) read a windowed pool, each half through both tables; the others are
+    refused one, and an engine asked for them keeps one full pool."""
+    assert all(serves_window_pool(n) for n in ("torch", "fi", "fa", "torch,fi", "fa,fi", "fi,fa"))
+    assert not any(serves_window_pool(n) for n in ("fi,triton", "fa,triton"))
     parts = make_llm(tiny_model("gemma2"), page_size=2).engine.parts
     args = (parts.pool, parts.table.table, parts.args.num_heads)
     kw = dict(layers=layer_attention(parts.args), window_table=parts.table.window_table)
-    for name in ("fa", "fa,fi", "fi,triton"):
+    for name in ("fa,triton", "fi,triton"):
         with pytest.raises(ValueError, match="reads every layer's K/V through one request->token table"):
             create_backend(name, *args, **kw)
     hybrid = create_backend("torch,fi", *args, **kw)

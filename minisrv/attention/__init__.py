@@ -15,7 +15,7 @@ and auto passes over it. (xqa serves none: such models keep FlashInfer's FP8 dec
 torch and fa, not fi: FlashInfer's fa2/fa3 wrappers take them only through a JIT variant of the prefill wrapper
 (BatchAttentionWithAttentionSinkWrapper), not its decode wrappers nor CUDA-graph ones.
 A pool whose windowed layers keep only their window (kvcache/pool.py) is read through a second request->token table:
-torch and fi read it (`WINDOW_POOL`); a model served by any other backend keeps one full pool.
+torch, fa and fi read it (`WINDOW_POOL`); a model served by any other backend keeps one full pool.
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ BACKENDS: Dict[str, tuple] = {
     "triton": (_triton_missing, "triton_decode", "TritonDecodeBackend", set()),
 }
 DECODE_ONLY = ("triton",)
-WINDOW_POOL = ("torch", "fi")  # the backends that read a pool whose windowed layers keep only their window
+WINDOW_POOL = ("torch", "fa", "fi")  # the backends that read a pool whose windowed layers keep only their window
 
 AUTO_FALLBACK = {"fa,fi": "fa", "fa": "fi", "fi": "torch"}
 

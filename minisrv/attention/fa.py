@@ -7,6 +7,12 @@ window, scale and learned sinks (attention_options.py) are the call's `window_si
 (float32 [Hq]: builds made for gpt-oss take them; one without the argument is refused for such a model); soft-capped
 models go to fi (the registry's features: FA3 builds may leave soft-capping out).
 
+Where the pool's windowed layers keep only their window (kvcache/pool.py), those layers read a second page table,
+made from the window table the same way, and store the step's K/V at their own slots (page_table.window_slots). Its
+columns before a request's window hold stale but valid page ids, which FA3's window skips (or masks, in a block
+that straddles the window's start). CUDA graphs keep that table and those slots in fixed buffers of their own,
+rewritten before each replay; verify steps of speculative decoding then run eagerly.
+
 With an FP8 pool the kernel runs in its FP8 mode, which takes q, K and V all in float8_e4m3fn (it has no mode with
 a bf16 query over an FP8 cache): q is cast to e4m3 (saturated, no scale: queries normally sit far inside +-448),
 the pool's per-layer K and V scales go in as `k_descale` / `v_descale` ([B, Hkv], expanded from one element, so no
@@ -18,18 +24,19 @@ The kernel comes from sgl-kernel (`sgl_kernel.flash_attn`) when installed, else 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
 from minisrv.batch import ForwardBatch
 
 from .base import AttentionBackend
-from .page_table import PageTableGraphs, int32_lens, page_table
+from .page_table import PageTableGraphs, StaticPageTable, int32_lens, page_table, require, window_slots
 
 
 def _load_kernel() -> Callable:
@@ -82,14 +89,21 @@ class FAMeta:
     cache_seqlens: torch.Tensor  # [B] int32
     cu_seqlens_q: Optional[torch.Tensor]  # [B+1] int32 for extend; None: every request has max_seqlen_q queries
     max_seqlen_q: int  # (decode: 1; a verify step in a CUDA graph: its query length)
+    # where the pool's windowed layers keep only their window: their slots of the step's tokens [T] and their page
+    # table [B, max_pages] int32 (None: one table for every layer)
+    window_loc: Optional[torch.Tensor] = None
+    window_table: Optional[torch.Tensor] = None
 
 
 class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
     name = "fa"
     supports_cuda_graph = True
 
-    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, layers=None) -> None:
+    def __init__(self, pool, req_to_token: torch.Tensor, num_q_heads: int, layers=None,
+                 window_table: Optional[torch.Tensor] = None) -> None:
         super().__init__(pool, req_to_token, num_q_heads, layers)
+        self.window_table = window_table if pool.window_layers else None
+        self.static_window: Optional[StaticPageTable] = None
         self._attn = _load_kernel()
         if any(a.sinks is not None for a in self.layers) and not _takes(self._attn, "sinks"):
             raise ValueError("this FlashAttention-3 build takes no attention sinks, which this model has: use "
@@ -107,33 +121,43 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
     def prepare(self, b: ForwardBatch) -> FAMeta:
         seqlens = int32_lens(b)
         table = page_table(self.req_to_token, b.req_rows, b.max_seq_len, self.page_size)
+        window = {} if self.window_table is None else dict(
+            window_loc=window_slots(self.window_table, b),
+            window_table=page_table(self.window_table, b.req_rows, b.max_seq_len, self.page_size))
         if b.is_decode:
-            return self.decode_meta(b.out_cache_loc, table, seqlens)
+            return FAMeta(b.out_cache_loc, table, seqlens, None, 1, **window)
         cu = b.cu_seqlens_q if b.cu_seqlens_q.dtype == torch.int32 else b.cu_seqlens_q.to(torch.int32)
-        return FAMeta(b.out_cache_loc, table, seqlens, cu, max(b.extend_lens_cpu))
+        return FAMeta(b.out_cache_loc, table, seqlens, cu, max(b.extend_lens_cpu), **window)
+
+    def _reads(self, layer_id: int, meta: FAMeta) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(slots the step's K/V go to, page table) of the layer's kind of pages."""
+        if meta.window_table is not None and layer_id in self.pool.window_layers:
+            return meta.window_loc, meta.window_table
+        return meta.loc, meta.page_table
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: FAMeta) -> torch.Tensor:
+        loc, table = self._reads(layer_id, meta)
         if k is not None:
-            self.pool.store(layer_id, meta.loc, k, v)
+            self.pool.store(layer_id, loc, k, v)
         k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
         out_dtype = q.dtype
         fp8 = {}
         if self.fp8:
-            q, fp8 = self._fp8_args(q, layer_id, meta.page_table.shape[0])
+            q, fp8 = self._fp8_args(q, layer_id, table.shape[0])
         if meta.cu_seqlens_q is None:  # decode, or a verify step's queries of one length, [B * Sq] -> [B, Sq]
             o = self._attn(q=q.view(-1, meta.max_seqlen_q, *q.shape[1:]), k_cache=k_cache, v_cache=v_cache,
-                           cache_seqlens=meta.cache_seqlens, page_table=meta.page_table,
+                           cache_seqlens=meta.cache_seqlens, page_table=table,
                            causal=True, **self.layer_args[layer_id], **fp8).flatten(0, 1)
         else:
             o = self._attn(q=q, k_cache=k_cache, v_cache=v_cache,
-                           cache_seqlens=meta.cache_seqlens, page_table=meta.page_table,
+                           cache_seqlens=meta.cache_seqlens, page_table=table,
                            cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
                            causal=True, **self.layer_args[layer_id], **fp8)
         return o if o.dtype == out_dtype else o.to(out_dtype)  # FP8 mode answers in bf16
 
     def kv_store_target(self, layer_id: int, meta: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        return self._pool_target(layer_id, meta.loc)
+        return self._pool_target(layer_id, self._reads(layer_id, meta)[0])
 
     def _fp8_args(self, q: torch.Tensor, layer_id: int, batch_size: int):
         """q in e4m3 and the layer's descales as the [B, Hkv] float32 tensors FA3 wants (stride-0 views of the
@@ -148,8 +172,31 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
         """A decode step's metadata over a CUDA graph's static page table (PageTableGraphs)."""
         return FAMeta(loc, table, seq_lens, None, 1)
 
-    def verify_backend(self) -> "FlashAttentionBackend":
-        return self
+    def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
+        super().init_graph_state(max_bs, max_seq_len)
+        if self.window_table is not None:
+            self.static_window = StaticPageTable(max_bs, max_seq_len, self.page_size, self.req_to_token.device)
+            self.g_window_loc = torch.zeros((max_bs,), dtype=torch.int64, device=self.req_to_token.device)
+            self.graph_batches: Dict[int, ForwardBatch] = {}
+
+    def prepare_for_capture(self, b: ForwardBatch) -> FAMeta:
+        meta = super().prepare_for_capture(b)
+        if self.window_table is None:
+            return meta
+        bs = b.batch_size
+        self.graph_batches[bs] = b  # the graph's own inputs, which hold each replay's batch and padding rows
+        require(self.static_window).fill(self.window_table, b, bs)
+        return dataclasses.replace(meta, window_loc=window_slots(self.window_table, b, self.g_window_loc[:bs]),
+                                   window_table=self.static_window.rows(bs)[0])
+
+    def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: FAMeta) -> None:
+        super().prepare_for_replay(b, padded_bs, meta)
+        if self.window_table is not None:
+            require(self.static_window).fill(self.window_table, b, padded_bs)
+            window_slots(self.window_table, self.graph_batches[padded_bs], meta.window_loc)
+
+    def verify_backend(self) -> Optional["FlashAttentionBackend"]:
+        return self if self.window_table is None else None  # (verify graphs read the full table only)
 
     def verify_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor, q_len: int) -> FAMeta:
         """A verify step of q_len queries per request (the last `q_len` positions of each sequence, causal from

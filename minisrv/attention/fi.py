@@ -50,6 +50,7 @@ from minisrv.kvcache import WindowRule
 from minisrv.utils import ceil_div, to_device
 
 from .base import AttentionBackend
+from .page_table import window_slots
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -195,16 +196,8 @@ class FlashInferBackend(AttentionBackend):
         return slots if ps == 1 else slots // ps
 
     def _window_loc(self, b: ForwardBatch, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """The windowed layers' slots of the step's tokens: the window table at each token's row and position
-        (written into `out` where given); None where the pool has no windowed pages."""
-        if not any(self.windowed):
-            return None
-        rows = b.req_rows
-        if not b.is_decode:
-            ext = b.cu_seqlens_q[1:] - b.cu_seqlens_q[:-1]
-            rows = torch.repeat_interleave(rows, ext, output_size=b.num_tokens)
-        loc = self.window_table[rows, b.positions]
-        return loc.long() if out is None else out.copy_(loc)
+        """page_table.window_slots, or None where the pool has no windowed pages."""
+        return window_slots(self.window_table, b, out) if any(self.windowed) else None
 
     def _plan(self, wrappers: Sequence[Any], pages: Dict[bool, PageList], qo_indptr: Optional[torch.Tensor]) -> None:
         """Plan each kind's wrapper over its table's pages: decode wrappers, or (qo_indptr given) prefill ones."""

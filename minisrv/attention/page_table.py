@@ -19,6 +19,18 @@ def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, max_seq_len: int,
     return req_to_token[rows, :max_seq_len:page_size] // page_size
 
 
+def window_slots(window_table: torch.Tensor, b: ForwardBatch, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The slots of a step's tokens in the windowed layers' own pages (kvcache/pool.py): the window table at each
+    token's row and position, as int64, or written into `out` (a CUDA graph's fixed buffer, gathered again before each
+    replay from the graph's inputs, whose padding rows sit at the pad row's first slot)."""
+    rows = b.req_rows
+    if not b.is_decode:
+        ext = b.cu_seqlens_q[1:] - b.cu_seqlens_q[:-1]
+        rows = torch.repeat_interleave(rows, ext, output_size=b.num_tokens)
+    loc = window_table[rows, b.positions]
+    return loc.long() if out is None else out.copy_(loc)
+
+
 def int32_lens(b: ForwardBatch) -> torch.Tensor:
     return b.seq_lens if b.seq_lens.dtype == torch.int32 else b.seq_lens.to(torch.int32)
 

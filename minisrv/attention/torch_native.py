@@ -27,6 +27,7 @@ from minisrv.kernels.cpu_decode import DecodeMeta
 
 from .base import AttentionBackend
 from .cpu_paged import CpuPagedAttention, PackedMeta, attend
+from .page_table import window_slots
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class TorchNativeBackend(AttentionBackend):
     def prepare(self, b: ForwardBatch):
         if self.window_table is None:
             return self._prepare(b, self.req_to_token, b.out_cache_loc)
-        window = self._prepare(b, self.window_table, self._window_loc(b))
+        window = self._prepare(b, self.window_table, window_slots(self.window_table, b))
         if len(self.pool.window_layers) == self.pool.num_layers:
             return window
         return KindMetas(self._prepare(b, self.req_to_token, b.out_cache_loc), window)
@@ -75,14 +76,6 @@ class TorchNativeBackend(AttentionBackend):
             if meta is not None:
                 return meta
         return self.prepare_padded(b, table, loc)
-
-    def _window_loc(self, b: ForwardBatch) -> torch.Tensor:
-        """The windowed layers' slots of the step's tokens: the window table at each token's row and position."""
-        ext = torch.tensor(b.extend_lens_cpu)
-        ends = torch.repeat_interleave(ext.cumsum(0), ext)  # the index past each token's request's last
-        pos = torch.repeat_interleave(torch.tensor(b.seq_lens_cpu), ext) - ends + torch.arange(int(ext.sum()))
-        rows = torch.repeat_interleave(b.req_rows.cpu(), ext)
-        return self.window_table[rows.to(self.window_table.device), pos.to(self.window_table.device)].long()
 
     def prepare_padded(self, b: ForwardBatch, table: Optional[torch.Tensor] = None,
                        loc: Optional[torch.Tensor] = None) -> TorchMeta:

@@ -1,5 +1,5 @@
 """Windowed layers that keep only their window, on a CUDA GPU: tiny Gemma 2 and Gemma 3 (heads of 128, windows of 32
-tokens, shorter than the prompts) on FlashInfer over the windowed pool, with CUDA-graph decode, prefill chunks that
+tokens, shorter than the prompts) on FlashInfer (and Gemma 3 on FA3) over the windowed pool, with CUDA-graph decode, prefill chunks that
 cross the window's edge and prefix-cache hits, give the torch backend's tokens over the same pool (up to bf16
 near-ties), and each running request holds only the windowed pages its window reaches."""
 from __future__ import annotations
@@ -34,8 +34,9 @@ def _serve(path, backend: str, prompts):
     eng.step = watched_step
     try:
         assert eng.parts.pool.window_layers, f"{backend}: the pool keeps every layer's K/V"
+        assert eng.runner.graph_runner is not None
         if backend == "fi":
-            assert eng.runner.graph_runner is not None and eng.runner.backend.tables == (False, True)
+            assert eng.runner.backend.tables == (False, True)
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
         outs = llm.generate(prompts, params, use_tqdm=False)
         outs += llm.generate(prompts[-2:], params, use_tqdm=False)  # now from the prefix tree
@@ -49,12 +50,12 @@ def _serve(path, backend: str, prompts):
     return outs
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_fi_over_the_window_pool_matches_torch(tmp_path_factory, arch):
-    skip_unless_runs("fi")
+@pytest.mark.parametrize("arch,backend", [("gemma2", "fi"), ("gemma3", "fi"), ("gemma3", "fa")])
+def test_over_the_window_pool_matches_torch(tmp_path_factory, arch, backend):
+    skip_unless_runs(backend)
     path = build_tiny_model(str(tmp_path_factory.mktemp(arch)), arch, seed=4, head_dim=128, sliding_window=WINDOW)
     prompts = make_prompts(vocab_of(path), [40, 150, 33, 97, 5, 70], seed=9)
     prompts += [prompts[1][:120] + p for p in make_prompts(vocab_of(path), [9, 30], seed=10)]
     want = _serve(path, "torch", prompts)
-    got = _serve(path, "fi", prompts)
-    assert_same_up_to_ties(want, got, f"{arch} on fi against torch")
+    got = _serve(path, backend, prompts)
+    assert_same_up_to_ties(want, got, f"{arch} on {backend} against torch")
