@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minisrv.checkpoints.loader import WeightLoadError, load_model_args
-from minisrv.models.registry import UnsupportedArchitecture
+from minisrv.models.args import UnsupportedArchitecture
 
 from .helpers.checkpoint_edits import copy_model, edit_config, rewrite_weights, still_serves
 from .helpers.gguf_writer import write_gguf

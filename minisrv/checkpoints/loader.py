@@ -27,7 +27,7 @@ from minisrv.kernels.w4a16_gemm import w4a16_gemm
 from minisrv.models.args import ModelArgs
 from .model_files import (default_model_path, is_gguf, load_hf_config, load_model_args, load_tokenizer,
                           resolve_model_path)
-from minisrv.models.registry import model_class
+from minisrv.models.llama import model_class
 from minisrv.models.w4a16 import int4_scheme
 from .safetensors_files import iter_safetensors
 from .safetensors_stream import BadFile, SafetensorsStream, map_tensors

@@ -91,7 +91,7 @@ def _write_json(file: str, value: Any) -> None:
 def load_model_args(path: str, cache_dir: Optional[str] = None) -> ModelArgs:
     from minisrv.models.fp8 import fp8_checkpoint_format  # (torch: not imported where only the tokenizer is read)
     from minisrv.models.w4a16 import int4_scheme
-    from minisrv.models.registry import model_class
+    from minisrv.models.llama import model_class
     args = ModelArgs.from_hf_config(load_hf_config(path, cache_dir))
     model_class(args.architecture)  # refuse unknown architectures before touching the weights
     try:  # and quantisation methods that cannot be read

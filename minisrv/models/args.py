@@ -35,6 +35,11 @@ ALWAYS_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"
 # that the rest of the config is read as that model's; ModelArgs.base_model remembers it
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
                "MistralModel": "MistralForCausalLM"}
+SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURE_OF_MODEL_TYPE.values())  # all served by the one decoder (llama.py)
+
+
+class UnsupportedArchitecture(ValueError):
+    pass
 
 
 @dataclass
@@ -85,9 +90,6 @@ class ModelArgs:
     def rotary_dim(self) -> int:
         """The leading dims of each q/k head that the rotary turns (the rest pass through), as transformers has it."""
         return int(self.head_dim * self.partial_rotary_factor)
-
-    def is_moe_layer(self, layer_id: int) -> bool:
-        return layer_id in self.moe_layers
 
     @classmethod
     def from_hf_config(cls, cfg: Dict[str, Any]) -> "ModelArgs":

@@ -1,6 +1,6 @@
 """The Llama decoder, which Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral, Gemma 2 and 3, Phi-3/Phi-4 (LongRoPE,
 partial rotary) and the mixtures of experts (Qwen3-MoE, Mixtral, Qwen2-MoE) share: the differences are fields of
-ModelArgs, read from config.json (registry.py names the architectures). A layer's MLP is dense or sparse
+ModelArgs, read from config.json (args.py names the architectures). A layer's MLP is dense or sparse
 (moe.SparseMoE) as the config says for that layer. Gemma's layers norm the attention's output before adding it, and
 the MLP's input and output (`gemma_norms`); each layer's window, scale and soft-cap are the attention backend's
 (attention_options.py)."""
@@ -15,7 +15,7 @@ from torch import nn
 from minisrv.distributed import TensorParallel
 from minisrv.kernels.cpu_decode import DecodeMeta
 
-from .args import ModelArgs
+from .args import SUPPORTED_ARCHITECTURES, ModelArgs, UnsupportedArchitecture
 from .block_layers import BlockEmbedding, BlockLinear, block_kernels
 from .layer_ops import LayerOps
 from .layers import Attention, GatedMLP, RotaryEmbedding, VocabEmbedding
@@ -35,7 +35,7 @@ class DecoderLayer(nn.Module):
         projections = None if quantization == "mxfp4" else quantization  # ("mxfp4": the experts alone)
         self.self_attn = Attention(args, layer_id, rotary, ops, plan.num_heads, plan.num_kv_heads, tp,
                                    projections, reduce_output=not self.partial)
-        sparse = args.is_moe_layer(layer_id)
+        sparse = layer_id in args.moe_layers
         if sparse:
             self.mlp = SparseMoE(args, plan.moe_intermediate, plan.shared_intermediate, ops, tp, quantization,
                                  reduce_output=not self.partial)
@@ -205,3 +205,11 @@ class LlamaForEmbedding(LlamaForCausalLM):
                  tp: Optional[TensorParallel] = None, quantization: Optional[str] = None) -> None:
         super().__init__(args, max_positions, ops, tp, quantization)
         self.lm_head = None
+
+
+def model_class(architecture: str, embedding: bool = False) -> type:
+    """The model class of a config's architecture (embedding: its decoder without the LM head)."""
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitecture(f"architecture {architecture!r} is not supported; supported: "
+                                      f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    return LlamaForEmbedding if embedding else LlamaForCausalLM

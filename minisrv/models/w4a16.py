@@ -24,8 +24,6 @@ from minisrv.kernels.moe_align import Aligned
 from minisrv.kernels.moe_w4a16 import PackedExperts
 from minisrv.kernels.w4a16_gemm import dequantized_matmul, w4a16_gemm
 
-INT4_METHODS = ("awq", "gptq", "compressed-tensors")
-
 
 @dataclass(frozen=True)
 class Int4Scheme:
