@@ -9,34 +9,27 @@ import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
+from minisrv.models.gguf_repack import f16, nibbles
+
 
 def raw_blocks(data: Any, block_bytes: int) -> torch.Tensor:
     """The tensor's bytes as [blocks, block_bytes] uint8 (a copy: the file's memory map is read-only)."""
     return torch.from_numpy(np.array(data, dtype=np.uint8, copy=True).reshape(-1, block_bytes))
 
 
-def block_scale(b: torch.Tensor, at: int) -> torch.Tensor:
-    return b[:, at:at + 2].contiguous().view(torch.float16).float()
-
-
-def nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """A block's 32 4-bit values: the low nibbles are its first 16, the high nibbles its last 16."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
-
-
 def _q4_0(data: Any) -> torch.Tensor:
     b = raw_blocks(data, 18)
-    return (block_scale(b, 0) * (nibbles(b[:, 2:]).to(torch.int8) - 8).float()).reshape(-1)
+    return (f16(b, 0) * (nibbles(b[:, 2:]).to(torch.int8) - 8).float()).reshape(-1)
 
 
 def _q4_1(data: Any) -> torch.Tensor:
     b = raw_blocks(data, 20)
-    return (block_scale(b, 0) * nibbles(b[:, 4:]).float() + block_scale(b, 2)).reshape(-1)
+    return (f16(b, 0) * nibbles(b[:, 4:]).float() + f16(b, 2)).reshape(-1)
 
 
 def _q8_0(data: Any) -> torch.Tensor:
     b = raw_blocks(data, 34)
-    return (block_scale(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()).reshape(-1)
+    return (f16(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()).reshape(-1)
 
 
 def _float(dtype: torch.dtype) -> Callable[[Any], torch.Tensor]:

@@ -160,26 +160,19 @@ def has_tensor(reader: GGUFReader, name: str) -> bool:
     return any(t.name == name for t in reader.tensors)
 
 
-NAMES = [  # llama.cpp's tensor names -> HF's
-    (r"^token_embd\.weight$", "model.embed_tokens.weight"),
-    (r"^output_norm\.weight$", "model.norm.weight"),
-    (r"^output\.weight$", "lm_head.weight"),
-    (r"^blk\.(\d+)\.attn_norm\.weight$", r"model.layers.\1.input_layernorm.weight"),
-    (r"^blk\.(\d+)\.ffn_norm\.weight$", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"^blk\.(\d+)\.attn_q\.(weight|bias)$", r"model.layers.\1.self_attn.q_proj.\2"),
-    (r"^blk\.(\d+)\.attn_k\.(weight|bias)$", r"model.layers.\1.self_attn.k_proj.\2"),
-    (r"^blk\.(\d+)\.attn_v\.(weight|bias)$", r"model.layers.\1.self_attn.v_proj.\2"),
-    (r"^blk\.(\d+)\.attn_output\.weight$", r"model.layers.\1.self_attn.o_proj.weight"),
-    (r"^blk\.(\d+)\.attn_qkv\.weight$", r"model.layers.\1.self_attn.qkv_proj.weight"),  # phi3's, fused
-    (r"^blk\.(\d+)\.attn_q_norm\.weight$", r"model.layers.\1.self_attn.q_norm.weight"),
-    (r"^blk\.(\d+)\.attn_k_norm\.weight$", r"model.layers.\1.self_attn.k_norm.weight"),
-    (r"^blk\.(\d+)\.ffn_gate\.weight$", r"model.layers.\1.mlp.gate_proj.weight"),
-    (r"^blk\.(\d+)\.ffn_up\.weight$", r"model.layers.\1.mlp.up_proj.weight"),
-    (r"^blk\.(\d+)\.ffn_down\.weight$", r"model.layers.\1.mlp.down_proj.weight"),
-    (r"^blk\.(\d+)\.ffn_gate_inp\.weight$", r"model.layers.\1.mlp.gate.weight"),  # a MoE layer's router
-    (r"^blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight$", r"model.layers.\1.mlp.shared_expert.\2_proj.weight"),
-    (r"^blk\.(\d+)\.ffn_gate_inp_shexp\.weight$", r"model.layers.\1.mlp.shared_expert_gate.weight"),
-]
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}  # llama.cpp's tensor names -> HF's
+LAYER_NAMES = {  # blk.<i>.<name>.weight -> model.layers.<i>.<name>.weight
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # phi3's, fused
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+WITH_BIAS = ("attn_q", "attn_k", "attn_v")
+LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # a layer's experts stacked in one 3-D tensor [E, rows, cols]: read as each expert's HF tensor
 EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 PERMUTED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")  # llama.cpp's "llama" architecture
@@ -187,10 +180,14 @@ ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_s
 
 
 def hf_name(gguf_name: str) -> str:
-    for pat, rep in NAMES:
-        if re.match(pat, gguf_name):
-            return re.sub(pat, rep, gguf_name)
-    return ""
+    """The HF name of a llama.cpp tensor; "" for one not listed."""
+    m = LAYER_TENSOR.match(gguf_name)
+    if m is None:
+        return GLOBAL_NAMES.get(gguf_name, "")
+    layer, name, kind = m.groups()
+    if name not in LAYER_NAMES or kind == "bias" and name not in WITH_BIAS:
+        return ""
+    return f"model.layers.{layer}.{LAYER_NAMES[name]}.{kind}"
 
 
 def iter_gguf(path: str, args: ModelArgs, reader: Optional[GGUFReader] = None,

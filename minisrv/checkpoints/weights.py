@@ -89,7 +89,7 @@ def expected_tensors(model: nn.Module, args: ModelArgs, plan: ShardPlan) -> Dict
         shape = tuple(p.shape) if p is not None else None
         if isinstance(module, BlockLinear) and leaf == "packed" or isinstance(module, W4A16Linear) and \
                 leaf == "qweight" or p is None:  # the matrix it holds in blocks or in 4 bits, by its rows
-            name, shape, writer = f"{owner}.weight", module.weight_shape, module
+            name, shape, writer = f"{owner}.weight", (module.out_features, module.in_features), module
         width = _mlp_width(name, args)
         rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": width, "up_proj": width}
         parts = name.split(".")

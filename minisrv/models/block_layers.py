@@ -5,7 +5,7 @@ projection may join tensors of different types); the loader writes both from the
 under the HF name of the matrix it replaces (`<module>.weight`)."""
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,11 +25,6 @@ class BlockLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernels = kernels
 
-    @property
-    def weight_shape(self) -> Tuple[int, int]:
-        """The shape of the matrix the checkpoint holds (what the loader checks its tensor against)."""
-        return self.out_features, self.in_features
-
     def project(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         y = self.kernels.matmul(x.reshape(-1, self.in_features), self.packed, self.layouts, self.out_features,
@@ -38,8 +33,7 @@ class BlockLinear(nn.Module):
             y += self.bias
         return y.reshape(*lead, self.out_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(x)
+    forward = project
 
     def load_rows(self, row: int, w: Any) -> None:
         """Rows [row, row + len(w)) of W from the checkpoint's blocks (a fused projection is written in parts)."""

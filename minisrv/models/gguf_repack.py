@@ -28,7 +28,8 @@ ROW_CHUNK = 256  # rows repacked at a time (bounds the temporaries)
 Scales = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]  # (d, m or the second d, q, layout)
 
 
-def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
+def f16(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte `at` of each block, as float32 [..., 1]."""
     return b[..., at:at + 2].contiguous().view(torch.float16).float()
 
 
@@ -51,12 +52,12 @@ def q5_values(b: torch.Tensor, at: int) -> torch.Tensor:
 
 
 def _q5_0(b: torch.Tensor) -> Scales:
-    d = _f16(b, 0)
+    d = f16(b, 0)
     return d[..., 0], d[..., 0] * -16.0, q5_values(b, 2), 0
 
 
 def _q5_1(b: torch.Tensor) -> Scales:
-    return _f16(b, 0)[..., 0], _f16(b, 2)[..., 0], q5_values(b, 4), 0
+    return f16(b, 0)[..., 0], f16(b, 2)[..., 0], q5_values(b, 4), 0
 
 
 def scale_min_k4(s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +70,7 @@ def scale_min_k4(s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def _k_scales(b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     sc, mn = scale_min_k4(b[..., 4:16])
-    return _f16(b, 0) * sc.float(), -(_f16(b, 2) * mn.float())
+    return f16(b, 0) * sc.float(), -(f16(b, 2) * mn.float())
 
 
 def k_low(qs: torch.Tensor) -> torch.Tensor:
@@ -102,7 +103,7 @@ def _q5_k(b: torch.Tensor) -> Scales:
 
 
 def _q6_k(b: torch.Tensor) -> Scales:
-    d = (_f16(b, 208) * b[..., 192:208].contiguous().view(torch.int8).float()).unflatten(-1, (8, 2))
+    d = (f16(b, 208) * b[..., 192:208].contiguous().view(torch.int8).float()).unflatten(-1, (8, 2))
     return d[..., 0], d[..., 1], q6_k_values(b), 1
 
 

@@ -33,11 +33,6 @@ class PlanesLinear(nn.Module):
         self.register_buffer("device_probe", torch.empty(0), persistent=False)
         self.parts: List[Tuple[int, BlockPlanes]] = []
 
-    @property
-    def weight_shape(self) -> Tuple[int, int]:
-        """The shape of the matrix the checkpoint holds (what the loader checks its tensor against)."""
-        return self.out_features, self.in_features
-
     def load_rows(self, row: int, w: Any) -> None:
         """Rows [row, row + len(w)) of W from the checkpoint's blocks (a fused projection is written in parts)."""
         if not isinstance(w, GGUFBlocks):
@@ -84,8 +79,7 @@ class PlanesLinear(nn.Module):
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(x)
+    forward = project
 
     def extra_repr(self) -> str:
         kinds = ", ".join(f"rows {row}+{p.low.shape[1]}: {p.fmt}" for row, p in self.parts)

@@ -130,11 +130,6 @@ class W4A16Linear(nn.Module):
         self.scheme = scheme
         self.perm_loaded = False
 
-    @property
-    def weight_shape(self):
-        """The shape of the matrix the checkpoint holds, [N, K] (what the loader checks its tensor against)."""
-        return self.out_features, self.in_features
-
     def load_rows(self, row: int, w: Any) -> None:
         """Output columns [row, row + n) (rows of the checkpoint's [N, K] matrix) from an Int4Weight."""
         held = Int4Weight(self.qweight, self.scales, self.zeros, self.perm)
