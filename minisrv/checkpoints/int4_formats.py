@@ -105,9 +105,15 @@ def _along(dim: int, start: int, length: int, whole: int) -> Optional[Slice]:
     return None if start == 0 and length == whole else Slice(dim, start, length)
 
 
-def _in_order(g_idx: torch.Tensor, group: int, k0: int, k: int, act_order: bool) -> Optional[torch.Tensor]:
-    """The rows' permutation that makes groups contiguous (activation order), or None where they are in order."""
-    g_idx = g_idx.long()
+def _in_order(p: Dict[str, StoredTensor], key: str, what: str, group: int, k0: int, k: int,
+              act_order: bool) -> Optional[torch.Tensor]:
+    """The rows' permutation that makes groups contiguous (activation order, `what` in the config), read from the
+    group index p[key]; None where the rows are in order or there is no index."""
+    if key not in p:
+        if act_order:
+            raise ValueError(f"{what} without a {key}")
+        return None
+    g_idx = p[key].read(None).long()
     perm = torch.argsort(g_idx, stable=True)
     if not torch.equal(g_idx[perm], torch.arange(g_idx.numel()) // group):
         raise ValueError(f"g_idx does not give every group {group} rows")
@@ -164,11 +170,7 @@ def _gptq(p: Dict[str, StoredTensor], scheme: Int4Scheme) -> Tuple[Tuple[int, in
             zeros = zeros + 1 if scheme.zero_plus_one else zeros  # (a stored 15 reads as 16, as the format's own)
         else:
             zeros = torch.full((kk // group if scheme.group_size else 1, nn), 8, dtype=torch.uint8)
-        perm = None
-        if "g_idx" in p:
-            perm = _in_order(p["g_idx"].read(None), group, k0, kk, scheme.act_order)
-        elif scheme.act_order:
-            raise ValueError("desc_act without a g_idx")
+        perm = _in_order(p, "g_idx", "desc_act", group, k0, kk, scheme.act_order)
         return _finish(values, scales.read(cols or grows), zeros, perm, scheme)
     return (n, k), read
 
@@ -196,11 +198,7 @@ def _compressed_tensors(p: Dict[str, StoredTensor], scheme: Int4Scheme) -> Tuple
                 zeros = (zp.read(rows or gcols).t().to(torch.int16) + 8).to(torch.uint8)
             else:  # int32 packed along N (with the + 8)
                 zeros = unpack_rows(zp.read(_along(0, n0 // 8, nn // 8, zp.shape[0]) or gcols))[:nn].t()
-        perm = None
-        if "weight_g_idx" in p:
-            perm = _in_order(p["weight_g_idx"].read(None), group, k0, kk, scheme.act_order)
-        elif scheme.act_order:
-            raise ValueError("group act order without a weight_g_idx")
+        perm = _in_order(p, "weight_g_idx", "group act order", group, k0, kk, scheme.act_order)
         values = unpack_rows(words.t().contiguous())
         return _finish(values, s, zeros, perm, scheme)
     return (n, k), read

@@ -14,7 +14,7 @@ compressed-tensors schemes other than 4-bit integer weights with unquantised act
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -107,6 +107,27 @@ class Int4Weight(NamedTuple):
     perm: Optional[torch.Tensor] = None
 
 
+def hold_int4(module: nn.Module, prefix: str, lead: Tuple[int, ...], k: int, n: int, scheme: Int4Scheme,
+              named: Tuple[str, str]) -> int:
+    """Registers a [K, n] matrix's 4-bit parameters on `module`, each with the `lead` dims before its own:
+    `prefix`qweight int32 [K/8, n], scales [K/G, n], zeros uint8 [K/G, n] and, with an activation order, perm int64
+    [K] (else None). Returns the group size G. A K (this rank's share) not whole groups of G is a ValueError that
+    names the layer as `named` (its article, its noun)."""
+    group = scheme.group_size or k
+    if k % group or group % 16:
+        raise ValueError(f"{named[0]} {k}-wide input (this rank's share) is not whole groups of {group}: choose a "
+                         f"tp size that splits the {scheme} {named[1]} at group boundaries")
+
+    def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+        return nn.Parameter(torch.empty(*lead, *shape, dtype=dtype), requires_grad=False)
+    module.register_parameter(prefix + "qweight", param(k // 8, n, dtype=torch.int32))
+    module.register_parameter(prefix + "scales", param(k // group, n, dtype=scheme.scale_dtype or
+                                                       torch.get_default_dtype()))
+    module.register_parameter(prefix + "zeros", param(k // group, n, dtype=torch.uint8))
+    module.register_parameter(prefix + "perm", param(k, dtype=torch.int64) if scheme.act_order else None)
+    return group
+
+
 class W4A16Linear(nn.Module):
     """y = x W (+ b) with W [K, N] in 4 bits (the layout of kernels/w4a16_gemm.py). Built empty on the meta device
     and filled column block by column block (a fused projection's parts) by `load_rows`."""
@@ -114,18 +135,7 @@ class W4A16Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, scheme: Int4Scheme) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.group = scheme.group_size or in_features
-        if in_features % self.group or self.group % 16:
-            raise ValueError(f"a {in_features}-wide input (this rank's share) is not whole groups of "
-                             f"{self.group}: choose a tp size that splits the {scheme} layers at group boundaries")
-        groups = in_features // self.group
-        self.qweight = nn.Parameter(torch.empty(in_features // 8, out_features, dtype=torch.int32),
-                                    requires_grad=False)
-        scale_dtype = scheme.scale_dtype or torch.get_default_dtype()
-        self.scales = nn.Parameter(torch.empty(groups, out_features, dtype=scale_dtype), requires_grad=False)
-        self.zeros = nn.Parameter(torch.empty(groups, out_features, dtype=torch.uint8), requires_grad=False)
-        self.perm = nn.Parameter(torch.empty(in_features, dtype=torch.int64), requires_grad=False) \
-            if scheme.act_order else None
+        self.group = hold_int4(self, "", (), in_features, out_features, scheme, ("a", "layers"))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.scheme = scheme
         self.perm_loaded = False
@@ -189,19 +199,8 @@ class W4A16Experts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, inter: int, scheme: Int4Scheme) -> None:
         super().__init__()
         self.scheme = scheme
-        scale_dtype = scheme.scale_dtype or torch.get_default_dtype()
         for which, k, n in (("w13", hidden, 2 * inter), ("w2", inter, hidden)):
-            group = scheme.group_size or k
-            if k % group or group % 16:
-                raise ValueError(f"the experts' {k}-wide input (this rank's share) is not whole groups of {group}: "
-                                 f"choose a tp size that splits the {scheme} experts at group boundaries")
-
-            def param(*shape, dtype):
-                return nn.Parameter(torch.empty(num_experts, *shape, dtype=dtype), requires_grad=False)
-            self.register_parameter(f"{which}_qweight", param(k // 8, n, dtype=torch.int32))
-            self.register_parameter(f"{which}_scales", param(k // group, n, dtype=scale_dtype))
-            self.register_parameter(f"{which}_zeros", param(k // group, n, dtype=torch.uint8))
-            self.register_parameter(f"{which}_perm", param(k, dtype=torch.int64) if scheme.act_order else None)
+            hold_int4(self, which + "_", (num_experts,), k, n, scheme, ("the experts'", "experts"))
         self.perm_loaded = set()  # (which, expert) whose activation order is loaded
 
     @property
