@@ -24,9 +24,6 @@ class CheckpointKVScales:
         self.v: Dict[int, float] = {}
         self.num_layers = num_layers
 
-    def add(self, layer: int, which: str, value: float) -> None:
-        (self.k if which == "k" else self.v)[layer] = value
-
     def complete(self) -> Optional[Tuple[List[float], List[float]]]:
         """(K scales, V scales) by layer when every layer has both, else None (partial sets are not used)."""
         layers = range(self.num_layers)
@@ -47,9 +44,8 @@ static activation scales dropped (activations are quantised per token), K/V scal
             scales[name[:-len(suffix)] + ".weight"] = held.pop(name)
         elif name.endswith(".input_scale"):
             held.pop(name)
-        elif KV_SCALE.match(name):
-            m = KV_SCALE.match(name)
-            kv_scales.add(int(m.group(1)), m.group(2), float(held.pop(name).read(None).float().reshape(-1)[0]))
+        elif (m := KV_SCALE.match(name)) is not None:  # k or v: the dict of that name
+            getattr(kv_scales, m.group(2))[int(m.group(1))] = float(held.pop(name).read(None).float().reshape(-1)[0])
     for name, stored in held.items():
         scale = scales.pop(name, None)
         if scale is None:

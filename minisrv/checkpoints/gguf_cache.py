@@ -141,17 +141,10 @@ tokenizer; two servers may start at once) waits and reads the result; without a 
             return cfg
         return None
 
-    def publish_file(self, final: str, write: Any) -> bool:
+    def publish(self, final: str, write: Any, folder: bool = False) -> bool:
         """Run write(temporary path) and rename the result to `final` (atomic: readers see the old file or the whole
-        new one), then prune what it supersedes; False (logged) if it could not be written: the cache is an aid, a
-        full disk must not stop the server."""
-        return self._publish(final, write, folder=False)
-
-    def publish_dir(self, final: str, write: Any) -> bool:
-        """As publish_file, for a folder (a copy already there, broken or another process's, is replaced)."""
-        return self._publish(final, write, folder=True)
-
-    def _publish(self, final: str, write: Any, folder: bool) -> bool:
+        new one; a folder already there, broken or another process's, is replaced), then prune what it supersedes;
+        False (logged) if it could not be written: the cache is an aid, a full disk must not stop the server."""
         try:
             os.makedirs(self.folder, exist_ok=True)
             prefix = f".{os.path.basename(final)}."

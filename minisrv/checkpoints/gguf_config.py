@@ -14,6 +14,8 @@ from typing import Any, Dict, Optional
 
 from gguf import GGUFReader, GGUFValueType
 
+from .gguf_file import metadata_value
+
 # llama.cpp architecture -> transformers' model_type, for the models minisrv serves from GGUF files
 FAST_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
                       "qwen3moe": "qwen3_moe", "phi3": "phi3"}
@@ -54,35 +56,21 @@ DEFAULTS = {  # transformers' config classes' defaults (5.x) for the keys ModelA
 }
 
 
-def _scalar(reader: GGUFReader, key: str) -> Any:
-    """A metadata value: a number, a bool or a string; `...` for an array (or anything else); None if absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    kind = field.types[0] if field.types else None
-    if kind == GGUFValueType.STRING:
-        return bytes(field.parts[-1]).decode("utf-8", errors="replace")
-    if kind is None or kind == GGUFValueType.ARRAY:
-        return ...
-    value = field.parts[-1][0].item()
-    return bool(value) if kind == GGUFValueType.BOOL else value
-
-
 def gguf_model_config(reader: GGUFReader) -> Optional[Dict[str, Any]]:
     """The config dict of the file (model_type and the keys above), or None where transformers must build it: an
     architecture not listed, or a mapped key held as an array. tie_word_embeddings and the experts' layout come
     from the tensor table afterwards (model_files._gguf_hf_config)."""
-    architecture = _scalar(reader, "general.architecture")
+    architecture = metadata_value(reader, "general.architecture")
     if architecture not in FAST_ARCHITECTURES:
         return None
     # transformers reads llama.cpp's "llama" as Mistral only when general.name is exactly "mistral"
-    model_type = "mistral" if architecture == "llama" and _scalar(reader, "general.name") == "mistral" \
+    model_type = "mistral" if architecture == "llama" and metadata_value(reader, "general.name") == "mistral" \
         else FAST_ARCHITECTURES[architecture]
     cfg: Dict[str, Any] = dict(DEFAULTS[model_type], model_type=model_type)
     keys = {f"{architecture}.{k}": v for k, v in KEYS[model_type].items()}
     keys.update({f"tokenizer.{k}": v for k, v in TOKENIZER_KEYS.items()})
     for gguf_key, config_key in keys.items():
-        value = _scalar(reader, gguf_key)
+        value = metadata_value(reader, gguf_key)
         if value is ...:
             return None
         if value is not None:
@@ -108,7 +96,7 @@ def longrope_config(reader: GGUFReader, cfg: Dict[str, Any]) -> Dict[str, Any]:
         return cfg
     rope = {"rope_type": "longrope", "long_factor": [float(x) for x in factors["rope_factors_long.weight"]],
             "short_factor": [float(x) for x in factors["rope_factors_short.weight"]]}
-    attention = _scalar(reader, "phi3.rope.scaling.attn_factor")
+    attention = metadata_value(reader, "phi3.rope.scaling.attn_factor")
     if isinstance(attention, float):
         rope["attention_factor"] = attention
     return dict(cfg, rope_scaling=rope)

@@ -148,12 +148,24 @@ def read_gguf(path: str) -> GGUFReader:
         raise WeightLoadError(f"cannot read GGUF file {path}: {e}") from e
 
 
+def metadata_value(reader: GGUFReader, key: str) -> Any:
+    """A metadata value: a number, a bool or a string; `...` for an array (or anything else); None if absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    kind = field.types[0] if field.types else None
+    if kind == GGUFValueType.STRING:
+        return bytes(field.parts[-1]).decode("utf-8", errors="replace")
+    if kind is None or kind == GGUFValueType.ARRAY:
+        return ...
+    value = field.parts[-1][0].item()
+    return bool(value) if kind == GGUFValueType.BOOL else value
+
+
 def metadata_string(reader: GGUFReader, key: str) -> Optional[str]:
     """A string value of the file's metadata (None where the key is missing or not a string)."""
-    field = reader.fields.get(key)
-    if field is None or not field.types or field.types[0] != GGUFValueType.STRING:
-        return None
-    return bytes(field.parts[-1]).decode("utf-8", errors="replace")
+    value = metadata_value(reader, key)
+    return value if isinstance(value, str) else None
 
 
 def has_tensor(reader: GGUFReader, name: str) -> bool:

@@ -239,7 +239,7 @@ def _store_model(cache: GGUFCache, file: str, model: nn.Module, why: str, lock: 
     """Write the dequantised parameters to the cache (`why`: why it had no file), then release the building lock."""
     t0 = time.perf_counter()
     try:
-        if cache.publish_file(file, lambda tmp: _write_model(tmp, model)):
+        if cache.publish(file, lambda tmp: _write_model(tmp, model)):
             logger.info("GGUF cache: parameters written in %.2fs (%s); cached in %s", time.perf_counter() - t0,
                         why, file)
     finally:

@@ -60,7 +60,7 @@ def load_hf_config(path: str, cache_dir: Optional[str] = None) -> Dict[str, Any]
         if cache is None:
             return _gguf_hf_config(path)
         return cache.read_or_build("config", cache.read_config, lambda: _gguf_hf_config(path),
-                                   lambda cfg: cache.publish_file(cache.config_file, lambda tmp: _write_json(tmp, cfg)))
+                                   lambda cfg: cache.publish(cache.config_file, lambda tmp: _write_json(tmp, cfg)))
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"{path} has no config.json (expected a HF model directory or a .gguf file)")
@@ -132,7 +132,7 @@ def load_tokenizer(path: str, tokenizer: Optional[str] = None, cache_dir: Option
     if cache is None:
         return _converted_tokenizer(src)
     return cache.read_or_build("tokenizer", lambda: _cached_tokenizer(cache), lambda: _converted_tokenizer(src),
-                               lambda tok: cache.publish_dir(cache.tokenizer_dir, tok.save_pretrained))
+                               lambda tok: cache.publish(cache.tokenizer_dir, tok.save_pretrained, folder=True))
 
 
 def load_engine_tokenizer(path: str, tokenizer: Optional[str] = None, cache_dir: Optional[str] = None):
