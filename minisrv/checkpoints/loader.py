@@ -24,10 +24,10 @@ from .gguf_cache import GGUFCache
 from .gpt_oss_experts import gpt_oss_experts
 from .int4_formats import int4_tensors
 from minisrv.kernels.w4a16_gemm import w4a16_gemm
-from minisrv.models.args import ModelArgs
+from minisrv.models.args import ModelArgs, check_architecture
 from .model_files import (default_model_path, is_gguf, load_hf_config, load_model_args, load_tokenizer,
                           resolve_model_path)
-from minisrv.models.llama import model_class
+from minisrv.models.llama import LlamaForCausalLM
 from minisrv.models.w4a16 import int4_scheme
 from .safetensors_files import iter_safetensors
 from .safetensors_stream import BadFile, SafetensorsStream, map_tensors
@@ -80,12 +80,12 @@ cache file) instead of empty ones."""
 
 
 def _meta_model(b: ModelBuild) -> nn.Module:
+    check_architecture(b.args.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(b.dtype)
     try:
         with torch.device("meta"):
-            return model_class(b.args.architecture, b.embedding)(b.args, b.max_positions, b.ops, b.tp,
-                                                                 quantization=b.quantization)
+            return LlamaForCausalLM(b.args, b.max_positions, b.ops, b.tp, b.quantization, b.embedding)
     finally:
         torch.set_default_dtype(previous)
 

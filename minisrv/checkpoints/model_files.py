@@ -13,7 +13,7 @@ import logging
 import os
 from typing import Any, Dict, List, Optional
 
-from minisrv.models.args import ModelArgs
+from minisrv.models.args import ModelArgs, check_architecture
 from .checkpoint import WeightLoadError
 from minisrv.tokenizer.engine_tokenizer import FAST_TOKENIZER_CLASSES, engine_tokenizer_from_folder
 from minisrv.tokenizer.class_cache import remember_class, remembered_class
@@ -91,9 +91,8 @@ def _write_json(file: str, value: Any) -> None:
 def load_model_args(path: str, cache_dir: Optional[str] = None) -> ModelArgs:
     from minisrv.models.fp8 import fp8_checkpoint_format  # (torch: not imported where only the tokenizer is read)
     from minisrv.models.w4a16 import int4_scheme
-    from minisrv.models.llama import model_class
     args = ModelArgs.from_hf_config(load_hf_config(path, cache_dir))
-    model_class(args.architecture)  # refuse unknown architectures before touching the weights
+    check_architecture(args.architecture)  # refuse unknown architectures before touching the weights
     try:  # and quantisation methods that cannot be read
         int4_scheme(args.quantization_config) or fp8_checkpoint_format(args.quantization_config)
     except ValueError as e:

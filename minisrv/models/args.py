@@ -42,6 +42,12 @@ class UnsupportedArchitecture(ValueError):
     pass
 
 
+def check_architecture(architecture: str) -> None:
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitecture(f"architecture {architecture!r} is not supported; supported: "
+                                      f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+
+
 @dataclass
 class ModelArgs:
     architecture: str

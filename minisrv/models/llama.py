@@ -15,7 +15,7 @@ from torch import nn
 from minisrv.distributed import TensorParallel
 from minisrv.kernels.cpu_decode import DecodeMeta
 
-from .args import SUPPORTED_ARCHITECTURES, ModelArgs, UnsupportedArchitecture
+from .args import ModelArgs
 from .block_layers import BlockEmbedding, BlockLinear, block_kernels
 from .layer_ops import LayerOps
 from .layers import Attention, GatedMLP, RotaryEmbedding, VocabEmbedding
@@ -137,13 +137,17 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, args: ModelArgs, max_positions: int, ops: Optional[LayerOps] = None,
-                 tp: Optional[TensorParallel] = None, quantization: Optional[str] = None) -> None:
+                 tp: Optional[TensorParallel] = None, quantization: Optional[str] = None,
+                 embedding: bool = False) -> None:
         """ops: the elementwise kernels every layer shares (layer_ops.LayerOps; None: torch's).
         tp: this rank's place in a tensor-parallel group; the model holds that rank's shard (sharding.py).
         quantization: "fp8" for FP8 projections (qkv, o, gate_up, down; see fp8.py), the embedding, norms and
         lm_head staying in the model's dtype; "mxfp4" for a mixture's experts kept in MXFP4 (moe.py); "gguf" for
         a GGUF model's projections, embedding and lm_head kept in their blocks on the CPU (block_layers.py),
-        "gguf-planes" on the GPU (planes_layers.py); None for the model's dtype."""
+        "gguf-planes" on the GPU (planes_layers.py); None for the model's dtype.
+        embedding: the decoder without its LM head, for an embedding model: the final norm's hidden states are
+        pooled (engine/pooling.py). compute_logits, which only the GPU's activation probe calls for it, multiplies
+        by the embedding matrix as a tied head would."""
         super().__init__()
         self.args = args
         self.tp = tp or TensorParallel.single()
@@ -151,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops if ops is not None else LayerOps()
         self.model = LlamaModel(args, max_positions, self.ops, self.plan, self.tp, quantization)
         self.small_batch_linear = self.ops.small_batch_linear  # the CPU's, for decode logits
-        if args.tie_word_embeddings:
+        if args.tie_word_embeddings or embedding:
             self.lm_head = None
         elif quantization == "gguf":
             self.lm_head = BlockLinear(args.hidden_size, self.plan.vocab_per_rank, False, block_kernels(self.ops))
@@ -194,22 +198,3 @@ class LlamaForCausalLM(nn.Module):
             logits = self.tp.all_gather_last(logits)[:, :self.plan.vocab_size]
         cap = self.args.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-
-class LlamaForEmbedding(LlamaForCausalLM):
-    """Any of the decoders above without its LM head, for an embedding model: the final norm's hidden states are
-    pooled (engine/pooling.py), so no head is built or loaded. compute_logits, which only the GPU's activation
-    probe calls for it, multiplies by the embedding matrix as a tied head would."""
-
-    def __init__(self, args: ModelArgs, max_positions: int, ops: Optional[LayerOps] = None,
-                 tp: Optional[TensorParallel] = None, quantization: Optional[str] = None) -> None:
-        super().__init__(args, max_positions, ops, tp, quantization)
-        self.lm_head = None
-
-
-def model_class(architecture: str, embedding: bool = False) -> type:
-    """The model class of a config's architecture (embedding: its decoder without the LM head)."""
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitecture(f"architecture {architecture!r} is not supported; supported: "
-                                      f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
-    return LlamaForEmbedding if embedding else LlamaForCausalLM

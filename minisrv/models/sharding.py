@@ -42,12 +42,9 @@ class ShardPlan:
     head_start: int
     num_kv_heads: int  # K/V heads on this rank
     kv_head_start: int
-    intermediate: int  # MLP width on this rank
-    intermediate_start: int
+    intermediate: int  # MLP width on this rank: its slice starts at rank * intermediate (the experts' likewise)
     moe_intermediate: int  # each expert's width on this rank (0: a dense model)
-    moe_intermediate_start: int
     shared_intermediate: int  # the shared expert's width on this rank (0: none)
-    shared_intermediate_start: int
     vocab_per_rank: int  # rows of the embedding / lm_head on this rank (padded)
     vocab_start: int
     vocab_size: int  # the whole vocabulary
@@ -61,8 +58,8 @@ class ShardPlan:
         inter = args.intermediate_size // size
         moe, shared = args.moe_intermediate_size // size, args.shared_expert_intermediate_size // size
         vocab = ceil_div(args.vocab_size, size)
-        return cls(rank, size, hq, rank * hq, hkv, kv_start, inter, rank * inter, moe, rank * moe, shared,
-                   rank * shared, vocab, rank * vocab, args.vocab_size, args.head_dim)
+        return cls(rank, size, hq, rank * hq, hkv, kv_start, inter, moe, shared, vocab, rank * vocab, args.vocab_size,
+                   args.head_dim)
 
     @property
     def vocab_rows(self) -> int:
@@ -102,11 +99,9 @@ class ShardPlan:
     def mlp_share(self, hf_name: str):
         """(start, width) of this rank's slice of the MLP that `hf_name` belongs to: an expert's, the shared
         expert's, or the dense MLP's."""
-        if ".experts." in hf_name:
-            return self.moe_intermediate_start, self.moe_intermediate
-        if ".shared_expert." in hf_name:
-            return self.shared_intermediate_start, self.shared_intermediate
-        return self.intermediate_start, self.intermediate
+        width = self.moe_intermediate if ".experts." in hf_name else \
+            self.shared_intermediate if ".shared_expert." in hf_name else self.intermediate
+        return self.rank * width, width
 
 
 def check_divisible(args: ModelArgs, size: int) -> None:
