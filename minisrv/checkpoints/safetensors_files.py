@@ -33,27 +33,21 @@ def safetensors_files(path: str) -> List[str]:
     return files
 
 
-def _tensor_spans(file: str, size: int) -> List[Tuple[str, int, int]]:
-    """(tensor name, first byte, end byte) of every tensor, at absolute file offsets, from the header alone."""
-    with open(file, "rb") as f:
-        hlen, header = read_header(f, size, Unreadable)
-    spans = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        offs = info.get("data_offsets") if isinstance(info, dict) else None
-        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and o >= 0 for o in offs)
-                and offs[0] <= offs[1]):
-            raise Unreadable(f"tensor {name} has no valid data_offsets: {offs!r}")
-        spans.append((name, 8 + hlen + offs[0], 8 + hlen + offs[1]))
-    return spans
-
-
 def check_safetensors_file(file: str) -> None:
     """Raises WeightLoadError naming the file if its header cannot be read or a tensor lies past its end."""
     try:
         size = os.path.getsize(file)
-        spans = _tensor_spans(file, size)
+        with open(file, "rb") as f:
+            hlen, header = read_header(f, size, Unreadable)
+        spans = []  # (tensor name, first byte, end byte) at absolute file offsets
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            offs = info.get("data_offsets") if isinstance(info, dict) else None
+            if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and o >= 0 for o in offs)
+                    and offs[0] <= offs[1]):
+                raise Unreadable(f"tensor {name} has no valid data_offsets: {offs!r}")
+            spans.append((name, 8 + hlen + offs[0], 8 + hlen + offs[1]))
     except Unreadable as e:
         raise damaged(file, f"cannot read its safetensors header ({e})") from None
     except OSError as e:
