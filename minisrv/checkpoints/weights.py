@@ -29,6 +29,9 @@ FUSED = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 
+# layers that hold their matrix in a form of their own (FP8 rows and scales, blocks, planes, 4 bits) and write its
+# rows themselves (load_rows), under the name of the weight it replaces
+ROW_WRITERS = (Fp8Linear, BlockLinear, PlanesLinear, W4A16Linear)
 VOCAB_SPLIT = ("model.embed_tokens.weight", "lm_head.weight")  # split by vocabulary rows, padded
 
 ALIASES = [  # Mixtral's and vision-language models' tensor names -> the names our expected map uses
@@ -66,45 +69,37 @@ class Target:
 
 def expected_tensors(model: nn.Module, args: ModelArgs, plan: ShardPlan) -> Dict[str, Target]:
     """HF name -> where its (slice of the) checkpoint tensor goes in our parameters."""
-    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
     out: Dict[str, Target] = {}
     for owner, module in model.named_modules():
         if isinstance(module, (Experts, W4A16Experts)):  # (scales are written with their rows)
             for which in ("w13", "w2"):
                 out.update(_expert_targets(owner, module, which, args, plan))
-    # a GGUF layer on the GPU makes its parameters as its tensors arrive: its matrix is named for the module
-    matrices = [(f"{owner}.weight", None) for owner, module in model.named_modules()
-                if isinstance(module, PlanesLinear)]
-    for name, p in list(model.named_parameters()) + matrices:
-        owner, _, leaf = name.rpartition(".")
-        module = model.get_submodule(owner)
-        if isinstance(module, (Experts, W4A16Experts)):
             continue
-        writer = module if isinstance(module, Fp8Linear) and leaf == "weight" else None
-        if isinstance(module, Fp8Linear) and leaf == "weight_scale" or \
-                isinstance(module, W4A16Linear) and leaf in ("scales", "zeros", "perm"):
-            continue  # written with its weight's rows
-        if isinstance(module, PlanesLinear) and p is not None and leaf != "bias":
-            continue  # its planes (a model loaded before)
-        shape = tuple(p.shape) if p is not None else None
-        if isinstance(module, BlockLinear) and leaf == "packed" or isinstance(module, W4A16Linear) and \
-                leaf == "qweight" or p is None:  # the matrix it holds in blocks or in 4 bits, by its rows
-            name, shape, writer = f"{owner}.weight", (module.out_features, module.in_features), module
-        width = _mlp_width(name, args)
-        rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": width, "up_proj": width}
-        parts = name.split(".")
-        fused = next((f for f in FUSED if f in parts), None)
-        if fused is None:
-            full = (args.vocab_size,) + shape[1:] if name in VOCAB_SPLIT else _unsharded_shape(name, shape, args)
-            out[name] = Target(p, 0, full, plan.slice_for(name), writer)
-            continue
-        off = 0
-        for sub in FUSED[fused]:
-            hf = name.replace(fused, sub)
-            full = (rows[sub],) + shape[1:]
-            piece = plan.slice_for(hf)
-            out[hf] = Target(p, off, full, piece, writer)
-            off += piece.length if piece is not None else rows[sub]
+        params = [(name, p, tuple(p.shape), None) for name, p in module.named_parameters(owner, recurse=False)]
+        if isinstance(module, ROW_WRITERS):  # its matrix, and its bias
+            params = [(f"{owner}.weight", None, (module.out_features, module.in_features), module)] + \
+                [x for x in params if x[0].endswith(".bias")]
+        for name, p, shape, writer in params:
+            out.update(_targets(name, p, shape, writer, args, plan))
+    return out
+
+
+def _targets(name: str, p: Optional[torch.Tensor], shape: Tuple[int, ...], writer: Optional[Any], args: ModelArgs,
+             plan: ShardPlan) -> Dict[str, Target]:
+    """The checkpoint tensor(s) of one of our parameters: itself, or the q/k/v or gate/up it fuses."""
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    fused = next((f for f in FUSED if f in name.split(".")), None)
+    if fused is None:
+        full = (args.vocab_size,) + shape[1:] if name in VOCAB_SPLIT else _unsharded_shape(name, shape, args)
+        return {name: Target(p, 0, full, plan.slice_for(name), writer)}
+    width = _mlp_width(name, args)
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": width, "up_proj": width}
+    out, off = {}, 0
+    for sub in FUSED[fused]:
+        hf = name.replace(fused, sub)
+        piece = plan.slice_for(hf)
+        out[hf] = Target(p, off, (rows[sub],) + shape[1:], piece, writer)
+        off += piece.length if piece is not None else rows[sub]
     return out
 
 
