@@ -179,7 +179,7 @@ def load_eagle3_head(path: str, max_positions: int, dtype: torch.dtype, device: 
         tensors["d2t"] = torch.zeros(config.vocab_size, dtype=torch.int64)
     with torch.device("meta"):
         head = Eagle3Head(config, max_positions)
-    expected = {k: v for k, v in head.state_dict().items()}
+    expected = head.state_dict()
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ValueError(f"{path}: not an EAGLE-3 head: tensors missing: {', '.join(missing)}")

@@ -48,11 +48,6 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: Optional[Tuple[int, 
     return q * scale[ri][:, ci]
 
 
-def _scaled_mm_ok(x: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether the FP8 GEMM kernels run for activations on x's device, of the model's `dtype`."""
-    return x.is_cuda and dtype == torch.bfloat16 and hasattr(torch, "_scaled_mm")
-
-
 class Fp8Linear(nn.Module):
     """y = x W^T (+ b) with W in float8_e4m3fn [N, K] and a float32 scale per output row; x quantised per token.
     Built empty (on the meta device, as the loader builds models) and filled row by row by `load_rows`."""
@@ -102,7 +97,7 @@ class Fp8Linear(nn.Module):
             lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
             xq, xs = quantize_tokens(x2)
             like, dtype = x2, x.dtype
-        if _scaled_mm_ok(like, dtype):
+        if like.is_cuda and dtype == torch.bfloat16 and hasattr(torch, "_scaled_mm"):  # the FP8 GEMM kernels run
             out = None
             if 0 < xq.shape[0] <= SMALL_M and fits(self.in_features):  # decode batches: narrow output tiles
                 small = small_m_fp8_gemm()

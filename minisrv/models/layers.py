@@ -26,10 +26,8 @@ from .norms import GemmaRMSNorm, make_norm
 
 def make_linear(in_features: int, out_features: int, bias: bool, quantization: Optional[Any],
                 ops: LayerOps) -> nn.Module:
-    """A projection layer: nn.Linear, or with quantization "fp8" an Fp8Linear (fp8.py), with "gguf" a BlockLinear
-    (block_layers.py) and "gguf-planes" a PlanesLinear (planes_layers.py): a GGUF model's blocks on the CPU and
-    the GPU; with a 4-bit checkpoint's Int4Scheme a W4A16Linear (w4a16.py); on the CPU with its compiled ops, a
-    CpuLinear."""
+    """A projection layer for `quantization` (see LlamaForCausalLM); unquantised, a CpuLinear on the CPU with its
+    compiled ops, else nn.Linear."""
     if isinstance(quantization, Int4Scheme):
         return W4A16Linear(in_features, out_features, bias, quantization)
     if quantization == "fp8":

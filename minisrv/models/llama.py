@@ -1,9 +1,7 @@
-"""The Llama decoder, which Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral, Gemma 2 and 3, Phi-3/Phi-4 (LongRoPE,
-partial rotary) and the mixtures of experts (Qwen3-MoE, Mixtral, Qwen2-MoE) share: the differences are fields of
-ModelArgs, read from config.json (args.py names the architectures). A layer's MLP is dense or sparse
-(moe.SparseMoE) as the config says for that layer. Gemma's layers norm the attention's output before adding it, and
-the MLP's input and output (`gemma_norms`); each layer's window, scale and soft-cap are the attention backend's
-(attention_options.py)."""
+"""The Llama decoder, which every supported architecture is: how each differs is read into ModelArgs (args.py). A
+layer's MLP is dense or sparse (moe.SparseMoE) as the config says for that layer; Gemma's layers norm the
+attention's output before adding it, and the MLP's input and output (`gemma_norms`); each layer's window, scale,
+soft-cap and sinks are the attention backend's (attention_options.py)."""
 from __future__ import annotations
 
 import functools
@@ -144,7 +142,8 @@ class LlamaForCausalLM(nn.Module):
         quantization: "fp8" for FP8 projections (qkv, o, gate_up, down; see fp8.py), the embedding, norms and
         lm_head staying in the model's dtype; "mxfp4" for a mixture's experts kept in MXFP4 (moe.py); "gguf" for
         a GGUF model's projections, embedding and lm_head kept in their blocks on the CPU (block_layers.py),
-        "gguf-planes" on the GPU (planes_layers.py); None for the model's dtype.
+        "gguf-planes" on the GPU (planes_layers.py); a 4-bit checkpoint's Int4Scheme for 4-bit projections and
+        experts (w4a16.py); None for the model's dtype.
         embedding: the decoder without its LM head, for an embedding model: the final norm's hidden states are
         pooled (engine/pooling.py). compute_logits, which only the GPU's activation probe calls for it, multiplies
         by the embedding matrix as a tied head would."""
