@@ -198,9 +198,7 @@ reader (seconds for the default model). tests/test_startup.py checks the result 
     # transformers' config of the file has model type llama for llama.cpp's "llama" unless it is named "mistral"
     llama = metadata_string(reader, "general.architecture") == "llama" and \
         metadata_string(reader, "general.name") != "mistral"
-    if not llama:
-        return None
-    return TokenizersBackend
+    return TokenizersBackend if llama else None
 
 
 def _saved_tokenizer(folder: str, cache_dir: Optional[str] = None):

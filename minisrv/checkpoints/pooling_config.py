@@ -18,7 +18,6 @@ from .checkpoint import WeightLoadError
 
 logger = logging.getLogger("minisrv")
 
-POOLING_MODES = ("last", "mean")
 ST_POOLING = "sentence_transformers.models.Pooling"
 ST_NORMALIZE = "sentence_transformers.models.Normalize"
 ST_TRANSFORMER = "sentence_transformers.models.Transformer"
@@ -35,10 +34,6 @@ class PoolingConfig:
     normalize: bool
     dim: int  # the vector's length: the model's hidden size
     source: str
-
-    def __post_init__(self) -> None:
-        if self.mode not in POOLING_MODES:
-            raise ValueError(f"pooling mode must be one of {POOLING_MODES}, got {self.mode!r}")
 
     def describe(self) -> str:
         return (f"{'last-token' if self.mode == 'last' else 'mean'} pooling, "
