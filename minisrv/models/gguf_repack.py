@@ -51,15 +51,6 @@ def q5_values(b: torch.Tensor, at: int) -> torch.Tensor:
     return nibbles(b[..., at + 4:at + 20]) | (high << 4)
 
 
-def _q5_0(b: torch.Tensor) -> Scales:
-    d = f16(b, 0)
-    return d[..., 0], d[..., 0] * -16.0, q5_values(b, 2), 0
-
-
-def _q5_1(b: torch.Tensor) -> Scales:
-    return f16(b, 0)[..., 0], f16(b, 2)[..., 0], q5_values(b, 4), 0
-
-
 def scale_min_k4(s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """12 bytes -> the 8 sub-blocks' 6-bit scales and mins (ggml's get_scale_min_k4)."""
     lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
@@ -92,16 +83,6 @@ def q6_k_values(b: torch.Tensor) -> torch.Tensor:
     return (low | (high << 4)).flatten(-2).unflatten(-1, (8, 32))
 
 
-def _q4_k(b: torch.Tensor) -> Scales:
-    d, m = _k_scales(b)
-    return d, m, k_low(b[..., 16:144]), 0
-
-
-def _q5_k(b: torch.Tensor) -> Scales:
-    d, m = _k_scales(b)
-    return d, m, q5_k_values(b), 0
-
-
 def _q6_k(b: torch.Tensor) -> Scales:
     d = (f16(b, 208) * b[..., 192:208].contiguous().view(torch.int8).float()).unflatten(-1, (8, 2))
     return d[..., 0], d[..., 1], q6_k_values(b), 1
@@ -109,8 +90,11 @@ def _q6_k(b: torch.Tensor) -> Scales:
 
 REPACKERS: Dict[int, Tuple[int, int, Callable[[torch.Tensor], Scales]]] = {
     # ggml type: (weights a block, bytes a block, its reading)
-    Q.Q5_0: (32, 22, _q5_0), Q.Q5_1: (32, 24, _q5_1),
-    Q.Q4_K: (256, 144, _q4_k), Q.Q5_K: (256, 176, _q5_k), Q.Q6_K: (256, 210, _q6_k),
+    Q.Q5_0: (32, 22, lambda b: (f16(b, 0)[..., 0], f16(b, 0)[..., 0] * -16.0, q5_values(b, 2), 0)),
+    Q.Q5_1: (32, 24, lambda b: (f16(b, 0)[..., 0], f16(b, 2)[..., 0], q5_values(b, 4), 0)),
+    Q.Q4_K: (256, 144, lambda b: (*_k_scales(b), k_low(b[..., 16:144]), 0)),
+    Q.Q5_K: (256, 176, lambda b: (*_k_scales(b), q5_k_values(b), 0)),
+    Q.Q6_K: (256, 210, _q6_k),
 }
 
 
