@@ -169,8 +169,7 @@ def load_eagle3_head(path: str, max_positions: int, dtype: torch.dtype, device: 
         raise FileNotFoundError(f"{path}: no config.json: not an EAGLE-3 head's directory")
     with open(cfg_path) as f:
         config = Eagle3Config.from_hf_config(json.load(f))
-    tensors = _read_tensors(path)
-    tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()}
+    tensors = {k.removeprefix("model."): v for k, v in _read_tensors(path).items()}
     tensors.pop("t2d", None)
     tensors.pop("embed_tokens.weight", None)  # the target's embedding is used
     if "d2t" not in tensors:
