@@ -329,19 +329,24 @@ def test_metrics(server: Server) -> None:
     assert m["minisrv_kv_cache_pages_total"] > 0
 
 
-def test_tokenize_routes_are_counted_under_their_own_endpoint(server: Server) -> None:
-    """/tokenize and /v1/tokenize (and detokenize) are one endpoint each in the metrics, not "other"."""
+def test_routes_are_counted_under_their_own_endpoint(server: Server) -> None:
+    """/tokenize and /v1/tokenize (and detokenize) are one endpoint each in the metrics, and so are the Responses and
+    embeddings routes, answered or refused; none is "other"."""
     before = _metrics(server.url)
     for path in ("/tokenize", "/v1/tokenize"):
         assert httpx.post(server.url + path, json={"prompt": "hello"}).status_code == 200
     assert httpx.post(server.url + "/v1/detokenize", json={"tokens": [1, 2]}).status_code == 200
+    refused = {path: httpx.post(server.url + path, json={"bad": 1}).status_code
+               for path in ("/v1/responses", "/v1/embeddings")}
     after = _metrics(server.url)
 
     def grew(key: str) -> float:
         return after.get(key, 0) - before.get(key, 0)
     assert grew("minisrv_requests_total{endpoint=/v1/tokenize,status=200}") == 2
     assert grew("minisrv_requests_total{endpoint=/v1/detokenize,status=200}") == 1
-    assert grew("minisrv_requests_total{endpoint=other,status=200}") == 0
+    for path, status in refused.items():
+        assert status >= 400 and grew(f"minisrv_requests_total{{endpoint={path},status={status}}}") == 1
+    assert not any(grew(k) for k in after if k.startswith("minisrv_requests_total{endpoint=other"))
 
 
 # ---------------------------------------------------------------------------------------------- in-process

@@ -14,8 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5,
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/tokenize", "/v1/detokenize",  # labels
-             "/v1/messages", "/v1/messages/count_tokens")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/models",  # labels
+             "/v1/tokenize", "/v1/detokenize", "/v1/messages", "/v1/messages/count_tokens")
 UNVERSIONED = {"/tokenize": "/v1/tokenize", "/detokenize": "/v1/detokenize"}  # the same routes without /v1
 ENGINE_GAUGES = {  # an engine stats key -> its gauge's name and help
     "num_running": ("minisrv_num_requests_running", "Requests in the running batch"),
