@@ -1,4 +1,4 @@
-"""Start-up (issue 35): the GGUF cache (checkpoints/gguf_cache.py) and what keeps a start short.
+"""Start-up: the GGUF cache (checkpoints/gguf_cache.py) and what keeps a start short.
 
 Every cached load is compared with a load that never touches the cache (cache_dir "off": transformers' GGUF
 conversion and the dequantising loader), and the cache file with what the safetensors library reads from it. A GGUF
@@ -196,6 +196,22 @@ def test_changed_gguf_invalidates_the_cache(tiny, tmp_path, caplog):
         assert len(_model_files(gguf, cache)) == 1
         before = after
     assert len(os.listdir(os.path.dirname(GGUFCache.open(gguf, cache).folder))) == 2  # one version and its source
+
+
+def test_model_code_in_either_folder_names_the_cached_parameters(tmp_path):
+    """The parameters' file is named by a hash of the loaders' and the model's sources: an edit in either folder
+    (a model change that lays parameters out differently) is a new name, never a stale file read."""
+    from minisrv.checkpoints.gguf_cache import LAYOUT_CODE, model_code_hash
+    assert [os.path.basename(f) for f in LAYOUT_CODE] == ["checkpoints", "models"]
+    folders = [tmp_path / "checkpoints", tmp_path / "models"]
+    for folder in folders:
+        folder.mkdir()
+        (folder / "a.py").write_text("x = 1\n")
+    first = model_code_hash(folders)
+    (folders[1] / "a.py").write_text("x = 2\n")
+    second = model_code_hash(folders)
+    (folders[0] / "b.py").write_text("y = 1\n")
+    assert len({first, second, model_code_hash(folders)}) == 3
 
 
 def test_truncated_gguf_is_an_error_not_the_cached_model(tiny, tmp_path):

@@ -201,14 +201,18 @@ tokenizer; two servers may start at once) waits and reads the result; without a 
                 shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
-def model_code_hash() -> str:
-    """A hash of minisrv's model code (this package's sources), which decides how parameters are laid out."""
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYOUT_CODE = (os.path.join(PACKAGE, "checkpoints"), os.path.join(PACKAGE, "models"))  # what lays parameters out
+
+
+def model_code_hash(folders=LAYOUT_CODE) -> str:
+    """A hash of the sources that decide how a loaded model's parameters are laid out (the loaders and the model)."""
     h = hashlib.sha256()
-    here = os.path.dirname(os.path.abspath(__file__))
-    for name in sorted(os.listdir(here)):
-        if name.endswith(".py"):
-            with open(os.path.join(here, name), "rb") as f:
-                h.update(name.encode() + b"\0" + f.read())
+    for folder in folders:
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    h.update(os.path.basename(folder).encode() + b"/" + name.encode() + b"\0" + f.read())
     return h.hexdigest()[:12]
 
 
