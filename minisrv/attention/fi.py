@@ -41,6 +41,7 @@ window table at the rows and positions the graph's inputs then hold (padding row
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -220,8 +221,8 @@ class FlashInferBackend(AttentionBackend):
         if b.is_decode:
             wrappers, qo_indptr = self.decode_wrappers, None
         else:
-            wrappers, qo_indptr = self.prefill_wrappers, torch.tensor(_prefix_sums(b.extend_lens_cpu),
-                                                                      dtype=torch.int32)
+            wrappers = self.prefill_wrappers
+            qo_indptr = torch.tensor(list(accumulate(b.extend_lens_cpu, initial=0)), dtype=torch.int32)
         self._plan(wrappers, pages, qo_indptr)
         return FIMeta(b.out_cache_loc, self._window_loc(b), tuple(wrappers), tuple(pages.values()))
 
@@ -237,10 +238,10 @@ class FlashInferBackend(AttentionBackend):
         count = [n - f for n, f in zip(pages, first)]
         if len(order) != bs or min(count) < 1:
             raise ValueError("a cascade plan must cover the batch and leave each request the page it writes to")
-        own_indptr = _prefix_sums(count)
+        own_indptr = list(accumulate(count, initial=0))
         own_last = [s - (n - 1) * ps for s, n in zip(seq, pages)]
-        qo_indptr = _prefix_sums(groups.sizes)
-        shared_indptr = _prefix_sums(groups.shared_pages)
+        qo_indptr = list(accumulate(groups.sizes, initial=0))
+        shared_indptr = list(accumulate(groups.shared_pages, initial=0))
         inverse = [0] * bs
         for row, i in enumerate(order):
             inverse[i] = row
@@ -354,10 +355,3 @@ class FlashInferBackend(AttentionBackend):
         self._plan_graph(b, meta.wrappers, padded_bs)
         if meta.window_loc is not None:
             self._window_loc(self.graph_batches[padded_bs], meta.window_loc)
-
-
-def _prefix_sums(counts: Sequence[int]) -> List[int]:
-    out = [0]
-    for c in counts:
-        out.append(out[-1] + c)
-    return out
