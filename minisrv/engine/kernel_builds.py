@@ -23,8 +23,7 @@ import torch
 
 from minisrv.models.layer_ops import LayerOps
 
-from .model_runner import ModelRunner
-from .runner_parts import RunnerParts
+from .model_runner import ModelRunner, RunnerParts
 
 logger = logging.getLogger("minisrv")
 

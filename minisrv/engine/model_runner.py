@@ -18,11 +18,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
 from minisrv.attention.base import AttentionBackend
+from minisrv.attention.cascade import CascadePolicy
 from minisrv.batch import ForwardBatch, ForwardMode, PrefixGroups
 from minisrv.distributed import TensorParallel, TensorParallelError
 from minisrv.kernels.cpu_threads import ThreadTuner
@@ -32,12 +33,22 @@ from minisrv.utils import to_device
 from .pooling import PooledStep, Pooler
 from .prompt_scores import PromptScores, plan_prompt_scores, score_prompt_rows, store_prompt_scores
 from .request import Request
-from .runner_parts import RunnerParts
 from .sampler import SamplingBatch, sample
 from .speculative.verify import sampling_positions, verified_tokens
 from .step_results import CollectedStep, SampledToken, StepHidden, accept_token, token_logprob
 from .scheduler import ScheduledBatch
 from .step_inputs import StepInputs, StepLayout
+
+
+@dataclass(frozen=True)
+class RunnerParts:
+    """What the steps run on besides the model, handed over in one piece (`ModelRunner.use_parts`) by setup at start
+    and by the start-up switch to kernels built meanwhile (kernel_builds.StagedKernels)."""
+
+    backend: AttentionBackend
+    graph_runner: Optional[Any] = None  # CUDA-graph decode, when enabled
+    cascade: Optional[CascadePolicy] = None  # when decode steps run as cascade attention (None: never)
+    sampling_kernel: Optional[Callable] = None  # FlashInfer's draw (sampler.fused_sampling_kernel); None: torch's
 
 
 @dataclass

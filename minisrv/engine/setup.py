@@ -32,8 +32,7 @@ from minisrv.checkpoints.pooling_config import PoolingConfig, resolve_pooling
 from minisrv.utils import ceil_div
 
 from .kernel_builds import KernelBuilds, StagedKernels, flashinfer_jobs
-from .model_runner import ModelRunner
-from .runner_parts import RunnerParts
+from .model_runner import ModelRunner, RunnerParts
 from .pooling import Pooler
 from .request import Request, SamplingParams
 from .sampler import fused_sampling_kernel
