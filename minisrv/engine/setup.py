@@ -68,10 +68,6 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return dtype if name == "auto" else _KV_CACHE_DTYPES[name]
 
 
-def resolve_context_length(cfg: EngineConfig, args: ModelArgs) -> int:
-    return cfg.context_length or args.max_position_embeddings
-
-
 @dataclass
 class EngineParts:
     """What the engine loop runs on, built by `build_engine_parts`."""
@@ -139,12 +135,7 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
         device = tp_device(device, tp_rank, cfg.ranks_per_node, cfg.base_gpu_id)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-    return _build_parts(cfg, tp_rank, rendezvous, device, model_path, args, backend_name, t0, staged)
-
-
-def _build_parts(cfg: EngineConfig, tp_rank: int, rendezvous: Optional[Rendezvous], device: torch.device,
-                 model_path: str, args: ModelArgs, backend_name: str, t0: float, staged: bool) -> EngineParts:
-    context_length = resolve_context_length(cfg, args)
+    context_length = cfg.context_length or args.max_position_embeddings
     dtype = resolve_dtype(cfg.dtype, args.torch_dtype, device)
     ps = cfg.page_size or (16 if device.type == "cuda" else 1)
     if cfg.fp8_decode_kernel == "xqa" and (cfg.kv_cache_dtype != "fp8_e4m3"
@@ -290,8 +281,8 @@ def _fused_and_builds(cfg: EngineConfig, args: ModelArgs, backend_name: str, dty
     """The layers' fused ops on CUDA (FlashInfer's, when importable) and the builds of every FlashInfer module this
     engine will call (kernel_builds.py) and of the attention layers' Triton kernel; FA3's kernel imported ahead."""
     if missing("fa", device_sm(device)) is None:  # fa serves here (asked for, or standing in for fi)
-        from minisrv.attention.fa import preload
-        preload()
+        from minisrv.attention.fa import load_kernel
+        load_kernel()
     fused = fused_ops_for(device)
     if fused is None:
         return None, None
