@@ -61,8 +61,8 @@ def kernels(q, k_cache, v_cache, page_table, seq_lens, scale, k_scale, v_scale, 
         out["fi-tc" if tc else "fi"] = (lambda w=w, o=o: w.run(q, (k_cache, v_cache), k_scale=k_scale,
                                                                 v_scale=v_scale, out=o), o)
     try:
-        from minisrv.attention.fa import _load_kernel
-        fa = _load_kernel()
+        from minisrv.attention.fa import load_kernel
+        fa = load_kernel()
         o3 = torch.empty_like(q)
         if kv_dtype == FP8:
             q8 = q.to(FP8)

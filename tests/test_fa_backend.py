@@ -23,7 +23,7 @@ def fake_fa(monkeypatch):
     """FA3's stand-in, and the fa backend allowed on this machine: an engine asked for fa builds its pool (windowed
     layers keeping only their window) and backend as on a GPU (without CUDA graphs)."""
     from minisrv.attention import fa
-    monkeypatch.setattr(fa, "_load_kernel", lambda: fake_fa3.flash_attn_with_kvcache)
+    monkeypatch.setattr(fa, "load_kernel", lambda: fake_fa3.flash_attn_with_kvcache)
     monkeypatch.setitem(BACKENDS, "fa", (lambda sm: None, *BACKENDS["fa"][1:]))
     return fa
 
@@ -55,7 +55,7 @@ def test_a_build_without_sinks_is_refused_for_gpt_oss(tiny_model, fake_fa, monke
     def no_sinks(q, k_cache, v_cache, cache_seqlens=None, page_table=None, cu_seqlens_q=None, max_seqlen_q=None,
                  softmax_scale=None, causal=False, window_size=(-1, -1)):
         raise AssertionError("not called")
-    monkeypatch.setattr(fake_fa, "_load_kernel", lambda: no_sinks)
+    monkeypatch.setattr(fake_fa, "load_kernel", lambda: no_sinks)
     parts = make_llm(tiny_model("gpt_oss")).engine.parts
     layers = layer_attention(parts.args, [torch.zeros(parts.args.num_heads)] * parts.args.num_layers)
     with pytest.raises(ValueError, match="takes no attention sinks"):

@@ -39,7 +39,7 @@ from .base import AttentionBackend
 from .page_table import PageTableGraphs, StaticPageTable, int32_lens, page_table, require, window_slots
 
 
-def _load_kernel() -> Callable:
+def load_kernel() -> Callable:
     errors = []
     try:
         from sgl_kernel.flash_attn import flash_attn_with_kvcache as fn
@@ -78,10 +78,6 @@ def without_custom_op(fn: Callable, op_name: str) -> Callable:
     return copy
 
 
-def preload() -> None:
-    _load_kernel()
-
-
 @dataclass(frozen=True)
 class FAMeta:
     loc: torch.Tensor  # [T] slots the step's k/v go to
@@ -104,7 +100,7 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
         super().__init__(pool, req_to_token, num_q_heads, layers)
         self.window_table = window_table if pool.window_layers else None
         self.static_window: Optional[StaticPageTable] = None
-        self._attn = _load_kernel()
+        self._attn = load_kernel()
         if any(a.sinks is not None for a in self.layers) and not _takes(self._attn, "sinks"):
             raise ValueError("this FlashAttention-3 build takes no attention sinks, which this model has: use "
                              "--attention-backend torch, or a build made for gpt-oss (sgl-kernel)")
