@@ -40,15 +40,6 @@ COMPILE_IDLE_WAIT_S = 0.002  # with nothing to run but grammars compiling, a ste
 CPU_STEP_TARGET_S = 0.5
 
 
-def is_device_fault(e: BaseException) -> bool:
-    """A fault the device cannot recover from (a CUDA error poisons the context, a tensor-parallel rank is gone):
-    the engine must end."""
-    if isinstance(e, TensorParallelError):
-        return True
-    name = type(e).__name__
-    return name in ("AcceleratorError", "CudaError", "OutOfMemoryError") or "CUDA error" in str(e)
-
-
 class Engine:
     """Continuous batching over one model. Not thread-safe: one caller drives `step()`."""
 
@@ -138,10 +129,15 @@ class Engine:
             outputs += self._collect(keep=0)  # drafts are made from every token so far
         batch, launched = None, False
         try:
-            batch = self._schedule()
+            batch = self.scheduler.schedule()
             if batch is not None:
+                used = self.num_free_pages_when_idle - self.parts.allocator.num_free
+                self.peak_pages_used = max(self.peak_pages_used, used)
                 t0 = time.perf_counter()
-                self._launch(batch)
+                # penalties count the previous tokens and a grammar's mask needs them accepted: with such a request
+                # live, the runner reads the steps in flight back before this one samples
+                self.runner.launch(batch, needs_previous_tokens=bool(self.scheduler.num_penalized or
+                                                                      self.scheduler.num_constrained))
                 self.scheduler.commit(batch)
                 launched = True
         except Exception as e:  # noqa: BLE001 - one bad step must not end the engine
@@ -151,8 +147,9 @@ class Engine:
         outputs += self._collect(keep=1 if self.overlap and launched and batch.drafts is None else 0)
         if launched and not self.overlap and batch.mode is ForwardMode.EXTEND and batch.drafts is None:
             self.scheduler.extend_took(sum(batch.extend_lens), time.perf_counter() - t0)
-        if batch is None:
-            self._wait_for_a_compile()
+        if batch is None and self._compiling and not self.runner.num_inflight:
+            # nothing ran but grammars are compiling: wait a moment for one rather than spin
+            cf.wait([r.grammar.future for r in self._compiling], COMPILE_IDLE_WAIT_S, cf.FIRST_COMPLETED)
         return outputs
 
     def switch_kernels(self, idle: bool = False) -> List[RequestOutput]:
@@ -174,29 +171,13 @@ class Engine:
             self.staged_kernels = None
         return outputs
 
-    def _schedule(self):
-        batch = self.scheduler.schedule()
-        if batch is not None:
-            used = self.num_free_pages_when_idle - self.parts.allocator.num_free
-            self.peak_pages_used = max(self.peak_pages_used, used)
-        return batch
-
-    def _launch(self, batch) -> None:
-        """Queue the step on the device. Penalties count the previous tokens and a grammar's mask needs them
-        accepted: with such a request live, the runner reads the steps in flight back before this one samples."""
-        needs_tokens = bool(self.scheduler.num_penalized or self.scheduler.num_constrained)
-        self.runner.launch(batch, needs_previous_tokens=needs_tokens)
-
-    def _wait_for_a_compile(self) -> None:
-        """Nothing ran but grammars are compiling: wait a moment for one rather than spin."""
-        if self._compiling and not self.runner.num_inflight:
-            cf.wait([r.grammar.future for r in self._compiling], COMPILE_IDLE_WAIT_S, cf.FIRST_COMPLETED)
-
     def _check_fatal(self, e: Exception) -> None:
-        """Re-raise a failure the engine cannot survive; a lost tensor-parallel rank is named (TensorParallelError)."""
+        """Re-raise a failure the engine cannot survive: a CUDA error (it poisons the context) or a lost
+        tensor-parallel rank (TensorParallelError, naming the rank)."""
         if self.workers is not None:
             self.workers.check(e)
-        if is_device_fault(e):
+        if isinstance(e, TensorParallelError) or type(e).__name__ in ("AcceleratorError", "CudaError",
+                                                                      "OutOfMemoryError") or "CUDA error" in str(e):
             raise e
 
     def finish_cache_write(self, timeout: float = 120.0) -> None:
