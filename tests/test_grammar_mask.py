@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from minisrv import SamplingParams
-from minisrv.engine.grammar import apply_bitmask, check_grammar
+from minisrv.engine.grammar import apply_bitmask
+from minisrv.engine.grammar_check import check_grammar
 from minisrv.engine.request import Request, RequestError
 from minisrv.engine.sampler import SamplingBatch, sample
 

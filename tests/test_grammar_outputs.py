@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minisrv import SamplingParams
-from minisrv.engine.grammar import MAX_JSON_WHITESPACE, check_grammar
+from minisrv.engine.grammar_check import MAX_JSON_WHITESPACE, check_grammar
 from minisrv.engine.request import Request, RequestError
 
 from .helpers import assert_pool_free

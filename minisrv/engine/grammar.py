@@ -42,7 +42,6 @@ import concurrent.futures as cf
 import functools
 import math
 import os
-import re
 import sys
 import threading
 import time
@@ -54,8 +53,7 @@ import torch
 from minisrv.tokenizer.engine_tokenizer import transformers_tokenizer
 from minisrv.utils import ceil_div, to_device
 
-from .grammar_check import (CACHE_ENTRIES, MAX_JSON_WHITESPACE, PARAM, check_grammar, constraint_of,  # noqa: F401
-                            grammar_error, xgrammar_message as _message)
+from .grammar_check import CACHE_ENTRIES, MAX_JSON_WHITESPACE, PARAM, constraint_of, xgrammar_message as _message
 from .request import RequestError, SamplingParams
 
 if TYPE_CHECKING:
@@ -150,25 +148,25 @@ class GrammarBackend:
 
     # ------------------------------------------------------------------ compiling
     def _get_compiler(self) -> Any:
+        """xgrammar's compiler over the model's vocabulary, made on first use."""
         with self._lock:
-            if self._compiler is None:
-                self._compiler = self._build_compiler()
+            if self._compiler is not None:
+                return self._compiler
+            import xgrammar as xgr
+            tok = transformers_tokenizer(self.tokenizer)
+            stop = self.stop_token_ids or None
+            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size, stop_token_ids=stop)
+            special = _special_ids(tok) - set(self.stop_token_ids)
+            if special:  # the same vocabulary with special tokens blanked: xgrammar then never admits them
+                vocab = [""] * self.vocab_size
+                for text, i in tok.get_vocab().items():
+                    if i < self.vocab_size and i not in special:
+                        vocab[i] = text
+                info = xgr.TokenizerInfo.from_vocab_and_metadata(vocab, info.dump_metadata())
+            threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+            self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=True,
+                                                 cache_limit_bytes=XGR_CACHE_BYTES)
             return self._compiler
-
-    def _build_compiler(self) -> Any:
-        import xgrammar as xgr
-        tok = transformers_tokenizer(self.tokenizer)
-        stop = self.stop_token_ids or None
-        info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size, stop_token_ids=stop)
-        special = _special_ids(tok) - set(self.stop_token_ids)
-        if special:  # the same vocabulary with special tokens blanked: xgrammar then never admits them
-            vocab = [""] * self.vocab_size
-            for text, i in tok.get_vocab().items():
-                if i < self.vocab_size and i not in special:
-                    vocab[i] = text
-            info = xgr.TokenizerInfo.from_vocab_and_metadata(vocab, info.dump_metadata())
-        threads = max(1, min(8, (os.cpu_count() or 2) // 2))
-        return xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=True, cache_limit_bytes=XGR_CACHE_BYTES)
 
     def _compile(self, kind: str, text: str) -> Any:
         comp = self._get_compiler()
@@ -257,8 +255,8 @@ def fill_host_bitmask(reqs: List["Request"], rows: List[int], pinned: bool = Fal
     """The masks of reqs[rows] (each with a grammar) in host memory (page-locked if `pinned`), int32
     [len(rows), ceil(V/32)]. A row whose request has finished, or whose grammar is done (the read-back that ended
     it came after this step's forward was queued), allows every token: its token is discarded, and its matcher may
-    be terminated, which xgrammar refuses to fill. xgrammar is handed a NumPy view of the memory: through DLPack a pinned torch tensor says
-    "CUDA host", which xgrammar may refuse; the same bytes as a NumPy array say "CPU"."""
+    be terminated, which xgrammar refuses to fill. xgrammar is handed a NumPy view of the memory: through DLPack a
+    pinned torch tensor says "CUDA host", which xgrammar may refuse; the same bytes as a NumPy array say "CPU"."""
     first = reqs[rows[0]].grammar
     words = ceil_div(first.vocab_size, 32)
     host = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=pinned)
