@@ -36,7 +36,7 @@ import torch
 from minisrv.batch import ForwardBatch
 
 from .base import AttentionBackend
-from .page_table import PageTableGraphs, StaticPageTable, int32_lens, page_table, require, window_slots
+from .page_table import PageTableGraphs, StaticPageTable, page_table, require, window_slots
 
 
 def load_kernel() -> Callable:
@@ -115,15 +115,15 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
                              f"{self.head_dim}: use --kv-cache-dtype auto, or another attention backend")
 
     def prepare(self, b: ForwardBatch) -> FAMeta:
-        seqlens = int32_lens(b)
+        seqlens = b.seq_lens.to(torch.int32)  # (no copy where it is int32 already)
         table = page_table(self.req_to_token, b.req_rows, b.max_seq_len, self.page_size)
         window = {} if self.window_table is None else dict(
             window_loc=window_slots(self.window_table, b),
             window_table=page_table(self.window_table, b.req_rows, b.max_seq_len, self.page_size))
         if b.is_decode:
             return FAMeta(b.out_cache_loc, table, seqlens, None, 1, **window)
-        cu = b.cu_seqlens_q if b.cu_seqlens_q.dtype == torch.int32 else b.cu_seqlens_q.to(torch.int32)
-        return FAMeta(b.out_cache_loc, table, seqlens, cu, max(b.extend_lens_cpu), **window)
+        return FAMeta(b.out_cache_loc, table, seqlens, b.cu_seqlens_q.to(torch.int32), max(b.extend_lens_cpu),
+                      **window)
 
     def _reads(self, layer_id: int, meta: FAMeta) -> Tuple[torch.Tensor, torch.Tensor]:
         """(slots the step's K/V go to, page table) of the layer's kind of pages."""

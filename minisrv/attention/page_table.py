@@ -31,10 +31,6 @@ def window_slots(window_table: torch.Tensor, b: ForwardBatch, out: Optional[torc
     return loc.long() if out is None else out.copy_(loc)
 
 
-def int32_lens(b: ForwardBatch) -> torch.Tensor:
-    return b.seq_lens if b.seq_lens.dtype == torch.int32 else b.seq_lens.to(torch.int32)
-
-
 class StaticPageTable:
     """A page table and lengths at fixed addresses for captured decode graphs: full width (max_seq_len's pages), so
     a kernel's shapes, and the launch decisions it makes from them, depend only on the graph's batch size."""
@@ -86,7 +82,7 @@ class PageTableGraphs:
         if not b.is_decode:
             raise ValueError(f"the {self.name} backend runs decode steps only")
         return self.decode_meta(b.out_cache_loc, page_table(self.req_to_token, b.req_rows, b.max_seq_len,
-                                                            self.page_size), int32_lens(b))
+                                                            self.page_size), b.seq_lens.to(torch.int32))
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
         self.static = StaticPageTable(max_bs, max_seq_len, self.page_size, self.req_to_token.device)

@@ -24,8 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 def capture_sizes(max_bs: int) -> List[int]:
-    sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 8))
-    return sizes
+    return [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 8))
 
 
 def default_max_bs(device: torch.device) -> int:
