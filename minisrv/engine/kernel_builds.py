@@ -38,6 +38,7 @@ def flashinfer_jobs(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dt
     attention/fi.py chooses). Not built here: the XQA decode over an FP8 pool (built on first use)."""
     from flashinfer.activation import get_act_and_mul_module
     from flashinfer.norm import get_norm_module
+    from flashinfer.prefill import get_batch_prefill_module
     from flashinfer.rope import get_rope_module
     from flashinfer.sampling import get_sampling_module
 
@@ -48,14 +49,12 @@ def flashinfer_jobs(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dt
         "sampling": get_sampling_module,
     }
     if prefill_on_fi:
-        from flashinfer.prefill import get_batch_prefill_module
         from flashinfer.utils import determine_attention_backend
         kind = determine_attention_backend(device, 0, False, False, dtype, kv_dtype)
         jobs["prefill"] = lambda: get_batch_prefill_module(
             kind, dtype, kv_dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False, False)
     if decode_on_fi and kv_dtype == dtype:
         if num_q_heads // num_kv_heads >= 4:
-            from flashinfer.prefill import get_batch_prefill_module
             jobs["decode"] = lambda: get_batch_prefill_module(
                 "fa2", dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False, False)
         else:
