@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import defaultdict
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Union
 
 import torch
 
@@ -18,7 +18,8 @@ def time_phases(engine: Any) -> Dict[str, float]:
     runner = engine.runner
     device = runner.device
 
-    def wrap(owner: Any, name: str, phase: Callable[..., str], sync: bool) -> None:
+    def wrap(owner: Any, name: str, phase: Union[str, Callable[..., str]], sync: bool) -> None:
+        """phase: its name, or what names it from the call's arguments."""
         inner = getattr(owner, name)
 
         @functools.wraps(inner)
@@ -27,21 +28,16 @@ def time_phases(engine: Any) -> Dict[str, float]:
             out = inner(*args, **kwargs)
             if sync and device.type == "cuda":
                 torch.cuda.synchronize(device)
-            timings[phase(*args)] += time.perf_counter() - t0
+            timings[phase if isinstance(phase, str) else phase(*args)] += time.perf_counter() - t0
             return out
 
         setattr(owner, name, timed)
 
-    def named(name: str) -> Callable[..., str]:
-        return lambda *args: name
-
-    def forward_phase(inp: Any, fb: Optional[Any] = None, aux: Optional[Any] = None) -> str:
-        return "forward_decode" if fb.is_decode else "forward_extend"
-
-    wrap(engine.scheduler, "schedule", named("schedule"), sync=False)
-    wrap(runner, "step_inputs", named("metadata"), sync=True)
-    wrap(runner, "forward_batch", named("metadata"), sync=True)
-    wrap(runner, "_forward", forward_phase, sync=True)
-    wrap(runner, "_queue_sampling", named("sampling"), sync=True)
-    wrap(engine, "_news", named("postprocess"), sync=False)
+    wrap(engine.scheduler, "schedule", "schedule", sync=False)
+    wrap(runner, "step_inputs", "metadata", sync=True)
+    wrap(runner, "forward_batch", "metadata", sync=True)
+    wrap(runner, "_forward", lambda inp, fb, aux=None: "forward_decode" if fb.is_decode else "forward_extend",
+         sync=True)
+    wrap(runner, "_queue_sampling", "sampling", sync=True)
+    wrap(engine, "_news", "postprocess", sync=False)
     return timings
