@@ -70,15 +70,16 @@ class PageTableGraphs:
     """The decode hooks of a backend that reads a page table and lengths (fa, xqa, triton): an eager step's metadata
     from the batch's own page table, and CUDA graphs over the StaticPageTable's rows, which every replay rewrites
     first. A backend mixes this in before AttentionBackend, has `page_size` and `req_to_token`, and says how its step
-    metadata is made from (slots, page table, lengths)."""
+    metadata is made from (slots, page table, lengths): `decode_meta`."""
 
     static: Optional[StaticPageTable] = None
 
     def decode_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> Any:
         raise NotImplementedError
 
-    def decode_step_meta(self, b: ForwardBatch) -> Any:
-        """An eager decode step's metadata; raises for any other step (`name` says whose)."""
+    def prepare(self, b: ForwardBatch) -> Any:
+        """An eager decode step's metadata (a backend that also runs other steps has a prepare of its own); raises
+        for any other step (`name` says whose)."""
         if not b.is_decode:
             raise ValueError(f"the {self.name} backend runs decode steps only")
         return self.decode_meta(b.out_cache_loc, page_table(self.req_to_token, b.req_rows, b.max_seq_len,

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import torch
 
-from minisrv.batch import ForwardBatch
 from minisrv.kernels.decode_attention import takes_head_dim, triton_decode_attention
 
 from .base import AttentionBackend
@@ -44,9 +43,6 @@ class TritonDecodeBackend(PageTableGraphs, AttentionBackend):
             raise ValueError(f"the triton decode kernel needs a power-of-two head_dim of at least 16; this model's is "
                              f"{self.head_dim}: use another attention backend")
         self.page_size = pool.page_size
-
-    def prepare(self, b: ForwardBatch) -> TritonDecodeMeta:
-        return self.decode_step_meta(b)
 
     def decode_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> TritonDecodeMeta:
         return TritonDecodeMeta(loc, table, seq_lens)

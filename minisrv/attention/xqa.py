@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence, Tuple
 
 import torch
 
-from minisrv.batch import ForwardBatch
 from minisrv.models.attention_options import LayerAttention, features_of
 
 from .base import AttentionBackend
@@ -91,9 +90,6 @@ class XQADecodeBackend(PageTableGraphs, AttentionBackend):
 
     def decode_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> XQAMeta:
         return XQAMeta(loc, table, seq_lens.view(torch.uint32), self.kernel, self.workspace)
-
-    def prepare(self, b: ForwardBatch) -> XQAMeta:
-        return self.decode_step_meta(b)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: XQAMeta) -> torch.Tensor:
