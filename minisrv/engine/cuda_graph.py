@@ -116,17 +116,12 @@ class CudaGraphRunner:
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         bs = fb.batch_size
         pbs = self.sizes[bisect.bisect_left(self.sizes, bs)]
-        self.input_ids[:bs].copy_(fb.input_ids, non_blocking=True)
-        self.positions[:bs].copy_(fb.positions, non_blocking=True)
-        self.out_cache_loc[:bs].copy_(fb.out_cache_loc, non_blocking=True)
-        self.req_rows[:bs].copy_(fb.req_rows, non_blocking=True)
-        self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
-        if pbs > bs:
-            self.input_ids[bs:pbs].zero_()
-            self.positions[bs:pbs].zero_()
-            self.out_cache_loc[bs:pbs].fill_(self.pad_slot)
-            self.req_rows[bs:pbs].fill_(self.pad_row)
-            self.seq_lens[bs:pbs].fill_(1)
+        for buf, src, pad in ((self.input_ids, fb.input_ids, 0), (self.positions, fb.positions, 0),
+                              (self.out_cache_loc, fb.out_cache_loc, self.pad_slot),
+                              (self.req_rows, fb.req_rows, self.pad_row), (self.seq_lens, fb.seq_lens, 1)):
+            buf[:bs].copy_(src, non_blocking=True)
+            if pbs > bs:  # padding rows
+                buf[bs:pbs].fill_(pad)
         self.backend.prepare_for_replay(fb, pbs, self.meta[pbs])
         self.graphs[pbs].replay()
         return self.logits[pbs][:bs]

@@ -68,12 +68,10 @@ class VerifyGraphs:
         both = to_device(rows + lens, torch.int64, self.input_ids.device)
         rows_d, lens_d = both[:len(rows)], both[len(rows):].to(torch.int32)
         n = pbs * q
-        self.input_ids[:n].zero_()
-        self.positions[:n].zero_()
-        self.out_cache_loc[:n].fill_(self.pad_slot)
-        self.input_ids.index_copy_(0, rows_d, fb.input_ids)
-        self.positions.index_copy_(0, rows_d, fb.positions)
-        self.out_cache_loc.index_copy_(0, rows_d, fb.out_cache_loc)
+        for buf, src, pad in ((self.input_ids, fb.input_ids, 0), (self.positions, fb.positions, 0),
+                              (self.out_cache_loc, fb.out_cache_loc, self.pad_slot)):
+            buf[:n].fill_(pad)
+            buf.index_copy_(0, rows_d, src)
         padded = dataclasses.replace(fb, seq_lens=lens_d, seq_lens_cpu=lens, max_seq_len=max(lens))
         self.static.fill(self.req_to_token, padded, pbs)
         self.static.seq_lens[bs:pbs] = q  # padding requests: q queries over q keys of page 0
