@@ -1,8 +1,9 @@
 """The torch backend's CPU paths: decode that reads K/V in place in the paged pool, prompts packed without padding.
 
-Decode: one query per request (and a verify step's few queries per request, each as a decode row); the C kernel (kernels/cpu_attention.py) follows each request's row of the
-request->token table inside the attention, so no request's KV is copied out of the pool and nothing is padded. Its
-metadata (kernels/cpu_decode.DecodeMeta) carries the pool's views, so a model can run the step's layers in one call.
+Decode: one query per request (and a verify step's few queries per request, each as a decode row); the C kernel
+(kernels/cpu_attention.py) follows each request's row of the request->token table inside the attention, so no
+request's KV is copied out of the pool and nothing is padded. Its metadata (kernels/cpu_decode.DecodeMeta) carries
+the pool's views, so a model can run the step's layers in one call.
 Extend (prompts, chunks, prompts on a cached prefix): each sequence on its own through torch's SDPA, which on the
 CPU runs its flash kernel; a sequence with no cached prefix attends to the step's own K/V (no pool read at all),
 one with a prefix to its K/V gathered from the pool under a causal mask aligned to its last position. The GQA
