@@ -20,11 +20,6 @@ NODE_SILENT_S = 30.0  # a node not heard from this long is lost
 STOP_CONNECT_S = 5.0  # a node leaving before its watch reached node 0's store tries this long to say why
 
 
-def split_address(address: str) -> Tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 class NodeWatch:
     """This node's heartbeat and its watch over the other nodes, in a thread (see the module's docstring)."""
 
@@ -40,8 +35,8 @@ class NodeWatch:
 
     def _connect(self, timeout_s: float):
         import torch.distributed as dist
-        host, port = split_address(self.address)
-        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+        host, _, port = self.address.rpartition(":")  # (an IPv6 host is bracketed)
+        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
         store.set_timeout(datetime.timedelta(seconds=NODE_SILENT_S))
         return store
