@@ -28,8 +28,7 @@ from .setup import build_engine_parts
 from .speculative.eagle import EagleProposer
 from .speculative.speculator import make_speculator
 from .step_results import SampledToken, take_verified
-from .tp_rank import STOP_AND_TEAR_DOWN, STOP_NOW
-from .tp_workers import build_tensor_parallel_parts
+from .tp_workers import STOP_AND_TEAR_DOWN, STOP_NOW, build_tensor_parallel_parts
 from .text import TextStream, decode_cleans_up
 
 logger = logging.getLogger("minisrv")

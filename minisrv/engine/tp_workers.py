@@ -1,6 +1,10 @@
-"""Tensor parallelism's ranks as processes, each node's own (what each of them runs is tp_rank.py): node 0's rank 0
-(the engine) spawns, watches and reaps ranks 1..n-1; on a node k > 0 (--node-rank), `serve_node` does the same for
-ranks k*n..k*n+n-1 (n = tp_size / nnodes); all of them meet at one rendezvous address.
+"""Tensor parallelism's ranks as processes, each node's own: node 0's rank 0 (the engine) spawns, watches and reaps
+ranks 1..n-1; on a node k > 0 (--node-rank), `serve_node` does the same for ranks k*n..k*n+n-1 (n = tp_size /
+nnodes); all of them meet at one rendezvous address.
+
+What a rank 1..N-1 runs in its spawned process (`rank_main`): build its shard's parts, then follow rank 0. It
+receives each step's `StepInputs` from rank 0, runs the same forward (the collectives inside meet rank 0's), and
+receives the sampled ids so that it reads the same pending decode inputs. A stop message in place of a step ends it.
 
 A rank that fails before it has started (usually a script without an `if __name__ == "__main__":` guard, which
 every spawned rank imports again) makes rank 0 raise at once with the reason and the fix, instead of waiting for a
@@ -11,21 +15,25 @@ watcher ends rank 0's process itself).
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import signal
 import socket
 import threading
 import time
-from typing import Callable, List, Optional, Tuple
+import traceback
+from typing import Any, Callable, List, Optional, Tuple
 
-from minisrv.config import EngineConfig
-from minisrv.distributed import NO_MULTICAST_ENV, Rendezvous, TensorParallelError, new_rendezvous
+from minisrv.config import EngineConfig, setup_logging
+from minisrv.distributed import (NO_MULTICAST_ENV, Rendezvous, TensorParallelError, destroy_tensor_parallel,
+                                 new_rendezvous)
+from minisrv.utils import freeze_startup_heap
 
 from .node_watch import NodeWatch
 from .setup import EngineParts, build_engine_parts, check_tensor_parallel, resolve_device
-from .tp_rank import rank_main
 
 logger = logging.getLogger("minisrv")
 
@@ -34,6 +42,47 @@ HUNG_RANK0_GRACE_S = 15.0  # after a loss, rank 0 stuck this long in a collectiv
 START_TIMEOUT_S = 600.0  # a rank that has neither started (imports done) nor died this long after its spawn is lost
 GUARD_HINT = ("ranks are spawned processes that import the launching script again: if it builds the engine (LLM(...), "
               "Engine(...)) at module level, guard its entry point with `if __name__ == \"__main__\":`")
+
+# what rank 0 sends the other ranks instead of a step: stop, tearing the process group down together (an engine
+# closed in a process that goes on), or stop at once (the process is exiting)
+STOP_AND_TEAR_DOWN = "stop-and-tear-down"
+STOP_NOW = "stop-now"
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent (rank 0) dies, however it dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def rank_main(cfg: EngineConfig, rank: int, rendezvous: Rendezvous, parent_pid: int, started: Any) -> None:
+    """Entry point of rank `rank` (spawned). `started` (an event) is set once this process has come this far: its
+    imports, the launching script's included, succeeded (see TPWorkers.wait_started)."""
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        os._exit(1)
+    started.set()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; rank 0 decides
+    setup_logging("warning" if cfg.log_level.lower() == "info" else cfg.log_level)
+    try:
+        parts = build_engine_parts(cfg, tp_rank=rank, rendezvous=rendezvous)
+        runner = parts.runner
+        freeze_startup_heap()
+        while True:
+            inp = runner.tp.recv_object()
+            if inp in (STOP_AND_TEAR_DOWN, STOP_NOW):
+                break
+            runner.run_remote_step(inp)
+    except BaseException:  # noqa: BLE001 - any failure ends this rank; rank 0 notices the exit
+        logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
+        os._exit(1)
+    if inp == STOP_AND_TEAR_DOWN:
+        runner.release_graphs()
+        destroy_tensor_parallel(runner.tp)  # at the same time as rank 0's (see Engine.close)
+    os._exit(0)
 
 
 class TPWorkers:
@@ -69,7 +118,7 @@ class TPWorkers:
             for sentinel in ended:
                 rank, proc = live.pop(sentinel)
                 proc.join(1.0)
-                if proc.exitcode != 0:  # 0: it was told to stop (see tp_rank.py)
+                if proc.exitcode != 0:  # 0: it was told to stop (see rank_main)
                     # a CUDA collective never returns without its peer; before the group has formed, neither does
                     # the rendezvous on any device
                     return self.lose(_exited(rank, proc, 1.0), self.cuda or not self.joined.is_set())
