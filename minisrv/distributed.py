@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 logger = logging.getLogger("minisrv")
 
@@ -64,14 +65,12 @@ class SymmetricMemoryUse:
 
 def _group_counter() -> Optional[int]:
     """torch.distributed's next process-group number in this process (None where torch keeps no such counter)."""
-    from torch.distributed import distributed_c10d as c10d
-    return getattr(getattr(c10d, "_world", None), "group_count", None)
+    return getattr(getattr(dist.distributed_c10d, "_world", None), "group_count", None)
 
 
 def _set_group_counter(value: int) -> None:
-    from torch.distributed import distributed_c10d as c10d
     if _group_counter() is not None:
-        c10d._world.group_count = value
+        dist.distributed_c10d._world.group_count = value
 
 
 class TensorParallelError(RuntimeError):
@@ -141,7 +140,6 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place (NCCL, gloo)."""
         if self.size > 1:
-            import torch.distributed as dist
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -160,7 +158,6 @@ class TensorParallel:
         """[..., n] on each rank -> [..., size * n], rank r's part at columns [r*n, (r+1)*n)."""
         if self.size == 1:
             return x
-        import torch.distributed as dist
         x = x.contiguous()
         if x.is_cuda:
             out = torch.empty((self.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
@@ -174,18 +171,15 @@ class TensorParallel:
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x to every rank, in place."""
         if self.size > 1:
-            import torch.distributed as dist
             dist.broadcast(x, src=0, group=self.group)
         return x
 
     def send_object(self, obj: Any) -> None:
         """Rank 0: one picklable object to every other rank, over the gloo control group."""
-        import torch.distributed as dist
         dist.broadcast_object_list([obj], src=0, group=self.control)
 
     def recv_object(self) -> Any:
         """Ranks > 0: the next object rank 0 sends."""
-        import torch.distributed as dist
         box: List[Optional[Any]] = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
@@ -194,7 +188,6 @@ class TensorParallel:
         """The smallest of every rank's value (e.g. the KV pool size each rank's memory allows)."""
         if self.size == 1:
             return value
-        import torch.distributed as dist
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return int(t.item())
@@ -209,7 +202,6 @@ def init_tensor_parallel(rank: int, size: int, rendezvous: Rendezvous, device: t
         return TensorParallel.single()
     for k, v in NO_MULTICAST_ENV.items():
         os.environ.setdefault(k, v)
-    import torch.distributed as dist
     if dist.is_initialized():  # left by an engine whose group broke (a lost rank): it is never used again
         logger.warning("dropping a broken tensor-parallel group left by an earlier engine")
         _teardown(30.0)
@@ -227,17 +219,14 @@ def init_tensor_parallel(rank: int, size: int, rendezvous: Rendezvous, device: t
     control = dist.new_group(list(range(size)), backend="gloo", timeout=IDLE_WAIT)
     tp = TensorParallel(rank, size, dist.group.WORLD, control)
     tp.all_reduce(torch.zeros(1, device=device))  # NCCL sets up its communicator here, not inside a graph capture
-    wants_symmetric_memory = device.type == "cuda" and fused_norm is not None
-    # every rank but rank 0 is a new process: rank 0's record decides (see SymmetricMemoryUse)
-    symmetric_memory_free = wants_symmetric_memory and bool(tp.min_over_ranks(int(not SymmetricMemoryUse.joined)))
-    if symmetric_memory_free:
-        SymmetricMemoryUse.joined = True  # from the first exchange on, whether or not the set-up succeeds
     if device.type == "cuda" and fused_norm is not None:
-        if not symmetric_memory_free:
+        # every rank but rank 0 is a new process: rank 0's record decides (see SymmetricMemoryUse)
+        if not tp.min_over_ranks(int(not SymmetricMemoryUse.joined)):
             raise RuntimeError("--enable-flashinfer-allreduce-fusion: an earlier tensor-parallel engine of this "
                                "process set up torch's symmetric memory, which torch allows once a process (its "
                                "rendezvous would wait forever); start this engine in a new process, or leave the "
                                "fusion off on one of them")
+        SymmetricMemoryUse.joined = True  # from the first exchange on, whether or not the set-up succeeds
         tp.fused_norm = _open_fused_norm(tp, device, *fused_norm)
     return tp
 
@@ -272,8 +261,6 @@ def destroy_tensor_parallel(tp: TensorParallel, timeout_s: float = 30.0) -> None
 
 
 def _teardown(timeout_s: float) -> None:
-    import torch.distributed as dist
-
     def teardown() -> None:
         if dist.is_initialized():
             count = _group_counter()
