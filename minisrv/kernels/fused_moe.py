@@ -87,18 +87,12 @@ def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) 
 def _check_shapes(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor]) -> None:
     t, h = x.shape
-    if isinstance(w13, Mxfp4Experts):
-        if not isinstance(w2, Mxfp4Experts) or w13_scale is not None or w2_scale is not None \
-                or w2.num_experts != w13.num_experts or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != t:
-            raise ValueError("MXFP4 experts: w13 and w2 both Mxfp4Experts of as many experts, no separate scales")
-        w13.check(h, w13.n, "w13")
-        w2.check(w13.n // 2, h, "w2")
-        return
-    if isinstance(w13, PackedExperts):
-        if not isinstance(w2, PackedExperts) or w13_scale is not None or w2_scale is not None \
+    if isinstance(w13, (PackedExperts, Mxfp4Experts)):
+        kind, name = ("MXFP4", "Mxfp4Experts") if isinstance(w13, Mxfp4Experts) else ("4-bit", "PackedExperts")
+        if type(w2) is not type(w13) or w13_scale is not None or w2_scale is not None \
                 or w2.num_experts != w13.num_experts or topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 \
                 or topk_ids.shape[0] != t:
-            raise ValueError("4-bit experts: w13 and w2 both PackedExperts of as many experts, no separate scales, "
+            raise ValueError(f"{kind} experts: w13 and w2 both {name} of as many experts, no separate scales, "
                              f"topk {tuple(topk_weights.shape)} / {tuple(topk_ids.shape)}")
         w13.check(h, w13.n, "w13")
         w2.check(w13.n // 2, h, "w2")
@@ -227,11 +221,8 @@ def fused_runs(x: torch.Tensor, w13: Weights, fp8: bool) -> bool:
     stride, weights of x's dtype, 4-bit, or FP8 on a GPU with FP8 dots (SM 8.9+), and Triton present."""
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1):
         return False
-    if isinstance(w13, (PackedExperts, Mxfp4Experts)):
-        return moe_gemm() is not None and triton_align() is not None
-    if fp8 and torch.cuda.get_device_capability(x.device) < (8, 9):
-        return False
-    if not fp8 and w13.dtype != x.dtype:
+    if not isinstance(w13, (PackedExperts, Mxfp4Experts)) and (
+            torch.cuda.get_device_capability(x.device) < (8, 9) if fp8 else w13.dtype != x.dtype):
         return False
     return moe_gemm() is not None and triton_align() is not None
 
