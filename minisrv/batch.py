@@ -5,6 +5,7 @@ The scheduler, the model runner and the backends all speak them; none of them ne
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -36,17 +37,11 @@ class PrefixGroups:
 
     def leaders(self) -> List[int]:
         """Batch index of each group's leader."""
-        out, start = [], 0
-        for s in self.sizes:
-            out.append(self.order[start])
-            start += s
-        return out
+        return [self.order[end - s] for end, s in zip(itertools.accumulate(self.sizes), self.sizes)]
 
     def shared_pages_in_order(self) -> List[int]:
         """Shared pages of each entry of `order` (0 for the requests in no group)."""
-        out: List[int] = []
-        for s, n in zip(self.sizes, self.shared_pages):
-            out.extend([n] * s)
+        out = [n for s, n in zip(self.sizes, self.shared_pages) for _ in range(s)]
         return out + [0] * (len(self.order) - len(out))
 
     def saved_tokens(self, page_size: int) -> int:
