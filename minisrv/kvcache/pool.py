@@ -16,6 +16,7 @@ request->token table maps (req_table.py). Which of a sequence's windowed pages a
 """
 from __future__ import annotations
 
+import math
 import mmap
 from typing import FrozenSet, Sequence, Tuple
 
@@ -140,9 +141,7 @@ def _zeros(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """torch.zeros, except on the CPU: zero pages from the operating system, made resident only when written."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = dtype.itemsize
-    for d in shape:
-        nbytes *= d
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
