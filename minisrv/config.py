@@ -82,7 +82,18 @@ class EngineConfig:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if self.tp_size < 1 or self.base_gpu_id < 0:
             raise ValueError(f"need tp_size >= 1 and base_gpu_id >= 0, got {self.tp_size} and {self.base_gpu_id}")
-        self._check_nodes()
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"need nnodes >= 1 and 0 <= node_rank < nnodes, got {self.nnodes}, {self.node_rank}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes})")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
+        if self.nnodes > 1:
+            host, _, port = (self.dist_init_addr or "").rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"nnodes > 1 needs dist_init_addr, node 0's host:port, got {self.dist_init_addr!r}")
+            if self.enable_flashinfer_allreduce_fusion:
+                raise ValueError("--enable-flashinfer-allreduce-fusion needs every rank on one node (nnodes 1)")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static must be in (0, 1)")
         if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
@@ -115,20 +126,6 @@ class EngineConfig:
     @property
     def ranks_per_node(self) -> int:
         return self.tp_size // self.nnodes
-
-    def _check_nodes(self) -> None:
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"need nnodes >= 1 and 0 <= node_rank < nnodes, got {self.nnodes}, {self.node_rank}")
-        if self.tp_size % self.nnodes:
-            raise ValueError(f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes})")
-        if self.dist_timeout <= 0:
-            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
-        if self.nnodes > 1:
-            host, _, port = (self.dist_init_addr or "").rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"nnodes > 1 needs dist_init_addr, node 0's host:port, got {self.dist_init_addr!r}")
-            if self.enable_flashinfer_allreduce_fusion:
-                raise ValueError("--enable-flashinfer-allreduce-fusion needs every rank on one node (nnodes 1)")
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
