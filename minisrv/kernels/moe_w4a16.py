@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from minisrv.kernels.w4a16_gemm import dequantize
+from minisrv.kernels.w4a16_gemm import dequantized_matmul
 
 
 class PackedExperts(NamedTuple):
@@ -68,8 +68,7 @@ class PackedExperts(NamedTuple):
         kernel's tile is (float64 a: exact, the dequantised values are float32 numbers)."""
         if self.perm is not None:
             a = a[:, self.perm[expert]]
-        w = dequantize(self.qweight[expert], self.scales[expert], self.zeros[expert])
-        return a @ w.to(a.dtype)
+        return dequantized_matmul(a, self.qweight[expert], self.scales[expert], self.zeros[expert])
 
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
