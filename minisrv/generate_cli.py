@@ -83,14 +83,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return serve_node(cfg)
     llm = LLM(**vars(cfg))
     freeze_startup_heap()
-    prompts = []
-    for it in items:
-        if "messages" in it:
-            prompts.append(llm.encode_chat(it["messages"]))
-        elif a.chat:
-            prompts.append(llm.encode_chat([{"role": "user", "content": it["prompt"]}]))
-        else:
-            prompts.append(it["prompt"])
+    prompts = [llm.encode_chat(it["messages"] if "messages" in it else [{"role": "user", "content": it["prompt"]}])
+               if "messages" in it or a.chat else it["prompt"] for it in items]
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
     dt = time.perf_counter() - t
