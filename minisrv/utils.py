@@ -36,11 +36,8 @@ def host_tensor(values, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype)
     try:
         buf = array(code)
-        if rows is None:
-            buf.fromlist(values)
-        else:
-            for v in values:
-                buf.fromlist(v)
+        for row in values if rows is not None else [values]:
+            buf.fromlist(row)
     except (TypeError, OverflowError):
         return torch.tensor(values, dtype=dtype)
     t = torch.frombuffer(buf, dtype=dtype)  # shares buf's memory and keeps it alive
