@@ -21,10 +21,6 @@ class EnvSwitch(Generic[T]):
         return self.default if raw is None else self.parse(raw)
 
 
-def _is_one(raw: str) -> bool:
-    return raw == "1"
-
-
 CACHE_DIR: EnvSwitch[Optional[str]] = EnvSwitch(
     "MINISRV_CACHE_DIR", str, None,
     "the on-disk cache's folder when --cache-dir is not given ('off' or empty: no cache; unset: "
@@ -33,5 +29,5 @@ KERNEL_CACHE: EnvSwitch[Optional[str]] = EnvSwitch(
     "MINISRV_KERNEL_CACHE", str, None,
     "where the CPU kernels are compiled to (empty or unset: $XDG_CACHE_HOME/minisrv/cpu_kernels; kernels/cpu_build.py)")
 TORCH_SAMPLING: EnvSwitch[bool] = EnvSwitch(
-    "MINISRV_TORCH_SAMPLING", _is_one, False,
+    "MINISRV_TORCH_SAMPLING", lambda raw: raw == "1", False,
     "1: sample with torch's kernels on CUDA rather than FlashInfer's one-kernel draw (engine/sampler.py)")
