@@ -227,23 +227,17 @@ def init_tensor_parallel(rank: int, size: int, rendezvous: Rendezvous, device: t
                                "rendezvous would wait forever); start this engine in a new process, or leave the "
                                "fusion off on one of them")
         SymmetricMemoryUse.joined = True  # from the first exchange on, whether or not the set-up succeeds
-        tp.fused_norm = _open_fused_norm(tp, device, *fused_norm)
+        fused = None  # on every rank, or an error on every rank (a rank where it fails says why)
+        try:
+            fused = FusedAllReduceNorm(rank, size, tp.group, FUSED_NORM_MAX_TOKENS, *fused_norm)
+        except Exception as e:  # noqa: BLE001 - no FlashInfer comm module, no peer access
+            logger.warning("fused all-reduce + RMSNorm unavailable (%s: %s)", type(e).__name__, e)
+        if not tp.min_over_ranks(int(fused is not None)):
+            raise RuntimeError("--enable-flashinfer-allreduce-fusion: FlashInfer's fused all-reduce could not be set "
+                               "up on every rank (see the warning above); without the flag NCCL does the all-reduces")
+        torch.cuda.synchronize(device)
+        tp.fused_norm = fused
     return tp
-
-
-def _open_fused_norm(tp: TensorParallel, device: torch.device, hidden: int, dtype: torch.dtype
-                     ) -> FusedAllReduceNorm:
-    """The fused all-reduce + norm on every rank, or an error on every rank (a rank where it fails says why)."""
-    fused = None
-    try:
-        fused = FusedAllReduceNorm(tp.rank, tp.size, tp.group, FUSED_NORM_MAX_TOKENS, hidden, dtype)
-    except Exception as e:  # noqa: BLE001 - no FlashInfer comm module, no peer access
-        logger.warning("fused all-reduce + RMSNorm unavailable (%s: %s)", type(e).__name__, e)
-    if not tp.min_over_ranks(int(fused is not None)):
-        raise RuntimeError("--enable-flashinfer-allreduce-fusion: FlashInfer's fused all-reduce could not be set up "
-                           "on every rank (see the warning above); without the flag NCCL does the all-reduces")
-    torch.cuda.synchronize(device)
-    return fused
 
 
 def destroy_tensor_parallel(tp: TensorParallel, timeout_s: float = 30.0) -> None:
