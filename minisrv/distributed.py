@@ -13,6 +13,7 @@ import datetime
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
@@ -228,10 +229,16 @@ def init_tensor_parallel(rank: int, size: int, rendezvous: Rendezvous, device: t
                                "fusion off on one of them")
         SymmetricMemoryUse.joined = True  # from the first exchange on, whether or not the set-up succeeds
         fused = None  # on every rank, or an error on every rank (a rank where it fails says why)
+        if rank == 0:  # (never a silent wait: FlashInfer compiles its communication module on first use)
+            logger.info("setting up FlashInfer's fused all-reduce + RMSNorm (its communication module compiles on "
+                        "first use: minutes)")
+        t0 = time.perf_counter()
         try:
             fused = FusedAllReduceNorm(rank, size, tp.group, FUSED_NORM_MAX_TOKENS, *fused_norm)
         except Exception as e:  # noqa: BLE001 - no FlashInfer comm module, no peer access
             logger.warning("fused all-reduce + RMSNorm unavailable (%s: %s)", type(e).__name__, e)
+        if rank == 0 and fused is not None:
+            logger.info("fused all-reduce + RMSNorm ready in %.1f s", time.perf_counter() - t0)
         if not tp.min_over_ranks(int(fused is not None)):
             raise RuntimeError("--enable-flashinfer-allreduce-fusion: FlashInfer's fused all-reduce could not be set "
                                "up on every rank (see the warning above); without the flag NCCL does the all-reduces")
