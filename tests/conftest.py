@@ -67,3 +67,15 @@ def kernels():
     if k is None:
         pytest.skip(f"the CPU block kernels do not build here: {how}")
     return k
+
+
+@pytest.fixture
+def fake_fa(monkeypatch):
+    """FA3's stand-in, and the fa backend allowed on this machine: an engine asked for fa builds its pool (windowed
+    layers keeping only their window) and backend as on a GPU (without CUDA graphs)."""
+    from minisrv.attention import BACKENDS, fa
+
+    from .helpers import fake_fa3
+    monkeypatch.setattr(fa, "load_kernel", lambda: fake_fa3.flash_attn_with_kvcache)
+    monkeypatch.setitem(BACKENDS, "fa", (lambda sm: None, *BACKENDS["fa"][1:]))
+    return fa

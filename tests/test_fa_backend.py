@@ -15,17 +15,6 @@ from minisrv.attention import BACKENDS, BackendUnavailable, resolve_backend
 from minisrv.models.attention_options import SINKS, SOFTCAP, WINDOW, layer_attention
 
 from .helpers import EngineWatch, assert_greedy_matches, greedy, hf_greedy, make_llm, make_prompts, vocab_of
-from .helpers import fake_fa3
-
-
-@pytest.fixture
-def fake_fa(monkeypatch):
-    """FA3's stand-in, and the fa backend allowed on this machine: an engine asked for fa builds its pool (windowed
-    layers keeping only their window) and backend as on a GPU (without CUDA graphs)."""
-    from minisrv.attention import fa
-    monkeypatch.setattr(fa, "load_kernel", lambda: fake_fa3.flash_attn_with_kvcache)
-    monkeypatch.setitem(BACKENDS, "fa", (lambda sm: None, *BACKENDS["fa"][1:]))
-    return fa
 
 
 def fa_llm(fa, path, **opts):

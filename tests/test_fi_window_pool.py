@@ -23,16 +23,10 @@ from minisrv.utils import ceil_div
 
 from .helpers import (EngineWatch, assert_pool_free, fake_flashinfer, greedy, make_llm, make_prompts, rel_err,
                       tree_pages, vocab_of)
+from .test_windowed_models import MODES
 
 MAX_TOKENS = 10
 LENS = [5, 40, 3, 23, 12, 31]
-MODES = {
-    "batched": dict(page_size=1),
-    # chunks as long as the window, and chunks of 5 on pages of 4: chunk edges fall inside and across windows
-    "chunked": dict(page_size=3, chunked_prefill_size=8, max_prefill_tokens=8),
-    "chunked_odd": dict(page_size=4, chunked_prefill_size=5, max_prefill_tokens=10),
-    "prefix_cache": dict(page_size=2, disable_radix_cache=False),
-}
 ARCHS = ["gemma2", "gemma3", "mistral_window"]
 
 
@@ -84,26 +78,33 @@ def assert_same(got, want, label: str) -> None:
     assert count >= len(tokens) * MAX_TOKENS
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("arch", ARCHS)
-def test_fi_matches_torch_over_the_window_pool(tiny_model, fake_fi, arch, mode):
-    path = tiny_model(arch)
+def matches_torch_over_the_window_pool(path: str, mode: str, serve, label: str):
+    """Serve `path` (serve(path, **opts) -> (llm, backend)) in MODES[mode]: the torch backend's greedy tokens and
+    logits over the same kind of pool, and (batched) each prompt alone gives the batch's tokens. Returns the backend."""
     prompts = make_prompts(vocab_of(path), LENS, seed=5)
     cached = mode == "prefix_cache"
     if cached:  # prompts that extend an earlier one's cached pages, past the window
         prompts += [prompts[1][:30] + p for p in make_prompts(vocab_of(path), [4, 11], seed=6)]
     want = run(make_llm(path, **MODES[mode]), prompts, repeat=cached)
-    llm, backend = fi_llm(fake_fi, path, **MODES[mode])
+    llm, backend = serve(path, **MODES[mode])
+    got = run(llm, prompts, repeat=cached)
+    assert_same(got, want, label)
+    if cached:
+        assert llm.engine.num_cached_prompt_tokens > 0
+    if mode == "batched":
+        alone = [llm.generate([p], greedy(MAX_TOKENS), use_tqdm=False)[0].token_ids for p in prompts]
+        assert alone == got[0]
+    return backend
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fi_matches_torch_over_the_window_pool(tiny_model, fake_fi, arch, mode):
+    backend = matches_torch_over_the_window_pool(tiny_model(arch), mode, lambda p, **o: fi_llm(fake_fi, p, **o),
+                                                 f"{arch}/{mode} on fi")
     windowed = tuple(a.window is not None for a in backend.kinds)
     assert backend.windowed == windowed  # Gemma: both tables listed each step; Mistral: the window table alone
     assert backend.tables == tuple(sorted(set(windowed)))
-    got = run(llm, prompts, repeat=cached)
-    assert_same(got, want, f"{arch}/{mode}")
-    if cached:
-        assert llm.engine.num_cached_prompt_tokens > 0
-    if mode == "batched":  # each prompt alone gives the batch's tokens
-        alone = [llm.generate([p], greedy(MAX_TOKENS), use_tqdm=False)[0].token_ids for p in prompts]
-        assert alone == got[0]
 
 
 def test_windowed_pages_behind_the_window_are_given_back_on_fi(tiny_model, fake_fi):
@@ -163,26 +164,22 @@ def logprobs(outs) -> List[List[Tuple[int, float, Dict[int, float]]]]:
     return [[(t.token_id, t.logprob, t.top) for t in o.logprobs] for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "mistral_window"])
-def test_graph_decode_on_fi_matches_torch(tiny_model, fake_fi, monkeypatch, arch):
-    """Decode steps through fi's CUDA-graph path: per table fixed index buffers (the stand-in's graph-mode wrappers
-    read them when they run, as a replayed kernel does), the windowed slots gathered into a fixed buffer before each
-    replay, padding rows on the pad row, whose pages (one of each kind) no request holds. Tokens and the top-5
-    logprobs of every one equal the torch backend's."""
-    path = tiny_model(arch)
+def graph_decode_matches_torch(path, serve, monkeypatch):
+    """Serve `path` (serve(path, **opts) -> (llm, backend)) with its decode steps through EagerGraphs, the pad row's
+    pages (one of each kind, which no request holds) taken as the engine's set-up takes them where it captures
+    graphs: the tokens and the top-5 logprobs of every one equal the torch backend's, and some replays are padded.
+    Returns (backend, graphs)."""
     opts = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=64, max_running_requests=8)
     prompts = make_prompts(vocab_of(path), [5, 40, 3, 23, 12, 31, 9], seed=3)
     params = greedy(MAX_TOKENS, logprobs=5)
     want = make_llm(path, **opts).generate(prompts, params, use_tqdm=False)
-    llm, backend = fi_llm(fake_fi, path, **opts)
+    llm, backend = serve(path, **opts)
     parts, runner, ps = llm.engine.parts, llm.engine.runner, 4
-    # the pad row's pages, as the engine's set-up takes them where it captures graphs
     pad_page, window_pad_page = parts.allocator.alloc(1)[0], parts.window_allocator.alloc(1)[0]
     parts.table.write(parts.pad_row, 0, slots_for([pad_page], ps, 0, ps))
     parts.table.write(parts.pad_row, 0, slots_for([window_pad_page], ps, 0, ps), window=True)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     graphs = EagerGraphs(runner.model, backend, parts.pad_row, pad_page * ps, 8, parts.context_length, parts.device)
-    assert set(backend.g_buffers) == set(backend.tables) and backend.g_window_loc is not None
     runner.use_parts(dataclasses.replace(runner.parts, graph_runner=graphs))
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -192,6 +189,17 @@ def test_graph_decode_on_fi_matches_torch(tiny_model, fake_fi, monkeypatch, arch
             assert max(abs(gtop[t] - wtop[t]) for t in gtop) < 1e-4
     assert len(graphs.replayed) >= MAX_TOKENS - 1
     assert set(graphs.replayed) - set(graphs.sizes), "no replay was padded"
+    return backend, graphs
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral_window"])
+def test_graph_decode_on_fi_matches_torch(tiny_model, fake_fi, monkeypatch, arch):
+    """Decode steps through fi's CUDA-graph path: per table fixed index buffers (the stand-in's graph-mode wrappers
+    read them when they run, as a replayed kernel does), the windowed slots gathered into a fixed buffer before each
+    replay, padding rows on the pad row."""
+    backend, graphs = graph_decode_matches_torch(tiny_model(arch), lambda p, **o: fi_llm(fake_fi, p, **o),
+                                                 monkeypatch)
+    assert set(backend.g_buffers) == set(backend.tables) and backend.g_window_loc is not None
     used = {min(n for n in graphs.sizes if n >= bs) for bs in graphs.replayed}
     assert all(w.plans > 1 for n in used for w in backend.graph_wrappers[n])  # planned at capture, then replays
 
