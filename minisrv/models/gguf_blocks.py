@@ -21,12 +21,13 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 
+from minisrv.kernels.cpu_blocks import RECORD_BYTES
+
 from .args import ModelArgs
 from .gguf_planes import PLANE_FORMATS
 from .gguf_repack import REPACKERS, repack
 
 BLOCK = 32
-RECORD_BYTES = 160  # kernels/cpu_blocks.py's: 4 rows x 32 columns, float32 d[4], m[4], then uint8 q[4][32]
 PACKED_IN_C = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # kernels/cpu_blocks.c's blocks_pack; the rest: gguf_repack.py
 BLOCK_TYPES = {t: t.name for t in (*PACKED_IN_C, *REPACKERS)}
 
