@@ -157,10 +157,9 @@ for suite in "$@"; do case $suite in
     hub_checkpoint gemma-3-12b $G3
     bench gemma3-32k 600 $OFFLINE --model $G3 --num-prompts 8 --min-input-len 32768 --max-input-len 32768 \
       --min-output-len 256 --max-output-len 256 --log-level info
-    # "KV pool: N tokens (...), X GiB": the pool's bytes over the tokens it holds
-    grep -h "KV pool" /tmp/gpu-step.log | sed -E 's/.*(KV pool.*)/\1/'
-    sed -n -E 's/.*KV pool: ([0-9]+) tokens .*, ([0-9.]+) GiB.*/\1 \2/p' /tmp/gpu-step.log | tail -n 1 |
-      awk '{ printf "KV pool: %.0f bytes per token it holds\n", $2 * 1073741824 / $1 }' ;;
+    # the start-up's pool lines: with the windowed pool, its bytes per token of context and its share of every
+    # layer global
+    grep -h "KV pool" /tmp/gpu-step.log | sed -E 's/.*(KV pool.*)/\1/' ;;
   tp) checkpoints llama3-8b
     # FlashInfer's communication kernels (the fused all-reduce) build for minutes: beside the tp 1 runs
     background 600 python3 -c "from flashinfer.comm.trtllm_ar import get_trtllm_comm_module as g; g()" \

@@ -80,6 +80,19 @@ def test_pool_sizing_and_memory_per_token_of_a_gemma3_12b_shape():
     assert win == 14 and (full + 2 * win) * 2 <= 64 * 3 + 2 * 2 * 14
 
 
+def test_start_up_says_the_pools_memory_per_token(tiny_model, caplog):
+    """The start-up log gives the pool's bytes per token of context and its share of every layer global (what the
+    Gemma 3 benchmark reports), as the pool holds them."""
+    with caplog.at_level("INFO", logger="minisrv"):
+        llm = make_llm(tiny_model("gemma3"), page_size=2, max_total_tokens=512, log_level="info")
+    pool = llm.engine.parts.pool
+    line = next(r.getMessage() for r in caplog.records if "keep only their window" in r.getMessage())
+    per_token = pool.nbytes / pool.num_slots
+    all_global = KVPool.bytes_per_token(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.kv_dtype)
+    assert per_token < all_global and f"{per_token:.0f} bytes per token of context" in line
+    assert f"{per_token / all_global:.3f} of every layer global" in line
+
+
 def test_models_without_windows_keep_one_pool(tiny_model):
     llm = make_llm(tiny_model("llama"))
     parts = llm.engine.parts

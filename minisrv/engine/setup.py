@@ -255,8 +255,11 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
     logger.info("KV pool: %d tokens (%d pages of %d), %.2f GiB; context length %d; attention backend %s",
                 pool.num_slots, num_pages, ps, pool.nbytes / GiB, context_length, backend_name)
     if window_layers:
-        logger.info("KV pool: %d of %d layers keep only their window of %d tokens, in %d tokens of their own",
-                    len(window_layers), a.num_layers, window_rule.window, window_pages * ps)
+        all_global = KVPool.bytes_per_token(a.num_layers, plan.num_kv_heads, a.head_dim, kv_dtype)
+        logger.info("KV pool: %d of %d layers keep only their window of %d tokens, in %d tokens of their own: "
+                    "%.0f bytes per token of context, %.3f of every layer global", len(window_layers), a.num_layers,
+                    window_rule.window, window_pages * ps, pool.nbytes / pool.num_slots,
+                    pool.nbytes / pool.num_slots / all_global)
     if pooling is not None:
         logger.info("embedding model: %s", pooling.describe())
     if pool.quantized:
