@@ -13,6 +13,7 @@ import torch
 from minisrv.engine.kernel_builds import KernelBuilds, StagedKernels
 from minisrv.engine.request import SamplingParams
 from minisrv.engine.setup import staged_backend
+from minisrv.models.attention_options import SINKS, SOFTCAP, WINDOW
 
 from .helpers.tiny_models import greedy, make_llm, make_prompts, vocab_of
 
@@ -43,9 +44,13 @@ def test_staged_backend_stands_fa_in_for_fi_where_fa_runs(monkeypatch):
     assert staged_backend("fa,fi", cpu) == "fa,torch"  # no FA3 here: torch's attention stands in
     assert staged_backend("fi", cpu) == "torch"
     assert staged_backend("fa", cpu) == "fa"
-    monkeypatch.setattr("minisrv.engine.setup.missing", lambda name, sm: None)  # as on a Hopper GPU with FA3
+    import minisrv.attention as registry
+    monkeypatch.setitem(registry.BACKENDS, "fa", (lambda sm: None, *registry.BACKENDS["fa"][1:]))  # as on Hopper
     assert staged_backend("fa,fi", cpu) == "fa"
     assert staged_backend("fi", cpu) == "fa"
+    # a soft-capped model (Gemma 2) is not served by fa: torch stands in for fi; windows and sinks are
+    assert staged_backend("fi", cpu, frozenset({WINDOW, SOFTCAP})) == "torch"
+    assert staged_backend("fi", cpu, frozenset({WINDOW, SINKS})) == "fa"
 
 
 def _run(engine, prompts, params, release=None, release_after=3):

@@ -8,7 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, List, Optional, Tuple
+from typing import Any, FrozenSet, List, Optional, Tuple
 
 import torch
 
@@ -172,7 +172,7 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
         layers_pending = bool(set(builds.pending()) - {"sampling"})
         sampling_pending = "sampling" in builds.pending()
         if layers_pending:  # torch's norm, activation and rotary until FlashInfer's are built
-            serving_name = staged_backend(backend_name, device)
+            serving_name = staged_backend(backend_name, device, features_of(layer_attention(args)))
     if not layers_pending:
         ops.use(kernels)
 
@@ -304,10 +304,11 @@ def _fused_and_builds(cfg: EngineConfig, args: ModelArgs, backend_name: str, dty
     return fused, KernelBuilds(jobs)
 
 
-def staged_backend(name: str, device: torch.device) -> str:
+def staged_backend(name: str, device: torch.device, features: FrozenSet[str] = frozenset()) -> str:
     """What serves attention while FlashInfer's kernels compile: `name` with fi replaced by fa (FA3's precompiled
-    kernels) where fa runs here, else by torch."""
-    stand_in = "fa" if missing("fa", device_sm(device)) is None else "torch"
+    kernels) where fa runs here and serves the model's attention `features` (not a soft-capped Gemma 2), else by
+    torch."""
+    stand_in = "fa" if missing("fa", device_sm(device), features) is None else "torch"
     return canonical(",".join(stand_in if p == "fi" else p for p in name.split(",")))
 
 
