@@ -1,6 +1,8 @@
 """The KV pool's store: K and V side by side in a fused qkv output, stored with one scatter, end up as with two
-separate writes."""
+separate writes; a CPU pool takes memory only as it is written."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -29,3 +31,25 @@ def test_pool_store_of_adjacent_k_and_v_matches_separate_writes(page_size):
         assert torch.equal(p.k[1], pools[2].k[1]) and torch.equal(p.v[1], pools[2].v[1])
         assert not p.k[0].any() and not p.v[0].any()  # other layers untouched
     assert pools[0].v[1].view(-1, h, d)[7].equal(v[0]) and not pools[0].k[1].equal(pools[0].v[1])
+
+
+def test_cpu_kv_pool_takes_memory_as_it_is_written():
+    """A CPU pool of 65,536 tokens (2.8 GiB for the default model) is not made resident at start: it reads as
+    zeros, what is stored reads back, and resident memory grows by the pages written, not by the pool."""
+    from minisrv.kvcache.pool import KVPool
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    pool = KVPool(30, 65536, 1, 3, 64, torch.float32, torch.device("cpu"))
+    assert pool.nbytes > 2 << 30
+    assert resident() - before < 64 << 20
+    k, v = torch.randn(4, 3, 64), torch.randn(4, 3, 64)
+    slots = torch.tensor([0, 1, 40000, 65535])
+    pool.store(7, slots, k, v)
+    got_k, got_v = pool.load(7, torch.tensor([0, 1, 40000, 65535, 5]))
+    assert torch.equal(got_k[:4], k) and torch.equal(got_v[:4], v)
+    assert not got_k[4].any() and not got_v[4].any()
+    assert resident() - before < 64 << 20

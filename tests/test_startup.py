@@ -279,28 +279,6 @@ def test_a_writer_that_died_leaves_nothing_read(tiny, tmp_path):
     assert _same(_load(gguf, cache), _load(gguf, OFF))
 
 
-def test_cpu_kv_pool_takes_memory_as_it_is_written():
-    """A CPU pool of 65,536 tokens (2.8 GiB for the default model) is not made resident at start: it reads as
-    zeros, what is stored reads back, and resident memory grows by the pages written, not by the pool."""
-    from minisrv.kvcache.pool import KVPool
-
-    def resident() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    before = resident()
-    pool = KVPool(30, 65536, 1, 3, 64, torch.float32, torch.device("cpu"))
-    assert pool.nbytes > 2 << 30
-    assert resident() - before < 64 << 20
-    k, v = torch.randn(4, 3, 64), torch.randn(4, 3, 64)
-    slots = torch.tensor([0, 1, 40000, 65535])
-    pool.store(7, slots, k, v)
-    got_k, got_v = pool.load(7, torch.tensor([0, 1, 40000, 65535, 5]))
-    assert torch.equal(got_k[:4], k) and torch.equal(got_v[:4], v)
-    assert not got_k[4].any() and not got_v[4].any()
-    assert resident() - before < 64 << 20
-
-
 def test_http_side_imports_no_torch():
     """The HTTP process's modules import without torch (about 2 s of a start on 2 cores, spent beside the engine
     process's own import of it); test_cached_tokenizer_equals_transformers_conversion loads a tokenizer so too."""
