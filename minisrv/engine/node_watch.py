@@ -20,6 +20,11 @@ NODE_SILENT_S = 30.0  # a node not heard from this long is lost
 STOP_CONNECT_S = 5.0  # a node leaving before its watch reached node 0's store tries this long to say why
 
 
+def _key(node: int, what: str) -> str:
+    """A node's key in the store: its heartbeat counter ("beats"), or why it left the group ("lost")."""
+    return f"minisrv/node{node}/{what}"
+
+
 class NodeWatch:
     """This node's heartbeat and its watch over the other nodes, in a thread (see the module's docstring)."""
 
@@ -52,10 +57,9 @@ class NodeWatch:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 with self._lock:
-                    store.add(f"minisrv/node{self.node}/beats", 1)
-                    counts = {n: store.add(f"minisrv/node{n}/beats", 0) for n in range(self.nnodes) if n != self.node}
-                    why = {n: store.get(f"minisrv/node{n}/lost").decode() for n in counts
-                           if store.check([f"minisrv/node{n}/lost"])}
+                    store.add(_key(self.node, "beats"), 1)
+                    counts = {n: store.add(_key(n, "beats"), 0) for n in range(self.nnodes) if n != self.node}
+                    why = {n: store.get(_key(n, "lost")).decode() for n in counts if store.check([_key(n, "lost")])}
             except Exception as e:  # noqa: BLE001 - the store's host process (node 0's rank 0) is gone
                 return self._lose(f"node 0 is gone: its store at {self.address} stopped answering ({e})")
             now = time.monotonic()
@@ -79,7 +83,7 @@ class NodeWatch:
             return
         try:
             store = self._store or self._connect(STOP_CONNECT_S)  # (the watch may not have reached node 0 yet)
-            key = f"minisrv/node{self.node}/lost"
+            key = _key(self.node, "lost")
             store.set(key, reason)
             store.get(key)  # set is not answered and this node exits next: a round trip sees it stored
         except Exception:  # noqa: BLE001 - node 0 gone too: the others notice by themselves
