@@ -49,6 +49,23 @@ def _is_number(x: object) -> bool:
     return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
 
 
+# a SamplingParams field's type (int, or float: any finite number), its allowed values and how a 400 says them;
+# None passes where the field is Optional
+FIELD_RULES = {
+    "max_tokens": (int, lambda v: v >= 0, "at least 0"),
+    "temperature": (float, lambda v: v >= 0, "non-negative"),
+    "top_p": (float, lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+    "top_k": (int, lambda v: v >= -1, "-1 (disabled) or positive"),
+    "min_p": (float, lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+    "presence_penalty": (float, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+    "frequency_penalty": (float, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+    "repetition_penalty": (float, lambda v: 0.0 < v <= 100.0, "in (0, 100]"),
+    "seed": (int, lambda v: -2 ** 63 <= v < 2 ** 63, "a signed 64-bit integer"),
+    "logprobs": (int, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+    "prompt_logprobs": (int, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings, with vLLM/OpenAI meanings. temperature 0 is greedy.
@@ -102,48 +119,24 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Types, ranges and counts that need no model; raises RequestError."""
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            if not _is_number(getattr(self, name)):
-                raise RequestError(f"{name} must be a finite number, got {getattr(self, name)!r}", name)
-        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
+        for name, (kind, ok, allowed) in FIELD_RULES.items():
             v = getattr(self, name)
-            if v is not None and not _is_int(v):
-                raise RequestError(f"{name} must be an integer, got {v!r}", name)
-        if not _is_int(self.top_k):
-            raise RequestError(f"top_k must be an integer, got {self.top_k!r}", "top_k")
-        if self.max_tokens is not None and self.max_tokens < 0:
-            raise RequestError(f"max_tokens must be at least 0, got {self.max_tokens}", "max_tokens")
+            if v is None and self.__dataclass_fields__[name].type.startswith("Optional"):
+                continue
+            if not (_is_int(v) if kind is int else _is_number(v)):
+                raise RequestError(f"{name} must be {'an integer' if kind is int else 'a finite number'}, got {v!r}",
+                                   name)
+            if not ok(v):
+                raise RequestError(f"{name} must be {allowed}, got {v}", name)
         if self.max_tokens == 0 and self.prompt_logprobs is None:
             raise RequestError("max_tokens 0 generates nothing: it is only allowed to score the prompt "
                                "(with prompt logprobs, or echo with logprobs)", "max_tokens")
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be non-negative, got {self.temperature}", "temperature")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise RequestError(f"top_p must be in [0, 1], got {self.top_p}", "top_p")
         if self.logit_bias:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 raise RequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
             for t, v in self.logit_bias.items():
                 if not _is_int(t) or not _is_number(v) or not -100.0 <= v <= 100.0:
                     raise RequestError("logit_bias maps token ids to biases in [-100, 100]", "logit_bias")
-        if self.top_k < -1:
-            raise RequestError(f"top_k must be -1 (disabled) or positive, got {self.top_k}", "top_k")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise RequestError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise RequestError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
-                               "frequency_penalty")
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            raise RequestError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}",
-                               "repetition_penalty")
-        if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 63:
-            raise RequestError(f"seed must be a signed 64-bit integer, got {self.seed}", "seed")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and not 0 <= v <= MAX_LOGPROBS:
-                raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}", name)
         if len(self.stop) > MAX_STOPS:
             raise RequestError(f"at most {MAX_STOPS} stop strings, got {len(self.stop)}", "stop")
         if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
