@@ -306,14 +306,14 @@ class Engine:
         """Empty the prefix cache; only while no request is queued or running (returns whether it did)."""
         if self.has_work():
             return False
-        return self.scheduler.flush_cache()
+        return self.scheduler.cache.flush()
 
     def stats(self) -> Dict[str, Any]:
         """kv_pages_used counts pages requests hold; pages only the prefix cache holds are free for the taking."""
-        used = self.num_free_pages_when_idle - self.scheduler.available_pages()
+        used = self.num_free_pages_when_idle - self.scheduler.cache.available_pages()
         return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
             "kv_pages_used": used,
             "kv_pages_total": self.num_free_pages_when_idle,
             "kv_usage": used / self.num_free_pages_when_idle,

@@ -70,20 +70,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def available_pages(self) -> int:
-        return self.cache.available_pages()
-
-    def flush_cache(self) -> bool:
-        return self.cache.flush()
-
     def isolate(self, req: Request) -> None:
         """A step with this request failed: recompute it from scratch, in batches of its own, until it samples."""
         req.solo = True
