@@ -10,6 +10,7 @@ import atexit
 import concurrent.futures as cf
 import logging
 import time
+from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Sequence
 
 from minisrv.batch import ForwardMode
@@ -232,7 +233,7 @@ class Engine:
                 if not req.finished:
                     self.scheduler.verified(req, drafted, kept)
             if step.verified:
-                self.speculator.step_verified()
+                self.speculator.stats.verify_steps += 1
             for s in step.tokens:
                 if not s.appended:  # a verified token: it joins its request unless an earlier one ended it
                     if s.req.finished:
@@ -320,5 +321,5 @@ class Engine:
             "num_retractions": self.scheduler.num_retractions,
             "cache_tokens": self.cache.num_tokens if self.cache is not None else 0,
             "cached_prompt_tokens": self.num_cached_prompt_tokens,
-            **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
+            **({f"spec_{k}": v for k, v in asdict(self.speculator.stats).items()} if self.speculator else {}),
         }

@@ -16,7 +16,8 @@ joins only what it hands out, so a long output costs linear time.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+import functools
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 try:
     from tokenizers.decoders import DecodeStream
@@ -61,17 +62,6 @@ class _WindowDecoder:
         return None
 
 
-class _StreamDecoder:
-    """The Rust tokenizer's DecodeStream: holds back incomplete UTF-8 itself."""
-
-    def __init__(self, backend: Any, context: Sequence[int], skip_special_tokens: bool) -> None:
-        self.backend = backend
-        self.stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
-
-    def step(self, token_id: int) -> Optional[str]:
-        return self.stream.step(self.backend, token_id)
-
-
 def decode_cleans_up(tokenizer: Any) -> bool:
     """Whether the tokenizer's own decode applies the space clean-up (asked of its decode, not of its flag)."""
     if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
@@ -92,10 +82,13 @@ class TextStream:
                  skip_special_tokens: bool = True, clean_up: Optional[bool] = None) -> None:
         context = list(prompt_ids[-PROMPT_CONTEXT:])
         backend = getattr(tokenizer, "backend_tokenizer", None)
+        # a token's new text, or None while it is incomplete (the Rust DecodeStream holds back partial UTF-8 itself)
+        self._decode: Callable[[int], Optional[str]]
         if backend is not None and DecodeStream is not None:
-            self._decoder: Any = _StreamDecoder(backend, context, skip_special_tokens)
+            self._decode = functools.partial(DecodeStream(ids=context, skip_special_tokens=skip_special_tokens).step,
+                                             backend)
         else:
-            self._decoder = _WindowDecoder(tokenizer, context, skip_special_tokens)
+            self._decode = _WindowDecoder(tokenizer, context, skip_special_tokens).step
         self._cleanup = decode_cleans_up(tokenizer) if clean_up is None else clean_up
         self._raw_tail = ""  # decoded but not yet cleaned up (a clean-up pattern may still complete)
         self.stops = list(stop)
@@ -119,7 +112,7 @@ class TextStream:
         """Append one token's text; returns the stop string if this token completed one (the text is cut there)."""
         if self.stop_str is not None:
             return self.stop_str
-        piece = self._decoder.step(token_id)
+        piece = self._decode(token_id)
         if not piece:
             return None
         if self._cleanup:

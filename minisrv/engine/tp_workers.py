@@ -145,12 +145,11 @@ class TPWorkers:
                 if not proc.is_alive():
                     self.lost = (f"{_exited(rank, proc, 1.0)} before it started (its error is printed above); "
                                  f"{GUARD_HINT}")
-                    self.acknowledged.set()
-                    raise TensorParallelError(self.lost)
-                if time.monotonic() > deadline:
+                elif time.monotonic() > deadline:
                     self.lost = f"tensor-parallel rank {rank} (pid {proc.pid}) did not start within {timeout_s:.0f} s"
-                    self.acknowledged.set()
-                    raise TensorParallelError(self.lost)
+                else:
+                    continue
+                self.check()  # raises the loss
 
     def check(self, failure: Optional[Exception] = None) -> None:
         """Raise TensorParallelError if a rank is gone, or if a step's `failure` says the group is broken (a

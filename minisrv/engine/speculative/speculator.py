@@ -37,14 +37,12 @@ class Proposer(Protocol):
 
 @dataclass
 class SpeculationStats:
+    """Counted since the start; Engine.stats reports each as spec_<field>."""
+
     verify_steps: int = 0
     verified_requests: int = 0  # requests verified, summed over the steps
     draft_tokens: int = 0
     accepted_tokens: int = 0
-
-    def as_dict(self) -> Dict[str, int]:
-        return {"spec_verify_steps": self.verify_steps, "spec_verified_requests": self.verified_requests,
-                "spec_draft_tokens": self.draft_tokens, "spec_accepted_tokens": self.accepted_tokens}
 
 
 @dataclass
@@ -119,9 +117,6 @@ class Speculator:
                 d.misses = d.resume_at = 0
             else:
                 self._missed(d)
-
-    def step_verified(self) -> None:
-        self.stats.verify_steps += 1
 
     def finished(self, req: Request) -> None:
         """A request ended. Its history goes to the proposer's store only if it was ever looked up: a request that
