@@ -117,9 +117,9 @@ def test_a_call_list_cut_by_max_tokens_keeps_its_complete_calls():
     assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather",
                                                                                         {"city": "Oslo"})]
     renderer = ChatRenderer("c", "m", tools=plan)
-    message = renderer.response([Choice(0, text=cut, finish_reason="length")], UsageInfo()).choices[0]
-    assert message.finish_reason == "length" and message.message.content is None
-    assert [c["function"]["name"] for c in message.message.tool_calls] == ["get_weather"]
+    choice = renderer.response([Choice(0, text=cut, finish_reason="length")], UsageInfo()).choices[0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
     assert read_answer('[{"name": "get_w', plan, None).calls == []  # nothing complete: the text stays content
 
 

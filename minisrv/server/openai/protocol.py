@@ -8,13 +8,12 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from minisrv.engine.request import MAX_LOGPROBS
 
 MAX_N = 128  # choices per prompt
 MAX_CHOICES = 256  # choices per request, all prompts together (prompts x n): bounds the work one request asks for
-OPTIONAL_MESSAGE_KEYS = ("function_call", "reasoning_content", "reasoning")  # left out of a message when None
 
 
 class StreamOptions(BaseModel):
@@ -129,7 +128,7 @@ class UsageInfo(BaseModel):
 
 class Envelope(BaseModel):
     """A whole /v1/completions or /v1/chat/completions answer, or one of its stream's chunks, around its choices
-    (`object`: text_completion, chat.completion or chat.completion.chunk)."""
+    (`object`: text_completion, chat.completion or chat.completion.chunk; a choice is a dict: render.py)."""
 
     id: str
     object: str
@@ -140,43 +139,10 @@ class Envelope(BaseModel):
     system_fingerprint: Optional[str] = None
 
 
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: Optional[Dict[str, Any]] = None  # logprobs.completion_logprobs
-    finish_reason: Optional[str] = None
-
-
-class ChatResponseMessage(BaseModel):
-    """A message, or a delta, that may carry a thinking model's reasoning, under SGLang's and vLLM's name and under
-    vLLM's newer one, or a legacy `functions` request's function_call; these keys are left out where there is none,
-    so that other responses keep their shape."""
-
-    role: Optional[str] = "assistant"
-    content: Optional[str] = None
-    tool_calls: Optional[List[Dict[str, Any]]] = None
-    function_call: Optional[Dict[str, Any]] = None
-    reasoning_content: Optional[str] = None
-    reasoning: Optional[str] = None
-
-    @model_serializer(mode="wrap")
-    def _drop_absent_extras(self, handler: Any) -> Dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None or k not in OPTIONAL_MESSAGE_KEYS}
-
-
-class DeltaMessage(ChatResponseMessage):
-    role: Optional[str] = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: Optional[Dict[str, Any]] = None  # logprobs.chat_logprobs
-    finish_reason: Optional[str] = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: Optional[Dict[str, Any]] = None
-    finish_reason: Optional[str] = None
+def chat_message(role: Optional[str], content: Optional[str] = None,
+                 tool_calls: Optional[List[Dict[str, Any]]] = None, **extras: Any) -> Dict[str, Any]:
+    """A chat answer's message, or a stream's delta (role None). `extras`: a thinking model's reasoning, under SGLang's
+    and vLLM's name (reasoning_content) and under vLLM's newer one (reasoning), or a legacy `functions` request's
+    function_call; these keys are left out where there is none, so that other responses keep their shape."""
+    return {"role": role, "content": content, "tool_calls": tool_calls,
+            **{k: v for k, v in extras.items() if v is not None}}

@@ -13,8 +13,7 @@ from ..plan.reasoning import ReasoningPlan
 from ..plan.tools import ToolPlan
 from ..streaming import SSE_DONE, sse
 from .logprobs import PositionedLogprob, TokenText, chat_logprobs, completion_logprobs
-from .protocol import (ChatChoice, ChatResponseMessage, ChatStreamChoice, CompletionChoice, DeltaMessage, Envelope,
-                       UsageInfo, now)
+from .protocol import Envelope, UsageInfo, chat_message, now
 
 
 @dataclass
@@ -63,8 +62,7 @@ class CompletionRenderer(OpenAIStream):
         return completion_logprobs(self.token_text, tokens, self.logprobs)
 
     def _chunk(self, index: int, text: str, logprobs: Optional[Dict[str, Any]], finish: Optional[str]) -> str:
-        return sse(self.frame(self.chunk, [CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                            finish_reason=finish)]))
+        return sse(self.frame(self.chunk, [_choice(index, "text", text, logprobs, finish)]))
 
     def opening(self, choice: Choice) -> List[str]:
         if self.echo_logprobs or not choice.prefix:
@@ -83,8 +81,8 @@ class CompletionRenderer(OpenAIStream):
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any:
         return self.frame("text_completion", [
-            CompletionChoice(index=ch.index, text=ch.prefix + ch.text, finish_reason=ch.finish_reason,
-                             logprobs=self._logprobs(ch.logprobs, ch if self.echo_logprobs else None))
+            _choice(ch.index, "text", ch.prefix + ch.text,
+                    self._logprobs(ch.logprobs, ch if self.echo_logprobs else None), ch.finish_reason)
             for ch in choices], usage)
 
 
@@ -101,26 +99,25 @@ class ChatRenderer(OpenAIStream):
     reasoning: Optional[ReasoningPlan] = None
     _streams: Dict[int, AnswerStream] = field(default_factory=dict)  # per choice, while streaming
 
-    def _chunk(self, index: int, delta: DeltaMessage, lps: Sequence[PositionedLogprob],
+    def _chunk(self, index: int, delta: Dict[str, Any], lps: Sequence[PositionedLogprob],
                finish: Optional[str]) -> str:
         logprobs = chat_logprobs(self.token_text, lps, self.top_logprobs) if self.logprobs and lps else None
-        return sse(self.frame(self.chunk, [ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
-                                                            finish_reason=finish)]))
+        return sse(self.frame(self.chunk, [_choice(index, "delta", delta, logprobs, finish)]))
 
     def opening(self, choice: Choice) -> List[str]:
         self._streams[choice.index] = AnswerStream(self.tools, self.reasoning)
-        return [self._chunk(choice.index, DeltaMessage(role="assistant", content=""), [], None)]
+        return [self._chunk(choice.index, chat_message("assistant", ""), [], None)]
 
     def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
                finish_reason: Optional[str]) -> List[str]:
         d = self._streams[choice.index].feed(text, finish_reason is not None, choice.token_ids)
         out, index = [], choice.index
         if d.reasoning:
-            out.append(self._chunk(index, DeltaMessage(reasoning_content=d.reasoning, reasoning=d.reasoning),
-                                   logprobs, None))
+            delta = chat_message(None, reasoning_content=d.reasoning, reasoning=d.reasoning)
+            out.append(self._chunk(index, delta, logprobs, None))
             logprobs = []
         if d.content or logprobs:
-            out.append(self._chunk(index, DeltaMessage(content=d.content), logprobs, None))
+            out.append(self._chunk(index, chat_message(None, d.content), logprobs, None))
         if not finish_reason:
             return out
         legacy = bool(d.calls) and self.tools.legacy
@@ -131,22 +128,21 @@ class ChatRenderer(OpenAIStream):
             else:
                 opening = {"tool_calls": [{**call.to_openai(i), "function": {"name": call.name, "arguments": ""}}]}
                 rest = {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}
-            out += [self._chunk(index, DeltaMessage(**opening), [], None),
-                    self._chunk(index, DeltaMessage(**rest), [], None)]
-        return out + [self._chunk(index, DeltaMessage(), [], _finish(finish_reason, d.calls, legacy))]
+            out += [self._chunk(index, chat_message(None, **opening), [], None),
+                    self._chunk(index, chat_message(None, **rest), [], None)]
+        return out + [self._chunk(index, chat_message(None), [], _finish(finish_reason, d.calls, legacy))]
 
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any:
         out = []
         for ch in choices:
             a = read_answer(ch.text, self.tools, self.reasoning, ch.token_ids)
             legacy = bool(a.calls) and self.tools.legacy
-            message = ChatResponseMessage(
-                content=a.content, tool_calls=None if legacy else [c.to_openai() for c in a.calls] or None,
+            message = chat_message(
+                "assistant", a.content, None if legacy else [c.to_openai() for c in a.calls] or None,
                 function_call={"name": a.calls[0].name, "arguments": a.calls[0].arguments} if legacy else None,
                 reasoning_content=a.reasoning or None, reasoning=a.reasoning or None)
             lps = chat_logprobs(self.token_text, ch.logprobs, self.top_logprobs) if self.logprobs else None
-            out.append(ChatChoice(index=ch.index, message=message, logprobs=lps,
-                                  finish_reason=_finish(ch.finish_reason, a.calls, legacy)))
+            out.append(_choice(ch.index, "message", message, lps, _finish(ch.finish_reason, a.calls, legacy)))
         return self.frame("chat.completion", out, usage)
 
 
@@ -157,3 +153,10 @@ def _finish(engine_reason: Optional[str], calls: Sequence[Any], legacy: bool) ->
     if not calls or engine_reason != "stop":
         return engine_reason
     return "function_call" if legacy else "tool_calls"
+
+
+def _choice(index: int, key: str, value: Any, logprobs: Optional[Dict[str, Any]], finish: Optional[str]
+            ) -> Dict[str, Any]:
+    """One choice of an answer or chunk: its text (a completion's), message (a chat answer's) or delta (a chat
+    chunk's), with its logprobs and finish_reason."""
+    return {"index": index, key: value, "logprobs": logprobs, "finish_reason": finish}
