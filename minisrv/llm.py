@@ -71,7 +71,7 @@ class LLM:
             token_ids=list(r.output_ids),
             finish_reason=r.finish_reason,
             logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
-            prompt_logprobs=prompt_logprob_list(r) if r.params.prompt_logprobs is not None else None,
+            prompt_logprobs=prompt_logprob_list(r),
         ) for p, r in zip(prompts, reqs)]
 
     def embed(self, inputs: Union[PromptType, Sequence[PromptType]], dimensions: Optional[int] = None,

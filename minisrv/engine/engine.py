@@ -264,7 +264,7 @@ class Engine:
             self.scheduler.finish(req, reason)
             self.num_cached_prompt_tokens += req.num_cached_tokens
             return RequestOutput.ended(req, reason, num_cached_tokens=req.num_cached_tokens,
-                                       prompt_logprobs=self._prompt_logprobs(req),
+                                       prompt_logprobs=prompt_logprob_list(req),
                                        embedding=req.embedding.vector if req.embedding is not None else None)
         if s.grammar_ended or tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_ids):
             reason = "stop"  # the token that ends it has no text (a grammar ends on accepting a stop token)
@@ -278,11 +278,7 @@ class Engine:
             text.finish()
             self.scheduler.finish(req, reason)
         return RequestOutput.token(req, token_id=tok, text=text.take(), logprob=s.logprob, offset=offset,
-                                   reason=reason, prompt_logprobs=self._prompt_logprobs(req) if num_out == 1 else None)
-
-    @staticmethod
-    def _prompt_logprobs(req: Request):
-        return prompt_logprob_list(req) if req.params.prompt_logprobs is not None else None
+                                   reason=reason, prompt_logprobs=prompt_logprob_list(req) if num_out == 1 else None)
 
     def _step_failed(self, reqs: List[Request], e: Exception) -> List[RequestOutput]:
         """A step raised. A request running alone is the cause: it fails. Otherwise each is retried alone."""

@@ -179,8 +179,11 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
-def prompt_logprob_list(req: "Request") -> List[Optional["TokenLogprob"]]:
-    """A request's prompt logprobs in prompt order; the first token has none (nothing predicts it)."""
+def prompt_logprob_list(req: "Request") -> Optional[List[Optional["TokenLogprob"]]]:
+    """A request's prompt logprobs in prompt order (None: it asked for none); the first token has none (nothing
+    predicts it)."""
+    if req.params.prompt_logprobs is None:
+        return None
     return [None] + [req.prompt_logprobs.get(i) for i in range(1, len(req.prompt_ids))]
 
 
