@@ -89,8 +89,7 @@ class Engine:
         if isinstance(params, PoolingParams) or self.parts.pooling is not None:
             return embedding_request(prompt_ids, params, self.parts.pooling, self.limits, self.parts.eos_ids, rid)
         max_new = check_request(prompt_ids, params, self.limits)
-        kw = {"rid": rid} if rid is not None else {}
-        return Request(list(prompt_ids), params, max_new, eos_ids=self.parts.eos_ids, **kw)
+        return Request(list(prompt_ids), params, max_new, rid, eos_ids=self.parts.eos_ids)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None) -> Request:
         return self.add(self.make_request(prompt_ids, params, rid))

@@ -76,9 +76,8 @@ def embedding_request(prompt_ids: Sequence[int], params: Any, pooling: Optional[
         raise RequestError("this is an embedding model: it serves embeddings (/v1/embeddings, LLM.embed), not "
                            "completions or chat", "model", "model_is_embedding")
     check_embedding_input(prompt_ids, pooling.dim if pooling is not None else 0, params, limits)
-    kw = {"rid": rid} if rid is not None else {}
-    return Request(list(prompt_ids), EMBEDDING_SAMPLING, 0, eos_ids=eos_ids,
-                   embedding=EmbeddingState(params, pooling.mode == "mean"), **kw)
+    return Request(list(prompt_ids), EMBEDDING_SAMPLING, 0, rid, eos_ids=eos_ids,
+                   embedding=EmbeddingState(params, pooling.mode == "mean"))
 
 
 @dataclass

@@ -200,7 +200,7 @@ class TokenLogprob:
     top: Dict[int, float]  # token id -> logprob of the top-n (empty when n = 0)
 
 
-_request_ids = itertools.count()  # default request ids (req-0, req-1, ...)
+_request_ids = itertools.count()  # default request ids
 _arrivals = itertools.count()  # arrival order, for the scheduler's first-come-first-served
 
 
@@ -212,7 +212,7 @@ class Request:
     prompt_ids: List[int]
     params: SamplingParams
     max_new_tokens: int  # resolved against the context length at admission
-    rid: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
+    rid: Optional[str] = None  # None: req-0, req-1, ... in order
     eos_ids: Sequence[int] = ()
     arrival: int = field(default_factory=lambda: next(_arrivals))
     text: Optional["TextStream"] = None  # the output's text, made by the engine as tokens arrive
@@ -240,6 +240,8 @@ class Request:
     thinking: Optional[ThinkingState] = None  # where its output is, with params.thinking (engine/thinking.py)
 
     def __post_init__(self) -> None:
+        if self.rid is None:
+            self.rid = f"req-{next(_request_ids)}"
         if self.params.seed is not None:  # only seeded rows use it (see sampler)
             self.sampling_seed = self.params.seed
         if self.params.thinking is not None:

@@ -17,7 +17,6 @@ Stateless: `store: true` is accepted but nothing is stored, so what needs a stor
 Anything else in `input` is a 400 naming the item; a 400's `param` names the Responses field."""
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Dict, List, Optional, Union
 
