@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, Field, StrictInt
 
 from ..errors import APIError
 from ..generation import Generation, serve
@@ -41,7 +41,6 @@ ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
 
 
 class AnthropicMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
     role: Literal["user", "assistant", "system"]
     content: Union[str, List[Dict[str, Any]]]
 
@@ -49,7 +48,6 @@ class AnthropicMessage(BaseModel):
 class CountTokensRequest(BaseModel):
     """The fields of a request that shape its prompt (all that count_tokens reads)."""
 
-    model_config = ConfigDict(extra="ignore")
     model: Optional[str] = None  # Anthropic requires it; minisrv serves one model and accepts its absence
     messages: List[AnthropicMessage] = Field(..., min_length=1)
     system: Optional[Union[str, List[Dict[str, Any]]]] = None

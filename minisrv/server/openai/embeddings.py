@@ -14,7 +14,7 @@ from typing import Any, List, Literal, Optional, Union
 import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, field_validator
 
 from minisrv.engine.pooling import PoolingParams, check_embedding_input
 
@@ -30,8 +30,6 @@ MAX_INPUTS = 2048  # inputs per request (OpenAI's limit)
 
 
 class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     input: Any  # str | list[str] | list[int] | list[list[int]], checked below
     model: Optional[str] = None
     dimensions: Optional[int] = None

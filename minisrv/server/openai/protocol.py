@@ -1,8 +1,8 @@
 """OpenAI request/response schemas (the subset minisrv serves). pydantic checks a request's shape and types and the
 fields only the server knows (n, the logprobs counts, the messages); the sampling fields' ranges are
 SamplingParams' and check_request's, the one validation the offline API and the engine also use. Unknown fields are
-ignored, as OpenAI-compatible servers do; unsupported ones that would change a request's meaning are refused by the
-routes."""
+ignored (pydantic's default, which every API's request schema keeps), as OpenAI-compatible servers do; unsupported
+ones that would change a request's meaning are refused by the routes."""
 from __future__ import annotations
 
 import time
@@ -23,8 +23,6 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions. None means: SamplingParams' default (for chat's
     max_tokens: the rest of the context)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: Optional[str] = None  # OpenAI requires it; minisrv serves one model and accepts its absence
     max_tokens: Optional[int] = None

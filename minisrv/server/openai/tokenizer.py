@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, StrictBool, StrictInt, StrictStr, model_validator
 
 from minisrv import __version__
 
@@ -36,8 +36,6 @@ class TokenizeRequest(BaseModel):
     """vLLM's TokenizeCompletionRequest (`prompt`) and TokenizeChatRequest (`messages`) in one schema: exactly one
     of the two. add_special_tokens defaults to true for a prompt and to false for messages (the template writes
     the special tokens itself)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: Optional[StrictStr] = None
     prompt: Optional[StrictStr] = None
@@ -62,16 +60,12 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     model: Optional[StrictStr] = None
     tokens: List[StrictInt]
 
 
 class FlushCacheRequest(BaseModel):
     """/flush_cache takes no parameters; a body, if sent, must be a JSON object."""
-
-    model_config = ConfigDict(extra="ignore")
 
 
 def tokenizer_path(state: "ServerState") -> str:

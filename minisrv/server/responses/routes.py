@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, StrictBool
+from pydantic import BaseModel, StrictBool
 
 from ..errors import APIError
 from ..generation import Generation, serve
@@ -43,8 +43,6 @@ MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 
 class ResponsesRequest(BaseModel):
     """The fields minisrv reads; others are ignored, as its chat endpoint ignores unknown ones."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: Optional[str] = None
     input: Union[str, List[Any]]
