@@ -53,7 +53,7 @@ def _lp(tok: int) -> List[TokenLogprob]:
 def output(rid: str, tok: int, text: str, offset: int, n_out: int, reason: Optional[str] = None,
            logprobs: bool = True) -> RequestOutput:
     return RequestOutput(rid, [tok], text, _lp(tok) if logprobs else [], [offset], reason is not None, reason,
-                         num_prompt_tokens=5, num_output_tokens=n_out)
+                         num_output_tokens=n_out)
 
 
 Script = Callable[[str, List[int], SamplingParams], Sequence[Any]]
@@ -93,8 +93,7 @@ def hello_world(words: List[int], fail: Optional[str] = None) -> Script:
         lp = params.logprobs is not None
         if fail is not None:
             return [output(rid, hello, " Hello", 0, 1, logprobs=lp),
-                    RequestOutput(rid, [], "", [], [], True, "error", num_prompt_tokens=len(prompt),
-                                  num_output_tokens=1, error=fail)]
+                    RequestOutput(rid, [], "", [], [], True, "error", num_output_tokens=1, error=fail)]
         return [output(rid, hello, " Hello", 0, 1, logprobs=lp), output(rid, world, " world", 6, 2, logprobs=lp),
                 output(rid, eos, "", 12, 3, "stop", logprobs=lp)]
     return script

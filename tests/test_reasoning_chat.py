@@ -258,7 +258,7 @@ class Scripted:
         loop, offset = asyncio.get_running_loop(), 0
         for k, text in enumerate(self.deltas):
             last = k == len(self.deltas) - 1
-            out = RequestOutput(rid, [5], text, [], [offset], last, "stop" if last else None, num_prompt_tokens=3,
+            out = RequestOutput(rid, [5], text, [], [offset], last, "stop" if last else None,
                                 num_output_tokens=k + 1)
             loop.call_later(0.001 * (k + 1), sink.put_nowait, (tag, out))
             offset += len(text)

@@ -174,10 +174,9 @@ class FailingEngine(LocalEngine):
 
     def submit(self, rid, prompt_ids, params, sink, tag) -> None:
         from minisrv.engine.request import RequestOutput
-        sink.put_nowait((tag, RequestOutput(rid, [7], " Hi", [], [0], False, None, num_prompt_tokens=len(prompt_ids),
-                                            num_output_tokens=1)))
-        sink.put_nowait((tag, RequestOutput(rid, [], "", [], [], True, "error", num_prompt_tokens=len(prompt_ids),
-                                            num_output_tokens=1, error="boom")))
+        sink.put_nowait((tag, RequestOutput(rid, [7], " Hi", [], [0], False, None, num_output_tokens=1)))
+        sink.put_nowait((tag, RequestOutput(rid, [], "", [], [], True, "error", num_output_tokens=1,
+                                            error="boom")))
 
 
 def test_a_failure_after_the_stream_began_is_an_error_event(qwen2_engine) -> None:

@@ -324,7 +324,6 @@ class RequestOutput:
     finished: bool
     finish_reason: Optional[str] = None
     stop_str: Optional[str] = None
-    num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: Optional[str] = None  # with finish_reason "error": what went wrong
@@ -340,9 +339,8 @@ class RequestOutput:
               embedding: Optional[object] = None) -> "RequestOutput":
         """A request that ends without a new token: aborted, failed, done scoring its prompt, or embedded."""
         return cls(rid=req.rid, new_token_ids=[], new_text="", new_logprobs=[], text_offsets=[], finished=True,
-                   finish_reason=reason, num_prompt_tokens=len(req.prompt_ids),
-                   num_output_tokens=len(req.output_ids), num_cached_tokens=num_cached_tokens, error=error,
-                   error_param=error_param, prompt_logprobs=prompt_logprobs, embedding=embedding)
+                   finish_reason=reason, num_output_tokens=len(req.output_ids), num_cached_tokens=num_cached_tokens,
+                   error=error, error_param=error_param, prompt_logprobs=prompt_logprobs, embedding=embedding)
 
     @classmethod
     def token(cls, req: Request, token_id: int, text: str, logprob: Optional[TokenLogprob], offset: int,
@@ -352,8 +350,8 @@ class RequestOutput:
         return cls(rid=req.rid, new_token_ids=[token_id], new_text=text,
                    new_logprobs=[logprob] if logprob is not None else [], text_offsets=[offset],
                    finished=reason is not None, finish_reason=reason, stop_str=req.text.stop_str,
-                   num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
-                   num_cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt_logprobs)
+                   num_output_tokens=len(req.output_ids), num_cached_tokens=req.num_cached_tokens,
+                   prompt_logprobs=prompt_logprobs)
 
 
 @dataclass

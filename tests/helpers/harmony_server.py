@@ -63,7 +63,7 @@ class ScriptedIds:
             last = k == len(self.ids) - 1
             text = self.tok.decode([tid], skip_special_tokens=True)
             out = RequestOutput(rid, [tid], text, [], [offset], last, "stop" if last else None,
-                                num_prompt_tokens=len(prompt_ids), num_output_tokens=k + 1)
+                                num_output_tokens=k + 1)
             loop.call_later(0.001 * (k + 1), sink.put_nowait, (tag, out))
             offset += len(text)
 
