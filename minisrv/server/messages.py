@@ -3,7 +3,7 @@ receiver dispatches on the class, so a misspelt tag or a misplaced field fails w
 pickled over engine_proc.py's pipes, so they hold only plain data, SamplingParams and RequestOutput."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
 from minisrv.engine.pooling import PoolingParams
@@ -20,14 +20,13 @@ class EngineInfo:
     context_length: int
     max_request_len: int
     vocab_size: int
-    eos_ids: List[int] = field(default_factory=list)
     embedding_dim: int = 0  # an embedding model's vector size (it serves /v1/embeddings only); 0: a generation model
 
     @classmethod
     def from_engine(cls, engine: Any) -> "EngineInfo":
         p = engine.parts
         return cls(str(p.model_path), p.backend_name, str(p.device), p.context_length, p.max_request_len,
-                   p.args.vocab_size, list(p.eos_ids), p.pooling.dim if p.pooling is not None else 0)
+                   p.args.vocab_size, p.pooling.dim if p.pooling is not None else 0)
 
     @property
     def limits(self) -> RequestLimits:

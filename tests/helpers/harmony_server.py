@@ -81,5 +81,5 @@ def harmony_app(folder: str, completion: str) -> Any:
     """The app, and its engine client, answering with `completion` (harmony text, special tokens written out)."""
     tok = HarmonyTokenizer(gpt_oss_folder(folder))
     client = ScriptedIds(tok, tok.enc.encode(completion, allowed_special="all"))
-    info = EngineInfo("gpt-oss", "torch", "cpu", 8192, 8192, VOCAB, [200002])
+    info = EngineInfo("gpt-oss", "torch", "cpu", 8192, 8192, VOCAB)
     return create_app(ServerState(client=client, tokenizer=tok, served_model_name="m", info=info)), client
