@@ -102,9 +102,9 @@ def test_the_plan_allows_one_call_without_parallel_calls():
     assert "maxItems" not in json.loads(plan_tools([WEATHER, TIME], "required").json_schema)
     two = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
            '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')
-    assert [c.name for c in parse_tool_calls(two, plan_tools([WEATHER, TIME], "auto"))[1]] == ["get_weather",
-                                                                                               "get_time"]
-    assert [c.name for c in parse_tool_calls(two, plan_tools([WEATHER, TIME], "auto", parallel=False))[1]] == \
+    assert [c.name for c in read_answer(two, plan_tools([WEATHER, TIME], "auto"), None).calls] == ["get_weather",
+                                                                                                   "get_time"]
+    assert [c.name for c in read_answer(two, plan_tools([WEATHER, TIME], "auto", parallel=False), None).calls] == \
         ["get_weather"]
     with pytest.raises(RequestError):
         plan_tools(None, None, parallel=False)

@@ -70,7 +70,8 @@ class AnswerStream:
             if sure > self.sent:
                 out.content = self.answer[self.sent:sure]
         else:
-            content, out.calls = parse_tool_calls(self.answer, plan)
+            content, calls = parse_tool_calls(self.answer, plan)
+            out.calls = calls if plan.parallel else calls[:1]
             out.content = (content or "")[self.sent:] if out.calls else self.answer[self.sent:]
         self.sent += len(out.content)
         out.content = head + out.content

@@ -156,12 +156,8 @@ def _array_items(text: str) -> Optional[List[Any]]:
 
 
 def parse_tool_calls(text: str, plan: ToolPlan) -> Tuple[Optional[str], List[ToolCall]]:
-    """The model's output -> (content left, tool calls). Text that is not a well-formed call stays content."""
-    content, calls = _parse_tool_calls(text, plan)
-    return content, calls if plan.parallel else calls[:1]
-
-
-def _parse_tool_calls(text: str, plan: ToolPlan) -> Tuple[Optional[str], List[ToolCall]]:
+    """The model's output -> (content left, tool calls). Text that is not a well-formed call stays content. (Without
+    parallel calls, answer.py keeps the first.)"""
     if plan.mode == "named":
         return None, [ToolCall(plan.named, text.strip())]
     if plan.mode == "required":
