@@ -114,17 +114,11 @@ class ModelRunner:
         seq_lens = [r.num_cached + n for r, n in zip(reqs, ext)]
         if sb.mode is ForwardMode.DECODE:
             ids, pos, pending_rows = self._decode_inputs(reqs)
-        elif sb.drafts is not None:  # a verify step: each request's last token, then its draft
+        else:  # an extend step; a verify step's requests extend by their last token and their draft
             ids, pos, pending_rows = [], [], []
-            for r, d in zip(reqs, sb.drafts):
-                assert not r.num_pending, "a verify step needs every token of its requests on the host"
-                ids += [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1], *d]
-                pos.extend(range(r.num_cached, r.num_cached + 1 + len(d)))
-        else:
-            ids, pos, pending_rows = [], [], []
-            for r, n in zip(reqs, ext):
-                assert not r.num_pending, "an extend step needs every token of its requests on the host"
-                ids.extend(r.all_ids[r.num_cached:r.num_cached + n])
+            for i, (r, n) in enumerate(zip(reqs, ext)):
+                assert not r.num_pending, "an extend or verify step needs every token of its requests on the host"
+                ids += r.all_ids[r.num_cached:r.num_cached + n] if sb.drafts is None else [r.last_id, *sb.drafts[i]]
                 pos.extend(range(r.num_cached, r.num_cached + n))
         cu = list(accumulate(ext, initial=0))
         logit_rows = list(range(cu[-1])) if sb.drafts is not None else [c - 1 for c in cu[1:]]
@@ -152,7 +146,7 @@ class ModelRunner:
                 ids.append(0)
             else:
                 pending_rows.append(-1)
-                ids.append(r.output_ids[-1] if r.output_ids else r.prompt_ids[-1])
+                ids.append(r.last_id)
             pos.append(r.num_cached)
         if not any(r >= 0 for r in pending_rows):
             pending_rows = []

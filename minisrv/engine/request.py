@@ -252,6 +252,11 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def last_id(self) -> int:
+        """Its newest token on the host (the prompt's last before any output)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def num_output_tokens(self) -> int:
         """Sampled tokens, including those still on their way from the device."""
         return len(self.output_ids) + self.num_pending
