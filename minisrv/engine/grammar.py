@@ -170,10 +170,9 @@ class GrammarBackend:
 
     def _compile(self, kind: str, text: str) -> Any:
         comp = self._get_compiler()
-        if kind == "json_schema":
-            return comp.compile_json_schema(text, max_whitespace_cnt=MAX_JSON_WHITESPACE)
-        if kind == "json_object":
-            return comp.compile_json_schema(ANY_OBJECT_SCHEMA, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+        if kind in ("json_schema", "json_object"):
+            schema = text if kind == "json_schema" else ANY_OBJECT_SCHEMA
+            return comp.compile_json_schema(schema, max_whitespace_cnt=MAX_JSON_WHITESPACE)
         if kind == "regex":
             return comp.compile_regex(text)
         if kind == "ebnf":
