@@ -49,10 +49,10 @@ def _is_number(x: object) -> bool:
     return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
 
 
-# a SamplingParams field's type (int, or float: any finite number), its allowed values and how a 400 says them;
-# None passes where the field is Optional
+# a SamplingParams field's type (float: any finite number; Optional: None passes too), its allowed values, and how a
+# 400 says them
 FIELD_RULES = {
-    "max_tokens": (int, lambda v: v >= 0, "at least 0"),
+    "max_tokens": (Optional[int], lambda v: v >= 0, "at least 0"),
     "temperature": (float, lambda v: v >= 0, "non-negative"),
     "top_p": (float, lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
     "top_k": (int, lambda v: v >= -1, "-1 (disabled) or positive"),
@@ -60,9 +60,9 @@ FIELD_RULES = {
     "presence_penalty": (float, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
     "frequency_penalty": (float, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
     "repetition_penalty": (float, lambda v: 0.0 < v <= 100.0, "in (0, 100]"),
-    "seed": (int, lambda v: -2 ** 63 <= v < 2 ** 63, "a signed 64-bit integer"),
-    "logprobs": (int, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
-    "prompt_logprobs": (int, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+    "seed": (Optional[int], lambda v: -2 ** 63 <= v < 2 ** 63, "a signed 64-bit integer"),
+    "logprobs": (Optional[int], lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+    "prompt_logprobs": (Optional[int], lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
 }
 
 
@@ -121,10 +121,10 @@ class SamplingParams:
         """Types, ranges and counts that need no model; raises RequestError."""
         for name, (kind, ok, allowed) in FIELD_RULES.items():
             v = getattr(self, name)
-            if v is None and self.__dataclass_fields__[name].type.startswith("Optional"):
+            if v is None and kind == Optional[int]:
                 continue
-            if not (_is_int(v) if kind is int else _is_number(v)):
-                raise RequestError(f"{name} must be {'an integer' if kind is int else 'a finite number'}, got {v!r}",
+            if not (_is_number(v) if kind is float else _is_int(v)):
+                raise RequestError(f"{name} must be {'a finite number' if kind is float else 'an integer'}, got {v!r}",
                                    name)
             if not ok(v):
                 raise RequestError(f"{name} must be {allowed}, got {v}", name)
