@@ -17,10 +17,9 @@ Under ANTHROPIC_PATH (/v1/messages) the same failures, with the same statuses, t
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -88,16 +87,14 @@ def request_failed(detail: Optional[str]) -> APIError:
     return APIError(500, f"the engine failed this request: {detail or 'unknown error'}", SERVER)
 
 
-def validation_message(exc: Union[RequestValidationError, ValidationError]) -> Tuple[str, Optional[str]]:
-    """pydantic's errors -> one message naming the field, and the top-level field as `param`."""
+def validation_message(exc: ValidationError) -> Tuple[str, Optional[str]]:
+    """pydantic's errors (a route's schema over the JSON value json_body.py decoded) -> one message naming the field,
+    and the top-level field as `param`."""
     errs = exc.errors()
     if not errs:
         return "invalid request", None
     e = errs[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    if e.get("type") == "json_invalid":
-        detail = (e.get("ctx") or {}).get("error", "")
-        return f"request body is not valid JSON{': ' + str(detail) if detail else ''}", None
+    loc = [str(x) for x in e.get("loc", ())]
     msg = str(e.get("msg", "invalid value"))
     msg = msg.removeprefix("Value error, ")
     param = loc[0] if loc else None
@@ -117,9 +114,6 @@ def install_error_handlers(app: FastAPI) -> None:
             error = e
         elif isinstance(e, RequestError):
             error = from_request_error(e)
-        elif isinstance(e, RequestValidationError):
-            msg, param = validation_message(e)
-            error = APIError(400, msg, param=param)
         elif isinstance(e, StarletteHTTPException):
             error = APIError(e.status_code, str(e.detail), INVALID if e.status_code < 500 else SERVER)
         else:
@@ -127,6 +121,5 @@ def install_error_handlers(app: FastAPI) -> None:
             error = APIError(500, f"internal server error: {type(e).__name__}: {e}", SERVER)
         return error.response(request.url.path)
 
-    for kind in (APIError, RequestError, RequestValidationError, StarletteHTTPException, ClientGone,
-                 ClientDisconnect, Exception):
+    for kind in (APIError, RequestError, StarletteHTTPException, ClientGone, ClientDisconnect, Exception):
         app.add_exception_handler(kind, answer)
