@@ -112,9 +112,8 @@ def main() -> int:
     p.add_argument("--json", help="append results as JSON lines here")
     p.add_argument("--torch-profile", action="store_true", help="print the top kernels of the timed steps")
     p.add_argument("--cprofile", action="store_true", help="print the host's top Python functions in the timed steps")
+    p.set_defaults(log_level="warning")  # (the engine's own default is info)
     a = p.parse_args()
-    if a.log_level == EngineConfig.log_level:
-        a.log_level = "warning"
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     from minisrv.llm import LLM
     rows = []

@@ -53,6 +53,7 @@ import os
 import statistics
 import sys
 import time
+from typing import List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -168,6 +169,34 @@ def speculation_figures(counters):
             "mean_accepted_length": round((accepted + verified) / verified, 3) if verified else None}
 
 
+def watch_window_pool(eng) -> List[int]:
+    """Record the pages the running requests hold of both kinds (full, windowed) at the step where they hold the
+    most full ones: a pool whose windowed layers keep only their window (kvcache/pool.py). (Pages only the prefix
+    cache holds are left out: it gives them back under pressure.)"""
+    peak, step = [0, 0], eng.step
+
+    def watched_step():
+        running = eng.scheduler.running
+        full = sum(len(r.pages) for r in running)
+        if full >= peak[0]:
+            peak[:] = [full, sum(p is not None for r in running for p in r.window_pages)]
+        return step()
+
+    eng.step = watched_step
+    return peak
+
+
+def print_window_peak(eng, full: int, window: int) -> None:
+    """The KV memory the peak's context took, per token of it, against every layer keeping every token."""
+    pool = eng.parts.pool
+    page_bytes = [kv.nbytes // kv.shape[1] for kv in pool.kv]  # a page of each layer ([2, pages, page, Hkv, D])
+    held = sum(b * (window if i in pool.window_layers else full) for i, b in enumerate(page_bytes))
+    tokens = max(full, 1) * pool.page_size
+    print(f"KV at its peak: {tokens} tokens of context in {held / 2**30:.2f} GiB ({window * pool.page_size} "
+          f"windowed tokens) = {held / tokens:.0f} bytes a token, {held / (sum(page_bytes) * max(full, 1)):.3f} of "
+          f"every layer global")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineConfig.add_cli_args(p)
@@ -190,9 +219,8 @@ def main() -> int:
                    help="generate every request under this JSON schema (JSON text; without a value: "
                         f"{json.dumps(BENCH_SCHEMA)})")
     p.add_argument("--json", help="append the result as one JSON line to this file")
+    p.set_defaults(log_level="warning")  # (the engine's own default is info)
     a = p.parse_args()
-    if a.log_level == EngineConfig.log_level:
-        a.log_level = "warning"
     cuda = torch.cuda.is_available() and a.device != "cpu"
     workload = a.workload if a.workload != "auto" else ("nano" if cuda else "cpu")
     if workload == "prefix":
@@ -234,6 +262,7 @@ def main() -> int:
     eng.runner.wait_s = 0.0
     eng.runner.num_cascade_steps = 0
     trace = trace_steps(eng) if a.steps else None
+    window_peak = watch_window_pool(eng) if eng.parts.window_allocator is not None else None
     cprof = None
     if a.cprofile:
         import cProfile
@@ -258,6 +287,8 @@ def main() -> int:
         pstats.Stats(cprof).sort_stats("tottime").print_stats(25)
     if trace is not None:
         print_steps(trace)
+    if window_peak is not None:
+        print_window_peak(eng, *window_peak)
     out_tokens = sum(len(o.token_ids) for o in outs)
     in_tokens = sum(len(pr) for pr in prompts)
     asked = sum(sp.max_tokens for sp in params)

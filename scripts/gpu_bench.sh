@@ -24,7 +24,7 @@
 #   gpt-oss   gpt-oss-20b with MXFP4 experts (random, scripts/make_hub_checkpoint.py): decode steps at batch 1 and 64,
 #             the offline workload; on the fa attention backend (FA3's sinks), the decode steps on torch too
 #   gemma3    Gemma-3-12B (random, scripts/make_hub_checkpoint.py): 8 prompts of 32k tokens + 256 output tokens each
-#             (retractions printed), and the KV pool's bytes per token from the engine's start-up log
+#             (retractions printed), and the KV its requests held per token of context at the peak
 #   tp        two GPUs, Llama-3-8B shape: decode steps and the workload at tp 1, tp 2, tp 2 with the fused all-reduce;
 #             the fused all-reduce alone; where a tp 2 step goes
 # Each step's output is appended to $OUT/bench.log, results to $OUT/*.jsonl, and the output tok/s of every step that
@@ -155,11 +155,11 @@ for suite in "$@"; do case $suite in
     bench gpt-oss 400 $OFFLINE --model $O --attention-backend fa ;;
   gemma3) G3=/tmp/gemma3-12b
     hub_checkpoint gemma-3-12b $G3
+    # long prompts want few windowed pages beside the full ones: SGLang's --swa-full-tokens-ratio, lowered
     bench gemma3-32k 600 $OFFLINE --model $G3 --num-prompts 8 --min-input-len 32768 --max-input-len 32768 \
-      --min-output-len 256 --max-output-len 256 --log-level info
-    # the start-up's pool lines: with the windowed pool, its bytes per token of context and its share of every
-    # layer global
-    grep -h "KV pool" /tmp/gpu-step.log | sed -E 's/.*(KV pool.*)/\1/' ;;
+      --min-output-len 256 --max-output-len 256 --swa-full-tokens-ratio 0.1 --log-level info
+    # the pool's split at start and, at the run's peak, the KV its requests held per token of context
+    grep -h -E "KV pool|KV at its peak" /tmp/gpu-step.log | sed -E 's/.*(KV (pool|at its peak).*)/\1/' ;;
   tp) checkpoints llama3-8b
     # FlashInfer's communication kernels (the fused all-reduce) build for minutes: beside the tp 1 runs
     background 600 python3 -c "from flashinfer.comm.trtllm_ar import get_trtllm_comm_module as g; g()" \

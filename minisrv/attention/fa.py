@@ -104,9 +104,10 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
         if any(a.sinks is not None for a in self.layers) and not _takes(self._attn, "sinks"):
             raise ValueError("this FlashAttention-3 build takes no attention sinks, which this model has: use "
                              "--attention-backend torch, or a build made for gpt-oss (sgl-kernel)")
-        # each layer's options as the kernel's keyword arguments (the defaults where a layer has none)
+        # each layer's options as the kernel's keyword arguments (the defaults where a layer has none; FA3 takes the
+        # sinks in bfloat16 whatever the model's dtype, as gpt-oss's checkpoints hold them)
         self.layer_args = [dict(softmax_scale=a.scale, **({"window_size": (a.window_left, 0)} if a.window else {}),
-                                **({"sinks": a.sinks_tensor(pool.device)} if a.sinks is not None else {}))
+                                **({"sinks": a.sinks_tensor(pool.device).bfloat16()} if a.sinks is not None else {}))
                            for a in self.layers]
         self.page_size = pool.page_size
         self.fp8 = pool.quantized

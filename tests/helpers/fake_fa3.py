@@ -5,9 +5,10 @@ The signature is the FA3 build's (flash_attn_interface, keyword names included):
 it would there. Semantics as FA3 documents them: pages [num_pages, page_size, Hkv, D]; request b's keys are the
 first cache_seqlens[b] of its pages page_table[b] in order; q is [B, Sq, Hq, D], or ragged [T, Hq, D] with
 cu_seqlens_q; `causal` aligns a request's queries to the bottom right (query j of Sq sees keys up to L - Sq + j),
-window_size (left, 0) also hides keys more than `left` before it; `sinks` (float32 [Hq]) joins each row's softmax
+window_size (left, 0) also hides keys more than `left` before it; `sinks` (bfloat16 [Hq]) joins each row's softmax
 denominator as one more logit with no value. It also checks what the backend promises the kernel: int32 lengths and
-page tables on the pool's device, and a float32 sink per query head.
+page tables on the pool's device, and a bfloat16 sink per query head (FA3's
+check: "sinks must have dtype bfloat16").
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape
     hq, d = q.shape[-2:]
     if sinks is not None:
-        assert sinks.dtype == torch.float32 and tuple(sinks.shape) == (hq,), "sinks: float32 [Hq]"
+        assert sinks.dtype == torch.bfloat16 and tuple(sinks.shape) == (hq,), "sinks: bfloat16 [Hq]"
     scale = softmax_scale if softmax_scale is not None else d ** -0.5
     page_size = k_cache.shape[1]
     lens = cache_seqlens.tolist()

@@ -123,7 +123,8 @@ def make_config(name: str, **overrides):
 
 def init_weights(model: torch.nn.Module, seed: int, std: float = 0.15) -> None:
     """Weights large enough that greedy choices are rarely near-ties; norms, biases and attention sinks randomised
-    too (sinks as large as scores), so the tests notice if one of them is dropped or applied to the wrong tensor."""
+    too (sinks as large as scores, and exact in bfloat16 as the hub's are: FA3 takes them in bfloat16), so the tests
+    notice if one of them is dropped or applied to the wrong tensor."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -132,7 +133,7 @@ def init_weights(model: torch.nn.Module, seed: int, std: float = 0.15) -> None:
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
             elif name.endswith("sinks"):
-                p.copy_(1.5 * torch.randn(p.shape, generator=g))
+                p.copy_((1.5 * torch.randn(p.shape, generator=g)).bfloat16())
             else:
                 p.copy_(std * torch.randn(p.shape, generator=g))
 
