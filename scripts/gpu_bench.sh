@@ -11,6 +11,8 @@
 #   decode    decode steps by batch size: 0.6B, 8B (bf16, FP8 KV, FP8 weights + KV), MoE (bf16, FP8)
 #   kernels   the kernels alone: decode attention, the fused experts, the small-batch FP8 GEMM
 #   serving   bench_serving against a server: plain, half the requests constrained, the reasoning parser off / on
+#   dp        two GPUs, 0.6B shape: bench_serving at saturation against --dp-size 1 and 2 (the HTTP process's CPU
+#             seconds printed after each run)
 #   startup   launch to the first chat answer, 0.6B and 8B shapes
 #   profile   where a decode step's time goes (torch profiler; the host's Python) on the three shapes
 #   spec      speculative decoding's verify path at a set acceptance (drafts replayed from a plain run: decode and
@@ -32,7 +34,7 @@
 set -u
 TREES=.
 [ "${1:-}" = --ab ] && { TREES=". .baseline"; shift; }
-[ $# -gt 0 ] || { sed -n 2,29p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,33p "$0"; exit 2; }
 . scripts/gpu_env.sh
 Q=$MINISRV_GPU_CKPT L=/tmp/llama8b M=/tmp/moe JTOK=/tmp/json-tokenizer TTOK=/tmp/think-tokenizer
 
@@ -68,8 +70,12 @@ serve() { local label=$1 flags=$2 tree port=30123 spid; shift 2
     for _ in $(seq 300); do kill -0 $spid 2>/dev/null || break
       python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" 2>/dev/null && break
       sleep 1; done
+    local http=$(pgrep -P $spid | head -1) ticks=0  # the HTTP process (the engines are its children)
+    [ -n "$http" ] && ticks=$(awk '{print $14 + $15}' /proc/$http/stat)
     step "$label$(tag $tree)" 300 python3 "$tree/scripts/bench_serving.py" --base-url http://127.0.0.1:$port \
       --output "/tmp/$label.json" "$@"
+    [ -n "$http" ] && awk -v t0=$ticks -v hz=$(getconf CLK_TCK) '{printf "HTTP process CPU over the run: %.1f s\n", \
+      ($14 + $15 - t0) / hz}' /proc/$http/stat
     kill $spid 2>/dev/null; wait $spid; done; }
 OFFLINE="bench_offline.py --json $OUT/bench.jsonl"
 DECODE="bench_decode.py --graphs on --steps 32 --json $OUT/decode.jsonl"
@@ -114,6 +120,10 @@ for suite in "$@"; do case $suite in
     NANO_CHAT="--endpoint chat --num-prompts 256 --random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.0977 --temperature 0.6"
     serve think-off "--tokenizer $TTOK" $NANO_CHAT
     serve think-on "--tokenizer $TTOK --reasoning-parser deepseek_r1" $NANO_CHAT ;;
+  dp) checkpoints qwen3-0.6b  # two GPUs: one replica, then two, behind the one HTTP server, at saturation
+    SATURATE="--num-prompts 1024 --request-rate inf --random-input-len 512 --random-output-len 256 --random-range-ratio 0.5 --warmup 64"
+    serve dp1 "" $SATURATE
+    serve dp2 "--dp-size 2" $SATURATE ;;
   startup) checkpoints qwen3-0.6b llama3-8b
     bench startup-0.6b 580 bench_startup.py --runs 3 --print-log --until-built -- --model $Q
     bench startup-8b 400 bench_startup.py --runs 2 --print-log --until-built -- --model $L ;;
