@@ -61,11 +61,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--input", "-i", help="JSONL file of prompts ('-' for stdin)")
     p.add_argument("--output", "-o", help="write results as JSONL here instead of printing")
     p.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn")
+    p.add_argument("--dp-size", "--dp", dest="dp_size", type=int, default=1,
+                   help="engine replicas sharing the prompts, each on its own GPUs (--tp-size of them)")
     EngineConfig.add_cli_args(p)
     add_sampling_args(p)
+    p.set_defaults(log_level="warning")  # (the engine's own default is info)
     a = p.parse_args(argv)
-    if a.log_level == EngineConfig.log_level:
-        a.log_level = "warning"
 
     items: List[Dict[str, Any]] = [{"prompt": s} for s in a.prompts]
     if a.input:
@@ -81,7 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if cfg.node_rank > 0:  # node 0 generates; this node runs only its tensor-parallel ranks
         from minisrv.engine.tp_workers import serve_node
         return serve_node(cfg)
-    llm = LLM(**vars(cfg))
+    llm = LLM(dp_size=a.dp_size, **vars(cfg))
     freeze_startup_heap()
     prompts = [llm.encode_chat(it["messages"] if "messages" in it else [{"role": "user", "content": it["prompt"]}])
                if "messages" in it or a.chat else it["prompt"] for it in items]
@@ -103,7 +104,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if sink:
         sink.close()
     print(f"{len(outs)} requests, {ntok} output tokens in {dt:.2f}s ({ntok / dt:.1f} tok/s), "
-          f"backend {llm.engine.parts.backend_name}", file=sys.stderr)
+          f"backend {llm.engine.parts.backend_name if llm.engine is not None else llm.replicas.info.backend_name}"
+          + (f", {a.dp_size} replicas" if a.dp_size > 1 else ""), file=sys.stderr)
     return 0
 
 

@@ -10,6 +10,7 @@ from minisrv.config import EngineConfig
 from minisrv.engine.engine import Engine
 from minisrv.engine.pooling import PoolingParams
 from minisrv.engine.request import CompletionOutput, Request, SamplingParams, prompt_logprob_list
+from minisrv.replica_pool import ReplicaPool
 from minisrv.server.plan.chat import ChatInputs, finish_plan, prompt_text
 from minisrv.server.plan.prompt import PromptMaker
 from minisrv.tokenizer.engine_tokenizer import transformers_tokenizer
@@ -18,20 +19,31 @@ PromptType = Union[str, List[int]]
 
 
 class LLM:
-    """Offline batch generation: every prompt is queued at once and the engine runs until all are done."""
+    """Offline batch generation: every prompt is queued at once and the engine runs until all are done. With
+    dp_size N > 1, N engine replicas in processes of their own (on GPUs base_gpu_id + r * tp_size ...) share each
+    call's prompts (replica_pool.py); `engine` is then None."""
 
-    def __init__(self, model: Optional[str] = None, attention_backend: str = "auto", **kwargs: Any) -> None:
-        self.engine = Engine(EngineConfig(model=model, attention_backend=attention_backend, **kwargs))
+    def __init__(self, model: Optional[str] = None, attention_backend: str = "auto", dp_size: int = 1,
+                 **kwargs: Any) -> None:
+        cfg = EngineConfig(model=model, attention_backend=attention_backend, **kwargs)
+        if dp_size < 1 or (dp_size > 1 and cfg.nnodes > 1):
+            raise ValueError("dp_size must be >= 1, and 1 across nodes (nnodes > 1)")
+        self.engine: Optional[Engine] = Engine(cfg) if dp_size == 1 else None
+        self.replicas = ReplicaPool(cfg, dp_size) if dp_size > 1 else None
         self._prompts: Optional[PromptMaker] = None  # the chat plan's view of the tokenizer, made on first use
 
     @property
     def tokenizer(self) -> Any:
         """transformers' tokenizer of the model (built on first use: the engine streams text without it)."""
-        return transformers_tokenizer(self.engine.parts.tokenizer)
+        return transformers_tokenizer(self.engine.parts.tokenizer if self.engine is not None else
+                                      self.replicas.tokenizer)
 
     def close(self) -> None:
-        """Stop the engine's tensor-parallel processes (also done at interpreter exit)."""
-        self.engine.close()
+        """Stop the engine's tensor-parallel processes, or the replicas (also done at interpreter exit)."""
+        if self.engine is not None:
+            self.engine.close()
+        else:
+            self.replicas.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -59,6 +71,14 @@ class LLM:
             [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if self.replicas is not None:
+            ids = [self._encode(x) for x in prompts]
+            done = self._run_replicas(ids, params, use_tqdm, "generate")
+            return [CompletionOutput(prompt=p if isinstance(p, str) else None, prompt_token_ids=i, text=d.text,
+                                     token_ids=d.token_ids, finish_reason=d.finish_reason,
+                                     logprobs=d.logprobs if sp.logprobs is not None else None,
+                                     prompt_logprobs=d.prompt_logprobs)
+                    for p, i, sp, d in zip(prompts, ids, params, done)]
         eng = self.engine
         reqs = [eng.make_request(self._encode(x), p) for x, p in zip(prompts, params)]  # all checked before any runs
         for p in {id(p): p for p in params}.values():
@@ -82,6 +102,9 @@ class LLM:
         if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
             inputs = [inputs]
         params = PoolingParams(dimensions)
+        if self.replicas is not None:
+            done = self._run_replicas([self._encode(x) for x in inputs], [params] * len(inputs), use_tqdm, "embed")
+            return [torch.from_numpy(d.embedding) for d in done]
         reqs = [self.engine.make_request(self._encode(x), params) for x in inputs]  # all checked before any runs
         self._run(reqs, use_tqdm, "embed")
         return [torch.from_numpy(r.embedding.vector) for r in reqs]
@@ -92,10 +115,7 @@ class LLM:
         for r in reqs:
             eng.add(r)
         live = {r.rid for r in reqs}
-        bar = None
-        if use_tqdm and len(reqs) > 1:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(reqs), desc=desc, unit="req")
+        bar = self._progress(len(reqs), use_tqdm, desc)
         try:
             while live:
                 for out in eng.step():
@@ -114,6 +134,21 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+
+    def _run_replicas(self, ids: List[List[int]], params: Sequence[Any], use_tqdm: bool, desc: str) -> List[Any]:
+        bar = self._progress(len(ids), use_tqdm, desc)
+        try:
+            return self.replicas.run(ids, params, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    @staticmethod
+    def _progress(total: int, use_tqdm: bool, desc: str) -> Optional[Any]:
+        if not use_tqdm or total < 2:
+            return None
+        from tqdm.auto import tqdm
+        return tqdm(total=total, desc=desc, unit="req")
 
     def chat(self, messages: Union[List[Dict[str, str]], List[List[Dict[str, str]]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,

@@ -197,6 +197,21 @@ def print_window_peak(eng, full: int, window: int) -> None:
           f"every layer global")
 
 
+def time_replicas(llm, prompts, params, t_ready: float) -> int:
+    """The workload on LLM(dp_size > 1): one warm-up request a replica, then the timed call."""
+    info = llm.replicas.info
+    prompts = [[t % info.vocab_size for t in pr] for pr in prompts]
+    llm.generate(["Benchmark: ", "Warm-up: "], SamplingParams(max_tokens=16), use_tqdm=False)  # (one each)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    n = sum(len(o.token_ids) for o in outs)
+    print(f"minisrv [{info.backend_name}, {info.device}, dp {len(llm.replicas.replicas.clients)}]: {n} output tokens "
+          f"in {dt:.2f}s = {n / dt:.1f} output tok/s; ready in {t_ready:.1f}s")
+    llm.close()
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineConfig.add_cli_args(p)
@@ -204,6 +219,8 @@ def main() -> int:
     p.add_argument("--sequential", action="store_true",
                    help="one generate call a request, one after another (the clock over all of them)")
     p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="engine replicas (LLM(dp_size)), each on its own GPUs: only the clock is reported")
     p.add_argument("--min-input-len", type=int, default=None)
     p.add_argument("--max-input-len", type=int, default=None)
     p.add_argument("--min-output-len", type=int, default=None)
@@ -244,8 +261,10 @@ def main() -> int:
 
     from minisrv.llm import LLM
     t_start = time.perf_counter()
-    llm = LLM(**vars(EngineConfig.from_args(a)))
+    llm = LLM(dp_size=a.dp_size, **vars(EngineConfig.from_args(a)))
     t_ready = time.perf_counter() - t_start
+    if a.dp_size > 1:  # the engines run in processes of their own: the clock only
+        return time_replicas(llm, prompts, params, t_ready)
     eng = llm.engine
     if workload == "code-edit":
         prompts, params = code_edit_workload(llm, n, a.max_output_len or 1024)

@@ -212,7 +212,7 @@ class EngineClient:
 
     async def _reap(self, timeout: float = 5.0) -> None:
         p = self._proc
-        if p is None:
+        if p is None or p.pid is None:  # (never started: spawning it failed)
             return
         deadline = time.monotonic() + timeout
         while p.is_alive() and time.monotonic() < deadline:
