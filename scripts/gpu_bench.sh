@@ -11,8 +11,8 @@
 #   decode    decode steps by batch size: 0.6B, 8B (bf16, FP8 KV, FP8 weights + KV), MoE (bf16, FP8)
 #   kernels   the kernels alone: decode attention, the fused experts, the small-batch FP8 GEMM
 #   serving   bench_serving against a server: plain, half the requests constrained, the reasoning parser off / on
-#   dp        two GPUs, 0.6B shape: bench_serving at saturation against --dp-size 1 and 2 (the HTTP process's CPU
-#             seconds printed after each run)
+#   dp        two GPUs, 0.6B shape: the nano workload offline at dp 1 and 2 (LLM(dp_size)), then bench_serving at
+#             saturation against --dp-size 1 and 2 (the HTTP process's CPU seconds printed after each run)
 #   startup   launch to the first chat answer, 0.6B and 8B shapes
 #   profile   where a decode step's time goes (torch profiler; the host's Python) on the three shapes
 #   spec      speculative decoding's verify path at a set acceptance (drafts replayed from a plain run: decode and
@@ -122,6 +122,8 @@ for suite in "$@"; do case $suite in
     serve think-on "--tokenizer $TTOK --reasoning-parser deepseek_r1" $NANO_CHAT ;;
   dp) checkpoints qwen3-0.6b  # two GPUs: one replica, then two, behind the one HTTP server, at saturation
     SATURATE="--num-prompts 1024 --request-rate inf --random-input-len 512 --random-output-len 256 --random-range-ratio 0.5 --warmup 64"
+    bench dp1-offline 300 $OFFLINE --model $Q
+    bench dp2-offline 300 $OFFLINE --model $Q --dp-size 2
     serve dp1 "" $SATURATE
     serve dp2 "--dp-size 2" $SATURATE ;;
   startup) checkpoints qwen3-0.6b llama3-8b
