@@ -24,7 +24,8 @@
 #   int4-moe  the Qwen3-30B-A3B half shape with GPTQ 4-bit experts (group 128, written from the bf16 one): the
 #             experts' 4-bit grouped GEMM alone, the offline workload and decode steps
 #   gpt-oss   gpt-oss-20b with MXFP4 experts (random, scripts/make_hub_checkpoint.py): decode steps at batch 1 and 64,
-#             the offline workload; on the fa attention backend (FA3's sinks), the decode steps on torch too
+#             the offline workload, where a decode step goes; on the fa attention backend (FA3's sinks), the decode
+#             steps on torch too
 #   gemma3    Gemma-3-12B (random, scripts/make_hub_checkpoint.py): 8 prompts of 32k tokens + 256 output tokens each
 #             (retractions printed), and the KV its requests held per token of context at the peak
 #   tp        two GPUs, Llama-3-8B shape: decode steps and the workload at tp 1, tp 2, tp 2 with the fused all-reduce;
@@ -164,7 +165,9 @@ for suite in "$@"; do case $suite in
     hub_checkpoint gpt-oss-20b $O
     bench decode-gpt-oss 300 $DECODE --model $O --batch-sizes 1,64 --repeats 3 --attention-backend fa
     bench decode-gpt-oss-torch 300 $DECODE --model $O --batch-sizes 1,64 --repeats 3 --attention-backend torch
-    bench gpt-oss 400 $OFFLINE --model $O --attention-backend fa ;;
+    bench gpt-oss 400 $OFFLINE --model $O --attention-backend fa
+    bench profile-gpt-oss 300 bench_decode.py --model $O --attention-backend fa --graphs on --steps 8 --batch-sizes 1,64 \
+      --torch-profile ;;
   gemma3) G3=/tmp/gemma3-12b
     hub_checkpoint gemma-3-12b $G3
     # long prompts want few windowed pages beside the full ones: SGLang's --swa-full-tokens-ratio, lowered
