@@ -65,9 +65,11 @@ def test_experts_match_float64(mxfp4, t):
     assert torch.equal(static, got)
 
 
-@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("backend,fused_store", [("torch", True), ("auto", True), ("auto", False)])
 @pytest.mark.parametrize("mxfp4", [False, True])
-def test_tiny_gpt_oss_matches_hf(tmp_path_factory, mxfp4, backend):
+def test_tiny_gpt_oss_matches_hf(tmp_path_factory, monkeypatch, mxfp4, backend, fused_store):
+    """fused_store False: the layers' own rotary and the backend's K/V store, not the one-kernel rotary + store
+    (kernels/qk_rope_store.py), which writes the windowed layers' K/V at the window slots fa names."""
     from ..helpers.gpt_oss_checkpoints import write_mxfp4_pair
     # the SwiGLU limit gpt-oss ships (transformers before 5.18 ignores the config's and uses 7.0; the CPU suite
     # checks a lower one that the products cross)
@@ -80,6 +82,8 @@ def test_tiny_gpt_oss_matches_hf(tmp_path_factory, mxfp4, backend):
     with pytest.raises(BackendUnavailable, match="sinks" if missing("fi", device_sm()) is None else "FlashInfer"):
         LLM(model=path, attention_backend="fi", dtype="bfloat16", log_level="warning")
     prompts = make_prompts(vocab_of(path), [40, 90, 9], seed=5)  # past the 8-token window but one
+    if not fused_store:
+        monkeypatch.setattr("minisrv.models.layer_ops.fused_qk_rope_store", lambda *a: None)
     llm = LLM(model=path, attention_backend=backend, dtype="bfloat16", page_size=1, log_level="warning")
     try:
         fa_here = missing("fa", device_sm(torch.device("cuda"))) is None
@@ -90,4 +94,4 @@ def test_tiny_gpt_oss_matches_hf(tmp_path_factory, mxfp4, backend):
     finally:
         del llm
         free_cuda()
-    assert_float64_hf_greedy(ref, prompts, outs, f"{backend}, MXFP4 {mxfp4}")
+    assert_float64_hf_greedy(ref, prompts, outs, f"{backend}, MXFP4 {mxfp4}, fused store {fused_store}")
