@@ -1,5 +1,6 @@
 """Shared by the GPU tests: the random-weight checkpoint (made by tests/gpu/run.sh) and HF's reference model."""
 import gc
+import importlib.util
 import os
 import random
 import warnings
@@ -16,6 +17,16 @@ requires_ckpt = pytest.mark.skipif(
 
 
 TIE = 0.05  # a bf16 near-tie: the top two logprobs this close may legitimately swap between kernels
+
+
+def helper_module(name: str):
+    """tests/helpers/<name>.py loaded by path: the helpers package's __init__ imports the CPU suite's dependencies
+    (transformers, gguf), which a GPU machine need not have."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", name + ".py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def skip_unless_runs(backend: str) -> None:

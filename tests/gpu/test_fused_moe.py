@@ -10,8 +10,6 @@ the neighbouring e4m3 value (2^-4 to 2^-3 apart) before the down product.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -21,19 +19,10 @@ from minisrv.kernels.fused_moe import experts_reference, fused_experts, fused_ru
 from minisrv.kernels.moe_align import align_reference, triton_align
 from minisrv.kernels.moe_gemm import config_for
 
-
-def _load_checks():
-    """helpers/moe_interpreted_checks.py (the alignment's invariants), loaded by path: the helpers package's
-    __init__ imports the CPU suite's dependencies (transformers, gguf), which a GPU machine need not have."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers",
-                        "moe_interpreted_checks.py")
-    spec = importlib.util.spec_from_file_location("moe_interpreted_checks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from .common import helper_module
 
 
-_CHECKS = _load_checks()
+_CHECKS = helper_module("moe_interpreted_checks")
 check_alignment, assert_same_alignment = _CHECKS.check_alignment, _CHECKS.assert_same_alignment
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

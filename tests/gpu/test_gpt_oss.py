@@ -6,8 +6,6 @@ that serve sinks (torch; fa where FA3 is installed, also what auto picks on Hopp
 float64, and fi refused for it."""
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ from minisrv.kernels.fused_moe import fused_experts, fused_runs
 from minisrv.kernels.moe_w4a16 import Mxfp4Experts
 
 from ..helpers import build_tiny_model, make_prompts, vocab_of
-from .common import assert_float64_hf_greedy, free_cuda
+from .common import assert_float64_hf_greedy, free_cuda, helper_module
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -26,17 +24,7 @@ E, TOP_K, HIDDEN, INTER = 16, 4, 2880, 2880
 BOUND = 2e-2  # of the largest output: bfloat16 rounding of the tile and of the activation (2^-9 each)
 
 
-def _load_checks():
-    """helpers/gpt_oss_interpreted_checks.py by path (the helpers package imports the CPU suite's dependencies)."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers",
-                        "gpt_oss_interpreted_checks.py")
-    spec = importlib.util.spec_from_file_location("gpt_oss_interpreted_checks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-CHECKS = _load_checks()
+CHECKS = helper_module("gpt_oss_interpreted_checks")
 
 
 @pytest.mark.parametrize("mxfp4", [False, True])

@@ -12,13 +12,13 @@ in a CUDA graph and replayed on new inputs: the eager result, bit for bit, withi
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 
 import pytest
 import torch
 
 from minisrv.kernels.fused_moe import fused_experts, fused_runs, route, route_and_align
+
+from .common import helper_module
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -26,18 +26,7 @@ E, TOP_K, HIDDEN, INTER = 64, 8, 2048, 768
 BOUND = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
-def _load_checks():
-    """helpers/moe_w4a16_interpreted_checks.py, by path: the helpers package's __init__ imports the CPU suite's
-    dependencies, which a GPU machine need not have."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers",
-                        "moe_w4a16_interpreted_checks.py")
-    spec = importlib.util.spec_from_file_location("moe_w4a16_interpreted_checks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-CHECKS = _load_checks()
+CHECKS = helper_module("moe_w4a16_interpreted_checks")
 
 
 @functools.lru_cache(maxsize=2)
