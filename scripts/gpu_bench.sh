@@ -11,6 +11,7 @@
 #   decode    decode steps by batch size: 0.6B, 8B (bf16, FP8 KV, FP8 weights + KV), MoE (bf16, FP8)
 #   kernels   the kernels alone: decode attention, the fused experts, the small-batch FP8 GEMM
 #   serving   bench_serving against a server: plain, half the requests constrained, the reasoning parser off / on
+#   long      16 prompts of 16k-30k tokens (128-256 out), 0.6B shape, beside mini-SGLang (scripts/peer_long_prompts.py)
 #   dp        two GPUs, 0.6B shape: the nano workload offline at dp 1 and 2 (LLM(dp_size)), then bench_serving at
 #             saturation against --dp-size 1 and 2 (the HTTP process's CPU seconds printed after each run)
 #   startup   launch to the first chat answer, 0.6B and 8B shapes
@@ -35,7 +36,7 @@
 set -u
 TREES=.
 [ "${1:-}" = --ab ] && { TREES=". .baseline"; shift; }
-[ $# -gt 0 ] || { sed -n 2,34p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,35p "$0"; exit 2; }
 . scripts/gpu_env.sh
 Q=$MINISRV_GPU_CKPT L=/tmp/llama8b M=/tmp/moe JTOK=/tmp/json-tokenizer TTOK=/tmp/think-tokenizer
 
@@ -127,6 +128,10 @@ for suite in "$@"; do case $suite in
     bench dp2-offline 300 $OFFLINE --model $Q --dp-size 2
     serve dp1 "" $SATURATE
     serve dp2 "--dp-size 2" $SATURATE ;;
+  long) checkpoints qwen3-0.6b  # 16 prompts of 16k-30k tokens, 128-256 out; mini-SGLang on the same where .peers/ is
+    bench long-prompts 300 $OFFLINE --model $Q --num-prompts 16 --min-input-len 16384 --max-input-len 30720 \
+      --min-output-len 128 --max-output-len 256
+    [ -f .peers/run.sh ] && step minisgl-long-prompts 400 bash .peers/run.sh minisgl $Q scripts/peer_long_prompts.py ;;
   startup) checkpoints qwen3-0.6b llama3-8b
     bench startup-0.6b 580 bench_startup.py --runs 3 --print-log --until-built -- --model $Q
     bench startup-8b 400 bench_startup.py --runs 2 --print-log --until-built -- --model $L ;;
