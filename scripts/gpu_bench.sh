@@ -129,8 +129,9 @@ for suite in "$@"; do case $suite in
     serve dp1 "" $SATURATE
     serve dp2 "--dp-size 2" $SATURATE ;;
   long) checkpoints qwen3-0.6b  # 16 prompts of 16k-30k tokens, 128-256 out; mini-SGLang on the same where .peers/ is
-    bench long-prompts 300 $OFFLINE --model $Q --num-prompts 16 --min-input-len 16384 --max-input-len 30720 \
-      --min-output-len 128 --max-output-len 256
+    LONG="--num-prompts 16 --min-input-len 16384 --max-input-len 30720 --min-output-len 128 --max-output-len 256"
+    bench long-prompts 300 $OFFLINE --model $Q $LONG --steps
+    bench long-prompts-chunk16k 300 $OFFLINE --model $Q $LONG --chunked-prefill-size 16384 --max-prefill-tokens 32768
     [ -f .peers/run.sh ] && step minisgl-long-prompts 400 bash .peers/run.sh minisgl $Q scripts/peer_long_prompts.py ;;
   startup) checkpoints qwen3-0.6b llama3-8b
     bench startup-0.6b 580 bench_startup.py --runs 3 --print-log --until-built -- --model $Q
