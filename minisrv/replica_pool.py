@@ -46,10 +46,10 @@ class ReplicaPool:
         self._ids = itertools.count()
         try:
             self.info = self._loop.run(self.replicas.start())
+            self.tokenizer = load_tokenizer(self.info.model_path, cfg.tokenizer, cfg.cache_dir)
         except BaseException:
             self.close()
             raise
-        self.tokenizer = load_tokenizer(self.info.model_path, cfg.tokenizer, cfg.cache_dir)
 
     def close(self) -> None:
         if not self._loop.get_loop().is_closed():
