@@ -9,7 +9,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from .checkpoint import StoredTensor, WeightLoadError
-from minisrv.models.fp8 import FP8, dequantize
+from minisrv.models.fp8 import FP8
 from minisrv.models.sharding import Slice
 
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # block scales (a multiplier despite "inv"), per tensor/row
@@ -59,20 +59,26 @@ static activation scales dropped (activations are quantised per token), K/V scal
 
 def _dequantize_piece(name: str, weight: StoredTensor, scale: StoredTensor, piece: Optional[Slice],
                       block: Optional[Tuple[int, int]]) -> torch.Tensor:
+    """float32 values of `piece` of an FP8 weight [R, C] (None: all of it) times its scale: a scalar (per tensor),
+    [R] or [R, 1] (per row), or [ceil(R / bh), ceil(C / bw)] with block=(bh, bw)."""
     q = weight.read(piece)
-    s = scale.read(None)
+    s = scale.read(None).float()
     if q.dtype != FP8:
         raise WeightLoadError(f"tensor {name!r} has a scale but is {q.dtype}, not float8_e4m3fn")
-    rows = (piece.start, piece.length) if piece is not None and piece.dim == 0 else None
-    cols = (piece.start, piece.length) if piece is not None and piece.dim == 1 else None
-    full = weight.shape
-    if block is not None and s.numel() > 1:
-        want = tuple(-(-n // b) for n, b in zip(full, block))
-        if tuple(s.shape) != want:
-            raise WeightLoadError(f"{name!r}: block scales of shape {tuple(s.shape)}, expected {want} for "
-                                  f"{full} in blocks of {block}")
-        return dequantize(q, s, block, rows, cols)
-    if s.numel() not in (1, full[0]):
-        raise WeightLoadError(f"{name!r}: scale of shape {tuple(s.shape)} is neither per tensor nor per row "
-                              f"of {full}")
-    return dequantize(q, s, None, rows, cols)
+    q, full = q.float(), weight.shape
+    r0 = piece.start if piece is not None and piece.dim == 0 else 0  # where the slice starts in the full tensor
+    c0 = piece.start if piece is not None and piece.dim == 1 else 0
+    if s.numel() == 1:
+        return q * s.reshape(())
+    if block is None:
+        if s.numel() != full[0]:
+            raise WeightLoadError(f"{name!r}: scale of shape {tuple(s.shape)} is neither per tensor nor per row "
+                                  f"of {full}")
+        return q * s.reshape(-1)[r0:r0 + q.shape[0], None]
+    want = tuple(-(-n // b) for n, b in zip(full, block))
+    if tuple(s.shape) != want:
+        raise WeightLoadError(f"{name!r}: block scales of shape {tuple(s.shape)}, expected {want} for "
+                              f"{full} in blocks of {block}")
+    rows = torch.arange(r0, r0 + q.shape[0]) // block[0]
+    cols = torch.arange(c0, c0 + q.shape[1]) // block[1]
+    return q * s[rows][:, cols]

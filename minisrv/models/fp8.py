@@ -11,13 +11,13 @@ quantisation, so CPU tests check what the GPU computes up to the GEMM's summatio
 
 The loader quantises each checkpoint tensor as it is read (`Fp8Linear.load_rows`), so the model never exists in
 bf16 in full. Checkpoints that are already FP8 (per-tensor scales, or 128x128 block scales as in Qwen3's and
-DeepSeek's FP8 releases) are dequantised as they are read (`dequantize`) and requantised per output row: per-tensor
-scales become rows of the same scale; block scales cost one more rounding, at most one e4m3 step per element (see
-tests/test_fp8_weights.py for the bound).
+DeepSeek's FP8 releases) are dequantised as they are read (checkpoints/fp8_checkpoint.py) and requantised per
+output row: per-tensor scales become rows of the same scale; block scales cost one more rounding, at most one e4m3
+step per element (see tests/test_fp8_weights.py for the bound).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -25,27 +25,7 @@ from torch import nn
 from minisrv.kernels.fp8_gemm import SMALL_M, dequantized_matmul, fits, small_m_fp8_gemm
 from minisrv.kernels.fp8_quant import FP8, Fp8Activations, fused_quantisers, quantize_rows, quantize_tokens
 
-__all__ = ["FP8", "Fp8Activations", "Fp8Linear", "dequantize", "fp8_checkpoint_format", "quantize_rows"]
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, block: Optional[Tuple[int, int]] = None,
-               rows: Optional[Tuple[int, int]] = None, cols: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-    """float32 values of an FP8 checkpoint tensor q [R, C] (or a slice of one). scale: a scalar (per tensor),
-    [R_full] or [R_full, 1] (per row), or [ceil(R_full / bh), ceil(C_full / bw)] with block=(bh, bw). rows / cols:
-    where q's rows / columns start in the full tensor, and how many (a tensor-parallel rank's slice)."""
-    q = q.float()
-    scale = scale.float()
-    r0 = rows[0] if rows else 0
-    c0 = cols[0] if cols else 0
-    if scale.numel() == 1:
-        return q * scale.reshape(())
-    if block is None:  # per row
-        s = scale.reshape(-1)[r0:r0 + q.shape[0]]
-        return q * s[:, None]
-    bh, bw = block
-    ri = torch.arange(r0, r0 + q.shape[0]) // bh
-    ci = torch.arange(c0, c0 + q.shape[1]) // bw
-    return q * scale[ri][:, ci]
+__all__ = ["FP8", "Fp8Activations", "Fp8Linear", "fp8_checkpoint_format", "quantize_rows"]
 
 
 class Fp8Linear(nn.Module):
