@@ -108,24 +108,18 @@ def _expert_targets(owner: str, experts: Any, which: str, args: ModelArgs,
     """The per-expert checkpoint tensors of a layer's stacked `which` (w13: gate then up rows; w2: down), and their
     biases where the experts have them."""
     h, width = args.hidden_size, args.moe_intermediate_size
+    parts = (("gate_proj", (width, h)), ("up_proj", (width, h))) if which == "w13" else (("down_proj", (h, width)),)
     bias = getattr(experts, which + "_bias", None)
     out: Dict[str, Target] = {}
     for e in range(args.num_experts):
-        rows = ExpertRows(experts, which, e)
-        if which == "w2":
-            hf = f"{owner}.{e}.down_proj.weight"
-            out[hf] = Target(None, 0, (h, width), plan.slice_for(hf), rows)
-            if bias is not None:
-                out[f"{owner}.{e}.down_proj.bias"] = Target(bias[e], 0, (h,), None)
-            continue
-        row = 0
-        for sub in ("gate_proj", "up_proj"):
-            hf = f"{owner}.{e}.{sub}.weight"
-            piece = plan.slice_for(hf)
-            out[hf] = Target(None, row, (width, h), piece, rows)
-            if bias is not None:
-                out[f"{owner}.{e}.{sub}.bias"] = Target(bias[e], row, (width,), piece)
-            row += piece.length if piece is not None else width
+        rows, row = ExpertRows(experts, which, e), 0
+        for sub, full in parts:
+            hf = f"{owner}.{e}.{sub}"
+            piece = plan.slice_for(hf + ".weight")
+            out[hf + ".weight"] = Target(None, row, full, piece, rows)
+            if bias is not None:  # (down's is held whole: slice_for gives None)
+                out[hf + ".bias"] = Target(bias[e], row, full[:1], plan.slice_for(hf + ".bias"))
+            row += piece.length if piece is not None else full[0]
     return out
 
 
