@@ -89,9 +89,7 @@ says what is wrong with it)."""
         """Why `what` is not in the entry, for the log: an older version of the file was cached, or none was."""
         if os.path.isdir(self.folder):
             return f"no {what} in the cache yet"
-        parent = os.path.dirname(self.folder)
-        older = [d for d in _listdir(parent) if not d.startswith(".") and d != SOURCE_FILE]
-        if older:
+        if _versions(os.path.dirname(self.folder)):
             return "the GGUF file changed since it was cached (size, modification time or contents differ)"
         return "first use of this file"
 
@@ -159,15 +157,12 @@ tokenizer; two servers may start at once) waits and reads the result; without a 
         try:
             write(tmp)
             os.chmod(tmp, 0o755 if folder else 0o644)  # (mkdtemp / mkstemp make it private)
-            if folder and os.path.isdir(final):
-                shutil.rmtree(final, ignore_errors=True)
+            if folder:
+                _discard(final)  # (os.replace replaces a folder only if it is empty)
             os.replace(tmp, final)
         except Exception as e:  # noqa: BLE001 - a failed cache write is logged, never fatal
             logger.warning("GGUF cache: cannot write %s (%s); going on without it", final, e)
-            if folder:
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                _remove(tmp)
+            _discard(tmp)
             return False
         self.prune_older()
         return True
@@ -176,19 +171,15 @@ tokenizer; two servers may start at once) waits and reads the result; without a 
         """Remove what this write supersedes: the entries of this path's earlier versions, model files made by
         other versions of minisrv's model code, and the entries of GGUF files that no longer exist."""
         parent = os.path.dirname(self.folder)
-        mine = os.path.basename(self.folder)
-        for d in _listdir(parent):
-            if d != mine and not d.startswith(".") and d != SOURCE_FILE:
-                shutil.rmtree(os.path.join(parent, d), ignore_errors=True)
+        for d in _versions(parent):
+            if d != os.path.basename(self.folder):
+                _discard(os.path.join(parent, d))
         code = model_code_hash()
         for name in _listdir(self.folder):
             if name.startswith("model-") and name.endswith(".safetensors") and not name.endswith(f"-{code}.safetensors"):
-                _remove(os.path.join(self.folder, name))
-        try:
-            with open(os.path.join(parent, SOURCE_FILE), "w") as f:
-                f.write(self.gguf)
-        except OSError:
-            pass
+                _discard(os.path.join(self.folder, name))
+        with contextlib.suppress(OSError), open(os.path.join(parent, SOURCE_FILE), "w") as f:
+            f.write(self.gguf)
         root = os.path.dirname(parent)
         for d in _listdir(root):
             source = os.path.join(root, d, SOURCE_FILE)
@@ -198,7 +189,7 @@ tokenizer; two servers may start at once) waits and reads the result; without a 
             except OSError:
                 continue
             if gone:
-                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+                _discard(os.path.join(root, d))
 
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -223,8 +214,15 @@ def _listdir(path: str) -> list:
         return []
 
 
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
+def _versions(parent: str) -> list:
+    """The entries (one a version of the file) in a GGUF path's folder."""
+    return [d for d in _listdir(parent) if not d.startswith(".") and d != SOURCE_FILE]
+
+
+def _discard(path: str) -> None:
+    """Remove a file or a folder, if it is there (a cache entry going: failures are ignored)."""
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.remove(path)

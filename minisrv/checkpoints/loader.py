@@ -210,14 +210,23 @@ time) and written to the cache. `reader`: the file's header if it was read alrea
 
 
 def _cached_model(file: str, build: ModelBuild, cache: GGUFCache, t0: float) -> Tuple[Optional[nn.Module], str]:
-    """(the model mapped from the cache file, "") or (None, why it could not be)."""
+    """(the model over the cache file's tensors, "") or (None, why it could not be): the file must hold exactly the
+    model's parameters (names, shapes, dtypes)."""
     if not os.path.isfile(file):
         return None, cache.why_missing("model file for these options")
     try:
-        model = _mapped_model(file, build)
+        tensors = map_tensors(file)
+        want = _meta_model(build).state_dict()
+        if set(want) != set(tensors):
+            raise BadFile(f"it holds {len(tensors)} tensors, the model has {len(want)} parameters")
+        for name, t in want.items():
+            if tuple(t.shape) != tuple(tensors[name].shape) or t.dtype != tensors[name].dtype:
+                raise BadFile(f"{name} is {tuple(tensors[name].shape)} {tensors[name].dtype}, the model's "
+                              f"{tuple(t.shape)} {t.dtype}")
     except BadFile as e:
         logger.warning("GGUF cache: %s cannot be used (%s): rebuilding it", file, e)
         return None, "the cached file was unreadable"
+    model = empty_model(build, tensors=tensors).eval()
     logger.info("GGUF cache: parameters mapped from %s in %.2fs", file, time.perf_counter() - t0)
     return model, ""
 
@@ -244,19 +253,6 @@ def _store_model(cache: GGUFCache, file: str, model: nn.Module, why: str, lock: 
                         why, file)
     finally:
         lock.close()
-
-
-def _mapped_model(file: str, build: ModelBuild) -> nn.Module:
-    """The model over the cache file's tensors, which must be exactly its parameters (names, shapes, dtypes)."""
-    tensors = map_tensors(file)
-    want = _meta_model(build).state_dict()
-    if set(want) != set(tensors):
-        raise BadFile(f"it holds {len(tensors)} tensors, the model has {len(want)} parameters")
-    for name, t in want.items():
-        if tuple(t.shape) != tuple(tensors[name].shape) or t.dtype != tensors[name].dtype:
-            raise BadFile(f"{name} is {tuple(tensors[name].shape)} {tensors[name].dtype}, the model's "
-                          f"{tuple(t.shape)} {t.dtype}")
-    return empty_model(build, tensors=tensors).eval()
 
 
 def _write_model(file: str, model: nn.Module) -> None:

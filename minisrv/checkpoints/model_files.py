@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import os
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from minisrv.models.args import ModelArgs, check_architecture
@@ -60,7 +61,8 @@ def load_hf_config(path: str, cache_dir: Optional[str] = None) -> Dict[str, Any]
         if cache is None:
             return _gguf_hf_config(path)
         return cache.read_or_build("config", cache.read_config, lambda: _gguf_hf_config(path),
-                                   lambda cfg: cache.publish(cache.config_file, lambda tmp: _write_json(tmp, cfg)))
+                                   lambda cfg: cache.publish(cache.config_file,
+                                                             lambda tmp: Path(tmp).write_text(json.dumps(cfg))))
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"{path} has no config.json (expected a HF model directory or a .gguf file)")
@@ -81,11 +83,6 @@ def _gguf_hf_config(path: str) -> Dict[str, Any]:
     cfg["tie_word_embeddings"] = not has_tensor(reader, "output.weight")
     # as JSON has it (id2label's keys become strings), as a directory's config.json reads and as the cache keeps it
     return json.loads(json.dumps(moe_config(reader, longrope_config(reader, cfg))))
-
-
-def _write_json(file: str, value: Any) -> None:
-    with open(file, "w") as f:
-        json.dump(value, f)
 
 
 def load_model_args(path: str, cache_dir: Optional[str] = None) -> ModelArgs:

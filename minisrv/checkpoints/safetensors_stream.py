@@ -33,10 +33,9 @@ class SafetensorsStream:
     the header. A write that fails (a full disk) is kept in `error` and the later adds are skipped: the caller
     decides what an incomplete file means."""
 
-    def __init__(self, path: str, expected_tensors: int, metadata: Optional[Dict[str, str]] = None) -> None:
+    def __init__(self, path: str, expected_tensors: int) -> None:
         self.path = path
         self.room = -(-(8 + expected_tensors * ROOM_PER_TENSOR + 1024) // DATA_ALIGN) * DATA_ALIGN - 8
-        self.metadata = dict(metadata or {})
         self.entries: List[tuple] = []
         self.offset = 0
         self.error: Optional[Exception] = None
@@ -71,9 +70,8 @@ class SafetensorsStream:
         return complete and self.error is None
 
     def _write_header(self) -> None:
-        header: Dict[str, object] = {"__metadata__": self.metadata} if self.metadata else {}
-        for name, dtype, shape, begin, end in self.entries:
-            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+        header = {name: {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+                  for name, dtype, shape, begin, end in self.entries}
         raw = json.dumps(header, separators=(",", ":")).encode()
         if len(raw) > self.room:
             raise HeaderTooLarge(f"the header needs {len(raw)} bytes, {self.room} were left for it")

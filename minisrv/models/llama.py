@@ -16,7 +16,7 @@ from minisrv.kernels.cpu_decode import DecodeMeta
 from .args import ModelArgs
 from .block_layers import BlockEmbedding, BlockLinear, block_kernels
 from .layer_ops import LayerOps
-from .layers import Attention, GatedMLP, RotaryEmbedding, VocabEmbedding
+from .layers import Attention, GatedMLP, RotaryEmbedding, VocabEmbedding, make_linear
 from .moe import SparseMoE
 from .planes_layers import PlanesEmbedding, PlanesLinear
 from .norms import make_norm, reduce_add_norm
@@ -154,14 +154,9 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops if ops is not None else LayerOps()
         self.model = LlamaModel(args, max_positions, self.ops, self.plan, self.tp, quantization)
         self.small_batch_linear = self.ops.small_batch_linear  # the CPU's, for decode logits
-        if args.tie_word_embeddings or embedding:
-            self.lm_head = None
-        elif quantization == "gguf":
-            self.lm_head = BlockLinear(args.hidden_size, self.plan.vocab_per_rank, False, block_kernels(self.ops))
-        elif quantization == "gguf-planes":
-            self.lm_head = PlanesLinear(args.hidden_size, self.plan.vocab_per_rank, False)
-        else:
-            self.lm_head = nn.Linear(args.hidden_size, self.plan.vocab_per_rank, bias=False)
+        head = quantization if quantization in ("gguf", "gguf-planes") else None  # (else the model's dtype)
+        self.lm_head = None if args.tie_word_embeddings or embedding else \
+            make_linear(args.hidden_size, self.plan.vocab_per_rank, False, head, self.ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Callable,
                 aux: Optional[List[torch.Tensor]] = None) -> torch.Tensor:

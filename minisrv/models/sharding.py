@@ -80,7 +80,10 @@ class ShardPlan:
             return Slice(0, self.head_start * d, self.num_heads * d)
         if last in ("k_proj", "v_proj"):
             return Slice(0, self.kv_head_start * d, self.num_kv_heads * d)
-        start, width = self.mlp_share(hf_name)
+        # this rank's share of the MLP the tensor belongs to: an expert's, the shared expert's or the dense MLP's
+        width = self.moe_intermediate if ".experts." in hf_name else \
+            self.shared_intermediate if ".shared_expert." in hf_name else self.intermediate
+        start = self.rank * width
         if last in ("gate_proj", "up_proj"):
             return Slice(0, start, width)
         if last == "o_proj":
@@ -95,13 +98,6 @@ class ShardPlan:
     def bias_on_rank_zero(hf_name: str) -> bool:
         """Whether `hf_name` is a row-parallel layer's bias, held whole and added by rank 0 alone (zeros elsewhere)."""
         return hf_name.endswith((".o_proj.bias", ".down_proj.bias"))
-
-    def mlp_share(self, hf_name: str):
-        """(start, width) of this rank's slice of the MLP that `hf_name` belongs to: an expert's, the shared
-        expert's, or the dense MLP's."""
-        width = self.moe_intermediate if ".experts." in hf_name else \
-            self.shared_intermediate if ".shared_expert." in hf_name else self.intermediate
-        return self.rank * width, width
 
 
 def check_divisible(args: ModelArgs, size: int) -> None:
