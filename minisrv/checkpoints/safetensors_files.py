@@ -67,8 +67,6 @@ def iter_safetensors(path: str) -> Iterator[Tuple[str, StoredTensor]]:
                 for name in f.keys():
                     sl = f.get_slice(name)
                     yield name, StoredTensor(tuple(sl.get_shape()), lambda piece, sl=sl: _read_slice(sl, piece))
-        except WeightLoadError:
-            raise
         except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
             raise WeightLoadError(f"cannot read weight file {file}: {e}") from e
 

@@ -200,11 +200,10 @@ def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, StoredTensor]], 
         with torch.no_grad():
             if t.rows is not None:
                 t.rows.load_rows(t.row, w)
-                seen.add(name)
-                continue
-            t.param.data[t.row:t.row + w.shape[0]].copy_(w.to(t.param.dtype))
-            if name in VOCAB_SPLIT:
-                t.param.data[w.shape[0]:].zero_()  # the vocabulary's padding rows (on the last rank)
+            else:
+                t.param.data[t.row:t.row + w.shape[0]].copy_(w.to(t.param.dtype))
+                if name in VOCAB_SPLIT:
+                    t.param.data[w.shape[0]:].zero_()  # the vocabulary's padding rows (on the last rank)
         seen.add(name)
     missing = [n for n in expected if n not in seen]
     if missing:

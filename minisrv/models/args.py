@@ -156,7 +156,11 @@ class ModelArgs:
             quantization_config=cfg.get("quantization_config") or None,
             base_model=base_model,
             partial_rotary_factor=float(cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))),
-            **(_gpt_oss(cfg) if arch == "GptOssForCausalLM" else {}),
+            # gpt-oss's own: sinks, biases on the attention's output, the router and the experts, the clamped
+            # SwiGLU (its windowed layers come from layer_types; YaRN from its rope settings)
+            **(dict(attention_sinks=True, o_proj_bias=bool(cfg.get("attention_bias", True)), expert_bias=True,
+                    swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                    swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702))) if arch == "GptOssForCausalLM" else {}),
             **_experts(arch, cfg),
         )
 
@@ -189,13 +193,6 @@ def _longrope(rope: Dict[str, Any], cfg: Dict[str, Any]) -> Dict[str, Any]:
         raise ValueError("a longrope rope scaling needs original_max_position_embeddings")
     factor = rope.get("factor") or cfg.get("max_position_embeddings", original) / original
     return dict(rope, rope_type="longrope", original_max_position_embeddings=int(original), factor=factor)
-
-
-def _gpt_oss(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """gpt-oss's own fields: sinks, biases on the attention's output, the router and the experts, the clamped
-    SwiGLU (its windowed layers come from layer_types; YaRN from its rope settings)."""
-    return dict(attention_sinks=True, o_proj_bias=bool(cfg.get("attention_bias", True)), expert_bias=True,
-                swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
 
 
 def _experts(arch: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
