@@ -12,7 +12,8 @@ from .checkpoint import StoredTensor, WeightLoadError
 from minisrv.models.fp8 import FP8
 from minisrv.models.sharding import Slice
 
-SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # block scales (a multiplier despite "inv"), per tensor/row
+# a weight's scale: block scales (`_inv`, a multiplier despite the name), or per tensor / per row
+WEIGHT_SCALE = re.compile(r"^(.*)\.weight_scale(_inv)?$")
 KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
@@ -39,9 +40,8 @@ static activation scales dropped (activations are quantised per token), K/V scal
     held = dict(tensors)  # lazy readers: nothing is read yet
     scales: Dict[str, StoredTensor] = {}
     for name in list(held):
-        if name.endswith(SCALE_SUFFIXES):
-            suffix = next(x for x in SCALE_SUFFIXES if name.endswith(x))
-            scales[name[:-len(suffix)] + ".weight"] = held.pop(name)
+        if (m := WEIGHT_SCALE.match(name)) is not None:
+            scales[m.group(1) + ".weight"] = held.pop(name)
         elif name.endswith(".input_scale"):
             held.pop(name)
         elif (m := KV_SCALE.match(name)) is not None:  # k or v: the dict of that name

@@ -254,15 +254,13 @@ def moe_config(reader: GGUFReader, cfg: Dict[str, Any]) -> Dict[str, Any]:
         return cfg
     cfg = dict(cfg)
     arch = metadata_string(reader, "general.architecture")
-    experts = reader.fields.get(f"{arch}.expert_count")
-    used = reader.fields.get(f"{arch}.expert_used_count")
+    experts, used = (reader.fields.get(f"{arch}.{key}") for key in ("expert_count", "expert_used_count"))
     if experts is None or used is None:
         raise WeightLoadError(f"{reader.path}: expert tensors but no {arch}.expert_count / expert_used_count")
-    if cfg.get("model_type") == "llama":
+    mixtral = cfg.get("model_type") == "llama"
+    if mixtral:
         cfg["model_type"], cfg["architectures"] = "mixtral", ["MixtralForCausalLM"]
-        cfg["num_local_experts"] = int(experts.parts[-1][0])
-    else:
-        cfg["num_experts"] = int(experts.parts[-1][0])
+    cfg["num_local_experts" if mixtral else "num_experts"] = int(experts.parts[-1][0])
     cfg["num_experts_per_tok"] = int(used.parts[-1][0])
     cfg["moe_intermediate_size"] = next(iter(widths.values()))
     cfg["mlp_only_layers"] = [i for i in range(cfg["num_hidden_layers"]) if i not in widths]

@@ -9,8 +9,9 @@ q/k/v and gate/up tensors they join (split_fused); gpt-oss's stacked experts com
 from __future__ import annotations
 
 import re
+import functools
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
@@ -19,7 +20,7 @@ from minisrv.models.args import VISION_LANGUAGE, ModelArgs
 from minisrv.models.block_layers import BlockLinear
 from .checkpoint import StoredTensor, WeightLoadError
 from minisrv.models.fp8 import Fp8Linear
-from minisrv.models.moe import ExpertRows, Experts
+from minisrv.models.moe import Experts
 from minisrv.models.planes_layers import PlanesLinear
 from minisrv.models.w4a16 import W4A16Experts, W4A16Linear
 from minisrv.models.sharding import ShardPlan, Slice
@@ -30,7 +31,7 @@ FUSED = {
 }
 
 # layers that hold their matrix in a form of their own (FP8 rows and scales, blocks, planes, 4 bits) and write its
-# rows themselves (load_rows), under the name of the weight it replaces
+# rows themselves (their load_rows), under the name of the weight it replaces
 ROW_WRITERS = (Fp8Linear, BlockLinear, PlanesLinear, W4A16Linear)
 VOCAB_SPLIT = ("model.embed_tokens.weight", "lm_head.weight")  # split by vocabulary rows, padded
 
@@ -57,14 +58,14 @@ def canonical_name(name: str) -> str:
 @dataclass
 class Target:
     """Where a checkpoint tensor goes: rows [row, row + piece's length) of `param`, from `piece` of a tensor of shape
-`full`; through `rows`.load_rows(row, w) instead for an FP8 weight, a block layer's records, a 4-bit layer's
-(w4a16.py) or one expert's rows."""
+`full`; through load_rows(row, w) instead for an FP8 weight, a block layer's records, a 4-bit layer's (w4a16.py)
+or one expert's rows (its experts' load_rows for it)."""
 
     param: Optional[torch.Tensor]
     row: int
     full: Tuple[int, ...]
     piece: Optional[Slice]
-    rows: Optional[Any] = None
+    load_rows: Optional[Callable[[int, Any], None]] = None
 
 
 def expected_tensors(model: nn.Module, args: ModelArgs, plan: ShardPlan) -> Dict[str, Target]:
@@ -77,7 +78,7 @@ def expected_tensors(model: nn.Module, args: ModelArgs, plan: ShardPlan) -> Dict
             continue
         params = [(name, p, tuple(p.shape), None) for name, p in module.named_parameters(owner, recurse=False)]
         if isinstance(module, ROW_WRITERS):  # its matrix, and its bias
-            params = [(f"{owner}.weight", None, (module.out_features, module.in_features), module)] + \
+            params = [(f"{owner}.weight", None, (module.out_features, module.in_features), module.load_rows)] + \
                 [x for x in params if x[0].endswith(".bias")]
         for name, p, shape, writer in params:
             out.update(_targets(name, p, shape, writer, args, plan))
@@ -112,11 +113,11 @@ def _expert_targets(owner: str, experts: Any, which: str, args: ModelArgs,
     bias = getattr(experts, which + "_bias", None)
     out: Dict[str, Target] = {}
     for e in range(args.num_experts):
-        rows, row = ExpertRows(experts, which, e), 0
+        load, row = functools.partial(experts.load_rows, which, e), 0
         for sub, full in parts:
             hf = f"{owner}.{e}.{sub}"
             piece = plan.slice_for(hf + ".weight")
-            out[hf + ".weight"] = Target(None, row, full, piece, rows)
+            out[hf + ".weight"] = Target(None, row, full, piece, load)
             if bias is not None:  # (down's is held whole: slice_for gives None)
                 out[hf + ".bias"] = Target(bias[e], row, full[:1], plan.slice_for(hf + ".bias"))
             row += piece.length if piece is not None else full[0]
@@ -198,8 +199,8 @@ def load_weights(model: nn.Module, tensors: Iterator[Tuple[str, StoredTensor]], 
         if plan.rank and plan.bias_on_rank_zero(name):
             w = torch.zeros_like(w)
         with torch.no_grad():
-            if t.rows is not None:
-                t.rows.load_rows(t.row, w)
+            if t.load_rows is not None:
+                t.load_rows(t.row, w)
             else:
                 t.param.data[t.row:t.row + w.shape[0]].copy_(w.to(t.param.dtype))
                 if name in VOCAB_SPLIT:

@@ -74,8 +74,7 @@ class RadixCache:
         and splits the last node if the match ends inside it; changes no reference count."""
         tokens = tuple(token_ids)
         tokens = tokens[: len(tokens) - len(tokens) % self.page_size]
-        path: List[RadixNode] = []
-        node, pos = self._walk(tokens, path)
+        node, pos, path = self._walk(tokens)
         return PrefixMatch([p for n in path for p in n.pages], pos, node,
                            [p for n in path for p in n.window_pages] if self.window_allocator is not None else [])
 
@@ -88,8 +87,7 @@ class RadixCache:
         tokens = tuple(token_ids)
         if len(tokens) != len(pages) * self.page_size:
             raise ValueError(f"{len(tokens)} tokens do not fill {len(pages)} pages of {self.page_size}")
-        path: List[RadixNode] = []
-        node, pos = self._walk(tokens, path)
+        node, pos, path = self._walk(tokens)
         new_windows: List[Optional[int]] = []
         if self.window_allocator is not None:
             self._fill_windows(path, window_pages)
@@ -191,11 +189,11 @@ class RadixCache:
                     self.window_allocator.incref([n.window_pages[j]])
             i += len(n.pages)
 
-    def _walk(self, tokens: Tuple[int, ...], path: List[RadixNode]) -> Tuple[RadixNode, int]:
+    def _walk(self, tokens: Tuple[int, ...]) -> Tuple[RadixNode, int, List[RadixNode]]:
         """Follow tokens down the tree as far as whole pages match, splitting the node where the match ends inside
-        it; refresh LRU times on the way. Appends the matched nodes to `path`. Returns (node, tokens)."""
+        it; refresh LRU times on the way. Returns (node, tokens, the matched nodes from the root's child down)."""
         self._clock += 1
-        node, pos = self.root, 0
+        node, pos, path = self.root, 0, []
         node.last_access = self._clock
         while pos < len(tokens):
             child = node.children.get(self._child_key(tokens, pos))
@@ -207,7 +205,7 @@ class RadixCache:
             child.last_access = self._clock
             path.append(child)
             node, pos = child, pos + common
-        return node, pos
+        return node, pos, path
 
     def _split(self, node: RadixNode, at: int) -> RadixNode:
         """Cut node after `at` tokens (a page multiple); the new upper node is returned and node keeps the tail,

@@ -117,9 +117,7 @@ class Eagle3Head(nn.Module):
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
         t = x.shape[0]
         a = layer.self_attn
-        q = a.q_proj(x).view(t, c.num_heads, c.head_dim)
-        k = a.k_proj(x).view(t, c.num_kv_heads, c.head_dim)
-        v = a.v_proj(x).view(t, c.num_kv_heads, c.head_dim)
+        q, k, v = (proj(x).view(t, -1, c.head_dim) for proj in (a.q_proj, a.k_proj, a.v_proj))
         q, k = self.rotary(positions, q, k)
         return q, k, v, hidden
 

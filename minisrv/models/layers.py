@@ -220,10 +220,7 @@ class Attention(nn.Module):
         """attn: the step's attention (an attention.AttentionStep), called as attn(q, k, v, layer_id)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.hq, self.d)
-        k = k.reshape(t, self.hkv, self.d)
-        v = v.reshape(t, self.hkv, self.d)
+        q, k, v = (x.reshape(t, -1, self.d) for x in qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1))
         # (the fused kernel's q/k norms scale by their weight, not by 1 + weight)
         prep = self.ops.qk_rope_store(qkv, self.rotary.cos_sin, self.d) \
             if not isinstance(self.q_norm, GemmaRMSNorm) else None

@@ -4,7 +4,7 @@ that every token takes, scaled by a sigmoid gate.
 
 The experts are held stacked per layer, w13 [E, 2I, H] (each expert's gate rows, then its up rows) and w2 [E, H, I],
 as the fused kernel takes them (kernels/fused_moe.py: Triton on CUDA, a loop over the experts hit elsewhere). The
-loader fills them from the checkpoint's per-expert tensors one at a time (`ExpertRows`), so no second copy of the
+loader fills them from the checkpoint's per-expert tensors one at a time (`load_rows`), so no second copy of the
 experts is ever held. Under tensor parallelism each rank holds every expert's slice of the intermediate width (as
 the dense MLP is split): its output is a partial sum, all-reduced like the dense MLP's. With quantization "fp8" the
 experts are float8_e4m3fn with a float32 scale per output row, quantised as they are loaded (as Fp8Linear's rows).
@@ -15,7 +15,7 @@ down bias held by rank 0 alone: the other ranks' partial sums must not add it ag
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -95,16 +95,6 @@ class Experts(nn.Module):
         e, two_i, h = self.w13.shape
         kind = ", float8_e4m3fn per-row scales" if self.fp8 else ", MXFP4" if self.mxfp4 else ""
         return f"experts={e}, hidden={h * 2 if self.mxfp4 else h}, inter={two_i // 2}{kind}"
-
-
-class ExpertRows:
-    """One expert's w13 or w2 as a target the loader writes rows into (weights.Target's `rows`)."""
-
-    def __init__(self, experts: Union[Experts, W4A16Experts], which: str, expert: int) -> None:
-        self.experts, self.which, self.expert = experts, which, expert
-
-    def load_rows(self, row: int, w: torch.Tensor) -> None:
-        self.experts.load_rows(self.which, self.expert, row, w)
 
 
 class SparseMoE(nn.Module):

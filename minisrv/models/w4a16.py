@@ -192,7 +192,7 @@ class W4A16Experts(nn.Module):
     """A mixture of experts' E experts in 4 bits, stacked as the fused experts take them (kernels/moe_w4a16.py):
     w13 of [H, 2I] matrices (each expert's gate columns, then its up columns) and w2 of [I, H], each as qweight,
     scales, zeros (and perm, with an activation order: one per expert and matrix). Filled one expert's
-    checkpoint tensor at a time (moe.ExpertRows), as moe.Experts is; each rank holds every expert's share of I."""
+    checkpoint tensor at a time (load_rows), as moe.Experts is; each rank holds every expert's share of I."""
 
     fp8 = False
 
