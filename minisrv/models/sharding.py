@@ -61,38 +61,27 @@ class ShardPlan:
         return cls(rank, size, hq, rank * hq, hkv, kv_start, inter, moe, shared, vocab, rank * vocab, args.vocab_size,
                    args.head_dim)
 
-    @property
-    def vocab_rows(self) -> int:
-        """Rows of the vocabulary this rank holds that exist (the last rank's padding excluded)."""
-        return max(0, min(self.vocab_per_rank, self.vocab_size - self.vocab_start))
-
     def slice_for(self, hf_name: str) -> Optional[Slice]:
         """The part of checkpoint tensor `hf_name` this rank holds; None: all of it."""
         if self.size == 1:
             return None
-        d = self.head_dim
         if hf_name.endswith(".sinks"):
             return Slice(0, self.head_start, self.num_heads)
         if self.bias_on_rank_zero(hf_name):
             return None
-        last = hf_name.rsplit(".", 2)[-2]  # "model.layers.0.self_attn.q_proj.weight" -> "q_proj"
-        if last == "q_proj":
-            return Slice(0, self.head_start * d, self.num_heads * d)
-        if last in ("k_proj", "v_proj"):
-            return Slice(0, self.kv_head_start * d, self.num_kv_heads * d)
+        d, last = self.head_dim, hf_name.rsplit(".", 2)[-2]  # "model.layers.0.self_attn.q_proj.weight" -> "q_proj"
         # this rank's share of the MLP the tensor belongs to: an expert's, the shared expert's or the dense MLP's
         width = self.moe_intermediate if ".experts." in hf_name else \
             self.shared_intermediate if ".shared_expert." in hf_name else self.intermediate
-        start = self.rank * width
-        if last in ("gate_proj", "up_proj"):
-            return Slice(0, start, width)
-        if last == "o_proj":
-            return Slice(1, self.head_start * d, self.num_heads * d)
-        if last == "down_proj":
-            return Slice(1, start, width)
-        if last in ("embed_tokens", "lm_head"):
-            return Slice(0, self.vocab_start, self.vocab_rows)
-        return None
+        heads, kv_heads = (self.head_start * d, self.num_heads * d), (self.kv_head_start * d, self.num_kv_heads * d)
+        mlp = (self.rank * width, width)
+        # the vocabulary's rows that exist (the last rank's padding excluded)
+        vocab = (self.vocab_start, max(0, min(self.vocab_per_rank, self.vocab_size - self.vocab_start)))
+        # (dim, (start, length)): column-parallel layers split by rows (dim 0), row-parallel ones by columns (dim 1)
+        split = {"q_proj": (0, heads), "k_proj": (0, kv_heads), "v_proj": (0, kv_heads), "gate_proj": (0, mlp),
+                 "up_proj": (0, mlp), "o_proj": (1, heads), "down_proj": (1, mlp), "embed_tokens": (0, vocab),
+                 "lm_head": (0, vocab)}.get(last)
+        return Slice(split[0], *split[1]) if split is not None else None
 
     @staticmethod
     def bias_on_rank_zero(hf_name: str) -> bool:
