@@ -88,24 +88,21 @@ def blocks_unavailable_here(args: ModelArgs, device: torch.device, dtype: torch.
                             quantization: Optional[str], kernels: Optional[Any]) -> Optional[str]:
     """Why no GGUF model can keep its blocks in this setting, or None if one can (the file is checked apart). On
     CUDA `kernels` is the W4A16 GEMM's launcher (planes_layers.py), on the CPU the block kernels."""
-    if device.type == "cuda":
-        why = "a mixture of experts" if args.num_experts else None
-        if dtype not in (torch.bfloat16, torch.float16):
-            why = f"the model runs in {dtype}, the GPU's block kernel takes 16-bit activations"
-        return why or (f"--quantization {quantization}" if quantization is not None else None) or \
-            (None if kernels is not None else "Triton is missing")
-    if device.type != "cpu":
+    gpu = device.type == "cuda"
+    if not gpu and device.type != "cpu":
         return "blocks are kept on the CPU and on CUDA"
-    if dtype != torch.float32:
+    if gpu and dtype not in (torch.bfloat16, torch.float16):
+        return f"the model runs in {dtype}, the GPU's block kernel takes 16-bit activations"
+    if not gpu and dtype != torch.float32:
         return f"the model runs in {dtype}, the block kernels compute in float32"
     if quantization is not None:
         return f"--quantization {quantization}"
-    if tp_enabled:
+    if tp_enabled and not gpu:  # (planes are split between ranks as any weight is)
         return "tensor parallelism"
     if args.num_experts:  # (a GGUF's experts are in its config: gguf_file.moe_config)
         return "a mixture of experts"
     if kernels is None:
-        return "the block kernels did not build"
+        return "Triton is missing" if gpu else "the block kernels did not build"
     return None
 
 

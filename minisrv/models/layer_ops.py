@@ -36,8 +36,11 @@ def fused_ops_for(device: torch.device) -> Optional[Any]:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    """Neox rotary of x's first 2 x cos's width dims; the rest (partial rotary) pass through."""
+    r = 2 * cos.shape[-1]
+    x1, x2 = x[..., :r].float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
 
 
 class LayerOps:
@@ -106,11 +109,7 @@ class LayerOps:
             self.kernels.apply_rope_with_cos_sin_cache_inplace(positions, qf, kf, q.shape[-1], cos_sin, True)
             return qf.view_as(q), kf.view_as(k)
         c, s = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, R/2] each
-        r = cos_sin.shape[-1]
-        if r == q.shape[-1]:
-            return _rotate(q, c, s), _rotate(k, c, s)
-        return (torch.cat([_rotate(q[..., :r], c, s), q[..., r:]], dim=-1),
-                torch.cat([_rotate(k[..., :r], c, s), k[..., r:]], dim=-1))
+        return _rotate(q, c, s), _rotate(k, c, s)
 
     def qk_rope_store(self, qkv: torch.Tensor, cos_sin: torch.Tensor,
                       head_dim: int) -> Optional[Callable[..., None]]:
