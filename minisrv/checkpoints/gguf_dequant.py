@@ -11,7 +11,7 @@ from gguf.constants import GGMLQuantizationType as Q
 
 from minisrv.models.gguf_repack import f16, nibbles
 
-BLOCKS = {  # type: (bytes a block, its blocks [n, bytes] uint8 -> values [n, 32] float32)
+BLOCKS = {  # GGML type -> (bytes a block, its blocks [n, bytes] uint8 -> values [n, 32] float32)
     Q.Q4_0: (18, lambda b: f16(b, 0) * (nibbles(b[:, 2:]).to(torch.int8) - 8).float()),
     Q.Q4_1: (20, lambda b: f16(b, 0) * nibbles(b[:, 4:]).float() + f16(b, 2)),
     Q.Q8_0: (34, lambda b: f16(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()),

@@ -132,11 +132,8 @@ class SparseMoE(nn.Module):
         routed = None if self.gate.bias is not None else \
             route_and_align(x, self.gate.weight, self.router_counter, self.top_k, self.renormalize,
                             self.experts.w13, self.experts.fp8)  # (the one-launch router takes no bias)
-        if routed is None:
-            topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize)
-            aligned = None
-        else:
-            topk_weights, topk_ids, aligned = routed
+        topk_weights, topk_ids, aligned = routed if routed is not None else \
+            (*route(self.gate(x), self.top_k, self.renormalize), None)  # (None: fused_experts aligns them)
         out = self.experts(x, topk_weights, topk_ids, aligned=aligned)
         if self.shared_expert is not None:
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
