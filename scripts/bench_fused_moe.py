@@ -11,7 +11,7 @@ num_stages;...), to check or refine config_for. --int4 G: 4-bit experts in group
 random words, kernels/moe_w4a16.py's layout), their bytes (and their scales' and zeros') the floor's.
 
   python scripts/bench_fused_moe.py [--tokens 1,64,256,2048] [--experts 128 --top-k 8 --hidden 2048 --inter 768]
-                                    [--fp8 | --int4 128] [--configs 16,32,128,4,4] [--align]
+                                    [--fp8 | --int4 128 | --mxfp4] [--configs 16,32,128,4,4] [--align]
 """
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ import torch  # noqa: E402
 from graph_timing import add_timing_args, graph_us  # noqa: E402 (beside this script)
 
 from minisrv.kernels.fp8_quant import quantize_rows, quantize_tokens  # noqa: E402
-from minisrv.kernels.fused_moe import (experts_reference, route, route_and_align, route_reference,  # noqa: E402
-                                       triton_experts)
+from minisrv.kernels.fused_moe import (PAIR_ROWS, experts_reference, route, route_and_align,  # noqa: E402
+                                       route_reference, triton_experts)
 from minisrv.kernels.moe_align import align_reference, triton_align  # noqa: E402
 from minisrv.kernels.moe_route import ROUTER_TOKENS  # noqa: E402
 from minisrv.kernels.moe_gemm import MoeConfig, config_for, moe_gemm  # noqa: E402
-from minisrv.kernels.moe_w4a16 import PackedExperts  # noqa: E402
+from minisrv.kernels.moe_w4a16 import Mxfp4Experts, PackedExperts  # noqa: E402
 
 
 def eager_us(fn, repeat: int) -> float:
@@ -55,7 +55,7 @@ def products_us(x, w13, w2, s13, s2, routing, c: MoeConfig, a) -> tuple:
     launch configuration c: to choose each product's configuration (their shares of the floor: 2/3 and 1/3)."""
     weights, ids = routing
     t, k = ids.shape
-    int4 = isinstance(w13, PackedExperts)
+    int4 = isinstance(w13, (PackedExperts, Mxfp4Experts))  # (both layouts name their sizes)
     aligned = triton_align()(ids, w13.num_experts if int4 else w13.shape[0], c.block_m)
     gemm = moe_gemm()
     a1, a1s = quantize_tokens(x) if s13 is not None else (x, None)
@@ -87,6 +87,9 @@ def main() -> int:
     p.add_argument("--fp8", action="store_true", help="FP8 (W8A8) expert weights")
     p.add_argument("--int4", type=int, default=None, metavar="GROUP",
                    help="4-bit (W4A16) expert weights in groups of GROUP rows (0: per channel)")
+    p.add_argument("--mxfp4", action="store_true",
+                   help="MXFP4 experts (gpt-oss: e.g. --experts 32 --top-k 4 --hidden 2880 --inter 2880); up to "
+                        "PAIR_ROWS pairs also timed on the grouped GEMM")
     p.add_argument("--configs", default="", help="more launch configurations to time, ';'-separated")
     p.add_argument("--routings", type=int, default=8, help="distinct routings cycled through")
     p.add_argument("--no-reference", action="store_true", help="skip timing experts_reference")
@@ -111,6 +114,12 @@ def main() -> int:
         w13, w2 = random_int4(e, h, 2 * inter, a.int4), random_int4(e, inter, h, a.int4)
         expert_bytes = sum(t[0].numel() * t.element_size() for w in (w13, w2) for t in w[:3])  # one expert
         kind = f"4-bit, groups of {a.int4 or 'K'}"
+    if a.mxfp4:
+        w13, w2 = (Mxfp4Experts(torch.randint(0, 256, (e, n, kk // 2), dtype=torch.uint8, device="cuda"),
+                                torch.randint(121, 125, (e, n, kk // 32), dtype=torch.uint8, device="cuda"))
+                   for n, kk in ((2 * inter, h), (h, inter)))
+        expert_bytes = sum(t[0].numel() for w in (w13, w2) for t in w)  # one expert's bytes and exponents
+        kind = "MXFP4"
     extra = [MoeConfig(*(int(v) for v in c.split(","))) for c in a.configs.split(";") if c]
     align = triton_align()
     print(f"{torch.cuda.get_device_name()}; E={e} top-{k} H={h} I={inter} {kind}; us per "
@@ -143,6 +152,10 @@ def main() -> int:
                 return triton_experts(x, w13, w2, w, ids, s13, s2, config=None if c == rule else c)
             us = graph_us(fused, a.iters, a.repeat)
             line += f"; {'rule ' if c == rule else ''}{tuple(c)} {us:7.1f} us ({100 * floor / us:3.0f}%)"
+        if a.mxfp4 and t * k <= PAIR_ROWS:  # the pairs' own kernel above; here the grouped GEMM on them
+            w, ids = routings[0]
+            us = graph_us(lambda: triton_experts(x, w13, w2, w, ids, config=rule), a.iters, a.repeat)
+            line += f"; grouped GEMM {us:7.1f} us ({100 * floor / us:3.0f}%)"
         logits = torch.randn(t, e, device="cuda").bfloat16()
         line += f"; route {graph_us(lambda: route(logits, k, True), a.iters, a.repeat):5.1f} us"
         line += f" (torch {graph_us(lambda: route_reference(logits, k, True), a.iters, a.repeat):5.1f})"

@@ -32,6 +32,7 @@ from minisrv.kernels.moe_align import Aligned, triton_align
 from minisrv.kernels.moe_gemm import ClampedSwiGLU, MoeConfig, config_for, moe_gemm
 from minisrv.kernels.moe_route import ROUTER_TOKENS, triton_route, triton_router
 from minisrv.kernels.moe_w4a16 import Mxfp4Experts, PackedExperts
+from minisrv.kernels.mxfp4_pairs import mxfp4_pair_gemv
 from minisrv.kernels.w4a16_gemm import w4a16_gemm
 
 PAIR_ROWS = 16  # 4-bit experts: up to this many (token, expert) pairs run as rows of the dense 4-bit kernel
@@ -188,6 +189,8 @@ def triton_experts(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: tor
     if int4 and config is None and n_pairs <= PAIR_ROWS and w13.perm is None and w2.perm is None \
             and w13_bias is None and swiglu is None:
         return _experts_by_pair(x, w13, w2, topk_weights, topk_ids)
+    if isinstance(w13, Mxfp4Experts) and config is None and n_pairs <= PAIR_ROWS:
+        return _mxfp4_by_pair(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, swiglu)
     c = config or launch_config(n_pairs, w13, fp8)
     if aligned is None:
         aligned = align(topk_ids, num_experts, c.block_m)
@@ -214,6 +217,21 @@ def _experts_by_pair(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, top
     out = gemm(F.silu(gate) * up, w2.qweight, w2.scales, w2.zeros, ids=ids, top_k=1,
                row_weights=topk_weights.reshape(-1).float().contiguous())
     return out.view(t, top_k, -1).sum(dim=1)
+
+
+def _mxfp4_by_pair(x: torch.Tensor, w13: Mxfp4Experts, w2: Mxfp4Experts, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
+                   swiglu: Optional[ClampedSwiGLU]) -> torch.Tensor:
+    """A decode step's few pairs on MXFP4 experts, each a row of kernels/mxfp4_pairs.py's kernel reading its own
+    expert's rows (biases added there); the activation between the products in torch, on x's dtype as
+    experts_reference rounds it."""
+    gemv = mxfp4_pair_gemv()
+    t, top_k = topk_ids.shape
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    gate, up = gemv(x, w13.blocks, w13.scales, ids, top_k, w13_bias).chunk(2, dim=-1)
+    act = swiglu(gate, up) if swiglu is not None else F.silu(gate) * up
+    y = gemv(act.contiguous(), w2.blocks, w2.scales, ids, 1, w2_bias)
+    return (y.view(t, top_k, -1).float() * topk_weights.float()[..., None]).sum(dim=1).to(x.dtype)
 
 
 def fused_runs(x: torch.Tensor, w13: Weights, fp8: bool) -> bool:
