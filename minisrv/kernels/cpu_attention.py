@@ -12,25 +12,18 @@ from typing import Optional
 
 import torch
 
-from .cpu_build import load_cpu_library
-
-_c_i64, _c_int, _c_float, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+from .cpu_build import FLOAT, I64, INT, PTR, CompiledKernels, c_function
 
 
-class PagedDecodeKernel:
+class PagedDecodeKernel(CompiledKernels):
     """The compiled kernel, for float32 pools; `PagedDecodeKernel.load()` is None where it cannot be built."""
 
-    def __init__(self, lib: ctypes.CDLL, how: str) -> None:
-        self.fn = lib.paged_decode_f32
-        self.fn.restype = _c_int
-        self.fn.argtypes = [_p, _c_i64, _p, _p, _p, _c_i64, _p, _c_i64, _p, _p, _c_int, _c_int, _c_int, _c_int,
-                            _c_float, _c_int, _c_float, _p]
-        self.how = how
+    SOURCE = "cpu_attention"
 
-    @staticmethod
-    def load() -> "tuple[Optional[PagedDecodeKernel], str]":
-        lib, how = load_cpu_library("cpu_attention")
-        return (PagedDecodeKernel(lib, how) if lib is not None else None), how
+    def __init__(self, lib: ctypes.CDLL, how: str) -> None:
+        self.fn = c_function(lib, "paged_decode_f32", INT, PTR, I64, PTR, PTR, PTR, I64, PTR, I64, PTR, PTR, INT, INT,
+                             INT, INT, FLOAT, INT, FLOAT, PTR)
+        self.how = how
 
     @staticmethod
     def supports(pool_dtype: torch.dtype, kv_dtype: torch.dtype, num_q_heads: int, num_kv_heads: int) -> bool:

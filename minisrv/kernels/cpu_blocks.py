@@ -15,38 +15,24 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .cpu_build import load_cpu_library
+from .cpu_build import I64, INT, PTR, CompiledKernels, c_function
 
 MAX_ROWS = 32  # cpu_blocks.c's MAX_M
 RECORD_BYTES = 160  # 4 rows x 32 columns: float32 d[4], m[4], then uint8 q[4][32]
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # a GGUF block of 32 weights: Q4_0, Q4_1, Q8_0 (ggml's type ids)
 
-_i64, _int, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
-
-class BlockKernels:
+class BlockKernels(CompiledKernels):
     """The compiled kernels (`BlockKernels.load()`; None where they cannot be built)."""
 
-    def __init__(self, lib: ctypes.CDLL, how: str) -> None:
-        path = lib.blocks_simd_path
-        path.restype = ctypes.c_char_p
-        self.how = f"{how}; {path().decode()} path"
-        self._matmul = lib.blocks_matmul
-        self._matmul.argtypes = [_p, _i64, _p, _p, _p, _i64, _int, _i64, _i64]
-        self._dequant = lib.blocks_dequant
-        self._dequant.argtypes = [_p, _p, _p, _i64, _i64]
-        self._rows = lib.blocks_rows
-        self._rows.argtypes = [_p, _p, _p, _i64, _p, _i64]
-        for fn in (self._matmul, self._dequant, self._rows):
-            fn.restype = None
-        self._pack = lib.blocks_pack
-        self._pack.argtypes = [_p, _int, _p, _i64, _i64, _p]
-        self._pack.restype = _int
+    SOURCE = "cpu_blocks"
 
-    @staticmethod
-    def load() -> "tuple[Optional[BlockKernels], str]":
-        lib, how = load_cpu_library("cpu_blocks")
-        return (BlockKernels(lib, how) if lib is not None else None), how
+    def __init__(self, lib: ctypes.CDLL, how: str) -> None:
+        self.how = f"{how}; {c_function(lib, 'blocks_simd_path', ctypes.c_char_p)().decode()} path"
+        self._matmul = c_function(lib, "blocks_matmul", None, PTR, I64, PTR, PTR, PTR, I64, INT, I64, I64)
+        self._dequant = c_function(lib, "blocks_dequant", None, PTR, PTR, PTR, I64, I64)
+        self._rows = c_function(lib, "blocks_rows", None, PTR, PTR, PTR, I64, PTR, I64)
+        self._pack = c_function(lib, "blocks_pack", INT, PTR, INT, PTR, I64, I64, PTR)
 
     def pack(self, raw: np.ndarray, kind: int, src_rows: Optional[torch.Tensor], out: torch.Tensor) -> None:
         """Writes out (records [n / 4, k / 32, 160] uint8, contiguous) from a GGUF tensor's blocks: raw, the file's

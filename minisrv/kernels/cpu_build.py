@@ -21,11 +21,13 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple, Type, TypeVar
 
 from minisrv import env
 
 logger = logging.getLogger(__name__)
+
+I64, INT, FLOAT, PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p  # the C kernels' argument types
 
 SOURCE_DIR = Path(__file__).resolve().parent
 # tried in order: the first set the compiler accepts is used (-march=native is refused by a few cross compilers)
@@ -93,3 +95,25 @@ def load_cpu_library(name: str) -> Tuple[Optional[ctypes.CDLL], str]:
         except OSError as e:
             errors.append(f"{target}: {e}")
     return None, "; ".join(errors)
+
+
+def c_function(lib: ctypes.CDLL, name: str, restype: Any, *argtypes: Any) -> Any:
+    """lib's C function `name` with its signature declared (ctypes would otherwise pass and return C ints)."""
+    fn = getattr(lib, name)
+    fn.restype, fn.argtypes = restype, list(argtypes)
+    return fn
+
+
+Kernels = TypeVar("Kernels", bound="CompiledKernels")
+
+
+class CompiledKernels:
+    """Base of the classes that wrap one compiled library, `SOURCE`.c, built as `__init__(lib, how)` from it."""
+
+    SOURCE: str
+
+    @classmethod
+    def load(cls: Type[Kernels]) -> Tuple[Optional[Kernels], str]:
+        """(the kernels, a line saying how they were built), or (None, why they could not be)."""
+        lib, how = load_cpu_library(cls.SOURCE)
+        return (cls(lib, how) if lib is not None else None), how

@@ -13,19 +13,17 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from .cpu_blocks import MAX_ROWS
-from .cpu_build import load_cpu_library
-
-_i64, _int, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+from .cpu_build import FLOAT, I64, INT, PTR, CompiledKernels, c_function
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _p), ("o", _p), ("gate_up", _p), ("down", _p),
-                ("qkv_l", _p), ("o_l", _p), ("gate_up_l", _p), ("down_l", _p), ("k", _p), ("v", _p)]
+    _fields_ = [("input_norm", PTR), ("post_norm", PTR), ("qkv", PTR), ("o", PTR), ("gate_up", PTR), ("down", PTR),
+                ("qkv_l", PTR), ("o_l", PTR), ("gate_up_l", PTR), ("down_l", PTR), ("k", PTR), ("v", PTR)]
 
 
 class _Shape(ctypes.Structure):
-    _fields_ = [("layers", _int), ("hidden", _int), ("hq", _int), ("hkv", _int), ("d", _int), ("inter", _int),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_stride", _i64), ("window", _int)]
+    _fields_ = [("layers", INT), ("hidden", INT), ("hq", INT), ("hkv", INT), ("d", INT), ("inter", INT),
+                ("eps", FLOAT), ("scale", FLOAT), ("kv_stride", I64), ("window", INT)]
 
 
 @dataclass(frozen=True)
@@ -43,21 +41,17 @@ class DecodeMeta:
     window: int = 0  # every layer's sliding window (0: none); the layers in one call serve only such models
 
 
-class DecodeLayersKernel:
+class DecodeLayersKernel(CompiledKernels):
     """The compiled call (`DecodeLayersKernel.load()`; None where it cannot be built) and, per pool, the layer table
     it reads (built on first use: the pool is the engine's, the weights the model's)."""
 
+    SOURCE = "cpu_decode"
+
     def __init__(self, lib: ctypes.CDLL, how: str) -> None:
         self.how = how
-        self.fn = lib.decode_layers_f32
-        self.fn.restype = ctypes.c_int
-        self.fn.argtypes = [_p, _p, _p, _p, _p, _int, _p, _p, _p, _p, _i64, _p, _p, _int, _p, _p]
+        self.fn = c_function(lib, "decode_layers_f32", INT, PTR, PTR, PTR, PTR, PTR, INT, PTR, PTR, PTR, PTR, I64,
+                             PTR, PTR, INT, PTR, PTR)
         self._table: Optional[Tuple[int, Any, _Shape, List[Any]]] = None
-
-    @staticmethod
-    def load() -> "tuple[Optional[DecodeLayersKernel], str]":
-        lib, how = load_cpu_library("cpu_decode")
-        return (DecodeLayersKernel(lib, how) if lib is not None else None), how
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:

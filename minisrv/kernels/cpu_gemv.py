@@ -9,29 +9,22 @@ from typing import Optional
 
 import torch
 
-from .cpu_build import load_cpu_library
+from .cpu_build import I64, INT, PTR, CompiledKernels, c_function
 
 # up to this many rows the kernel is used: measured against torch's matmul on the default model's projections
 # (scripts/bench_cpu_gemv.py, docs/benchmarks.md)
 MAX_ROWS = 32
 
-_i64, _int, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
-
-class SmallBatchLinear:
+class SmallBatchLinear(CompiledKernels):
     """The compiled kernel (`SmallBatchLinear.load()`; None where it cannot be built)."""
 
+    SOURCE = "cpu_gemv"
+
     def __init__(self, lib: ctypes.CDLL, how: str, max_rows: int = MAX_ROWS) -> None:
-        self.fn = lib.gemv_f32
-        self.fn.restype = None
-        self.fn.argtypes = [_p, _i64, _p, _p, _i64, _int, _i64, _i64]
+        self.fn = c_function(lib, "gemv_f32", None, PTR, I64, PTR, PTR, I64, INT, I64, I64)
         self.how = how
         self.max_rows = max_rows
-
-    @staticmethod
-    def load() -> "tuple[Optional[SmallBatchLinear], str]":
-        lib, how = load_cpu_library("cpu_gemv")
-        return (SmallBatchLinear(lib, how) if lib is not None else None), how
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether the kernel computes x @ weight.T: 2-D float32 x of at most max_rows rows with unit column

@@ -15,13 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_blocks import BlockKernels
-from .cpu_build import load_cpu_library
+from .cpu_build import FLOAT, I64, INT, PTR, c_function, load_cpu_library
 from .cpu_decode import DecodeLayersKernel
 from .cpu_gemv import SmallBatchLinear
 
 logger = logging.getLogger(__name__)
-
-_i64, _int, _f, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
@@ -48,16 +46,10 @@ class CpuFusedOps:
     def __init__(self, lib: ctypes.CDLL, how: str, small_batch_linear: Optional[SmallBatchLinear] = None) -> None:
         self.how = how
         self.small_batch_linear = small_batch_linear  # the projections' kernel at a few rows (cpu_gemv.py)
-        self._norm = lib.rmsnorm_f32
-        self._norm.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _int, _f]
-        self._add_norm = lib.add_rmsnorm_f32
-        self._add_norm.argtypes = [_p, _i64, _p, _i64, _p, _i64, _int, _f]
-        self._silu_mul = lib.silu_mul_f32
-        self._silu_mul.argtypes = [_p, _i64, _p, _i64, _int]
-        self._rope = lib.rope_neox_f32
-        self._rope.argtypes = [_p, _p, _i64, _int, _p, _i64, _int, _int, _int, _p, _i64]
-        for fn in (self._norm, self._add_norm, self._silu_mul, self._rope):
-            fn.restype = None
+        self._norm = c_function(lib, "rmsnorm_f32", None, PTR, PTR, I64, I64, I64, I64, I64, I64, PTR, INT, FLOAT)
+        self._add_norm = c_function(lib, "add_rmsnorm_f32", None, PTR, I64, PTR, I64, PTR, I64, INT, FLOAT)
+        self._silu_mul = c_function(lib, "silu_mul_f32", None, PTR, I64, PTR, I64, INT)
+        self._rope = c_function(lib, "rope_neox_f32", None, PTR, PTR, I64, INT, PTR, I64, INT, INT, INT, PTR, I64)
 
     @functools.cached_property
     def block_kernels(self) -> Optional[BlockKernels]:
