@@ -183,9 +183,9 @@ def create_backend(name: str, pool: "KVPool", req_to_token: torch.Tensor, num_q_
         from .xqa import fp8_decode
         decode = fp8_decode(pool, req_to_token, num_q_heads, fp8_decode_kernel, layers)
     if decode is None:
-        if len(parts) == 1 or parts[0] == parts[1]:
+        if parts[-1] == parts[0]:
             return prefill
-        decode = _create(parts[1], pool, req_to_token, num_q_heads, layers)
+        decode = _create(parts[-1], pool, req_to_token, num_q_heads, layers)
     return HybridBackend(prefill, decode)
 
 

@@ -121,10 +121,8 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
         window = {} if self.window_table is None else dict(
             window_loc=window_slots(self.window_table, b),
             window_table=page_table(self.window_table, b.req_rows, b.max_seq_len, self.page_size))
-        if b.is_decode:
-            return FAMeta(b.out_cache_loc, table, seqlens, None, 1, **window)
-        return FAMeta(b.out_cache_loc, table, seqlens, b.cu_seqlens_q.to(torch.int32), max(b.extend_lens_cpu),
-                      **window)
+        queries = (None, 1) if b.is_decode else (b.cu_seqlens_q.to(torch.int32), max(b.extend_lens_cpu))
+        return FAMeta(b.out_cache_loc, table, seqlens, *queries, **window)
 
     def _reads(self, layer_id: int, meta: FAMeta) -> Tuple[torch.Tensor, torch.Tensor]:
         """(slots the step's K/V go to, page table) of the layer's kind of pages."""
@@ -137,20 +135,20 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
         loc, table = self._reads(layer_id, meta)
         if k is not None:
             self.pool.store(layer_id, loc, k, v)
-        k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
         out_dtype = q.dtype
-        fp8 = {}
+        args = {}  # an FP8 pool's descales, an extend step's ragged queries
         if self.fp8:
-            q, fp8 = self._fp8_args(q, layer_id, table.shape[0])
-        if meta.cu_seqlens_q is None:  # decode, or a verify step's queries of one length, [B * Sq] -> [B, Sq]
-            o = self._attn(q=q.view(-1, meta.max_seqlen_q, *q.shape[1:]), k_cache=k_cache, v_cache=v_cache,
-                           cache_seqlens=meta.cache_seqlens, page_table=table,
-                           causal=True, **self.layer_args[layer_id], **fp8).flatten(0, 1)
-        else:
-            o = self._attn(q=q, k_cache=k_cache, v_cache=v_cache,
-                           cache_seqlens=meta.cache_seqlens, page_table=table,
-                           cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
-                           causal=True, **self.layer_args[layer_id], **fp8)
+            q, args = self._fp8_args(q, layer_id, table.shape[0])
+        ragged = meta.cu_seqlens_q is not None
+        if ragged:
+            args.update(cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q)
+        else:  # decode, or a verify step's queries of one length, [B * Sq] -> [B, Sq]
+            q = q.view(-1, meta.max_seqlen_q, *q.shape[1:])
+        o = self._attn(q=q, k_cache=self.pool.k[layer_id], v_cache=self.pool.v[layer_id],
+                       cache_seqlens=meta.cache_seqlens, page_table=table, causal=True, **self.layer_args[layer_id],
+                       **args)
+        if not ragged:
+            o = o.flatten(0, 1)
         return o if o.dtype == out_dtype else o.to(out_dtype)  # FP8 mode answers in bf16
 
     def kv_store_target(self, layer_id: int, meta: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:

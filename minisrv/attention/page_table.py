@@ -3,6 +3,7 @@ int32 page ids, a row per request, with the lengths [B] int32 beside it; its CUD
 in place before each replay; and the decode hooks of the backends that read it (PageTableGraphs)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import torch
@@ -66,16 +67,28 @@ def require(static: Optional[StaticPageTable]) -> StaticPageTable:
     return static
 
 
+@dataclass(frozen=True)
+class DecodePages:
+    """A decode step's metadata where the kernel takes only the page table and lengths (triton_decode.py)."""
+
+    loc: torch.Tensor  # [B] slots the step's k/v go to
+    page_table: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32, counting the step's own token
+
+
 class PageTableGraphs:
     """The decode hooks of a backend that reads a page table and lengths (fa, xqa, triton): an eager step's metadata
     from the batch's own page table, and CUDA graphs over the StaticPageTable's rows, which every replay rewrites
     first. A backend mixes this in before AttentionBackend, has `page_size` and `req_to_token`, and says how its step
-    metadata is made from (slots, page table, lengths): `decode_meta`."""
+    metadata is made from (slots, page table, lengths) where that is more than DecodePages: `decode_meta`."""
 
     static: Optional[StaticPageTable] = None
 
     def decode_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> Any:
-        raise NotImplementedError
+        return DecodePages(loc, table, seq_lens)
+
+    def kv_store_target(self, layer_id: int, meta: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        return self._pool_target(layer_id, meta.loc)
 
     def prepare(self, b: ForwardBatch) -> Any:
         """An eager decode step's metadata (a backend that also runs other steps has a prepare of its own); raises

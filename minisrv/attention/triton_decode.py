@@ -8,25 +8,17 @@ rotary + store writes them, or `forward` does).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Tuple
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from minisrv.kernels.decode_attention import takes_head_dim, triton_decode_attention
 
 from .base import AttentionBackend
-from .page_table import PageTableGraphs
+from .page_table import DecodePages, PageTableGraphs
 
 if TYPE_CHECKING:
     from minisrv.kvcache import KVPool
-
-
-@dataclass(frozen=True)
-class TritonDecodeMeta:
-    loc: torch.Tensor  # [B] slots the step's k/v go to
-    page_table: torch.Tensor  # [B, max_pages] int32
-    seq_lens: torch.Tensor  # [B] int32, counting the step's own token
 
 
 class TritonDecodeBackend(PageTableGraphs, AttentionBackend):
@@ -44,17 +36,11 @@ class TritonDecodeBackend(PageTableGraphs, AttentionBackend):
                              f"{self.head_dim}: use another attention backend")
         self.page_size = pool.page_size
 
-    def decode_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> TritonDecodeMeta:
-        return TritonDecodeMeta(loc, table, seq_lens)
-
     def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer_id: int,
-                meta: TritonDecodeMeta) -> torch.Tensor:
+                meta: DecodePages) -> torch.Tensor:
         pool = self.pool
         if k is not None:
             pool.store(layer_id, meta.loc, k, v)
         return self.kernel(q, pool.k[layer_id], pool.v[layer_id], meta.page_table, meta.seq_lens,
                            self.layers[layer_id].scale,
                            pool.k_scale_host[layer_id], pool.v_scale_host[layer_id])
-
-    def kv_store_target(self, layer_id: int, meta: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        return self._pool_target(layer_id, meta.loc)
