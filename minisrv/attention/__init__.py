@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import TYPE_CHECKING, Dict, FrozenSet, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Optional, Sequence
 
 import torch
 
@@ -57,34 +57,19 @@ def device_sm(device: Optional[torch.device] = None) -> Optional[int]:
     return major * 10 + minor
 
 
-def _fa_missing(sm: Optional[int]) -> Optional[str]:
-    if sm is None:
-        return "the fa backend needs a CUDA GPU"
-    if sm // 10 != 9:
-        return f"the fa backend (FlashAttention-3) needs an SM90 (Hopper) GPU; this GPU is SM{sm}"
-    if not (_package_present("sgl_kernel") or _package_present("flash_attn_interface")):
-        return "the fa backend needs FlashAttention-3: pip install sgl-kernel (or upstream flash_attn_interface)"
-    return None
-
-
-def _fi_missing(sm: Optional[int]) -> Optional[str]:
-    if sm is None:
-        return "the fi backend needs a CUDA GPU"
-    if sm < 75:
-        return f"the fi backend (FlashInfer) needs SM75 or newer; this GPU is SM{sm}"
-    if not _package_present("flashinfer"):
-        return "the fi backend needs FlashInfer: pip install flashinfer-python"
-    return None
-
-
-def _triton_missing(sm: Optional[int]) -> Optional[str]:
-    if sm is None:
-        return "the triton decode backend needs a CUDA GPU"
-    if sm < 80:
-        return f"the triton decode backend needs SM80 or newer; this GPU is SM{sm}"
-    if not _package_present("triton"):
-        return "the triton decode backend needs Triton: pip install triton"
-    return None
+def _needs(who: str, gpu_ok: Callable[[int], bool], which_gpu: str, library: str,
+           *modules: str) -> Callable[[Optional[int]], Optional[str]]:
+    """What backend `who` lacks on a GPU of SM version `sm` (None: no CUDA), or None: a GPU that `gpu_ok` takes
+    (`which_gpu` says which), then any of the Python `modules` (`library` says how to install one)."""
+    def missing(sm: Optional[int]) -> Optional[str]:
+        if sm is None:
+            return f"the {who} needs a CUDA GPU"
+        if not gpu_ok(sm):
+            return f"the {which_gpu}; this GPU is SM{sm}"
+        if not any(_package_present(m) for m in modules):
+            return f"the {who} needs {library}"
+        return None
+    return missing
 
 
 # name -> (what it lacks on this machine, the module and class that implement it, imported when it is created, the
@@ -92,9 +77,14 @@ def _triton_missing(sm: Optional[int]) -> Optional[str]:
 BACKENDS: Dict[str, tuple] = {
     "torch": (lambda sm: None, "torch_native", "TorchNativeBackend", {WINDOW, SOFTCAP, SINKS}),
     # (FA3 builds may leave tanh soft-capping out, as upstream's FLASHATTENTION_DISABLE_SOFTCAP does: left to fi)
-    "fa": (_fa_missing, "fa", "FlashAttentionBackend", {WINDOW, SINKS}),
-    "fi": (_fi_missing, "fi", "FlashInferBackend", {WINDOW, SOFTCAP}),
-    "triton": (_triton_missing, "triton_decode", "TritonDecodeBackend", set()),
+    "fa": (_needs("fa backend", lambda sm: sm // 10 == 9, "fa backend (FlashAttention-3) needs an SM90 (Hopper) GPU",
+                  "FlashAttention-3: pip install sgl-kernel (or upstream flash_attn_interface)", "sgl_kernel",
+                  "flash_attn_interface"), "fa", "FlashAttentionBackend", {WINDOW, SINKS}),
+    "fi": (_needs("fi backend", lambda sm: sm >= 75, "fi backend (FlashInfer) needs SM75 or newer",
+                  "FlashInfer: pip install flashinfer-python", "flashinfer"), "fi", "FlashInferBackend",
+           {WINDOW, SOFTCAP}),
+    "triton": (_needs("triton decode backend", lambda sm: sm >= 80, "triton decode backend needs SM80 or newer",
+                      "Triton: pip install triton", "triton"), "triton_decode", "TritonDecodeBackend", set()),
 }
 DECODE_ONLY = ("triton",)
 WINDOW_POOL = ("torch", "fa", "fi")  # the backends that read a pool whose windowed layers keep only their window

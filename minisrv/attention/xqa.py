@@ -109,14 +109,11 @@ def fp8_decode(pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int, cho
     if choice == "flashinfer" or not pool.quantized:
         return None
     lacking = features_of(layers or ())
-    if lacking:
+    if lacking or not XQADecodeBackend.usable(pool, req_to_token.device):
         if choice == "xqa":
             raise ValueError(f"the xqa FP8 decode kernel does not serve {' nor '.join(sorted(lacking))}, which this "
-                             f"model has: use --fp8-decode-kernel flashinfer")
-        return None
-    if not XQADecodeBackend.usable(pool, req_to_token.device):
-        if choice == "xqa":
-            raise ValueError("the xqa FP8 decode kernel needs an SM 9.x GPU, an FP8 e4m3 KV cache, pages of "
+                             f"model has: use --fp8-decode-kernel flashinfer" if lacking else
+                             "the xqa FP8 decode kernel needs an SM 9.x GPU, an FP8 e4m3 KV cache, pages of "
                              f"{'/'.join(map(str, PAGE_SIZES))} tokens and FlashInfer's XQA; here the page "
                              f"size is {pool.page_size}")
         return None
