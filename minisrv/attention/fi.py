@@ -40,9 +40,10 @@ window table at the rows and positions the graph's inputs then hold (padding row
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -146,15 +147,15 @@ class FlashInferBackend(AttentionBackend):
         # can come before the device has run those copies, so each plan first waits for the previous one's
         self._plan_done: Optional[torch.cuda.Event] = None
 
-    def _before_plan(self) -> None:
+    @contextlib.contextmanager
+    def _planning(self) -> Iterator[None]:
+        """Around a step's plans: wait for the previous plans' copies first, mark where these end after."""
         if self._plan_done is not None:
             self._plan_done.synchronize()
-
-    def _after_plan(self) -> None:
-        if self.device.type != "cuda":
-            return  # nothing runs ahead of the host
-        self._plan_done = torch.cuda.Event()
-        self._plan_done.record()
+        yield
+        if self.device.type == "cuda":  # (on the CPU nothing runs ahead of the host)
+            self._plan_done = torch.cuda.Event()
+            self._plan_done.record()
 
     def _page_list(self, b: ForwardBatch, windowed: bool, pad: int = 0) -> PageList:
         """The step's pages of the full table, or (windowed) of the window table from the page its first query's
@@ -202,17 +203,16 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan(self, wrappers: Sequence[Any], pages: Dict[bool, PageList], qo_indptr: Optional[torch.Tensor]) -> None:
         """Plan each kind's wrapper over its table's pages: decode wrappers, or (qo_indptr given) prefill ones."""
-        self._before_plan()
-        for wrapper, a, windowed in zip(wrappers, self.kinds, self.windowed):
-            p = pages[windowed]
-            kv = (p.indptr, p.indices, p.last, self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size)
-            opts = dict(pos_encoding_mode="NONE", window_left=a.window_left, logits_soft_cap=a.softcap,
-                        q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=a.scale)
-            if qo_indptr is None:
-                wrapper.plan(*kv, **opts)
-            else:
-                wrapper.plan(qo_indptr, *kv, causal=True, **opts)
-        self._after_plan()
+        with self._planning():
+            for wrapper, a, windowed in zip(wrappers, self.kinds, self.windowed):
+                p = pages[windowed]
+                kv = (p.indptr, p.indices, p.last, self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size)
+                opts = dict(pos_encoding_mode="NONE", window_left=a.window_left, logits_soft_cap=a.softcap,
+                            q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=a.scale)
+                if qo_indptr is None:
+                    wrapper.plan(*kv, **opts)
+                else:
+                    wrapper.plan(qo_indptr, *kv, causal=True, **opts)
 
     def prepare(self, b: ForwardBatch) -> Any:
         if b.is_decode and b.prefix_groups is not None:
@@ -256,17 +256,14 @@ class FlashInferBackend(AttentionBackend):
         if self.shared_wrapper is None:
             self.init_cascade_state()
         i32, a = torch.int32, self.kinds[0]  # (cascade steps are planned for a model of one kind without a window)
-        self._before_plan()
-        self.decode_wrappers[0].plan(torch.tensor(own_indptr, dtype=i32), own_indices,
-                                     torch.tensor(own_last, dtype=i32), self.num_q_heads, self.num_kv_heads,
-                                     self.head_dim, ps, pos_encoding_mode="NONE", logits_soft_cap=a.softcap,
-                                     q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=a.scale)
-        self.shared_wrapper.plan(torch.tensor(qo_indptr, dtype=i32), torch.tensor(shared_indptr, dtype=i32),
-                                 shared_indices, torch.full((ng,), ps, dtype=i32),
-                                 self.num_q_heads, self.num_kv_heads, self.head_dim, ps,
-                                 causal=False, pos_encoding_mode="NONE", sm_scale=a.scale, logits_soft_cap=a.softcap,
-                                 q_data_type=self.dtype, kv_data_type=self.dtype)
-        self._after_plan()
+        heads = (self.num_q_heads, self.num_kv_heads, self.head_dim, ps)
+        opts = dict(pos_encoding_mode="NONE", logits_soft_cap=a.softcap, q_data_type=self.dtype,
+                    kv_data_type=self.dtype, sm_scale=a.scale)
+        with self._planning():
+            self.decode_wrappers[0].plan(torch.tensor(own_indptr, dtype=i32), own_indices,
+                                         torch.tensor(own_last, dtype=i32), *heads, **opts)
+            self.shared_wrapper.plan(torch.tensor(qo_indptr, dtype=i32), torch.tensor(shared_indptr, dtype=i32),
+                                     shared_indices, torch.full((ng,), ps, dtype=i32), *heads, causal=False, **opts)
         in_order = order == list(range(bs))
         return FICascadeMeta(b.out_cache_loc, self.decode_wrappers[0], self.shared_wrapper,
                              self._fi.merge_state_in_place,
