@@ -138,7 +138,12 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
         out_dtype = q.dtype
         args = {}  # an FP8 pool's descales, an extend step's ragged queries
         if self.fp8:
-            q, args = self._fp8_args(q, layer_id, table.shape[0])
+            # q in e4m3, and the layer's descales as the [B, Hkv] float32 tensors FA3 wants (stride-0 views of the
+            # pool's scales: no kernel, and a CUDA graph keeps reading the same scale)
+            top = torch.finfo(self.pool.kv_dtype).max
+            q = q.clamp(-top, top).to(self.pool.kv_dtype)
+            scale, shape = self.pool.kv_scale[layer_id], (table.shape[0], self.num_kv_heads)
+            args = {"k_descale": scale[0].expand(shape), "v_descale": scale[1].expand(shape)}
         ragged = meta.cu_seqlens_q is not None
         if ragged:
             args.update(cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q)
@@ -153,15 +158,6 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
 
     def kv_store_target(self, layer_id: int, meta: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         return self._pool_target(layer_id, self._reads(layer_id, meta)[0])
-
-    def _fp8_args(self, q: torch.Tensor, layer_id: int, batch_size: int):
-        """q in e4m3 and the layer's descales as the [B, Hkv] float32 tensors FA3 wants (stride-0 views of the
-        pool's scales: no kernel, and a CUDA graph keeps reading the same scale)."""
-        top = torch.finfo(self.pool.kv_dtype).max
-        q8 = q.clamp(-top, top).to(self.pool.kv_dtype)
-        shape = (batch_size, self.num_kv_heads)
-        scale = self.pool.kv_scale[layer_id]
-        return q8, {"k_descale": scale[0].expand(shape), "v_descale": scale[1].expand(shape)}
 
     def decode_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> FAMeta:
         """A decode step's metadata over a CUDA graph's static page table (PageTableGraphs)."""

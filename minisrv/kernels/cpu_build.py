@@ -46,13 +46,6 @@ def cache_dir() -> Path:
     return Path(base) / "minisrv" / "cpu_kernels"
 
 
-def _compiler() -> Optional[str]:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
 def _compile(cc: str, source: Path, flags: Tuple[str, ...], target: Path) -> Optional[str]:
     """Compile source into target (atomically: concurrent processes may race); None, or the compiler's complaint."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -75,7 +68,7 @@ def load_cpu_library(name: str) -> Tuple[Optional[ctypes.CDLL], str]:
     """(the compiled `name`.c, a line saying how it was built) or (None, why not). Cached per process: the library
     is the same for every caller. The cache key covers the sources `name`.c includes from this directory."""
     source = SOURCE_DIR / f"{name}.c"
-    cc = _compiler()
+    cc = next((cc for cc in (os.environ.get("CC"), "cc", "gcc", "clang") if cc and shutil.which(cc)), None)
     if cc is None:
         return None, "no C compiler found (CC, cc, gcc, clang)"
     text = source.read_bytes()

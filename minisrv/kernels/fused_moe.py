@@ -88,19 +88,19 @@ def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) 
 def _check_shapes(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor]) -> None:
     t, h = x.shape
+    bad_topk = topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t
     if isinstance(w13, (PackedExperts, Mxfp4Experts)):
         kind, name = ("MXFP4", "Mxfp4Experts") if isinstance(w13, Mxfp4Experts) else ("4-bit", "PackedExperts")
         if type(w2) is not type(w13) or w13_scale is not None or w2_scale is not None \
-                or w2.num_experts != w13.num_experts or topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 \
-                or topk_ids.shape[0] != t:
+                or w2.num_experts != w13.num_experts or bad_topk:
             raise ValueError(f"{kind} experts: w13 and w2 both {name} of as many experts, no separate scales, "
                              f"topk {tuple(topk_weights.shape)} / {tuple(topk_ids.shape)}")
         w13.check(h, w13.n, "w13")
         w2.check(w13.n // 2, h, "w2")
         return
     e, two_i, h13 = w13.shape
-    if h13 != h or two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2) or topk_ids.shape != topk_weights.shape \
-            or topk_ids.dim() != 2 or topk_ids.shape[0] != t or (w13_scale is None) != (w2_scale is None):
+    if h13 != h or two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2) or bad_topk \
+            or (w13_scale is None) != (w2_scale is None):
         raise ValueError(f"experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, topk "
                          f"{tuple(topk_weights.shape)} / {tuple(topk_ids.shape)}, scales "
                          f"{w13_scale is not None} / {w2_scale is not None}")
@@ -186,11 +186,10 @@ def triton_experts(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: tor
     n_pairs = t * top_k
     if n_pairs == 0:
         return x.new_zeros(t, h)
-    if int4 and config is None and n_pairs <= PAIR_ROWS and w13.perm is None and w2.perm is None \
-            and w13_bias is None and swiglu is None:
-        return _experts_by_pair(x, w13, w2, topk_weights, topk_ids)
-    if isinstance(w13, Mxfp4Experts) and config is None and n_pairs <= PAIR_ROWS:
-        return _mxfp4_by_pair(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, swiglu)
+    by_pair = isinstance(w13, Mxfp4Experts) or (int4 and w13.perm is None and w2.perm is None and w13_bias is None
+                                                 and swiglu is None)
+    if by_pair and config is None and n_pairs <= PAIR_ROWS:
+        return _experts_by_pair(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, swiglu)
     c = config or launch_config(n_pairs, w13, fp8)
     if aligned is None:
         aligned = align(topk_ids, num_experts, c.block_m)
@@ -204,34 +203,27 @@ def triton_experts(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: tor
     return out.view(t, h) if top_k == 1 else out.sum(dim=1)
 
 
-def _experts_by_pair(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor) -> torch.Tensor:
-    """A decode step's few pairs, each a row of the dense 4-bit kernel's CUDA-cores path reading its own expert's
-    weight (kernels/w4a16_gemm.py): no alignment and no padded 16-row blocks, whose tensor-core tiles cost a whole
-    block's dequantisation per expert for one or two rows. The gate/up product rounds to x's dtype before
-    SiLU-and-mul, as experts_reference does."""
-    gemm = w4a16_gemm()
+def _experts_by_pair(x: torch.Tensor, w13: Union[PackedExperts, Mxfp4Experts], w2: Union[PackedExperts, Mxfp4Experts],
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_bias: Optional[torch.Tensor],
+                     w2_bias: Optional[torch.Tensor], swiglu: Optional[ClampedSwiGLU]) -> torch.Tensor:
+    """A decode step's few pairs, each a row of a kernel reading its own expert's weight: no alignment and no padded
+    16-row blocks, whose tensor-core tiles cost a whole block's dequantisation per expert for one or two rows. MXFP4:
+    kernels/mxfp4_pairs.py's kernel (biases added there); 4-bit integers: the dense 4-bit kernel's CUDA-cores path
+    (kernels/w4a16_gemm.py). The activation between the products in torch, on the gate/up product rounded to x's
+    dtype, as experts_reference rounds it."""
     t, top_k = topk_ids.shape
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    if isinstance(w13, Mxfp4Experts):
+        gemv = mxfp4_pair_gemv()
+        gate, up = gemv(x, w13.blocks, w13.scales, ids, top_k, w13_bias).chunk(2, dim=-1)
+        act = swiglu(gate, up) if swiglu is not None else F.silu(gate) * up
+        y = gemv(act.contiguous(), w2.blocks, w2.scales, ids, 1, w2_bias)
+        return (y.view(t, top_k, -1).float() * topk_weights.float()[..., None]).sum(dim=1).to(x.dtype)
+    gemm = w4a16_gemm()
     gate, up = gemm(x, w13.qweight, w13.scales, w13.zeros, ids=ids, top_k=top_k).chunk(2, dim=-1)
     out = gemm(F.silu(gate) * up, w2.qweight, w2.scales, w2.zeros, ids=ids, top_k=1,
                row_weights=topk_weights.reshape(-1).float().contiguous())
     return out.view(t, top_k, -1).sum(dim=1)
-
-
-def _mxfp4_by_pair(x: torch.Tensor, w13: Mxfp4Experts, w2: Mxfp4Experts, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
-                   swiglu: Optional[ClampedSwiGLU]) -> torch.Tensor:
-    """A decode step's few pairs on MXFP4 experts, each a row of kernels/mxfp4_pairs.py's kernel reading its own
-    expert's rows (biases added there); the activation between the products in torch, on x's dtype as
-    experts_reference rounds it."""
-    gemv = mxfp4_pair_gemv()
-    t, top_k = topk_ids.shape
-    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
-    gate, up = gemv(x, w13.blocks, w13.scales, ids, top_k, w13_bias).chunk(2, dim=-1)
-    act = swiglu(gate, up) if swiglu is not None else F.silu(gate) * up
-    y = gemv(act.contiguous(), w2.blocks, w2.scales, ids, 1, w2_bias)
-    return (y.view(t, top_k, -1).float() * topk_weights.float()[..., None]).sum(dim=1).to(x.dtype)
 
 
 def fused_runs(x: torch.Tensor, w13: Weights, fp8: bool) -> bool:
