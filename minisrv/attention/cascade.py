@@ -52,13 +52,8 @@ def find_prefix_groups(pages: Sequence[Sequence[int]], seq_lens: Sequence[int], 
     for i, (p, s) in enumerate(zip(pages, seq_lens)):
         if (s - 1) // page_size >= min_shared_pages:
             buckets.setdefault(p[key_index], []).append(i)
-    members_of: List[List[int]] = []
-    shared: List[int] = []
-    for members in buckets.values():
-        if len(members) < min_group:
-            continue
-        members_of.append(members)
-        shared.append(_shared_length(pages, seq_lens, members, page_size, min_shared_pages))
+    members_of = [members for members in buckets.values() if len(members) >= min_group]
+    shared = [_shared_length(pages, seq_lens, members, page_size, min_shared_pages) for members in members_of]
     if not members_of:
         return None
     order = [i for m in members_of for i in m]
@@ -75,9 +70,7 @@ def _shared_length(pages: Sequence[Sequence[int]], seq_lens: Sequence[int], memb
     lead = pages[members[0]]
 
     def same(n: int) -> bool:
-        j = n - 1
-        page = lead[j]
-        return all(pages[i][j] == page for i in members)
+        return all(pages[i][n - 1] == lead[n - 1] for i in members)
 
     lo = known
     hi = min((seq_lens[i] - 1) // page_size for i in members)
