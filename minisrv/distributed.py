@@ -41,7 +41,7 @@ class Rendezvous(NamedTuple):
     Why the number: torch names process groups by a per-process counter that restarts at 0 when the groups are
     destroyed, and torch's symmetric memory keeps what it set up per group name for the life of the process: a
     second engine in the same process would reuse the first one's names and wait forever on the first group's
-    state. So rank 0 never lets the counter go back (`_teardown`) and hands its value to the ranks it spawns."""
+    state. So rank 0 never lets the counter go back (`drop_process_group`) and hands its value to the ranks it spawns."""
 
     address: str
     first_group: int
@@ -205,7 +205,7 @@ def init_tensor_parallel(rank: int, size: int, rendezvous: Rendezvous, device: t
         os.environ.setdefault(k, v)
     if dist.is_initialized():  # left by an engine whose group broke (a lost rank): it is never used again
         logger.warning("dropping a broken tensor-parallel group left by an earlier engine")
-        _teardown(30.0)
+        drop_process_group(30.0)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     _set_group_counter(rendezvous.first_group)
@@ -258,10 +258,11 @@ def destroy_tensor_parallel(tp: TensorParallel, timeout_s: float = 30.0) -> None
                 torch.cuda.synchronize()  # no kernel of this rank still reads or writes them
             tp.fused_norm.close()
             tp.fused_norm = None
-        _teardown(timeout_s)
+        drop_process_group(timeout_s)
 
 
-def _teardown(timeout_s: float) -> None:
+def drop_process_group(timeout_s: float) -> None:
+    """This process's side of the group, dropped (where one is left) in a thread given `timeout_s`."""
     def teardown() -> None:
         if dist.is_initialized():
             count = _group_counter()

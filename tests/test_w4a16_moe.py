@@ -151,6 +151,9 @@ def test_two_ranks(tiny_model, tmp_path):
     path, _ = _write(tiny_model, tmp_path, "qwen3_moe-gptq-g32-sym-desc_act")
     with pytest.raises(Exception, match="16-wide input .* not whole groups of 32: choose a tp size"):
         make_llm(path, tp_size=2)
+    # a refused engine leaves this process without a process group, as it found it (a library that asks whether
+    # torch.distributed is initialised would otherwise talk to ranks that are gone)
+    assert not torch.distributed.is_initialized()
 
 
 @needs_triton

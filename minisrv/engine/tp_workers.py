@@ -29,7 +29,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from minisrv.config import EngineConfig, setup_logging
 from minisrv.distributed import (NO_MULTICAST_ENV, Rendezvous, TensorParallelError, destroy_tensor_parallel,
-                                 new_rendezvous)
+                                 drop_process_group, new_rendezvous)
 from minisrv.utils import freeze_startup_heap
 
 from .node_watch import NodeWatch
@@ -238,6 +238,7 @@ def build_tensor_parallel_parts(cfg: EngineConfig) -> EngineParts:
         workers.joined.set()
     except BaseException:
         workers.stop(lambda: None, lambda: None)
+        drop_process_group(5.0)  # (its ranks are gone: the caller's process is left without a group, as it came)
         raise
     parts.workers = workers
     return parts
