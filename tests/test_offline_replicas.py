@@ -44,8 +44,9 @@ def test_dp2_gives_one_engines_outputs_in_order_and_spreads_requests(model, pool
     for w, g in zip(want, got):
         assert (g.token_ids, g.text, g.finish_reason, g.prompt_token_ids) == \
             (w.token_ids, w.text, w.finish_reason, w.prompt_token_ids)
-        assert [(lp.token_id, round(lp.logprob, 4)) for lp in g.logprobs] == \
-            [(lp.token_id, round(lp.logprob, 4)) for lp in w.logprobs]
+        assert [lp.token_id for lp in g.logprobs] == [lp.token_id for lp in w.logprobs]
+        # (a replica's batches hold other requests than one engine's: float32 sums in another order)
+        assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(g.logprobs, w.logprobs))
         assert len(g.prompt_logprobs) == len(w.prompt_logprobs) == len(w.prompt_token_ids)
 
 
@@ -73,7 +74,7 @@ def test_embeddings_equal_one_engines(tmp_path) -> None:
     with LLM(model=path, dp_size=2, **OPTS) as two:
         got = two.embed(inputs, use_tqdm=False)
     for w, g in zip(want, got):
-        assert torch.allclose(w, g, atol=1e-6)
+        assert torch.allclose(w, g, rtol=1e-4, atol=1e-4)  # (other batches: float32 sums in another order)
 
 
 def test_the_requests_of_a_dead_replica_raise_not_hang(model) -> None:
