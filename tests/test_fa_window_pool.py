@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from .helpers import make_llm, make_prompts, vocab_of
 from .test_fa_backend import fa_llm
-from .test_fi_window_pool import (MODES, assert_same, graph_decode_matches_torch,
-                                  matches_torch_over_the_window_pool, run)
+from .test_fi_window_pool import (MODES, SMALL_WINDOWED_POOL, assert_same, graph_decode_matches_torch,
+                                  matches_torch_over_the_window_pool, run, small_windowed_pool_run)
 
 ARCHS = ["gemma3", "gpt_oss", "mistral_window"]
 
@@ -34,10 +33,7 @@ def test_a_small_windowed_pool_on_fa(tiny_model, fake_fa):
     read and write only their own pages (far fewer than the full layers' slots), each request holding only those
     its window reaches every step (EngineWatch), and the tokens and logits are the torch backend's."""
     path = tiny_model("gpt_oss")
-    opts = dict(page_size=2, chunked_prefill_size=5, max_prefill_tokens=10, max_total_tokens=512,
-                swa_full_tokens_ratio=0.01, disable_radix_cache=False)
-    prompts = make_prompts(vocab_of(path), [30, 21, 9, 26, 14, 33], seed=11)
-    want = run(make_llm(path, **opts), prompts)
-    llm, _ = fa_llm(fake_fa, path, **opts)
+    prompts, want = small_windowed_pool_run(path)
+    llm, _ = fa_llm(fake_fa, path, **SMALL_WINDOWED_POOL)
     assert llm.engine.parts.window_allocator.num_pages == 14
     assert_same(run(llm, prompts), want, "small windowed pool on fa")

@@ -64,6 +64,17 @@ def run(llm, prompts, repeat: bool = False) -> Tuple[List[List[int]], Dict[Tuple
     return [o.token_ids for o in outs], rows
 
 
+# a pool of 14 windowed pages of 2 (28 tokens), chunks of 5 that cross a window's edge, the prefix cache on
+SMALL_WINDOWED_POOL = dict(page_size=2, chunked_prefill_size=5, max_prefill_tokens=10, max_total_tokens=512,
+                           swa_full_tokens_ratio=0.01, disable_radix_cache=False)
+
+
+def small_windowed_pool_run(path: str):
+    """Six prompts longer than such a pool's windows, and the torch backend's run of them over it."""
+    prompts = make_prompts(vocab_of(path), [30, 21, 9, 26, 14, 33], seed=11)
+    return prompts, run(make_llm(path, **SMALL_WINDOWED_POOL), prompts)
+
+
 def assert_same(got, want, label: str) -> None:
     (tokens, rows), (want_tokens, want_rows) = got, want
     assert tokens == want_tokens, f"{label}: greedy tokens differ from the torch backend's"
@@ -112,11 +123,8 @@ def test_windowed_pages_behind_the_window_are_given_back_on_fi(tiny_model, fake_
     edge; every step each request holds only the windowed pages its window reaches (EngineWatch), fi lists no more
     of them than its queries' windows reach, and the tokens and logits are the torch backend's on the same pool."""
     path = tiny_model("gemma2")
-    opts = dict(page_size=2, chunked_prefill_size=5, max_prefill_tokens=10, max_total_tokens=512,
-                swa_full_tokens_ratio=0.01, disable_radix_cache=False)
-    prompts = make_prompts(vocab_of(path), [30, 21, 9, 26, 14, 33], seed=11)
-    want = run(make_llm(path, **opts), prompts)
-    llm, backend = fi_llm(fake_fi, path, **opts)
+    prompts, want = small_windowed_pool_run(path)
+    llm, backend = fi_llm(fake_fi, path, **SMALL_WINDOWED_POOL)
     assert llm.engine.parts.window_allocator.num_pages == 14
     listed = []
     page_list = backend._page_list

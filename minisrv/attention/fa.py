@@ -4,8 +4,9 @@ The kernel reads K/V straight from the pool through a page table (page_table.py)
 Extend batches pass ragged queries through `cu_seqlens_q` with `causal=True`, which FA3 aligns to the bottom right
 (query j of a request with prefix p sees keys 0..p+j), exactly the cached-prefix causal mask. A layer's sliding
 window, scale and learned sinks (attention_options.py) are the call's `window_size`, `softmax_scale` and `sinks`
-(float32 [Hq]: builds made for gpt-oss take them; one without the argument is refused for such a model); soft-capped
-models go to fi (the registry's features: FA3 builds may leave soft-capping out).
+(bfloat16 [Hq], the one dtype FA3 takes them in: builds made for gpt-oss take them; one without the argument is
+refused for such a model); soft-capped models go to fi (the registry's features: FA3 builds may leave soft-capping
+out).
 
 Where the pool's windowed layers keep only their window (kvcache/pool.py), those layers read a second page table,
 made from the window table the same way, and store the step's K/V at their own slots (page_table.window_slots). Its
