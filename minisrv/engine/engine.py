@@ -28,7 +28,7 @@ from .scheduler.window import WindowPages
 from .setup import build_engine_parts
 from .speculative.eagle import EagleProposer
 from .speculative.speculator import make_speculator
-from .step_results import SampledToken, take_verified
+from .step_results import SampledToken, take_token
 from .tp_workers import STOP_AND_TEAR_DOWN, STOP_NOW, build_tensor_parallel_parts
 from .text import TextStream, decode_cleans_up
 
@@ -57,7 +57,7 @@ class Engine:
         self.staged_kernels = parts.staged_kernels  # None once every kernel asked for serves
         self.workers = parts.workers  # tensor parallelism: ranks 1..N-1 (None with one rank)
         if self.workers is not None:
-            atexit.register(self._close_at_exit)  # the ranks are not daemons: they must be told to stop
+            atexit.register(self.close, at_exit=True)  # the ranks are not daemons: they must be told to stop
         self.limits = RequestLimits(parts.args.vocab_size, parts.max_request_len)
         self.cache = None if cfg.disable_radix_cache else \
             RadixCache(parts.allocator, parts.page_size, parts.window_allocator)
@@ -185,22 +185,20 @@ class Engine:
         if self.parts.cache_write is not None:
             self.parts.cache_write.join(timeout)
 
-    def close(self) -> None:
+    def close(self, at_exit: bool = False) -> None:
         """Stop the tensor-parallel ranks and tear their process group down, so that another engine in this
-        process can form one (nothing to do with one rank). The engine runs no step after this."""
-        if self.workers is not None:
-            tp = self.runner.tp
+        process can form one (nothing to do with one rank). The engine runs no step after this. at_exit: the
+        process is ending: the ranks just exit (no group teardown, which nothing after needs)."""
+        if self.workers is None:
+            return
+        tp = self.runner.tp
+        if at_exit:
+            self.workers.stop(lambda: tp.send_object(STOP_NOW), lambda: None)
+        else:
             self.runner.release_graphs()  # NCCL's teardown waits for graphs that captured its kernels to go
             self.workers.stop(lambda: tp.send_object(STOP_AND_TEAR_DOWN), lambda: destroy_tensor_parallel(tp))
-            atexit.unregister(self._close_at_exit)
-            self.workers = None
-
-    def _close_at_exit(self) -> None:
-        """The process is ending: the ranks just exit (no group teardown, which nothing after needs)."""
-        if self.workers is not None:
-            tp = self.runner.tp
-            self.workers.stop(lambda: tp.send_object(STOP_NOW), lambda: None)
-            self.workers = None
+            atexit.unregister(self.close)
+        self.workers = None
 
     def _grammars_done(self) -> List[RequestOutput]:
         """Requests whose grammar finished compiling become schedulable; a failed compile, or one past its
@@ -237,7 +235,7 @@ class Engine:
                 if not s.appended:  # a verified token: it joins its request unless an earlier one ended it
                     if s.req.finished:
                         continue
-                    take_verified(s)
+                    take_token(s)
                 try:
                     if s.error is not None:  # its grammar rejected the token
                         outputs += self._fail([s.req], s.error)

@@ -24,13 +24,9 @@ Where the pieces run, and why:
   complete) it is terminated and the request ends with "stop"; a token it rejects (impossible through the mask)
   ends it with "error". A thinking model's request (engine/thinking.py) feeds it only the answer's tokens: its
   thinking is free text, masked only against the stop tokens.
-- Overlap scheduling: the mask of step N+1 needs step N's token accepted by the matcher, which needs its value on
-  the host. So while any live request has a grammar (`Scheduler.num_constrained`), the runner launches step N+1
-  in two halves: it queues N+1's forward (whose inputs are read from N's sampled ids on the device), then reads
-  N back (the matchers accept its tokens), then fills N+1's masks and queues its sampling
-  (`ModelRunner.launch(..., needs_previous_tokens=True)`). The device runs N+1's forward while the host does all
-  of that; it waits only when the host takes longer than a forward. Penalties (which count the previous tokens)
-  take the same path.
+- Overlap scheduling: the mask of step N+1 needs step N's token accepted by the matcher, so while any live request
+  has a grammar (`Scheduler.num_constrained`) the runner launches steps in two halves, N back on the host between
+  N+1's forward and its sampling (model_runner.py's docstring).
 
 Special tokens other than the stop tokens are never allowed inside a grammar: they are shown to xgrammar as empty
 strings, which it treats as special, since their text would be dropped from the output (skip_special_tokens) and

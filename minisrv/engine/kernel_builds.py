@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
@@ -86,21 +86,13 @@ class KernelBuilds:
         self.seconds[name] = time.perf_counter() - t0
 
     def done(self, names: Optional[Iterable[str]] = None) -> bool:
-        return all(self._futures[n].done() for n in (self.names if names is None else names) if n in self._futures)
+        return self.wait(names, timeout=0)
 
     def wait(self, names: Optional[Iterable[str]] = None, timeout: Optional[float] = None) -> bool:
-        """Wait for the named jobs (all by default), at most `timeout` seconds; whether they are done."""
-        deadline = None if timeout is None else time.perf_counter() + timeout
-        for n in (self.names if names is None else names):
-            f = self._futures.get(n)
-            if f is None:
-                continue
-            left = None if deadline is None else max(0.0, deadline - time.perf_counter())
-            try:
-                f.result(left)
-            except Exception:  # noqa: BLE001 - timeouts; job errors are caught and logged in _run
-                return False
-        return True
+        """Wait for the named jobs (all by default), at most `timeout` seconds; whether they are done (a job's
+        error is caught and logged in _run)."""
+        futures = [self._futures[n] for n in (self.names if names is None else names) if n in self._futures]
+        return not wait(futures, timeout).not_done
 
     def pending(self) -> List[str]:
         return [n for n in self.names if not self._futures[n].done()]

@@ -35,7 +35,7 @@ from .prompt_scores import PromptScores, plan_prompt_scores, score_prompt_rows, 
 from .request import Request
 from .sampler import SamplingBatch, sample
 from .speculative.verify import sampling_positions, verified_tokens
-from .step_results import CollectedStep, SampledToken, StepHidden, accept_token, token_logprob
+from .step_results import CollectedStep, SampledToken, StepHidden, take_token, token_logprob
 from .scheduler import ScheduledBatch
 from .step_inputs import StepInputs, StepLayout
 
@@ -373,9 +373,5 @@ class ModelRunner:
                 out.append(SampledToken(req, None, None))
                 continue
             tok = token_ids[i]
-            req.output_ids.append(tok)
-            lp = token_logprob(req, tok, i, lps, top)
-            if lp is not None:
-                req.logprobs.append(lp)
-            out.append(accept_token(SampledToken(req, tok, lp)))
+            out.append(take_token(SampledToken(req, tok, token_logprob(req, tok, i, lps, top))))
         return CollectedStep(list(step.batch.reqs), out, hidden=step.hidden)

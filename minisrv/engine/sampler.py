@@ -170,11 +170,6 @@ def fused_sampling_kernel(device: torch.device) -> Optional[Callable[[torch.Tens
     return cuda_import(device, "flashinfer.sampling", "sampling_from_logits")
 
 
-def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax (the lowest index among equal maxima)."""
-    return logits.argmax(dim=-1)
-
-
 def sample(logits: torch.Tensor, sb: SamplingBatch, fused_sampling: Optional[Callable] = None
            ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[Tuple[torch.Tensor, torch.Tensor]]]:
     """logits [B, V] (the head's dtype) -> (token ids [B], logprob of each chosen token [B], (top values, top ids)
@@ -195,7 +190,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, fused_sampling: Optional[Cal
     if sb.grammar_mask is not None:  # disallowed tokens to -inf, in a copy (raw stays the model's)
         logits = apply_bitmask(logits, sb.grammar_mask, sb.grammar_rows)
     if sb.all_greedy:
-        ids = greedy_ids(logits)
+        ids = logits.argmax(dim=-1)
     else:
         temp = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
         scaled = logits / temp[:, None]
@@ -215,8 +210,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, fused_sampling: Optional[Cal
             rows = sb.seeded_rows
             e[rows] = -torch.log(hashed_uniform(sb.seeds[rows], sb.steps[rows], logits.shape[-1]))
         if fused is None:
-            sampled = greedy_ids(scaled.sub_(e.log_()))
-        ids = torch.where(sb.temperature > 0, sampled, greedy_ids(logits)) if sb.any_greedy else sampled
+            sampled = scaled.sub_(e.log_()).argmax(dim=-1)
+        ids = torch.where(sb.temperature > 0, sampled, logits.argmax(dim=-1)) if sb.any_greedy else sampled
     if sb.forced_rows is not None:  # decided whatever the logits say (engine/thinking.py); logprobs stay the model's
         ids = ids.index_put((sb.forced_rows,), sb.forced_ids)
     chosen_lp = top = None

@@ -21,7 +21,7 @@ class SampledToken:
     logprob: Optional[TokenLogprob]
     grammar_ended: bool = False  # its grammar accepted a stop token: the request is complete
     error: Optional[Exception] = None  # its grammar rejected the token: the request fails
-    appended: bool = True  # False: a verified token, appended (take_verified) only if its request goes on
+    appended: bool = True  # False: a verified token, appended (take_token) only if its request goes on
 
 
 @dataclass
@@ -55,21 +55,17 @@ def token_logprob(req: Request, tok: int, row: int, lps: Optional[List[float]], 
     return TokenLogprob(tok, lps[row], tops)
 
 
-def take_verified(s: SampledToken) -> SampledToken:
-    """A verified token joins its request (output, logprobs), then is fed on as a sampled token is."""
-    s.req.output_ids.append(s.token_id)
+def take_token(s: SampledToken) -> SampledToken:
+    """A token joins its request (output, logprobs), then its grammar (the next step's mask is made from the
+    grammar's state); with a thinking model's rule, only the answer's tokens reach the grammar (engine/thinking.py)."""
+    req = s.req
+    req.output_ids.append(s.token_id)
     if s.logprob is not None:
-        s.req.logprobs.append(s.logprob)
-    return accept_token(s)
-
-
-def accept_token(s: SampledToken) -> SampledToken:
-    """Feed the token to its request's grammar (the next step's mask is made from the grammar's state); with a
-    thinking model's rule, only the answer's tokens reach the grammar (engine/thinking.py)."""
-    answer = s.req.thinking is None or s.req.thinking.advance(s.token_id)
-    if s.req.grammar is not None and answer:
+        req.logprobs.append(s.logprob)
+    answer = req.thinking is None or req.thinking.advance(s.token_id)
+    if req.grammar is not None and answer:
         try:
-            s.grammar_ended = s.req.grammar.advance(s.token_id)
+            s.grammar_ended = req.grammar.advance(s.token_id)
         except Exception as e:  # noqa: BLE001 - fails this request alone
             s.error = e
     return s

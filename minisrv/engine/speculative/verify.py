@@ -58,7 +58,7 @@ def verified_tokens(reqs: Sequence[Request], drafts: Sequence[Sequence[int]], sa
                     lps: Optional[List[float]], top) -> Tuple[List[SampledToken], List[Tuple[Request, int, int]]]:
     """A verify step read back (`sampled`: the target's token at every position, request by request): for each
     request still running, its kept drafts and the target's token after them, in order, not yet appended (they join
-    it one by one, up to where it ends: step_results.take_verified); and (request, drafted, kept) for each."""
+    it one by one, up to where it ends: step_results.take_token); and (request, drafted, kept) for each."""
     tokens: List[SampledToken] = []
     verified = []
     row = 0
