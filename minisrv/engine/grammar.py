@@ -120,7 +120,7 @@ class GrammarBackend:
     compile worker (a few hundred ms for a 150k vocabulary)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 workers: int = COMPILE_WORKERS, compile_timeout_s: float = math.inf) -> None:
+                 compile_timeout_s: float = math.inf) -> None:
         self.tokenizer = tokenizer
         self.compile_timeout_s = compile_timeout_s
         self.vocab_size = vocab_size
@@ -131,7 +131,6 @@ class GrammarBackend:
         self._cache: "OrderedDict[Tuple[str, str], cf.Future]" = OrderedDict()
         self._lock = threading.Lock()  # the cache and the compiler's creation (check() may run on other threads)
         self._compiler: Any = None
-        self._workers = workers
         self._pool: Optional[cf.ThreadPoolExecutor] = None
         self._batch_filler: Any = None
 
@@ -184,7 +183,7 @@ class GrammarBackend:
                 self.cache_hits += 1
                 return fut
             if self._pool is None:
-                self._pool = cf.ThreadPoolExecutor(self._workers, thread_name_prefix="minisrv-grammar")
+                self._pool = cf.ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="minisrv-grammar")
             fut = self._pool.submit(self._compile, *key)
             self.num_compiles += 1
             self._cache[key] = fut

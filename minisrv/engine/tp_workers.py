@@ -121,7 +121,7 @@ class TPWorkers:
                 if proc.exitcode != 0:  # 0: it was told to stop (see rank_main)
                     # a CUDA collective never returns without its peer; before the group has formed, neither does
                     # the rendezvous on any device
-                    return self.lose(_exited(rank, proc, 1.0), self.cuda or not self.joined.is_set())
+                    return self.lose(_exited(rank, proc), self.cuda or not self.joined.is_set())
 
     def lose(self, reason: str, may_hang: bool) -> None:
         """The group is broken: say why, kill the local ranks, and if rank 0 `may_hang` in a collective and does not
@@ -143,7 +143,7 @@ class TPWorkers:
         for rank, proc, started in zip(self.ranks, self.procs, self.started):
             while not started.wait(0.1):
                 if not proc.is_alive():
-                    self.lost = (f"{_exited(rank, proc, 1.0)} before it started (its error is printed above); "
+                    self.lost = (f"{_exited(rank, proc)} before it started (its error is printed above); "
                                  f"{GUARD_HINT}")
                 elif time.monotonic() > deadline:
                     self.lost = f"tensor-parallel rank {rank} (pid {proc.pid}) did not start within {timeout_s:.0f} s"
@@ -160,7 +160,7 @@ class TPWorkers:
             ended = mp.connection.wait([p.sentinel for p in self.procs], 1.0 if broken else 0.0)
             for rank, p in zip(self.ranks, self.procs):
                 if p.sentinel in ended or not p.is_alive():
-                    self.lost = _exited(rank, p, 1.0)
+                    self.lost = _exited(rank, p)
                     break
         if self.lost is None and broken:
             self.lost = str(failure)  # (a rank on another node, or rank 0's own step): stop() sends it nothing
@@ -197,7 +197,7 @@ class TPWorkers:
         self._kill_all()
 
 
-def _exited(rank: int, proc: mp.Process, join_s: float) -> str:
+def _exited(rank: int, proc: mp.Process, join_s: float = 1.0) -> str:
     """Why `proc` is gone, with its exit code. Two threads (the watcher, `check`) may reap one child: the one whose
     wait finds it already reaped reads no code until the other has stored it, so the code is awaited up to join_s."""
     deadline = time.monotonic() + join_s

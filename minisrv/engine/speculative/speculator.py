@@ -143,9 +143,8 @@ def make_speculator(cfg: EngineConfig, device_type: str, proposer: Optional[Prop
     (it holds the draft head); NGRAM's is built here."""
     if cfg.speculative_algorithm is None:
         return None
-    limit = speculation_batch_limit(cfg, device_type)
-    drafts = cfg.speculative_num_draft_tokens - 1
     if proposer is None:
-        proposer = NgramProposer(drafts, cfg.speculative_ngram_min_match_window_size,
+        proposer = NgramProposer(cfg.speculative_num_draft_tokens - 1, cfg.speculative_ngram_min_match_window_size,
                                  cfg.speculative_ngram_max_match_window_size)
-    return Speculator(proposer, cfg.speculative_num_draft_tokens, limit, adaptive_length=device_type == "cpu")
+    return Speculator(proposer, cfg.speculative_num_draft_tokens, speculation_batch_limit(cfg, device_type),
+                      adaptive_length=device_type == "cpu")
