@@ -178,7 +178,7 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
 
     a, plan = args, model.plan
     kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, dtype)
-    per_token = KVPool.bytes_per_token(a.num_layers, plan.num_kv_heads, a.head_dim, kv_dtype)
+    per_token = all_global = KVPool.bytes_per_token(a.num_layers, plan.num_kv_heads, a.head_dim, kv_dtype)
     if draft_head is not None:  # its one layer's keys and values beside every slot (EagleProposer)
         per_token += KVPool.bytes_per_token(1, draft_head.config.num_kv_heads, draft_head.config.head_dim, dtype)
     tokens = cfg.max_total_tokens
@@ -255,7 +255,6 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
     logger.info("KV pool: %d tokens (%d pages of %d), %.2f GiB; context length %d; attention backend %s",
                 pool.num_slots, num_pages, ps, pool.nbytes / GiB, context_length, backend_name)
     if window_layers:
-        all_global = KVPool.bytes_per_token(a.num_layers, plan.num_kv_heads, a.head_dim, kv_dtype)
         logger.info("KV pool: %d of %d layers keep only their window of %d tokens, in %d tokens of their own: "
                     "%.0f bytes per token of context, %.3f of every layer global", len(window_layers), a.num_layers,
                     window_rule.window, window_pages * ps, pool.nbytes / pool.num_slots,
