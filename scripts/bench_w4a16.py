@@ -7,7 +7,8 @@ rows of K (0: one per output channel). Each product runs --iters times in a CUDA
 copies that together exceed the GPU's L2 cache (as a model's layers do); the median of --repeat replays is reported.
 Each line also gives the kernel's error against the bf16 matmul (relative, Frobenius). --configs times other launch
 configurations beside the rule's (block_m,block_n,block_k,split_k,num_warps,num_stages;...; block_m under 16: the
-CUDA cores' kernel, which takes at most block_m rows; block_m 0: the weight dequantised for torch's matmul).
+CUDA cores' kernel, which takes at most block_m rows; block_m 0: the weight dequantised for torch's matmul; one the
+GPU cannot hold is reported as failed).
 
   python scripts/bench_w4a16.py [--tp 1] [--ms 1,16,64,256] [--group 128] [--configs 16,64,128,4,4,3]
 """
@@ -78,8 +79,13 @@ def main() -> int:
             rule = config_for(m, n, k, a.group or k)
             line = f"{shape:>11} m={m:4d}: floor {floor:6.1f} us; bf16 {bf16:7.1f}"
             # (a CUDA-cores configuration takes at most its block_m rows; block_m 0 dequantises for torch's matmul)
-            for c in [rule] + [c for c in extra if c != rule and (c.block_m in (0, m) or c.block_m >= 16)]:
-                out = run(x, *q4, config=c)
+            configs = [rule] + [c for c in extra if c != rule and (c.block_m in (0, m) or c.block_m >= 16)]
+            for c in configs:
+                try:
+                    out = run(x, *q4, config=c)
+                except Exception as e:  # (a configuration the GPU cannot hold: shared memory)
+                    line += f"; {tuple(c)} failed: {type(e).__name__}"
+                    continue
                 diff = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 us = graph_us(lambda c=c: run(x, *copies4[next(calls) % len(copies4)], config=c), a.iters, a.repeat)
                 line += (f"; {'rule ' if c == rule else ''}{tuple(c)} {us:7.1f} ({100 * floor / us:3.0f}% of "
