@@ -39,7 +39,7 @@ from minisrv.kernels.triton_launcher import triton_launcher
 
 GEMV_M = 2  # batches up to this many rows run on the CUDA cores' kernel
 SPLIT_M = 64  # batches up to this many rows split K over programs
-TARGET_PROGRAMS = 264  # split-K aims at this many programs (two per SM of an H100)
+TARGET_PROGRAMS = 448  # split-K of 17-64 rows: the power of two that brings the programs nearest below this many
 DEQUANTIZE_M = 128  # batches from this many rows dequantise the weight for torch's matmul
 
 
@@ -138,17 +138,18 @@ def dequantized_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 def config_for(m: int, n: int, k: int, group: int) -> W4A16Config:
     """Launch parameters for [m, k] x [k, n] with groups of `group` rows. Up to GEMV_M rows: the CUDA cores'
     kernel, 128 columns and K steps of 32 a program (one warp), K in up to 32 shares (short programs, many in
-    flight); up to SPLIT_M rows: 16-64-row tiles of 64 columns on the tensor cores, K split (in 8 up to 16 rows,
-    else until about TARGET_PROGRAMS programs run); up to DEQUANTIZE_M: 64 or 128-row tiles of 128 columns, K steps
-    of 64; more rows: the weight dequantised whole for torch's matmul, whose tiles reuse it better. (GGUF planes
-    pass the largest power of 2 up to 256 dividing K as `group`: K steps of whole sub-blocks.)"""
+    flight); up to SPLIT_M rows: 16-64-row tiles on the tensor cores, 128 columns up to 16 rows and for wide
+    outputs, else 64, K split (in 8 up to 16 rows, else in a power of two, programs up to TARGET_PROGRAMS: H100
+    sweeps of Llama-3-8B's projections, scripts/bench_w4a16.py); up to DEQUANTIZE_M: 64 or 128-row tiles of 128
+    columns, K steps of 64; more rows: the weight dequantised whole for torch's matmul, whose tiles reuse it
+    better. (GGUF planes pass the largest power of 2 up to 256 dividing K as `group`: K steps of whole sub-blocks.)"""
     if m >= DEQUANTIZE_M:
         block_m, block_n, block_k, warps = 0, 128, 64, 4
     elif m <= GEMV_M:
         block_m, block_n, block_k, warps = m, 128, 32, 1
     elif m <= SPLIT_M:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        block_n, block_k, warps = 64, 128, 4
+        block_n, block_k, warps = 128 if m <= 16 or n >= 16384 else 64, 128, 4
     else:
         block_m, block_n, block_k = (64 if m <= 128 else 128), 128, 64
         warps = 4 if block_m == 64 else 8
@@ -162,7 +163,7 @@ def config_for(m: int, n: int, k: int, group: int) -> W4A16Config:
         return W4A16Config(block_m, block_n, block_k, min(k // block_k, 32), warps, 2)
     tiles = -(-m // block_m) * -(-n // block_n)
     split = 1 if m > SPLIT_M else min(k // block_k, 8) if m <= 16 else \
-        max(1, min(k // block_k, -(-TARGET_PROGRAMS // tiles)))
+        min(k // block_k, 1 << max(0, (TARGET_PROGRAMS // tiles).bit_length() - 1))
     return W4A16Config(block_m, block_n, block_k, split, warps, 3)
 
 
@@ -182,7 +183,8 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
         steps_per_split). SPLIT > 1: ws_ptr holds [tiles, SPLIT, BLOCK_M * BLOCK_N] float32 partial sums and
         cnt_ptr a zeroed int32 counter per tile. TOP_K > 0 (BLOCK_M 1): row p is a (token, expert) pair of a
         mixture of experts, reading x's row p // TOP_K and expert ids[p]'s weight of stacked [E, K/8, N] ones.
-        WEIGHTED: row p of the output scaled by rw[p] (float32). WHOLE: the program stores its dequantised [BLOCK_K, BLOCK_N] tiles of W into y [K, N] instead. SUB 0: a 4-bit weight
+        WEIGHTED: row p of the output scaled by rw[p] (float32). WHOLE: the program stores its dequantised
+        [BLOCK_K, BLOCK_N] tiles of W into y [K, N] instead. SUB 0: a 4-bit weight
         (qw, scales s, zeros z); else a GGUF BlockFormat's planes (low qw, d s, mins z, high h, sub-block scales sc,
         dmin dm; group: the rows a d covers)."""
         pid_m = tl.program_id(0)
@@ -356,7 +358,8 @@ def w4a16_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor
         w4a16_gemm_kernel[(grid_m, grid_n, split)](
             x, *args, y, ws, cnt, ids if pairs else y, row_weights if row_weights is not None else y, rows, n, k,
             group, per_split, x.stride(0), y.stride(0), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-            SPLIT=split, TOP_K=top_k if pairs else 0, WEIGHTED=row_weights is not None, WHOLE=False, **kinds, num_warps=c.num_warps, num_stages=c.num_stages)
+            SPLIT=split, TOP_K=top_k if pairs else 0, WEIGHTED=row_weights is not None, WHOLE=False, **kinds,
+            num_warps=c.num_warps, num_stages=c.num_stages)
         return y
 
     return run
