@@ -128,7 +128,7 @@ def main() -> int:
         routings = [route(torch.randn(t, e, device="cuda"), k, True) for _ in range(a.routings)]
         hit = sum(int(ids.unique().numel()) for _, ids in routings) / len(routings)
         floor = hit * expert_bytes / a.bandwidth * 1e6
-        rule = config_for(t * k, e, a.fp8)
+        rule = config_for(t * k, e, a.fp8, a.mxfp4)
         if a.align:
             ids = routings[0][1]
             print(f"T={t:5d} ({t * k} pairs, {rule.block_m}-row blocks): align one launch "

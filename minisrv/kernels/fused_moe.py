@@ -67,9 +67,9 @@ def route_and_align(x: torch.Tensor, router_weight: torch.Tensor, counter: torch
 
 
 def launch_config(n_pairs: int, w13: Weights, fp8: bool) -> MoeConfig:
-    """The grouped GEMMs' launch rule (moe_gemm.config_for; 4-bit experts take bf16's)."""
+    """The grouped GEMMs' launch rule (moe_gemm.config_for; 4-bit experts take bf16's, MXFP4 ones their own)."""
     if isinstance(w13, (PackedExperts, Mxfp4Experts)):
-        return config_for(n_pairs, w13.num_experts, False)
+        return config_for(n_pairs, w13.num_experts, False, isinstance(w13, Mxfp4Experts))
     return config_for(n_pairs, w13.shape[0], fp8)
 
 

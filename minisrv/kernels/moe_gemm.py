@@ -11,8 +11,9 @@ weight. 4-bit (W4A16, kernels/moe_w4a16.py's PackedExperts): each program dequan
 its expert in registers from a [BLOCK_K / 8, BLOCK_N] block of words (BLOCK_K, halved until it divides the group,
 reads one row of scales and zeros a step) and feeds it to tl.dot: no weight wider than 4 bits goes to memory; with an
 activation order, A's columns are gathered through the expert's perm. MXFP4 (kernels/moe_w4a16.py's Mxfp4Experts):
-the tile from [BLOCK_K / 2, BLOCK_N] bytes of the rows of W, each e2m1 nibble made a float32 by bit arithmetic and
-scaled by its 32 values' e8m0 exponent (2^(s - 127), also made from bits), exact in the activations' dtype.
+the tile from [BLOCK_K / 2, BLOCK_N] bytes of the rows of W, each e2m1 nibble times its 32 values' e8m0 exponent
+(2^(s - 127)) made by integer arithmetic: for bf16 activations the bf16 bits directly (the exponent added to the
+exponent field), else a float32 scaled in float32; exact either way.
 gpt-oss's experts: biases added to each product before the activation and the routing weight (BIAS), and the
 clamped SwiGLU (CLAMP, ClampedSwiGLU) in place of SiLU-and-mul.
 
@@ -53,7 +54,7 @@ class MoeConfig(NamedTuple):
     num_stages: int
 
 
-def config_for(n_pairs: int, num_experts: int, fp8: bool) -> MoeConfig:
+def config_for(n_pairs: int, num_experts: int, fp8: bool, mxfp4: bool = False) -> MoeConfig:
     """Launch parameters for n_pairs = T * top_k pairs over num_experts experts, by the pairs per expert hit
     (T * k / min(E, T * k)). From H100 sweeps of Qwen3-30B-A3B's layer (scripts/bench_fused_moe.py: H 2048, I 768,
     top-8 of 128 experts, T = 1 to 8192).
@@ -64,8 +65,12 @@ def config_for(n_pairs: int, num_experts: int, fp8: bool) -> MoeConfig:
     blocks and 128-column tiles read each weight tile once for 64 rows; from 128 a expert (2,048 tokens) 128-row
     blocks with 8 warps (docs/kernels.md has the measurements behind each choice).
     K steps are counted in bytes: FP8 takes twice the elements of bf16 a step.
+    MXFP4 decodes its tiles in registers with integer arithmetic that holds many of them: K steps of 64 and
+    64-column tiles with 4 warps (H100 sweeps of gpt-oss-20b's experts: longer steps and wider tiles ran slower).
     """
     per_expert = n_pairs / max(1, min(num_experts, n_pairs))
+    if mxfp4:
+        return MoeConfig(16 if per_expert <= 16 else 64, 64, 64, 4, 4)
     if per_expert <= 16:
         return MoeConfig(16, 64, 256 if fp8 else 128, 4, 4)
     if per_expert < 128:
@@ -83,6 +88,7 @@ def moe_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., None]:
                          sorted_ptr, expert_ids_ptr, num_padded_ptr, n_pairs, n, k, group, stride_am, stride_be,
                          stride_bn, stride_bk, stride_se, stride_cm, stride_bias, alpha, limit, TOP_K: tl.constexpr,
                          SILU: tl.constexpr, FP8: tl.constexpr, INT4: tl.constexpr, MXFP4: tl.constexpr,
+                         BF16_BITS: tl.constexpr,
                          PERM: tl.constexpr, WEIGHTED: tl.constexpr, BIAS: tl.constexpr, CLAMP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Program pid: block pid // tiles of the aligned pairs, output columns (pid % tiles) * BLOCK_N onwards.
@@ -109,8 +115,8 @@ def moe_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., None]:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):
-            k_ok = ks < k - k0  # (4-bit: K is whole groups of whole steps)
-            a_ok = row_ok[:, None] if INT4 or MXFP4 else row_ok[:, None] & k_ok[None, :]
+            k_ok = ks < k - k0  # (INT4: K is whole groups of whole steps)
+            a_ok = row_ok[:, None] if INT4 else row_ok[:, None] & k_ok[None, :]
             a_cols = tl.load(perm_ptr + expert * k + k0 + ks) if PERM else k0 + ks
             a = tl.load(a_ptr + a_rows[:, None] * stride_am + a_cols[None, :], mask=a_ok, other=0.0)
             for part in tl.static_range(1 + SILU):  # the gate's columns, then (SILU) the up's
@@ -124,19 +130,32 @@ def moe_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., None]:
                     # a nibble under float32's exponent of 2^23 reads as 2^23 + q (kernels/w4a16_gemm.py)
                     bits = (((words[:, None, :] >> shifts) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
                     b = ((tl.reshape(bits, (BLOCK_K, BLOCK_N)) - zero_magic[None, :]) * scale[None, :]).to(a.dtype)
-                elif MXFP4:
-                    row = expert * stride_be + c[None, :] * stride_bn
-                    pairs8 = tl.load(b_ptr + row + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[:, None],
-                                     mask=col_ok[None, :], other=0).to(tl.uint32)
+                elif MXFP4:  # (K is whole 32s: the last step's rows past K masked)
+                    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                    pairs8 = tl.load(b_ptr + expert * stride_be + c[None, :] * stride_bn + kb[:, None],
+                                     mask=col_ok[None, :] & (kb < k // 2)[:, None], other=0).to(tl.int32)
                     q = tl.reshape((pairs8[:, None, :] >> (tl.arange(0, 2) * 4)[None, :, None]) & 0xF,
                                    (BLOCK_K, BLOCK_N))  # row 2j + i: nibble i of byte j
-                    e, m = (q >> 1) & 3, q & 1  # e2m1 -> float32 bits: exponent e - 1 (e > 0), else m * 0.5
-                    bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23)) | ((q & 8) << 28)
-                    s8 = tl.load(b_scale_ptr + expert * stride_se + c[None, :] * (k // 32)
-                                 + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[:, None], mask=col_ok[None, :], other=0)
-                    scale = (s8.to(tl.uint32) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127)
-                    b = tl.reshape(tl.reshape(bits.to(tl.float32, bitcast=True), (BLOCK_K // 32, 32, BLOCK_N))
-                                   * scale[:, None, :], (BLOCK_K, BLOCK_N)).to(a.dtype)
+                    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+                    s8 = tl.load(b_scale_ptr + expert * stride_se + c[None, :] * (k // 32) + kg[:, None],
+                                 mask=col_ok[None, :] & (kg < k // 32)[:, None], other=0).to(tl.int32)
+                    em = q & 7  # e2m1: 2^(e - 1) (1 + m / 2) for exponent e = em >> 1 > 0, else m / 2
+                    sign = (q & 8).to(tl.uint32) << 12
+                    if BF16_BITS:  # times 2^(s - 127) as bfloat16's bits: exponent field e + s - 1 over mantissa
+                        # bit m, i.e. em << 6 added to (s - 1) << 7; em 1 (a half) is (s - 1) << 7, em 0 zero
+                        # (a scale of 2^-127 reads as 2^-126)
+                        mag = tl.reshape(tl.where(em > 1, em << 6, 0), (BLOCK_K // 32, 32, BLOCK_N)) \
+                            + ((tl.maximum(s8, 1) - 1) << 7)[:, None, :]
+                        mag = tl.where(tl.reshape(em, (BLOCK_K // 32, 32, BLOCK_N)) == 0, 0, mag)
+                        b = (tl.reshape(mag, (BLOCK_K, BLOCK_N)).to(tl.uint32) | sign).to(tl.int16).to(
+                            a.dtype, bitcast=True)
+                    else:  # float32 bits (exponent e - 1, or m / 2), times 2^(s - 127), in a's dtype
+                        e, m = em >> 1, em & 1
+                        bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23)).to(tl.uint32) \
+                            | (sign << 16)
+                        scale = (s8.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+                        b = tl.reshape(tl.reshape(bits.to(tl.float32, bitcast=True), (BLOCK_K // 32, 32, BLOCK_N))
+                                       * scale[:, None, :], (BLOCK_K, BLOCK_N)).to(a.dtype)
                 else:
                     b = tl.load(b_ptr + expert * stride_be + (k0 + ks)[:, None] * stride_bk + c[None, :] * stride_bn,
                                 mask=k_ok[:, None] & col_ok[None, :], other=0.0)
@@ -192,8 +211,6 @@ def moe_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., None]:
             if not all(t.is_contiguous() for t in b if t is not None):
                 raise ValueError("4-bit grouped GEMM operands: the experts' tensors must be contiguous")
         if mxfp4:  # bytes [E, N, K/2], exponents [E, N, K/32]: a row of W is K/2 bytes
-            while k % block_k:  # whole steps of a power of two (K is whole 32s: b.check)
-                block_k //= 2
             tensors, group, strides = (b.blocks, b.scales, a, None), 32, (b.blocks.stride(0), k // 2, 1,
                                                                           b.scales.stride(0))
         elif int4:
@@ -215,7 +232,8 @@ def moe_gemm(triton: ModuleType, tl: ModuleType) -> Callable[..., None]:
                                bias if bias is not None else a, aligned.sorted_pairs, aligned.expert_ids,
                                aligned.num_padded, out.shape[0], n, k, group, a.stride(0), *strides, out.stride(0),
                                bias.stride(0) if bias is not None else 0, *(swiglu or (1.0, 0.0)), TOP_K=top_k,
-                               SILU=silu, FP8=b_scale is not None and not int4 and not mxfp4, INT4=int4, MXFP4=mxfp4,
+                               SILU=silu, FP8=b_scale is not None and not int4 and not mxfp4, INT4=int4,
+                               MXFP4=mxfp4, BF16_BITS=a.dtype == torch.bfloat16,
                                PERM=perm is not None, WEIGHTED=weights is not None, BIAS=bias is not None,
                                CLAMP=swiglu is not None and silu, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                                BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages)
