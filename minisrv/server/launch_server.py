@@ -227,6 +227,8 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
         while not server.started and not serving.done():
             await asyncio.sleep(0.02)
         if server.started:
+            from minisrv.utils import freeze_startup_heap
+            freeze_startup_heap()
             host = f"[{args.host}]" if ":" in args.host else args.host
             print(f"minisrv ready: http://{host}:{args.port} model={served} "
                   f"attention_backend={state.info.backend_name} device={state.info.device}", flush=True)

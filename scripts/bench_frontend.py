@@ -1,0 +1,268 @@
+#!/usr/bin/env python
+"""CPU the HTTP process spends per generated token, with the model taken out.
+
+What it measures: the real server process (`minisrv.server.launch_server`: the app, request planning and the chat
+template, the engine client, streaming, JSON and SSE encoding, uvicorn) serving many concurrent requests, while its
+engine process runs a stand-in (`StandInEngine`) that gives every running request one token a step, every
+`--step-ms`, up to `--max-running` requests at once, as a GPU's decode steps would. The stand-in keeps the engine's
+per-token work: each request's text is made by the engine's own incremental detokenizer (TextStream, with the
+default model's tokenizer) and its finish checks (Engine._news: stop strings, max_tokens, usage counts), so the
+messages the HTTP process receives are those of a real engine. Its tokens are real text's (a passage of common
+words, tokenized, each request reading it from its own place).
+
+The figure is the server process's own CPU time (user + system, from /proc via psutil: every thread of that process,
+not the engine's nor this client's) over a run, divided by the tokens the run generated (the usage the answers
+report), in microseconds; tokens/s is over the run's wall time. Each scenario runs --repeat times after one warm-up
+run, and the medians are printed. The load comes from this process (httpx), on the same machine.
+
+  python scripts/bench_frontend.py                                  # every scenario, 256 requests each
+  python scripts/bench_frontend.py --scenarios chat-stream --requests 512 --step-ms 10
+  python scripts/bench_frontend.py --profile-pid-file /tmp/pid      # writes the server's pid (py-spy record -p)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+# scenarios: name -> the kinds of request it sends, in turn (endpoint, streamed)
+SCENARIOS: Dict[str, List[Tuple[str, bool]]] = {
+    "chat-stream": [("chat", True)],
+    "completion-stream": [("completion", True)],
+    "chat": [("chat", False)],
+    "mixed": [("chat", True), ("completion", True), ("chat", True), ("chat", False), ("completion", False)],
+}
+PASSAGE = ("the old man walked down to the water every morning and looked out at the boats that came back with the "
+           "night's catch. some days there were many fish, and the children ran along the sand to see them; other "
+           "days the sea was grey and quiet, and the boats came in empty. he had worked on those boats for forty "
+           "years, and he knew each one by the sound of its engine. \"it will rain before noon,\" he said to nobody "
+           "in particular, and went home to make his tea. ")
+
+
+# ------------------------------------------------------------------------------------------ the engine stand-in
+class StandInEngine:
+    """What engine_proc's loop calls of an Engine (make_request, add, abort, has_work, step, stats, ...), without a
+    model: requests are admitted at once up to `max_running`, and each step, paced `step_s` apart, gives every
+    running request the next token of the passage through the engine's own finish checks and detokenizer."""
+
+    def __init__(self, cfg: Any, staged_kernels: bool = False) -> None:
+        from types import SimpleNamespace
+
+        from minisrv.checkpoints.loader import load_tokenizer
+        from minisrv.checkpoints.model_files import resolve_model_path
+        from minisrv.engine.request import RequestLimits
+        from minisrv.engine.text import decode_cleans_up
+        path = resolve_model_path(cfg.model)
+        tok = load_tokenizer(path)
+        self.step_s = float(os.environ["BENCH_STEP_MS"]) / 1000
+        self.max_running = int(os.environ["BENCH_MAX_RUNNING"])
+        eos = tuple(i for i in (tok.eos_token_id,) if i is not None)
+        self.parts = SimpleNamespace(model_path=path, backend_name="stand-in", device="cpu", context_length=32768,
+                                     max_request_len=32768, args=SimpleNamespace(vocab_size=len(tok)), pooling=None,
+                                     tokenizer=tok, eos_ids=eos)
+        self.limits = RequestLimits(len(tok), 32768)
+        self.clean_up = decode_cleans_up(tok)
+        self.passage = tok.encode(PASSAGE * 8, add_special_tokens=False)
+        self.staged_kernels = None
+        self.scheduler = self  # Engine._news calls scheduler.finish
+        self.running: List[Any] = []
+        self.waiting: List[Any] = []
+        self.num_cached_prompt_tokens = 0
+        self.next_step = time.monotonic()
+
+    def make_request(self, prompt_ids: Any, params: Any, rid: Optional[str] = None) -> Any:
+        from minisrv.engine.request import Request, check_request
+        return Request(list(prompt_ids), params, check_request(prompt_ids, params, self.limits), rid,
+                       eos_ids=self.parts.eos_ids)
+
+    def add(self, req: Any) -> Any:
+        from minisrv.engine.text import TextStream
+        p = req.params
+        req.text = TextStream(self.parts.tokenizer, req.prompt_ids, p.stop, p.skip_special_tokens, self.clean_up)
+        req.cursor = sum(req.prompt_ids) % len(self.passage)
+        self.waiting.append(req)
+        return req
+
+    def abort(self, rid: str) -> Any:
+        from minisrv.engine.request import RequestOutput
+        for queue in (self.running, self.waiting):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    return RequestOutput.ended(req, "abort")
+        return None
+
+    def finish(self, req: Any, reason: str) -> None:
+        self.running.remove(req)
+        req.finish_reason = reason
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def step(self) -> List[Any]:
+        from minisrv.engine.request import TokenLogprob
+        from minisrv.engine.step_results import SampledToken
+        self.next_step = max(self.next_step + self.step_s, time.monotonic())
+        time.sleep(max(0.0, self.next_step - time.monotonic()))
+        outputs = []
+        for req in list(self.running):
+            tok = self.passage[req.cursor % len(self.passage)]
+            req.cursor += 1
+            req.output_ids.append(tok)
+            n = req.params.logprobs
+            lp = None if n is None else TokenLogprob(tok, -0.5, {tok: -0.5, **{tok + i: -1.0 - i for i in range(1, n)}})
+            outputs.append(self.news(SampledToken(req, tok, lp)))
+        free = self.max_running - len(self.running)
+        self.running += self.waiting[:free]
+        del self.waiting[:free]
+        return outputs
+
+    def stats(self) -> Dict[str, Any]:
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting)}
+
+    def flush_cache(self) -> bool:
+        return not self.has_work()
+
+    def switch_kernels(self, idle: bool = False) -> List[Any]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+    def finish_cache_write(self, timeout: float = 0.0) -> None:
+        pass
+
+
+if __name__ == "__mp_main__":  # the engine process, spawned by a server started with --serve: no model
+    import minisrv.engine.engine
+    StandInEngine.news = minisrv.engine.engine.Engine._news  # the engine's own finish checks and text
+    minisrv.engine.engine.Engine = StandInEngine  # engine_main imports Engine from here when it starts
+
+
+# ------------------------------------------------------------------------------------------------- the load
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_prompt(rng: random.Random, words: int) -> str:
+    pool = PASSAGE.split()
+    return " ".join(rng.choice(pool) for _ in range(words))
+
+
+async def one_request(client: Any, kind: str, stream: bool, prompt: str, max_tokens: int) -> int:
+    """Send one request and read its whole answer; returns its completion_tokens (its usage)."""
+    body: Dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": True, "stream": stream, "temperature": 0}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if kind == "chat":
+        url, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+    else:
+        url, body["prompt"] = "/v1/completions", prompt
+    if not stream:
+        r = await client.post(url, json=body)
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+    tail = b""
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for part in r.aiter_raw():
+            tail = (tail + part)[-4096:]
+    events = [e for e in tail.decode().split("\n\n") if e.startswith("data: {")]
+    return json.loads(events[-1][6:])["usage"]["completion_tokens"]
+
+
+async def run_load(base: str, scenario: str, n: int, in_words: int, out_len: int, seed: int) -> int:
+    import httpx
+    rng = random.Random(seed)
+    kinds = SCENARIOS[scenario]
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+        jobs = [one_request(client, *kinds[i % len(kinds)], make_prompt(rng, in_words),
+                            rng.randint(out_len // 2, out_len)) for i in range(n)]
+        return sum(await asyncio.gather(*jobs))
+
+
+def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+    env = dict(os.environ, BENCH_STEP_MS=str(args.step_ms), BENCH_MAX_RUNNING=str(args.max_running))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--port", str(port), "--log-level", "warning",
+           "--max-running-requests", str(args.max_running)]
+    return subprocess.Popen(cmd, env=env, cwd=root)
+
+
+def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    import httpx
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited ({proc.returncode})")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("the server did not become ready")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenarios", default="chat-stream,completion-stream,chat,mixed",
+                    help=f"comma-separated, of {', '.join(SCENARIOS)}")
+    ap.add_argument("--requests", type=int, default=256, help="requests per run, all sent at once")
+    ap.add_argument("--input-words", type=int, default=256, help="words of each prompt (about a token each)")
+    ap.add_argument("--output-len", type=int, default=256, help="max_tokens uniform in [len/2, len]")
+    ap.add_argument("--step-ms", type=float, default=10.0, help="the stand-in engine's step time")
+    ap.add_argument("--max-running", type=int, default=256, help="requests the stand-in runs at once")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--profile-pid-file", default=None, help="write the server's pid here once it is ready")
+    args = ap.parse_args()
+    import psutil
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start_server(args, port)
+    try:
+        wait_ready(base, proc)
+        if args.profile_pid_file:
+            with open(args.profile_pid_file, "w") as f:
+                f.write(str(proc.pid))
+        server = psutil.Process(proc.pid)
+        print(f"| scenario | us CPU / token (median) | runs | tokens/s (median) | tokens / run | load avg |")
+        print("|---|---|---|---|---|---|")
+        for scenario in args.scenarios.split(","):
+            per_token, rates, tokens = [], [], 0
+            for run in range(args.repeat + 1):  # the first is a warm-up
+                c0, t0 = server.cpu_times(), time.perf_counter()
+                tokens = asyncio.run(run_load(base, scenario, args.requests, args.input_words, args.output_len,
+                                              seed=run))
+                c1, t1 = server.cpu_times(), time.perf_counter()
+                if run:
+                    cpu = (c1.user - c0.user) + (c1.system - c0.system)
+                    per_token.append(cpu / tokens * 1e6)
+                    rates.append(tokens / (t1 - t0))
+            runs = " ".join(f"{x:.1f}" for x in per_token)
+            print(f"| {scenario} | {statistics.median(per_token):.1f} | {runs} | {statistics.median(rates):,.0f} "
+                  f"| {tokens} | {os.getloadavg()[0]:.2f} |", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+if __name__ == "__main__":
+    if "--serve" in sys.argv:
+        sys.argv.remove("--serve")
+        from minisrv.server.launch_server import main as serve
+        serve()
+    else:
+        main()
