@@ -11,7 +11,8 @@ import enum
 import itertools
 import json
 import math
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Union
 
 from .thinking import ThinkingRule, ThinkingState
@@ -338,6 +339,11 @@ class RequestOutput:
     prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None  # with the first output, when asked for
     embedding: Optional[object] = None  # an embedding request's vector (float32 numpy array), when it ends
 
+    def __reduce__(self) -> tuple:
+        """Pickled as its fields in order, for the constructor: a server's engine sends one a running request a step,
+        and this loads several times faster than a dataclass's state dict."""
+        return RequestOutput, _output_fields(self)
+
     @classmethod
     def ended(cls, req: Request, reason: str, *, error: Optional[str] = None, error_param: Optional[str] = None,
               num_cached_tokens: int = 0, prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None,
@@ -357,6 +363,9 @@ class RequestOutput:
                    finished=reason is not None, finish_reason=reason, stop_str=req.text.stop_str,
                    num_output_tokens=len(req.output_ids), num_cached_tokens=req.num_cached_tokens,
                    prompt_logprobs=prompt_logprobs)
+
+
+_output_fields = operator.attrgetter(*(f.name for f in fields(RequestOutput)))
 
 
 @dataclass

@@ -127,19 +127,21 @@ async def serve(state: "ServerState", request: Request, gen: Generation, rendere
         first = await unless_disconnected(request, anext(steps, None))
 
         async def events() -> AsyncIterator[str]:
-            """The renderer's events, each call's written at once. Closing this closes run_jobs, which aborts the
-            engine requests left."""
+            """The renderer's events, each engine step's written at once. Closing this closes run_jobs, which aborts
+            the engine requests left."""
             async with contextlib.aclosing(steps):
                 yield "".join(e for ch in choices for e in renderer.opening(ch))
                 try:
                     step = first
                     while step is not None:
+                        events: List[str] = []
                         for index, out in step:
                             ch = choices[index]
                             text, lps = ch.feed(out)
                             finish = out.finish_reason if out.finished else None
                             if text or lps or finish:
-                                yield "".join(renderer.chunks(ch, text, lps, finish))
+                                events += renderer.chunks(ch, text, lps, finish)
+                        yield "".join(events)
                         step = await anext(steps, None)
                 except APIError as err:
                     yield "".join(renderer.failed(err))

@@ -4,7 +4,9 @@ then content deltas, then a delta-less chunk with the finish reason."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional, Sequence
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+
+from pydantic_core import to_json
 
 from ..errors import APIError
 from ..generation import Choice
@@ -26,6 +28,8 @@ class OpenAIStream:
     fingerprint: Optional[str] = None
     include_usage: bool = False  # stream_options.include_usage
     created: int = field(default_factory=now)
+    # a chunk's JSON before and after its choices (see event)
+    _around: Optional[Tuple[str, str]] = field(default=None, init=False, repr=False)
 
     chunk: ClassVar[str] = "text_completion"  # a stream chunk's object; the last one carries the usage
 
@@ -33,6 +37,14 @@ class OpenAIStream:
         """A response or chunk (`obj`: its object) around `choices`."""
         return Envelope(id=self.id, object=obj, created=self.created, model=self.model, choices=choices, usage=usage,
                         system_fingerprint=self.fingerprint)
+
+    def event(self, choice: Dict[str, Any]) -> str:
+        """A stream chunk around one choice, as sse(self.frame(self.chunk, [choice])) writes it: the envelope's JSON
+        is made once, and each chunk only serializes its choice (as pydantic serializes it inside the envelope)."""
+        if self._around is None:
+            head, _, tail = self.frame(self.chunk, []).model_dump_json().partition(',"choices":[]')
+            self._around = (f'data: {head},"choices":[', f"]{tail}\n\n")
+        return to_json(choice).decode().join(self._around)
 
     def closing(self, usage: UsageInfo) -> List[str]:
         return ([sse(self.frame(self.chunk, [], usage))] if self.include_usage else []) + [SSE_DONE]
@@ -62,7 +74,7 @@ class CompletionRenderer(OpenAIStream):
         return completion_logprobs(self.token_text, tokens, self.logprobs)
 
     def _chunk(self, index: int, text: str, logprobs: Optional[Dict[str, Any]], finish: Optional[str]) -> str:
-        return sse(self.frame(self.chunk, [_choice(index, "text", text, logprobs, finish)]))
+        return self.event(_choice(index, "text", text, logprobs, finish))
 
     def opening(self, choice: Choice) -> List[str]:
         if self.echo_logprobs or not choice.prefix:
@@ -102,7 +114,7 @@ class ChatRenderer(OpenAIStream):
     def _chunk(self, index: int, delta: Dict[str, Any], lps: Sequence[PositionedLogprob],
                finish: Optional[str]) -> str:
         logprobs = chat_logprobs(self.token_text, lps, self.top_logprobs) if self.logprobs and lps else None
-        return sse(self.frame(self.chunk, [_choice(index, "delta", delta, logprobs, finish)]))
+        return self.event(_choice(index, "delta", delta, logprobs, finish))
 
     def opening(self, choice: Choice) -> List[str]:
         self._streams[choice.index] = AnswerStream(self.tools, self.reasoning)
