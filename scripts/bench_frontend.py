@@ -17,6 +17,7 @@ run, and the medians are printed. The load comes from this process (httpx), on t
 
   python scripts/bench_frontend.py                                  # every scenario, 256 requests each
   python scripts/bench_frontend.py --scenarios chat-stream --requests 512 --step-ms 10
+  python scripts/bench_frontend.py --trees /tmp/before,.            # two checkouts, runs alternating
   python scripts/bench_frontend.py --profile-pid-file /tmp/pid      # writes the server's pid (py-spy record -p)
 """
 from __future__ import annotations
@@ -192,13 +193,13 @@ async def run_load(base: str, scenario: str, n: int, in_words: int, out_len: int
         return sum(await asyncio.gather(*jobs))
 
 
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, tree: str, port: int) -> subprocess.Popen:
+    """The server of the checkout at `tree` (its minisrv imported), with this script's engine stand-in."""
     env = dict(os.environ, BENCH_STEP_MS=str(args.step_ms), BENCH_MAX_RUNNING=str(args.max_running))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--port", str(port), "--log-level", "warning",
            "--max-running-requests", str(args.max_running)]
-    return subprocess.Popen(cmd, env=env, cwd=root)
+    return subprocess.Popen(cmd, env=env, cwd=tree)
 
 
 def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -227,36 +228,49 @@ def main() -> None:
     ap.add_argument("--max-running", type=int, default=256, help="requests the stand-in runs at once")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--profile-pid-file", default=None, help="write the server's pid here once it is ready")
+    ap.add_argument("--trees", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                    help="comma-separated checkouts to compare (default: this one): each serves from its own "
+                         "server, and their runs alternate, so that each sees the same load on the machine")
     args = ap.parse_args()
     import psutil
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = start_server(args, port)
+    trees = [os.path.abspath(t) for t in args.trees.split(",")]
+    servers: List[Tuple[str, subprocess.Popen]] = []
     try:
-        wait_ready(base, proc)
+        for tree in trees:
+            port = free_port()
+            servers.append((f"http://127.0.0.1:{port}", start_server(args, tree, port)))
+        for base, proc in servers:
+            wait_ready(base, proc)
         if args.profile_pid_file:
             with open(args.profile_pid_file, "w") as f:
-                f.write(str(proc.pid))
-        server = psutil.Process(proc.pid)
-        print(f"| scenario | us CPU / token (median) | runs | tokens/s (median) | tokens / run | load avg |")
-        print("|---|---|---|---|---|---|")
+                f.write(str(servers[0][1].pid))
+        print("| tree | scenario | us CPU / token (median) | runs | of which system | tokens/s (median) "
+              "| tokens / run | load avg |")
+        print("|---|---|---|---|---|---|---|---|")
         for scenario in args.scenarios.split(","):
-            per_token, rates, tokens = [], [], 0
+            per_token, system, rates = ([[] for _ in trees] for _ in range(3))
+            tokens = 0
             for run in range(args.repeat + 1):  # the first is a warm-up
-                c0, t0 = server.cpu_times(), time.perf_counter()
-                tokens = asyncio.run(run_load(base, scenario, args.requests, args.input_words, args.output_len,
-                                              seed=run))
-                c1, t1 = server.cpu_times(), time.perf_counter()
-                if run:
-                    cpu = (c1.user - c0.user) + (c1.system - c0.system)
-                    per_token.append(cpu / tokens * 1e6)
-                    rates.append(tokens / (t1 - t0))
-            runs = " ".join(f"{x:.1f}" for x in per_token)
-            print(f"| {scenario} | {statistics.median(per_token):.1f} | {runs} | {statistics.median(rates):,.0f} "
-                  f"| {tokens} | {os.getloadavg()[0]:.2f} |", flush=True)
+                for i, (base, proc) in enumerate(servers):
+                    server = psutil.Process(proc.pid)
+                    c0, t0 = server.cpu_times(), time.perf_counter()
+                    tokens = asyncio.run(run_load(base, scenario, args.requests, args.input_words, args.output_len,
+                                                  seed=run))
+                    c1, t1 = server.cpu_times(), time.perf_counter()
+                    if run:
+                        per_token[i].append(((c1.user - c0.user) + (c1.system - c0.system)) / tokens * 1e6)
+                        system[i].append((c1.system - c0.system) / tokens * 1e6)
+                        rates[i].append(tokens / (t1 - t0))
+            for i, tree in enumerate(trees):
+                runs = " ".join(f"{x:.1f}" for x in per_token[i])
+                print(f"| {os.path.basename(tree)} | {scenario} | {statistics.median(per_token[i]):.1f} | {runs} "
+                      f"| {statistics.median(system[i]):.1f} | {statistics.median(rates[i]):,.0f} | {tokens} "
+                      f"| {os.getloadavg()[0]:.2f} |", flush=True)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for _, proc in servers:
+            proc.terminate()
+        for _, proc in servers:
+            proc.wait(30)
 
 
 if __name__ == "__main__":

@@ -141,7 +141,33 @@ def _loop(engine: Any, recv: zmq.Socket, send: zmq.Socket, parent_pid: int,
             last_stats, last_sent = stats, now
 
 
-Sink = asyncio.Queue  # receives (tag, RequestOutput | RequestError | EngineDead)
+class Sink:
+    """Where an HTTP request's engine requests deliver: put_nowait((tag, RequestOutput | RequestError | EngineDead)),
+    read by one task a wake-up at a time (take). Unlike an asyncio.Queue it wakes its reader once for everything put
+    meanwhile, and keeps no per-item bookkeeping: a stream receives an item every engine step."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: List[Tuple[Any, Any]] = []
+        self.waiter: Optional[asyncio.Future] = None
+
+    def put_nowait(self, item: Tuple[Any, Any]) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> List[Tuple[Any, Any]]:
+        """Everything put since the last take, waiting for the first if there is none yet."""
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
+
 
 
 class EngineClient:

@@ -8,7 +8,6 @@ the client goes away, and a refusal or failure of the engine as an APIError (an 
 at the request's first output; an error event after)."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from minisrv.engine.request import RequestError, RequestOutput, SamplingParams
 
-from .engine_proc import EngineDead
+from .engine_proc import EngineDead, Sink
 from .errors import APIError, engine_unavailable, from_request_error, request_failed, server_shutdown
 from .metrics import TokenClock
 from .openai.logprobs import PositionedLogprob
@@ -178,7 +177,7 @@ async def run_jobs(state: "ServerState", jobs: List[Job]) -> AsyncIterator[List[
 the engine's death, a failed request or the server's stop raises an APIError; on exit (done, failed, or closed: the
 client went away) what is left is aborted, without awaiting anything."""
     client, m = state.client, state.metrics
-    sink: asyncio.Queue = asyncio.Queue()
+    sink = Sink()
     pending: Dict[int, TokenClock] = {}
 
     def on_stop() -> None:
@@ -193,9 +192,7 @@ client went away) what is left is aborted, without awaiting anything."""
             pending[j.index] = TokenClock(time.perf_counter())
             m.prompt_tokens.inc(len(j.prompt_ids))
         while pending:
-            items = [await sink.get()]
-            while not sink.empty():
-                items.append(sink.get_nowait())
+            items = await sink.take()
             t = time.perf_counter()
             step: List[Tuple[int, RequestOutput]] = []
             for index, item in items:

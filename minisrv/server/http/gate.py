@@ -86,18 +86,19 @@ class Gate:
             if policy.cors and is_preflight(scope):
                 return await self.preflight(scope, receive, with_headers(send, extra))
             refused = self.request_refusal(scope)
-        send = with_headers(send, extra)
         if refused is not None:
             if has_body(scope):
                 refused.close = True  # the body is not read: the connection cannot be reused
-            await refused.response(path)(scope, receive, send)
+            await refused.response(path)(scope, receive, with_headers(send, extra))
             metrics.count_http(path, refused.status)
             return
         status = {"code": 499}  # until a response starts: the client left first
 
         async def send_and_note(msg: Dict[str, Any]) -> None:
+            """with_headers' send, noting the status (one wrapper: a stream sends through it every token)."""
             if msg["type"] == "http.response.start":
                 status["code"] = msg["status"]
+                msg = {**msg, "headers": [*msg.get("headers", ()), *extra]}
             await send(msg)
 
         body = GuardedBody(receive, self.state, policy.max_request_bytes, policy.request_read_timeout)
@@ -113,7 +114,7 @@ class Gate:
             if status["code"] != 499:
                 raise  # the response has begun: nothing else can be said on it
             status["code"] = 500
-            await APIError(500, "internal server error", SERVER).response(path)(scope, receive, send)
+            await APIError(500, "internal server error", SERVER).response(path)(scope, receive, send_and_note)
         finally:
             metrics.count_http(path, status["code"])
 
