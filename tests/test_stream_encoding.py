@@ -58,3 +58,21 @@ def test_request_output_crosses_the_pipe_unchanged():
     for out in (full, bare):
         back = pickle.loads(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
         assert back == out and type(back) is RequestOutput
+
+
+def test_text_chunk_template_equals_the_general_chunk():
+    """The usual chunk (a piece of text alone) from its template, against the renderer's general path."""
+    from minisrv.server.generation import Choice
+    chat = ChatRenderer(id="chatcmpl-\x00text\x00", model="m \x00text\x00", fingerprint="fp")
+    completion = CompletionRenderer(id="cmpl-1", model="\x00text\x00", fingerprint=None)
+    for index in (0, 3, 12):
+        choice = Choice(index)
+        chat.opening(choice)
+        completion.opening(choice)
+        for text in TEXTS + ["\x00text\x00"]:
+            assert chat.text_event(index, text) == chat.event(chat.text_choice(index, text))
+            assert completion.text_event(index, text) == completion.event(completion.text_choice(index, text))
+            general = [chat.event(_choice(index, "delta", chat_message(None, text), None, None))] if text else []
+            assert chat.chunks(choice, text, [], None) == general
+            general = [completion.event(_choice(index, "text", text, None, None))] if text else []
+            assert completion.chunks(choice, text, [], None) == general

@@ -17,6 +17,8 @@ from ..streaming import SSE_DONE, sse
 from .logprobs import PositionedLogprob, TokenText, chat_logprobs, completion_logprobs
 from .protocol import Envelope, UsageInfo, chat_message, now
 
+TEXT_SLOT = "\x00text\x00"  # where a chunk's text goes in its template (see OpenAIStream.text_event)
+
 
 @dataclass
 class OpenAIStream:
@@ -28,8 +30,9 @@ class OpenAIStream:
     fingerprint: Optional[str] = None
     include_usage: bool = False  # stream_options.include_usage
     created: int = field(default_factory=now)
-    # a chunk's JSON before and after its choices (see event)
+    # a chunk's JSON before and after its choices (see event), and per choice index before and after its text
     _around: Optional[Tuple[str, str]] = field(default=None, init=False, repr=False)
+    _around_text: Dict[int, Tuple[str, str]] = field(default_factory=dict, init=False, repr=False)
 
     chunk: ClassVar[str] = "text_completion"  # a stream chunk's object; the last one carries the usage
 
@@ -45,6 +48,19 @@ class OpenAIStream:
             head, _, tail = self.frame(self.chunk, []).model_dump_json().partition(',"choices":[]')
             self._around = (f'data: {head},"choices":[', f"]{tail}\n\n")
         return to_json(choice).decode().join(self._around)
+
+    def text_event(self, index: int, text: str) -> str:
+        """event(self.text_choice(index, text)), the usual chunk (a piece of text, no logprobs, no end): made once
+        with a placeholder for the text, after which each chunk only serializes its text."""
+        around = self._around_text.get(index)
+        if around is None:
+            event = self.event(self.text_choice(index, TEXT_SLOT))
+            head, _, tail = event.rpartition(to_json(TEXT_SLOT).decode())  # the last: id and model come before
+            around = self._around_text[index] = (head, tail)
+        return to_json(text).decode().join(around)
+
+    def text_choice(self, index: int, text: str) -> Dict[str, Any]:
+        raise NotImplementedError
 
     def closing(self, usage: UsageInfo) -> List[str]:
         return ([sse(self.frame(self.chunk, [], usage))] if self.include_usage else []) + [SSE_DONE]
@@ -76,6 +92,9 @@ class CompletionRenderer(OpenAIStream):
     def _chunk(self, index: int, text: str, logprobs: Optional[Dict[str, Any]], finish: Optional[str]) -> str:
         return self.event(_choice(index, "text", text, logprobs, finish))
 
+    def text_choice(self, index: int, text: str) -> Dict[str, Any]:
+        return _choice(index, "text", text, None, None)
+
     def opening(self, choice: Choice) -> List[str]:
         if self.echo_logprobs or not choice.prefix:
             return []  # with prompt logprobs the echo waits for them (they come with the first output)
@@ -83,6 +102,8 @@ class CompletionRenderer(OpenAIStream):
 
     def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
                finish_reason: Optional[str]) -> List[str]:
+        if self.logprobs is None and not logprobs and not finish_reason:
+            return [self.text_event(choice.index, text)] if text else []
         out = []
         if self.echo_logprobs and not choice.opened:
             choice.opened = True
@@ -116,13 +137,19 @@ class ChatRenderer(OpenAIStream):
         logprobs = chat_logprobs(self.token_text, lps, self.top_logprobs) if self.logprobs and lps else None
         return self.event(_choice(index, "delta", delta, logprobs, finish))
 
+    def text_choice(self, index: int, text: str) -> Dict[str, Any]:
+        return _choice(index, "delta", chat_message(None, text), None, None)
+
     def opening(self, choice: Choice) -> List[str]:
         self._streams[choice.index] = AnswerStream(self.tools, self.reasoning)
         return [self._chunk(choice.index, chat_message("assistant", ""), [], None)]
 
     def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
                finish_reason: Optional[str]) -> List[str]:
-        d = self._streams[choice.index].feed(text, finish_reason is not None, choice.token_ids)
+        stream = self._streams[choice.index]
+        if stream.plain and not logprobs and not finish_reason:
+            return [self.text_event(choice.index, text)] if text else []
+        d = stream.feed(text, finish_reason is not None, choice.token_ids)
         out, index = [], choice.index
         if d.reasoning:
             delta = chat_message(None, reasoning_content=d.reasoning, reasoning=d.reasoning)
