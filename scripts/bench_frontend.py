@@ -13,7 +13,7 @@ words, tokenized, each request reading it from its own place).
 The figure is the server process's own CPU time (user + system, from /proc via psutil: every thread of that process,
 not the engine's nor this client's) over a run, divided by the tokens the run generated (the usage the answers
 report), in microseconds; tokens/s is over the run's wall time. Each scenario runs --repeat times after one warm-up
-run, and the medians are printed. The load comes from this process (httpx), on the same machine.
+run, and the medians are printed. The load comes from this process (a bare HTTP/1.1 client), on the same machine.
 
   python scripts/bench_frontend.py                                  # every scenario, 256 requests each
   python scripts/bench_frontend.py --scenarios chat-stream --requests 512 --step-ms 10
@@ -160,37 +160,46 @@ def make_prompt(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(pool) for _ in range(words))
 
 
-async def one_request(client: Any, kind: str, stream: bool, prompt: str, max_tokens: int) -> int:
-    """Send one request and read its whole answer; returns its completion_tokens (its usage)."""
+async def one_request(port: int, kind: str, stream: bool, prompt: str, max_tokens: int) -> int:
+    """Send one request on a connection of its own and read its whole answer; returns its completion_tokens (its
+    usage). A bare HTTP/1.1 client: on a machine of few cores, an HTTP library's own cost per chunk would take CPU
+    from the server measured."""
     body: Dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": True, "stream": stream, "temperature": 0}
     if stream:
         body["stream_options"] = {"include_usage": True}
     if kind == "chat":
-        url, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
     else:
-        url, body["prompt"] = "/v1/completions", prompt
-    if not stream:
-        r = await client.post(url, json=body)
-        r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"]
-    tail = b""
-    async with client.stream("POST", url, json=body) as r:
-        r.raise_for_status()
-        async for part in r.aiter_raw():
-            tail = (tail + part)[-4096:]
-    events = [e for e in tail.decode().split("\n\n") if e.startswith("data: {")]
-    return json.loads(events[-1][6:])["usage"]["completion_tokens"]
+        path, body["prompt"] = "/v1/completions", prompt
+    data = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        head = (await reader.readuntil(b"\r\n\r\n")).lower()
+        if not head.startswith(b"http/1.1 200"):
+            raise RuntimeError(f"{path}: {head.splitlines()[0].decode()}")
+        if b"transfer-encoding: chunked" in head:
+            tail = b""
+            while not tail.endswith(b"\r\n0\r\n\r\n"):  # the last chunk
+                part = await reader.read(1 << 16)
+                if not part:
+                    raise RuntimeError(f"{path}: the stream ended early")
+                tail = (tail + part)[-8192:]
+            last = tail[tail.rindex(b'data: {"id"') + 6:]
+            return json.loads(last[:last.index(b"\n\n")])["usage"]["completion_tokens"]
+        length = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+        return json.loads(await reader.readexactly(length))["usage"]["completion_tokens"]
+    finally:
+        writer.close()
 
 
-async def run_load(base: str, scenario: str, n: int, in_words: int, out_len: int, seed: int) -> int:
-    import httpx
+async def run_load(port: int, scenario: str, n: int, in_words: int, out_len: int, seed: int) -> int:
     rng = random.Random(seed)
     kinds = SCENARIOS[scenario]
-    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
-    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
-        jobs = [one_request(client, *kinds[i % len(kinds)], make_prompt(rng, in_words),
-                            rng.randint(out_len // 2, out_len)) for i in range(n)]
-        return sum(await asyncio.gather(*jobs))
+    jobs = [one_request(port, *kinds[i % len(kinds)], make_prompt(rng, in_words), rng.randint(out_len // 2, out_len))
+            for i in range(n)]
+    return sum(await asyncio.gather(*jobs))
 
 
 def start_server(args: argparse.Namespace, tree: str, port: int) -> subprocess.Popen:
@@ -234,13 +243,13 @@ def main() -> None:
     args = ap.parse_args()
     import psutil
     trees = [os.path.abspath(t) for t in args.trees.split(",")]
-    servers: List[Tuple[str, subprocess.Popen]] = []
+    servers: List[Tuple[int, subprocess.Popen]] = []
     try:
         for tree in trees:
             port = free_port()
-            servers.append((f"http://127.0.0.1:{port}", start_server(args, tree, port)))
-        for base, proc in servers:
-            wait_ready(base, proc)
+            servers.append((port, start_server(args, tree, port)))
+        for port, proc in servers:
+            wait_ready(f"http://127.0.0.1:{port}", proc)
         if args.profile_pid_file:
             with open(args.profile_pid_file, "w") as f:
                 f.write(str(servers[0][1].pid))
@@ -251,11 +260,11 @@ def main() -> None:
             per_token, system, rates = ([[] for _ in trees] for _ in range(3))
             tokens = 0
             for run in range(args.repeat + 1):  # the first is a warm-up
-                for i, (base, proc) in enumerate(servers):
+                for i, (port, proc) in enumerate(servers):
                     server = psutil.Process(proc.pid)
                     c0, t0 = server.cpu_times(), time.perf_counter()
-                    tokens = asyncio.run(run_load(base, scenario, args.requests, args.input_words, args.output_len,
-                                                  seed=run))
+                    load = run_load(port, scenario, args.requests, args.input_words, args.output_len, run)
+                    tokens = asyncio.run(load)
                     c1, t1 = server.cpu_times(), time.perf_counter()
                     if run:
                         per_token[i].append(((c1.user - c0.user) + (c1.system - c0.system)) / tokens * 1e6)

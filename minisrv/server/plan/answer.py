@@ -45,11 +45,8 @@ class AnswerStream:
         self.answer = ""  # the answer so far (after the thinking)
         self.sent = 0  # characters of the answer given out as content
         self.seen = 0  # ids read (harmony)
-
-    @property
-    def plain(self) -> bool:
-        """Whether each piece is content as it is, nothing split off or held back: feed needs no call."""
-        return self.tools is None and self.split is None and self.harmony is None
+        # each piece is content as it is, nothing split off or held back: feed need not be called
+        self.plain = self.tools is None and self.split is None and self.harmony is None
 
     def feed(self, text: str, final: bool, ids: Sequence[int] = ()) -> Answer:
         if self.harmony is not None:
