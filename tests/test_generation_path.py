@@ -11,6 +11,7 @@ import asyncio
 import gc
 import json
 import os
+import pickle
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import pytest
@@ -364,13 +365,19 @@ def test_client_turns_a_rejection_into_the_request_error() -> None:
     from minisrv.config import EngineConfig
 
     class Replies:
-        def __init__(self, msgs: List[Any]) -> None:
-            self.msgs = list(msgs)
+        """The engine's messages, pickled, as the client's zmq.asyncio socket answers recv (never, once they are
+        all read, unless not to wait)."""
 
-        async def recv_pyobj(self) -> Any:
-            if not self.msgs:
-                await asyncio.Event().wait()
-            return self.msgs.pop(0)
+        def __init__(self, msgs: List[Any]) -> None:
+            self.msgs = [pickle.dumps(m) for m in msgs]
+
+        def recv(self, flags: int = 0) -> asyncio.Future:
+            answer = asyncio.get_running_loop().create_future()
+            if self.msgs:
+                answer.set_result(self.msgs.pop(0))
+            elif flags & zmq.NOBLOCK:
+                answer.set_exception(zmq.Again())
+            return answer
 
     async def run() -> Any:
         client = engine_proc.EngineClient(EngineConfig())

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import signal
 import tempfile
@@ -32,6 +33,7 @@ logger = logging.getLogger("minisrv.server")
 FLUSH_TIMEOUT_S = 60.0  # an engine that has not answered a FlushCache by then is reported unavailable
 STATS_INTERVAL_S = 0.1  # while busy, at most this often; always at once when the engine goes idle
 IDLE_POLL_MS = 1000  # an idle engine wakes this often to check that its parent is alive
+RECV_BATCH = 64  # the most engine messages routed in one go
 
 
 class EngineDead(RuntimeError):
@@ -310,28 +312,39 @@ class EngineClient:
 
     async def _recv_loop(self) -> None:
         while True:
-            msg = await self._recv.recv_pyobj()
-            match msg:
-                case StepOutputs(outputs):
-                    for out in outputs:
-                        route = self._routes.get(out.rid)
-                        if route is not None:
-                            if out.finished:
-                                del self._routes[out.rid]
-                            route[0].put_nowait((route[1], out))
-                case EngineStats(stats):
-                    self.stats = stats
-                    self._stats_event.set()
-                case CacheFlushed(token, ok):
-                    answer = self._flushes.get(token)
-                    if answer is not None and not answer.done():
-                        answer.set_result(ok)
-                case Rejected(rid, message, param, code):
-                    route = self._routes.pop(rid, None)
+            # what else has arrived is routed too before any request reads its outputs: when this side falls behind
+            # the engine, a request gets several steps' outputs in one wake-up (a stream writes them at once)
+            raws = [await self._recv.recv()]
+            while len(raws) < RECV_BATCH:
+                more = self._recv.recv(zmq.NOBLOCK)  # answered at once: a message, or zmq.Again
+                if more.exception() is not None:
+                    break
+                raws.append(more.result())
+            for raw in raws:
+                self._route(pickle.loads(raw))
+
+    def _route(self, msg: Any) -> None:
+        match msg:
+            case StepOutputs(outputs):
+                for out in outputs:
+                    route = self._routes.get(out.rid)
                     if route is not None:
-                        route[0].put_nowait((route[1], RequestError(message, param, code)))
-                case _:
-                    logger.error("unknown message from the engine %r ignored", msg)
+                        if out.finished:
+                            del self._routes[out.rid]
+                        route[0].put_nowait((route[1], out))
+            case EngineStats(stats):
+                self.stats = stats
+                self._stats_event.set()
+            case CacheFlushed(token, ok):
+                answer = self._flushes.get(token)
+                if answer is not None and not answer.done():
+                    answer.set_result(ok)
+            case Rejected(rid, message, param, code):
+                route = self._routes.pop(rid, None)
+                if route is not None:
+                    route[0].put_nowait((route[1], RequestError(message, param, code)))
+            case _:
+                logger.error("unknown message from the engine %r ignored", msg)
 
     async def _watchdog(self) -> None:
         while self._proc is not None and self._proc.is_alive():
