@@ -28,8 +28,8 @@ import torch  # noqa: E402
 from graph_timing import add_timing_args, graph_us  # noqa: E402 (beside this script)
 
 from minisrv.kernels.fp8_quant import quantize_rows, quantize_tokens  # noqa: E402
-from minisrv.kernels.fused_moe import (experts_reference, route, route_and_align, route_reference,  # noqa: E402
-                                       triton_experts)
+from minisrv.kernels.fused_moe import (PAIR_ROWS, experts_reference, route, route_and_align,  # noqa: E402
+                                       route_reference, triton_experts)
 from minisrv.kernels.moe_align import align_reference, triton_align  # noqa: E402
 from minisrv.kernels.moe_route import ROUTER_TOKENS  # noqa: E402
 from minisrv.kernels.moe_gemm import MoeConfig, config_for, moe_gemm  # noqa: E402
@@ -88,7 +88,8 @@ def main() -> int:
     p.add_argument("--int4", type=int, default=None, metavar="GROUP",
                    help="4-bit (W4A16) expert weights in groups of GROUP rows (0: per channel)")
     p.add_argument("--mxfp4", action="store_true",
-                   help="MXFP4 experts (gpt-oss: e.g. --experts 32 --top-k 4 --hidden 2880 --inter 2880)")
+                   help="MXFP4 experts (gpt-oss: e.g. --experts 32 --top-k 4 --hidden 2880 --inter 2880); up to "
+                        "PAIR_ROWS pairs also timed on the grouped GEMM")
     p.add_argument("--configs", default="", help="more launch configurations to time, ';'-separated")
     p.add_argument("--routings", type=int, default=8, help="distinct routings cycled through")
     p.add_argument("--no-reference", action="store_true", help="skip timing experts_reference")
@@ -151,6 +152,10 @@ def main() -> int:
                 return triton_experts(x, w13, w2, w, ids, s13, s2, config=None if c == rule else c)
             us = graph_us(fused, a.iters, a.repeat)
             line += f"; {'rule ' if c == rule else ''}{tuple(c)} {us:7.1f} us ({100 * floor / us:3.0f}%)"
+        if a.mxfp4 and t * k <= PAIR_ROWS:  # the pairs' own kernel above; here the grouped GEMM on them
+            w, ids = routings[0]
+            us = graph_us(lambda: triton_experts(x, w13, w2, w, ids, config=rule), a.iters, a.repeat)
+            line += f"; grouped GEMM {us:7.1f} us ({100 * floor / us:3.0f}%)"
         logits = torch.randn(t, e, device="cuda").bfloat16()
         line += f"; route {graph_us(lambda: route(logits, k, True), a.iters, a.repeat):5.1f} us"
         line += f" (torch {graph_us(lambda: route_reference(logits, k, True), a.iters, a.repeat):5.1f})"

@@ -169,7 +169,7 @@ for suite in "$@"; do case $suite in
     bench decode-moe-gptq 300 $DECODE --model $M-gptq --batch-sizes 1,64,256 --repeats 3 --context 128 ;;
   gpt-oss) O=/tmp/gpt-oss-20b
     hub_checkpoint gpt-oss-20b $O
-    # the MXFP4 experts alone at gpt-oss-20b's shape, against the time their bytes take
+    # the experts alone at gpt-oss-20b's shape: a decode step's pairs on their own kernel against the grouped GEMM
     bench fused-moe-mxfp4 200 bench_fused_moe.py --mxfp4 --experts 32 --top-k 4 --hidden 2880 --inter 2880 \
       --tokens 1,2,4,64,256 --no-reference
     bench decode-gpt-oss 300 $DECODE --model $O --batch-sizes 1,64 --repeats 3 --attention-backend fa

@@ -32,6 +32,7 @@ from minisrv.kernels.moe_align import Aligned, triton_align
 from minisrv.kernels.moe_gemm import ClampedSwiGLU, MoeConfig, config_for, moe_gemm
 from minisrv.kernels.moe_route import ROUTER_TOKENS, triton_route, triton_router
 from minisrv.kernels.moe_w4a16 import Mxfp4Experts, PackedExperts
+from minisrv.kernels.mxfp4_pairs import mxfp4_pair_gemv
 from minisrv.kernels.w4a16_gemm import w4a16_gemm
 
 PAIR_ROWS = 16  # 4-bit experts: up to this many (token, expert) pairs run as rows of the dense 4-bit kernel
@@ -185,9 +186,10 @@ def triton_experts(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: tor
     n_pairs = t * top_k
     if n_pairs == 0:
         return x.new_zeros(t, h)
-    if int4 and config is None and n_pairs <= PAIR_ROWS and w13.perm is None and w2.perm is None \
-            and w13_bias is None and swiglu is None:
-        return _experts_by_pair(x, w13, w2, topk_weights, topk_ids)
+    by_pair = isinstance(w13, Mxfp4Experts) or (int4 and w13.perm is None and w2.perm is None and w13_bias is None
+                                                 and swiglu is None)
+    if by_pair and config is None and n_pairs <= PAIR_ROWS:
+        return _experts_by_pair(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, swiglu)
     c = config or launch_config(n_pairs, w13, fp8)
     if aligned is None:
         aligned = align(topk_ids, num_experts, c.block_m)
@@ -201,14 +203,22 @@ def triton_experts(x: torch.Tensor, w13: Weights, w2: Weights, topk_weights: tor
     return out.view(t, h) if top_k == 1 else out.sum(dim=1)
 
 
-def _experts_by_pair(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor) -> torch.Tensor:
-    """A decode step's few pairs, each a row of the dense 4-bit kernel's CUDA-cores path reading its own expert's
-    weight (kernels/w4a16_gemm.py): no alignment and no padded 16-row blocks, whose tensor-core tiles cost a whole
-    block's dequantisation per expert for one or two rows. The gate/up product rounds to x's dtype before
-    SiLU-and-mul, as experts_reference does."""
+def _experts_by_pair(x: torch.Tensor, w13: Union[PackedExperts, Mxfp4Experts], w2: Union[PackedExperts, Mxfp4Experts],
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_bias: Optional[torch.Tensor],
+                     w2_bias: Optional[torch.Tensor], swiglu: Optional[ClampedSwiGLU]) -> torch.Tensor:
+    """A decode step's few pairs, each a row of a kernel reading its own expert's weight: no alignment and no padded
+    16-row blocks, whose tensor-core tiles cost a whole block's dequantisation per expert for one or two rows. MXFP4:
+    kernels/mxfp4_pairs.py's kernel (biases added there); 4-bit integers: the dense 4-bit kernel's CUDA-cores path
+    (kernels/w4a16_gemm.py). The activation between the products in torch, on the gate/up product rounded to x's
+    dtype, as experts_reference rounds it."""
     t, top_k = topk_ids.shape
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    if isinstance(w13, Mxfp4Experts):
+        gemv = mxfp4_pair_gemv()
+        gate, up = gemv(x, w13.blocks, w13.scales, ids, top_k, w13_bias).chunk(2, dim=-1)
+        act = swiglu(gate, up) if swiglu is not None else F.silu(gate) * up
+        y = gemv(act.contiguous(), w2.blocks, w2.scales, ids, 1, w2_bias)
+        return (y.view(t, top_k, -1).float() * topk_weights.float()[..., None]).sum(dim=1).to(x.dtype)
     gemm = w4a16_gemm()
     gate, up = gemm(x, w13.qweight, w13.scales, w13.zeros, ids=ids, top_k=top_k).chunk(2, dim=-1)
     out = gemm(F.silu(gate) * up, w2.qweight, w2.scales, w2.zeros, ids=ids, top_k=1,

@@ -6,8 +6,9 @@ tests/gpu/test_gpt_oss.py for its operands and reference (importing it does not 
 Checked against a float64 computation from the specification: W from the MXFP4 bytes decoded bit by bit (sign,
 two exponent bits, one mantissa bit; 2^(s - 127) per 32 values), out = sum_j w_j * (down_e(act(gate_e(x) + b_g,
 up_e(x) + b_u)) + b_d) with act the clamped SwiGLU or SiLU-and-mul. Weights in float16 (the interpreter's bfloat16
-products are not the GPU's) or MXFP4, with and without biases; the three launch configurations; widths whose K
-steps halve (96) and partial column tiles. Prints one line per check and "ok" at the end."""
+products are not the GPU's) or MXFP4, with and without biases; the three launch configurations, and a decode step's
+few MXFP4 pairs on their own kernel (kernels/mxfp4_pairs.py); widths whose K steps halve (96) and partial column
+tiles. Prints one line per check and "ok" at the end."""
 from __future__ import annotations
 
 import os
@@ -93,17 +94,20 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check(t: int, h: int, inter: int, num_experts: int, top_k: int, mxfp4: bool, bias: bool, swiglu: bool,
-          n_pairs_rule: Optional[int] = None) -> None:
-    from minisrv.kernels.fused_moe import experts_reference, launch_config, triton_experts
+          n_pairs_rule: Optional[int] = None, by_pair: bool = False) -> None:
+    """by_pair: no launch configuration given, so that a decode step's few MXFP4 pairs take kernels/mxfp4_pairs.py"""
+    from minisrv.kernels.fused_moe import PAIR_ROWS, experts_reference, launch_config, triton_experts
     x, w13, w2, b13, b2, weights, ids = case(t, h, inter, num_experts, top_k, mxfp4, bias, seed=t * 7 + h + inter)
     act = SWIGLU if swiglu else None
-    c = launch_config(n_pairs_rule or t * top_k, w13, False)
+    assert not by_pair or (mxfp4 and t * top_k <= PAIR_ROWS)
+    c = None if by_pair else launch_config(n_pairs_rule or t * top_k, w13, False)
     half = (lambda b: b.half() if b is not None else None)
     got = triton_experts(x.half(), w13, w2, weights, ids, config=c, w13_bias=half(b13), w2_bias=half(b2),
                          swiglu=act)
     ref = experts_float64(x, dense_float64(w13), dense_float64(w2), half(b13), half(b2), weights, ids, act)
     err = relative_error(got, ref)
-    what = f"{'MXFP4' if mxfp4 else 'float16'} H={h} I={inter} T={t} k={top_k} bias={bias} swiglu={swiglu} {tuple(c)}"
+    what = f"{'MXFP4' if mxfp4 else 'float16'} H={h} I={inter} T={t} k={top_k} bias={bias} swiglu={swiglu} " \
+        f"{'pairs' if by_pair else tuple(c)}"
     assert got.dtype == torch.float16 and got.shape == (t, h), (got.dtype, got.shape)
     assert err <= BOUND, f"{what}: error {err:.2e}"
     if mxfp4:  # the torch path (the CPU's) on the same operands, in float64: the same numbers
@@ -121,6 +125,9 @@ def main() -> None:
             check(3, 128, 64, 8, 2, mxfp4, bias, swiglu)  # decode blocks (16 rows, 64 columns)
         check(40, 128, 64, 4, 2, mxfp4, True, True, n_pairs_rule=256)  # prefill blocks (64 rows, 128 columns)
         check(9, 96, 96, 4, 4, mxfp4, True, True, n_pairs_rule=2048)  # large blocks; K steps of 32; partial tiles
+    for bias, swiglu in ((True, True), (False, False)):
+        check(3, 256, 128, 8, 2, True, bias, swiglu, by_pair=True)  # decode pairs: two K steps of 128
+    check(2, 96, 96, 4, 4, True, True, True, by_pair=True)  # a K step cut short; a partial column tile
     print(f"({time.time() - start:.0f} s)")
     print("ok")
 

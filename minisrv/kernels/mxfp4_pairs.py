@@ -1,0 +1,73 @@
+"""A decode step's few (token, expert) pairs against MXFP4 experts (gpt-oss: kernels/moe_w4a16.py's Mxfp4Experts
+layout, rows of [N, K] with K packed two values a byte and one e8m0 exponent per 32), one pair a program row.
+
+Why: with a handful of pairs the grouped GEMM (moe_gemm.py) pads each expert's pairs to a 16-row block and sends
+the dequantised tile through shared memory to the tensor cores: the cost of a whole block for one or two rows. Here
+each program takes BLOCK_N of its expert's rows, reads their bytes along K (contiguous in the layout), decodes both
+nibbles of a byte on the CUDA cores, multiplies by the pair's activation row and sums each 32 values before their
+scale; the bias is added in float32, and the result rounds once to the activation's dtype.
+
+A nibble (sign, two exponent bits, one mantissa bit) becomes float32 bits: exponent e > 0 -> (e + 126) << 23 with
+the mantissa bit at 22; e = 0 -> 0 or 0.5; the exponent byte s becomes 2^(s - 127) as s << 23."""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Callable, Optional
+
+import torch
+
+from minisrv.kernels.triton_launcher import triton_launcher
+
+BLOCK_N, BLOCK_K = 64, 128
+
+
+@triton_launcher
+def mxfp4_pair_gemv(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor]:
+    """The launcher `run(x, blocks, scales, ids, rows_per_x, bias=None)`: x [R / rows_per_x, K] (pair r reads row
+    r // rows_per_x), blocks uint8 [E, N, K/2], scales uint8 [E, N, K/32], ids int32 [R] (pair r's expert), bias
+    [E, N] or None -> [R, N] in x's dtype. None where Triton is missing."""
+
+    @triton.jit
+    def pair_gemv(x_ptr, stride_x, blocks_ptr, scales_ptr, ids_ptr, bias_ptr, out_ptr, N, K,
+                  ROWS_PER_X: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        r = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_ok = n < N
+        expert = tl.load(ids_ptr + r).to(tl.int64)
+        x_row = x_ptr + (r // ROWS_PER_X).to(tl.int64) * stride_x
+        rows = expert * N + n.to(tl.int64)
+        j = tl.arange(0, BK // 2)
+        k = tl.arange(0, BK)
+        g = tl.arange(0, BK // 32)
+        acc = tl.zeros([BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            b = tl.load(blocks_ptr + rows[:, None] * (K // 2) + k0 // 2 + j[None, :],
+                        mask=n_ok[:, None] & (k0 + 2 * j < K)[None, :], other=0).to(tl.int32)
+            q = tl.reshape(tl.join(b & 15, b >> 4), [BN, BK])  # value k0 + i is nibble i % 2 of byte i // 2
+            e = (q >> 1) & 3
+            bits = tl.where(e == 0, (q & 1) * 0x3F000000, ((e + 126) << 23) | ((q & 1) << 22)) | ((q >> 3) << 31)
+            x = tl.load(x_row + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
+            prod = bits.to(tl.float32, bitcast=True) * x[None, :]
+            sums = tl.sum(tl.reshape(prod, [BN, BK // 32, 32]), axis=2)  # each 32 values of K
+            s = tl.load(scales_ptr + rows[:, None] * (K // 32) + k0 // 32 + g[None, :],
+                        mask=n_ok[:, None] & (k0 + 32 * g < K)[None, :], other=0).to(tl.int32)
+            acc += tl.sum(sums * (s << 23).to(tl.float32, bitcast=True), axis=1)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r.to(tl.int64) * N + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+    def run(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, rows_per_x: int,
+            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        _, n, half_k = blocks.shape
+        k = 2 * half_k
+        if x.shape[1] != k or x.stride(1) != 1 or k % 32 or ids.dtype != torch.int32:
+            raise ValueError(f"MXFP4 pairs: x {tuple(x.shape)} stride {x.stride()}, blocks {tuple(blocks.shape)}, "
+                             f"ids {ids.dtype}")
+        out = torch.empty(ids.shape[0], n, dtype=x.dtype, device=x.device)
+        if ids.shape[0]:
+            pair_gemv[(ids.shape[0], triton.cdiv(n, BLOCK_N))](
+                x, x.stride(0), blocks, scales, ids, bias if bias is not None else x, out, n, k,
+                ROWS_PER_X=rows_per_x, HAS_BIAS=bias is not None, BN=BLOCK_N, BK=BLOCK_K, num_warps=4)
+        return out
+
+    return run
