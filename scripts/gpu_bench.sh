@@ -78,6 +78,7 @@ serve() { local label=$1 flags=$2 tree port=30123 spid; shift 2
       --output "/tmp/$label.json" "$@"
     [ -n "$http" ] && awk -v t0=$ticks -v hz=$(getconf CLK_TCK) '{printf "HTTP process CPU over the run: %.1f s\n", \
       ($14 + $15 - t0) / hz}' /proc/$http/stat
+    python3 -c "import httpx; print('health:', httpx.get('http://127.0.0.1:$port/health').text)" 2>/dev/null
     kill $spid 2>/dev/null; wait $spid; done; }
 OFFLINE="bench_offline.py --json $OUT/bench.jsonl"
 DECODE="bench_decode.py --graphs on --steps 32 --json $OUT/decode.jsonl"
