@@ -60,9 +60,13 @@ def test_tiny_gpt_oss_matches_hf(tmp_path_factory, monkeypatch, mxfp4, backend, 
     (kernels/qk_rope_store.py), which writes the windowed layers' K/V at the window slots fa names."""
     from ..helpers.gpt_oss_checkpoints import write_mxfp4_pair
     # the SwiGLU limit gpt-oss ships (transformers before 5.18 ignores the config's and uses 7.0; the CPU suite
-    # checks a lower one that the products cross)
-    path = build_tiny_model(str(tmp_path_factory.mktemp("gpt-oss")), "gpt_oss", seed=3, hidden_size=256,
-                            head_dim=64, intermediate_size=128, swiglu_limit=7.0)
+    # checks a lower one that the products cross). A model that bf16 rounding moves by little, so that the bound
+    # is one of rounding: every token takes all four experts (a top-2 choice near a tie flips under rounding, and
+    # the token's logits jump with it), and weights of std 0.075, the CPU models' gain per layer at four times their
+    # width. A fault still costs whole logits (gate/up read as concatenated halves, or the up's +1 dropped: 1.5-4).
+    path = build_tiny_model(str(tmp_path_factory.mktemp("gpt-oss")), "gpt_oss", seed=3, weight_std=0.075,
+                            hidden_size=256, head_dim=64, intermediate_size=128, num_experts_per_tok=4,
+                            swiglu_limit=7.0)
     ref = path
     if mxfp4:
         root = tmp_path_factory.mktemp("gpt-oss-mxfp4")

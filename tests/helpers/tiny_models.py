@@ -152,15 +152,16 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
-def build_tiny_model(path: str, name: str, seed: int = 0, **config_overrides) -> str:
-    """Save a random-weight HF checkpoint (config.json + model.safetensors + tokenizer) into `path`."""
+def build_tiny_model(path: str, name: str, seed: int = 0, weight_std: float = 0.15, **config_overrides) -> str:
+    """Save a random-weight HF checkpoint (config.json + model.safetensors + tokenizer) into `path`; weight_std: of
+    the projections and embeddings (init_weights), which a wider model needs smaller for the same gain per layer."""
     import transformers
     cfg = make_config(name, **config_overrides)
     torch.manual_seed(seed)
     name = {"Gemma3TextConfig": "Gemma3ForCausalLM", "Gemma3Config": "Gemma3ForConditionalGeneration"}.get(
         type(cfg).__name__, type(cfg).__name__.replace("Config", "ForCausalLM"))
     model = getattr(transformers, name)(cfg)
-    init_weights(model, seed)
+    init_weights(model, seed, weight_std)
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path, cfg.get_text_config().vocab_size)
     return path
