@@ -69,7 +69,7 @@ def require(static: Optional[StaticPageTable]) -> StaticPageTable:
 
 @dataclass(frozen=True)
 class DecodePages:
-    """A decode step's metadata where the kernel takes only the page table and lengths (triton_decode.py)."""
+    """A decode step's metadata where the kernel takes only the page table and lengths (triton_decode.py, xqa.py)."""
 
     loc: torch.Tensor  # [B] slots the step's k/v go to
     page_table: torch.Tensor  # [B, max_pages] int32
@@ -80,7 +80,8 @@ class PageTableGraphs:
     """The decode hooks of a backend that reads a page table and lengths (fa, xqa, triton): an eager step's metadata
     from the batch's own page table, and CUDA graphs over the StaticPageTable's rows, which every replay rewrites
     first. A backend mixes this in before AttentionBackend, has `page_size` and `req_to_token`, and says how its step
-    metadata is made from (slots, page table, lengths) where that is more than DecodePages: `decode_meta`."""
+    metadata is made from (slots, page table, lengths) where that is more than DecodePages: `decode_meta`. A decode
+    backend (xqa, triton) runs its kernel in `attend`, after `forward` has stored the step's k/v."""
 
     static: Optional[StaticPageTable] = None
 
@@ -89,6 +90,12 @@ class PageTableGraphs:
 
     def kv_store_target(self, layer_id: int, meta: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         return self._pool_target(layer_id, meta.loc)
+
+    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer_id: int,
+                meta: Any) -> torch.Tensor:
+        if k is not None:
+            self.pool.store(layer_id, meta.loc, k, v)
+        return self.attend(q, layer_id, meta)
 
     def prepare(self, b: ForwardBatch) -> Any:
         """An eager decode step's metadata (a backend that also runs other steps has a prepare of its own); raises

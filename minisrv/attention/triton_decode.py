@@ -8,7 +8,7 @@ rotary + store writes them, or `forward` does).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,11 +36,7 @@ class TritonDecodeBackend(PageTableGraphs, AttentionBackend):
                              f"{self.head_dim}: use another attention backend")
         self.page_size = pool.page_size
 
-    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer_id: int,
-                meta: DecodePages) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer_id: int, meta: DecodePages) -> torch.Tensor:
         pool = self.pool
-        if k is not None:
-            pool.store(layer_id, meta.loc, k, v)
         return self.kernel(q, pool.k[layer_id], pool.v[layer_id], meta.page_table, meta.seq_lens,
-                           self.layers[layer_id].scale,
-                           pool.k_scale_host[layer_id], pool.v_scale_host[layer_id])
+                           self.layers[layer_id].scale, pool.k_scale_host[layer_id], pool.v_scale_host[layer_id])

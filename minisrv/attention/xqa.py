@@ -16,15 +16,14 @@ error. `XQADecodeBackend.load` compiles and runs it once at start-up, so a failu
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from minisrv.models.attention_options import LayerAttention, features_of
 
 from .base import AttentionBackend
-from .page_table import PageTableGraphs
+from .page_table import DecodePages, PageTableGraphs
 
 if TYPE_CHECKING:
     from minisrv.kvcache import KVPool
@@ -34,24 +33,6 @@ logger = logging.getLogger(__name__)
 PAGE_SIZES = (16, 32, 64, 128)
 SEMAPHORE_BYTES = 8 << 20  # the kernel's layout: semaphores first (zero before first use), then scratch
 SCRATCH_BYTES = 8 << 20  # partial results of sequences split across CTAs (a few hundred KB at most on an H100)
-
-
-@dataclass(frozen=True)
-class XQAMeta:
-    loc: torch.Tensor  # [B] slots the step's k/v go to
-    page_table: torch.Tensor  # [B, max_pages] int32
-    seq_lens: torch.Tensor  # [B] uint32 (a view of int32 lengths)
-    kernel: Callable
-    workspace: torch.Tensor
-
-    def run(self, q: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor], scale: float, k_scale: float = 1.0,
-            v_scale: float = 1.0) -> torch.Tensor:
-        """scale: the layer's softmax scale."""
-        # the kernel reads q (and writes its output, made like q) as contiguous [B, Hq, D]; the model's q is a
-        # strided view of the fused qkv projection
-        return self.kernel(q.contiguous(), kv, self.workspace, self.page_table, self.seq_lens,
-                           self.page_table.shape[1] * kv[0].shape[1], bmm1_scale=scale * k_scale,
-                           bmm2_scale=v_scale, kv_layout="NHD")
 
 
 class XQADecodeBackend(PageTableGraphs, AttentionBackend):
@@ -84,21 +65,17 @@ class XQADecodeBackend(PageTableGraphs, AttentionBackend):
         cannot."""
         q = torch.zeros((1, self.num_q_heads, self.head_dim), dtype=self.pool.dtype, device=self.device)
         table = torch.zeros((1, 1), dtype=torch.int32, device=self.device)
-        seq_lens = torch.ones((1,), dtype=torch.int32, device=self.device)
-        self.decode_meta(table, table, seq_lens).run(q, (self.pool.k[0], self.pool.v[0]), self.layers[0].scale)
+        self.attend(q, 0, DecodePages(table, table, torch.ones((1,), dtype=torch.int32, device=self.device)))
         torch.cuda.synchronize(self.device)
 
-    def decode_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> XQAMeta:
-        return XQAMeta(loc, table, seq_lens.view(torch.uint32), self.kernel, self.workspace)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                meta: XQAMeta) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer_id: int, meta: DecodePages) -> torch.Tensor:
         pool = self.pool
-        if k is not None:
-            pool.store(layer_id, meta.loc, k, v)
-        return meta.run(q, (pool.k[layer_id], pool.v[layer_id]), self.layers[layer_id].scale,
-                        k_scale=pool.k_scale_host[layer_id],
-                        v_scale=pool.v_scale_host[layer_id])
+        # the kernel reads q (and writes its output, made like q) as contiguous [B, Hq, D]; the model's q is a
+        # strided view of the fused qkv projection. Its lengths are uint32 (a view of the int32 ones).
+        return self.kernel(q.contiguous(), (pool.k[layer_id], pool.v[layer_id]), self.workspace, meta.page_table,
+                           meta.seq_lens.view(torch.uint32), meta.page_table.shape[1] * self.page_size,
+                           bmm1_scale=self.layers[layer_id].scale * pool.k_scale_host[layer_id],
+                           bmm2_scale=pool.v_scale_host[layer_id], kv_layout="NHD")
 
 
 def fp8_decode(pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int, choice: str,

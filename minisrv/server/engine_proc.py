@@ -171,7 +171,6 @@ class Sink:
         return items
 
 
-
 class EngineClient:
     """Owns the engine process; routes its outputs to per-HTTP-request queues. Use from one event loop."""
 

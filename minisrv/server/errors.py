@@ -91,8 +91,6 @@ def validation_message(exc: ValidationError) -> Tuple[str, Optional[str]]:
     """pydantic's errors (a route's schema over the JSON value json_body.py decoded) -> one message naming the field,
     and the top-level field as `param`."""
     errs = exc.errors()
-    if not errs:
-        return "invalid request", None
     e = errs[0]
     loc = [str(x) for x in e.get("loc", ())]
     msg = str(e.get("msg", "invalid value"))

@@ -34,10 +34,7 @@ def sampling_fields(body: Any) -> Dict[str, Any]:
         spec = rf.get("json_schema")
         kw.update(output_format(rf.get("type", "text"), spec.get("schema") if isinstance(spec, dict) else None,
                                 "response_format", "{\"json_schema\": {\"name\": ..., \"schema\": {...}}}"))
-    if body.regex is not None:
-        kw["regex"] = body.regex
-    if body.ebnf is not None:
-        kw["ebnf"] = body.ebnf
+    kw.update({name: getattr(body, name) for name in ("regex", "ebnf") if getattr(body, name) is not None})
     guided_choice = body.guided_choice
     if body.structured_outputs is not None:
         guided_choice = _vllm_structured_outputs(body.structured_outputs, kw, guided_choice)

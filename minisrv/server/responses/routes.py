@@ -208,12 +208,7 @@ async def respond(state: ServerState, request: Request) -> Response:
     req, large = await parse_body(request, ResponsesRequest)
     state.check_generation_model(req.model)
     plan = await plan_chat(state.prompts, chat_inputs(req), state.info.limits, large)
-    tok = state.tokenizer
-
-    def count(text: str) -> int:
-        """The tokens of a reasoning text (usage's reasoning_tokens; the tags around it are not counted)."""
-        return len(tok(text, add_special_tokens=False).input_ids)
-
-    renderer = ResponseRenderer(state.served_model_name, echo_fields(req), count, plan.tools, plan.reasoning,
-                                tool_namespaces(req.tools))
+    renderer = ResponseRenderer(state.served_model_name, echo_fields(req),
+                                lambda text: len(state.tokenizer(text, add_special_tokens=False).input_ids),
+                                plan.tools, plan.reasoning, tool_namespaces(req.tools))
     return await serve(state, request, Generation([plan.prompt_ids], plan.params), renderer, bool(req.stream))
