@@ -58,9 +58,7 @@ class TorchNativeBackend(AttentionBackend):
         self.windows = {a.window for a in self.layers}
         self.sinks = [a.sinks_tensor(pool.device) for a in self.layers]  # each layer's, [Hq] float32 or None
         self.window_table = window_table
-        self.cpu = None
-        if pool.device.type == "cpu":
-            self.cpu = CpuPagedAttention.create(pool, num_q_heads, self.layers)
+        self.cpu = CpuPagedAttention.create(pool, num_q_heads, self.layers) if pool.device.type == "cpu" else None
 
     def prepare(self, b: ForwardBatch):
         if self.window_table is None:
@@ -71,11 +69,8 @@ class TorchNativeBackend(AttentionBackend):
         return KindMetas(self._prepare(b, self.req_to_token, b.out_cache_loc), window)
 
     def _prepare(self, b: ForwardBatch, table: torch.Tensor, loc: torch.Tensor):
-        if self.cpu is not None:
-            meta = self.cpu.prepare(b, table, loc)
-            if meta is not None:
-                return meta
-        return self.prepare_padded(b, table, loc)
+        meta = self.cpu.prepare(b, table, loc) if self.cpu is not None else None  # None: a step it does not serve
+        return meta if meta is not None else self.prepare_padded(b, table, loc)
 
     def prepare_padded(self, b: ForwardBatch, table: Optional[torch.Tensor] = None,
                        loc: Optional[torch.Tensor] = None) -> TorchMeta:
