@@ -109,8 +109,7 @@ def _listen(host: str, port: int) -> socket.socket:
     except OSError:
         sock.close()
         raise
-    sock.listen(2048)
-    sock.set_inheritable(False)
+    sock.listen(2048)  # (not inherited by the engine process: Python's sockets never are)
     return sock
 
 
