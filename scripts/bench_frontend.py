@@ -19,6 +19,8 @@ run, and the medians are printed. The load comes from this process (a bare HTTP/
   python scripts/bench_frontend.py --scenarios chat-stream --requests 512 --step-ms 10
   python scripts/bench_frontend.py --trees /tmp/before,.            # two checkouts, runs alternating
   python scripts/bench_frontend.py --profile-pid-file /tmp/pid      # writes the server's pid (py-spy record -p)
+  python scripts/bench_frontend.py --serve-only --port 30000 --step-ms 1 --max-running 1024
+                                          # keeps the stand-in server up for another client (bench_serving.py)
 """
 from __future__ import annotations
 
@@ -226,6 +228,21 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise SystemExit("the server did not become ready")
 
 
+def serve_only(args: argparse.Namespace, tree: str) -> None:
+    port = args.port or free_port()
+    proc = start_server(args, tree, port)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc)
+        print(f"stand-in server ready: http://127.0.0.1:{port} (pid {proc.pid}; step {args.step_ms} ms, "
+              f"{args.max_running} running at most)", flush=True)
+        proc.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenarios", default="chat-stream,completion-stream,chat,mixed",
@@ -240,7 +257,14 @@ def main() -> None:
     ap.add_argument("--trees", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                     help="comma-separated checkouts to compare (default: this one): each serves from its own "
                          "server, and their runs alternate, so that each sees the same load on the machine")
+    ap.add_argument("--serve-only", action="store_true",
+                    help="start the first tree's stand-in server on --port and keep it up until interrupted, "
+                         "for a client of one's own (e.g. scripts/bench_serving.py, to measure the client's cap)")
+    ap.add_argument("--port", type=int, default=None, help="the port of --serve-only (default: a free one)")
     args = ap.parse_args()
+    if args.serve_only:
+        serve_only(args, os.path.abspath(args.trees.split(",")[0]))
+        return
     import psutil
     trees = [os.path.abspath(t) for t in args.trees.split(",")]
     servers: List[Tuple[int, subprocess.Popen]] = []

@@ -202,6 +202,7 @@ async def run_once(args: argparse.Namespace, model: str, items: List[Item], rate
             if schema is not None:  # the grammar's compile, once per server, is not what is measured
                 await send(http, args, model, Item(items[0].prompt, min(8, items[0].max_tokens), schema))
         tasks = []
+        cpu_start = time.process_time()
         t_start = time.perf_counter()
         for i, item in enumerate(items):
             tasks.append(asyncio.create_task(go(item)))
@@ -209,6 +210,7 @@ async def run_once(args: argparse.Namespace, model: str, items: List[Item], rate
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t_start
+        client_cpu = time.process_time() - cpu_start
 
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -225,6 +227,7 @@ async def run_once(args: argparse.Namespace, model: str, items: List[Item], rate
         "request_throughput": len(ok) / duration,
         "input_throughput": sum(r.prompt_tokens for r in ok) / duration,
         "output_throughput": out_tokens / duration,
+        "client_cpu_s": client_cpu,
         **latencies(ok),
     }
     constrained = [r for r in ok if r.constrained]
