@@ -229,6 +229,8 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 
 def serve_only(args: argparse.Namespace, tree: str) -> None:
+    import signal
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` ends the server too, as Ctrl-C does
     port = args.port or free_port()
     proc = start_server(args, tree, port)
     try:
