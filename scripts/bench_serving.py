@@ -4,6 +4,8 @@
 Requests arrive as a Poisson process at --request-rate (inf: all at once), optionally capped at
 --max-concurrency in flight. Each request streams (/v1/completions, or /v1/chat/completions with --endpoint chat)
 and is timed per SSE chunk with httpx, so TTFT and inter-token latency are measured as a client sees them.
+The requests are split over --client-processes worker processes (scripts/serving_client.py), so that reading the
+streams does not cap what is measured; `client_cpu_s` in the results says how busy they were.
 Output lengths are controlled with ignore_eos + max_tokens (both SGLang and vLLM accept ignore_eos).
 
 `--constrained-fraction F` sends that fraction of the requests (every 1/F-th, spread evenly through the run) with
@@ -27,11 +29,11 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
 import httpx
 
+from serving_client import Item, run_requests
 from serving_report import latencies, plot, table
 
 # common English words, each usually a single token with its leading space in BPE vocabularies
@@ -58,13 +60,6 @@ SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "require
 
 
 # ---------------------------------------------------------------------------------------------- workload
-@dataclass
-class Item:
-    prompt: Any  # str for completions, str (user message) or a messages list for chat
-    max_tokens: int
-    schema: Any = None  # a JSON schema: sent as response_format json_schema
-
-
 def constrain(items: List[Item], fraction: float, schema: Any) -> None:
     """Give `fraction` of the items the schema, spread evenly: item i when floor((i + 1) * f) > floor(i * f)."""
     for i, item in enumerate(items):
@@ -109,109 +104,9 @@ def dataset_items(path: str, n: int, out_len: int, seed: int) -> List[Item]:
     return [rows[i % len(rows)] for i in range(n)] if n <= len(rows) else [rng.choice(rows) for _ in range(n)]
 
 
-# ---------------------------------------------------------------------------------------------- one request
-@dataclass
-class Result:
-    ok: bool = False
-    error: str = ""
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itl: List[float] = field(default_factory=list)
-    start: float = 0.0
-    constrained: bool = False
-
-
-async def send(http: httpx.AsyncClient, args: argparse.Namespace, model: str, item: Item) -> Result:
-    res = Result(constrained=item.schema is not None)
-    body: Dict[str, Any] = {"model": model, "max_tokens": item.max_tokens, "temperature": args.temperature,
-                            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-    if item.schema is not None:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": item.schema}}
-    if args.endpoint == "chat":
-        url = "/v1/chat/completions"
-        body["messages"] = item.prompt if isinstance(item.prompt, list) else \
-            [{"role": "user", "content": item.prompt}]
-    else:
-        url = "/v1/completions"
-        body["prompt"] = item.prompt if isinstance(item.prompt, str) else json.dumps(item.prompt)
-    chunks = 0
-    t0 = time.perf_counter()
-    res.start = t0
-    last = t0
-    try:
-        async with http.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                msg = json.loads(data)
-                if "error" in msg:
-                    res.error = str(msg["error"])
-                    return res
-                if msg.get("usage"):
-                    res.prompt_tokens = msg["usage"].get("prompt_tokens", 0)
-                    res.output_tokens = msg["usage"].get("completion_tokens", 0)
-                got = False
-                for c in msg.get("choices") or []:
-                    delta = c.get("delta") or {}
-                    piece = c["text"] if "text" in c else delta.get("content") or delta.get("reasoning_content")
-                    got = got or bool(piece)
-                if got:
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        res.ttft = now - t0
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    chunks += 1
-        res.e2e = time.perf_counter() - t0
-        res.output_tokens = res.output_tokens or chunks
-        res.ok = chunks > 0
-        if not res.ok:
-            res.error = "no tokens streamed"
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        res.error = f"{type(e).__name__}: {e}"
-    return res
-
-
 # ---------------------------------------------------------------------------------------------- one run
-async def run_once(args: argparse.Namespace, model: str, items: List[Item], rate: float) -> Dict[str, Any]:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    rng = random.Random(args.seed)
-
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(args.timeout), limits=limits,
-                                 headers=headers) as http:
-        async def go(item: Item) -> Result:
-            if sem is None:
-                return await send(http, args, model, item)
-            async with sem:
-                return await send(http, args, model, item)
-
-        schema = next((item.schema for item in items if item.schema is not None), None)
-        for _ in range(args.warmup):
-            await send(http, args, model, Item(items[0].prompt, min(8, items[0].max_tokens)))
-            if schema is not None:  # the grammar's compile, once per server, is not what is measured
-                await send(http, args, model, Item(items[0].prompt, min(8, items[0].max_tokens), schema))
-        tasks = []
-        cpu_start = time.process_time()
-        t_start = time.perf_counter()
-        for i, item in enumerate(items):
-            tasks.append(asyncio.create_task(go(item)))
-            if rate != math.inf and i + 1 < len(items):
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t_start
-        client_cpu = time.process_time() - cpu_start
-
+def run_once(args: argparse.Namespace, model: str, items: List[Item], rate: float) -> Dict[str, Any]:
+    results, duration, client_cpu = run_requests(args, model, items, rate, args.client_processes)
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     summary = {
@@ -227,6 +122,7 @@ async def run_once(args: argparse.Namespace, model: str, items: List[Item], rate
         "request_throughput": len(ok) / duration,
         "input_throughput": sum(r.prompt_tokens for r in ok) / duration,
         "output_throughput": out_tokens / duration,
+        "client_processes": args.client_processes,
         "client_cpu_s": client_cpu,
         **latencies(ok),
     }
@@ -277,6 +173,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="requests sent (and not measured) before each run")
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--client-processes", type=int, default=0,
+                   help="worker processes sending the requests (default: one per 128 of --num-prompts or "
+                        "--max-concurrency, at most a quarter of the CPUs)")
     p.add_argument("--output", default=None, help="results JSON (default: bench-results/serving-<time>.json)")
     args = p.parse_args()
 
@@ -296,6 +195,10 @@ def main() -> None:
     if not 0.0 <= args.constrained_fraction <= 1.0:
         raise SystemExit("--constrained-fraction must be between 0 and 1")
     constrain(items, args.constrained_fraction, json.loads(args.json_schema) if args.json_schema else SCHEMA)
+    if args.client_processes <= 0:
+        concurrent = min(args.num_prompts, args.max_concurrency or args.num_prompts)
+        args.client_processes = max(1, min(math.ceil(concurrent / 128), (os.cpu_count() or 1) // 4))
+    args.client_processes = min(args.client_processes, args.num_prompts, args.max_concurrency or args.num_prompts)
     rates = [parse_rate(x) for x in args.request_rates.split(",")] if args.request_rates else [args.request_rate]
     model = asyncio.run(resolve_model(args))
     out = args.output or os.path.join("bench-results", f"serving-{time.strftime('%Y%m%d-%H%M%S')}.json")
@@ -304,7 +207,7 @@ def main() -> None:
     rows = []
     for rate in rates:
         print(f"rate {rate}: {len(items)} requests ...", file=sys.stderr, flush=True)
-        row = asyncio.run(run_once(args, model, items, rate))
+        row = run_once(args, model, items, rate)
         rows.append(row)
         print(f"  done {row['completed']}/{row['num_prompts']} in {row['duration_s']:.1f}s, "
               f"{row['output_throughput']:.1f} out tok/s, TTFT p50 {row['ttft_ms']['p50']:.0f} ms, "
