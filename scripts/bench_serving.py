@@ -3,7 +3,8 @@
 
 Requests arrive as a Poisson process at --request-rate (inf: all at once), optionally capped at
 --max-concurrency in flight. Each request streams (/v1/completions, or /v1/chat/completions with --endpoint chat)
-and is timed per SSE chunk with httpx, so TTFT and inter-token latency are measured as a client sees them.
+and is timed per SSE chunk (read without an HTTP library over plain http, with httpx over https), so TTFT and
+inter-token latency are measured as a client sees them.
 The requests are split over --client-processes worker processes (scripts/serving_client.py), so that reading the
 streams does not cap what is measured; `client_cpu_s` in the results says how busy they were.
 Output lengths are controlled with ignore_eos + max_tokens (both SGLang and vLLM accept ignore_eos).
@@ -172,7 +173,9 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="requests sent (and not measured) before each run")
-    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--timeout", type=float, default=1800, help="seconds a request may take")
+    p.add_argument("--httpx", action="store_true",
+                   help="stream with httpx over plain http too (https always does; default: a bare HTTP/1.1 reader)")
     p.add_argument("--client-processes", type=int, default=0,
                    help="worker processes sending the requests (default: one per 128 of --num-prompts or "
                         "--max-concurrency, at most a quarter of the CPUs)")

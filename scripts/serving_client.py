@@ -19,7 +19,8 @@ import multiprocessing
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Tuple
+import urllib.parse
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 import httpx
 
@@ -73,20 +74,72 @@ def request_of(args: argparse.Namespace, model: str, item: Item) -> Tuple[str, D
     return "/v1/completions", body
 
 
-async def send(http: httpx.AsyncClient, args: argparse.Namespace, model: str, item: Item) -> Result:
-    """One streamed request. The stream is cut into SSE events on the bytes (a blank line ends an event) and each
-    event's data parsed once; a chunk that carries text is timed when it has been read."""
+class StatusError(Exception):
+    """An answer other than 200: its status and the start of its body."""
+
+
+async def httpx_body(http: httpx.AsyncClient, url: str, body: Dict[str, Any]) -> AsyncIterator[bytes]:
+    async with http.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            raise StatusError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}")
+        async for part in r.aiter_bytes():
+            yield part
+
+
+async def bare_body(args: argparse.Namespace, url: str, body: Dict[str, Any]) -> AsyncIterator[bytes]:
+    """The POST on a connection of its own (HTTP/1.1, plain http), its body read with the chunked framing taken
+    off: an HTTP library's own cost per chunk read (h11's events, in httpx) is most of a streaming client's CPU."""
+    base = urllib.parse.urlsplit(args.base_url)
+    reader, writer = await asyncio.open_connection(base.hostname, base.port or 80, limit=1 << 20)
+    try:
+        data = json.dumps(body).encode()
+        auth = f"Authorization: Bearer {args.api_key}\r\n" if args.api_key else ""
+        writer.write(f"POST {base.path.rstrip('/')}{url} HTTP/1.1\r\nHost: {base.netloc}\r\n{auth}"
+                     f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+                     .encode() + data)
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        if status != 200:
+            raise StatusError(f"HTTP {status}: {(await reader.read(300)).decode(errors='replace')}")
+        if b"transfer-encoding: chunked" not in head.lower():  # a body of known length, or one that ends the connection
+            while part := await reader.read(1 << 16):
+                yield part
+            return
+        raw = b""
+        while True:
+            part = await reader.read(1 << 16)
+            if not part:
+                raise ConnectionError("the stream ended before its last chunk")
+            raw += part
+            pieces = []
+            while (i := raw.find(b"\r\n")) >= 0:  # each chunk: its size in hex, CRLF, its bytes, CRLF
+                size = int(raw[:i].split(b";")[0], 16)
+                if size == 0:
+                    yield b"".join(pieces)
+                    return
+                if len(raw) < i + size + 4:
+                    break
+                pieces.append(raw[i + 2:i + 2 + size])
+                raw = raw[i + size + 4:]
+            if pieces:
+                yield b"".join(pieces)
+    finally:
+        writer.close()
+
+
+async def send(http: Optional[httpx.AsyncClient], args: argparse.Namespace, model: str, item: Item) -> Result:
+    """One streamed request (with httpx, or without an HTTP library where `http` is None). The stream is cut into SSE
+    events on the bytes (a blank line ends an event) and each event's data parsed once; a chunk that carries text
+    is timed when it has been read."""
     res = Result(constrained=item.schema is not None)
     url, body = request_of(args, model, item)
     chunks = 0
     t0 = last = time.perf_counter()
     try:
-        async with http.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
-                return res
+        stream = bare_body(args, url, body) if http is None else httpx_body(http, url, body)
+        async with contextlib.aclosing(stream):
             buf, done = b"", False
-            async for part in r.aiter_bytes():
+            async for part in stream:
                 buf += part
                 if b"\r" in buf:
                     buf = buf.replace(b"\r\n", b"\n")
@@ -125,12 +178,15 @@ async def send(http: httpx.AsyncClient, args: argparse.Namespace, model: str, it
         res.ok = chunks > 0
         if not res.ok:
             res.error = "no tokens streamed"
-    except (httpx.HTTPError, ValueError) as e:  # orjson's and json's decode errors are ValueErrors
-        res.error = f"{type(e).__name__}: {e}"
+    except (StatusError, httpx.HTTPError, OSError, EOFError, ValueError) as e:  # decode errors are ValueErrors
+        res.error = str(e) if isinstance(e, StatusError) else f"{type(e).__name__}: {e}"
     return res
 
 
-def http_client(args: argparse.Namespace) -> httpx.AsyncClient:
+def http_client(args: argparse.Namespace) -> Any:
+    """httpx's client for https (or with --httpx); None (requests sent without an HTTP library) for plain http."""
+    if args.base_url.startswith("http://") and not getattr(args, "httpx", False):
+        return contextlib.nullcontext()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     return httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(args.timeout), limits=limits,
@@ -162,7 +218,10 @@ async def run_share(args: argparse.Namespace, model: str, share: Share, concurre
             await asyncio.sleep(delay)
         async with sem or contextlib.nullcontext():
             sent = time.perf_counter() - start
-            res = await send(http, args, model, item)
+            try:
+                res = await asyncio.wait_for(send(http, args, model, item), args.timeout)
+            except asyncio.TimeoutError:
+                res = Result(error=f"no answer in {args.timeout} s", constrained=item.schema is not None)
         res.start = sent
         return index, res
 

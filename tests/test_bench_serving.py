@@ -36,9 +36,9 @@ def ticker():
         proc.wait(10)
 
 
-def options(base_url: str, max_concurrency=None) -> argparse.Namespace:
+def options(base_url: str, max_concurrency=None, httpx=False) -> argparse.Namespace:
     return argparse.Namespace(base_url=base_url, api_key=None, timeout=60, temperature=0.0, endpoint="completions",
-                              max_concurrency=max_concurrency, seed=3, warmup=1)
+                              max_concurrency=max_concurrency, seed=3, warmup=1, httpx=httpx)
 
 
 def workload(n: int):
@@ -46,11 +46,13 @@ def workload(n: int):
     return [serving_client.Item(f"{i}: some words", rng.randint(8, 24)) for i in range(n)]
 
 
-def test_several_processes_give_the_statistics_of_one(ticker):
+@pytest.mark.parametrize("httpx", [False, True], ids=["bare", "httpx"])
+def test_several_processes_give_the_statistics_of_one(ticker, httpx):
     items = workload(48)
     runs = {}
     for processes in (1, 3):
-        results, duration, cpu = serving_client.run_requests(options(ticker), "ticker", items, math.inf, processes)
+        results, duration, cpu = serving_client.run_requests(options(ticker, httpx=httpx), "ticker", items, math.inf,
+                                                             processes)
         assert all(r.ok for r in results), [r.error for r in results if not r.ok]
         assert [r.output_tokens for r in results] == [item.max_tokens for item in items]  # in request order
         assert [len(r.itl) for r in results] == [item.max_tokens - 1 for item in items]
