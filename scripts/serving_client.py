@@ -6,7 +6,8 @@ One Python process reading every stream can fall behind a fast server: its event
 `run_requests(..., processes=N)` deals the requests round-robin to N worker processes, each with its own event loop
 and HTTP client; they start from one shared start time, each request sent at its own offset from it (all at 0 at
 rate inf; a Poisson process's arrival times otherwise, drawn once for the whole run), and their per-request
-records come back in request order, so that the statistics are those of one client that kept up.
+records come back in request order, so that the statistics are those of one client that kept up. Over plain http
+a stream is read without an HTTP library (`bare_body`), with httpx over https (or with --httpx).
 """
 from __future__ import annotations
 
