@@ -180,8 +180,8 @@ class ResponseRenderer:
         """The stream's end: what is open closed, then response.completed with the whole response."""
         status, incomplete = status_of(self.finish)
         out = self._close(status)
-        if not self.output:  # nothing was said at all: an empty message, as the whole response has
-            out += self._open("message") + self._close()
+        if not self.output:  # nothing was said at all: an empty message, as the whole response has (its status)
+            out += self._open("message") + self._close(status)
         count = self.count_tokens(self.thought) if self.thought else 0
         r = self.frame(self.output, status, incomplete, usage_of(usage, count))
         return framed(out + [self._event("response.completed", response=r)])
