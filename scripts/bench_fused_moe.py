@@ -8,7 +8,9 @@ the router top-k's and the alignment kernel's times (and their torch ops'), the 
 averaged over the calls) and the share of --bandwidth that reaches, and experts_reference's time (eager: it syncs
 with the host). --configs times other launch configurations beside the rule's (block_m,block_n,block_k,num_warps,
 num_stages;...), to check or refine config_for. --int4 G: 4-bit experts in groups of G rows (0: one per channel;
-random words, kernels/moe_w4a16.py's layout), their bytes (and their scales' and zeros') the floor's.
+random words, kernels/moe_w4a16.py's layout), their bytes (and their scales' and zeros') the floor's. --mxfp4 with
+--pair-configs: a decode step's pairs' two GEMVs (kernels/mxfp4_pairs.py) at other launch parameters
+(block_n,block_k,num_warps;...), beside the default's.
 
   python scripts/bench_fused_moe.py [--tokens 1,64,256,2048] [--experts 128 --top-k 8 --hidden 2048 --inter 768]
                                     [--fp8 | --int4 128 | --mxfp4] [--configs 16,32,128,4,4] [--align]
@@ -34,6 +36,7 @@ from minisrv.kernels.moe_align import align_reference, triton_align  # noqa: E40
 from minisrv.kernels.moe_route import ROUTER_TOKENS  # noqa: E402
 from minisrv.kernels.moe_gemm import MoeConfig, config_for, moe_gemm  # noqa: E402
 from minisrv.kernels.moe_w4a16 import Mxfp4Experts, PackedExperts  # noqa: E402
+from minisrv.kernels.mxfp4_pairs import PairConfig, mxfp4_pair_gemv  # noqa: E402
 
 
 def eager_us(fn, repeat: int) -> float:
@@ -48,6 +51,25 @@ def eager_us(fn, repeat: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
+
+
+def pair_gemvs(x, w13, w2, ids, top_k: int, a) -> str:
+    """The pairs' gate/up and down GEMVs alone (their activation left out) at the default and --pair-configs, each
+    with its largest difference from the default's outputs (the sums in another order: float32 rounding)."""
+    gemv = mxfp4_pair_gemv()
+    flat = ids.reshape(-1).to(torch.int32).contiguous()
+    act = torch.randn(flat.numel(), w2.blocks.shape[2] * 2, device="cuda").bfloat16()
+
+    def both(c):
+        return gemv(x, w13.blocks, w13.scales, flat, top_k, config=c), gemv(act, w2.blocks, w2.scales, flat, 1,
+                                                                              config=c)
+    ref = both(PairConfig())
+    out = ""
+    for c in [PairConfig()] + [PairConfig(*(int(v) for v in c.split(","))) for c in a.pair_configs.split(";") if c]:
+        diff = max((g.float() - r.float()).abs().max().item() / r.float().abs().max().item()
+                   for g, r in zip(both(c), ref))
+        out += f"; pairs {tuple(c)} {graph_us(lambda: both(c), a.iters, a.repeat):7.1f} us (diff {diff:.0e})"
+    return out
 
 
 def products_us(x, w13, w2, s13, s2, routing, c: MoeConfig, a) -> tuple:
@@ -91,6 +113,7 @@ def main() -> int:
                    help="MXFP4 experts (gpt-oss: e.g. --experts 32 --top-k 4 --hidden 2880 --inter 2880); up to "
                         "PAIR_ROWS pairs also timed on the grouped GEMM")
     p.add_argument("--configs", default="", help="more launch configurations to time, ';'-separated")
+    p.add_argument("--pair-configs", default="", help="MXFP4 pairs' GEMV launch parameters to time, ';'-separated")
     p.add_argument("--routings", type=int, default=8, help="distinct routings cycled through")
     p.add_argument("--no-reference", action="store_true", help="skip timing experts_reference")
     p.add_argument("--products", action="store_true",
@@ -156,6 +179,7 @@ def main() -> int:
             w, ids = routings[0]
             us = graph_us(lambda: triton_experts(x, w13, w2, w, ids, config=rule), a.iters, a.repeat)
             line += f"; grouped GEMM {us:7.1f} us ({100 * floor / us:3.0f}%)"
+            line += pair_gemvs(x, w13, w2, ids, k, a)
         logits = torch.randn(t, e, device="cuda").bfloat16()
         line += f"; route {graph_us(lambda: route(logits, k, True), a.iters, a.repeat):5.1f} us"
         line += f" (torch {graph_us(lambda: route_reference(logits, k, True), a.iters, a.repeat):5.1f})"

@@ -3,7 +3,7 @@ layout, rows of [N, K] with K packed two values a byte and one e8m0 exponent per
 
 Why: with a handful of pairs the grouped GEMM (moe_gemm.py) pads each expert's pairs to a 16-row block and sends
 the dequantised tile through shared memory to the tensor cores: the cost of a whole block for one or two rows. Here
-each program takes BLOCK_N of its expert's rows, reads their bytes along K (contiguous in the layout), decodes both
+each program takes block_n of its expert's rows, reads their bytes along K (contiguous in the layout), decodes both
 nibbles of a byte on the CUDA cores, multiplies by the pair's activation row and sums each 32 values before their
 scale; the bias is added in float32, and the result rounds once to the activation's dtype.
 
@@ -12,20 +12,26 @@ the mantissa bit at 22; e = 0 -> 0 or 0.5; the exponent byte s becomes 2^(s - 12
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from minisrv.kernels.triton_launcher import triton_launcher
 
-BLOCK_N, BLOCK_K = 64, 128
+
+class PairConfig(NamedTuple):
+    """Launch parameters: a program's rows of N, its K step (a multiple of 32), its warps."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
 
 
 @triton_launcher
 def mxfp4_pair_gemv(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.Tensor]:
-    """The launcher `run(x, blocks, scales, ids, rows_per_x, bias=None)`: x [R / rows_per_x, K] (pair r reads row
-    r // rows_per_x), blocks uint8 [E, N, K/2], scales uint8 [E, N, K/32], ids int32 [R] (pair r's expert), bias
-    [E, N] or None -> [R, N] in x's dtype. None where Triton is missing."""
+    """The launcher `run(x, blocks, scales, ids, rows_per_x, bias=None, config=PairConfig())`: x [R / rows_per_x, K]
+    (pair r reads row r // rows_per_x), blocks uint8 [E, N, K/2], scales uint8 [E, N, K/32], ids int32 [R] (pair
+    r's expert), bias [E, N] or None -> [R, N] in x's dtype. None where Triton is missing."""
 
     @triton.jit
     def pair_gemv(x_ptr, stride_x, blocks_ptr, scales_ptr, ids_ptr, bias_ptr, out_ptr, N, K,
@@ -57,7 +63,7 @@ def mxfp4_pair_gemv(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.T
         tl.store(out_ptr + r.to(tl.int64) * N + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
     def run(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, rows_per_x: int,
-            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+            bias: Optional[torch.Tensor] = None, config: PairConfig = PairConfig()) -> torch.Tensor:
         _, n, half_k = blocks.shape
         k = 2 * half_k
         if x.shape[1] != k or x.stride(1) != 1 or k % 32 or ids.dtype != torch.int32:
@@ -65,9 +71,10 @@ def mxfp4_pair_gemv(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.T
                              f"ids {ids.dtype}")
         out = torch.empty(ids.shape[0], n, dtype=x.dtype, device=x.device)
         if ids.shape[0]:
-            pair_gemv[(ids.shape[0], triton.cdiv(n, BLOCK_N))](
+            pair_gemv[(ids.shape[0], triton.cdiv(n, config.block_n))](
                 x, x.stride(0), blocks, scales, ids, bias if bias is not None else x, out, n, k,
-                ROWS_PER_X=rows_per_x, HAS_BIAS=bias is not None, BN=BLOCK_N, BK=BLOCK_K, num_warps=4)
+                ROWS_PER_X=rows_per_x, HAS_BIAS=bias is not None, BN=config.block_n, BK=config.block_k,
+                num_warps=config.num_warps)
         return out
 
     return run
