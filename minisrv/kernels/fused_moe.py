@@ -35,7 +35,7 @@ from minisrv.kernels.moe_w4a16 import Mxfp4Experts, PackedExperts
 from minisrv.kernels.mxfp4_pairs import mxfp4_pair_gemv
 from minisrv.kernels.w4a16_gemm import w4a16_gemm
 
-PAIR_ROWS = 16  # 4-bit experts: up to this many (token, expert) pairs run as rows of the dense 4-bit kernel
+PAIR_ROWS = 16  # 4-bit and MXFP4 experts: up to this many (token, expert) pairs run as rows of a GEMV
 
 Weights = Union[torch.Tensor, PackedExperts, Mxfp4Experts]  # an expert stack in the model's dtype or FP8, or 4 bits
 
