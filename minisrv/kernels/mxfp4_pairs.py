@@ -22,8 +22,8 @@ from minisrv.kernels.triton_launcher import triton_launcher
 class PairConfig(NamedTuple):
     """Launch parameters: a program's rows of N, its K step (a multiple of 32), its warps."""
 
-    block_n: int = 64
-    block_k: int = 128
+    block_n: int = 32
+    block_k: int = 256
     num_warps: int = 4
 
 

@@ -137,8 +137,8 @@ def dequantized_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 def config_for(m: int, n: int, k: int, group: int) -> W4A16Config:
     """Launch parameters for [m, k] x [k, n] with groups of `group` rows. Up to GEMV_M rows: the CUDA cores'
-    kernel, 128 columns and K steps of 32 a program (one warp), K in up to 32 shares (short programs, many in
-    flight); up to SPLIT_M rows: 16-64-row tiles on the tensor cores, 128 columns up to 16 rows and for wide
+    kernel, 64 columns and K steps of 64 a program (one warp), K split so that a program takes about two steps,
+    in up to 64 shares (short programs, many in flight); up to SPLIT_M rows: 16-64-row tiles on the tensor cores, 128 columns up to 16 rows and for wide
     outputs, else 64, K split (in 8 up to 16 rows, else in a power of two, programs up to TARGET_PROGRAMS: H100
     sweeps of Llama-3-8B's projections, scripts/bench_w4a16.py); up to DEQUANTIZE_M: 64 or 128-row tiles of 128
     columns, K steps of 64; more rows: the weight dequantised whole for torch's matmul, whose tiles reuse it
@@ -146,7 +146,7 @@ def config_for(m: int, n: int, k: int, group: int) -> W4A16Config:
     if m >= DEQUANTIZE_M:
         block_m, block_n, block_k, warps = 0, 128, 64, 4
     elif m <= GEMV_M:
-        block_m, block_n, block_k, warps = m, 128, 32, 1
+        block_m, block_n, block_k, warps = m, 64, 64, 1
     elif m <= SPLIT_M:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
         block_n, block_k, warps = 128 if m <= 16 or n >= 16384 else 64, 128, 4
@@ -159,8 +159,8 @@ def config_for(m: int, n: int, k: int, group: int) -> W4A16Config:
         raise ValueError(f"4-bit group of {group} rows: the kernel needs groups of a multiple of 16")
     if block_m == 0:
         return W4A16Config(0, block_n, block_k, 1, warps, 1)
-    if m <= GEMV_M:
-        return W4A16Config(block_m, block_n, block_k, min(k // block_k, 32), warps, 2)
+    if m <= GEMV_M:  # about two K steps a program, at most 64 programs a tile
+        return W4A16Config(block_m, block_n, block_k, min(max(1, k // block_k // 2), 64), warps, 2)
     tiles = -(-m // block_m) * -(-n // block_n)
     split = 1 if m > SPLIT_M else min(k // block_k, 8) if m <= 16 else \
         min(k // block_k, 1 << max(0, (TARGET_PROGRAMS // tiles).bit_length() - 1))
