@@ -7,8 +7,11 @@ each program takes block_n of its expert's rows, reads their bytes along K (cont
 nibbles of a byte on the CUDA cores, multiplies by the pair's activation row and sums each 32 values before their
 scale; the bias is added in float32, and the result rounds once to the activation's dtype.
 
-A nibble (sign, two exponent bits, one mantissa bit) becomes float32 bits: exponent e > 0 -> (e + 126) << 23 with
-the mantissa bit at 22; e = 0 -> 0 or 0.5; the exponent byte s becomes 2^(s - 127) as s << 23."""
+A nibble (sign, two exponent bits, one mantissa bit) is read as float32 by moving its bits, not by branching: the
+sign to bit 31 and the three others to bits 22-24 (the exponent's two lowest bits and the mantissa's top bit) read as
+the e2m1 value times 2^-126, exactly (e = 0, the value 0.5, lands on float32's subnormal 2^-127, which the GPU's
+float32 arithmetic keeps). The activation is multiplied by 2^100 so that these products stay normal floats, and each
+32 values' sum by 2^(s - 127) * 2^26 (the exponent byte s as s << 23) to undo both."""
 from __future__ import annotations
 
 from types import ModuleType
@@ -23,7 +26,7 @@ class PairConfig(NamedTuple):
     """Launch parameters: a program's rows of N, its K step (a multiple of 32), its warps."""
 
     block_n: int = 32
-    block_k: int = 256
+    block_k: int = 512
     num_warps: int = 4
 
 
@@ -43,21 +46,22 @@ def mxfp4_pair_gemv(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.T
         x_row = x_ptr + (r // ROWS_PER_X).to(tl.int64) * stride_x
         rows = expert * N + n.to(tl.int64)
         j = tl.arange(0, BK // 2)
-        k = tl.arange(0, BK)
         g = tl.arange(0, BK // 32)
         acc = tl.zeros([BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
+            in_k = k0 + 2 * j < K
             b = tl.load(blocks_ptr + rows[:, None] * (K // 2) + k0 // 2 + j[None, :],
-                        mask=n_ok[:, None] & (k0 + 2 * j < K)[None, :], other=0).to(tl.int32)
-            q = tl.reshape(tl.join(b & 15, b >> 4), [BN, BK])  # value k0 + i is nibble i % 2 of byte i // 2
-            e = (q >> 1) & 3
-            bits = tl.where(e == 0, (q & 1) * 0x3F000000, ((e + 126) << 23) | ((q & 1) << 22)) | ((q >> 3) << 31)
-            x = tl.load(x_row + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
-            prod = bits.to(tl.float32, bitcast=True) * x[None, :]
-            sums = tl.sum(tl.reshape(prod, [BN, BK // 32, 32]), axis=2)  # each 32 values of K
+                        mask=n_ok[:, None] & in_k[None, :], other=0).to(tl.int32)
+            # byte i holds values k0 + 2i (low nibble) and k0 + 2i + 1 (high nibble), each taken times 2^-126
+            even = (((b << 22) & 0x01C00000) | ((b << 28) & -0x80000000)).to(tl.float32, bitcast=True)
+            odd = (((b << 18) & 0x01C00000) | ((b << 24) & -0x80000000)).to(tl.float32, bitcast=True)
+            x_even = tl.load(x_row + k0 + 2 * j, mask=in_k, other=0.0).to(tl.float32) * 1.2676506002282294e30
+            x_odd = tl.load(x_row + k0 + 2 * j + 1, mask=in_k, other=0.0).to(tl.float32) * 1.2676506002282294e30
+            prod = even * x_even[None, :] + odd * x_odd[None, :]
+            sums = tl.sum(tl.reshape(prod, [BN, BK // 32, 16]), axis=2)  # each 32 values of K
             s = tl.load(scales_ptr + rows[:, None] * (K // 32) + k0 // 32 + g[None, :],
                         mask=n_ok[:, None] & (k0 + 32 * g < K)[None, :], other=0).to(tl.int32)
-            acc += tl.sum(sums * (s << 23).to(tl.float32, bitcast=True), axis=1)
+            acc += tl.sum(sums * (s << 23).to(tl.float32, bitcast=True), axis=1) * 67108864.0
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + r.to(tl.int64) * N + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
