@@ -19,7 +19,7 @@ def test_step_buffer_fields_round_trip_by_name():
     layout = StepLayout(num_tokens=5, batch_size=2, num_pending=2, num_logit_rows=2)
     buf = layout.pack(False, slots, input_ids=ids, positions=pos, req_rows=rows, logit_rows=last,
                       seq_lens=seq_lens, cu_seqlens_q=cu, pending_rows=pending)
-    assert buf.dtype == torch.int64 and buf.numel() == 5 + 5 + 2 + 2 + 2 + 3 + 2 + 5
+    assert buf.dtype == torch.int64 and buf.numel() == 6 + 6 + 2 + 2 + 2 + 4 + 2 + 5  # odd fields padded to even
     f = layout.unpack(buf)
     want = dict(input_ids=ids, positions=pos, req_rows=rows, logit_rows=last, seq_lens=seq_lens, cu_seqlens_q=cu,
                 pending_rows=pending, out_cache_loc=slots.tolist())
@@ -28,6 +28,9 @@ def test_step_buffer_fields_round_trip_by_name():
         assert getattr(f, name).tolist() == values, name
     assert f.seq_lens.dtype == f.cu_seqlens_q.dtype == torch.int32
     assert f.input_ids.data_ptr() == buf.data_ptr()  # a view of the one buffer, not a copy
+    # every int64 field starts on 16 bytes (Triton specialises a kernel on its pointers' alignment)
+    assert all((getattr(f, name).data_ptr() - buf.data_ptr()) % 16 == 0 for name in FIELDS if name not in
+               ("seq_lens", "cu_seqlens_q"))
 
 
 def test_step_buffer_without_pending_inputs():

@@ -3,7 +3,10 @@
 `StepInputs` is everything a forward step needs, built from the scheduled batch: what rank 0 sends the other
 tensor-parallel ranks so that every rank runs the same step without knowing any request. Its integer fields travel
 in one host buffer, laid out by `StepLayout`, so that one host-to-device copy moves them all; on the device the
-buffer is viewed field by field (`StepTensors`), never copied again.
+buffer is viewed field by field (`StepTensors`), never copied again. Each field starts 16 bytes into the buffer (an
+odd-length field is followed by one unused word): Triton compiles a kernel once per alignment of its pointer
+arguments, so views at odd offsets would compile another copy of each kernel they reach, mid-serving, the first
+time a step's token count is odd.
 """
 from __future__ import annotations
 
@@ -51,22 +54,29 @@ class StepLayout:
         t, b, p = self.num_tokens, self.batch_size, self.num_pending
         return [t, t, b, self.num_logit_rows, b, b + 1, p, t]
 
+    def spans(self) -> List[int]:
+        """Each field's words in the buffer: its length, rounded up to even (whole 16 bytes) but for the last."""
+        sizes = self.sizes()
+        return [n + (n & 1) for n in sizes[:-1]] + sizes[-1:]
+
     def pack(self, pin: bool, out_cache_loc: torch.Tensor, **fields: Sequence[int]) -> torch.Tensor:
         """The host buffer: every field of FIELDS but out_cache_loc given by name as a list, then out_cache_loc
         (pinned memory when `pin`, so that its copy to the device does not wait)."""
-        head = host_tensor(list(chain.from_iterable(fields[name] for name in FIELDS[:-1])), torch.int64)
+        head = host_tensor(list(chain.from_iterable(
+            chain(fields[name], (0,) * (len(fields[name]) & 1)) for name in FIELDS[:-1])), torch.int64)
         buf = torch.empty(head.numel() + out_cache_loc.numel(), dtype=torch.int64, pin_memory=pin)
         torch.cat([head, out_cache_loc], out=buf)
-        assert buf.numel() == sum(self.sizes()), "a field's length does not match the step's layout"
+        assert buf.numel() == sum(self.spans()), "a field's length does not match the step's layout"
         return buf
 
     def unpack(self, buf: torch.Tensor) -> StepTensors:
         """The fields of a buffer on the device, as views (seq_lens and cu_seqlens_q converted to int32 together)."""
-        views = dict(zip(FIELDS, buf.split(self.sizes())))
-        start = self.sizes()[:FIELDS.index("seq_lens")]
-        b = self.batch_size
-        views["seq_lens"], views["cu_seqlens_q"] = buf[sum(start):sum(start) + 2 * b + 1].to(torch.int32).split(
-            [b, b + 1])
+        spans = self.spans()
+        views = {name: v[:n] for name, v, n in zip(FIELDS, buf.split(spans), self.sizes())}
+        at = sum(spans[:FIELDS.index("seq_lens")])
+        b, b_span = self.batch_size, spans[FIELDS.index("seq_lens")]
+        both = buf[at:at + b_span + b + 1].to(torch.int32)
+        views["seq_lens"], views["cu_seqlens_q"] = both[:b], both[b_span:]
         return StepTensors(**views)
 
 
