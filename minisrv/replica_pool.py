@@ -13,6 +13,7 @@ from minisrv.checkpoints.model_files import load_tokenizer
 from minisrv.config import EngineConfig
 from minisrv.engine.pooling import PoolingParams
 from minisrv.engine.request import RequestOutput, SamplingParams
+from minisrv.server.engine_proc import Sink
 from minisrv.server.replicas import Replicas
 
 
@@ -64,7 +65,7 @@ class ReplicaPool:
 
     async def _run(self, prompts: Sequence[List[int]], params: Sequence[Union[SamplingParams, PoolingParams]],
                    progress: Optional[Any]) -> List[Finished]:
-        sink: asyncio.Queue = asyncio.Queue()
+        sink = Sink()  # (each wake-up takes a whole engine step's outputs)
         rids = [f"offline-{next(self._ids)}" for _ in prompts]
         results = [Finished() for _ in prompts]
         live = set(range(len(prompts)))
@@ -72,16 +73,16 @@ class ReplicaPool:
             for i, (ids, p) in enumerate(zip(prompts, params)):
                 self.replicas.submit(rids[i], ids, p, sink, i)
             while live:
-                i, out = await sink.get()
-                if isinstance(out, Exception):  # refused, or its replica died
-                    raise RuntimeError(f"request {rids[i]} failed: {out}")
-                results[i].feed(out)
-                if out.finished:
-                    live.discard(i)
-                    if out.finish_reason == "error":
-                        raise RuntimeError(f"request {rids[i]} failed: {out.error}")
-                    if progress is not None:
-                        progress.update(1)
+                for i, out in await sink.take():
+                    if isinstance(out, Exception):  # refused, or its replica died
+                        raise RuntimeError(f"request {rids[i]} failed: {out}")
+                    results[i].feed(out)
+                    if out.finished:
+                        live.discard(i)
+                        if out.finish_reason == "error":
+                            raise RuntimeError(f"request {rids[i]} failed: {out.error}")
+                        if progress is not None:
+                            progress.update(1)
         finally:
             for i in live:
                 self.replicas.abort(rids[i])
