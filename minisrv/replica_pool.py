@@ -1,7 +1,10 @@
 """`LLM(dp_size=N)`: N engine replicas for offline batch jobs, each in its own process on its own GPUs, as the
 server's `--dp-size` runs them (server/replicas.py: the same processes, and the same choice of replica for each
-prompt, by the prefix its radix cache likely holds and by load). The offline API's calls drive them from an event
-loop kept between calls; each call's requests are spread over the replicas and read back in order."""
+prompt, by the prefix its radix cache likely holds and by load), except that each reports ready only once its
+kernels are built and its CUDA graphs captured, as LLM(dp_size=1)'s engine does (a server's replicas answer at once
+and switch to them between two steps: inside an offline call, a stretch of slow steps and a pause). The offline
+API's calls drive them from an event loop kept between calls; each call's requests are spread over the replicas
+and read back in order."""
 from __future__ import annotations
 
 import asyncio
@@ -43,7 +46,7 @@ class ReplicaPool:
 
     def __init__(self, cfg: EngineConfig, size: int) -> None:
         self._loop = asyncio.Runner()
-        self.replicas = Replicas(cfg, size)
+        self.replicas = Replicas(cfg, size, staged=False)  # ready once built: no kernel switch inside a timed call
         self._ids = itertools.count()
         try:
             self.info = self._loop.run(self.replicas.start())

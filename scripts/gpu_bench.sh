@@ -72,6 +72,10 @@ serve() { local label=$1 flags=$2 tree port=30123 spid; shift 2
     for _ in $(seq 300); do kill -0 $spid 2>/dev/null || break
       python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" 2>/dev/null && break
       sleep 1; done
+    # a first round, then idle seconds: a server's engines switch to their built kernels and CUDA graphs when idle
+    # after a step (engine/kernel_builds.py), which must not happen inside the measured run
+    python3 "$tree/scripts/bench_serving.py" --base-url http://127.0.0.1:$port --output /tmp/warm.json "$@" \
+      --num-prompts 64 > /dev/null 2>&1; sleep 5
     local http=$(pgrep -P $spid | head -1) ticks=0  # the HTTP process (the engines are its children)
     [ -n "$http" ] && ticks=$(awk '{print $14 + $15}' /proc/$http/stat)
     step "$label$(tag $tree)" 300 python3 "$tree/scripts/bench_serving.py" --base-url http://127.0.0.1:$port \

@@ -48,6 +48,8 @@ def test_dp2_gives_one_engines_outputs_in_order_and_spreads_requests(model, pool
         # (a replica's batches hold other requests than one engine's: float32 sums in another order)
         assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(g.logprobs, w.logprobs))
         assert len(g.prompt_logprobs) == len(w.prompt_logprobs) == len(w.prompt_token_ids)
+    # offline replicas start unstaged: built whole before ready, as one engine is (a server's answer at once)
+    assert [c.staged for c in pool.replicas.replicas.clients] == [False, False]
 
 
 def test_a_batch_sharing_a_long_prefix_lands_on_one_replica(model, pool) -> None:

@@ -50,8 +50,10 @@ def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     return s
 
 
-def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, parent_pid: int) -> None:
-    """Entry point of the engine process (spawned): load, report ready or the error, then loop."""
+def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, parent_pid: int, staged: bool = True) -> None:
+    """Entry point of the engine process (spawned): load, report ready or the error, then loop. staged: report
+    ready before FlashInfer's kernels are built and the CUDA graphs captured (a server's first answer does not wait
+    for them); else only once everything is (an offline job's throughput wants no switch mid-run)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     ctx = zmq.Context()
@@ -60,7 +62,7 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
     send.connect(out_addr)
     try:
         from minisrv.engine.engine import Engine
-        engine = Engine(cfg, staged_kernels=True)
+        engine = Engine(cfg, staged_kernels=staged)
     except BaseException as e:  # noqa: BLE001 - every startup failure must reach the launcher
         logger.debug("engine startup failed", exc_info=True)
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
@@ -174,8 +176,8 @@ class Sink:
 class EngineClient:
     """Owns the engine process; routes its outputs to per-HTTP-request queues. Use from one event loop."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: EngineConfig, staged: bool = True) -> None:
+        self.cfg, self.staged = cfg, staged  # staged: see engine_main
         self.stats: Dict[str, Any] = {}
         self.ready = False
         self.dead = False
@@ -200,7 +202,7 @@ class EngineClient:
         self._send.bind(in_addr)
         self._recv.bind(out_addr)
         self._proc = mp.get_context("spawn").Process(
-            target=engine_main, args=(self.cfg, in_addr, out_addr, os.getpid()), name="minisrv-engine",
+            target=engine_main, args=(self.cfg, in_addr, out_addr, os.getpid(), self.staged), name="minisrv-engine",
             daemon=self.cfg.tp_size == 1)  # a daemon cannot start tensor-parallel ranks; it is reaped in shutdown
         self._proc.start()
         while True:

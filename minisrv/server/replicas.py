@@ -69,11 +69,12 @@ class PrefixIndex:
 class Replicas:
     """The engine replicas, used by the routes as one engine client (submit, abort, stats, flush_cache)."""
 
-    def __init__(self, cfg: EngineConfig, size: int = 1) -> None:
+    def __init__(self, cfg: EngineConfig, size: int = 1, staged: bool = True) -> None:
+        """staged: engines that answer before their kernels are built (engine_proc.engine_main)."""
         self.cfg = cfg
         self.clients = [EngineClient(dataclasses.replace(
-            cfg, base_gpu_id=cfg.base_gpu_id + r * cfg.tp_size, seed=None if cfg.seed is None else cfg.seed + r))
-            for r in range(size)]
+            cfg, base_gpu_id=cfg.base_gpu_id + r * cfg.tp_size, seed=None if cfg.seed is None else cfg.seed + r),
+            staged) for r in range(size)]
         self.index = PrefixIndex()
         self.on_death: Optional[Callable[[], None]] = None  # told when the last replica has died
         self.sent = [0] * size  # requests sent to each replica since the start
