@@ -16,13 +16,11 @@ from typing import Any, Dict, List, Optional, Sequence
 from minisrv.batch import ForwardMode
 from minisrv.config import EngineConfig, setup_logging
 from minisrv.distributed import TensorParallelError, destroy_tensor_parallel
-
 from minisrv.kvcache.radix import RadixCache
 
 from .grammar import GrammarBackend
 from .pooling import PoolingParams, embedding_request
-from .request import (Request, RequestLimits, RequestOutput, SamplingParams, check_request,
-                      prompt_logprob_list)
+from .request import Request, RequestLimits, RequestOutput, SamplingParams, check_request, prompt_logprob_list
 from .scheduler import Scheduler
 from .scheduler.window import WindowPages
 from .setup import build_engine_parts
@@ -43,8 +41,7 @@ CPU_STEP_TARGET_S = 0.5
 class Engine:
     """Continuous batching over one model. Not thread-safe: one caller drives `step()`."""
 
-    def __init__(self, config: Optional[EngineConfig] = None, *, staged_kernels: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(self, config: Optional[EngineConfig] = None, *, staged_kernels: bool = False, **kwargs: Any) -> None:
         """staged_kernels: start serving before FlashInfer's kernels are compiled, on kernels that need no compiling,
         and switch to them between two steps once they are (a server's engine: kernel_builds.py). Otherwise the
         engine waits for them, built side by side."""

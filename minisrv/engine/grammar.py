@@ -1,36 +1,27 @@
 """Structured outputs: a request's JSON schema, JSON-object mode, regex or EBNF grammar becomes a mask over the
-vocabulary at every step it samples, so the only tokens it can draw are those that keep its text inside the
-grammar. The grammar engine is xgrammar: its compiler turns a grammar and the tokenizer's vocabulary into a
-`CompiledGrammar` (a per-grammar table of which tokens each parser state admits), and a `GrammarMatcher` per
-request walks it one accepted token at a time and fills a bitmask of the tokens allowed next.
-
-Where the pieces run, and why:
+vocabulary at every step it samples, so that it can only draw tokens that keep its text inside the grammar. The
+engine is xgrammar: a `CompiledGrammar` per grammar and vocabulary, walked by a `GrammarMatcher` per request one
+accepted token at a time.
 
 - Compiling takes milliseconds for a small schema and seconds for a large one, so it never runs on the engine
-  loop: `Engine.add` hands it to a small thread pool (xgrammar releases the GIL while it compiles) and the
-  scheduler does not admit a request until the engine has seen its compile finish (`GrammarState.ready`). A
-  compile that fails, or is not done within the engine's compile timeout (a grammar too costly to compile), ends
-  its request with finish_reason "error" and an error that names the request's field (a 400 to an HTTP client).
-  A compile past its timeout cannot be stopped: it finishes in its worker, and a request with the same grammar
-  sent later gets its result. Results are cached by (kind, text), so a repeated schema costs a dict lookup;
-  xgrammar caches too, bounded in bytes.
-- The mask is filled on the host (int32 [G, ceil(V/32)] for the G rows of a step that have a grammar), copied to
-  the device from pinned memory without waiting, and applied to the logits in one batched op just before sampling
-  (`apply_bitmask`, called by sampler.sample). Rows without a grammar pay nothing, a step without a grammar row
-  does no grammar work, and CUDA graphs are untouched: the mask is applied to the logits the graph produced.
-  Log-probabilities stay the model's raw distribution, as for penalties.
-- Every sampled token is fed to its request's matcher as it is read back from the device (`ModelRunner`), before
-  the engine's finish checks. Once the matcher has accepted a stop token (only allowed where the grammar is
-  complete) it is terminated and the request ends with "stop"; a token it rejects (impossible through the mask)
-  ends it with "error". A thinking model's request (engine/thinking.py) feeds it only the answer's tokens: its
-  thinking is free text, masked only against the stop tokens.
-- Overlap scheduling: the mask of step N+1 needs step N's token accepted by the matcher, so while any live request
-  has a grammar (`Scheduler.num_constrained`) the runner launches steps in two halves, N back on the host between
-  N+1's forward and its sampling (model_runner.py's docstring).
+  loop: a small thread pool compiles (xgrammar releases the GIL), and the scheduler admits a request only once the
+  engine has seen its compile finish (`GrammarState.ready`). A compile that fails, or misses the compile timeout (a
+  grammar too costly to compile), ends its request with "error" naming the request's field (a 400 to an HTTP
+  client). A compile past its timeout cannot be stopped: it finishes, and a later request with the same grammar
+  gets its result. Results are cached by (kind, text); xgrammar caches too, bounded in bytes.
+- The mask is filled on the host, copied to the device from pinned memory without waiting, and applied to the
+  logits just before sampling: rows without a grammar pay nothing, and CUDA graphs are untouched (the mask is
+  applied to the logits the graph produced). Log-probabilities stay the model's raw distribution, as for penalties.
+- Every sampled token is fed to its request's matcher as it is read back, before the engine's finish checks. A
+  matcher that accepted a stop token (allowed only where the grammar is complete) ends the request with "stop"; a
+  token it rejects (impossible through the mask) ends it with "error". A thinking model's request feeds it only
+  the answer's tokens (engine/thinking.py): its thinking is free text, masked only against the stop tokens.
+- Overlap scheduling: step N+1's mask needs step N's token accepted, so while a live request has a grammar
+  (`Scheduler.num_constrained`) the runner launches steps in two halves (model_runner.py's docstring).
 
-Special tokens other than the stop tokens are never allowed inside a grammar: they are shown to xgrammar as empty
-strings, which it treats as special, since their text would be dropped from the output (skip_special_tokens) and
-the text would no longer be what the grammar matched.
+Special tokens other than the stop tokens are never allowed inside a grammar (xgrammar is shown them as empty
+strings): their text would be dropped from the output (skip_special_tokens), which would then no longer be what
+the grammar matched.
 """
 from __future__ import annotations
 
@@ -61,10 +52,8 @@ ANY_OBJECT_SCHEMA = '{"type": "object"}'
 XGR_CACHE_BYTES = 512 << 20  # xgrammar's own compile cache
 COMPILE_WORKERS = 2  # grammars compiled at once (each compile also uses xgrammar's own threads)
 BATCH_FILL_MIN = 4  # masks of this many rows or more are filled by one xgrammar call, not a Python loop over rows
-# threads of that call: one. A row of a JSON schema's mask takes a few microseconds, less than handing it to a
-# thread costs: on a 2-core machine one thread filled 256 rows of Qwen's vocabulary faster than two, or than row
-# by row from Python, and on the H100 machine 8 threads were no faster.
-# scripts/bench_grammar_host.py measures it.
+# threads of that call: a row of a JSON schema's mask takes less time than handing it to a thread costs (one thread
+# beat two on a 2-core machine, and eight were no faster on an H100 host: scripts/bench_grammar_host.py)
 BATCH_FILL_THREADS = 1
 
 
@@ -212,10 +201,6 @@ class GrammarBackend:
             raise too_costly(key[0], self.compile_timeout_s) from None
         except Exception as e:  # noqa: BLE001
             raise RequestError(f"invalid {key[0]}: {_message(e)}", PARAM) from None
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def too_costly(kind: str, timeout_s: float) -> RequestError:

@@ -54,8 +54,7 @@ def plan_prompt_scores(reqs: Sequence[Request], extend_lens: Sequence[int], inp:
     return PromptScores(owners, positions, [])
 
 
-def score_prompt_rows(model: torch.nn.Module, hidden: torch.Tensor,
-                      inp: StepInputs) -> List[Optional[torch.Tensor]]:
+def score_prompt_rows(model: torch.nn.Module, hidden: torch.Tensor, inp: StepInputs) -> List[Optional[torch.Tensor]]:
     """Chosen logprobs [R] and, when asked, top-n values and ids [R, n] of the rows `inp` scores."""
     rows, top_n, rows_at_once = inp.score_rows, inp.score_top_n, PROMPT_LOGPROB_ROWS
     idx = to_device([rows, inp.score_targets], torch.int64, hidden.device)

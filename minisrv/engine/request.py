@@ -141,8 +141,7 @@ class SamplingParams:
         if len(self.stop) > MAX_STOPS:
             raise RequestError(f"at most {MAX_STOPS} stop strings, got {len(self.stop)}", "stop")
         if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
-            raise RequestError(f"stop strings must be non-empty strings of at most {MAX_STOP_CHARS} characters",
-                               "stop")
+            raise RequestError(f"stop strings must be non-empty strings of at most {MAX_STOP_CHARS} characters", "stop")
         if len(self.stop_token_ids) > MAX_STOPS or not all(_is_int(t) for t in self.stop_token_ids):
             raise RequestError(f"stop_token_ids must be at most {MAX_STOPS} integers", "stop_token_ids")
         self._validate_constraint()

@@ -216,8 +216,7 @@ def free_tcp_address() -> str:
 def _rendezvous(cfg: EngineConfig) -> Rendezvous:
     if cfg.nnodes > 1:  # every node's ranks are new processes: their group names start at 0 (see Rendezvous)
         return Rendezvous(f"tcp://{cfg.dist_init_addr}", 0, cfg.dist_timeout)
-    return new_rendezvous(f"tcp://{cfg.dist_init_addr}" if cfg.dist_init_addr else free_tcp_address(),
-                          cfg.dist_timeout)
+    return new_rendezvous(f"tcp://{cfg.dist_init_addr}" if cfg.dist_init_addr else free_tcp_address(), cfg.dist_timeout)
 
 
 def build_tensor_parallel_parts(cfg: EngineConfig) -> EngineParts:

@@ -111,8 +111,7 @@ class EagleProposer:
         idx, positions, next_ids, trows = (torch.tensor(x, dtype=torch.int64, device=dev)
                                            for x in (rows, pos, nxt, table_rows))
         head = self.head
-        q, k, v, residual = head.qkv(self.embed(next_ids).to(self.k.dtype), step.aux[idx].to(self.k.dtype),
-                                     positions)
+        q, k, v, residual = head.qkv(self.embed(next_ids).to(self.k.dtype), step.aux[idx].to(self.k.dtype), positions)
         slots = self.req_to_token[trows, positions].long()
         self.k[slots] = k
         self.v[slots] = v

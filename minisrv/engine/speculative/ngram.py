@@ -44,8 +44,7 @@ class _RequestIndex:
     def extends(self, tokens: Sequence[int]) -> bool:
         if self.length == 0:
             return True
-        return (len(tokens) >= self.length and tokens[0] == self.first
-                and tokens[self.length - 1] == self.last)
+        return len(tokens) >= self.length and tokens[0] == self.first and tokens[self.length - 1] == self.last
 
 
 class _SharedHistories:
