@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
@@ -27,7 +28,7 @@ from minisrv.attention.cascade import CascadePolicy
 from minisrv.batch import ForwardBatch, ForwardMode, PrefixGroups
 from minisrv.distributed import TensorParallel, TensorParallelError
 from minisrv.kernels.cpu_threads import ThreadTuner
-from minisrv.kvcache import KVPool, ReqToTokenTable
+from minisrv.kvcache import ReqToTokenTable
 from minisrv.utils import to_device
 
 from .pooling import PooledStep, Pooler
@@ -81,12 +82,11 @@ class ModelRunner:
     (`_launch_pooling`), a decode step planned as cascade attention (`_cascade_plan`), and a tensor-parallel rank
     > 0 following rank 0's steps (`run_remote_step`)."""
 
-    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, pool: KVPool, table: ReqToTokenTable,
-                 device: torch.device, tp: Optional[TensorParallel] = None, pooler: Optional[Pooler] = None) -> None:
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, table: ReqToTokenTable, device: torch.device,
+                 tp: Optional[TensorParallel] = None, pooler: Optional[Pooler] = None) -> None:
         self.model = model
         self.pooler = pooler  # an embedding model's: its steps pool the hidden states, nothing is sampled
         self.tp = tp or TensorParallel.single()
-        self.pool = pool
         self.table = table
         self.device = device
         self.threads = ThreadTuner(torch.get_num_threads()) if device.type == "cpu" and not self.tp.enabled else None
@@ -246,29 +246,24 @@ class ModelRunner:
         """Queue forward and sampling; copy results to the host without waiting for them. needs_previous_tokens:
         this step's sampling reads the tokens of the steps still in flight (see the module docstring). On the CPU
         the step runs on the thread count kernels/cpu_threads.py finds fastest."""
-        if self.threads is None:
-            return self._launch(sb, needs_previous_tokens)
-        with self.threads.step(len(sb.reqs) if sb.mode is ForwardMode.DECODE else None):
-            self._launch(sb, needs_previous_tokens)
-
-    def _launch(self, sb: ScheduledBatch, needs_previous_tokens: bool) -> None:
-        inp = self.step_inputs(sb)
-        if self.pooler is not None:
-            self._launch_pooling(sb, inp)
-            return
-        scores = plan_prompt_scores(sb.reqs, sb.extend_lens, inp) \
-            if inp.mode is ForwardMode.EXTEND and not inp.verify else None
-        aux: Optional[List[torch.Tensor]] = [] if self.reads_aux and inp.mode is ForwardMode.EXTEND else None
-        logits, score_outs = self._forward_on_all_ranks(inp, aux)
-        if scores is not None:
-            scores.host = [self._to_host(x) for x in score_outs]
-        if needs_previous_tokens:
-            while self._inflight:
-                self._read_back.append(self._read_oldest())
-        self._queue_sampling(sb, inp, logits, scores)
-        if aux:  # what the step's requests were before it (it is committed after launch)
-            self._inflight[-1].hidden = StepHidden(aux[0], list(sb.reqs), [r.num_cached for r in sb.reqs],
-                                                   list(sb.extend_lens))
+        decode_size = len(sb.reqs) if sb.mode is ForwardMode.DECODE else None
+        with nullcontext() if self.threads is None else self.threads.step(decode_size):
+            inp = self.step_inputs(sb)
+            if self.pooler is not None:
+                return self._launch_pooling(sb, inp)
+            scores = plan_prompt_scores(sb.reqs, sb.extend_lens, inp) \
+                if inp.mode is ForwardMode.EXTEND and not inp.verify else None
+            aux: Optional[List[torch.Tensor]] = [] if self.reads_aux and inp.mode is ForwardMode.EXTEND else None
+            logits, score_outs = self._forward_on_all_ranks(inp, aux)
+            if scores is not None:
+                scores.host = [self._to_host(x) for x in score_outs]
+            if needs_previous_tokens:
+                while self._inflight:
+                    self._read_back.append(self._read_oldest())
+            self._queue_sampling(sb, inp, logits, scores)
+            if aux:  # what the step's requests were before it (it is committed after launch)
+                self._inflight[-1].hidden = StepHidden(aux[0], list(sb.reqs), [r.num_cached for r in sb.reqs],
+                                                       list(sb.extend_lens))
 
     def _launch_pooling(self, sb: ScheduledBatch, inp: StepInputs) -> None:
         """An embedding model's step: pool its hidden states instead of sampling, and count it as in flight."""

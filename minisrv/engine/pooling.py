@@ -1,16 +1,11 @@
 """Embedding requests: a prompt's prefill, with its hidden states pooled into one vector instead of a token sampled.
 
 An embedding request is a `Request` with no output budget (max_new_tokens 0) and an `EmbeddingState`; the scheduler
-runs its prefill like any other, in chunks when long, and never decodes it. Each extend step's hidden states (after
-the final norm) are pooled here, on the device:
-
-- mean pooling sums its rows chunk by chunk into a float32 running sum on the device (so overlap scheduling needs no
-  wait) and divides by the prompt length at its last chunk; it never starts from a cached prefix, and a chunk at
-  position 0 starts a new sum (a request retried from scratch after a failed step);
-- last-token pooling takes the last chunk's last row (it may start from a cached prefix).
-
-At its last chunk the vector is normalised (when the model's pooling says so) and copied to the host; read back, it
-is truncated to the request's `dimensions` (then normalised again) and the request ends like any other.
+runs its prefill like any other, in chunks when long, and never decodes it. Each extend step's hidden states are
+pooled on the device: mean pooling keeps a float32 running sum there chunk by chunk (so overlap scheduling needs no
+wait) and never starts from a cached prefix (a chunk at position 0 starts a new sum: a request retried from scratch
+after a failed step); last-token pooling takes the last chunk's last row. At its last chunk the vector goes to the
+host; read back, it is truncated to the request's `dimensions` and the request ends like any other.
 """
 from __future__ import annotations
 

@@ -232,7 +232,7 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
 
     serving = create_backend(serving_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel, layers,
                              table.window_table)
-    runner = ModelRunner(model, serving, pool, table, device, tp, Pooler(pooling) if pooling is not None else None)
+    runner = ModelRunner(model, serving, table, device, tp, Pooler(pooling) if pooling is not None else None)
     parts = RunnerParts(serving, sampling_kernel=None if sampling_pending else fused_sampling_kernel(device))
     staged_kernels = None
     # a server's engine answers its first requests before capturing its CUDA graphs (kernel_builds.StagedKernels)
@@ -368,7 +368,7 @@ def activation_peak(model: torch.nn.Module, backend_name: str, args: ModelArgs, 
     # a prefill step only: no decode kernel to load
     backend = create_backend(backend_name, pool, table.table, plan.num_heads, fp8_decode_kernel="flashinfer",
                              layers=layer_attention(args, model.attention_sinks()))
-    runner = ModelRunner(model, backend, pool, table, device)
+    runner = ModelRunner(model, backend, table, device)
     req = Request([0] * n, SamplingParams(max_tokens=1), 1)
     req.row = table.alloc_row()
     req.pages = list(range(pool.num_pages))

@@ -1,20 +1,18 @@
 """A thinking model's output, as the engine sees it: which tokens are thinking, when the thinking must stop, and
 where a grammar starts.
 
-Thinking models (Qwen3, DeepSeek-R1) write their reasoning between `<think>` and `</think>` before the answer. Two
-things depend on where that boundary falls, and both are decided token by token in the engine:
+Thinking models (Qwen3, DeepSeek-R1) reason between `<think>` and `</think>` (single tokens in every such model)
+before the answer. Two things depend on where that boundary falls, decided token by token:
 
-- a thinking budget: after `budget` thinking tokens without `</think>`, the next token is forced to be the end
-  token (`ThinkingState.forced`, applied by the sampler after everything else), so the model moves on to its
-  answer.
+- a thinking budget: after `budget` thinking tokens, the end token is forced (`ThinkingState.forced`, applied by
+  the sampler after everything else), so the model moves on to its answer.
 - structured outputs: a JSON schema, regex or forced tool call describes the answer, not the thinking, which is
-  free text. So a request's grammar sees only the tokens after `</think>` (`ThinkingState.advance` says which
-  tokens are the answer's); while the model thinks its mask allows every token but the stop tokens, so that it
-  cannot end without an answer (engine/grammar.py fills those rows).
+  free text: a request's grammar sees only the tokens after `</think>`; while the model thinks, its mask allows
+  every token but the stop tokens, so that it cannot end without an answer (engine/grammar.py fills those rows).
 
-The tags are single tokens in every model that thinks this way. Where the thinking starts is the chat template's
-business: DeepSeek-R1's template ends the prompt with `<think>`, so the output starts inside the thinking
-(`starts_inside`); Qwen3's leaves it to the model, whose first token is then `<think>` or the answer begins.
+Where the thinking starts is the chat template's business: DeepSeek-R1's ends the prompt with `<think>`, so the
+output starts inside the thinking (`starts_inside`); Qwen3's leaves it to the model, whose first token is then
+`<think>` or the answer begins.
 """
 from __future__ import annotations
 
