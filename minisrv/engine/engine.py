@@ -79,7 +79,6 @@ class Engine:
         self.clean_up = decode_cleans_up(parts.tokenizer)  # as the tokenizer's own decode does (see text.py)
         self._compiling: List[Request] = []
 
-    # ------------------------------------------------------------------ requests
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None) -> Request:
         """Validate and build a request without changing any engine state (raises RequestError). PoolingParams
         make an embedding request, the only kind an embedding model takes (engine/pooling.py)."""
@@ -112,7 +111,6 @@ class Engine:
     def has_work(self) -> bool:
         return self.runner.num_inflight > 0 or self.scheduler.has_work()
 
-    # ------------------------------------------------------------------ the loop
     def step(self) -> List[RequestOutput]:
         """Run one scheduled step; returns news for every request that sampled a token or failed.
 

@@ -130,7 +130,6 @@ class GrammarBackend:
             self._batch_filler = xgr.BatchGrammarMatcher(max_threads=BATCH_FILL_THREADS)
         return self._batch_filler
 
-    # ------------------------------------------------------------------ compiling
     def _get_compiler(self) -> Any:
         """xgrammar's compiler over the model's vocabulary, made on first use."""
         with self._lock:
@@ -214,8 +213,6 @@ def _special_ids(tokenizer: Any) -> set:
     ids.update(i for i, t in added.items() if getattr(t, "special", False))
     return ids
 
-
-# ---------------------------------------------------------------------------------------------- the mask
 
 
 def fill_bitmask(reqs: List["Request"], device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

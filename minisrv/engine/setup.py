@@ -222,9 +222,8 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
     def attention_parts(current: RunnerParts, keep_backend: bool) -> RunnerParts:
         """The runner's parts with the attention backend asked for (the current one where it is that already), its
         CUDA graphs and cascade decode."""
-        backend = current.backend if keep_backend else \
-            create_backend(backend_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel, layers,
-                           table.window_table)
+        backend = current.backend if keep_backend else create_backend(
+            backend_name, pool, table.table, plan.num_heads, cfg.fp8_decode_kernel, layers, table.window_table)
         graph_runner = _graph_runner(cfg, model, backend, pad_row, pad_page * ps, context_length, device) \
             if graphs and backend.supports_cuda_graph else None
         return replace(current, backend=backend, graph_runner=graph_runner,
@@ -274,8 +273,7 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
     return EngineParts(device, model_path, args, tokenizer, sorted(eos), dtype, context_length, ps, backend_name,
                        pool, allocator, table, pad_row, runner, max_request_len, pooling=pooling,
                        staged_kernels=staged_kernels, cache_write=loaded.cache_write, draft_head=draft_head,
-                       window_allocator=PageAllocator(window_pages) if window_layers else None,
-                       window_rule=window_rule)
+                       window_allocator=PageAllocator(window_pages) if window_layers else None, window_rule=window_rule)
 
 
 def _fused_and_builds(cfg: EngineConfig, args: ModelArgs, backend_name: str, dtype: torch.dtype,

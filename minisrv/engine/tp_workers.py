@@ -143,8 +143,7 @@ class TPWorkers:
         for rank, proc, started in zip(self.ranks, self.procs, self.started):
             while not started.wait(0.1):
                 if not proc.is_alive():
-                    self.lost = (f"{_exited(rank, proc)} before it started (its error is printed above); "
-                                 f"{GUARD_HINT}")
+                    self.lost = f"{_exited(rank, proc)} before it started (its error is printed above); {GUARD_HINT}"
                 elif time.monotonic() > deadline:
                     self.lost = f"tensor-parallel rank {rank} (pid {proc.pid}) did not start within {timeout_s:.0f} s"
                 else:

@@ -89,10 +89,7 @@ class EagleProposer:
 
     @torch.inference_mode()
     def _absorb(self, step: StepHidden) -> None:
-        rows: List[int] = []
-        pos: List[int] = []
-        nxt: List[int] = []
-        table_rows: List[int] = []
+        rows, pos, nxt, table_rows = [], [], [], []  # entries' rows in the step, positions, next tokens, table rows
         groups = []  # (request, its first entry, its entries, its first position)
         row0 = 0
         for r, start, n in zip(step.reqs, step.starts, step.lens):

@@ -1,10 +1,9 @@
 """The verify rule: which drafted tokens a request keeps.
 
-A verify step computes the target's logits at each of a request's 1 + k positions (its last token, then each
-draft) and samples every position as plain decoding would sample it, with every setting of the request
-(temperature, top-k/p, min-p, penalties over the output as if the earlier drafts were accepted, logit_bias) and, for
-a seeded request, the noise of that position's output index. The request keeps the drafts up to the first one the
-target did not sample, then the target's own token at that position (or, all drafts kept, at the last one).
+A verify step samples each of a request's 1 + k positions (its last token, then each draft) as plain decoding would,
+with every setting of the request (penalties over the output as if the earlier drafts were accepted) and, seeded,
+the noise of that position's output index. The request keeps the drafts up to the first one the target did not
+sample, then the target's own token at that position (or, all drafts kept, at the last one).
 
 This is the rejection rule of Leviathan et al. (2023) and Chen et al. (2023) for a draft that proposes one token per
 position (a point mass, as lookup drafts and greedy draft chains do): a draft d is kept with probability p(d) =
