@@ -179,8 +179,7 @@ class EngineClient:
     def __init__(self, cfg: EngineConfig, staged: bool = True) -> None:
         self.cfg, self.staged = cfg, staged  # staged: see engine_main
         self.stats: Dict[str, Any] = {}
-        self.ready = False
-        self.dead = False
+        self.ready = self.dead = False
         self.on_death: Optional[Callable[[], None]] = None
         self._routes: Dict[str, Tuple[Sink, Any]] = {}
         self._outbox: asyncio.Queue = asyncio.Queue()
@@ -197,8 +196,7 @@ class EngineClient:
         import zmq.asyncio
         self._ctx = zmq.asyncio.Context()
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        self._send = _socket(self._ctx, zmq.PUSH)
-        self._recv = _socket(self._ctx, zmq.PULL)
+        self._send, self._recv = _socket(self._ctx, zmq.PUSH), _socket(self._ctx, zmq.PULL)
         self._send.bind(in_addr)
         self._recv.bind(out_addr)
         self._proc = mp.get_context("spawn").Process(
@@ -352,8 +350,7 @@ class EngineClient:
             await asyncio.sleep(0.5)
         if not self.ready:
             return
-        self.dead = True
-        self.ready = False
+        self.dead, self.ready = True, False
         logger.error("the engine process died (exit code %s)", self._proc.exitcode if self._proc else None)
         self._fail_all(EngineDead("the engine process died"))
         if self.on_death is not None:

@@ -91,14 +91,10 @@ def validation_message(exc: ValidationError) -> Tuple[str, Optional[str]]:
     """pydantic's errors (a route's schema over the JSON value json_body.py decoded) -> one message naming the field,
     and the top-level field as `param`."""
     errs = exc.errors()
-    e = errs[0]
-    loc = [str(x) for x in e.get("loc", ())]
-    msg = str(e.get("msg", "invalid value"))
-    msg = msg.removeprefix("Value error, ")
-    param = loc[0] if loc else None
-    where = ".".join(loc)
+    loc = [str(x) for x in errs[0].get("loc", ())]
+    msg = str(errs[0].get("msg", "invalid value")).removeprefix("Value error, ")
     more = f" (and {len(errs) - 1} more error{'s' if len(errs) > 2 else ''})" if len(errs) > 1 else ""
-    return (f"{where}: {msg}" if where else f"request body: {msg}") + more, param
+    return f"{'.'.join(loc) or 'request body'}: {msg}{more}", loc[0] if loc else None
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -9,6 +9,7 @@ at the request's first output; an error event after)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Protocol, Sequence, Tuple
@@ -44,7 +45,6 @@ class Generation:
 
 @dataclass
 class Job:
-
     index: int  # the choice's index in the response: prompt * n + choice
     rid: str
     prompt_ids: List[int]
@@ -53,7 +53,6 @@ class Job:
 
 @dataclass
 class Choice:
-
     index: int
     prefix: str = ""  # sent before the first token (echoed prompt text); offsets count it
     prompt_ids: List[int] = field(default_factory=list)
@@ -94,14 +93,10 @@ non-streaming request's whole answer (a pydantic model or a JSON-able dict)."""
     id: str  # the response id ("cmpl-...", "chatcmpl-...", ...); engine request ids derive from it
 
     def opening(self, choice: Choice) -> List[str]: ...
-
     def chunks(self, choice: Choice, text: str, logprobs: List[PositionedLogprob],
                finish_reason: Optional[str]) -> List[str]: ...
-
     def closing(self, usage: UsageInfo) -> List[str]: ...
-
     def failed(self, error: APIError) -> List[str]: ...
-
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any: ...
 
 
@@ -179,10 +174,7 @@ client went away) what is left is aborted, without awaiting anything."""
     client, m = state.client, state.metrics
     sink = Sink()
     pending: Dict[int, TokenClock] = {}
-
-    def on_stop() -> None:
-        sink.put_nowait((STOP, None))
-
+    on_stop = functools.partial(sink.put_nowait, (STOP, None))
     if state.stopping:
         raise server_shutdown()
     state.on_stop.add(on_stop)

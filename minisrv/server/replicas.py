@@ -177,9 +177,7 @@ class Replicas:
         return {"status": "ok" if all(r["status"] == "ok" for r in report) else "degraded", "replicas": report}
 
     def report(self) -> List[Dict[str, Any]]:
-        """Each replica's state for /health and /metrics: ok | dead | unavailable (loading or stopped), its engine
-        process, the requests sent to it and those it holds now, and its engine's last reported running and
-        waiting."""
+        """Each replica's state for /health and /metrics (unavailable: loading or stopped)."""
         return [{"replica": r, "status": "dead" if c.dead else "ok" if c.ready else "unavailable", "pid": c.pid,
                  "sent": self.sent[r], "requests": c.load, "running": c.stats.get("num_running", 0),
                  "waiting": c.stats.get("num_waiting", 0)} for r, c in enumerate(self.clients)]

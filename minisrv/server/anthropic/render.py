@@ -111,10 +111,9 @@ class MessageRenderer:
         if final:
             if self._index < 0:  # nothing was said: one empty text block, as the whole message has
                 self._block({"type": "text", "text": ""})
-            self._events.append({"type": "content_block_stop", "index": self._index})
             reason, sequence = stop_reason(finish_reason, choice.stop_str, bool(d.calls))
-            self._events.append({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                 "usage": {"output_tokens": choice.num_output_tokens}})
-            self._events.append({"type": "message_stop"})
+            self._events += [{"type": "content_block_stop", "index": self._index},
+                             {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                              "usage": {"output_tokens": choice.num_output_tokens}}, {"type": "message_stop"}]
         out, self._events = self._events, []
         return [sse(data, data["type"]) for data in out]

@@ -56,9 +56,8 @@ class Gate:
         path = scope.get("path", "")
         key = self.state.api_key
         if key and path not in OPEN_PATHS and not authorized(scope, key):
-            return APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' "
-                                 "(or 'x-api-key: <key>').",
-                            code="invalid_api_key")
+            return APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: "
+                                 "<key>').", code="invalid_api_key")
         if not self.state.ready and (path.startswith("/v1/") or path in self.engine_paths):
             return engine_unavailable()
         if scope.get("method") in BODY_METHODS:
@@ -142,12 +141,10 @@ class GuardedBody:
 request's start (408), and a 503 if the server stops meanwhile; once the body is complete, `receive` itself."""
 
     def __init__(self, receive: Callable, state: "ServerState", limit: int, timeout: float) -> None:
-        self.receive, self.state, self.limit = receive, state, limit
+        self.receive, self.state, self.limit, self.timeout = receive, state, limit, timeout
         self.loop = asyncio.get_running_loop()
         self.deadline = self.loop.time() + timeout
-        self.timeout = timeout
-        self.received = 0
-        self.complete = False
+        self.received, self.complete = 0, False
 
     async def __call__(self) -> Dict[str, Any]:
         if self.complete:
