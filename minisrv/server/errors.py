@@ -98,8 +98,7 @@ def validation_message(exc: ValidationError) -> Tuple[str, Optional[str]]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer every exception that leaves a route in OpenAI's shape (Anthropic's under ANTHROPIC_PATH); a client
-    that left gets a 499."""
+    """Every exception that leaves a route answered in its API's shape (see above)."""
 
     async def answer(request: Request, e: Exception) -> Response:
         if isinstance(e, (ClientGone, ClientDisconnect)):  # ClientDisconnect: gone while its body was being read

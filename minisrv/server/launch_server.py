@@ -44,8 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--served-model-name", default=None,
                    help="model name clients use (default: the basename of the model path)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on every route but /health")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on every route but /health")
     p.add_argument("--allowed-hosts", default=None, metavar="H1,H2",
                    help="Host header values answered besides the loopback names (NAME or NAME:PORT); '*' allows "
                         "all. Bound to a loopback address, Host is always checked; bound to another address, "
@@ -184,9 +183,7 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, model_path: str, s
     engine_start = asyncio.create_task(client.start())
     await asyncio.sleep(0)  # start() runs up to the spawn
     import uvicorn
-
     from minisrv.checkpoints.model_files import load_tokenizer
-
     from .app import create_app
     from .state import ServerState
     from .http.transport import GracefulServer, deadline_protocol

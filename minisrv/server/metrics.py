@@ -7,6 +7,7 @@ A registry per server, not prometheus_client's global one: the in-process tests 
 seen, so it is an ordinary counter and a report that arrives twice counts once."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
@@ -64,12 +65,10 @@ class ServerMetrics:
         self.cached_prompt_tokens = Counter("minisrv_cached_prompt_tokens",
                                             "Prompt tokens served from the prefix cache (not computed)", registry=r)
         self._engine_cached_prompt_tokens = 0  # the engine's running total, as last seen
-        self.ttft = Histogram("minisrv_time_to_first_token_seconds", "Time to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("minisrv_inter_token_latency_seconds", "Time between consecutive output tokens",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("minisrv_e2e_request_latency_seconds", "Time from arrival to the last token",
-                             buckets=LATENCY_BUCKETS, registry=r)
+        latency = functools.partial(Histogram, buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = latency("minisrv_time_to_first_token_seconds", "Time to first token")
+        self.itl = latency("minisrv_inter_token_latency_seconds", "Time between consecutive output tokens")
+        self.e2e = latency("minisrv_e2e_request_latency_seconds", "Time from arrival to the last token")
 
     def count_http(self, path: str, status: int) -> None:
         """A /v1 path's request, labelled by its route ("other": an unknown /v1 path)."""

@@ -77,8 +77,7 @@ class ServerState:
                        param="model", code="model_not_found")
 
     def check_generation_model(self, name: Optional[str]) -> None:
-        """check_model, and a 400 naming the endpoint it serves where this is an embedding model (every text
-        generation API: completions, chat, Responses, Messages)."""
+        """check_model, and a 400 naming the endpoint it serves where this is an embedding model."""
         self.check_model(name)
         if self.info.embedding_dim:
             raise APIError(400, "this model is an embedding model: it serves /v1/embeddings, not completions or chat",

@@ -34,9 +34,8 @@ async def wait_disconnect(receive: Callable) -> None:
 
 
 class EventStream(StreamingResponse):
-    """SSE response that stops (closing its generator, which aborts the engine requests) when the client leaves, also
-while nothing is being written. `closes`: an async generator `gen` reads from, closed too (a generator never started
-does not run its own cleanup when closed)."""
+    """SSE that ends when the client leaves (see above). `closes`: an async generator `gen` reads from, closed too (a
+    generator never started does not run its own cleanup when closed)."""
 
     def __init__(self, gen: AsyncIterator[str], closes: Optional[AsyncGenerator] = None) -> None:
         super().__init__(gen, media_type="text/event-stream",
@@ -68,8 +67,7 @@ does not run its own cleanup when closed)."""
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`; if the client disconnects first, cancel it (its cleanup aborts the engine requests) and
-    raise ClientGone."""
+    """Await `work`; if the client disconnects first, cancel it and raise ClientGone."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(wait_disconnect(request.receive))
     try:

@@ -84,8 +84,7 @@ class MessageRenderer:
         return [sse(error.anthropic_body(), "error")]
 
     def _block(self, block: Dict[str, Any], delta: Optional[Dict[str, Any]] = None) -> None:
-        """`delta` added to the open block, `block` opened first where another type is open (or none; a tool_use
-        block is always a new one)."""
+        """`delta` added to the open block; a new `block` first where the type changes (a tool_use: always)."""
         if self._open != block["type"] or block["type"] == "tool_use":
             if self._open is not None:
                 self._events.append({"type": "content_block_stop", "index": self._index})

@@ -114,8 +114,7 @@ def _chat_messages(role: str, content: Any, where: str) -> List[Dict[str, Any]]:
         kind = _block_type(block, at)
         if kind not in own:
             if kind in USER_BLOCKS + ASSISTANT_BLOCKS:
-                raise _bad(f"{at}: a {kind} block belongs in {'an assistant' if role == 'user' else 'a user'} "
-                           "message")
+                raise _bad(f"{at}: a {kind} block belongs in {'an assistant' if role == 'user' else 'a user'} message")
             raise _bad(f"{at}: unsupported content block type {kind!r}")
         if kind == "text":
             texts.append(_text_of(block, at))
@@ -133,8 +132,7 @@ def _chat_messages(role: str, content: Any, where: str) -> List[Dict[str, Any]]:
             name, call_id, args = block.get("name"), block.get("id"), block.get("input", {})
             if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(args, dict):
                 raise _bad(f"{at}: a tool_use block needs a string id and name and an object input")
-            calls.append({"id": call_id, "type": "function",
-                          "function": {"name": name, "arguments": json.dumps(args)}})
+            calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}})
         elif kind == "thinking" and isinstance(block.get("thinking"), str):  # redacted_thinking is dropped
             thinking.append(block["thinking"])
     if role == "user":

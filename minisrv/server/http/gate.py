@@ -137,8 +137,7 @@ def too_large(limit: int) -> APIError:
 
 
 class GuardedBody:
-    """The `receive` a route gets: while the body is read, at most `limit` bytes (413), all within `timeout` seconds of the
-request's start (408), and a 503 if the server stops meanwhile; once the body is complete, `receive` itself."""
+    """The `receive` a route gets, guarding the body's reads (see the module docstring); then `receive` itself."""
 
     def __init__(self, receive: Callable, state: "ServerState", limit: int, timeout: float) -> None:
         self.receive, self.state, self.limit, self.timeout = receive, state, limit, timeout

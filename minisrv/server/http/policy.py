@@ -70,8 +70,7 @@ def is_loopback_address(address: str) -> bool:
 
 
 def _is_loopback_ip(text: str) -> bool:
-    """An IP address literal in a loopback range (an IPv4-mapped IPv6 address by its IPv4 part); False for a
-    text that is not an address."""
+    """An IP address literal in a loopback range (an IPv4-mapped IPv6 address by its IPv4 part)."""
     try:
         addr = ipaddress.ip_address(text)
     except ValueError:
@@ -140,8 +139,7 @@ name nor allowed (see `for_bind`); `Origin` is accepted only as allowed (a reque
         return self.allow_any_origin or bool(self.allowed_origins)
 
     def cors_headers(self, origin: Optional[str]) -> Headers:
-        """The CORS headers of a response to a request from `origin`: none without an Origin or CORS, or for an
-        origin that is not allowed."""
+        """The CORS headers of a response to a request from `origin` (none unless it is an allowed one)."""
         if origin is None or not self.cors or not self.origin_allowed(origin):
             return []
         expose = (b"access-control-expose-headers", REQUEST_ID)

@@ -40,8 +40,7 @@ def deadline_protocol(read_timeout: float) -> type:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            # --limit-concurrency: refused here rather than by uvicorn, so the 503 has the server's error shape and
-            # an x-request-id like every other response (uvicorn's own is plain text without one)
+            # --limit-concurrency: refused by _limited, in the server's error shape (see above), not by uvicorn
             self._limit, self.limit_concurrency = self.limit_concurrency, None
             if self._limit is not None:
                 self.app = self._limited(self.app)
@@ -60,9 +59,8 @@ def deadline_protocol(read_timeout: float) -> type:
             return limited
 
         def send_400_response(self, msg: str) -> None:
-            """A request h11 cannot parse (a malformed head, one over the head size limit): answered in the
-            server's error shape with a fresh x-request-id, like every other response, where uvicorn answers plain
-            text without one; the connection is closed after it, as uvicorn closes it."""
+            """A request h11 cannot parse (a malformed head, one over the head size limit), in the server's error
+            shape; the connection is closed after it, as uvicorn closes it."""
             body = json.dumps(APIError(400, msg).body()).encode("utf-8")
             head = h11.Response(status_code=400, reason=b"Bad Request", headers=[
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode("ascii")),

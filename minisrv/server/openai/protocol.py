@@ -65,8 +65,7 @@ class CompletionRequest(_SamplingFields):
 
 
 def token_inputs(v: Any, what: str) -> List[Union[str, List[int]]]:
-    """Prompts (or an embedding's inputs) as they may come, a string, strings, token ids or token-id lists, as a
-    list of strings or token-id lists."""
+    """Prompts (or an embedding's inputs) in any of their forms, as a list of strings or token-id lists."""
     def is_ids(x: Any) -> bool:
         return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 

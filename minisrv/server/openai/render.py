@@ -196,6 +196,5 @@ def _finish(engine_reason: Optional[str], calls: Sequence[Any], legacy: bool) ->
 
 def _choice(index: int, key: str, value: Any, logprobs: Optional[Dict[str, Any]], finish: Optional[str]
             ) -> Dict[str, Any]:
-    """One choice of an answer or chunk: its text (a completion's), message (a chat answer's) or delta (a chat
-    chunk's), with its logprobs and finish_reason."""
+    """One choice of an answer or chunk; `key`: text (completions), message (a chat answer) or delta (a chat chunk)."""
     return {"index": index, key: value, "logprobs": logprobs, "finish_reason": finish}

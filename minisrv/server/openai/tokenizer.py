@@ -1,7 +1,5 @@
-"""Routes beside the OpenAI API: the tokenizer (vLLM's shapes), the model's description and the prefix cache
-(SGLang's names): /tokenize and /detokenize (also under /v1), /tokenizer_info (what lm-evaluation-harness's
-RemoteTokenizer reads), /get_model_info (also /model_info), /server_info (also /get_server_info), and POST
-/flush_cache (200, or 400 while requests run).
+"""Routes beside the OpenAI API: the tokenizer (vLLM's shapes; /tokenizer_info is what lm-evaluation-harness's
+RemoteTokenizer reads), the model's description and the prefix cache (SGLang's names).
 
 /tokenize's chat form is planned exactly as a chat request's messages and tools are (plan/chat.py), so its count is
 the prompt length a chat request would have; a text longer than max_model_len is tokenized all the same (lm-eval
@@ -84,7 +82,6 @@ def _answer(state: "ServerState", ids: List[int], token_strs: bool) -> JSONRespo
 async def tokenize(state: "ServerState", request: Request) -> JSONResponse:
     body, large = await parse_body(request, TokenizeRequest)
     state.check_model(body.model)
-    tok = state.tokenizer
     if body.messages is not None:
         inputs = ChatInputs(chat_messages(body.messages), body.tools, template_kwargs=body.chat_template_kwargs,
                             add_generation_prompt=body.add_generation_prompt,
@@ -94,7 +91,7 @@ async def tokenize(state: "ServerState", request: Request) -> JSONResponse:
         return _answer(state, plan.prompt_ids, body.return_token_strs)
     add_special = True if body.add_special_tokens is None else body.add_special_tokens
     return await off_loop(large or len(body.prompt) > ASYNC_ENCODE_CHARS, lambda: _answer(
-        state, tok(body.prompt, add_special_tokens=add_special).input_ids, body.return_token_strs))
+        state, state.tokenizer(body.prompt, add_special_tokens=add_special).input_ids, body.return_token_strs))
 
 
 async def detokenize(state: "ServerState", request: Request) -> JSONResponse:

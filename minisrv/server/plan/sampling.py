@@ -20,8 +20,7 @@ OPENAI_NAMES = {"json_schema": "response_format", "json_object": "response_forma
 
 
 def sampling_fields(body: Any) -> Dict[str, Any]:
-    """The request's sampling fields, logit_bias and its one output constraint (however given) as SamplingParams
-    keyword arguments."""
+    """The request's sampling fields, logit_bias and its one output constraint, as SamplingParams keyword arguments."""
     plain = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
     if body.logit_bias:
         try:

@@ -112,8 +112,7 @@ def plan_tools(tools: Optional[List[Any]], tool_choice: Any, functions: Optional
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in names:
-            raise RequestError(f"tool_choice names the function {name!r}, which is not among the tools",
-                               "tool_choice")
+            raise RequestError(f"tool_choice names the function {name!r}, which is not among the tools", "tool_choice")
         return plan(template_tools, "named", names, json.dumps(fns[names.index(name)]["parameters"]), named=name)
     raise RequestError("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                        "\"function\": {\"name\": ...}}", "tool_choice")

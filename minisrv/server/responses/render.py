@@ -11,14 +11,13 @@ stream helper expects it). Each event carries `type` and a `sequence_number`; a 
 `error` event, and the stream ends."""
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import APIError
 from ..generation import Choice
 from ..openai.logprobs import PositionedLogprob
-from ..openai.protocol import UsageInfo
+from ..openai.protocol import UsageInfo, now
 from ..plan.answer import AnswerStream, read_answer
 from ..plan.reasoning import ReasoningPlan
 from ..plan.tools import ToolCall, ToolPlan
@@ -79,14 +78,13 @@ def output_item(kind: str, item_id: str, text: str, status: str, call: Optional[
 
 
 class ResponseRenderer:
-    """generation.serve's renderer for /v1/responses (one choice): the response object's frame (id, time, model,
-    the request's echoed fields), the whole response, and the stream's events."""
+    """generation.serve's renderer for /v1/responses (one choice): the whole response, or the stream's events."""
 
     def __init__(self, model: str, echo: Dict[str, Any], count_tokens: Callable[[str], int],
                  tools: Optional[ToolPlan], reasoning: Optional[ReasoningPlan],
                  namespaces: Optional[Dict[str, str]] = None) -> None:
         self.id = new_id("resp")
-        self.created_at = int(time.time())
+        self.created_at = now()
         self.model, self.echo, self.count_tokens = model, echo, count_tokens
         self.tools, self.reasoning = tools, reasoning
         self.namespaces = namespaces or {}  # a namespace's function name -> the namespace's name
