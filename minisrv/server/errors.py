@@ -31,8 +31,6 @@ logger = logging.getLogger("minisrv.server")
 
 INVALID = "invalid_request_error"
 SERVER = "server_error"
-ENGINE_UNAVAILABLE = "engine_unavailable"
-SERVER_SHUTDOWN = "server_shutdown"
 ANTHROPIC_PATH = "/v1/messages"
 # an HTTP status -> Anthropic's error type (any other 4xx: invalid_request_error; any other 5xx: api_error)
 ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -74,12 +72,12 @@ def from_request_error(e: RequestError) -> APIError:
 
 
 def engine_unavailable(message: str = "the engine is not ready (still loading, or stopped)") -> APIError:
-    return APIError(503, message, SERVER, code=ENGINE_UNAVAILABLE)
+    return APIError(503, message, SERVER, code="engine_unavailable")
 
 
 def server_shutdown(close: bool = False) -> APIError:
     """The server is stopping and its grace period is over: what is still running is answered with this."""
-    return APIError(503, "the server is shutting down", SERVER, code=SERVER_SHUTDOWN, close=close)
+    return APIError(503, "the server is shutting down", SERVER, code="server_shutdown", close=close)
 
 
 def request_failed(detail: Optional[str]) -> APIError:

@@ -59,9 +59,8 @@ class ServerMetrics:
                                for key, (name, doc) in REPLICA_GAUGES.items()}
         self.spec_accept_rate = Gauge("minisrv_spec_accept_rate",
                                       "Speculative decoding: share of drafted tokens kept, since start", registry=r)
-        self.spec_accept_length = Gauge("minisrv_spec_accept_length", "Speculative decoding: tokens a request "
-                                        "gains per verify step (kept drafts + the target's own), since start",
-                                        registry=r)
+        self.spec_accept_length = Gauge("minisrv_spec_accept_length", "Speculative decoding: tokens a request gains "
+                                        "per verify step (kept drafts + the target's own), since start", registry=r)
         self.cached_prompt_tokens = Counter("minisrv_cached_prompt_tokens",
                                             "Prompt tokens served from the prefix cache (not computed)", registry=r)
         self._engine_cached_prompt_tokens = 0  # the engine's running total, as last seen

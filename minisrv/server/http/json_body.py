@@ -42,9 +42,7 @@ class GCPause:
     threads inside is too: one instance serves the process (GC_PAUSE)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._inside = 0
-        self._was_enabled = False
+        self._lock, self._inside, self._was_enabled = threading.Lock(), 0, False
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
