@@ -142,8 +142,7 @@ def systems_first(messages: List[Dict[str, Any]]) -> Optional[List[Dict[str, Any
     texts = [str(messages[i].get("content") or "") for i in later]
     rest = [m for i, m in enumerate(messages) if i not in set(later)]
     if rest and rest[0].get("role") == "system":
-        head = dict(rest[0])
-        head["content"] = "\n\n".join([str(head.get("content") or "")] + texts)
+        head = {**rest[0], "content": "\n\n".join([str(rest[0].get("content") or "")] + texts)}
         return [head] + rest[1:]
     return [{"role": "system", "content": "\n\n".join(texts)}] + rest
 
