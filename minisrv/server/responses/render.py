@@ -64,12 +64,11 @@ def output_item(kind: str, item_id: str, text: str, status: str, call: Optional[
                 namespaces: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """An output item of `kind` (reasoning, message or call) holding `text` (a call's arguments); one in progress
     has no content yet."""
+    content = [content_part(kind, text)] if status != "in_progress" else []
     if kind == "reasoning":
-        return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
-                "content": [content_part(kind, text)] if text or status != "in_progress" else []}
+        return {"type": "reasoning", "id": item_id, "summary": [], "status": status, "content": content}
     if kind == "message":
-        return {"type": "message", "id": item_id, "role": "assistant", "status": status,
-                "content": [content_part(kind, text)] if status != "in_progress" else []}
+        return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
     item = {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name, "arguments": text,
             "status": status}
     if call.name in (namespaces or {}):
