@@ -9,6 +9,7 @@ after the AbortRequest of the last running request it succeeds."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -226,10 +227,8 @@ class EngineClient:
         for t in self._tasks:
             t.cancel()
         if looping and self._proc is not None and self._proc.is_alive():
-            try:
+            with contextlib.suppress(Exception):  # the process is stopped below anyway
                 await asyncio.wait_for(self._send.send_pyobj(Shutdown()), 1.0)
-            except Exception:  # noqa: BLE001 - the process is stopped below anyway
-                pass
         await self._reap(timeout if looping else 0.0)
         self._fail_all(EngineDead("the server is shutting down"))
         if self._ctx is not None:
@@ -279,10 +278,8 @@ class EngineClient:
         if self.ready and not self.dead:
             self._stats_event.clear()
             self._outbox.put_nowait(StatsQuery())
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stats_event.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
         return self.stats
 
     async def flush_cache(self, timeout: float = FLUSH_TIMEOUT_S) -> bool:

@@ -7,6 +7,7 @@ answer not begun yet is watched the same way by `unless_disconnected`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
@@ -46,15 +47,13 @@ class EventStream(StreamingResponse):
         try:
             async with anyio.create_task_group() as tg:
                 async def pump() -> None:
-                    try:
+                    with contextlib.suppress(OSError):
                         await send({"type": "http.response.start", "status": self.status_code,
                                     "headers": self.raw_headers})
                         async for chunk in self.gen:
                             if chunk:
                                 await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
                         await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    except OSError:
-                        pass
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(pump)
@@ -80,8 +79,6 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     if task in done:
         return task.result()
     task.cancel()
-    try:
+    with contextlib.suppress(asyncio.CancelledError, Exception):  # the client is gone; nothing to report to
         await task
-    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone; nothing to report to
-        pass
     raise ClientGone()

@@ -116,10 +116,8 @@ message, those are joined into the first one and the prompt is made again."""
             error = e
         merged = systems_first(msgs)
         if merged is not None:
-            try:
+            with contextlib.suppress(Exception):  # the first error says more
                 return render(merged)
-            except Exception:  # noqa: BLE001 - the first error says more
-                pass
         raise RequestError(f"chat template failed: {error}", "messages")
 
 

@@ -28,6 +28,7 @@ output is all answer, the engine gets no rule), one that ends with `<think>` ope
 The engine's part is a ThinkingRule (engine/thinking.py); the text's part is the renderer's `ReasoningPlan`."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
@@ -188,12 +189,10 @@ def detect_parser(tokenizer: Any) -> Optional[str]:
 
 def _single_token(tokenizer: Any, tag: str) -> Optional[int]:
     """The id of the one token that is `tag` and decodes back to it (skipping special tokens), else None."""
-    try:
+    with contextlib.suppress(Exception):  # a tokenizer that cannot say: no such token
         ids = tokenizer(tag, add_special_tokens=False).input_ids
         if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == tag:
             return ids[0]
-    except Exception:  # noqa: BLE001 - a tokenizer that cannot say: no such token
-        pass
     return None
 
 
@@ -246,7 +245,5 @@ def plan_reasoning(fmt: Optional[ReasoningFormat], prompt: str, separate: bool,
         mode = INSIDE
     else:
         mode = OPTIONAL
-    plan = ReasoningPlan(mode, separate)
-    if mode == NONE:
-        return plan, None
-    return plan, ThinkingRule(fmt.end_id, fmt.start_id, mode == INSIDE, budget)
+    rule = None if mode == NONE else ThinkingRule(fmt.end_id, fmt.start_id, mode == INSIDE, budget)
+    return ReasoningPlan(mode, separate), rule

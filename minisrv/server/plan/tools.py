@@ -122,11 +122,7 @@ def parser_for(chat_template: Optional[str], wanted: str) -> str:
     if wanted != "auto":
         return wanted
     t = chat_template or ""
-    if HERMES_OPEN in t:
-        return "hermes"
-    if PYTHON_TAG in t or "ipython" in t:
-        return "llama3_json"
-    return "hermes"
+    return "llama3_json" if HERMES_OPEN not in t and (PYTHON_TAG in t or "ipython" in t) else "hermes"
 
 
 def _call_from_obj(obj: Any) -> Optional[ToolCall]:
