@@ -102,11 +102,9 @@ def _loop(engine: Any, recv: zmq.Socket, send: zmq.Socket, parent_pid: int,
         busy = engine.has_work()
         msgs: List[ToEngine] = []
         if recv.poll(0 if busy else IDLE_POLL_MS):
-            while True:
-                try:
+            with contextlib.suppress(zmq.Again):  # until nothing is left
+                while True:
                     msgs.append(recv.recv_pyobj(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
         if os.getppid() != parent_pid:
             logger.warning("engine: parent process is gone; exiting")
             return
@@ -303,8 +301,7 @@ class EngineClient:
 
     async def _send_loop(self) -> None:
         while True:
-            msg = await self._outbox.get()
-            await self._send.send_pyobj(msg)
+            await self._send.send_pyobj(await self._outbox.get())
 
     async def _recv_loop(self) -> None:
         while True:
