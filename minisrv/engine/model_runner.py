@@ -170,9 +170,11 @@ class ModelRunner:
         if inp.layout.num_pending:
             rows = f.pending_rows
             input_ids = torch.where(rows >= 0, self._newest_ids[rows.clamp(min=0)], input_ids)
-        return ForwardBatch(inp.mode, input_ids, f.positions, f.out_cache_loc, f.req_rows, f.seq_lens, f.cu_seqlens_q,
-                            f.logit_rows, inp.seq_lens, inp.extend_lens, max(inp.seq_lens), inp.prefix_groups,
-                            inp.verify)
+        return ForwardBatch(
+            mode=inp.mode, input_ids=input_ids, positions=f.positions, out_cache_loc=f.out_cache_loc,
+            req_rows=f.req_rows, seq_lens=f.seq_lens, cu_seqlens_q=f.cu_seqlens_q, logit_rows=f.logit_rows,
+            seq_lens_cpu=inp.seq_lens, extend_lens_cpu=inp.extend_lens, max_seq_len=max(inp.seq_lens),
+            prefix_groups=inp.prefix_groups, verify=inp.verify)
 
     def build_forward_batch(self, sb: ScheduledBatch) -> ForwardBatch:
         return self.forward_batch(self.step_inputs(sb))

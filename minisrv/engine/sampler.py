@@ -104,8 +104,8 @@ class SamplingBatch:
                          + [r.num_output_tokens for r in reqs], torch.int64, device)
         greedy = [p.greedy for p in ps]
         need_filter = any((p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) and not p.greedy for p in ps)
-        sb = cls(floats[:b], ints[:b], floats[b:2 * b], floats[2 * b:], ints[b:2 * b], ints[2 * b:], all(greedy),
-                 any(greedy), need_filter)
+        sb = cls(floats[:b], ints[:b], floats[b:2 * b], floats[2 * b:], ints[b:2 * b], ints[2 * b:],
+                 all_greedy=all(greedy), any_greedy=any(greedy), need_filter=need_filter)
         if any(p.has_penalties for p in ps):
             pen = to_device([p.presence_penalty for p in ps] + [p.frequency_penalty for p in ps]
                             + [p.repetition_penalty for p in ps], torch.float32, device)
