@@ -176,7 +176,7 @@ for suite in "$@"; do case $suite in
     hub_checkpoint gpt-oss-20b $O
     # the experts alone at gpt-oss-20b's shape: a decode step's pairs on their own kernel against the grouped GEMM
     bench fused-moe-mxfp4 200 bench_fused_moe.py --mxfp4 --experts 32 --top-k 4 --hidden 2880 --inter 2880 \
-      --tokens 1,2,4,64,256 --no-reference --pair-configs "8,256,2;16,128,2;16,128,4;16,256,4;32,128,4;32,64,2"
+      --tokens 1,2,4,64,256 --no-reference --pair-configs "16,512,4;32,256,4;32,512,2;32,1024,4;16,1024,4;64,512,8;32,512,8"
     bench decode-gpt-oss 300 $DECODE --model $O --batch-sizes 1,64 --repeats 3 --attention-backend fa
     bench decode-gpt-oss-torch 300 $DECODE --model $O --batch-sizes 1,64 --repeats 3 --attention-backend torch
     bench gpt-oss 400 $OFFLINE --model $O --attention-backend fa
