@@ -48,6 +48,7 @@ def mxfp4_pair_gemv(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.T
         j = tl.arange(0, BK // 2)
         g = tl.arange(0, BK // 32)
         acc = tl.zeros([BN], dtype=tl.float32)
+        X_UP: tl.constexpr = 1.2676506002282294e30  # 2^100: the activation's factor (see the module docstring)
         for k0 in range(0, K, BK):
             in_k = k0 + 2 * j < K
             b = tl.load(blocks_ptr + rows[:, None] * (K // 2) + k0 // 2 + j[None, :],
@@ -55,13 +56,13 @@ def mxfp4_pair_gemv(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.T
             # byte i holds values k0 + 2i (low nibble) and k0 + 2i + 1 (high nibble), each taken times 2^-126
             even = (((b << 22) & 0x01C00000) | ((b << 28) & -0x80000000)).to(tl.float32, bitcast=True)
             odd = (((b << 18) & 0x01C00000) | ((b << 24) & -0x80000000)).to(tl.float32, bitcast=True)
-            x_even = tl.load(x_row + k0 + 2 * j, mask=in_k, other=0.0).to(tl.float32) * 1.2676506002282294e30
-            x_odd = tl.load(x_row + k0 + 2 * j + 1, mask=in_k, other=0.0).to(tl.float32) * 1.2676506002282294e30
+            x_even = tl.load(x_row + k0 + 2 * j, mask=in_k, other=0.0).to(tl.float32) * X_UP
+            x_odd = tl.load(x_row + k0 + 2 * j + 1, mask=in_k, other=0.0).to(tl.float32) * X_UP
             prod = even * x_even[None, :] + odd * x_odd[None, :]
             sums = tl.sum(tl.reshape(prod, [BN, BK // 32, 16]), axis=2)  # each 32 values of K
             s = tl.load(scales_ptr + rows[:, None] * (K // 32) + k0 // 32 + g[None, :],
                         mask=n_ok[:, None] & (k0 + 32 * g < K)[None, :], other=0).to(tl.int32)
-            acc += tl.sum(sums * (s << 23).to(tl.float32, bitcast=True), axis=1) * 67108864.0
+            acc += tl.sum(sums * (s << 23).to(tl.float32, bitcast=True), axis=1) * 67108864.0  # 2^26: 2^126 / X_UP
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + r.to(tl.int64) * N + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)

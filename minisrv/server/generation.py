@@ -128,14 +128,14 @@ async def serve(state: "ServerState", request: Request, gen: Generation, rendere
                 try:
                     step = first
                     while step is not None:
-                        events: List[str] = []
+                        written: List[str] = []
                         for index, out in step:
                             ch = choices[index]
                             text, lps = ch.feed(out)
                             finish = out.finish_reason if out.finished else None
                             if text or lps or finish:
-                                events += renderer.chunks(ch, text, lps, finish)
-                        yield "".join(events)
+                                written += renderer.chunks(ch, text, lps, finish)
+                        yield "".join(written)
                         step = await anext(steps, None)
                 except APIError as err:
                     yield "".join(renderer.failed(err))
