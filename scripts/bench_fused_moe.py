@@ -2,15 +2,15 @@
 """The fused experts (minisrv/kernels/fused_moe.py) on a GPU, at a model's MoE shape (default Qwen3-30B-A3B's layer:
 hidden 2048, moe_intermediate 768, 128 experts, top-8), against the time their weight bytes take to read.
 
-For each token count: the fused path's time per call (route excluded; CUDA events, median of --repeat replays of a
-CUDA graph holding --iters calls, each call with its own routing so that the experts hit change as between layers),
-the router top-k's and the alignment kernel's times (and their torch ops'), the expert weight bytes a call touches (distinct experts hit x an expert's bytes,
-averaged over the calls) and the share of --bandwidth that reaches, and experts_reference's time (eager: it syncs
-with the host). --configs times other launch configurations beside the rule's (block_m,block_n,block_k,num_warps,
-num_stages;...), to check or refine config_for. --int4 G: 4-bit experts in groups of G rows (0: one per channel;
-random words, kernels/moe_w4a16.py's layout), their bytes (and their scales' and zeros') the floor's. --mxfp4 with
---pair-configs: a decode step's pairs' two GEMVs (kernels/mxfp4_pairs.py) at other launch parameters
-(block_n,block_k,num_warps;...), beside the default's.
+For each token count: the fused path's time per call (route excluded; CUDA events, median of --repeat replays of a CUDA
+graph holding --iters calls, each call with its own routing so that the experts hit change as between layers), the
+router top-k's and the alignment kernel's times (and their torch ops'), the expert weight bytes a call touches (distinct
+experts hit x an expert's bytes, averaged over the calls) and the share of --bandwidth that reaches, and
+experts_reference's time (eager: it syncs with the host). --configs times other launch configurations beside the rule's
+(block_m,block_n,block_k,num_warps,num_stages;...), to check or refine config_for. --int4 G: 4-bit experts in groups of
+G rows (0: one per channel; random words, kernels/moe_w4a16.py's layout), their bytes (and their scales' and zeros') the
+floor's. --mxfp4 with --pair-configs: a decode step's pairs' two GEMVs (kernels/mxfp4_pairs.py) at other launch
+parameters (block_n,block_k,num_warps;...), beside the default's.
 
   python scripts/bench_fused_moe.py [--tokens 1,64,256,2048] [--experts 128 --top-k 8 --hidden 2048 --inter 768]
                                     [--fp8 | --int4 128 | --mxfp4] [--configs 16,32,128,4,4] [--align]
@@ -34,7 +34,7 @@ from minisrv.kernels.fused_moe import (PAIR_ROWS, experts_reference, route, rout
                                        route_reference, triton_experts)
 from minisrv.kernels.moe_align import align_reference, triton_align  # noqa: E402
 from minisrv.kernels.moe_route import ROUTER_TOKENS  # noqa: E402
-from minisrv.kernels.moe_gemm import MoeConfig, config_for, moe_gemm  # noqa: E402
+from minisrv.kernels.moe_gemm import ClampedSwiGLU, MoeConfig, config_for, moe_gemm  # noqa: E402
 from minisrv.kernels.moe_w4a16 import Mxfp4Experts, PackedExperts  # noqa: E402
 from minisrv.kernels.mxfp4_pairs import PairConfig, mxfp4_pair_gemv  # noqa: E402
 
@@ -54,15 +54,18 @@ def eager_us(fn, repeat: int) -> float:
 
 
 def pair_gemvs(x, w13, w2, ids, top_k: int, a) -> str:
-    """The pairs' gate/up and down GEMVs alone (their activation left out) at the default and --pair-configs, each
-    with its largest difference from the default's outputs (the sums in another order: float32 rounding)."""
+    """The pairs' two GEMVs alone as a decode step runs them (gate/up with gpt-oss's activation, down with the
+    routing weights) at the default and --pair-configs, each with its largest difference from the default's outputs
+    (the sums in another order: float32 rounding)."""
     gemv = mxfp4_pair_gemv()
     flat = ids.reshape(-1).to(torch.int32).contiguous()
     act = torch.randn(flat.numel(), w2.blocks.shape[2] * 2, device="cuda").bfloat16()
+    weights = torch.rand(flat.numel(), device="cuda")
+    swiglu = ClampedSwiGLU(1.702, 7.0)
 
     def both(c):
-        return gemv(x, w13.blocks, w13.scales, flat, top_k, config=c), gemv(act, w2.blocks, w2.scales, flat, 1,
-                                                                              config=c)
+        return (gemv(x, w13.blocks, w13.scales, flat, top_k, config=c, gated=True, swiglu=swiglu),
+                gemv(act, w2.blocks, w2.scales, flat, 1, config=c, row_weights=weights))
     ref = both(PairConfig())
     out = ""
     for c in [PairConfig()] + [PairConfig(*(int(v) for v in c.split(","))) for c in a.pair_configs.split(";") if c]:

@@ -178,5 +178,5 @@ def test_importing_the_kernels_imports_no_triton():
 def test_moe_triton_kernels_under_the_interpreter():
     out = run_checks("moe_interpreted_checks.py")
     assert out.count("moe align") == 14 and out.count("moe route ") == 11, out
-    assert out.count("moe router") == 4, out
+    assert out.count("moe router") == 5, out
     assert out.count("moe grouped GEMMs") == 40 and out.count("moe experts") == 40, out

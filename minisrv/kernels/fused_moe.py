@@ -4,10 +4,10 @@ computation, out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])) wi
 `experts_reference` is the torch computation: a loop over the experts hit (it reads the hit experts on the host, so
 it syncs and is not captured in CUDA graphs). It is the CPU path and the fused path's reference. `fused_experts` is
 the CUDA path in four launches at decode (six with FP8), after the router's one (kernels/moe_route.py), and no host
-sync: the pairs aligned by expert (kernels/moe_align.py; three launches and a memset past 256 tokens of top-8), the grouped gate/up GEMM with
-SiLU-and-mul in its epilogue, the grouped down GEMM scaled by the routing weights (kernels/moe_gemm.py), and the
-sum over k; with FP8 weights each GEMM's input is quantised per token first (kernels/fp8_quant.py), as Fp8Linear
-does.
+sync: the pairs aligned by expert (kernels/moe_align.py; three launches and a memset past 256 tokens of top-8), the
+grouped gate/up GEMM with SiLU-and-mul in its epilogue, the grouped down GEMM scaled by the routing weights
+(kernels/moe_gemm.py), and the sum over k; with FP8 weights each GEMM's input is quantised per token first
+(kernels/fp8_quant.py), as Fp8Linear does.
 
 Why fused: at decode a MoE layer reads the weights of the experts hit (top-8 of 128 at batch 1: 8 experts), and
 looping over experts in torch costs a host sync and ~6 launches per expert; the grouped GEMM reads each hit expert's
@@ -52,11 +52,12 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Tuple[t
 
 
 def route_and_align(x: torch.Tensor, router_weight: torch.Tensor, counter: torch.Tensor, top_k: int,
-                    renormalize: bool, w13: Weights, fp8: bool
+                    renormalize: bool, w13: Weights, fp8: bool, router_bias: Optional[torch.Tensor] = None
                     ) -> Optional[Tuple[torch.Tensor, torch.Tensor, Aligned]]:
-    """For decode batches of up to ROUTER_TOKENS tokens where the fused experts run: route(x @ router_weight^T)
-    and the pairs aligned for the experts' launch rule, in one launch (moe_route.triton_router; `counter` a zeroed
-    int32 [1] kept for these calls). None elsewhere: route the router's own product, and the experts align."""
+    """For decode batches of up to ROUTER_TOKENS tokens where the fused experts run: route(x @ router_weight^T +
+    router_bias) and the pairs aligned for the experts' launch rule, in one launch (moe_route.triton_router;
+    `counter` a zeroed int32 [1] kept for these calls). None elsewhere: route the router's own product, and the
+    experts align."""
     if not (x.is_cuda and 0 < x.shape[0] <= ROUTER_TOKENS and router_weight.dtype == x.dtype
             and router_weight.is_contiguous() and fused_runs(x, w13, fp8)):
         return None
@@ -64,7 +65,7 @@ def route_and_align(x: torch.Tensor, router_weight: torch.Tensor, counter: torch
     if router is None:
         return None
     c = launch_config(x.shape[0] * top_k, w13, fp8)
-    return router(x, router_weight, counter, top_k, renormalize, c.block_m)
+    return router(x, router_weight, counter, top_k, renormalize, c.block_m, router_bias)
 
 
 def launch_config(n_pairs: int, w13: Weights, fp8: bool) -> MoeConfig:
@@ -208,17 +209,16 @@ def _experts_by_pair(x: torch.Tensor, w13: Union[PackedExperts, Mxfp4Experts], w
                      w2_bias: Optional[torch.Tensor], swiglu: Optional[ClampedSwiGLU]) -> torch.Tensor:
     """A decode step's few pairs, each a row of a kernel reading its own expert's weight: no alignment and no padded
     16-row blocks, whose tensor-core tiles cost a whole block's dequantisation per expert for one or two rows. MXFP4:
-    kernels/mxfp4_pairs.py's kernel (biases added there); 4-bit integers: the dense 4-bit kernel's CUDA-cores path
-    (kernels/w4a16_gemm.py). The activation between the products in torch, on the gate/up product rounded to x's
-    dtype, as experts_reference rounds it."""
+    kernels/mxfp4_pairs.py's kernel (biases, the activation and the routing weights in its epilogues); 4-bit
+    integers: the dense 4-bit kernel's CUDA-cores path (kernels/w4a16_gemm.py), the activation between the two in
+    torch. Both round the gate/up product to x's dtype before the activation, as experts_reference does."""
     t, top_k = topk_ids.shape
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     if isinstance(w13, Mxfp4Experts):
         gemv = mxfp4_pair_gemv()
-        gate, up = gemv(x, w13.blocks, w13.scales, ids, top_k, w13_bias).chunk(2, dim=-1)
-        act = swiglu(gate, up) if swiglu is not None else F.silu(gate) * up
-        y = gemv(act.contiguous(), w2.blocks, w2.scales, ids, 1, w2_bias)
-        return (y.view(t, top_k, -1).float() * topk_weights.float()[..., None]).sum(dim=1).to(x.dtype)
+        act = gemv(x, w13.blocks, w13.scales, ids, top_k, w13_bias, gated=True, swiglu=swiglu)
+        y = gemv(act, w2.blocks, w2.scales, ids, 1, w2_bias, row_weights=topk_weights.reshape(-1).float())
+        return y.view(t, top_k, -1).sum(dim=1)
     gemm = w4a16_gemm()
     gate, up = gemm(x, w13.qweight, w13.scales, w13.zeros, ids=ids, top_k=top_k).chunk(2, dim=-1)
     out = gemm(F.silu(gate) * up, w2.qweight, w2.scales, w2.zeros, ids=ids, top_k=1,

@@ -140,17 +140,19 @@ def moe_route_topk(logits_ptr, weights_ptr, ids_ptr, n_tokens, num_experts, stri
 
 
 @triton.jit
-def moe_router(x_ptr, w_ptr, partial_ptr, counter_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ids_ptr,
+def moe_router(x_ptr, w_ptr, bias_ptr, partial_ptr, counter_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ids_ptr,
                num_padded_ptr, n_tokens, hidden, num_experts, stride_x, n_blocks, k_piece,
-               ROUND_BF16: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+               HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+               BLOCK_T: tl.constexpr,
                BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr, K_POW2: tl.constexpr,
                K_PIECES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr, PAIRS: tl.constexpr):
     """The router of up to BLOCK_T tokens in one launch. Program pid: experts [(pid // K_PIECES) * BLOCK_E,
     +BLOCK_E) over the K piece pid % K_PIECES of x [n_tokens, hidden] @ w [num_experts, hidden]^T, its float32
     partial logits written to partial [K_PIECES, BLOCK_T, EXPERTS]; then a ticket from the arrival counter. The
-    program that arrives last sums the partials in piece order (the same logits every run), rounds them to the
-    router's dtype (the logits the model's own product gives), writes the top-k weights and ids, aligns the pairs
-    (as moe_align's one launch, in one program) and resets the counter for the next call."""
+    program that arrives last sums the partials in piece order (the same logits every run), adds the bias (HAS_BIAS:
+    bias [num_experts]), rounds them to the router's dtype (the logits the model's own product gives), writes the
+    top-k weights and ids, aligns the pairs (as moe_align's one launch, in one program) and resets the counter for
+    the next call."""
     pid = tl.program_id(0)
     piece = pid % K_PIECES
     rows = tl.arange(0, BLOCK_T)
@@ -176,6 +178,8 @@ def moe_router(x_ptr, w_ptr, partial_ptr, counter_ptr, weights_ptr, ids_ptr, sor
         for p in tl.static_range(K_PIECES):  # past L1: other programs wrote them
             logits += tl.load(partial_ptr + (p * BLOCK_T + rows[:, None]) * EXPERTS + experts[None, :],
                               cache_modifier=".cg")
+        if HAS_BIAS:
+            logits += tl.load(bias_ptr + experts, mask=experts < num_experts, other=0.0).to(tl.float32)[None, :]
         if ROUND_BF16:
             logits = logits.to(tl.bfloat16).to(tl.float32)
         else:

@@ -18,7 +18,7 @@ in registers. The kernels: moe_device.py.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -55,15 +55,15 @@ ROUTER_PROGRAMS = 32  # (expert tile, K piece) programs the router's product aim
 
 @triton_launcher
 def triton_router(triton: ModuleType, tl: ModuleType) -> Callable[..., Tuple[torch.Tensor, torch.Tensor, Aligned]]:
-    """The launcher `run(x, router_weight, counter, top_k, renormalize, block_m)` -> (weights, ids, Aligned): route()
-    of x @ router_weight^T (rounded to x's dtype, as the model's product is) and triton_align's output for those ids,
-    for x [T <= ROUTER_TOKENS, H] bf16/fp16 with unit column stride and router_weight [E, H] of x's dtype,
-    contiguous. counter: int32 [1], zero, kept by the caller for its calls (each call leaves it zero; calls on one
-    stream only). None where Triton is missing."""
+    """The launcher `run(x, router_weight, counter, top_k, renormalize, block_m, bias=None)` -> (weights, ids, Aligned):
+    route() of x @ router_weight^T + bias (rounded to x's dtype, as the model's product is) and triton_align's output
+    for those ids, for x [T <= ROUTER_TOKENS, H] bf16/fp16 with unit column stride, router_weight [E, H] of x's dtype,
+    contiguous, and bias [E] or None. counter: int32 [1], zero, kept by the caller for its calls (each call leaves it
+    zero; calls on one stream only). None where Triton is missing."""
     from minisrv.kernels.moe_device import moe_router
 
     def run(x: torch.Tensor, router_weight: torch.Tensor, counter: torch.Tensor, top_k: int, renormalize: bool,
-            block_m: int) -> Tuple[torch.Tensor, torch.Tensor, Aligned]:
+            block_m: int, bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Aligned]:
         t, hidden = x.shape
         num_experts = router_weight.shape[0]
         if not 0 < t <= ROUTER_TOKENS or x.stride(1) != 1 or not router_weight.is_contiguous() \
@@ -82,9 +82,10 @@ def triton_router(triton: ModuleType, tl: ModuleType) -> Callable[..., Tuple[tor
         weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
         ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)
         out = aligned_buffers(t * top_k, num_experts, block_m, dev)
-        moe_router[(tiles * pieces,)](x, router_weight, partial, counter, weights, ids, *out, t, hidden, num_experts,
-                                      x.stride(0), out.expert_ids.numel(), k_piece,
-                                      ROUND_BF16=x.dtype == torch.bfloat16, TOP_K=top_k, RENORMALIZE=renormalize,
+        moe_router[(tiles * pieces,)](x, router_weight, bias if bias is not None else x, partial, counter, weights,
+                                      ids, *out, t, hidden, num_experts, x.stride(0), out.expert_ids.numel(), k_piece,
+                                      HAS_BIAS=bias is not None, ROUND_BF16=x.dtype == torch.bfloat16, TOP_K=top_k,
+                                      RENORMALIZE=renormalize,
                                       BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, EXPERTS=experts,
                                       K_POW2=triton.next_power_of_2(top_k), K_PIECES=pieces, BLOCK_M=block_m,
                                       BLOCKS=64, PAIRS=max(16, triton.next_power_of_2(t * top_k)), num_warps=4)

@@ -142,7 +142,8 @@ def config_for(m: int, n: int, k: int, group: int) -> W4A16Config:
     128 columns up to 16 rows and for wide outputs, else 64, K split (in 8 up to 16 rows, else in a power of two,
     programs up to TARGET_PROGRAMS: H100 sweeps of Llama-3-8B's projections, scripts/bench_w4a16.py); up to
     DEQUANTIZE_M: 64 or 128-row tiles of 128 columns, K steps of 64; more rows: the weight dequantised whole for
-    torch's matmul, whose tiles reuse it better. (GGUF planes pass the largest power of 2 up to 256 dividing K as `group`: K steps of whole sub-blocks.)"""
+    torch's matmul, whose tiles reuse it better. (GGUF planes pass the largest power of 2 up to 256 dividing K as
+    `group`: K steps of whole sub-blocks.)"""
     if m >= DEQUANTIZE_M:
         block_m, block_n, block_k, warps = 0, 128, 64, 4
     elif m <= GEMV_M:

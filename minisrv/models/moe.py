@@ -129,9 +129,8 @@ class SparseMoE(nn.Module):
         self.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routed = None if self.gate.bias is not None else \
-            route_and_align(x, self.gate.weight, self.router_counter, self.top_k, self.renormalize,
-                            self.experts.w13, self.experts.fp8)  # (the one-launch router takes no bias)
+        routed = route_and_align(x, self.gate.weight, self.router_counter, self.top_k, self.renormalize,
+                                 self.experts.w13, self.experts.fp8, self.gate.bias)
         topk_weights, topk_ids, aligned = routed if routed is not None else \
             (*route(self.gate(x), self.top_k, self.renormalize), None)  # (None: fused_experts aligns them)
         out = self.experts(x, topk_weights, topk_ids, aligned=aligned)

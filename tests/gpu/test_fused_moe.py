@@ -171,6 +171,22 @@ def test_router_in_one_launch_matches_route_and_align(t, num_experts, top_k, hid
     assert int(counter) == 0
 
 
+@pytest.mark.parametrize("t", [1, 5, 16])
+def test_router_with_a_bias_matches_the_linear_layer(t):
+    """gpt-oss's router has a bias: route_and_align with it against route() of F.linear(x, w, bias) (the model's
+    product, rounded once to bf16 as the kernel rounds its sum) at gpt-oss-20b's shape."""
+    num_experts, top_k, hidden = 32, 4, 2880
+    x, w, _ = _router_inputs(t, num_experts, hidden, seed=t)
+    bias = (torch.randn(num_experts, generator=torch.Generator().manual_seed(t)) * 0.5).bfloat16().cuda()
+    w13 = torch.empty(num_experts, 2, 16, dtype=torch.bfloat16, device="cuda")
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    weights, ids, aligned = route_and_align(x, w, counter, top_k, True, w13, False, bias)
+    ref_w, ref_ids = route(torch.nn.functional.linear(x, w, bias), top_k, True)
+    assert torch.equal(ids, ref_ids) and torch.allclose(weights, ref_w, rtol=1e-5, atol=1e-7)
+    assert not torch.equal(ids, route(x @ w.T, top_k, True)[1]) or t == 1  # the bias moved some choice
+    assert_same_alignment(aligned, align_reference(ids, num_experts, config_for(t * top_k, num_experts, False).block_m))
+
+
 @pytest.mark.parametrize("t", [1, 16])
 def test_router_in_one_launch_under_graph_replay(t):
     """route_and_align captured once and replayed on new inputs: as its eager result each time."""

@@ -238,29 +238,33 @@ def check_router_kernel() -> None:
     permuted identity over the first E columns of x (distinct logits in steps of 1/8, exact in float16) beside
     zero columns against random ones, so the product's K pieces and expert tiles all take part but add nothing
     inexact. 1 to 16 tokens, 8 / 60 / 128 experts, top-2 to top-8, with and without renormalisation; the arrival
-    counter is left zero, and a second call on it gives the same."""
+    counter is left zero, and a second call on it gives the same. With a bias (gpt-oss's router): distinct multiples
+    of 1/256 added to the logits (which stay distinct and exact), moving the weights."""
     from minisrv.kernels.moe_align import align_reference
     from minisrv.kernels.moe_route import triton_router
     run = triton_router()
     g = torch.Generator().manual_seed(5)
     counter = torch.zeros(1, dtype=torch.int32)
-    for t, num_experts, top_k, renormalize, extra, block_m in ((1, 8, 2, True, 40, 16), (3, 60, 6, False, 200, 16),
-                                                               (16, 128, 8, True, 300, 16), (7, 128, 8, True, 0, 64)):
+    for t, num_experts, top_k, renormalize, extra, block_m, biased in (
+            (1, 8, 2, True, 40, 16, False), (3, 60, 6, False, 200, 16, False), (16, 128, 8, True, 300, 16, False),
+            (7, 128, 8, True, 0, 64, False), (5, 32, 4, True, 100, 16, True)):
         logits = torch.stack([torch.randperm(num_experts, generator=g) / 8.0 - 4 for _ in range(t)])
         perm = torch.randperm(num_experts, generator=g)
         x = torch.cat([logits[:, perm], torch.randn(t, extra, generator=g)], dim=1).half()
         w = torch.zeros(num_experts, num_experts + extra)
         w[perm, torch.arange(num_experts)] = 1.0  # expert perm[i] reads column i, which holds its logit
+        bias = torch.randperm(num_experts, generator=g) / 256.0 if biased else None  # distinct sums, exact
         for _ in range(2):
-            weights, ids, aligned = run(x, w.half(), counter, top_k, renormalize, block_m)
-            ref_w, ref_ids = route_reference(logits, top_k, renormalize)
+            weights, ids, aligned = run(x, w.half(), counter, top_k, renormalize, block_m,
+                                        bias.half() if biased else None)
+            ref_w, ref_ids = route_reference(logits + bias if biased else logits, top_k, renormalize)
             assert torch.equal(ids.long(), ref_ids), (t, num_experts, top_k)
             err = (weights.double() - ref_w).abs().max().item()
             assert err <= 1e-6, f"weights off by {err:.1e}"
             assert_same_alignment(aligned, align_reference(ids, num_experts, block_m))
             assert int(counter) == 0, "the arrival counter was not reset"
-        print(f"moe router T={t} E={num_experts} k={top_k} H={num_experts + extra}: ids, weights within {err:.0e}, "
-              f"alignment as the torch one's")
+        print(f"moe router T={t} E={num_experts} k={top_k} H={num_experts + extra} bias={biased}: ids, weights "
+              f"within {err:.0e}, alignment as the torch one's")
 
 
 if __name__ == "__main__":
