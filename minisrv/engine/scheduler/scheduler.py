@@ -1,9 +1,10 @@
 """The queues and the choice of each step: the waiting queue (first come, first served), the running requests,
-prefill before decode, and retraction when decode runs out of pages."""
+prefill before decode, the decode set, and retraction (of the newest arrivals) when decode runs out of pages."""
 from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional
 
 import torch
@@ -11,12 +12,11 @@ import torch
 from minisrv.batch import ForwardMode
 from minisrv.kvcache import PageAllocator, ReqToTokenTable
 from minisrv.kvcache.radix import RadixCache
+from minisrv.utils import host_tensor
 
 from ..request import Request, RequestError, RequestStatus
 from ..speculative.speculator import Speculator
-from .batch import ScheduledBatch
 from .cache import CacheManager
-from .decode import decode_batch
 from .prefill import INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY, PrefillAdder
 from .window import WindowPages
 
@@ -31,6 +31,28 @@ DECODE_STEPS_AFTER_CHUNK = 8
 # was timed, never larger than FIRST_TIMED_CHUNK
 MIN_TIMED_CHUNK = 128
 FIRST_TIMED_CHUNK = 256
+
+
+@dataclass
+class ScheduledBatch:
+    """Every request is a sequence of token ids (prompt + output so far), of which the first `num_cached` have K/V
+    in the pool. A step extends each of `reqs` by its `extend_lens` tokens; one that reaches the end of its sequence
+    samples a token. Prefill, chunked prefill, re-prefill after retraction and decode are all this one operation."""
+
+    mode: ForwardMode
+    reqs: List[Request]
+    extend_lens: List[int]
+    out_cache_loc: torch.Tensor  # [sum(extend_lens)] int64 slots, on the host
+    samples: List[bool] = None  # whether each request reaches the end of its sequence (and samples a token)
+    # a verify step (engine/speculative/): each request extends by its last token and its draft, and samples at
+    # every one of those positions
+    drafts: Optional[List[List[int]]] = None
+
+    def __post_init__(self) -> None:
+        if self.samples is None and self.drafts is not None:
+            self.samples = [True] * len(self.reqs)
+        if self.samples is None:
+            self.samples = [r.num_cached + n == r.total_len for r, n in zip(self.reqs, self.extend_lens)]
 
 
 class Scheduler:
@@ -163,10 +185,33 @@ class Scheduler:
                               [a.extend_len for a in adder.admitted], torch.cat(slots))
 
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
-        batch = decode_batch(self.running, self.cache, self._retract, self.speculator)
-        if batch is not None:
-            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        return batch
+        """One token for each running request that has all but its last token computed (a request running alone,
+        after a failed step, decodes alone), retracting the newest arrivals while the pool is short of pages. With a
+        speculator whose requests draft, a verify step instead (each request's last token and its draft), where the
+        pool has the pages for it."""
+        cache, running = self.cache, self.running
+        # a request whose last allowed token is still on the device needs no further step
+        reqs = [r for r in running if r.num_cached == r.total_len - 1 and r.num_output_tokens < r.max_new_tokens]
+        solo = next((r for r in reqs if r.solo), None)
+        if solo is not None:
+            reqs = [solo]
+        while reqs and cache.decode_pages(reqs) > cache.available_pages():
+            if len(running) == 1:  # admission refuses requests larger than the pool, so this cannot happen
+                raise RuntimeError("KV pool too small for a single request")
+            victim = max(running, key=lambda r: r.arrival)
+            self._retract(victim)
+            if victim in reqs:
+                reqs.remove(victim)
+        if not reqs:
+            return None
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        drafts = self.speculator.drafts(reqs) if self.speculator is not None else None
+        if drafts is not None and cache.verify_pages(reqs, drafts) <= cache.available_pages():
+            slots = torch.cat([cache.place(r, 1 + len(d)) for r, d in zip(reqs, drafts)])
+            return ScheduledBatch(ForwardMode.EXTEND, reqs, [1 + len(d) for d in drafts], slots, drafts=drafts)
+        n = len(reqs)
+        return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * n, host_tensor(cache.place_decode(reqs), torch.int64),
+                              [True] * n)
 
     def _retract(self, req: Request) -> None:
         """Free a running request's KV and queue it again; it will be re-prefilled with its output so far."""
