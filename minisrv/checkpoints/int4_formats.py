@@ -48,8 +48,7 @@ def unpack_columns(words: torch.Tensor, order: Optional[Tuple[int, ...]] = None)
     return nibbles.reshape(words.shape[0], -1).to(torch.uint8)
 
 
-def int4_tensors(tensors: Iterator[Tuple[str, StoredTensor]],
-                 scheme: Int4Scheme) -> Iterator[Tuple[str, StoredTensor]]:
+def int4_tensors(tensors: Iterator[Tuple[str, StoredTensor]], scheme: Int4Scheme) -> Iterator[Tuple[str, StoredTensor]]:
     """The checkpoint's tensors with each 4-bit matrix's parts read as one `<module>.weight` of shape [N, K]
     whose reader returns an Int4Weight; other tensors as they are. A projection the checkpoint left unquantised
     and a quantised lm_head, embedding or router are errors naming them (their layers are built for one kind)."""

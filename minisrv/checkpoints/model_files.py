@@ -101,17 +101,13 @@ def load_model_args(path: str, cache_dir: Optional[str] = None) -> ModelArgs:
 
 
 def _generation_eos_ids(path: str) -> List[int]:
-    """eos_token_id of the directory's generation_config.json, if it has one."""
-    gen_file = os.path.join(path, "generation_config.json")
-    if is_gguf(path) or not os.path.isfile(gen_file):
-        return []
+    """eos_token_id of the directory's generation_config.json, if it has one (a GGUF file has none)."""
     try:
-        with open(gen_file) as f:
+        with open(os.path.join(path, "generation_config.json")) as f:
             eos = json.load(f).get("eos_token_id")
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # no such file, or not a JSON object
         return []
-    if isinstance(eos, int):
-        eos = [eos]
+    eos = [eos] if isinstance(eos, int) else eos
     return [e for e in eos if isinstance(e, int)] if isinstance(eos, list) else []
 
 

@@ -43,9 +43,9 @@ class PoolingConfig:
 def resolve_pooling(path: str, args: ModelArgs, is_embedding: bool) -> Optional[PoolingConfig]:
     """The model's pooling if it is an embedding model (sentence-transformers files, a bare decoder's
     architecture, or `is_embedding`), else None: a generation model. Unsupported pooling is a WeightLoadError."""
-    st = _sentence_transformers(path)
+    st = _sentence_transformers(path, args.hidden_size)
     if st is not None:
-        return PoolingConfig(st[0], st[1], args.hidden_size, st[2])
+        return st
     if args.base_model or is_embedding:
         why = "a bare decoder's architecture" if args.base_model else "--is-embedding"
         return PoolingConfig("last", True, args.hidden_size,
@@ -61,9 +61,9 @@ def _read_json(file: str) -> Any:
         raise WeightLoadError(f"{file} cannot be read: {e}") from None
 
 
-def _sentence_transformers(path: str) -> Optional[tuple]:
-    """(mode, normalize, source) from a sentence-transformers directory's modules.json and its Pooling module's
-    config.json; None when the directory has no modules.json listing a Pooling module."""
+def _sentence_transformers(path: str, dim: int) -> Optional[PoolingConfig]:
+    """The pooling a sentence-transformers directory's modules.json and its Pooling module's config.json say; None
+    when the directory has no modules.json listing a Pooling module."""
     modules_file = os.path.join(path, "modules.json")
     if not os.path.isdir(path) or not os.path.isfile(modules_file):
         return None
@@ -88,5 +88,5 @@ def _sentence_transformers(path: str) -> Optional[tuple]:
     if len(on) != 1 or on[0] not in ST_MODE_FLAGS:
         raise WeightLoadError(f"{cfg_file}: pooling {', '.join(on) or '(none given)'} is not supported; "
                               f"supported: pooling_mode_lasttoken, pooling_mode_mean_tokens")
-    normalize = ST_NORMALIZE in kinds
-    return ST_MODE_FLAGS[on[0]], normalize, f"from {os.path.join(sub, 'config.json')} and modules.json"
+    return PoolingConfig(ST_MODE_FLAGS[on[0]], ST_NORMALIZE in kinds, dim,
+                         f"from {os.path.join(sub, 'config.json')} and modules.json")

@@ -104,8 +104,7 @@ def _targets(name: str, p: Optional[torch.Tensor], shape: Tuple[int, ...], write
     return out
 
 
-def _expert_targets(owner: str, experts: Any, which: str, args: ModelArgs,
-                    plan: ShardPlan) -> Dict[str, Target]:
+def _expert_targets(owner: str, experts: Any, which: str, args: ModelArgs, plan: ShardPlan) -> Dict[str, Target]:
     """The per-expert checkpoint tensors of a layer's stacked `which` (w13: gate then up rows; w2: down), and their
     biases where the experts have them."""
     h, width = args.hidden_size, args.moe_intermediate_size
@@ -140,8 +139,7 @@ def _unsharded_shape(name: str, shape: Tuple[int, ...], args: ModelArgs) -> Tupl
     return shape
 
 
-def split_fused(tensors: Iterator[Tuple[str, StoredTensor]],
-                args: ModelArgs) -> Iterator[Tuple[str, StoredTensor]]:
+def split_fused(tensors: Iterator[Tuple[str, StoredTensor]], args: ModelArgs) -> Iterator[Tuple[str, StoredTensor]]:
     """The checkpoint's tensors with each fused qkv_proj / gate_up_proj one (Phi-3's) as its q, k, v / gate, up row
     ranges under their own names: each tensor-parallel rank then reads only its heads of each and its share of
     gate and of up, as from a checkpoint that stores them apart."""

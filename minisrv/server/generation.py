@@ -100,8 +100,7 @@ non-streaming request's whole answer (a pydantic model or a JSON-able dict)."""
     def response(self, choices: Sequence[Choice], usage: UsageInfo) -> Any: ...
 
 
-async def serve(state: "ServerState", request: Request, gen: Generation, renderer: Renderer,
-                stream: bool) -> Response:
+async def serve(state: "ServerState", request: Request, gen: Generation, renderer: Renderer, stream: bool) -> Response:
     """Run a generation through the engine and answer it, streamed (SSE) or whole."""
     jobs = make_jobs(renderer.id, gen)
     choices = [Choice(j.index, gen.prefixes[j.index // gen.n] if gen.prefixes else "", j.prompt_ids) for j in jobs]

@@ -45,7 +45,6 @@ class TokenClock:
 
 
 class ServerMetrics:
-
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("minisrv_requests", "HTTP requests to /v1 routes (and /tokenize, /detokenize), by "

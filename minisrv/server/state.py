@@ -19,7 +19,6 @@ from .replicas import Replicas
 
 @dataclass
 class ServerState:
-
     client: Replicas
     served_model_name: str
     tokenizer: Any = None

@@ -22,8 +22,7 @@ from ..streaming import sse
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
 
 
-def stop_reason(finish_reason: Optional[str], stop_str: Optional[str], tool_calls: bool
-                ) -> Tuple[str, Optional[str]]:
+def stop_reason(finish_reason: Optional[str], stop_str: Optional[str], tool_calls: bool) -> Tuple[str, Optional[str]]:
     """A message's stop_reason and stop_sequence."""
     if finish_reason == "stop" and tool_calls:
         return "tool_use", None

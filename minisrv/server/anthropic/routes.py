@@ -145,11 +145,9 @@ def _chat_messages(role: str, content: Any, where: str) -> List[Dict[str, Any]]:
     return [msg]
 
 
-def _tools(tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[str, Any]]]:
-    if tools is None:
-        return None
+def _tools(tools: Optional[List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
     out = []
-    for i, tool in enumerate(tools):
+    for i, tool in enumerate(tools or []):
         if tool.get("type", "custom") not in ("custom", None):
             logger.info("tools[%d]: the server tool %r (%s) is left out: this server cannot run it", i,
                         tool.get("name"), tool.get("type"))

@@ -59,20 +59,13 @@ class HostName:
         return self.name == other.name and (self.port is None or self.port == other.port)
 
 
-def is_loopback_name(host: HostName) -> bool:
-    """localhost, an IPv4 address in 127.0.0.0/8, [::1] (or an IPv4-mapped loopback address)."""
-    return host.name == "localhost" or _is_loopback_ip(host.name[1:-1] if host.name.startswith("[") else host.name)
-
-
 def is_loopback_address(address: str) -> bool:
-    """Is a bound address (or the name it was given by) a loopback one?"""
-    return address.lower().rstrip(".") == "localhost" or _is_loopback_ip(address.split("%", 1)[0])
-
-
-def _is_loopback_ip(text: str) -> bool:
-    """An IP address literal in a loopback range (an IPv4-mapped IPv6 address by its IPv4 part)."""
+    """Is a bound address, a Host's name (IPv6 unbracketed) or the name either was given by a loopback one:
+    localhost, an IPv4 address in 127.0.0.0/8, ::1 (an IPv4-mapped IPv6 address by its IPv4 part)?"""
+    if address.lower().rstrip(".") == "localhost":
+        return True
     try:
-        addr = ipaddress.ip_address(text)
+        addr = ipaddress.ip_address(address.split("%", 1)[0])
     except ValueError:
         return False
     mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
@@ -128,7 +121,7 @@ name nor allowed (see `for_bind`); `Origin` is accepted only as allowed (a reque
         host = HostName.parse(value)
         if host is None:
             return False
-        return is_loopback_name(host) or any(entry.matches(host) for entry in self.allowed_hosts)
+        return is_loopback_address(host.name.strip("[]")) or any(entry.matches(host) for entry in self.allowed_hosts)
 
     def origin_allowed(self, value: Optional[str]) -> bool:
         return value is None or self.allow_any_origin or normalize_origin(value) in self.allowed_origins

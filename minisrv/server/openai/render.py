@@ -75,8 +75,7 @@ class CompletionRenderer(OpenAIStream):
     logprobs: Optional[int] = None  # the request's `logprobs` (None: none)
     echo_logprobs: bool = False  # echo with logprobs: the prompt's tokens come first, with their logprobs
 
-    def _logprobs(self, lps: Sequence[PositionedLogprob], echoed: Optional[Choice] = None
-                  ) -> Optional[Dict[str, Any]]:
+    def _logprobs(self, lps: Sequence[PositionedLogprob], echoed: Optional[Choice] = None) -> Optional[Dict[str, Any]]:
         """The logprobs of `lps`, after those of the prompt's tokens when `echoed` (echo with logprobs)."""
         if self.logprobs is None:
             return None
@@ -132,8 +131,7 @@ class ChatRenderer(OpenAIStream):
     reasoning: Optional[ReasoningPlan] = None
     _streams: Dict[int, AnswerStream] = field(default_factory=dict)  # per choice, while streaming
 
-    def _chunk(self, index: int, delta: Dict[str, Any], lps: Sequence[PositionedLogprob],
-               finish: Optional[str]) -> str:
+    def _chunk(self, index: int, delta: Dict[str, Any], lps: Sequence[PositionedLogprob], finish: Optional[str]) -> str:
         logprobs = chat_logprobs(self.token_text, lps, self.top_logprobs) if self.logprobs and lps else None
         return self.event(_choice(index, "delta", delta, logprobs, finish))
 

@@ -26,22 +26,19 @@ from .protocol import MAX_CHOICES, ChatCompletionRequest, ChatMessage, Completio
 from .render import ChatRenderer, CompletionRenderer
 
 
-def _checked(state: ServerState, body: Any) -> None:
-    """The model, and what both routes refuse beyond the schema."""
+def _checked(state: ServerState, body: Any) -> bool:
+    """The model, and what both routes refuse beyond the schema; returns whether the stream ends with the usage."""
     state.check_generation_model(body.model)
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise APIError(400, "best_of other than n is not supported", param="best_of")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
-
-
-def _stream_usage(body: Any) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
 async def completions(state: ServerState, request: Request) -> Response:
     body, large = await parse_body(request, CompletionRequest)
-    _checked(state, body)
+    stream_usage = _checked(state, body)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     echo_lp = bool(body.echo) and body.logprobs is not None  # the prompt's tokens are scored too
@@ -70,7 +67,7 @@ async def completions(state: ServerState, request: Request) -> Response:
     size = sum(len(p) for p in raw)  # characters or token ids
     prompts, echoed = await off_loop(large or size > ASYNC_ENCODE_CHARS or constraint_of(params) is not None, prepare)
     renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", state.served_model_name, state.fingerprint,
-                                  _stream_usage(body), token_text=state.token_text, logprobs=body.logprobs,
+                                  stream_usage, token_text=state.token_text, logprobs=body.logprobs,
                                   echo_logprobs=echo_lp)
     return await serve(state, request, Generation(prompts, params, n, echoed), renderer, bool(body.stream))
 
@@ -112,10 +109,10 @@ def chat_inputs(body: ChatCompletionRequest) -> ChatInputs:
 
 async def chat(state: ServerState, request: Request) -> Response:
     body, large = await parse_body(request, ChatCompletionRequest)
-    _checked(state, body)
+    stream_usage = _checked(state, body)
     plan = await plan_chat(state.prompts, chat_inputs(body), state.info.limits, large)
     renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", state.served_model_name, state.fingerprint,
-                            _stream_usage(body), token_text=state.token_text, logprobs=bool(body.logprobs),
+                            stream_usage, token_text=state.token_text, logprobs=bool(body.logprobs),
                             top_logprobs=body.top_logprobs or 0, tools=plan.tools, reasoning=plan.reasoning)
     return await serve(state, request, Generation([plan.prompt_ids], plan.params, body.n or 1), renderer,
                        bool(body.stream))

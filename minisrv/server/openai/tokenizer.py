@@ -97,8 +97,7 @@ async def tokenize(state: "ServerState", request: Request) -> JSONResponse:
 async def detokenize(state: "ServerState", request: Request) -> JSONResponse:
     body, large = await parse_body(request, DetokenizeRequest)
     state.check_model(body.model)
-    tok = state.tokenizer
-    ids = body.tokens
+    tok, ids = state.tokenizer, body.tokens
 
     def decode() -> str:
         size = len(tok)

@@ -43,7 +43,7 @@ class ChatInputs:
 
 @dataclass(frozen=True)
 class ChatPlan:
-
+    """What plan_chat makes of a chat request: for the engine, and for its renderer (tools, reasoning)."""
     prompt_ids: List[int]
     params: Optional[SamplingParams]  # None when no sampling fields were given
     tools: ToolPlan

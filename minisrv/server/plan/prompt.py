@@ -177,8 +177,7 @@ and 80 spaces.) A normalizer can shrink the text, so with one there is no bound.
             return None
         if not any(p.get("type") == "ByteLevel" for p in parts):
             return None
-        if any(p.get("type") not in ("ByteLevel", "Split", "Digits") or p.get("behavior") == "Removed"
-               for p in parts):
+        if any(p.get("type") not in ("ByteLevel", "Split", "Digits") or p.get("behavior") == "Removed" for p in parts):
             return None
         vocab = backend.get_vocab(with_added_tokens=False)
         added = [t.content for t in backend.get_added_tokens_decoder().values()]

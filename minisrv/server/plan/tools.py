@@ -132,6 +132,13 @@ def _call_from_obj(obj: Any) -> Optional[ToolCall]:
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
 
 
+def _call_from_json(text: str) -> Optional[ToolCall]:
+    try:
+        return _call_from_obj(json.loads(text))
+    except ValueError:
+        return None
+
+
 def _array_items(text: str) -> Optional[List[Any]]:
     """The complete items of a JSON array, also of one cut off after them (None: not an array)."""
     body = text.lstrip()
@@ -160,14 +167,8 @@ def parse_tool_calls(text: str, plan: ToolPlan) -> Tuple[Optional[str], List[Too
         calls = [c for c in (_call_from_obj(i) for i in items or []) if c]
         return (None, calls) if calls else (text, [])
     if plan.parser == "hermes":
-        calls = []
-        for m in _HERMES_CALL.finditer(text):
-            try:
-                c = _call_from_obj(json.loads(m.group(1)))
-            except ValueError:
-                c = None
-            if c is not None and c.name in plan.names:
-                calls.append(c)
+        found = (_call_from_json(m.group(1)) for m in _HERMES_CALL.finditer(text))
+        calls = [c for c in found if c is not None and c.name in plan.names]
         if not calls:
             return text, []
         content = text[:text.find(HERMES_OPEN)].strip()
@@ -175,16 +176,10 @@ def parse_tool_calls(text: str, plan: ToolPlan) -> Tuple[Optional[str], List[Too
     body = text.strip()
     if body.startswith(PYTHON_TAG):
         body = body[len(PYTHON_TAG):].strip()
-    calls = []
-    for part in (p for p in body.split(";") if p.strip()):
-        try:
-            c = _call_from_obj(json.loads(part))
-        except ValueError:
-            return text, []
-        if c is None or c.name not in plan.names:
-            return text, []
-        calls.append(c)
-    return (None, calls) if calls else (text, [])
+    calls = [_call_from_json(part) for part in body.split(";") if part.strip()]
+    if not calls or any(c is None or c.name not in plan.names for c in calls):
+        return text, []  # all of it is calls, or none of it is
+    return None, calls
 
 
 def content_prefix_len(text: str, plan: ToolPlan) -> int:

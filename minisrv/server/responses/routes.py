@@ -162,8 +162,13 @@ def chat_tools(tools: Optional[List[Any]]) -> List[Dict[str, Any]]:
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == "namespace" and isinstance(tool.get("tools"), list):
             out += chat_tools(tool["tools"])
-        elif kind == "function":
-            out.append(_function_tool(tool, i))
+        elif kind == "function" and isinstance(tool.get("function"), dict):  # chat's shape, sent here anyway
+            out.append({"type": "function", "function": tool["function"]})
+        elif kind == "function":  # {type, name, description, parameters, strict}
+            if not isinstance(tool.get("name"), str):
+                raise APIError(400, f"tools[{i}]: a function tool needs a string name", param="tools")
+            fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+            out.append({"type": "function", "function": fn})
         else:
             logger.info("tools[%d]: the hosted %s tool is left out: this server cannot run it", i, kind)
     return out
@@ -174,16 +179,6 @@ def tool_namespaces(tools: Optional[List[Any]]) -> Dict[str, str]:
             and tool.get("type") == "namespace" and isinstance(tool.get("name"), str)
             and isinstance(tool.get("tools"), list)
             for fn in tool["tools"] if isinstance(fn, dict) and isinstance(fn.get("name"), str)}
-
-
-def _function_tool(tool: Dict[str, Any], i: int) -> Dict[str, Any]:
-    """A Responses function tool ({type, name, description, parameters, strict}) as chat's."""
-    if isinstance(tool.get("function"), dict):  # chat's shape, sent here anyway
-        return {"type": "function", "function": tool["function"]}
-    if not isinstance(tool.get("name"), str):
-        raise APIError(400, f"tools[{i}]: a function tool needs a string name", param="tools")
-    fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
-    return {"type": "function", "function": fn}
 
 
 def chat_tool_choice(choice: Any) -> Any:
