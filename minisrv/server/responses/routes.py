@@ -106,9 +106,8 @@ def input_messages(items: Union[str, List[Any]]) -> List[Dict[str, Any]]:
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", i), "type": "function",
                     "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)}}
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)  # the calls of one assistant turn stay together
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)  # the calls of one assistant turn stay together
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
