@@ -193,11 +193,8 @@ def _thinking(thinking: Optional[Dict[str, Any]], reasoning_parser: bool) -> Tup
 def chat_inputs(body: CountTokensRequest, reasoning_parser: bool,
                 sampling: Optional[Dict[str, Any]] = None) -> ChatInputs:
     """The request in the plan's terms; raises APIError (a 400) for what it cannot say there."""
-    messages: List[Dict[str, Any]] = []
-    if body.system is not None:
-        system = text_blocks(body.system, "system")
-        if system:
-            messages.append({"role": "system", "content": system})
+    system = "" if body.system is None else text_blocks(body.system, "system")
+    messages: List[Dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     for i, msg in enumerate(body.messages):
         where = f"messages[{i}]"
         if msg.role == "system":

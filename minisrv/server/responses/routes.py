@@ -71,10 +71,8 @@ def chat_inputs(req: ResponsesRequest) -> ChatInputs:
         if getattr(req, param) not in (None, False):
             hint = "" if param == "background" else ": send the whole conversation in input"
             raise APIError(400, f"{param} {why}, and this server stores none{hint}", param=param)
-    messages: List[Dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
-    messages += input_messages(req.input)
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    messages = system + input_messages(req.input)
     if not any(m["role"] != "system" for m in messages):
         raise APIError(400, "input must hold at least one message or item", param="input")
     fmt = (req.text or {}).get("format")
