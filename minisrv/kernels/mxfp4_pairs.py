@@ -27,7 +27,8 @@ from minisrv.kernels.triton_launcher import triton_launcher
 
 
 class PairConfig(NamedTuple):
-    """Launch parameters: a program's rows of N, its K step (a multiple of 32), its warps."""
+    """Launch parameters: a program's weight rows (gated: half gate rows, half the matching up rows), its K step (a
+    multiple of 32), its warps."""
 
     block_n: int = 32
     block_k: int = 512
@@ -101,15 +102,15 @@ def mxfp4_pair_gemv(triton: ModuleType, tl: ModuleType) -> Callable[..., torch.T
         if x.shape[1] != k or x.stride(1) != 1 or k % 32 or ids.dtype != torch.int32 or (gated and n % 2):
             raise ValueError(f"MXFP4 pairs: x {tuple(x.shape)} stride {x.stride()}, blocks {tuple(blocks.shape)}, "
                              f"ids {ids.dtype}")
-        n_out = n // 2 if gated else n
+        n_out, block_n = (n // 2, config.block_n // 2) if gated else (n, config.block_n)
         out = torch.empty(ids.shape[0], n_out, dtype=x.dtype, device=x.device)
         if ids.shape[0]:
-            pair_gemv[(ids.shape[0], triton.cdiv(n_out, config.block_n))](
+            pair_gemv[(ids.shape[0], triton.cdiv(n_out, block_n))](
                 x, x.stride(0), blocks, scales, ids, bias if bias is not None else x,
                 row_weights if row_weights is not None else x, out, n_out, k,
                 swiglu.alpha if swiglu else 1.0, swiglu.limit if swiglu else 0.0, ROWS_PER_X=rows_per_x,
                 HAS_BIAS=bias is not None, GATED=gated, CLAMPED=swiglu is not None,
-                ROW_WEIGHTS=row_weights is not None, BN=config.block_n, BK=config.block_k,
+                ROW_WEIGHTS=row_weights is not None, BN=block_n, BK=config.block_k,
                 num_warps=config.num_warps)
         return out
 
