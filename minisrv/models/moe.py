@@ -15,7 +15,7 @@ down bias held by rank 0 alone: the other ranks' partial sums must not add it ag
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ from torch import nn
 
 from minisrv.distributed import TensorParallel
 from minisrv.kernels.fp8_quant import FP8, quantize_rows
-from minisrv.kernels.fused_moe import fused_experts, route, route_and_align
+from minisrv.kernels.fused_moe import Weights, fused_experts, route, route_and_align
 from minisrv.kernels.moe_align import Aligned
 from minisrv.kernels.moe_gemm import ClampedSwiGLU
 from minisrv.kernels.moe_w4a16 import Mxfp4Experts
@@ -81,15 +81,17 @@ class Experts(nn.Module):
             param[expert, row:row + w.shape[0]] = q
             getattr(self, which + "_scale")[expert, row:row + w.shape[0]] = scale.reshape(-1)
 
+    def stacks(self) -> Tuple[Weights, Weights]:
+        """w13 and w2 as the fused experts take them (MXFP4: each stack's bytes with their exponents)."""
+        if self.mxfp4:
+            return Mxfp4Experts(self.w13, self.w13_scale), Mxfp4Experts(self.w2, self.w2_scale)
+        return self.w13, self.w2
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 aligned: Optional[Aligned] = None) -> torch.Tensor:
-        if self.mxfp4:
-            w13, w2 = Mxfp4Experts(self.w13, self.w13_scale), Mxfp4Experts(self.w2, self.w2_scale)
-            scales = (None, None)
-        else:
-            w13, w2, scales = self.w13, self.w2, (self.w13_scale, self.w2_scale)
-        return fused_experts(x, w13, w2, topk_weights, topk_ids, *scales, aligned=aligned, w13_bias=self.w13_bias,
-                             w2_bias=self.w2_bias, swiglu=self.swiglu)
+        scales = (None, None) if self.mxfp4 else (self.w13_scale, self.w2_scale)
+        return fused_experts(x, *self.stacks(), topk_weights, topk_ids, *scales, aligned=aligned,
+                             w13_bias=self.w13_bias, w2_bias=self.w2_bias, swiglu=self.swiglu)
 
     def extra_repr(self) -> str:
         e, two_i, h = self.w13.shape
@@ -130,7 +132,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = route_and_align(x, self.gate.weight, self.router_counter, self.top_k, self.renormalize,
-                                 self.experts.w13, self.experts.fp8, self.gate.bias)
+                                 self.experts.stacks()[0], self.experts.fp8, self.gate.bias)
         topk_weights, topk_ids, aligned = routed if routed is not None else \
             (*route(self.gate(x), self.top_k, self.renormalize), None)  # (None: fused_experts aligns them)
         out = self.experts(x, topk_weights, topk_ids, aligned=aligned)

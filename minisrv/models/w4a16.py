@@ -211,6 +211,10 @@ class W4A16Experts(nn.Module):
     def w2(self) -> PackedExperts:
         return self.packed("w2")
 
+    def stacks(self) -> Tuple[PackedExperts, PackedExperts]:
+        """w13 and w2 as the fused experts take them (as Experts.stacks)."""
+        return self.w13, self.w2
+
     def packed(self, which: str) -> PackedExperts:
         return PackedExperts(*(getattr(self, f"{which}_{part}") for part in ("qweight", "scales", "zeros", "perm")))
 
@@ -223,7 +227,7 @@ class W4A16Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 aligned: Optional[Aligned] = None) -> torch.Tensor:
-        return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, aligned=aligned)
+        return fused_experts(x, *self.stacks(), topk_weights, topk_ids, aligned=aligned)
 
     def extra_repr(self) -> str:
         e, h, n = self.w13.num_experts, self.w13.k, self.w13.n
