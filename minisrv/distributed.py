@@ -41,7 +41,8 @@ class Rendezvous(NamedTuple):
     Why the number: torch names process groups by a per-process counter that restarts at 0 when the groups are
     destroyed, and torch's symmetric memory keeps what it set up per group name for the life of the process: a
     second engine in the same process would reuse the first one's names and wait forever on the first group's
-    state. So rank 0 never lets the counter go back (`drop_process_group`) and hands its value to the ranks it spawns."""
+    state. So rank 0 never lets the counter go back (`drop_process_group`) and hands its value to the ranks it
+    spawns."""
 
     address: str
     first_group: int

@@ -77,8 +77,9 @@ def freeze_startup_heap() -> None:
     """For a process that serves one engine from here on (the server's engine process, a tensor-parallel rank, the
     generate script): collect once, then move every object alive (imports, the model, the tokenizer: 10^5-10^6 of
     them) out of the cyclic garbage collector's walk. A full collection walks every tracked object and stalls the
-    host, which a decode loop pays as a late step; after this it walks only what serving created. Frozen objects are still freed by reference
-    counting, but cycles among them never are: not for a process that builds engine after engine (tests), and
-    `gc.unfreeze()` before dropping one whose teardown needs its cycles collected (model_runner.release_graphs)."""
+    host, which a decode loop pays as a late step; after this it walks only what serving created. Frozen objects are
+    still freed by reference counting, but cycles among them never are: not for a process that builds engine after
+    engine (tests), and `gc.unfreeze()` before dropping one whose teardown needs its cycles collected
+    (model_runner.release_graphs)."""
     gc.collect()
     gc.freeze()

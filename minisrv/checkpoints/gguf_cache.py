@@ -176,7 +176,8 @@ tokenizer; two servers may start at once) waits and reads the result; without a 
                 _discard(os.path.join(parent, d))
         code = model_code_hash()
         for name in _listdir(self.folder):
-            if name.startswith("model-") and name.endswith(".safetensors") and not name.endswith(f"-{code}.safetensors"):
+            if name.startswith("model-") and name.endswith(".safetensors") \
+                    and not name.endswith(f"-{code}.safetensors"):
                 _discard(os.path.join(self.folder, name))
         with contextlib.suppress(OSError), open(os.path.join(parent, SOURCE_FILE), "w") as f:
             f.write(self.gguf)

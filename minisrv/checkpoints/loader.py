@@ -182,9 +182,10 @@ def _cache_options(build: ModelBuild) -> str:
                      "embed" if build.embedding else "lm"])
 
 
-def _load_gguf(path: str, build: ModelBuild, cache: Optional[GGUFCache], reader: Optional[Any] = None) -> LoadedModel:
-    """A GGUF model: mapped from the cache's file for these load options, else dequantised from the GGUF (one tensor at a
-time) and written to the cache. `reader`: the file's header if it was read already."""
+def _load_gguf(path: str, build: ModelBuild, cache: Optional[GGUFCache],
+               reader: Optional[Any] = None) -> LoadedModel:
+    """A GGUF model: mapped from the cache's file for these load options, else dequantised from the GGUF (one tensor
+    at a time) and written to the cache. `reader`: the file's header if it was read already."""
     t0 = time.perf_counter()
     if cache is None or build.quantization == "gguf-planes":  # planes: made from the file's blocks as fast as read
         return LoadedModel(_dequantised_model(path, build, t0, reader))

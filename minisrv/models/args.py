@@ -73,7 +73,8 @@ class ModelArgs:
     attn_logit_softcap: Optional[float] = None  # Gemma 2 (see attention_options.py)
     query_pre_attn_scalar: Optional[float] = None  # the softmax scale is its inverse square root (None: head_dim's)
     final_logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
-    gemma_norms: bool = False  # (1 + weight) RMSNorms, also after attention and around the MLP; embedding * sqrt(hidden)
+    # (1 + weight) RMSNorms, also after attention and around the MLP; embedding * sqrt(hidden)
+    gemma_norms: bool = False
     hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_tanh (Gemma)
     local_rope_theta: Optional[float] = None  # Gemma 3's sliding layers: this rope base, without rope_scaling
     quantization_config: Optional[Dict[str, Any]] = None  # a quantised checkpoint's (see fp8.py)
