@@ -126,9 +126,7 @@ def serves_window_pool(name: str) -> bool:
 
 
 def auto_choice(sm: Optional[int]) -> str:
-    if sm is None:
-        return "torch"
-    return "fa,fi" if sm == 90 else "fi"
+    return "torch" if sm is None else "fa,fi" if sm == 90 else "fi"
 
 
 def resolve_backend(name: str, device: torch.device, features: FrozenSet[str] = frozenset()) -> str:

@@ -36,6 +36,8 @@ class AttentionBackend(ABC):
         self.num_q_heads = num_q_heads
         self.num_kv_heads = pool.num_kv_heads
         self.head_dim = pool.head_dim
+        self.page_size = pool.page_size
+        self.device = req_to_token.device
         self.layers = tuple(layers) if layers is not None else plain_layers(pool.num_layers, self.head_dim)
         if len(self.layers) != pool.num_layers:
             raise ValueError(f"{len(self.layers)} layers' attention options for a pool of {pool.num_layers} layers")

@@ -110,7 +110,6 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
         self.layer_args = [dict(softmax_scale=a.scale, **({"window_size": (a.window_left, 0)} if a.window else {}),
                                 **({"sinks": a.sinks_tensor(pool.device).bfloat16()} if a.sinks is not None else {}))
                            for a in self.layers]
-        self.page_size = pool.page_size
         self.fp8 = pool.quantized
         if self.fp8 and self.head_dim % 16:
             raise ValueError(f"the fa backend's FP8 mode needs head_dim to be a multiple of 16; this model's is "
@@ -160,15 +159,19 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
     def kv_store_target(self, layer_id: int, meta: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         return self._pool_target(layer_id, self._reads(layer_id, meta)[0])
 
-    def decode_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> FAMeta:
-        """A decode step's metadata over a CUDA graph's static page table (PageTableGraphs)."""
-        return FAMeta(loc, table, seq_lens, None, 1)
+    def decode_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor, q_len: int = 1) -> FAMeta:
+        """A decode step's metadata over a CUDA graph's static page table (PageTableGraphs), or (as verify_meta) a
+        verify step's of q_len queries per request (the last `q_len` positions of each sequence, causal from the
+        bottom right as FA3 aligns them)."""
+        return FAMeta(loc, table, seq_lens, None, q_len)
+
+    verify_meta = decode_meta
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
         super().init_graph_state(max_bs, max_seq_len)
         if self.window_table is not None:
-            self.static_window = StaticPageTable(max_bs, max_seq_len, self.page_size, self.req_to_token.device)
-            self.g_window_loc = torch.zeros((max_bs,), dtype=torch.int64, device=self.req_to_token.device)
+            self.static_window = StaticPageTable(max_bs, max_seq_len, self.page_size, self.device)
+            self.g_window_loc = torch.zeros((max_bs,), dtype=torch.int64, device=self.device)
             self.graph_batches: Dict[int, ForwardBatch] = {}
 
     def prepare_for_capture(self, b: ForwardBatch) -> FAMeta:
@@ -189,8 +192,3 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
 
     def verify_backend(self) -> Optional["FlashAttentionBackend"]:
         return self if self.window_table is None else None  # (verify graphs read the full table only)
-
-    def verify_meta(self, loc: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor, q_len: int) -> FAMeta:
-        """A verify step of q_len queries per request (the last `q_len` positions of each sequence, causal from
-        the bottom right as FA3 aligns them) over a CUDA graph's static page table."""
-        return FAMeta(loc, table, seq_lens, None, q_len)

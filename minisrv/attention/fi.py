@@ -126,11 +126,13 @@ class FlashInferBackend(AttentionBackend):
         self.tables = tuple(sorted(set(self.windowed)))  # the tables a step lists pages of: (False,) without windows
 
         self._fi = flashinfer
-        self.page_size = pool.page_size
         self.dtype = pool.dtype
-        self.kv_dtype = pool.kv_dtype
-        self.device = req_to_token.device
         self.use_tensor_cores = num_q_heads // self.num_kv_heads >= 4
+        # each kind's plan arguments besides its pages (FlashInfer picks its kernel at plan time)
+        self.heads = (num_q_heads, self.num_kv_heads, self.head_dim, self.page_size)
+        self.plan_opts = [dict(pos_encoding_mode="NONE", window_left=a.window_left, logits_soft_cap=a.softcap,
+                               q_data_type=pool.dtype, kv_data_type=pool.kv_dtype, sm_scale=a.scale)
+                          for a in self.kinds]
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         # (a step's wrappers share the workspace: its layers run one after another)
         self.prefill_wrappers = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
@@ -204,11 +206,9 @@ class FlashInferBackend(AttentionBackend):
     def _plan(self, wrappers: Sequence[Any], pages: Dict[bool, PageList], qo_indptr: Optional[torch.Tensor]) -> None:
         """Plan each kind's wrapper over its table's pages: decode wrappers, or (qo_indptr given) prefill ones."""
         with self._planning():
-            for wrapper, a, windowed in zip(wrappers, self.kinds, self.windowed):
+            for wrapper, opts, windowed in zip(wrappers, self.plan_opts, self.windowed):
                 p = pages[windowed]
-                kv = (p.indptr, p.indices, p.last, self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size)
-                opts = dict(pos_encoding_mode="NONE", window_left=a.window_left, logits_soft_cap=a.softcap,
-                            q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=a.scale)
+                kv = (p.indptr, p.indices, p.last, *self.heads)
                 if qo_indptr is None:
                     wrapper.plan(*kv, **opts)
                 else:
@@ -255,10 +255,8 @@ class FlashInferBackend(AttentionBackend):
                                             shared_indptr[-1])
         if self.shared_wrapper is None:
             self.init_cascade_state()
-        i32, a = torch.int32, self.kinds[0]  # (cascade steps are planned for a model of one kind without a window)
-        heads = (self.num_q_heads, self.num_kv_heads, self.head_dim, ps)
-        opts = dict(pos_encoding_mode="NONE", logits_soft_cap=a.softcap, q_data_type=self.dtype,
-                    kv_data_type=self.dtype, sm_scale=a.scale)
+        # (cascade steps are planned for a model of one kind without a window, over a pool of the model's dtype)
+        i32, heads, opts = torch.int32, self.heads, self.plan_opts[0]
         with self._planning():
             self.decode_wrappers[0].plan(torch.tensor(own_indptr, dtype=i32), own_indices,
                                          torch.tensor(own_last, dtype=i32), *heads, **opts)

@@ -106,7 +106,7 @@ class PageTableGraphs:
                                                             self.page_size), b.seq_lens.to(torch.int32))
 
     def init_graph_state(self, max_bs: int, max_seq_len: int) -> None:
-        self.static = StaticPageTable(max_bs, max_seq_len, self.page_size, self.req_to_token.device)
+        self.static = StaticPageTable(max_bs, max_seq_len, self.page_size, self.device)
 
     def prepare_for_capture(self, b: ForwardBatch) -> Any:
         if not b.is_decode:

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 class TritonDecodeBackend(PageTableGraphs, AttentionBackend):
     name = "triton"
-    decode_kernel = "triton"
     supports_cuda_graph = True
 
     def __init__(self, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int, layers=None) -> None:
@@ -34,7 +33,6 @@ class TritonDecodeBackend(PageTableGraphs, AttentionBackend):
         if not takes_head_dim(self.head_dim):
             raise ValueError(f"the triton decode kernel needs a power-of-two head_dim of at least 16; this model's is "
                              f"{self.head_dim}: use another attention backend")
-        self.page_size = pool.page_size
 
     def attend(self, q: torch.Tensor, layer_id: int, meta: DecodePages) -> torch.Tensor:
         pool = self.pool

@@ -37,15 +37,12 @@ SCRATCH_BYTES = 8 << 20  # partial results of sequences split across CTAs (a few
 
 class XQADecodeBackend(PageTableGraphs, AttentionBackend):
     name = "xqa"
-    decode_kernel = "xqa"
     supports_cuda_graph = True
 
     def __init__(self, pool: "KVPool", req_to_token: torch.Tensor, num_q_heads: int, layers=None) -> None:
         super().__init__(pool, req_to_token, num_q_heads, layers)
         from flashinfer.decode import xqa_batch_decode_with_kv_cache
         self.kernel = xqa_batch_decode_with_kv_cache
-        self.page_size = pool.page_size
-        self.device = req_to_token.device
         self.workspace = torch.zeros(SEMAPHORE_BYTES + SCRATCH_BYTES, dtype=torch.uint8, device=self.device)
 
     @staticmethod

@@ -293,9 +293,7 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; only while no request is queued or running (returns whether it did)."""
-        if self.has_work():
-            return False
-        return self.scheduler.cache.flush()
+        return not self.has_work() and self.scheduler.cache.flush()
 
     def stats(self) -> Dict[str, Any]:
         """kv_pages_used counts pages requests hold; pages only the prefix cache holds are free for the taking."""

@@ -68,9 +68,7 @@ class EagleProposer:
 
     def propose(self, key: str, tokens: Sequence[int], num_draft: int) -> Optional[List[int]]:
         made = self._drafts.get(key)
-        if made is None or made[0] != len(tokens):
-            return None
-        return made[1][:num_draft]
+        return made[1][:num_draft] if made is not None and made[0] == len(tokens) else None
 
     def release(self, key: str, tokens: Sequence[int]) -> None:
         self._drafts.pop(key, None)
