@@ -119,8 +119,7 @@ class HybridBackend(AttentionBackend):
         self.supports_cascade = decode.supports_cascade
 
     def prepare(self, batch: ForwardBatch) -> AttentionStep:
-        half = self.decode_backend if batch.is_decode else self.prefill_backend
-        return half.step(batch)
+        return (self.decode_backend if batch.is_decode else self.prefill_backend).step(batch)
 
     def forward(self, q, k, v, layer_id: int, meta: AttentionStep) -> torch.Tensor:
         return meta(q, k, v, layer_id)

@@ -63,8 +63,7 @@ class CpuPagedAttention:
         self.flat_k, self.flat_v = [pool.flat_k(i) for i in layers], [pool.flat_v(i) for i in layers]
 
     @staticmethod
-    def create(pool, num_q_heads: int,
-               layers: Sequence[LayerAttention]) -> Optional["CpuPagedAttention"]:
+    def create(pool, num_q_heads: int, layers: Sequence[LayerAttention]) -> Optional["CpuPagedAttention"]:
         """The CPU paths over this pool, or None where the pool is FP8 (the padded path dequantises as it reads)."""
         if pool.quantized:
             return None

@@ -130,8 +130,7 @@ class FlashAttentionBackend(PageTableGraphs, AttentionBackend):
             return meta.window_loc, meta.window_table
         return meta.loc, meta.page_table
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                meta: FAMeta) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: FAMeta) -> torch.Tensor:
         loc, table = self._reads(layer_id, meta)
         if k is not None:
             self.pool.store(layer_id, loc, k, v)

@@ -242,9 +242,7 @@ class FlashInferBackend(AttentionBackend):
         own_last = [s - (n - 1) * ps for s, n in zip(seq, pages)]
         qo_indptr = list(accumulate(groups.sizes, initial=0))
         shared_indptr = list(accumulate(groups.shared_pages, initial=0))
-        inverse = [0] * bs
-        for row, i in enumerate(order):
-            inverse[i] = row
+        inverse = sorted(range(bs), key=order.__getitem__)  # the cascade row of each batch row
         idx = to_device(order + inverse + first + count + groups.leaders() + list(groups.shared_pages),
                         torch.int64, self.device)
         order_t, inverse_t = idx[:bs], idx[bs:2 * bs]
@@ -282,8 +280,7 @@ class FlashInferBackend(AttentionBackend):
         kv = (self.pool.k[layer_id], self.pool.v[layer_id])
         if not self.pool.quantized:
             return meta.run(q, kv, kind)
-        return meta.run(q, kv, kind, k_scale=self.pool.k_scale_host[layer_id],
-                        v_scale=self.pool.v_scale_host[layer_id])
+        return meta.run(q, kv, kind, k_scale=self.pool.k_scale_host[layer_id], v_scale=self.pool.v_scale_host[layer_id])
 
     def _loc(self, meta: Any, kind: int) -> torch.Tensor:
         return meta.window_loc if self.windowed[kind] else meta.loc
@@ -345,8 +342,6 @@ class FlashInferBackend(AttentionBackend):
         return FIMeta(b.out_cache_loc, window_loc, tuple(wrappers), self._plan_graph(b, wrappers, bs))
 
     def prepare_for_replay(self, b: ForwardBatch, padded_bs: int, meta: Any) -> None:
-        # the plans copy the page ids into the wrappers' fixed buffers (stream-ordered), which the graph reads; the
-        # windowed slots are gathered from the graph's inputs, which hold this batch and its padding rows by now
         self._plan_graph(b, meta.wrappers, padded_bs)
         if meta.window_loc is not None:
             self._window_loc(self.graph_batches[padded_bs], meta.window_loc)

@@ -101,8 +101,7 @@ class TorchNativeBackend(AttentionBackend):
             out_rows = torch.nonzero(valid).squeeze(1).to(dev)
         return TorchMeta(b.out_cache_loc if loc is None else loc, kv_idx, masks, max_q, q_gather, out_rows)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                meta) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta) -> torch.Tensor:
         if isinstance(meta, KindMetas):
             meta = meta.window if layer_id in self.pool.window_layers else meta.full
         if isinstance(meta, (DecodeMeta, PackedMeta)):

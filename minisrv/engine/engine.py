@@ -104,8 +104,7 @@ class Engine:
         req = self.scheduler.abort(rid)
         if req is None:
             return None
-        if req.grammar is not None:
-            self._compiling = [r for r in self._compiling if r is not req]
+        self._compiling = [r for r in self._compiling if r is not req]
         return RequestOutput.ended(req, "abort")
 
     def has_work(self) -> bool:

@@ -223,8 +223,7 @@ def fill_bitmask(reqs: List["Request"], device: torch.device) -> Tuple[torch.Ten
     # filled in pinned memory, which to_device copies from as it is: a 256-row mask of a 150k vocabulary is 4.9 MB,
     # whose staging copy through pageable memory cost the host a large share of a step
     mask = to_device(fill_host_bitmask(reqs, rows, pinned=device.type == "cuda"), torch.int32, device)
-    index = None if len(rows) == len(reqs) else to_device(rows, torch.int64, device)
-    return mask, index
+    return mask, None if len(rows) == len(reqs) else to_device(rows, torch.int64, device)
 
 
 def fill_host_bitmask(reqs: List["Request"], rows: List[int], pinned: bool = False) -> torch.Tensor:

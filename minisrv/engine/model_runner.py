@@ -164,8 +164,7 @@ class ModelRunner:
 
     def forward_batch(self, inp: StepInputs) -> ForwardBatch:
         """The step's tensors on the device: one host-to-device copy of `inp.ints`, viewed field by field."""
-        d = to_device(inp.ints, torch.int64, self.device)
-        f = inp.layout.unpack(d)
+        f = inp.layout.unpack(to_device(inp.ints, torch.int64, self.device))
         input_ids = f.input_ids
         if inp.layout.num_pending:
             rows = f.pending_rows
@@ -233,10 +232,8 @@ class ModelRunner:
         if inp.table_writes:
             self.table.replay(inp.table_writes)
         self._forward(inp, self.forward_batch(inp))
-        if inp.num_sampled and self.pooler is None:
-            self._newest_ids = self.tp.broadcast(torch.empty(inp.num_sampled, dtype=torch.int64, device=self.device))
-        else:
-            self._newest_ids = None
+        self._newest_ids = self.tp.broadcast(torch.empty(inp.num_sampled, dtype=torch.int64, device=self.device)) \
+            if inp.num_sampled and self.pooler is None else None
 
     # ------------------------------------------------------------------ launching steps (rank 0)
     @property
@@ -292,8 +289,7 @@ class ModelRunner:
                 self.tp.broadcast(torch.zeros(len(rows), dtype=torch.int64, device=self.device))
             raise
         self._newest_ids = self.tp.broadcast(ids)  # every rank reads pending decode inputs from these
-        outs = [ids, lp, *(top if top is not None else (None, None))]
-        host = [self._to_host(x) for x in outs]
+        host = [self._to_host(x) for x in (ids, lp, *(top if top is not None else (None, None)))]
         event = self._event()
         for r in sampling:
             r.num_pending += 1
@@ -327,7 +323,6 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ reading steps back
     def collect(self) -> CollectedStep:
-        """The oldest launched step's results."""
         return self._read_back.popleft() if self._read_back else self._read_oldest()
 
     def _read_oldest(self) -> CollectedStep:

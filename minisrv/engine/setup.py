@@ -51,9 +51,7 @@ _KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
 
 
 def resolve_device(cfg: EngineConfig) -> torch.device:
-    if cfg.device:
-        return torch.device(cfg.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def resolve_dtype(name: str, checkpoint_dtype: Optional[str], device: torch.device) -> torch.dtype:
@@ -140,10 +138,10 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
     ps = cfg.page_size or (16 if device.type == "cuda" else 1)
     if cfg.fp8_decode_kernel == "xqa" and (cfg.kv_cache_dtype != "fp8_e4m3"
                                            or backend_name.split(",")[-1] not in ("fi", "triton")):
-        raise ValueError(f"--fp8-decode-kernel xqa is the decode over an FP8 KV cache where fi or triton would "
-                         f"decode: it needs --kv-cache-dtype fp8_e4m3 and fi or triton decoding (fi, PREFILL,fi or "
-                         f"PREFILL,triton); here the KV cache is "
-                         f"{cfg.kv_cache_dtype} and the attention backend {backend_name}")
+        raise ValueError(f"--fp8-decode-kernel xqa is the decode over an FP8 KV cache where fi or triton would decode: "
+                         f"it needs --kv-cache-dtype fp8_e4m3 and fi or triton decoding (fi, PREFILL,fi or "
+                         f"PREFILL,triton); here the KV cache is {cfg.kv_cache_dtype} and the attention backend "
+                         f"{backend_name}")
     # on CUDA, FlashInfer is imported and its builds started in a thread while the weights load; the layers' ops take
     # its kernels once both are done. Not beside a tensor-parallel group's set-up, which imports FlashInfer itself.
     fused_and_builds = None
@@ -167,8 +165,7 @@ def build_engine_parts(cfg: EngineConfig, tp_rank: int = 0, rendezvous: Optional
     serving_name = backend_name
     layers_pending = sampling_pending = False
     if builds is not None:
-        can_stage = staged and not tp.enabled and pooling is None
-        builds.wait(timeout=STAGED_GRACE_S if can_stage else None)
+        builds.wait(timeout=STAGED_GRACE_S if staged and not tp.enabled and pooling is None else None)
         layers_pending = bool(set(builds.pending()) - {"sampling"})
         sampling_pending = "sampling" in builds.pending()
         if layers_pending:  # torch's norm, activation and rotary until FlashInfer's are built

@@ -68,8 +68,7 @@ def rank_main(cfg: EngineConfig, rank: int, rendezvous: Rendezvous, parent_pid: 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; rank 0 decides
     setup_logging("warning" if cfg.log_level.lower() == "info" else cfg.log_level)
     try:
-        parts = build_engine_parts(cfg, tp_rank=rank, rendezvous=rendezvous)
-        runner = parts.runner
+        runner = build_engine_parts(cfg, tp_rank=rank, rendezvous=rendezvous).runner
         freeze_startup_heap()
         while True:
             inp = runner.tp.recv_object()

@@ -122,8 +122,7 @@ class KVPool:
         k, v = self.flat_k(layer_id), self.flat_v(layer_id)
         if not self.quantized:
             return k[slots], v[slots]
-        k = k.view(torch.uint8)[slots].view(self.kv_dtype).to(self.dtype)
-        v = v.view(torch.uint8)[slots].view(self.kv_dtype).to(self.dtype)
+        k, v = (x.view(torch.uint8)[slots].view(self.kv_dtype).to(self.dtype) for x in (k, v))
         if self.k_scale_host[layer_id] != 1.0:
             k = k * self.kv_scale[layer_id, 0]
         if self.v_scale_host[layer_id] != 1.0:

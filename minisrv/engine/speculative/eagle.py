@@ -125,11 +125,8 @@ class EagleProposer:
         entry's output `last` [B, hidden]."""
         head, dev = self.head, self.k.device
         base = [p for _, _, p in live]
-        keys, vals = [], []
-        for r, _, p in live:
-            ctx = self.req_to_token[r.row, :p + 1].long()
-            keys.append([self.k[ctx]])
-            vals.append([self.v[ctx]])
+        ctxs = [self.req_to_token[r.row, :p + 1].long() for r, _, p in live]
+        keys, vals = [[self.k[c]] for c in ctxs], [[self.v[c]] for c in ctxs]
         drafts: List[List[int]] = [[] for _ in live]
         tok = head.to_target_ids(head.logits(last).argmax(-1))
         for j in range(1, self.num_steps + 1):
