@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from minisrv.engine.verify_graphs import VerifyGraphs
+from minisrv.engine.cuda_graph import VerifyGraphs
 
 from .helpers import greedy, make_llm, make_prompts, vocab_of
 from .test_speculative import SPEC, ReplayProposer, same

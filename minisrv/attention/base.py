@@ -80,7 +80,7 @@ class AttentionBackend(ABC):
 
     def verify_backend(self) -> Optional["AttentionBackend"]:
         """The backend whose `verify_meta` runs verify steps of one query length per request in CUDA graphs
-        (engine/verify_graphs.py), or None: they run eagerly as extend steps."""
+        (engine/cuda_graph.py), or None: they run eagerly as extend steps."""
         return None
 
     def prepare_for_capture(self, batch: ForwardBatch) -> Any:

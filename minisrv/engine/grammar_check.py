@@ -19,14 +19,11 @@ PARAM = "response_format"  # where an invalid grammar is reported (the OpenAI re
 
 def constraint_of(params: SamplingParams) -> Optional[Tuple[str, str]]:
     """The (kind, text) of a request's grammar, or None. SamplingParams.validate allows at most one."""
-    if params.json_schema is not None:
-        return "json_schema", params.json_schema
     if params.json_object:
         return "json_object", ""
-    if params.regex is not None:
-        return "regex", params.regex
-    if params.ebnf is not None:
-        return "ebnf", params.ebnf
+    for kind in ("json_schema", "regex", "ebnf"):
+        if getattr(params, kind) is not None:
+            return kind, getattr(params, kind)
     return None
 
 

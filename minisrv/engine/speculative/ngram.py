@@ -42,9 +42,8 @@ class _RequestIndex:
         self.last: Optional[int] = None   # that the next history extends this one
 
     def extends(self, tokens: Sequence[int]) -> bool:
-        if self.length == 0:
-            return True
-        return len(tokens) >= self.length and tokens[0] == self.first and tokens[self.length - 1] == self.last
+        return self.length == 0 or (len(tokens) >= self.length and tokens[0] == self.first
+                                    and tokens[self.length - 1] == self.last)
 
 
 class _SharedHistories:
