@@ -47,9 +47,8 @@ class XQADecodeBackend(PageTableGraphs, AttentionBackend):
 
     @staticmethod
     def usable(pool: "KVPool", device: torch.device) -> bool:
-        if pool.kv_dtype != torch.float8_e4m3fn or device.type != "cuda" or pool.page_size not in PAGE_SIZES:
-            return False
-        if torch.cuda.get_device_capability(device)[0] != 9 or not hasattr(torch, "uint32"):
+        if pool.kv_dtype != torch.float8_e4m3fn or device.type != "cuda" or pool.page_size not in PAGE_SIZES \
+                or torch.cuda.get_device_capability(device)[0] != 9 or not hasattr(torch, "uint32"):
             return False
         try:
             import flashinfer.decode
