@@ -100,10 +100,9 @@ class CpuPagedAttention:
         return PackedMeta(loc, tuple(seqs))
 
     def _verify_meta(self, b: ForwardBatch, table: torch.Tensor, loc: torch.Tensor) -> DecodeMeta:
-        """A verify step as decode rows, one a token: query j of a request whose step ends at length s is a decode
-        query of its table row over s - n + j + 1 keys (all the step's K/V are stored before any is read), so the
-        few queries read K/V in place as decode does, and a model whose decode layers run in one call runs these
-        too."""
+        """A verify step as decode rows, one a token: query j of a request whose step ends at length s is a decode query
+        of its table row over s - n + j + 1 keys (all the step's K/V are stored before any is read), so the few queries
+        read K/V in place as decode does, and a model whose decode layers run in one call runs these too."""
         ext = b.extend_lens_cpu
         rows = torch.repeat_interleave(b.req_rows.long(), torch.tensor(ext))
         kv_lens = torch.tensor([s - n + j + 1 for s, n in zip(b.seq_lens_cpu, ext) for j in range(n)],

@@ -111,9 +111,8 @@ class NgramProposer:
         self._shared = _SharedHistories(shared_capacity_tokens, min_match_window, max_match_window)
 
     def propose(self, key: str, tokens: Sequence[int], num_draft: Optional[int] = None) -> List[int]:
-        """Up to num_draft (default self.num_draft) tokens to verify after `tokens` (the request's whole history:
-        prompt ids + output ids, a list that only ever grows between calls for the same key). [] when nothing
-        matches."""
+        """Up to num_draft (default self.num_draft) tokens to verify after `tokens` (the request's whole history: prompt
+        ids + output ids, a list that only ever grows between calls for the same key). [] when nothing matches."""
         k = self.num_draft if num_draft is None else num_draft
         own = self._index(key, tokens)
         if k <= 0:
