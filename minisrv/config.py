@@ -72,32 +72,30 @@ class EngineConfig:
                               ("quantization", (None,) + QUANTIZATIONS), ("schedule_policy", SCHEDULE_POLICIES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        if self.page_size is not None and self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.max_running_requests < 1:
-            raise ValueError("max_running_requests must be >= 1")
-        if self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
-            raise ValueError("chunked_prefill_size and max_prefill_tokens must be >= 1")
-        if self.grammar_compile_timeout <= 0:
-            raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
-        if self.tp_size < 1 or self.base_gpu_id < 0:
-            raise ValueError(f"need tp_size >= 1 and base_gpu_id >= 0, got {self.tp_size} and {self.base_gpu_id}")
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"need nnodes >= 1 and 0 <= node_rank < nnodes, got {self.nnodes}, {self.node_rank}")
-        if self.tp_size % self.nnodes:
-            raise ValueError(f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes})")
-        if self.dist_timeout <= 0:
-            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
+        for ok, problem in (  # in order: the first rule broken is the one reported
+                (self.page_size is None or self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}"),
+                (self.max_running_requests >= 1, "max_running_requests must be >= 1"),
+                (self.chunked_prefill_size >= 1 and self.max_prefill_tokens >= 1,
+                 "chunked_prefill_size and max_prefill_tokens must be >= 1"),
+                (self.grammar_compile_timeout > 0,
+                 f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}"),
+                (self.tp_size >= 1 and self.base_gpu_id >= 0,
+                 f"need tp_size >= 1 and base_gpu_id >= 0, got {self.tp_size} and {self.base_gpu_id}"),
+                (self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
+                 f"need nnodes >= 1 and 0 <= node_rank < nnodes, got {self.nnodes}, {self.node_rank}"),
+                (self.nnodes >= 1 and self.tp_size % self.nnodes == 0,
+                 f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes})"),
+                (self.dist_timeout > 0, f"dist_timeout must be > 0, got {self.dist_timeout}"),
+                (0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static must be in (0, 1)"),
+                (0.0 < self.swa_full_tokens_ratio <= 1.0, "swa_full_tokens_ratio must be in (0, 1]")):
+            if not ok:
+                raise ValueError(problem)
         if self.nnodes > 1:
             host, _, port = (self.dist_init_addr or "").rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"nnodes > 1 needs dist_init_addr, node 0's host:port, got {self.dist_init_addr!r}")
             if self.enable_flashinfer_allreduce_fusion:
                 raise ValueError("--enable-flashinfer-allreduce-fusion needs every rank on one node (nnodes 1)")
-        if not 0.0 < self.mem_fraction_static < 1.0:
-            raise ValueError("mem_fraction_static must be in (0, 1)")
-        if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
-            raise ValueError("swa_full_tokens_ratio must be in (0, 1]")
         if self.speculative_algorithm is not None:
             self.speculative_algorithm = self.speculative_algorithm.upper()
             if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:

@@ -115,8 +115,7 @@ class FusedAllReduceNorm:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> Tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual)."""
-        norm_out = torch.empty_like(x)
-        residual_out = torch.empty_like(residual)
+        norm_out, residual_out = torch.empty_like(x), torch.empty_like(residual)
         self.comm.allreduce_fusion(input=x, workspace=self.workspace, pattern=self.pattern,
                                    residual_out=residual_out, norm_out=norm_out, residual_in=residual,
                                    rms_gamma=weight, rms_eps=eps)

@@ -10,7 +10,7 @@ from minisrv.config import EngineConfig
 from minisrv.engine.engine import Engine
 from minisrv.engine.pooling import PoolingParams
 from minisrv.engine.request import CompletionOutput, Request, SamplingParams, prompt_logprob_list
-from minisrv.replica_pool import ReplicaPool
+from minisrv.replica_pool import Finished, ReplicaPool
 from minisrv.server.plan.chat import ChatInputs, finish_plan, prompt_text
 from minisrv.server.plan.prompt import PromptMaker
 from minisrv.tokenizer.engine_tokenizer import transformers_tokenizer
@@ -71,28 +71,22 @@ class LLM:
             [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [self._encode(x) for x in prompts]
         if self.replicas is not None:
-            ids = [self._encode(x) for x in prompts]
             done = self._run_replicas(ids, params, use_tqdm, "generate")
-            return [CompletionOutput(prompt=p if isinstance(p, str) else None, prompt_token_ids=i, text=d.text,
-                                     token_ids=d.token_ids, finish_reason=d.finish_reason,
-                                     logprobs=d.logprobs if sp.logprobs is not None else None,
-                                     prompt_logprobs=d.prompt_logprobs)
-                    for p, i, sp, d in zip(prompts, ids, params, done)]
-        eng = self.engine
-        reqs = [eng.make_request(self._encode(x), p) for x, p in zip(prompts, params)]  # all checked before any runs
-        for p in {id(p): p for p in params}.values():
-            eng.grammar.check(p)  # an invalid schema, regex or grammar raises here (compiled once, then cached)
-        self._run(reqs, use_tqdm, "generate")
-        return [CompletionOutput(
-            prompt=p if isinstance(p, str) else None,
-            prompt_token_ids=r.prompt_ids,
-            text=r.text.text,
-            token_ids=list(r.output_ids),
-            finish_reason=r.finish_reason,
-            logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
-            prompt_logprobs=prompt_logprob_list(r),
-        ) for p, r in zip(prompts, reqs)]
+        else:
+            eng = self.engine
+            reqs = [eng.make_request(i, p) for i, p in zip(ids, params)]  # all checked before any runs
+            for p in {id(p): p for p in params}.values():
+                eng.grammar.check(p)  # an invalid schema, regex or grammar raises here (compiled once, then cached)
+            self._run(reqs, use_tqdm, "generate")
+            done = [Finished(text=r.text.text, token_ids=list(r.output_ids), logprobs=list(r.logprobs),
+                             prompt_logprobs=prompt_logprob_list(r), finish_reason=r.finish_reason) for r in reqs]
+        return [CompletionOutput(prompt=p if isinstance(p, str) else None, prompt_token_ids=i, text=d.text,
+                                 token_ids=d.token_ids, finish_reason=d.finish_reason,
+                                 logprobs=d.logprobs if sp.logprobs is not None else None,
+                                 prompt_logprobs=d.prompt_logprobs)
+                for p, i, sp, d in zip(prompts, ids, params, done)]
 
     def embed(self, inputs: Union[PromptType, Sequence[PromptType]], dimensions: Optional[int] = None,
               use_tqdm: bool = True) -> List[torch.Tensor]:
@@ -115,40 +109,25 @@ class LLM:
         for r in reqs:
             eng.add(r)
         live = {r.rid for r in reqs}
-        bar = self._progress(len(reqs), use_tqdm, desc)
-        try:
-            while live:
-                for out in eng.step():
-                    if out.finished and out.rid in live:
-                        live.discard(out.rid)
-                        if out.error is not None:
-                            raise RuntimeError(f"request {out.rid} failed: {out.error}")
-                        if bar is not None:
+        with _progress(len(reqs), use_tqdm, desc) as bar:
+            try:
+                while live:
+                    for out in eng.step():
+                        if out.finished and out.rid in live:
+                            live.discard(out.rid)
+                            if out.error is not None:
+                                raise RuntimeError(f"request {out.rid} failed: {out.error}")
                             bar.update(1)
-                if not eng.has_work() and live:
-                    raise RuntimeError(f"engine stopped with {len(live)} unfinished requests")
-        except BaseException:
-            for rid in live:
-                eng.abort(rid)
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
+                    if not eng.has_work() and live:
+                        raise RuntimeError(f"engine stopped with {len(live)} unfinished requests")
+            except BaseException:
+                for rid in live:
+                    eng.abort(rid)
+                raise
 
     def _run_replicas(self, ids: List[List[int]], params: Sequence[Any], use_tqdm: bool, desc: str) -> List[Any]:
-        bar = self._progress(len(ids), use_tqdm, desc)
-        try:
+        with _progress(len(ids), use_tqdm, desc) as bar:
             return self.replicas.run(ids, params, bar)
-        finally:
-            if bar is not None:
-                bar.close()
-
-    @staticmethod
-    def _progress(total: int, use_tqdm: bool, desc: str) -> Optional[Any]:
-        if not use_tqdm or total < 2:
-            return None
-        from tqdm.auto import tqdm
-        return tqdm(total=total, desc=desc, unit="req")
 
     def chat(self, messages: Union[List[Dict[str, str]], List[List[Dict[str, str]]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
@@ -165,3 +144,9 @@ class LLM:
         inputs = ChatInputs(list(messages))
         prompt, tools = prompt_text(self._prompts, inputs)
         return finish_plan(self._prompts, inputs, prompt, tools, None).prompt_ids
+
+
+def _progress(total: int, use_tqdm: bool, desc: str) -> Any:
+    """A progress bar over `total` requests, shown where asked for and for two or more."""
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, unit="req", disable=not use_tqdm or total < 2)

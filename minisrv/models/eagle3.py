@@ -185,8 +185,7 @@ def load_eagle3_head(path: str, max_positions: int, dtype: torch.dtype, device: 
             raise ValueError(f"{path}: tensor {name} has shape {tuple(t.shape)}; its config says "
                              f"{tuple(expected[name].shape)}")
     head = head.to_empty(device=device)
-    head.load_state_dict({k: tensors[k] for k in expected}, strict=True)
-    head.d2t.copy_(tensors["d2t"].to(torch.int64))
+    head.load_state_dict({k: tensors[k] for k in expected}, strict=True)  # (d2t cast to int64 as it is copied)
     head = head.to(dtype).eval().requires_grad_(False)
     head.rotary.reset_buffers(device)  # float32 whatever the head's dtype
     return head

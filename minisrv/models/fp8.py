@@ -71,13 +71,11 @@ class Fp8Linear(nn.Module):
         """x: activations [..., K], or Fp8Activations [T, K] (quantised already, by a fused norm or by
         `forward_silu_mul`)."""
         if isinstance(x, Fp8Activations):
-            lead, (xq, xs), like = x.q.shape[:-1], x, x.q
-            dtype = self.source_dtype
+            lead, (xq, xs), dtype = x.q.shape[:-1], x, self.source_dtype
         else:
-            lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
-            xq, xs = quantize_tokens(x2)
-            like, dtype = x2, x.dtype
-        if like.is_cuda and dtype == torch.bfloat16 and hasattr(torch, "_scaled_mm"):  # the FP8 GEMM kernels run
+            lead, dtype = x.shape[:-1], x.dtype
+            xq, xs = quantize_tokens(x.reshape(-1, x.shape[-1]))
+        if xq.is_cuda and dtype == torch.bfloat16 and hasattr(torch, "_scaled_mm"):  # the FP8 GEMM kernels run
             out = None
             if 0 < xq.shape[0] <= SMALL_M and fits(self.in_features):  # decode batches: narrow output tiles
                 small = small_m_fp8_gemm()

@@ -158,12 +158,10 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, ops: LayerOps, tp: TensorParallel, quantization: Optional[str],
                  reduce_output: bool, act: str = "silu") -> None:
         super().__init__()
-        self.ops = ops
+        self.ops, self.tp, self.reduce_output = ops, tp, reduce_output
         self.gelu = act == "gelu_tanh"
         self.gate_up_proj = make_linear(hidden, 2 * inter, False, quantization, ops)
         self.down_proj = make_linear(inter, hidden, False, quantization, ops)
-        self.tp = tp
-        self.reduce_output = reduce_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
@@ -184,8 +182,7 @@ class VocabEmbedding(nn.Module):
     def __init__(self, rows: int, hidden: int, start: int, tp: TensorParallel) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows, hidden))
-        self.start = start
-        self.tp = tp
+        self.start, self.tp = start, tp
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.tp.embed_rows(ids, self.start, self.weight.shape[0], lambda i: F.embedding(i, self.weight))
@@ -200,9 +197,8 @@ class Attention(nn.Module):
         """num_heads / num_kv_heads: this rank's heads; o_proj's partial sums are all-reduced unless `reduce_output`
         is False (the norm after it then all-reduces them: see reduce_add_norm)."""
         super().__init__()
-        self.ops = ops
-        self.layer_id = layer_id
-        self.tp = tp
+        self.ops, self.tp, self.rotary = ops, tp, rotary
+        self.layer_id, self.reduce_output = layer_id, reduce_output
         self.hq, self.hkv, self.d = num_heads, num_kv_heads, args.head_dim
         self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
         self.qkv_proj = make_linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.attention_bias,
@@ -213,8 +209,6 @@ class Attention(nn.Module):
         norm = functools.partial(make_norm, self.d, args.rms_norm_eps, ops, plus_one=args.gemma_norms)
         self.q_norm = norm() if args.qk_norm else None
         self.k_norm = norm() if args.qk_norm else None
-        self.rotary = rotary
-        self.reduce_output = reduce_output
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Callable) -> torch.Tensor:
         """attn: the step's attention (an attention.AttentionStep), called as attn(q, k, v, layer_id)."""

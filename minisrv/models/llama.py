@@ -12,6 +12,7 @@ from torch import nn
 
 from minisrv.distributed import TensorParallel
 from minisrv.kernels.cpu_decode import DecodeMeta
+from minisrv.kernels.cpu_gemv import linear
 
 from .args import ModelArgs
 from .block_layers import BlockEmbedding, BlockLinear, block_kernels
@@ -182,12 +183,8 @@ class LlamaForCausalLM(nn.Module):
         float32 here (a pass over [N, vocab]): a greedy step's argmax is exact on them; the sampler widens where it
         computes."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        if isinstance(head, (BlockLinear, PlanesLinear)):
-            logits = head.project(hidden)
-        else:
-            w, small = head.weight, self.small_batch_linear
-            logits = small(hidden, w) if small is not None and small.takes(hidden, w) else \
-                torch.matmul(hidden, w.t())
+        logits = head.project(hidden) if isinstance(head, (BlockLinear, PlanesLinear)) else \
+            linear(hidden, head.weight, None, self.small_batch_linear)
         if self.tp.enabled:
             logits = self.tp.all_gather_last(logits)[:, :self.plan.vocab_size]
         cap = self.args.final_logit_softcap

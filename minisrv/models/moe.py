@@ -53,8 +53,8 @@ class Experts(nn.Module):
         if self.mxfp4:
             if hidden % 32 or inter % 32:
                 raise ValueError(f"MXFP4 experts need widths of whole 32s: hidden {hidden}, this rank's {inter}")
-            self.w13, self.w2 = param(2 * inter, hidden // 2, dtype=torch.uint8), param(hidden, inter // 2,
-                                                                                        dtype=torch.uint8)
+            self.w13 = param(2 * inter, hidden // 2, dtype=torch.uint8)
+            self.w2 = param(hidden, inter // 2, dtype=torch.uint8)
             self.w13_scale = param(2 * inter, hidden // 32, dtype=torch.uint8)
             self.w2_scale = param(hidden, inter // 32, dtype=torch.uint8)
         else:
@@ -121,8 +121,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
-        self.tp = tp
-        self.reduce_output = reduce_output
+        self.tp, self.reduce_output = tp, reduce_output
         self.reset_buffers()
 
     def reset_buffers(self, device: Optional[torch.device] = None) -> None:

@@ -80,12 +80,11 @@ def _compressed_tensors_scheme(config: Dict[str, Any]) -> Int4Scheme:
     groups = list((config.get("config_groups") or {}).values())
     formats = {g.get("format") or config.get("format") for g in groups}
     weights = [g.get("weights") or {} for g in groups]
-    unserved = (not groups or formats != {"pack-quantized"} or any(g.get("input_activations") for g in groups)
-                or any(w.get("num_bits") != 4 or w.get("type") != "int" or w.get("strategy") not in ("group",
-                                                                                                   "channel")
-                       for w in weights)
-                or len({(w.get("strategy"), w.get("group_size"), w.get("symmetric")) for w in weights}) > 1)
-    if unserved:
+    int4 = all(w.get("num_bits") == 4 and w.get("type") == "int" and w.get("strategy") in ("group", "channel")
+               for w in weights)
+    one_scheme = len({(w.get("strategy"), w.get("group_size"), w.get("symmetric")) for w in weights}) == 1
+    if not (groups and formats == {"pack-quantized"} and int4 and one_scheme) or \
+            any(g.get("input_activations") for g in groups):
         what = ", ".join(f"{g.get('format') or config.get('format')} {g.get('weights')} activations "
                          f"{g.get('input_activations')}" for g in groups)
         raise ValueError(f"unsupported compressed-tensors checkpoint ({what or 'no config_groups'}): minisrv serves "
@@ -203,17 +202,9 @@ class W4A16Experts(nn.Module):
             hold_int4(self, which + "_", (num_experts,), k, n, scheme, ("the experts'", "experts"))
         self.perm_loaded = set()  # (which, expert) whose activation order is loaded
 
-    @property
-    def w13(self) -> PackedExperts:
-        return self.packed("w13")
-
-    @property
-    def w2(self) -> PackedExperts:
-        return self.packed("w2")
-
     def stacks(self) -> Tuple[PackedExperts, PackedExperts]:
         """w13 and w2 as the fused experts take them (as Experts.stacks)."""
-        return self.w13, self.w2
+        return self.packed("w13"), self.packed("w2")
 
     def packed(self, which: str) -> PackedExperts:
         return PackedExperts(*(getattr(self, f"{which}_{part}") for part in ("qweight", "scales", "zeros", "perm")))
@@ -230,5 +221,6 @@ class W4A16Experts(nn.Module):
         return fused_experts(x, *self.stacks(), topk_weights, topk_ids, aligned=aligned)
 
     def extra_repr(self) -> str:
-        e, h, n = self.w13.num_experts, self.w13.k, self.w13.n
+        w13 = self.packed("w13")
+        e, h, n = w13.num_experts, w13.k, w13.n
         return f"experts={e}, hidden={h}, inter={n // 2}, {self.scheme} groups of {self.scheme.group_size or 'K'}"
