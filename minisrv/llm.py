@@ -72,16 +72,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = [self._encode(x) for x in prompts]
-        if self.replicas is not None:
-            done = self._run_replicas(ids, params, use_tqdm, "generate")
-        else:
-            eng = self.engine
-            reqs = [eng.make_request(i, p) for i, p in zip(ids, params)]  # all checked before any runs
-            for p in {id(p): p for p in params}.values():
-                eng.grammar.check(p)  # an invalid schema, regex or grammar raises here (compiled once, then cached)
-            self._run(reqs, use_tqdm, "generate")
-            done = [Finished(text=r.text.text, token_ids=list(r.output_ids), logprobs=list(r.logprobs),
-                             prompt_logprobs=prompt_logprob_list(r), finish_reason=r.finish_reason) for r in reqs]
+        done = self._complete(ids, params, use_tqdm, "generate")
         return [CompletionOutput(prompt=p if isinstance(p, str) else None, prompt_token_ids=i, text=d.text,
                                  token_ids=d.token_ids, finish_reason=d.finish_reason,
                                  logprobs=d.logprobs if sp.logprobs is not None else None,
@@ -95,13 +86,24 @@ class LLM:
         the first n entries (normalised again). A generation model raises RequestError."""
         if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
             inputs = [inputs]
-        params = PoolingParams(dimensions)
+        params = [PoolingParams(dimensions)] * len(inputs)
+        done = self._complete([self._encode(x) for x in inputs], params, use_tqdm, "embed")
+        return [torch.from_numpy(d.embedding) for d in done]
+
+    def _complete(self, ids: List[List[int]], params: Sequence[Union[SamplingParams, PoolingParams]],
+                  use_tqdm: bool, desc: str) -> List[Finished]:
+        """Each prompt's request run to its end, on the replicas or the engine (a refused or failed one raises)."""
         if self.replicas is not None:
-            done = self._run_replicas([self._encode(x) for x in inputs], [params] * len(inputs), use_tqdm, "embed")
-            return [torch.from_numpy(d.embedding) for d in done]
-        reqs = [self.engine.make_request(self._encode(x), params) for x in inputs]  # all checked before any runs
-        self._run(reqs, use_tqdm, "embed")
-        return [torch.from_numpy(r.embedding.vector) for r in reqs]
+            with _progress(len(ids), use_tqdm, desc) as bar:
+                return self.replicas.run(ids, params, bar)
+        eng = self.engine
+        reqs = [eng.make_request(i, p) for i, p in zip(ids, params)]  # all checked before any runs
+        for p in {id(p): p for p in params if isinstance(p, SamplingParams)}.values():
+            eng.grammar.check(p)  # an invalid schema, regex or grammar raises here (compiled once, then cached)
+        self._run(reqs, use_tqdm, desc)
+        return [Finished(embedding=r.embedding.vector) if r.embedding is not None else
+                Finished(text=r.text.text, token_ids=list(r.output_ids), logprobs=list(r.logprobs),
+                         prompt_logprobs=prompt_logprob_list(r), finish_reason=r.finish_reason) for r in reqs]
 
     def _run(self, reqs: List[Request], use_tqdm: bool, desc: str) -> None:
         """Queue every request and step the engine until all have finished (a failed one raises)."""
@@ -124,10 +126,6 @@ class LLM:
                 for rid in live:
                     eng.abort(rid)
                 raise
-
-    def _run_replicas(self, ids: List[List[int]], params: Sequence[Any], use_tqdm: bool, desc: str) -> List[Any]:
-        with _progress(len(ids), use_tqdm, desc) as bar:
-            return self.replicas.run(ids, params, bar)
 
     def chat(self, messages: Union[List[Dict[str, str]], List[List[Dict[str, str]]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,

@@ -7,9 +7,7 @@ gguf's own dequantiser does: the packed weights dequantise to the float32 path's
 pack those three in C; Q5_0, Q5_1 and the k-quants Q4_K, Q5_K and Q6_K (a Q4_K_M file's mix) are repacked in torch
 (gguf_repack.py), Q6_K's 16-weight sub-blocks into records of their own layout.
 
-`blocks_unavailable_here` and `blocks_unavailable_in` say why a model cannot load this way (then it is dequantised
-as before); `GGUFBlocks` is one tensor's blocks as the loader hands them to the layers (block_layers.py), which the
-kernels lay out in one pass.
+`blocks_unavailable_here` and `blocks_unavailable_in` say why a model cannot load this way (it is then dequantised).
 """
 from __future__ import annotations
 

@@ -194,8 +194,7 @@ class Attention(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_id: int, rotary: RotaryEmbedding, ops: LayerOps, num_heads: int,
                  num_kv_heads: int, tp: TensorParallel, quantization: Optional[str], reduce_output: bool) -> None:
-        """num_heads / num_kv_heads: this rank's heads; o_proj's partial sums are all-reduced unless `reduce_output`
-        is False (the norm after it then all-reduces them: see reduce_add_norm)."""
+        """num_heads / num_kv_heads: this rank's heads; o_proj's partial sums are all-reduced as GatedMLP's are."""
         super().__init__()
         self.ops, self.tp, self.rotary = ops, tp, rotary
         self.layer_id, self.reduce_output = layer_id, reduce_output

@@ -2,16 +2,14 @@
 experts, each a gated SiLU MLP, and their outputs are summed by the routing weights; Qwen2-MoE adds a shared expert
 that every token takes, scaled by a sigmoid gate.
 
-The experts are held stacked per layer, w13 [E, 2I, H] (each expert's gate rows, then its up rows) and w2 [E, H, I],
-as the fused kernel takes them (kernels/fused_moe.py: Triton on CUDA, a loop over the experts hit elsewhere). The
-loader fills them from the checkpoint's per-expert tensors one at a time (`load_rows`), so no second copy of the
-experts is ever held. Under tensor parallelism each rank holds every expert's slice of the intermediate width (as
-the dense MLP is split): its output is a partial sum, all-reduced like the dense MLP's. With quantization "fp8" the
-experts are float8_e4m3fn with a float32 scale per output row, quantised as they are loaded (as Fp8Linear's rows).
-A 4-bit checkpoint's experts stay in 4 bits (w4a16.W4A16Experts); with quantization "mxfp4" (gpt-oss's hub
-checkpoints on CUDA) the experts are kept in MXFP4 as the checkpoint has them (kernels/moe_w4a16.Mxfp4Experts); the
-router stays in the model's dtype. gpt-oss: a router with a bias, biases on both of the experts' products (the
-down bias held by rank 0 alone: the other ranks' partial sums must not add it again), the clamped SwiGLU.
+The experts are held stacked per layer (Experts), as the fused kernel takes them (kernels/fused_moe.py: Triton on
+CUDA, a loop over the experts hit elsewhere). The loader fills them from the checkpoint's per-expert tensors one at a
+time (`load_rows`), so no second copy of the experts is ever held. Under tensor parallelism each rank holds every
+expert's slice of the intermediate width (as the dense MLP is split): its output is a partial sum, all-reduced like
+the dense MLP's. FP8 experts are quantised as they are loaded (as Fp8Linear's rows); a 4-bit checkpoint's stay in 4
+bits (w4a16.W4A16Experts), gpt-oss's MXFP4 ones (hub checkpoints on CUDA) as the checkpoint has them; the router
+stays in the model's dtype. gpt-oss: a router with a bias, biases on both of the experts' products (the down bias
+held by rank 0 alone: the other ranks' partial sums must not add it again), the clamped SwiGLU.
 """
 from __future__ import annotations
 

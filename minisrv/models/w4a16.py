@@ -6,10 +6,6 @@ Why: decode reads every weight once per step, so a quarter of bf16's bytes is th
 zero point per group of K), so the loader repacks each into one layout (kernels/w4a16_gemm.py describes it;
 checkpoints/int4_formats.py reads the formats) and one layer and one kernel serve them all: W4A16Linear for the
 projections, W4A16Experts for a mixture of experts' experts (stacked, kernels/moe_w4a16.py's layout).
-
-`int4_scheme` reads a checkpoint's `quantization_config`: None where it is not one of these formats, an
-`Int4Scheme` for what is served, a ValueError naming what is not (3- or 8-bit GPTQ, AWQ's GEMV layouts,
-compressed-tensors schemes other than 4-bit integer weights with unquantised activations).
 """
 from __future__ import annotations
 
@@ -46,7 +42,8 @@ class Int4Scheme:
 
 def int4_scheme(config: Optional[Dict[str, Any]]) -> Optional[Int4Scheme]:
     """The scheme of a checkpoint's `quantization_config`, None where it is not a 4-bit format; a format minisrv
-    does not serve is a ValueError naming it."""
+    does not serve (3- or 8-bit GPTQ, AWQ's GEMV layouts, compressed-tensors schemes other than 4-bit integer
+    weights with unquantised activations) is a ValueError naming it."""
     method = (config or {}).get("quant_method")
     if method == "awq":
         bits = config.get("bits", config.get("w_bit", 4))
