@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from minisrv.checkpoints.model_files import load_tokenizer
 from minisrv.config import EngineConfig
@@ -42,12 +43,14 @@ class Finished:
 
 
 class ReplicaPool:
-    """The replicas, started at once; `run` serves one offline call. close() stops them."""
+    """The replicas, started at once; `run` serves one offline call. close() stops them. `last_call`: for each
+    request of the last call, (its replica, seconds from the call's start to its end), for benchmarks."""
 
     def __init__(self, cfg: EngineConfig, size: int) -> None:
         self._loop = asyncio.Runner()
         self.replicas = Replicas(cfg, size, staged=False)  # ready once built: no kernel switch inside a timed call
         self._ids = itertools.count()
+        self.last_call: List[Tuple[int, float]] = []
         try:
             self.info = self._loop.run(self.replicas.start())
             self.tokenizer = load_tokenizer(self.info.model_path, cfg.tokenizer, cfg.cache_dir)
@@ -72,9 +75,10 @@ class ReplicaPool:
         rids = [f"offline-{next(self._ids)}" for _ in prompts]
         results = [Finished() for _ in prompts]
         live = set(range(len(prompts)))
+        start, self.last_call = time.perf_counter(), [(0, 0.0)] * len(prompts)
         try:
             for i, (ids, p) in enumerate(zip(prompts, params)):
-                self.replicas.submit(rids[i], ids, p, sink, i)
+                self.last_call[i] = (self.replicas.submit(rids[i], ids, p, sink, i), 0.0)
             while live:
                 for i, out in await sink.take():
                     if isinstance(out, Exception):  # refused, or its replica died
@@ -82,6 +86,7 @@ class ReplicaPool:
                     results[i].feed(out)
                     if out.finished:
                         live.discard(i)
+                        self.last_call[i] = (self.last_call[i][0], time.perf_counter() - start)
                         if out.finish_reason == "error":
                             raise RuntimeError(f"request {rids[i]} failed: {out.error}")
                         if progress is not None:

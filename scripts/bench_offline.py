@@ -208,6 +208,10 @@ def time_replicas(llm, prompts, params, t_ready: float) -> int:
     n = sum(len(o.token_ids) for o in outs)
     print(f"minisrv [{info.backend_name}, {info.device}, dp {len(llm.replicas.replicas.clients)}]: {n} output tokens "
           f"in {dt:.2f}s = {n / dt:.1f} output tok/s; ready in {t_ready:.1f}s")
+    for r in sorted({r for r, _ in llm.replicas.last_call}):  # each replica's share: balance, and its own pace
+        mine = [(o, s) for o, (q, s) in zip(outs, llm.replicas.last_call) if q == r]
+        print(f"  replica {r}: {len(mine)} requests, {sum(len(o.token_ids) for o, _ in mine)} output tokens, "
+              f"{sum(len(o.prompt_token_ids) for o, _ in mine)} prompt tokens, done at {max(s for _, s in mine):.2f}s")
     llm.close()
     return 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -38,9 +39,14 @@ def test_dp2_gives_one_engines_outputs_in_order_and_spreads_requests(model, pool
     with LLM(model=model, **OPTS) as one:
         want = one.generate(prompts, params, use_tqdm=False)
     before = list(pool.replicas.replicas.sent)
+    t = time.perf_counter()
     got = pool.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
     sent = [n - b for n, b in zip(pool.replicas.replicas.sent, before)]
     assert sum(sent) == len(prompts) and min(sent) >= 2, sent
+    # the call's record (what benchmarks print per replica): each request's replica, as counted, and its end
+    assert [sum(r == q for q, _ in pool.replicas.last_call) for r in range(2)] == sent
+    assert all(0 < s <= elapsed for _, s in pool.replicas.last_call)
     for w, g in zip(want, got):
         assert (g.token_ids, g.text, g.finish_reason, g.prompt_token_ids) == \
             (w.token_ids, w.text, w.finish_reason, w.prompt_token_ids)

@@ -126,8 +126,8 @@ class Replicas:
     async def shutdown(self, timeout: float = 5.0) -> None:
         await asyncio.gather(*(c.shutdown(timeout) for c in self.clients))
 
-    def submit(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, tag: Any) -> None:
-        """EngineClient.submit on the replica chosen for this prompt (see the module docstring)."""
+    def submit(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, tag: Any) -> int:
+        """EngineClient.submit on the replica chosen for this prompt (see the module docstring); returns it."""
         live = self.live()
         if not live:
             raise EngineDead("the engine is not running")
@@ -135,6 +135,7 @@ class Replicas:
         replica = self._choose(live, keys)
         self.clients[replica].submit(rid, prompt_ids, params, sink, tag)
         self.sent[replica] += 1
+        return replica
 
     def _choose(self, live: List[int], keys: List[int]) -> int:
         if len(live) == 1:
