@@ -4,8 +4,9 @@
 Each request gets a prompt of --context tokens; after the prefill, --steps consecutive decode steps are timed
 together, up to the end of the last one's device work (with overlap scheduling a step returns before its own work
 ends), and the mean step time is reported: with --repeats N, N such runs one after another (the contexts growing)
-and their median, each run's figure printed beside it (a single run can catch a stall of the host; a run's full garbage collections are printed). The floor is the bytes a step must read (weights once, plus every
-request's KV) over --bandwidth; of a mixture-of-experts layer's experts, only those the batch is expected to hit
+and their median, each run's figure printed beside it (a single run can catch a stall of the host; a run's full garbage
+collections are printed). The floor is the bytes a step must read (weights once, plus every request's KV) over
+--bandwidth; of a mixture-of-experts layer's experts, only those the batch is expected to hit
 (E * (1 - (1 - 1/E)^(batch * k)) of E, for routing spread evenly).
 
   python scripts/bench_decode.py --model /tmp/qwen3 --attention-backend fa,fi --batch-sizes 1,64,256
@@ -131,7 +132,8 @@ def main() -> int:
         expert_bytes = sum(q.numel() * q.element_size() for n, q in eng.runner.model.named_parameters()
                            if ".experts." in n)
         # one rank's bytes: its shard of the weights and its K/V heads (with tensor parallelism)
-        kv_tok = KVPool.bytes_per_token(ar.num_layers, eng.parts.pool.num_kv_heads, ar.head_dim, eng.parts.pool.kv_dtype)
+        kv_tok = KVPool.bytes_per_token(ar.num_layers, eng.parts.pool.num_kv_heads, ar.head_dim,
+                                        eng.parts.pool.kv_dtype)
         for bs in sizes:
             params = SamplingParams(temperature=0, max_tokens=a.steps * a.repeats + 8, ignore_eos=True)
             reqs = [eng.add_request([(7 * i + j) % 1000 + 1 for j in range(a.context)], params) for i in range(bs)]
@@ -158,7 +160,8 @@ def main() -> int:
             row["host_wait_ms"] = round(wait_ms, 3)
             row["runs_ms"] = [round(x * 1e3, 3) for x in times]
             runs = f" (runs {' / '.join(f'{x * 1e3:.3f}' for x in times)})" if len(times) > 1 else ""
-            print(f"tp {cfg.tp_size} {eng.parts.backend_name:6s} graphs {mode:3s} batch {bs:4d}: step {med * 1e3:8.3f} ms"
+            print(f"tp {cfg.tp_size} {eng.parts.backend_name:6s} graphs {mode:3s} batch {bs:4d}: "
+                  f"step {med * 1e3:8.3f} ms"
                   f"{runs}; floor {floor * 1e3:7.3f} ms ({100 * floor / med:.0f}% of floor); host waited "
                   f"{wait_ms:.3f} ms a step", flush=True)
         llm.close()  # tensor-parallel ranks end here

@@ -4,11 +4,12 @@ time went.
 
 Each run starts a server process, polls /health until it answers 200 (ready), then sends one chat completion
 (max_tokens 1) and times its answer (first answer). The server's log (--log-level info, with timestamps) splits the
-time: imports, config and tokenizer (launch to the first log line), weights ("loaded in"), memory sizing and graph capture (up to the
-ready line), and the first request. --fresh-caches points Triton's and FlashInfer's caches at empty directories, as
-on a fresh machine (kernels FlashInfer ships prebuilt in its package are still found there). A server that started
-before FlashInfer's kernels were built (engine/kernel_builds.py) is kept, with --until-built, until it has switched to
-them (`full_kernels`: launch to the switch) and asked once more, so that the next run finds them in the cache.
+time: imports, config and tokenizer (launch to the first log line), weights ("loaded in"), memory sizing and graph
+capture (up to the ready line), and the first request. --fresh-caches points Triton's and FlashInfer's caches at empty
+directories, as on a fresh machine (kernels FlashInfer ships prebuilt in its package are still found there). A server
+that started before FlashInfer's kernels were built (engine/kernel_builds.py) is kept, with --until-built, until it has
+switched to them (`full_kernels`: launch to the switch) and asked once more, so that the next run finds them in the
+cache.
 
   python scripts/bench_startup.py [--runs 3] [--fresh-caches] [--until-built] -- [server flags, e.g. --model /tmp/qwen3]
 """

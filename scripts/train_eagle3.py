@@ -97,7 +97,8 @@ def draft_vocabulary(argmax: torch.Tensor, tokens: torch.Tensor, vocab: int, siz
     size = min(size, vocab)
     chosen: List[int] = []
     seen = torch.zeros(vocab, dtype=torch.bool)
-    for counts in (torch.bincount(argmax.flatten(), minlength=vocab), torch.bincount(tokens.flatten(), minlength=vocab)):
+    for counts in (torch.bincount(argmax.flatten(), minlength=vocab),
+                   torch.bincount(tokens.flatten(), minlength=vocab)):
         for tid in counts.argsort(descending=True, stable=True).tolist():
             if len(chosen) == size or counts[tid] == 0:
                 break

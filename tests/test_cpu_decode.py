@@ -69,7 +69,8 @@ def test_layers_in_one_call_equal_the_python_layers(tiny_q8_gguf):
     _python_layers(slow)
     try:
         vocab = vocab_of(hf)
-        for prompts in (make_prompts(vocab, [9]), make_prompts(vocab), make_prompts(vocab, [4 + i % 7 for i in range(36)])):
+        for prompts in (make_prompts(vocab, [9]), make_prompts(vocab),
+                        make_prompts(vocab, [4 + i % 7 for i in range(36)])):
             toks_f, lps_f = _outputs(fast, prompts)
             toks_s, lps_s = _outputs(slow, prompts)
             assert toks_f == toks_s

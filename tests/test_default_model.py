@@ -57,7 +57,8 @@ def test_text_stream_equals_decoding_the_whole_output(answers):
     from minisrv.engine.text import PROMPT_CONTEXT, TextStream
     llm, _ = answers
     tok = llm.tokenizer
-    words = tok(" Hello , world ! It's  a test -- don't stop. Ünïcödé 日本語 🙂", add_special_tokens=False).input_ids
+    words = tok(" Hello , world ! It's  a test -- don't stop. Ünïcödé 日本語 🙂",
+                add_special_tokens=False).input_ids
     special = sorted(set(tok.all_special_ids))[:2]
     prompt = tok("Say something:", add_special_tokens=False).input_ids
     for ids, skip in ((words + special + words[:3], True), (special + words, False), (words, True)):

@@ -275,7 +275,8 @@ def test_xqa_where_it_cannot_run_is_a_clear_error(tiny_model):
     """Asking for the xqa decode kernel without fi decoding an FP8 pool fails at start-up, saying what it needs
     (on the CPU the backend is torch)."""
     path = tiny_model("llama")
-    with pytest.raises(ValueError, match="needs --kv-cache-dtype fp8_e4m3 and fi or triton decoding.*attention backend torch"):
+    with pytest.raises(ValueError,
+                       match="needs --kv-cache-dtype fp8_e4m3 and fi or triton decoding.*attention backend torch"):
         fp8_llm(path, max_total_tokens=512, fp8_decode_kernel="xqa")
     with pytest.raises(ValueError, match="KV cache is auto"):
         make_llm(path, max_total_tokens=512, fp8_decode_kernel="xqa")

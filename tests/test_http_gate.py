@@ -31,8 +31,8 @@ def test_cross_site_requests_are_refused(hardened_server: Server) -> None:
     # the page's own name in Host: refused on every route, /health and unknown ones included
     for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/health"),
                          ("GET", "/metrics"), ("GET", "/nothing")):
-        for host in ("evil.example", "evil.example:%d" % hardened_server.port, "127.0.0.1.evil.example", "localhost.evil",
-                     "myhost.test.evil", "other.test:9090"):
+        for host in ("evil.example", "evil.example:%d" % hardened_server.port, "127.0.0.1.evil.example",
+                     "localhost.evil", "myhost.test.evil", "other.test:9090"):
             r = httpx.request(method, hardened_server.url + path, content=body if method == "POST" else None,
                               headers={**JSON_HEADERS, "Host": host}, timeout=30)
             assert r.status_code == 403, (method, path, host, r.text)

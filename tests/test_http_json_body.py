@@ -69,7 +69,8 @@ def test_bad_json_messages_in_process() -> None:
             decode_json(body)
         assert e.value.status == 400 and words in e.value.message, (body[:60], e.value.message)
     # what is valid: a leading BOM, an escaped backslash before `ud800`, a surrogate pair, an integer past 64 bits
-    assert decode_json(b'\xef\xbb\xbf{"a": "\\\\ud800", "b": "\\ud83d\\ude00", "c": 123456789012345678901234567890}') == \
+    assert decode_json(b'\xef\xbb\xbf{"a": "\\\\ud800", "b": "\\ud83d\\ude00", '
+                       b'"c": 123456789012345678901234567890}') == \
         {"a": "\\ud800", "b": "\U0001F600", "c": 123456789012345678901234567890}
 
 

@@ -68,7 +68,8 @@ def test_slow_clients_are_timed_out(hardened_server: Server) -> None:
         assert_openai_error(got.partition(b"\r\n\r\n")[2], "request_timeout")
     # an unfinished request head may not grow past 16 KiB (h11's limit in uvicorn): a 400 at once
     t = time.perf_counter()
-    status, _, _ = raw_request(hardened_server.port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 20000)
+    status, _, _ = raw_request(hardened_server.port,
+                               b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 20000)
     assert status == 400 and time.perf_counter() - t < READ_TIMEOUT_S
 
 

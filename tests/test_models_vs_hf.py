@@ -86,7 +86,8 @@ def test_prefill_logits_match_hf(tiny_model, arch):
         hidden = runner.model(fb.input_ids, fb.positions, runner.backend.step(fb))
         logits = runner.model.compute_logits(hidden)
         last = eng.runner.forward_logits(fb)
-    assert logits.dtype == torch.float32 and logits.shape  # float32 model on the CPU == (sum(map(len, prompts)), vocab_of(path))
+    # float32 model on the CPU == (sum(map(len, prompts)), vocab_of(path))
+    assert logits.dtype == torch.float32 and logits.shape
     start = 0
     for p, lrow in zip(prompts, last):
         ref = hf_logits(path, p)

@@ -45,7 +45,8 @@ def wait_exit(node: Server, timeout_s: float, *others: Server) -> int:
     try:
         code = node.proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"still running after {timeout_s:g} s:\n" + "\n---\n".join("".join(n.lines) for n in (node, *others)))
+        pytest.fail(f"still running after {timeout_s:g} s:\n"
+                    + "\n---\n".join("".join(n.lines) for n in (node, *others)))
     time.sleep(0.2)  # its last lines
     return code
 

@@ -1,5 +1,6 @@
-"""Choice constraints (vLLM's guided_choice and structured_outputs.choice, SGLang's choices) and the tool fields OpenAI refuses without tools, on a
-tiny random Qwen2 behind the real HTTP app and a real engine in this process (helpers/local_engine.py).
+"""Choice constraints (vLLM's guided_choice and structured_outputs.choice, SGLang's choices) and the tool fields OpenAI
+refuses without tools, on a tiny random Qwen2 behind the real HTTP app and a real engine in this process
+(helpers/local_engine.py).
 
 The model's tokens are noise, so a free answer is almost never one of the choices: that the answer always is one
 (greedy and sampled, chat and completions, choices that share prefixes) shows the grammar decides it."""
@@ -82,7 +83,8 @@ def test_vllm_structured_outputs_regex_and_json(app):
     """structured_outputs' regex and json constrain as the request's own regex and response_format do."""
     r = call(app, "/v1/completions", {"prompt": "Code:", "structured_outputs": {"regex": "[0-9]{4}"},
                                       "temperature": 1.0, "seed": 1, "max_tokens": 10})
-    assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) == 4 and r.json()["choices"][0]["text"].isdigit()
+    assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) == 4 \
+        and r.json()["choices"][0]["text"].isdigit()
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     r = call(app, "/v1/completions", {"prompt": "JSON:", "structured_outputs": {"json": schema}, "temperature": 0,
                                       "max_tokens": 40})
@@ -110,8 +112,9 @@ def test_legacy_functions_are_answered_in_function_call(app):
     streamed = [d["function_call"] for d in deltas if d.get("function_call")]
     assert streamed[0]["name"] == "get_weather" and "".join(d["arguments"] for d in streamed) == call_["arguments"]
     assert not any(d.get("tool_calls") for d in deltas)
-    tools = call(app, "/v1/chat/completions", {**base, "tools": [{"type": "function", "function": WEATHER}],
-                                               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    tools = call(app, "/v1/chat/completions",
+                 {**base, "tools": [{"type": "function", "function": WEATHER}],
+                  "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
     message = tools.json()["choices"][0]["message"]
     assert message["tool_calls"][0]["function"]["arguments"] == call_["arguments"] and "function_call" not in message
 

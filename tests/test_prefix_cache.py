@@ -144,7 +144,8 @@ def test_prefix_lengths_at_page_edges_give_the_same_tokens_as_cache_off(tiny_mod
         watch.assert_idle()
         if cache:
             assert llm.engine.num_cached_prompt_tokens > 0
-            assert llm.engine.flush_cache() and llm.engine.parts.allocator.num_free == llm.engine.parts.allocator.num_pages
+            assert llm.engine.flush_cache() \
+                and llm.engine.parts.allocator.num_free == llm.engine.parts.allocator.num_pages
     assert outs[True] == outs[False]
 
 

@@ -14,7 +14,8 @@ from minisrv.server.openai.protocol import chat_message
 from minisrv.server.openai.render import ChatRenderer, CompletionRenderer, _choice
 from minisrv.server.streaming import sse
 
-TEXTS = ["", " Hello", "naïve café", "日本語のテキスト", "emoji 🎉👍🏽", 'quote " and \\ backslash', "tab\tnew\nline\r",
+TEXTS = ["", " Hello", "naïve café", "日本語のテキスト", "emoji 🎉👍🏽", 'quote " and \\ backslash',
+         "tab\tnew\nline\r",
          "\x00\x01\x1f\x7f control", "</script><!-- &amp; -->", "\u2028\u2029 separators", "\ud7ff\ue000\uffff",
          '{"choices":[]} inside', ',"choices":[] inside']
 

@@ -55,7 +55,8 @@ def test_same_text_alone_and_in_a_batch_with_space_clean_up(spaced_model):
         raw = tok.decode(p + a.token_ids, clean_up_tokenization_spaces=False, skip_special_tokens=True)[len(raw_ctx):]
         assert a.text == tok.clean_up_tokenization(raw)
     assert any(a.text != tok.decode(p + a.token_ids, clean_up_tokenization_spaces=False, skip_special_tokens=True)[
-        len(tok.decode(p, clean_up_tokenization_spaces=False, skip_special_tokens=True)):] for p, a in zip(prompts, alone)), \
+        len(tok.decode(p, clean_up_tokenization_spaces=False, skip_special_tokens=True)):]
+        for p, a in zip(prompts, alone)), \
         "no clean-up pattern came up: pick other prompts"
 
 

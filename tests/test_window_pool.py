@@ -15,8 +15,8 @@ from minisrv.kvcache import KVPool, PageAllocator, WindowRule
 from minisrv.kvcache.radix import RadixCache
 from minisrv.kvcache.window import split_pool_pages, windowed_layers
 
-from .helpers import (EngineWatch, tree_pages, assert_greedy_matches, assert_pool_free, greedy, hf_greedy, make_llm, make_prompts,
-                      vocab_of)
+from .helpers import (EngineWatch, tree_pages, assert_greedy_matches, assert_pool_free, greedy, hf_greedy, make_llm,
+                      make_prompts, vocab_of)
 
 MAX_TOKENS = 10
 

@@ -1,4 +1,5 @@
-"""The fast attention backends (fa, fi, the triton decode half and their hybrids) against the torch reference, on a CUDA GPU.
+"""The fast attention backends (fa, fi, the triton decode half and their hybrids) against the torch reference,
+on a CUDA GPU.
 
 Every case builds a paged pool whose pages are handed out in a shuffled order (so requests' pages are not
 contiguous), fills each request's cached prefix with random K/V, runs one step through the backend under test and

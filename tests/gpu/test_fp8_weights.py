@@ -85,7 +85,8 @@ def test_fused_quantisers_match_the_unfused_path(t, h):
     res = torch.randn(t, h, device="cuda", generator=g).bfloat16()
     w = (torch.rand(h, device="cuda", generator=g) + 0.5).bfloat16()
     total = x + res
-    normed = lambda v: w * (v.float() * torch.rsqrt(v.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()  # noqa: E731
+    normed = lambda v: (  # noqa: E731
+        w * (v.float() * torch.rsqrt(v.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16())
     residual = res.clone()
     q, s = fused.add_norm_quant(x, residual, w, 1e-6)
     assert torch.equal(residual, total), "the residual becomes x + residual, in place"

@@ -1,5 +1,6 @@
 """The 4-bit experts (minisrv/kernels/moe_gemm.py's INT4 path and w4a16_gemm.py's decode pairs, through
-fused_moe.fused_experts) on a CUDA GPU, at Qwen3-30B-A3B's expert shape (hidden 2048, width 768, top-8; 64 experts to keep the float64 reference small).
+fused_moe.fused_experts) on a CUDA GPU, at Qwen3-30B-A3B's expert shape (hidden 2048, width 768, top-8; 64 experts to
+keep the float64 reference small).
 
 Against dequantise-then-per-expert-matmul in float64 (helpers/moe_w4a16_interpreted_checks.py's RandomExperts: W =
 (q - zero) * scale from the drawn values, activation order applied per expert): batches of 1 to 512 tokens (all

@@ -133,7 +133,8 @@ class EngineWatch:
             assert len(r.window_pages) == len(r.pages), f"{r.rid}: windowed pages beside {len(r.pages)} pages"
             assert all((p is None) == (i < r.window_lo) for i, p in enumerate(r.window_pages)), \
                 f"{r.rid}: windowed pages given back out of order"
-            assert r.window_lo <= self.window_rule.first_page(r.num_cached), f"{r.rid}: a windowed page it reads is gone"
+            assert r.window_lo <= self.window_rule.first_page(r.num_cached), \
+                f"{r.rid}: a windowed page it reads is gone"
             for i, p in enumerate(r.window_pages[r.window_lo:], r.window_lo):
                 if p in holders:  # shared only as a cached prefix's last window: whole pages, in the tree
                     assert p in tree and (i + 1) * ps <= r.num_cached, f"windowed page {p} shared by {r.rid}"

@@ -69,7 +69,8 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int, small: bool = Fals
     per, size = {**BLOCK, **LEGACY}[kind]
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, (rows * cols // per, size), dtype=np.uint8)
-    scales = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[kind]
+    scales = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
+              "Q6_K": [208]}[kind]
     for at in scales:
         spread = 0.01 if small else np.exp(rng.uniform(-18, 4, len(b)))
         h = (rng.standard_normal(len(b)) * spread).astype(np.float16)

@@ -1,5 +1,5 @@
-"""The 4-bit experts' grouped GEMM (minisrv/kernels/moe_gemm.py's INT4 path, driven by fused_moe.triton_experts) run by Triton's
-interpreter on the CPU (TRITON_INTERPRET=1, set before Triton is imported: hence a script of its own, run by
+"""The 4-bit experts' grouped GEMM (minisrv/kernels/moe_gemm.py's INT4 path, driven by fused_moe.triton_experts) run by
+Triton's interpreter on the CPU (TRITON_INTERPRET=1, set before Triton is imported: hence a script of its own, run by
 tests/test_w4a16_moe.py in a fresh process). Also imported by tests/gpu/test_w4a16_moe.py for its operands and
 reference (importing it does not switch the interpreter on; running it does).
 

@@ -60,8 +60,8 @@ MOE_ARCHS = list(MOE_SPECS)
 
 # windows (8 tokens) shorter than the test prompts. Gemma 2: every other layer windowed, attention and final logits
 # soft-capped, a query scale of its own (query_pre_attn_scalar); Gemma 3: windowed layers with their own rope base,
-# q/k norms, global layers with linear rope scaling; "gemma3_mm": Gemma 3 inside a Gemma3ForConditionalGeneration, with a
-# vision tower; Mistral windowed everywhere. Soft-caps small enough to change the scores of random weights.
+# q/k norms, global layers with linear rope scaling; "gemma3_mm": Gemma 3 inside a Gemma3ForConditionalGeneration, with
+# a vision tower; Mistral windowed everywhere. Soft-caps small enough to change the scores of random weights.
 WINDOW_SPECS: Dict[str, Tuple[str, dict]] = {
     "gemma2": ("Gemma2Config", dict(vocab_size=320, num_hidden_layers=3, max_position_embeddings=256, sliding_window=8,
                                     query_pre_attn_scalar=24, attn_logit_softcapping=3.0,

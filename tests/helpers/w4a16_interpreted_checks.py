@@ -2,11 +2,11 @@
 before Triton is imported: hence a script of its own, run by tests/test_w4a16.py in a fresh process).
 
 Checked against the float64 product of the dequantised weight (x @ ((q - zero) * scale)): row counts of the CUDA
-cores' kernel, a few, a full split-K batch, a tiled batch and one dequantised whole (1, 2, 5, 64, 100, 130); group sizes 32, 64, 128 and one per
-channel; symmetric (zeros 8) and asymmetric zero points; output widths that are not a multiple of the tile; the
-launch rules' own configurations and forced ones (split K over 1, 3 and 4 programs, K steps smaller than a group,
-several rows on the CUDA cores, a dequantisation tile smaller than the rule's); a mixture of experts' (token,
-expert) pairs on the CUDA cores' kernel, with and without routing weights;
+cores' kernel, a few, a full split-K batch, a tiled batch and one dequantised whole (1, 2, 5, 64, 100, 130); group sizes
+32, 64, 128 and one per channel; symmetric (zeros 8) and asymmetric zero points; output widths that are not a multiple
+of the tile; the launch rules' own configurations and forced ones (split K over 1, 3 and 4 programs, K steps smaller
+than a group, several rows on the CUDA cores, a dequantisation tile smaller than the rule's); a mixture of experts'
+(token, expert) pairs on the CUDA cores' kernel, with and without routing weights;
 float16 and float32 activations (the interpreter's bfloat16 products are not the GPU's: bfloat16 is checked on the
 GPU, tests/gpu/test_w4a16.py). Prints one line per check; raises AssertionError on the first failure."""
 from __future__ import annotations
