@@ -86,8 +86,8 @@ def test_prefill_logits_match_hf(tiny_model, arch):
         hidden = runner.model(fb.input_ids, fb.positions, runner.backend.step(fb))
         logits = runner.model.compute_logits(hidden)
         last = eng.runner.forward_logits(fb)
-    # float32 model on the CPU == (sum(map(len, prompts)), vocab_of(path))
-    assert logits.dtype == torch.float32 and logits.shape
+    # a float32 model on the CPU: a row of logits for every prompt token
+    assert logits.dtype == torch.float32 and logits.shape == (sum(map(len, prompts)), vocab_of(path))
     start = 0
     for p, lrow in zip(prompts, last):
         ref = hf_logits(path, p)
