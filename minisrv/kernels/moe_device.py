@@ -143,9 +143,9 @@ def moe_route_topk(logits_ptr, weights_ptr, ids_ptr, n_tokens, num_experts, stri
 def moe_router(x_ptr, w_ptr, bias_ptr, partial_ptr, counter_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ids_ptr,
                num_padded_ptr, n_tokens, hidden, num_experts, stride_x, n_blocks, k_piece,
                HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-               BLOCK_T: tl.constexpr,
-               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr, K_POW2: tl.constexpr,
-               K_PIECES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr, PAIRS: tl.constexpr):
+               BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr,
+               K_POW2: tl.constexpr, K_PIECES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr,
+               PAIRS: tl.constexpr):
     """The router of up to BLOCK_T tokens in one launch. Program pid: experts [(pid // K_PIECES) * BLOCK_E,
     +BLOCK_E) over the K piece pid % K_PIECES of x [n_tokens, hidden] @ w [num_experts, hidden]^T, its float32
     partial logits written to partial [K_PIECES, BLOCK_T, EXPERTS]; then a ticket from the arrival counter. The

@@ -85,10 +85,10 @@ def triton_router(triton: ModuleType, tl: ModuleType) -> Callable[..., Tuple[tor
         moe_router[(tiles * pieces,)](x, router_weight, bias if bias is not None else x, partial, counter, weights,
                                       ids, *out, t, hidden, num_experts, x.stride(0), out.expert_ids.numel(), k_piece,
                                       HAS_BIAS=bias is not None, ROUND_BF16=x.dtype == torch.bfloat16, TOP_K=top_k,
-                                      RENORMALIZE=renormalize,
-                                      BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, EXPERTS=experts,
-                                      K_POW2=triton.next_power_of_2(top_k), K_PIECES=pieces, BLOCK_M=block_m,
-                                      BLOCKS=64, PAIRS=max(16, triton.next_power_of_2(t * top_k)), num_warps=4)
+                                      RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
+                                      EXPERTS=experts, K_POW2=triton.next_power_of_2(top_k), K_PIECES=pieces,
+                                      BLOCK_M=block_m, BLOCKS=64, PAIRS=max(16, triton.next_power_of_2(t * top_k)),
+                                      num_warps=4)
         return weights, ids, out
 
     return run
